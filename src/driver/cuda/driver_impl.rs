@@ -1,0 +1,545 @@
+//! `impl Driver for CudaDriver`: each method validates through the driver's tables, binds the
+//! device's context and makes one or two driver calls.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys::{self, CUresult};
+
+use super::{check, CudaDriver, EventEntry, Raw, SegmentEntry, StreamEntry};
+use crate::driver::{
+    Backend, DevicePtr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
+    OpenedSegment, StreamId, IPC_HANDLE_SIZE,
+};
+use crate::error::{Error, Result};
+
+fn out_of_memory(device: usize, requested: u64, err: Error) -> Error {
+    match err {
+        Error::Driver { ref message, .. } if message.contains("CUDA_ERROR_OUT_OF_MEMORY") => {
+            Error::OutOfMemory {
+                device,
+                requested,
+                message: format!("cuMemAlloc of {requested} bytes: {message}"),
+            }
+        }
+        other => other,
+    }
+}
+
+fn query_result(call: &'static str, rc: CUresult) -> Result<bool> {
+    match rc {
+        CUresult::CUDA_SUCCESS => Ok(true),
+        CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        other => check(call, other).map(|()| false),
+    }
+}
+
+fn as_chars(bytes: &[u8; IPC_HANDLE_SIZE]) -> [std::ffi::c_char; IPC_HANDLE_SIZE] {
+    bytes.map(|b| b as std::ffi::c_char)
+}
+
+fn as_bytes(chars: &[std::ffi::c_char; IPC_HANDLE_SIZE]) -> [u8; IPC_HANDLE_SIZE] {
+    chars.map(|c| c as u8)
+}
+
+impl CudaDriver {
+    fn synchronize_all(&self) -> Result<()> {
+        for device in 0..self.devices.len() {
+            self.bind(device)?;
+            // SAFETY: a context is current (bound above).
+            check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
+        }
+        Ok(())
+    }
+
+    fn launch_args(
+        &self,
+        stream: StreamId,
+        kernel: impl FnOnce(&super::Kernels) -> Raw<sys::CUfunction>,
+    ) -> Result<(StreamEntry, Raw<sys::CUfunction>)> {
+        let entry = self.stream(stream)?;
+        let f = kernel(&self.kernels(entry.device)?);
+        self.bind(entry.device)?;
+        Ok((entry, f))
+    }
+}
+
+impl Driver for CudaDriver {
+    fn backend(&self) -> Backend {
+        Backend::Cuda
+    }
+
+    fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    fn device_name(&self, device: usize) -> Result<String> {
+        let dev = self.device(device)?;
+        let mut buf = [0 as std::ffi::c_char; 256];
+        // SAFETY: the buffer holds 256 chars and cuDeviceGetName writes at most `len` of them.
+        check("cuDeviceGetName", unsafe {
+            sys::cuDeviceGetName(buf.as_mut_ptr(), 256, dev.ordinal)
+        })?;
+        let bytes: Vec<u8> = buf
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8)
+            .collect();
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    fn mem_info(&self, device: usize) -> Result<MemInfo> {
+        self.bind(device)?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: out-pointers are valid; a context is current.
+        check("cuMemGetInfo_v2", unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
+        Ok(MemInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    fn malloc(&self, device: usize, size: u64) -> Result<DevicePtr> {
+        self.bind(device)?;
+        if size == 0 {
+            return Err(Error::invalid("malloc of 0 bytes"));
+        }
+        let bytes = usize::try_from(size)
+            .map_err(|_| Error::invalid(format!("size {size} exceeds the address space")))?;
+        let mut ptr = 0;
+        // SAFETY: out-pointer valid; a context is current.
+        check("cuMemAlloc_v2", unsafe {
+            sys::cuMemAlloc_v2(&mut ptr, bytes)
+        })
+        .map_err(|e| out_of_memory(device, size, e))?;
+        self.segments.write().insert(
+            ptr,
+            SegmentEntry {
+                device,
+                size,
+                opened_from: None,
+            },
+        );
+        Ok(DevicePtr(ptr))
+    }
+
+    fn free(&self, ptr: DevicePtr) -> Result<()> {
+        let entry =
+            {
+                let mut segments = self.segments.write();
+                match segments.get(&ptr.0) {
+                    Some(SegmentEntry {
+                        opened_from: None, ..
+                    }) => segments.remove(&ptr.0),
+                    Some(_) => return Err(Error::invalid(format!(
+                        "segment {ptr} was opened from another process: close it, do not free it"
+                    ))),
+                    None => {
+                        return Err(Error::invalid(format!(
+                            "pointer {ptr} is not the base of a segment allocated by this driver"
+                        )))
+                    }
+                }
+            };
+        let device = entry.map_or(0, |e| e.device);
+        self.bind(device)?;
+        // SAFETY: `ptr` is the base of a live cuMemAlloc segment (checked and removed above).
+        check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(ptr.0) })
+    }
+
+    fn default_stream(&self, device: usize) -> Result<StreamId> {
+        Ok(self.device(device)?.default_stream)
+    }
+
+    fn stream_create(&self, device: usize) -> Result<StreamId> {
+        self.bind(device)?;
+        let mut raw = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: out-pointer valid; a context is current.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(&mut raw, flags)
+        })?;
+        let id = self.fresh_id();
+        self.streams.write().insert(
+            id,
+            StreamEntry {
+                device,
+                raw: Raw(raw),
+            },
+        );
+        Ok(StreamId(id))
+    }
+
+    fn stream_destroy(&self, stream: StreamId) -> Result<()> {
+        if self.devices.iter().any(|d| d.default_stream == stream) {
+            return Err(Error::invalid("the default stream cannot be destroyed"));
+        }
+        let entry = self.stream(stream)?;
+        self.streams.write().remove(&stream.0);
+        // SAFETY: the stream was created by this driver and is removed from the table, so it is
+        // destroyed exactly once.
+        check("cuStreamDestroy_v2", unsafe {
+            sys::cuStreamDestroy_v2(entry.raw.0)
+        })
+    }
+
+    fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
+        let entry = self.stream(stream)?;
+        // SAFETY: live stream of this driver; its context is bound.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(entry.raw.0)
+        })
+    }
+
+    fn stream_query(&self, stream: StreamId) -> Result<bool> {
+        let entry = self.stream(stream)?;
+        // SAFETY: live stream of this driver; its context is bound.
+        query_result("cuStreamQuery", unsafe { sys::cuStreamQuery(entry.raw.0) })
+    }
+
+    fn stream_device(&self, stream: StreamId) -> Result<usize> {
+        Ok(self.stream(stream)?.device)
+    }
+
+    fn event_create(&self, device: usize, flags: EventFlags) -> Result<EventId> {
+        self.bind(device)?;
+        let bits = if flags.interprocess {
+            sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
+                | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+        };
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: out-pointer valid; a context is current.
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut raw, bits)
+        })?;
+        let id = self.fresh_id();
+        self.events.write().insert(
+            id,
+            EventEntry {
+                device,
+                raw: Raw(raw),
+                interprocess: flags.interprocess,
+                opened: false,
+            },
+        );
+        Ok(EventId(id))
+    }
+
+    fn event_destroy(&self, event: EventId) -> Result<()> {
+        let entry = self.event(event)?;
+        self.events.write().remove(&event.0);
+        // SAFETY: created or opened by this driver, removed from the table: destroyed once.
+        check("cuEventDestroy_v2", unsafe {
+            sys::cuEventDestroy_v2(entry.raw.0)
+        })
+    }
+
+    fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
+        let e = self.event(event)?;
+        let s = self.stream(stream)?;
+        if e.device != s.device {
+            return Err(Error::invalid(format!(
+                "event {} is on device {} but stream {} is on device {}",
+                event.0, e.device, stream.0, s.device
+            )));
+        }
+        // SAFETY: live event and stream of the same context (bound).
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(e.raw.0, s.raw.0)
+        })
+    }
+
+    fn event_query(&self, event: EventId) -> Result<bool> {
+        let e = self.event(event)?;
+        // SAFETY: live event; context bound.
+        query_result("cuEventQuery", unsafe { sys::cuEventQuery(e.raw.0) })
+    }
+
+    fn event_synchronize(&self, event: EventId) -> Result<()> {
+        let e = self.event(event)?;
+        // SAFETY: live event; context bound.
+        check("cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(e.raw.0)
+        })
+    }
+
+    fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
+        let e = self.event(event)?;
+        let s = self.stream(stream)?;
+        // SAFETY: live stream and event; the stream's context is bound.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(s.raw.0, e.raw.0, 0)
+        })
+    }
+
+    fn copy_host_to_device(&self, stream: StreamId, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        self.check_range(dst, src.len() as u64)?;
+        let s = self.stream(stream)?;
+        // SAFETY: the destination range lies in a live segment; `src` stays borrowed until the
+        // stream synchronize below returns, so the async copy never reads freed host memory.
+        check("cuMemcpyHtoDAsync_v2", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst.0, src.as_ptr().cast(), src.len(), s.raw.0)
+        })?;
+        // SAFETY: live stream; context bound.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(s.raw.0)
+        })
+    }
+
+    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        self.check_range(src, dst.len() as u64)?;
+        let s = self.stream(stream)?;
+        // SAFETY: the source range lies in a live segment; `dst` stays mutably borrowed until the
+        // stream synchronize below returns.
+        check("cuMemcpyDtoHAsync_v2", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src.0, dst.len(), s.raw.0)
+        })?;
+        // SAFETY: live stream; context bound.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(s.raw.0)
+        })
+    }
+
+    fn copy_device_to_device(
+        &self,
+        stream: StreamId,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len: u64,
+    ) -> Result<()> {
+        let n = self.check_range(dst, len)?;
+        self.check_range(src, len)?;
+        let s = self.stream(stream)?;
+        // SAFETY: both ranges lie in live segments; the copy is stream-ordered device work.
+        check("cuMemcpyDtoDAsync_v2", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, n, s.raw.0)
+        })
+    }
+
+    fn memset(&self, stream: StreamId, dst: DevicePtr, value: u8, len: u64) -> Result<()> {
+        let n = self.check_range(dst, len)?;
+        let s = self.stream(stream)?;
+        // SAFETY: the range lies in a live segment.
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(dst.0, value, n, s.raw.0)
+        })
+    }
+
+    fn fill_pattern(&self, stream: StreamId, dst: DevicePtr, len: u64, seed: u64) -> Result<()> {
+        self.check_range(dst, len)?;
+        let (s, f) = self.launch_args(stream, |k| k.fill)?;
+        let (mut p, mut n, mut sd) = (dst.0, len, seed);
+        let mut args = [
+            (&mut p as *mut u64).cast::<c_void>(),
+            (&mut n as *mut u64).cast(),
+            (&mut sd as *mut u64).cast(),
+        ];
+        self.launch(f, s, len.div_ceil(8), &mut args)
+    }
+
+    fn count_pattern_mismatches(
+        &self,
+        stream: StreamId,
+        src: DevicePtr,
+        len: u64,
+        seed: u64,
+    ) -> Result<u64> {
+        self.check_range(src, len)?;
+        let (s, f) = self.launch_args(stream, |k| k.count)?;
+        let mut counter = 0;
+        // SAFETY: out-pointer valid; context bound by launch_args.
+        check("cuMemAlloc_v2", unsafe {
+            sys::cuMemAlloc_v2(&mut counter, 8)
+        })?;
+        let result = (|| {
+            // SAFETY: `counter` is a fresh 8-byte allocation.
+            check("cuMemsetD8Async", unsafe {
+                sys::cuMemsetD8Async(counter, 0, 8, s.raw.0)
+            })?;
+            let (mut p, mut n, mut sd, mut c) = (src.0, len, seed, counter);
+            let mut args = [
+                (&mut p as *mut u64).cast::<c_void>(),
+                (&mut n as *mut u64).cast(),
+                (&mut sd as *mut u64).cast(),
+                (&mut c as *mut u64).cast(),
+            ];
+            self.launch(f, s, len.div_ceil(8), &mut args)?;
+            let mut host = 0u64;
+            // SAFETY: 8 bytes from the counter into a live u64; synchronized right after.
+            check("cuMemcpyDtoHAsync_v2", unsafe {
+                sys::cuMemcpyDtoHAsync_v2((&mut host as *mut u64).cast(), counter, 8, s.raw.0)
+            })?;
+            // SAFETY: live stream.
+            check("cuStreamSynchronize", unsafe {
+                sys::cuStreamSynchronize(s.raw.0)
+            })?;
+            Ok(host)
+        })();
+        // SAFETY: allocated above, no work on it remains after the synchronize (or after an error
+        // cuMemFree synchronizes itself).
+        let freed = check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(counter) });
+        let count = result?;
+        freed.map(|()| count)
+    }
+
+    fn poison(&self, stream: StreamId, dst: DevicePtr, len: u64) -> Result<()> {
+        self.check_range(dst, len)?;
+        let (s, f) = self.launch_args(stream, |k| k.poison)?;
+        let (mut p, mut n) = (dst.0, len);
+        let mut args = [
+            (&mut p as *mut u64).cast::<c_void>(),
+            (&mut n as *mut u64).cast(),
+        ];
+        self.launch(f, s, len, &mut args)
+    }
+
+    fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
+        let (s, f) = self.launch_args(stream, |k| k.sleep)?;
+        let mut nanos = micros.saturating_mul(1000);
+        let mut args = [(&mut nanos as *mut u64).cast::<c_void>()];
+        self.launch(f, s, 1, &mut args)
+    }
+
+    fn ipc_export_memory(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+        let entry = self.segments.read().get(&ptr.0).copied().ok_or_else(|| {
+            Error::invalid(format!("pointer {ptr} is not the base of a segment allocated by this driver (IPC handles name whole segments)"))
+        })?;
+        if entry.opened_from.is_some() {
+            return Err(Error::invalid(format!(
+                "segment {ptr} was opened from another process; only its owner can export it"
+            )));
+        }
+        self.bind(entry.device)?;
+        // SAFETY: CUipcMemHandle is a plain array of 64 chars; zero is a valid value.
+        let mut handle: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: out-pointer valid; `ptr` is a live cuMemAlloc segment base.
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(&mut handle, ptr.0)
+        })?;
+        Ok(IpcMemHandle(as_bytes(&handle.reserved)))
+    }
+
+    fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
+        self.bind(device)?;
+        if !self.opened_handles.lock().insert(handle.0) {
+            return Err(Error::invalid("this IPC memory handle is already open in this process; cache the mapping and reuse it"));
+        }
+        let raw = sys::CUipcMemHandle {
+            reserved: as_chars(&handle.0),
+        };
+        let mut ptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: out-pointer valid; the driver validates the handle bytes itself.
+        let opened = check("cuIpcOpenMemHandle_v2", unsafe {
+            sys::cuIpcOpenMemHandle_v2(&mut ptr, raw, flags)
+        });
+        let sized = opened.and_then(|()| {
+            let (mut base, mut size) = (0, 0usize);
+            // SAFETY: out-pointers valid; `ptr` was just mapped.
+            check("cuMemGetAddressRange_v2", unsafe {
+                sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
+            })?;
+            Ok(size as u64)
+        });
+        match sized {
+            Ok(size) => {
+                self.segments.write().insert(
+                    ptr,
+                    SegmentEntry {
+                        device,
+                        size,
+                        opened_from: Some(handle.0),
+                    },
+                );
+                Ok(OpenedSegment {
+                    ptr: DevicePtr(ptr),
+                    size,
+                })
+            }
+            Err(err) => {
+                self.opened_handles.lock().remove(&handle.0);
+                Err(match err {
+                    Error::Driver { message, .. } => Error::bad_handle(format!(
+                        "cuIpcOpenMemHandle refused the handle: {message}"
+                    )),
+                    other => other,
+                })
+            }
+        }
+    }
+
+    fn ipc_close_memory(&self, ptr: DevicePtr) -> Result<()> {
+        let entry = {
+            let mut segments = self.segments.write();
+            match segments.get(&ptr.0).copied() {
+                Some(
+                    e @ SegmentEntry {
+                        opened_from: Some(_),
+                        ..
+                    },
+                ) => {
+                    segments.remove(&ptr.0);
+                    e
+                }
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "pointer {ptr} is not the base of a segment opened from an IPC handle"
+                    )))
+                }
+            }
+        };
+        if let Some(h) = entry.opened_from {
+            self.opened_handles.lock().remove(&h);
+        }
+        self.synchronize_all()?;
+        self.bind(entry.device)?;
+        // SAFETY: `ptr` was returned by cuIpcOpenMemHandle and is closed exactly once.
+        check("cuIpcCloseMemHandle", unsafe {
+            sys::cuIpcCloseMemHandle(ptr.0)
+        })
+    }
+
+    fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {
+        let e = self.event(event)?;
+        if !e.interprocess || e.opened {
+            return Err(Error::invalid(format!(
+                "event {} was not created here with the interprocess flag",
+                event.0
+            )));
+        }
+        // SAFETY: CUipcEventHandle is a plain array of 64 chars; zero is a valid value.
+        let mut handle: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: out-pointer valid; live interprocess event; context bound.
+        check("cuIpcGetEventHandle", unsafe {
+            sys::cuIpcGetEventHandle(&mut handle, e.raw.0)
+        })?;
+        Ok(IpcEventHandle(as_bytes(&handle.reserved)))
+    }
+
+    fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
+        self.bind(device)?;
+        let raw_handle = sys::CUipcEventHandle {
+            reserved: as_chars(&handle.0),
+        };
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: out-pointer valid; the driver validates the handle bytes.
+        check("cuIpcOpenEventHandle", unsafe {
+            sys::cuIpcOpenEventHandle(&mut raw, raw_handle)
+        })
+        .map_err(|e| Error::bad_handle(format!("cuIpcOpenEventHandle refused the handle: {e}")))?;
+        let id = self.fresh_id();
+        self.events.write().insert(
+            id,
+            EventEntry {
+                device,
+                raw: Raw(raw),
+                interprocess: true,
+                opened: true,
+            },
+        );
+        Ok(EventId(id))
+    }
+}

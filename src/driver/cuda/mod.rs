@@ -1,0 +1,331 @@
+//! `CudaDriver`: the [`Driver`] trait on the CUDA driver API, through `cudarc` (the only module that
+//! names it).
+//!
+//! * Loaded at run time (`dynamic-loading`): the crate builds and runs on machines without CUDA.
+//!   [`CudaDriver::new`] checks `is_culib_present()` before the first driver call and returns
+//!   [`Error::NoCudaDriver`] when `libcuda` or a device is missing, so no other entry point can be
+//!   reached without a driver.
+//! * Every call binds the device's primary context on the calling thread first (`cuCtxSetCurrent`
+//!   is thread-local and cheap), so any thread may use any device.
+//! * Segments come from `cuMemAlloc` (memory from `cuMemAllocAsync` pools cannot be exported through
+//!   `cuIpcGetMemHandle`). Streams are created `CU_STREAM_NON_BLOCKING` and the "default stream" is a
+//!   dedicated stream per device, matching the host backend where every stream is independent.
+//! * Interprocess events are created with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`.
+//! * Streams, events and segments live in tables, like the host backend's: ids and pointers the
+//!   driver did not hand out are rejected before reaching CUDA. The CUDA driver itself refuses to
+//!   open an IPC handle in the exporting process, and we refuse to open one twice.
+//! * Kernels are compiled from `kernels/*.cu` with NVRTC on first use (`kernels.rs`).
+
+pub mod kernels;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ffi::{c_void, CStr, CString};
+
+use cudarc::driver::sys::{self, CUresult};
+
+use crate::driver::{ranges, DevicePtr, Driver, EventId, StreamId, IPC_HANDLE_SIZE};
+use crate::error::{Error, Result};
+use crate::sync::os::atomic::{AtomicU64, Ordering};
+use crate::sync::os::{Mutex, OnceLock, RwLock};
+
+/// A CUDA handle (context, stream, event, module, function) that may cross threads.
+#[derive(Clone, Copy, Debug)]
+struct Raw<T>(T);
+// SAFETY: CUDA driver handles are opaque tokens that the driver API accepts from any thread once a
+// context is current; the driver synchronizes internally.
+unsafe impl<T> Send for Raw<T> {}
+// SAFETY: as above; shared references only copy the token.
+unsafe impl<T> Sync for Raw<T> {}
+
+fn check(call: &'static str, rc: CUresult) -> Result<()> {
+    if rc == CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut text: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a pointer to a static string (or leaves it null) for any code.
+    let described = unsafe { sys::cuGetErrorString(rc, &mut text) } == CUresult::CUDA_SUCCESS;
+    let message = if described && !text.is_null() {
+        // SAFETY: non-null results of cuGetErrorString are static NUL-terminated strings.
+        unsafe { CStr::from_ptr(text) }
+            .to_string_lossy()
+            .into_owned()
+    } else {
+        format!("{rc:?}")
+    };
+    Err(Error::Driver {
+        backend: "cuda",
+        call,
+        message: format!("{message} ({rc:?})"),
+    })
+}
+
+#[derive(Debug)]
+struct Device {
+    ordinal: sys::CUdevice,
+    context: Raw<sys::CUcontext>,
+    default_stream: StreamId,
+    kernels: OnceLock<std::result::Result<Kernels, String>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Kernels {
+    fill: Raw<sys::CUfunction>,
+    count: Raw<sys::CUfunction>,
+    poison: Raw<sys::CUfunction>,
+    sleep: Raw<sys::CUfunction>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct StreamEntry {
+    device: usize,
+    raw: Raw<sys::CUstream>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct EventEntry {
+    device: usize,
+    raw: Raw<sys::CUevent>,
+    interprocess: bool,
+    opened: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SegmentEntry {
+    device: usize,
+    size: u64,
+    opened_from: Option<[u8; IPC_HANDLE_SIZE]>,
+}
+
+/// The CUDA backend (see the [module docs](self)).
+#[derive(Debug)]
+pub struct CudaDriver {
+    devices: Vec<Device>,
+    next_id: AtomicU64,
+    streams: RwLock<HashMap<u64, StreamEntry>>,
+    events: RwLock<HashMap<u64, EventEntry>>,
+    segments: RwLock<BTreeMap<u64, SegmentEntry>>,
+    opened_handles: Mutex<HashSet<[u8; IPC_HANDLE_SIZE]>>,
+}
+
+/// Whether `libcuda` can be loaded on this machine.
+pub fn driver_library_present() -> bool {
+    // SAFETY: only tries to dlopen candidate library names; no symbol is called.
+    unsafe { sys::is_culib_present() }
+}
+
+impl CudaDriver {
+    /// Loads the CUDA driver, initializes it and retains every device's primary context.
+    pub fn new() -> Result<Self> {
+        if !driver_library_present() {
+            return Err(Error::NoCudaDriver(
+                "libcuda.so was not found on this machine".into(),
+            ));
+        }
+        // SAFETY: the library is present (checked above); cuInit takes flags 0.
+        check("cuInit", unsafe { sys::cuInit(0) })
+            .map_err(|e| Error::NoCudaDriver(format!("cuInit failed: {e}")))?;
+        let mut count = 0;
+        // SAFETY: `count` is a valid out-pointer.
+        check("cuDeviceGetCount", unsafe {
+            sys::cuDeviceGetCount(&mut count)
+        })?;
+        if count <= 0 {
+            return Err(Error::NoCudaDriver(
+                "the CUDA driver reports no devices".into(),
+            ));
+        }
+        let mut driver = CudaDriver {
+            devices: Vec::new(),
+            next_id: AtomicU64::new(1),
+            streams: RwLock::new(HashMap::new()),
+            events: RwLock::new(HashMap::new()),
+            segments: RwLock::new(BTreeMap::new()),
+            opened_handles: Mutex::new(HashSet::new()),
+        };
+        for ordinal in 0..count {
+            let mut dev = 0;
+            // SAFETY: out-pointer valid; ordinal < count.
+            check("cuDeviceGet", unsafe {
+                sys::cuDeviceGet(&mut dev, ordinal)
+            })?;
+            let mut ctx = std::ptr::null_mut();
+            // SAFETY: out-pointer valid; `dev` came from cuDeviceGet.
+            check("cuDevicePrimaryCtxRetain", unsafe {
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+            })?;
+            driver.devices.push(Device {
+                ordinal: dev,
+                context: Raw(ctx),
+                default_stream: StreamId(0),
+                kernels: OnceLock::new(),
+            });
+        }
+        for device in 0..driver.devices.len() {
+            let stream = driver.stream_create(device)?;
+            driver.devices[device].default_stream = stream;
+        }
+        Ok(driver)
+    }
+
+    fn device(&self, device: usize) -> Result<&Device> {
+        self.devices.get(device).ok_or_else(|| {
+            Error::invalid(format!(
+                "device {device} does not exist (CUDA reports {} device(s))",
+                self.devices.len()
+            ))
+        })
+    }
+
+    /// Makes `device`'s primary context current on this thread.
+    fn bind(&self, device: usize) -> Result<()> {
+        let ctx = self.device(device)?.context;
+        // SAFETY: the context was retained in `new` and is released only in Drop.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx.0) })
+    }
+
+    fn fresh_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Looks up `stream` and binds its device.
+    fn stream(&self, stream: StreamId) -> Result<StreamEntry> {
+        let entry = self.streams.read().get(&stream.0).copied().ok_or_else(|| {
+            Error::invalid(format!(
+                "stream {} was not created by this driver or was destroyed",
+                stream.0
+            ))
+        })?;
+        self.bind(entry.device)?;
+        Ok(entry)
+    }
+
+    fn event(&self, event: EventId) -> Result<EventEntry> {
+        let entry = self.events.read().get(&event.0).copied().ok_or_else(|| {
+            Error::invalid(format!(
+                "event {} was not created by this driver or was destroyed",
+                event.0
+            ))
+        })?;
+        self.bind(entry.device)?;
+        Ok(entry)
+    }
+
+    fn check_range(&self, ptr: DevicePtr, len: u64) -> Result<usize> {
+        ranges::containing(&self.segments.read(), |s| s.size, ptr, len)?;
+        usize::try_from(len)
+            .map_err(|_| Error::invalid(format!("length {len} exceeds the address space")))
+    }
+
+    fn kernels(&self, device: usize) -> Result<Kernels> {
+        let dev = self.device(device)?;
+        dev.kernels
+            .get_or_init(|| self.load_kernels(device).map_err(|e| e.to_string()))
+            .as_ref()
+            .copied()
+            .map_err(|message| Error::Driver {
+                backend: "cuda",
+                call: "load kernels",
+                message: message.clone(),
+            })
+    }
+
+    fn load_kernels(&self, device: usize) -> Result<Kernels> {
+        self.bind(device)?;
+        let compiled = kernels::compiled()?;
+        let mut functions = HashMap::new();
+        for (file, ptx) in &compiled.ptx {
+            let image = CString::new(ptx.as_bytes())
+                .map_err(|_| Error::invalid(format!("PTX of {file} contains a NUL byte")))?;
+            let mut module = std::ptr::null_mut();
+            // SAFETY: `image` is NUL-terminated PTX text that outlives the call; the module is kept
+            // loaded for the life of the process (its functions are cached).
+            check("cuModuleLoadData", unsafe {
+                sys::cuModuleLoadData(&mut module, image.as_ptr().cast())
+            })?;
+            for name in [
+                "cudalloc_fill_pattern",
+                "cudalloc_count_mismatches",
+                "cudalloc_poison",
+                "cudalloc_sleep",
+            ] {
+                let cname = CString::new(name).map_err(|_| Error::invalid("kernel name"))?;
+                let mut f = std::ptr::null_mut();
+                // SAFETY: valid module and NUL-terminated name; a missing name returns an error code.
+                if unsafe { sys::cuModuleGetFunction(&mut f, module, cname.as_ptr()) }
+                    == CUresult::CUDA_SUCCESS
+                {
+                    functions.insert(name, Raw(f));
+                }
+            }
+        }
+        let get = |name: &str| {
+            functions.get(name).copied().ok_or_else(|| Error::Driver {
+                backend: "cuda",
+                call: "cuModuleGetFunction",
+                message: format!("kernel {name} not found in kernels/*.cu"),
+            })
+        };
+        Ok(Kernels {
+            fill: get("cudalloc_fill_pattern")?,
+            count: get("cudalloc_count_mismatches")?,
+            poison: get("cudalloc_poison")?,
+            sleep: get("cudalloc_sleep")?,
+        })
+    }
+
+    /// Launches `f` with a grid-stride configuration for `work` items.
+    fn launch(
+        &self,
+        f: Raw<sys::CUfunction>,
+        stream: StreamEntry,
+        work: u64,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        const BLOCK: u64 = 256;
+        let blocks = work.div_ceil(BLOCK).clamp(1, 4096) as u32;
+        // SAFETY: `f` is a function of a module loaded in this device's context (bound by
+        // `stream()`); `args` points at live values of the types the kernel declares (u64 / pointer
+        // sized), and cuLaunchKernel copies them before returning.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                f.0,
+                blocks,
+                1,
+                1,
+                BLOCK as u32,
+                1,
+                1,
+                0,
+                stream.raw.0,
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
+
+impl Drop for CudaDriver {
+    fn drop(&mut self) {
+        let events: Vec<_> = self.events.get_mut().drain().map(|(_, e)| e).collect();
+        for e in events {
+            if self.bind(e.device).is_ok() {
+                // SAFETY: the event was created or opened by this driver and is dropped once.
+                let _ = unsafe { sys::cuEventDestroy_v2(e.raw.0) };
+            }
+        }
+        let streams: Vec<_> = self.streams.get_mut().drain().map(|(_, s)| s).collect();
+        for s in streams {
+            if self.bind(s.device).is_ok() {
+                // SAFETY: the stream was created by this driver and is destroyed once; queued work
+                // still completes (cuStreamDestroy does not cancel it).
+                let _ = unsafe { sys::cuStreamDestroy_v2(s.raw.0) };
+            }
+        }
+        for dev in &self.devices {
+            // SAFETY: balances the retain in `new`.
+            let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev.ordinal) };
+        }
+    }
+}
+
+mod driver_impl;

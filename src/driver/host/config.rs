@@ -1,0 +1,161 @@
+//! Host-backend configuration: how many virtual devices, how many bytes each, and whether freed
+//! segments are poisoned. From the environment (`CUDALLOC_HOST_DEVICES`, `CUDALLOC_HOST_MEMORY`) or
+//! from [`HostDriverBuilder`].
+
+use super::HostDriver;
+use crate::error::{Error, Result};
+
+/// Default number of virtual devices.
+pub const DEFAULT_DEVICES: usize = 1;
+/// Default capacity per device: 4 GiB — room for real workloads on a laptop. Memory is only
+/// committed when touched (tmpfs), so the capacity costs nothing until used.
+pub const DEFAULT_MEMORY: u64 = 4 << 30;
+/// Most virtual devices accepted (the IPC handle stores the ordinal in 16 bits).
+pub const MAX_DEVICES: usize = 64;
+
+/// Options of a [`HostDriver`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostDriverBuilder {
+    pub(crate) devices: usize,
+    pub(crate) memory_per_device: u64,
+    pub(crate) poison_on_free: bool,
+}
+
+impl Default for HostDriverBuilder {
+    fn default() -> Self {
+        HostDriverBuilder {
+            devices: DEFAULT_DEVICES,
+            memory_per_device: DEFAULT_MEMORY,
+            poison_on_free: true,
+        }
+    }
+}
+
+impl HostDriverBuilder {
+    /// Starts from the defaults (not the environment).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Starts from `CUDALLOC_HOST_DEVICES` and `CUDALLOC_HOST_MEMORY` where set.
+    pub fn from_env() -> Result<Self> {
+        let mut b = Self::default();
+        if let Some(v) = env_var("CUDALLOC_HOST_DEVICES")? {
+            b.devices = v.trim().parse().map_err(|_| {
+                Error::Config(format!(
+                    "CUDALLOC_HOST_DEVICES={v:?} is not a device count; expected 1..={MAX_DEVICES}"
+                ))
+            })?;
+        }
+        if let Some(v) = env_var("CUDALLOC_HOST_MEMORY")? {
+            b.memory_per_device = parse_byte_size(&v)
+                .map_err(|why| Error::Config(format!("CUDALLOC_HOST_MEMORY={v:?}: {why}")))?;
+        }
+        b.validate()?;
+        Ok(b)
+    }
+
+    /// Number of virtual devices (1..=64).
+    pub fn devices(mut self, n: usize) -> Self {
+        self.devices = n;
+        self
+    }
+
+    /// Capacity of each device in bytes.
+    pub fn memory_per_device(mut self, bytes: u64) -> Self {
+        self.memory_per_device = bytes;
+        self
+    }
+
+    /// Whether freed segments are overwritten with the poison pattern before unmapping (default on).
+    pub fn poison_on_free(mut self, on: bool) -> Self {
+        self.poison_on_free = on;
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.devices == 0 || self.devices > MAX_DEVICES {
+            return Err(Error::Config(format!(
+                "host device count {} out of range; expected 1..={MAX_DEVICES}",
+                self.devices
+            )));
+        }
+        if self.memory_per_device < 1 << 20 {
+            return Err(Error::Config(format!(
+                "host device memory {} bytes is below the minimum of 1 MiB",
+                self.memory_per_device
+            )));
+        }
+        Ok(())
+    }
+
+    /// Builds the driver (starts each device's default stream).
+    pub fn build(self) -> Result<HostDriver> {
+        self.validate()?;
+        HostDriver::with_config(self)
+    }
+}
+
+fn env_var(name: &str) -> Result<Option<String>> {
+    match std::env::var(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err(Error::Config(format!("{name} is not valid UTF-8")))
+        }
+    }
+}
+
+/// Parses `4096`, `512KiB`, `64MiB`, `8GiB`, `1TiB` (also `K`/`M`/`G`/`T`, `KB`/`MB`/`GB`/`TB`,
+/// all binary multiples), case-insensitive, optional space before the unit.
+pub fn parse_byte_size(text: &str) -> std::result::Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let number: u64 = digits
+        .parse()
+        .map_err(|_| "expected a byte count such as 4096, 512MiB or 8GiB".to_owned())?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?}; use B, KiB, MiB, GiB or TiB"
+            ))
+        }
+    };
+    number
+        .checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{t} overflows 64 bits"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_sizes_parse() {
+        assert_eq!(parse_byte_size("4096"), Ok(4096));
+        assert_eq!(parse_byte_size("512KiB"), Ok(512 << 10));
+        assert_eq!(parse_byte_size(" 64 MiB "), Ok(64 << 20));
+        assert_eq!(parse_byte_size("8g"), Ok(8 << 30));
+        assert!(parse_byte_size("").is_err());
+        assert!(parse_byte_size("12 parsecs").is_err());
+        assert!(parse_byte_size("-1").is_err());
+        assert!(parse_byte_size("99999999999999TiB").is_err());
+    }
+
+    #[test]
+    fn builder_rejects_nonsense() {
+        assert!(HostDriverBuilder::new().devices(0).validate().is_err());
+        assert!(HostDriverBuilder::new().devices(65).validate().is_err());
+        assert!(HostDriverBuilder::new()
+            .memory_per_device(100)
+            .validate()
+            .is_err());
+        assert!(HostDriverBuilder::new().validate().is_ok());
+    }
+}

@@ -1,0 +1,178 @@
+//! The host backend's 64-byte IPC handles (the counterpart of CUDA's opaque `CUipcMemHandle` and
+//! `CUipcEventHandle`).
+//!
+//! | bytes  | field                                              |
+//! |--------|----------------------------------------------------|
+//! | 0..8   | magic: `cdalHMEM` (memory) or `cdalHEVT` (event)   |
+//! | 8..10  | layout version (1), little endian                  |
+//! | 10..12 | device ordinal in the exporting process            |
+//! | 12..16 | exporting process id                               |
+//! | 16..24 | the exporting driver's random nonce                |
+//! | 24..32 | object number (segment number / event chunk number)|
+//! | 32..40 | segment size (memory) / cell slot (event)          |
+//! | 40..56 | zero                                               |
+//! | 56..64 | checksum of bytes 0..56                            |
+//!
+//! The shared-memory name is derived from (pid, nonce, kind, object number), never read from the
+//! handle, so a handle cannot point the opener at an arbitrary file. Decoding checks every field.
+
+use crate::driver::{pattern, IPC_HANDLE_SIZE};
+use crate::error::{Error, Result};
+
+const VERSION: u16 = 1;
+
+/// Which object a handle names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum HandleKind {
+    /// A memory segment.
+    Memory,
+    /// An event chunk cell.
+    Event,
+}
+
+impl HandleKind {
+    fn magic(self) -> [u8; 8] {
+        match self {
+            HandleKind::Memory => *b"cdalHMEM",
+            HandleKind::Event => *b"cdalHEVT",
+        }
+    }
+
+    fn tag(self) -> &'static str {
+        match self {
+            HandleKind::Memory => "seg",
+            HandleKind::Event => "evt",
+        }
+    }
+}
+
+/// The decoded contents of a host handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct HostHandle {
+    pub kind: HandleKind,
+    pub device: u16,
+    pub pid: u32,
+    pub nonce: u64,
+    pub object: u64,
+    /// Segment size (memory) or cell slot (event).
+    pub extra: u64,
+}
+
+/// The shared-memory name of object `object` of `kind` made by the driver (`pid`, `nonce`).
+pub(crate) fn object_name(kind: HandleKind, pid: u32, nonce: u64, object: u64) -> String {
+    format!("cudalloc-{pid}-{nonce:016x}-{}{object}", kind.tag())
+}
+
+fn checksum(bytes: &[u8]) -> u64 {
+    bytes
+        .chunks(8)
+        .enumerate()
+        .fold(0x6364_616c_u64, |acc, (i, chunk)| {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            pattern::word(acc ^ u64::from_le_bytes(word), i as u64)
+        })
+}
+
+impl HostHandle {
+    /// The name of the shared-memory object this handle names.
+    pub(crate) fn object_name(&self) -> String {
+        object_name(self.kind, self.pid, self.nonce, self.object)
+    }
+
+    pub(crate) fn encode(&self) -> [u8; IPC_HANDLE_SIZE] {
+        let mut b = [0u8; IPC_HANDLE_SIZE];
+        b[0..8].copy_from_slice(&self.kind.magic());
+        b[8..10].copy_from_slice(&VERSION.to_le_bytes());
+        b[10..12].copy_from_slice(&self.device.to_le_bytes());
+        b[12..16].copy_from_slice(&self.pid.to_le_bytes());
+        b[16..24].copy_from_slice(&self.nonce.to_le_bytes());
+        b[24..32].copy_from_slice(&self.object.to_le_bytes());
+        b[32..40].copy_from_slice(&self.extra.to_le_bytes());
+        let sum = checksum(&b[0..56]);
+        b[56..64].copy_from_slice(&sum.to_le_bytes());
+        b
+    }
+
+    pub(crate) fn decode(kind: HandleKind, b: &[u8; IPC_HANDLE_SIZE]) -> Result<Self> {
+        let u64_at = |at: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[at..at + 8]);
+            u64::from_le_bytes(w)
+        };
+        let what = match kind {
+            HandleKind::Memory => "memory",
+            HandleKind::Event => "event",
+        };
+        if b[0..8] != kind.magic() {
+            return Err(Error::bad_handle(format!(
+                "not a host-backend {what} handle (bad magic)"
+            )));
+        }
+        let version = u16::from_le_bytes([b[8], b[9]]);
+        if version != VERSION {
+            return Err(Error::bad_handle(format!(
+                "host {what} handle layout version {version}, this build reads {VERSION}"
+            )));
+        }
+        if b[40..56].iter().any(|&x| x != 0) || u64_at(56) != checksum(&b[0..56]) {
+            return Err(Error::bad_handle(format!(
+                "host {what} handle is corrupt (checksum)"
+            )));
+        }
+        let pid = u32::from_le_bytes([b[12], b[13], b[14], b[15]]);
+        if pid == 0 {
+            return Err(Error::bad_handle(format!("host {what} handle names pid 0")));
+        }
+        Ok(HostHandle {
+            kind,
+            device: u16::from_le_bytes([b[10], b[11]]),
+            pid,
+            nonce: u64_at(16),
+            object: u64_at(24),
+            extra: u64_at(32),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> HostHandle {
+        HostHandle {
+            kind: HandleKind::Memory,
+            device: 1,
+            pid: 42,
+            nonce: 7,
+            object: 3,
+            extra: 4096,
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let h = sample();
+        assert_eq!(
+            HostHandle::decode(HandleKind::Memory, &h.encode()).unwrap(),
+            h
+        );
+        assert_eq!(h.object_name(), "cudalloc-42-0000000000000007-seg3");
+    }
+
+    #[test]
+    fn every_single_byte_flip_is_rejected() {
+        let bytes = sample().encode();
+        for i in 0..IPC_HANDLE_SIZE {
+            for bit in 0..8 {
+                let mut b = bytes;
+                b[i] ^= 1 << bit;
+                assert!(
+                    HostHandle::decode(HandleKind::Memory, &b).is_err(),
+                    "byte {i} bit {bit}"
+                );
+            }
+        }
+        assert!(HostHandle::decode(HandleKind::Event, &bytes).is_err());
+    }
+}

@@ -1,0 +1,628 @@
+//! `HostDriver`: a real device made of host resources — the backend of every test and of CI.
+//!
+//! | CUDA concept        | host backend                                                        |
+//! |---------------------|---------------------------------------------------------------------|
+//! | device memory       | POSIX shared-memory objects (`/dev/shm`), `0600`, exclusive, mapped |
+//! | device capacity     | a byte budget per virtual device; exceeding it is out-of-memory     |
+//! | stream              | a worker thread running its queue in order (`stream.rs`)           |
+//! | event               | atomics in a shared-memory chunk, waited on with futexes (`event.rs`) |
+//! | IPC memory handle   | names the segment's object; another process maps it (`handle.rs`) |
+//! | kernels             | native fill / verify / poison / sleep (`kernels.rs`)                |
+//!
+//! Stricter and louder than CUDA: freed segments are poisoned before they are unmapped (another
+//! process that still maps them sees `0xDEADBEEF`); opening a handle in the exporting process or
+//! opening the same handle twice is an error; pointers, streams, events and devices the driver did
+//! not hand out are errors; sizes of 0 or that overflow are errors. Segment bases are page aligned
+//! (4096 bytes), stronger than CUDA's 256-byte guarantee; capacity is charged in whole pages.
+//!
+//! Shared-memory objects are unlinked when their segment is freed or the driver is dropped. A
+//! process killed outright leaves its objects behind, as a crashed PyTorch producer does.
+
+mod config;
+mod event;
+mod handle;
+mod kernels;
+mod segments;
+mod shm;
+mod stream;
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+
+pub use config::{
+    parse_byte_size, HostDriverBuilder, DEFAULT_DEVICES, DEFAULT_MEMORY, MAX_DEVICES,
+};
+pub use stream::StreamGate;
+
+use self::event::{CellRef, EventPool};
+use self::handle::{HandleKind, HostHandle};
+use self::segments::{Origin, Segment, SegmentTable};
+use self::shm::SharedMemory;
+use self::stream::HostStream;
+use crate::driver::{
+    Backend, DevicePtr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
+    OpenedSegment, StreamId,
+};
+use crate::error::{Error, Result};
+use crate::sync::os::atomic::{AtomicU64, Ordering};
+use crate::sync::os::{Arc, Mutex, RwLock, Weak};
+
+const PAGE: u64 = 4096;
+
+/// A random 64-bit value (seeded by the OS through std's `RandomState`).
+pub(crate) fn random_u64() -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(std::process::id().into());
+    h.finish()
+}
+
+#[derive(Debug)]
+struct HostEvent {
+    device: usize,
+    interprocess: bool,
+    cell: CellRef,
+    /// (chunk, slot) when this process owns the cell; `None` for events opened from a handle.
+    owned_slot: Option<(u32, u32)>,
+}
+
+/// The host backend (see the [module docs](self)).
+pub struct HostDriver {
+    config: HostDriverBuilder,
+    pid: u32,
+    nonce: u64,
+    used: Vec<AtomicU64>,
+    next_id: AtomicU64,
+    segments: SegmentTable,
+    streams: RwLock<HashMap<u64, Arc<HostStream>>>,
+    default_streams: Vec<StreamId>,
+    events: RwLock<HashMap<u64, Arc<HostEvent>>>,
+    event_pool: Mutex<EventPool>,
+    foreign_chunks: Mutex<HashMap<String, Weak<SharedMemory>>>,
+}
+
+impl std::fmt::Debug for HostDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostDriver")
+            .field("pid", &self.pid)
+            .field("devices", &self.config.devices)
+            .field("memory_per_device", &self.config.memory_per_device)
+            .field("streams", &self.streams.read().len())
+            .field("events", &self.events.read().len())
+            .finish()
+    }
+}
+
+impl HostDriver {
+    /// A builder with the defaults.
+    pub fn builder() -> HostDriverBuilder {
+        HostDriverBuilder::new()
+    }
+
+    /// A driver configured from `CUDALLOC_HOST_DEVICES` / `CUDALLOC_HOST_MEMORY`.
+    pub fn from_env() -> Result<Self> {
+        HostDriverBuilder::from_env()?.build()
+    }
+
+    fn with_config(config: HostDriverBuilder) -> Result<Self> {
+        let mut driver = HostDriver {
+            pid: std::process::id(),
+            nonce: random_u64(),
+            used: (0..config.devices).map(|_| AtomicU64::new(0)).collect(),
+            next_id: AtomicU64::new(1),
+            segments: SegmentTable::default(),
+            streams: RwLock::new(HashMap::new()),
+            default_streams: Vec::new(),
+            events: RwLock::new(HashMap::new()),
+            event_pool: Mutex::new(EventPool::default()),
+            foreign_chunks: Mutex::new(HashMap::new()),
+            config,
+        };
+        for device in 0..driver.config.devices {
+            let id = driver.stream_create(device)?;
+            driver.default_streams.push(id);
+        }
+        Ok(driver)
+    }
+
+    /// Capacity of each virtual device in bytes.
+    pub fn memory_per_device(&self) -> u64 {
+        self.config.memory_per_device
+    }
+
+    /// Holds `stream` at this point of its queue until the returned gate is opened or dropped
+    /// (host-only; see [`StreamGate`]).
+    pub fn gate_stream(&self, stream: StreamId) -> Result<StreamGate> {
+        StreamGate::install(&*self.stream(stream)?)
+    }
+
+    fn check_device(&self, device: usize) -> Result<()> {
+        if device >= self.config.devices {
+            return Err(Error::invalid(format!(
+                "device {device} does not exist (this host driver has {} device(s))",
+                self.config.devices
+            )));
+        }
+        Ok(())
+    }
+
+    fn stream(&self, id: StreamId) -> Result<Arc<HostStream>> {
+        self.streams.read().get(&id.0).cloned().ok_or_else(|| {
+            Error::invalid(format!(
+                "stream {} was not created by this driver or was destroyed",
+                id.0
+            ))
+        })
+    }
+
+    fn event(&self, id: EventId) -> Result<Arc<HostEvent>> {
+        self.events.read().get(&id.0).cloned().ok_or_else(|| {
+            Error::invalid(format!(
+                "event {} was not created by this driver or was destroyed",
+                id.0
+            ))
+        })
+    }
+
+    fn fresh_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn synchronize_all(&self) -> Result<()> {
+        let streams: Vec<_> = self.streams.read().values().cloned().collect();
+        streams.iter().try_for_each(|s| s.synchronize())
+    }
+
+    /// Checks `ranges` and enqueues `op` on `stream` while the ranges are guaranteed mapped.
+    /// `op` receives the checked host addresses in the order of `ranges`.
+    fn enqueue_on_ranges<const N: usize>(
+        &self,
+        stream: StreamId,
+        ranges: [(DevicePtr, u64); N],
+        op: impl FnOnce([usize; N]) + Send + 'static,
+    ) -> Result<u64> {
+        let s = self.stream(stream)?;
+        let view = self.segments.view();
+        let mut addrs = [0usize; N];
+        for (addr, &(ptr, len)) in addrs.iter_mut().zip(&ranges) {
+            usize::try_from(len)
+                .map_err(|_| Error::invalid(format!("length {len} exceeds the address space")))?;
+            *addr = view.check(ptr, len)?;
+        }
+        let ticket = s.enqueue(Box::new(move || op(addrs)))?;
+        drop(view);
+        Ok(ticket)
+    }
+
+    fn wait_ticket(&self, stream: StreamId, ticket: u64) -> Result<()> {
+        self.stream(stream)?.wait_for(ticket)
+    }
+
+    fn owned_name(&self, kind: HandleKind, object: u64) -> String {
+        handle::object_name(kind, self.pid, self.nonce, object)
+    }
+
+    fn release_segment(&self, segment: Segment, poison: bool) -> Result<()> {
+        // The segment is out of the table: nothing new can be enqueued on it. Drain what was.
+        let drained = self.synchronize_all();
+        if poison {
+            // SAFETY: the mapping is alive (we own `segment`) and every stream has drained, so no
+            // worker touches it; other processes may still read it, which is the point.
+            unsafe { kernels::poison(segment.shm.as_ptr() as usize, segment.shm.len() as usize) };
+        }
+        drop(segment);
+        drained
+    }
+}
+
+impl Drop for HostDriver {
+    fn drop(&mut self) {
+        let streams: Vec<_> = self.streams.write().drain().map(|(_, s)| s).collect();
+        for s in &streams {
+            s.shutdown();
+        }
+        let leftover = self.segments.drain();
+        if leftover
+            .iter()
+            .any(|s| matches!(s.origin, Origin::Owned { .. }))
+        {
+            tracing::debug!(
+                segments = leftover.len(),
+                "host driver dropped with live segments"
+            );
+        }
+    }
+}
+
+fn checked_len(len: u64) -> Result<usize> {
+    usize::try_from(len)
+        .map_err(|_| Error::invalid(format!("length {len} exceeds the address space")))
+}
+
+impl Driver for HostDriver {
+    fn backend(&self) -> Backend {
+        Backend::Host
+    }
+
+    fn device_count(&self) -> usize {
+        self.config.devices
+    }
+
+    fn device_name(&self, device: usize) -> Result<String> {
+        self.check_device(device)?;
+        Ok(format!("cudalloc host device {device}"))
+    }
+
+    fn mem_info(&self, device: usize) -> Result<MemInfo> {
+        self.check_device(device)?;
+        let total = self.config.memory_per_device;
+        let used = self.used[device].load(Ordering::SeqCst);
+        Ok(MemInfo {
+            free: total.saturating_sub(used),
+            total,
+        })
+    }
+
+    fn malloc(&self, device: usize, size: u64) -> Result<DevicePtr> {
+        self.check_device(device)?;
+        if size == 0 {
+            return Err(Error::invalid("malloc of 0 bytes"));
+        }
+        let total = self.config.memory_per_device;
+        let charged = size
+            .checked_next_multiple_of(PAGE)
+            .filter(|&c| c <= total)
+            .ok_or_else(|| Error::OutOfMemory {
+                device,
+                requested: size,
+                message: format!("requested {size} bytes; device capacity is {total} bytes"),
+            })?;
+        let used = &self.used[device];
+        used.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |u| {
+            u.checked_add(charged).filter(|&n| n <= total)
+        })
+        .map_err(|u| Error::OutOfMemory {
+            device,
+            requested: size,
+            message: format!(
+                "requested {size} bytes; capacity {total}, in use {u}, free {}",
+                total.saturating_sub(u)
+            ),
+        })?;
+        let object = self.fresh_id();
+        match SharedMemory::create(&self.owned_name(HandleKind::Memory, object), size) {
+            Ok(shm) => Ok(self.segments.insert(Segment {
+                device,
+                shm,
+                origin: Origin::Owned { object },
+            })),
+            Err(err) => {
+                used.fetch_sub(charged, Ordering::SeqCst);
+                Err(err)
+            }
+        }
+    }
+
+    fn free(&self, ptr: DevicePtr) -> Result<()> {
+        let segment = self.segments.remove_owned(ptr)?;
+        let (device, size) = (segment.device, segment.shm.len());
+        let result = self.release_segment(segment, self.config.poison_on_free);
+        let charged = size.next_multiple_of(PAGE);
+        self.used[device].fetch_sub(charged, Ordering::SeqCst);
+        result
+    }
+
+    fn default_stream(&self, device: usize) -> Result<StreamId> {
+        self.check_device(device)?;
+        Ok(self.default_streams[device])
+    }
+
+    fn stream_create(&self, device: usize) -> Result<StreamId> {
+        self.check_device(device)?;
+        let id = self.fresh_id();
+        let stream = HostStream::spawn(device, id)?;
+        self.streams.write().insert(id, stream);
+        Ok(StreamId(id))
+    }
+
+    fn stream_destroy(&self, stream: StreamId) -> Result<()> {
+        if self.default_streams.contains(&stream) {
+            return Err(Error::invalid("the default stream cannot be destroyed"));
+        }
+        let s = self.streams.write().remove(&stream.0).ok_or_else(|| {
+            Error::invalid(format!(
+                "stream {} was not created by this driver or was destroyed",
+                stream.0
+            ))
+        })?;
+        s.shutdown();
+        Ok(())
+    }
+
+    fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
+        self.stream(stream)?.synchronize()
+    }
+
+    fn stream_query(&self, stream: StreamId) -> Result<bool> {
+        self.stream(stream)?.is_idle()
+    }
+
+    fn stream_device(&self, stream: StreamId) -> Result<usize> {
+        Ok(self.stream(stream)?.device())
+    }
+
+    fn event_create(&self, device: usize, flags: EventFlags) -> Result<EventId> {
+        self.check_device(device)?;
+        let (pid, nonce) = (self.pid, self.nonce);
+        let (cell, chunk, slot) = self
+            .event_pool
+            .lock()
+            .take(|index| handle::object_name(HandleKind::Event, pid, nonce, u64::from(index)))?;
+        let id = self.fresh_id();
+        let event = HostEvent {
+            device,
+            interprocess: flags.interprocess,
+            cell,
+            owned_slot: Some((chunk, slot)),
+        };
+        self.events.write().insert(id, Arc::new(event));
+        Ok(EventId(id))
+    }
+
+    fn event_destroy(&self, event: EventId) -> Result<()> {
+        let e = self.events.write().remove(&event.0).ok_or_else(|| {
+            Error::invalid(format!(
+                "event {} was not created by this driver or was destroyed",
+                event.0
+            ))
+        })?;
+        if let Some((chunk, slot)) = e.owned_slot {
+            self.event_pool.lock().give_back(chunk, slot);
+        }
+        Ok(())
+    }
+
+    fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
+        let e = self.event(event)?;
+        let s = self.stream(stream)?;
+        if e.device != s.device() {
+            return Err(Error::invalid(format!(
+                "event {} is on device {} but stream {} is on device {}",
+                event.0,
+                e.device,
+                stream.0,
+                s.device()
+            )));
+        }
+        let seq = e.cell.begin_record();
+        let cell = e.cell.clone();
+        if let Err(err) = s.enqueue(Box::new(move || cell.complete(seq))) {
+            e.cell.complete(seq);
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    fn event_query(&self, event: EventId) -> Result<bool> {
+        Ok(self.event(event)?.cell.is_complete())
+    }
+
+    fn event_synchronize(&self, event: EventId) -> Result<()> {
+        let e = self.event(event)?;
+        e.cell.wait_until(e.cell.current_target());
+        Ok(())
+    }
+
+    fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
+        let e = self.event(event)?;
+        let s = self.stream(stream)?;
+        let target = e.cell.current_target();
+        if e.cell.reached(target) {
+            return Ok(());
+        }
+        let cell = e.cell.clone();
+        s.enqueue(Box::new(move || cell.wait_until(target)))
+            .map(|_| ())
+    }
+
+    fn copy_host_to_device(&self, stream: StreamId, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        let data = src.to_vec();
+        let len = data.len();
+        let ticket = self.enqueue_on_ranges(stream, [(dst, len as u64)], move |[d]| {
+            // SAFETY: `d..d+len` was checked to lie in a live segment, which stays mapped until
+            // every stream drains; `data` is owned by this closure.
+            unsafe { kernels::copy(d, data.as_ptr() as usize, len) }
+        })?;
+        self.wait_ticket(stream, ticket)
+    }
+
+    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        let len = dst.len();
+        let out = Arc::new(Mutex::new(vec![0u8; len]));
+        let for_op = Arc::clone(&out);
+        let ticket = self.enqueue_on_ranges(stream, [(src, len as u64)], move |[s]| {
+            let mut buf = for_op.lock();
+            // SAFETY: `s..s+len` is checked and stays mapped (see above); `buf` has `len` bytes.
+            unsafe { kernels::copy(buf.as_mut_ptr() as usize, s, len) }
+        })?;
+        self.wait_ticket(stream, ticket)?;
+        dst.copy_from_slice(&out.lock());
+        Ok(())
+    }
+
+    fn copy_device_to_device(
+        &self,
+        stream: StreamId,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len: u64,
+    ) -> Result<()> {
+        let n = checked_len(len)?;
+        self.enqueue_on_ranges(stream, [(dst, len), (src, len)], move |[d, s]| {
+            // SAFETY: both ranges were checked and stay mapped until every stream drains.
+            unsafe { kernels::copy(d, s, n) }
+        })
+        .map(|_| ())
+    }
+
+    fn memset(&self, stream: StreamId, dst: DevicePtr, value: u8, len: u64) -> Result<()> {
+        let n = checked_len(len)?;
+        self.enqueue_on_ranges(stream, [(dst, len)], move |[d]| {
+            // SAFETY: the range was checked and stays mapped until every stream drains.
+            unsafe { kernels::memset(d, value, n) }
+        })
+        .map(|_| ())
+    }
+
+    fn fill_pattern(&self, stream: StreamId, dst: DevicePtr, len: u64, seed: u64) -> Result<()> {
+        let n = checked_len(len)?;
+        self.enqueue_on_ranges(stream, [(dst, len)], move |[d]| {
+            // SAFETY: the range was checked and stays mapped until every stream drains.
+            unsafe { kernels::fill_pattern(d, n, seed) }
+        })
+        .map(|_| ())
+    }
+
+    fn count_pattern_mismatches(
+        &self,
+        stream: StreamId,
+        src: DevicePtr,
+        len: u64,
+        seed: u64,
+    ) -> Result<u64> {
+        let n = checked_len(len)?;
+        let result = Arc::new(AtomicU64::new(0));
+        let for_op = Arc::clone(&result);
+        let ticket = self.enqueue_on_ranges(stream, [(src, len)], move |[s]| {
+            // SAFETY: the range was checked and stays mapped until every stream drains.
+            let count = unsafe { kernels::count_mismatches(s, n, seed) };
+            for_op.store(count, Ordering::SeqCst);
+        })?;
+        self.wait_ticket(stream, ticket)?;
+        Ok(result.load(Ordering::SeqCst))
+    }
+
+    fn poison(&self, stream: StreamId, dst: DevicePtr, len: u64) -> Result<()> {
+        let n = checked_len(len)?;
+        self.enqueue_on_ranges(stream, [(dst, len)], move |[d]| {
+            // SAFETY: the range was checked and stays mapped until every stream drains.
+            unsafe { kernels::poison(d, n) }
+        })
+        .map(|_| ())
+    }
+
+    fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
+        self.stream(stream)?
+            .enqueue(Box::new(move || {
+                std::thread::sleep(std::time::Duration::from_micros(micros))
+            }))
+            .map(|_| ())
+    }
+
+    fn ipc_export_memory(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+        let (device, object, size) = self.segments.view().owned_at(ptr)?;
+        let device =
+            u16::try_from(device).map_err(|_| Error::invalid("device ordinal too large"))?;
+        let h = HostHandle {
+            kind: HandleKind::Memory,
+            device,
+            pid: self.pid,
+            nonce: self.nonce,
+            object,
+            extra: size,
+        };
+        Ok(IpcMemHandle(h.encode()))
+    }
+
+    fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
+        self.check_device(device)?;
+        let h = HostHandle::decode(HandleKind::Memory, &handle.0)?;
+        if h.pid == self.pid {
+            return Err(Error::invalid(
+                "an IPC memory handle cannot be opened in the process that exported it; use the original pointer",
+            ));
+        }
+        let key = (h.pid, h.nonce, h.object);
+        if self.segments.is_open(&key) {
+            return Err(Error::invalid(
+                "this IPC memory handle is already open in this process; cache the mapping and reuse it",
+            ));
+        }
+        let shm = SharedMemory::open(&h.object_name(), Some(h.extra))?;
+        let size = shm.len();
+        let ptr = self.segments.insert(Segment {
+            device,
+            shm,
+            origin: Origin::Opened { key },
+        });
+        Ok(OpenedSegment { ptr, size })
+    }
+
+    fn ipc_close_memory(&self, ptr: DevicePtr) -> Result<()> {
+        let segment = self.segments.remove_opened(ptr)?;
+        self.release_segment(segment, false)
+    }
+
+    fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {
+        let e = self.event(event)?;
+        let (chunk, slot) = match (e.interprocess, e.owned_slot) {
+            (true, Some(addr)) => addr,
+            (false, _) => {
+                return Err(Error::invalid(format!(
+                    "event {} was not created with the interprocess flag",
+                    event.0
+                )))
+            }
+            (true, None) => {
+                return Err(Error::invalid(
+                    "an event opened from a handle cannot be re-exported",
+                ))
+            }
+        };
+        let device =
+            u16::try_from(e.device).map_err(|_| Error::invalid("device ordinal too large"))?;
+        let h = HostHandle {
+            kind: HandleKind::Event,
+            device,
+            pid: self.pid,
+            nonce: self.nonce,
+            object: u64::from(chunk),
+            extra: u64::from(slot),
+        };
+        Ok(IpcEventHandle(h.encode()))
+    }
+
+    fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
+        self.check_device(device)?;
+        let h = HostHandle::decode(HandleKind::Event, &handle.0)?;
+        if h.pid == self.pid {
+            return Err(Error::invalid(
+                "an IPC event handle cannot be opened in the process that exported it; use the original event",
+            ));
+        }
+        let slot =
+            u32::try_from(h.extra).map_err(|_| Error::bad_handle("event slot out of range"))?;
+        let name = h.object_name();
+        let chunk = {
+            let mut chunks = self.foreign_chunks.lock();
+            chunks.retain(|_, weak| weak.strong_count() > 0);
+            match chunks.get(&name).and_then(Weak::upgrade) {
+                Some(chunk) => chunk,
+                None => {
+                    let chunk = Arc::new(SharedMemory::open(&name, Some(event::CHUNK_BYTES))?);
+                    chunks.insert(name, Arc::downgrade(&chunk));
+                    chunk
+                }
+            }
+        };
+        let cell = event::open_foreign_cell(chunk, slot, h.pid)?;
+        let id = self.fresh_id();
+        let e = HostEvent {
+            device,
+            interprocess: true,
+            cell,
+            owned_slot: None,
+        };
+        self.events.write().insert(id, Arc::new(e));
+        Ok(EventId(id))
+    }
+}

@@ -1,0 +1,236 @@
+//! POSIX shared-memory objects: the only module that maps memory (`memmap2`).
+//!
+//! An object is a file in `/dev/shm` (what `shm_open` uses on Linux), created `0600` with
+//! `O_CREAT | O_EXCL | O_NOFOLLOW` so a pre-planted file or symlink makes creation fail instead of
+//! being used. Opening checks that the object is a regular file owned by our effective user and that
+//! its size is what the caller expects. Names are validated before any file-system call: our prefix,
+//! only `[A-Za-z0-9._-]`, no `..`, so a name read from another process cannot escape `/dev/shm`.
+//!
+//! Memory in an object is never turned into Rust references: it is shared with other processes (and
+//! with the host backend's stream threads, which play the device), so it is only touched through raw
+//! pointer copies by code that owns the ordering argument (see `kernels.rs`).
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::PathBuf;
+
+use memmap2::MmapRaw;
+
+use crate::error::{Error, Result};
+
+/// Where POSIX shared-memory objects live on Linux.
+pub(crate) const SHM_DIR: &str = "/dev/shm";
+
+/// Every object cudalloc creates starts with this.
+pub(crate) const NAME_PREFIX: &str = "cudalloc-";
+
+/// Longest name accepted (NAME_MAX is 255).
+const MAX_NAME_LEN: usize = 200;
+
+/// A mapped shared-memory object. The creator unlinks it on drop (or earlier with
+/// [`SharedMemory::unlink`]); every holder unmaps it on drop.
+pub(crate) struct SharedMemory {
+    name: String,
+    map: MmapRaw,
+    len: u64,
+    owner: bool,
+}
+
+impl std::fmt::Debug for SharedMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedMemory")
+            .field("name", &self.name)
+            .field("len", &self.len)
+            .field("owner", &self.owner)
+            .finish()
+    }
+}
+
+/// Checks that `name` is one of ours and cannot name anything outside `/dev/shm`.
+pub(crate) fn validate_name(name: &str) -> Result<()> {
+    let ok_chars = name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if !name.starts_with(NAME_PREFIX)
+        || name.len() > MAX_NAME_LEN
+        || !ok_chars
+        || name.contains("..")
+    {
+        return Err(Error::bad_handle(format!(
+            "shared-memory name {name:?} is not a cudalloc name (prefix {NAME_PREFIX:?}, at most \
+             {MAX_NAME_LEN} characters of [A-Za-z0-9._-], no \"..\")"
+        )));
+    }
+    Ok(())
+}
+
+fn path_of(name: &str) -> PathBuf {
+    PathBuf::from(SHM_DIR).join(name)
+}
+
+fn map_file(file: &File, len: u64, call: &'static str) -> Result<MmapRaw> {
+    let len_usize = usize::try_from(len).map_err(|_| {
+        Error::invalid(format!(
+            "shared-memory size {len} exceeds the address space"
+        ))
+    })?;
+    memmap2::MmapOptions::new()
+        .len(len_usize)
+        .map_raw(file)
+        .map_err(|e| Error::host_os(call, e))
+}
+
+impl SharedMemory {
+    /// Creates, sizes and maps a new object of `len` bytes (zero-filled by the kernel).
+    pub(crate) fn create(name: &str, len: u64) -> Result<Self> {
+        validate_name(name)?;
+        if len == 0 {
+            return Err(Error::invalid("shared-memory object of size 0"));
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path_of(name))
+            .map_err(|e| Error::host_os("shm_open(O_CREAT|O_EXCL)", format!("{name}: {e}")))?;
+        let result = file
+            .set_len(len)
+            .map_err(|e| Error::host_os("ftruncate", format!("{name}: {e}")))
+            .and_then(|()| map_file(&file, len, "mmap"));
+        match result {
+            Ok(map) => Ok(SharedMemory {
+                name: name.to_owned(),
+                map,
+                len,
+                owner: true,
+            }),
+            Err(err) => {
+                let _ = std::fs::remove_file(path_of(name));
+                Err(err)
+            }
+        }
+    }
+
+    /// Opens and maps an existing object created by another cudalloc process of our user.
+    /// `expected_len`, when given, must equal the object's size.
+    pub(crate) fn open(name: &str, expected_len: Option<u64>) -> Result<Self> {
+        validate_name(name)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path_of(name))
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => Error::bad_handle(format!(
+                    "shared-memory object {name} does not exist (freed by its owner, or the owner exited)"
+                )),
+                _ => Error::host_os("shm_open", format!("{name}: {e}")),
+            })?;
+        let meta = file.metadata().map_err(|e| Error::host_os("fstat", e))?;
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let euid = unsafe { libc::geteuid() };
+        if !meta.file_type().is_file() || meta.uid() != euid {
+            return Err(Error::bad_handle(format!(
+                "shared-memory object {name} is not a regular file owned by uid {euid}"
+            )));
+        }
+        let len = meta.len();
+        if len == 0 || expected_len.is_some_and(|want| want != len) {
+            return Err(Error::bad_handle(format!(
+                "shared-memory object {name} has {len} bytes, expected {}",
+                expected_len.map_or("a non-zero size".to_owned(), |n| n.to_string())
+            )));
+        }
+        let map = map_file(&file, len, "mmap")?;
+        Ok(SharedMemory {
+            name: name.to_owned(),
+            map,
+            len,
+            owner: false,
+        })
+    }
+
+    /// The object's name in `/dev/shm`.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Start of the mapping in this process.
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    /// Size of the mapping in bytes.
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Removes the name now (the mapping stays valid for every holder). Idempotent.
+    pub(crate) fn unlink(&mut self) {
+        if self.owner {
+            self.owner = false;
+            if let Err(err) = std::fs::remove_file(path_of(&self.name)) {
+                tracing::warn!(name = %self.name, %err, "could not unlink shared-memory object");
+            }
+        }
+    }
+}
+
+impl Drop for SharedMemory {
+    fn drop(&mut self) {
+        self.unlink();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unique(tag: &str) -> String {
+        format!(
+            "{NAME_PREFIX}test-{}-{tag}-{:x}",
+            std::process::id(),
+            crate::driver::host::random_u64()
+        )
+    }
+
+    #[test]
+    fn names_outside_our_pattern_are_rejected() {
+        for bad in [
+            "../etc/passwd",
+            "cudalloc-a/b",
+            "cudalloc-..x",
+            "other-name",
+            "cudalloc-\u{e9}",
+            "",
+        ] {
+            assert!(validate_name(bad).is_err(), "{bad:?} accepted");
+        }
+        validate_name("cudalloc-123-abc.seg_1").unwrap();
+    }
+
+    #[test]
+    fn create_is_exclusive_and_private_and_unlinks_on_drop() {
+        let name = unique("excl");
+        let shm = SharedMemory::create(&name, 4096).unwrap();
+        let mode = std::fs::metadata(path_of(&name)).unwrap().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert!(SharedMemory::create(&name, 4096).is_err());
+        let opened = SharedMemory::open(&name, Some(4096)).unwrap();
+        assert!(SharedMemory::open(&name, Some(8192)).is_err());
+        drop(shm);
+        assert!(!path_of(&name).exists());
+        assert_eq!(opened.len(), 4096);
+    }
+
+    #[test]
+    fn symlinks_are_not_followed() {
+        let name = unique("link");
+        std::os::unix::fs::symlink("/etc/hostname", path_of(&name)).unwrap();
+        assert!(SharedMemory::open(&name, None).is_err());
+        assert!(SharedMemory::create(&name, 4096).is_err());
+        std::fs::remove_file(path_of(&name)).unwrap();
+    }
+}

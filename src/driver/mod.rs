@@ -1,0 +1,330 @@
+//! The device layer: everything the allocator needs from a device, and nothing more.
+//!
+//! [`Driver`] is implemented twice with the same observable semantics:
+//!
+//! * [`HostDriver`] — always available, the backend of every test and of CI. Segments are POSIX
+//!   shared-memory objects that another process really opens, streams are worker threads that run
+//!   their queues in order, events live in shared memory so another process can wait on them. It is
+//!   strict where CUDA is strict and louder where CUDA is silent (see [`host`]).
+//! * [`CudaDriver`] — the CUDA driver API through `cudarc`, loaded at run time. Built everywhere;
+//!   construction fails with [`Error::NoCudaDriver`](crate::Error::NoCudaDriver) where `libcuda` is
+//!   absent, so no entry point can ever reach a missing library.
+//!
+//! # Handles
+//!
+//! Streams and events are opaque ids ([`StreamId`], [`EventId`]) that index the driver's own tables;
+//! they are never raw CUDA pointers, so an id the driver did not hand out (or already destroyed) is an
+//! [`Error::InvalidArgument`](crate::Error::InvalidArgument), not undefined behaviour. Device memory is
+//! a [`DevicePtr`]: an address in the device's space that the caller never dereferences; all access goes
+//! through the driver, which checks that the whole range lies in a segment it knows.
+//!
+//! # Ordering model
+//!
+//! | operation                         | returns                         |
+//! |-----------------------------------|---------------------------------|
+//! | `copy_device_to_device`, `memset`, kernels, `event_record`, `stream_wait_event` | at once (enqueued) |
+//! | `copy_host_to_device`, `copy_device_to_host`, `count_pattern_mismatches` | when that work is done (stream-ordered, like an async copy followed by a stream synchronize) |
+//! | `free`, `ipc_close_memory`        | after every stream of the driver drained (CUDA's `cuMemFree` synchronizes too) |
+//!
+//! Every stream — the per-device default stream included — is independent: there is no legacy
+//! default stream that implicitly serializes with others. The CUDA backend uses non-blocking streams
+//! for the same reason.
+
+pub mod cuda;
+pub mod host;
+pub mod pattern;
+mod ranges;
+
+use std::fmt;
+
+pub use cuda::CudaDriver;
+pub use host::{HostDriver, HostDriverBuilder};
+
+use crate::error::Result;
+
+/// Size in bytes of a CUDA IPC memory or event handle (`CU_IPC_HANDLE_SIZE`).
+pub const IPC_HANDLE_SIZE: usize = 64;
+
+/// An address in a device's memory. Never dereferenced by the host; only passed to the driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// The address `bytes` past this one, or an error if that overflows.
+    pub fn offset(self, bytes: u64) -> Result<DevicePtr> {
+        self.0.checked_add(bytes).map(DevicePtr).ok_or_else(|| {
+            crate::Error::invalid(format!("device pointer {:#x} + {bytes} overflows", self.0))
+        })
+    }
+}
+
+impl fmt::Display for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// An opaque stream id handed out by a [`Driver`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StreamId(pub(crate) u64);
+
+impl StreamId {
+    /// The raw id, for logs and snapshots.
+    pub fn raw(self) -> u64 {
+        self.0
+    }
+}
+
+/// An opaque event id handed out by a [`Driver`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct EventId(pub(crate) u64);
+
+impl EventId {
+    /// The raw id, for logs.
+    pub fn raw(self) -> u64 {
+        self.0
+    }
+}
+
+/// Which implementation a driver is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// [`HostDriver`].
+    Host,
+    /// [`CudaDriver`].
+    Cuda,
+}
+
+impl Backend {
+    /// `"host"` or `"cuda"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Host => "host",
+            Backend::Cuda => "cuda",
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Free and total bytes of a device, as `cuMemGetInfo` reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemInfo {
+    /// Bytes the driver could still hand out.
+    pub free: u64,
+    /// The device's capacity.
+    pub total: u64,
+}
+
+/// How an event is created.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventFlags {
+    /// The event can be exported with [`Driver::ipc_export_event`] and waited on by another process
+    /// (CUDA: `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`).
+    pub interprocess: bool,
+}
+
+/// A segment's 64-byte IPC memory handle: names the whole segment, never an interior pointer.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IpcMemHandle(pub [u8; IPC_HANDLE_SIZE]);
+
+/// An interprocess event's 64-byte IPC handle.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IpcEventHandle(pub [u8; IPC_HANDLE_SIZE]);
+
+macro_rules! debug_as_hex {
+    ($ty:ident) => {
+        impl fmt::Debug for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!(stringify!($ty), "("))?;
+                for byte in &self.0 {
+                    write!(f, "{byte:02x}")?;
+                }
+                write!(f, ")")
+            }
+        }
+    };
+}
+debug_as_hex!(IpcMemHandle);
+debug_as_hex!(IpcEventHandle);
+
+/// A segment opened from another process's [`IpcMemHandle`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpenedSegment {
+    /// Base address of the whole segment in this process.
+    pub ptr: DevicePtr,
+    /// Size of the whole segment in bytes.
+    pub size: u64,
+}
+
+/// Everything the allocator needs from a device (see the [module docs](self) for the ordering model).
+///
+/// All methods validate their arguments: an unknown device, stream, event or pointer, a range that
+/// leaves its segment, a size of 0 or one that overflows is an
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument).
+pub trait Driver: Send + Sync + fmt::Debug {
+    /// Which implementation this is.
+    fn backend(&self) -> Backend;
+    /// Number of devices.
+    fn device_count(&self) -> usize;
+    /// A human-readable device name.
+    fn device_name(&self, device: usize) -> Result<String>;
+    /// Free and total memory of `device`.
+    fn mem_info(&self, device: usize) -> Result<MemInfo>;
+
+    /// Allocates a whole segment of `size` bytes on `device` (aligned to at least 512 bytes).
+    fn malloc(&self, device: usize, size: u64) -> Result<DevicePtr>;
+    /// Frees a segment returned by [`Driver::malloc`]; waits for all queued work first.
+    fn free(&self, ptr: DevicePtr) -> Result<()>;
+
+    /// The device's default stream (independent of all other streams).
+    fn default_stream(&self, device: usize) -> Result<StreamId>;
+    /// Creates a stream on `device`.
+    fn stream_create(&self, device: usize) -> Result<StreamId>;
+    /// Destroys a stream after its queued work completes. The default stream cannot be destroyed.
+    fn stream_destroy(&self, stream: StreamId) -> Result<()>;
+    /// Blocks until all work queued on `stream` is done.
+    fn stream_synchronize(&self, stream: StreamId) -> Result<()>;
+    /// Whether all work queued on `stream` is done.
+    fn stream_query(&self, stream: StreamId) -> Result<bool>;
+    /// The device a stream belongs to.
+    fn stream_device(&self, stream: StreamId) -> Result<usize>;
+
+    /// Creates an event on `device`.
+    fn event_create(&self, device: usize, flags: EventFlags) -> Result<EventId>;
+    /// Destroys an event (created or opened from a handle).
+    fn event_destroy(&self, event: EventId) -> Result<()>;
+    /// Captures the work queued on `stream` so far; the event completes when that work has.
+    fn event_record(&self, event: EventId, stream: StreamId) -> Result<()>;
+    /// Whether the event's latest record has completed (true if never recorded).
+    fn event_query(&self, event: EventId) -> Result<bool>;
+    /// Blocks until the event's latest record has completed.
+    fn event_synchronize(&self, event: EventId) -> Result<()>;
+    /// Makes future work on `stream` wait for the event's latest record (as of this call).
+    fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()>;
+
+    /// Copies `src` into device memory at `dst`, in `stream` order; returns when done.
+    fn copy_host_to_device(&self, stream: StreamId, dst: DevicePtr, src: &[u8]) -> Result<()>;
+    /// Copies device memory at `src` into `dst`, in `stream` order; returns when done.
+    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DevicePtr) -> Result<()>;
+    /// Enqueues a copy of `len` bytes from `src` to `dst` on `stream`.
+    fn copy_device_to_device(
+        &self,
+        stream: StreamId,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len: u64,
+    ) -> Result<()>;
+    /// Enqueues setting `len` bytes at `dst` to `value` on `stream`.
+    fn memset(&self, stream: StreamId, dst: DevicePtr, value: u8, len: u64) -> Result<()>;
+
+    /// Enqueues the fill kernel: byte `i` of the range becomes [`pattern::byte`]`(seed, i)`.
+    fn fill_pattern(&self, stream: StreamId, dst: DevicePtr, len: u64, seed: u64) -> Result<()>;
+    /// Runs the verify kernel on `stream` and returns how many bytes differ from the pattern.
+    fn count_pattern_mismatches(
+        &self,
+        stream: StreamId,
+        src: DevicePtr,
+        len: u64,
+        seed: u64,
+    ) -> Result<u64>;
+    /// Enqueues the poison kernel: byte `i` of the range becomes [`pattern::poison_byte`]`(i)`.
+    fn poison(&self, stream: StreamId, dst: DevicePtr, len: u64) -> Result<()>;
+    /// Enqueues a kernel that keeps `stream` busy for `micros` microseconds (`torch.cuda._sleep`).
+    fn sleep(&self, stream: StreamId, micros: u64) -> Result<()>;
+
+    /// Exports the IPC handle of the segment whose base address is `ptr`.
+    fn ipc_export_memory(&self, ptr: DevicePtr) -> Result<IpcMemHandle>;
+    /// Opens another process's segment on `device`. Opening in the exporting process, or opening the
+    /// same handle twice without closing it, is an error (callers must cache).
+    fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment>;
+    /// Closes a segment opened with [`Driver::ipc_open_memory`]; waits for queued work first.
+    fn ipc_close_memory(&self, ptr: DevicePtr) -> Result<()>;
+    /// Exports an interprocess event.
+    fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle>;
+    /// Opens another process's interprocess event; destroy it with [`Driver::event_destroy`].
+    fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId>;
+}
+
+/// Which backend to use, from `CUDALLOC_BACKEND` (`auto`, `cuda`, `host`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// CUDA when a driver and a device are present, else host.
+    #[default]
+    Auto,
+    /// CUDA or an error.
+    Cuda,
+    /// The host backend.
+    Host,
+}
+
+impl std::str::FromStr for BackendChoice {
+    type Err = crate::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim() {
+            "auto" | "" => Ok(BackendChoice::Auto),
+            "cuda" => Ok(BackendChoice::Cuda),
+            "host" => Ok(BackendChoice::Host),
+            other => Err(crate::Error::Config(format!(
+                "CUDALLOC_BACKEND={other:?} is not a backend; valid values: auto, cuda, host"
+            ))),
+        }
+    }
+}
+
+impl BackendChoice {
+    /// Reads `CUDALLOC_BACKEND` (unset means `auto`).
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("CUDALLOC_BACKEND") {
+            Ok(value) => value.parse(),
+            Err(std::env::VarError::NotPresent) => Ok(BackendChoice::Auto),
+            Err(std::env::VarError::NotUnicode(_)) => Err(crate::Error::Config(
+                "CUDALLOC_BACKEND is not valid UTF-8".into(),
+            )),
+        }
+    }
+
+    /// Opens the chosen backend. With `Auto`, the result says why CUDA was not used (also logged).
+    pub fn open(self) -> Result<SelectedBackend> {
+        let host = |reason: Option<String>| -> Result<SelectedBackend> {
+            Ok(SelectedBackend {
+                driver: crate::sync::os::Arc::new(HostDriver::from_env()?),
+                fallback_reason: reason,
+            })
+        };
+        match self {
+            BackendChoice::Host => host(None),
+            BackendChoice::Cuda => Ok(SelectedBackend {
+                driver: crate::sync::os::Arc::new(CudaDriver::new()?),
+                fallback_reason: None,
+            }),
+            BackendChoice::Auto => match CudaDriver::new() {
+                Ok(cuda) => {
+                    tracing::info!(devices = cuda.device_count(), "cudalloc backend: cuda");
+                    Ok(SelectedBackend {
+                        driver: crate::sync::os::Arc::new(cuda),
+                        fallback_reason: None,
+                    })
+                }
+                Err(err) => {
+                    tracing::info!(reason = %err, "cudalloc backend: host (CUDA unavailable)");
+                    host(Some(err.to_string()))
+                }
+            },
+        }
+    }
+}
+
+/// The driver a [`BackendChoice`] opened.
+#[derive(Debug, Clone)]
+pub struct SelectedBackend {
+    /// The driver.
+    pub driver: crate::sync::os::Arc<dyn Driver>,
+    /// With `auto`, why the CUDA backend was not used.
+    pub fallback_reason: Option<String>,
+}

@@ -1,0 +1,133 @@
+//! The crate's one error type.
+//!
+//! Every fallible entry point returns [`Error`]. Callers that want to react (retry after freeing
+//! memory, fall back to the host backend, report a bug) look at [`Error::kind`] instead of matching
+//! message text:
+//!
+//! | kind                        | retrying can help?                                   |
+//! |-----------------------------|------------------------------------------------------|
+//! | [`ErrorKind::OutOfMemory`]  | yes, after freeing memory or emptying caches         |
+//! | [`ErrorKind::InvalidArgument`] | no: the call is wrong (bad pointer, size, handle) |
+//! | [`ErrorKind::InvalidIpcHandle`] | no: the bytes from another process are not a valid handle |
+//! | [`ErrorKind::Config`]       | no: fix the environment variable or option           |
+//! | [`ErrorKind::NoCudaDriver`] | no: use the host backend instead                     |
+//! | [`ErrorKind::Driver`]       | maybe: the device or the operating system failed     |
+
+use std::fmt;
+
+/// What went wrong, coarsely: what a caller can do about it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// The device (or a configured limit) has no room for the request.
+    OutOfMemory,
+    /// The caller passed something invalid: unknown pointer, device, stream, size 0, overflow.
+    InvalidArgument,
+    /// An IPC handle that does not decode or does not name a live object of ours.
+    InvalidIpcHandle,
+    /// A configuration string or environment variable is malformed.
+    Config,
+    /// CUDA was requested but `libcuda` (or a device) is not present.
+    NoCudaDriver,
+    /// The driver or the operating system reported a failure.
+    Driver,
+}
+
+/// The error of every fallible cudalloc operation.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Not enough device memory (or a configured cap was reached). Retrying after freeing memory may
+    /// succeed.
+    #[error("out of memory on device {device}: {message}")]
+    OutOfMemory {
+        /// Device ordinal.
+        device: usize,
+        /// Bytes that were requested.
+        requested: u64,
+        /// The full explanation (capacity, free, allocated, ...).
+        message: String,
+    },
+    /// The call itself is wrong; retrying the same call cannot help.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// Bytes from another process do not form a valid handle, or name nothing of ours.
+    #[error("invalid IPC handle: {0}")]
+    InvalidIpcHandle(String),
+    /// A configuration value is malformed; the message names the key and what is valid.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The CUDA backend was asked for but the CUDA driver library or a device is missing.
+    #[error("no CUDA driver: {0}")]
+    NoCudaDriver(String),
+    /// A driver call failed.
+    #[error("{backend} driver call {call} failed: {message}")]
+    Driver {
+        /// `"host"` or `"cuda"`.
+        backend: &'static str,
+        /// The failing call (e.g. `cuMemAlloc_v2`, `shm_open`).
+        call: &'static str,
+        /// What the driver or operating system said.
+        message: String,
+    },
+}
+
+impl Error {
+    /// The coarse category of this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::OutOfMemory { .. } => ErrorKind::OutOfMemory,
+            Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            Error::InvalidIpcHandle(_) => ErrorKind::InvalidIpcHandle,
+            Error::Config(_) => ErrorKind::Config,
+            Error::NoCudaDriver(_) => ErrorKind::NoCudaDriver,
+            Error::Driver { .. } => ErrorKind::Driver,
+        }
+    }
+
+    /// Whether retrying the same operation later can succeed (after memory is freed, or after a
+    /// transient driver failure). Programming errors and bad input are never retryable.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self.kind(), ErrorKind::OutOfMemory | ErrorKind::Driver)
+    }
+
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub(crate) fn invalid(message: impl fmt::Display) -> Self {
+        Error::InvalidArgument(message.to_string())
+    }
+
+    /// Shorthand for [`Error::InvalidIpcHandle`].
+    pub(crate) fn bad_handle(message: impl fmt::Display) -> Self {
+        Error::InvalidIpcHandle(message.to_string())
+    }
+
+    /// A host-backend failure of an operating-system call.
+    pub(crate) fn host_os(call: &'static str, err: impl fmt::Display) -> Self {
+        Error::Driver {
+            backend: "host",
+            call,
+            message: err.to_string(),
+        }
+    }
+}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retryable_only_for_memory_and_driver_failures() {
+        let oom = Error::OutOfMemory {
+            device: 0,
+            requested: 1,
+            message: "full".into(),
+        };
+        assert!(oom.is_retryable());
+        assert!(!Error::invalid("size 0").is_retryable());
+        assert!(!Error::bad_handle("magic").is_retryable());
+        assert!(!Error::NoCudaDriver("absent".into()).is_retryable());
+        assert!(Error::host_os("open", "EIO").is_retryable());
+        assert_eq!(Error::Config("x".into()).kind(), ErrorKind::Config);
+    }
+}
