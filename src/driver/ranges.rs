@@ -8,12 +8,12 @@ use crate::error::{Error, Result};
 
 /// Finds the segment (keyed by base address, sized by `size_of`) that contains `[ptr, ptr + len)`.
 /// A zero-length range may sit at the very end of a segment.
-pub(crate) fn containing<'a, T>(
-    segments: &'a BTreeMap<u64, T>,
+pub(crate) fn containing<T>(
+    segments: &BTreeMap<u64, T>,
     size_of: impl Fn(&T) -> u64,
     ptr: DevicePtr,
     len: u64,
-) -> Result<(u64, &'a T)> {
+) -> Result<(u64, &T)> {
     let unknown = || {
         Error::invalid(format!(
             "pointer {ptr} was not allocated or opened by this driver"

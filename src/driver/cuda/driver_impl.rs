@@ -125,23 +125,24 @@ impl Driver for CudaDriver {
     }
 
     fn free(&self, ptr: DevicePtr) -> Result<()> {
-        let entry =
-            {
-                let mut segments = self.segments.write();
-                match segments.get(&ptr.0) {
-                    Some(SegmentEntry {
-                        opened_from: None, ..
-                    }) => segments.remove(&ptr.0),
-                    Some(_) => return Err(Error::invalid(format!(
+        let entry = {
+            let mut segments = self.segments.write();
+            match segments.get(&ptr.0) {
+                Some(SegmentEntry {
+                    opened_from: None, ..
+                }) => segments.remove(&ptr.0),
+                Some(_) => {
+                    return Err(Error::invalid(format!(
                         "segment {ptr} was opened from another process: close it, do not free it"
-                    ))),
-                    None => {
-                        return Err(Error::invalid(format!(
-                            "pointer {ptr} is not the base of a segment allocated by this driver"
-                        )))
-                    }
+                    )))
                 }
-            };
+                None => {
+                    return Err(Error::invalid(format!(
+                        "pointer {ptr} is not the base of a segment allocated by this driver"
+                    )))
+                }
+            }
+        };
         let device = entry.map_or(0, |e| e.device);
         self.bind(device)?;
         // SAFETY: `ptr` is the base of a live cuMemAlloc segment (checked and removed above).

@@ -129,6 +129,12 @@ impl HostDriver {
         self.config.memory_per_device
     }
 
+    /// The prefix of every `/dev/shm` name this driver creates (`cudalloc-<pid>-<nonce>-`), for leak
+    /// checks: after the driver is dropped no name with it remains.
+    pub fn shm_name_prefix(&self) -> String {
+        format!("cudalloc-{}-{:016x}-", self.pid, self.nonce)
+    }
+
     /// Holds `stream` at this point of its queue until the returned gate is opened or dropped
     /// (host-only; see [`StreamGate`]).
     pub fn gate_stream(&self, stream: StreamId) -> Result<StreamGate> {

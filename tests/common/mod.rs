@@ -1,0 +1,203 @@
+//! Helpers shared by the integration tests: the backends present on this machine, child processes
+//! (the test binary re-executed as a child), and shared-memory leak checks.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+
+use cudalloc::{CudaDriver, Driver, HostDriver};
+
+/// Environment variable naming a child process's role.
+pub const ROLE_VAR: &str = "CUDALLOC_TEST_CHILD_ROLE";
+/// Environment variable naming the backend a child uses.
+pub const BACKEND_VAR: &str = "CUDALLOC_TEST_CHILD_BACKEND";
+/// Prefix of protocol lines on a child's stdout (libtest prints its own lines too).
+const PREFIX: &str = "@@cudalloc ";
+
+/// A host driver sized for tests: 2 devices of 64 MiB.
+pub fn host_driver() -> HostDriver {
+    HostDriver::builder()
+        .devices(2)
+        .memory_per_device(64 << 20)
+        .build()
+        .unwrap()
+}
+
+/// A backend under test.
+pub struct TestBackend {
+    /// `"host"` or `"cuda"`.
+    pub name: &'static str,
+    /// The driver.
+    pub driver: Arc<dyn Driver>,
+    /// The same driver, typed, when it is the host backend (for host-only facilities).
+    pub host: Option<Arc<HostDriver>>,
+}
+
+/// Every backend present: the host backend always, CUDA when a driver and a device exist. Prints
+/// "skipped: no CUDA driver" for the CUDA case otherwise.
+pub fn backends(test: &str) -> Vec<TestBackend> {
+    let host = Arc::new(host_driver());
+    let mut out = vec![TestBackend {
+        name: "host",
+        driver: host.clone(),
+        host: Some(host),
+    }];
+    match CudaDriver::new() {
+        Ok(cuda) => out.push(TestBackend {
+            name: "cuda",
+            driver: Arc::new(cuda),
+            host: None,
+        }),
+        Err(err) => println!("{test} [cuda]: skipped: no CUDA driver ({err})"),
+    }
+    out
+}
+
+/// Whether the CUDA backend can run here; prints the skip line when it cannot.
+pub fn cuda_present(test: &str) -> bool {
+    match CudaDriver::new() {
+        Ok(_) => true,
+        Err(err) => {
+            println!("{test} [cuda]: skipped: no CUDA driver ({err})");
+            false
+        }
+    }
+}
+
+/// The driver a child process uses for `backend`.
+pub fn child_driver(backend: &str) -> Arc<dyn Driver> {
+    match backend {
+        "cuda" => Arc::new(CudaDriver::new().unwrap()),
+        _ => Arc::new(host_driver()),
+    }
+}
+
+/// Hex encoding of a handle for the line protocol.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Inverse of [`hex`] for 64-byte handles.
+pub fn unhex64(text: &str) -> [u8; 64] {
+    let mut out = [0u8; 64];
+    assert_eq!(text.len(), 128, "handle hex has {} chars", text.len());
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).unwrap();
+    }
+    out
+}
+
+/// A child process running one ignored test of the current test binary, talking over lines.
+pub struct ChildProcess {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl ChildProcess {
+    /// Re-executes this test binary running only `entry` (an `#[ignore]`d test) as `role`.
+    pub fn spawn(entry: &str, role: &str, backend: &str) -> Self {
+        let exe = std::env::current_exe().unwrap();
+        let mut child = Command::new(exe)
+            .args([
+                "--exact",
+                entry,
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ROLE_VAR, role)
+            .env(BACKEND_VAR, backend)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        ChildProcess {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    /// The child's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends one line.
+    pub fn send(&mut self, line: &str) {
+        writeln!(self.stdin, "{line}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    /// Receives the next protocol line (panics if the child exits first).
+    pub fn recv(&mut self) -> String {
+        loop {
+            let mut line = String::new();
+            let n = self.stdout.read_line(&mut line).unwrap();
+            assert!(n > 0, "child exited before answering");
+            // libtest may have printed "test name ... " without a newline just before.
+            if let Some(at) = line.find(PREFIX) {
+                return line[at + PREFIX.len()..].trim_end().to_owned();
+            }
+        }
+    }
+
+    /// Waits for the child and asserts it succeeded.
+    pub fn finish(mut self) {
+        drop(self.stdin);
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "child failed: {status}");
+    }
+}
+
+/// The parent's end of the line protocol, as seen from inside a child.
+pub struct ParentLink {
+    stdin: std::io::StdinLock<'static>,
+}
+
+impl ParentLink {
+    /// The link of the current (child) process.
+    pub fn new() -> Self {
+        ParentLink {
+            stdin: std::io::stdin().lock(),
+        }
+    }
+
+    /// Sends one line to the parent.
+    pub fn send(&self, line: &str) {
+        // Written to the stdout handle directly: `println!` inside a test goes through libtest's
+        // output capture.
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{PREFIX}{line}").unwrap();
+        out.flush().unwrap();
+    }
+
+    /// Receives one line from the parent.
+    pub fn recv(&mut self) -> String {
+        let mut line = String::new();
+        let n = self.stdin.read_line(&mut line).unwrap();
+        assert!(n > 0, "parent closed the link");
+        line.trim_end().to_owned()
+    }
+}
+
+/// `key=value` lookup in a space-separated protocol line.
+pub fn field<'a>(line: &'a str, key: &str) -> &'a str {
+    line.split(' ')
+        .find_map(|kv| kv.strip_prefix(key).and_then(|rest| rest.strip_prefix('=')))
+        .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
+}
+
+/// Names in /dev/shm that start with `prefix`.
+pub fn shm_names_with_prefix(prefix: &str) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(prefix))
+        .collect()
+}
