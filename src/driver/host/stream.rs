@@ -144,7 +144,9 @@ impl HostStream {
     pub(crate) fn wait_for(&self, ticket: u64) -> Result<()> {
         let mut q = self.queue.lock();
         q.waiters += 1;
-        while q.completed < ticket && q.failure.is_none() {
+        // Wait for completion even on a failed stream: the worker keeps draining its queue, and
+        // callers (free, close) rely on queued work being finished before they unmap memory.
+        while q.completed < ticket {
             self.progressed.wait(&mut q);
         }
         q.waiters -= 1;
