@@ -33,7 +33,7 @@ pub enum ErrorKind {
 }
 
 /// The error of every fallible cudalloc operation.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum Error {
     /// Not enough device memory (or a configured cap was reached). Retrying after freeing memory may
     /// succeed.

@@ -12,12 +12,12 @@
 
 /// Real operating-system primitives, never swapped for loom's.
 pub(crate) mod os {
-    pub(crate) use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard};
+    pub(crate) use parking_lot::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard};
     pub(crate) use std::sync::{Arc, OnceLock, Weak};
 
     /// Real atomics. Also the only atomics that may be placed in shared memory mapped from a file.
     pub(crate) mod atomic {
-        pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+        pub(crate) use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
     }
 }
 

@@ -1,0 +1,68 @@
+//! Blocks: address ranges inside a segment, linked to their neighbours.
+//!
+//! A segment (one driver allocation) is tiled by blocks linked through `prev`/`next`. Block states:
+//!
+//! | state          | in its pool's free set | counted in stats as                      | next states |
+//! |----------------|------------------------|------------------------------------------|-------------|
+//! | `Free`         | yes                    | `inactive_split` if its segment is split | `Allocated` (best fit, maybe split), released with its segment |
+//! | `Allocated`    | no                     | `allocation`, `active`, `allocated_bytes` | `Free`, or `PendingFree` if used by other streams |
+//! | `PendingFree`  | no                     | `active` (waiting for stream events)     | `Free` when its last event completes |
+//!
+//! Invariants (checked by the scanner in `shard.rs`): blocks tile their segment exactly; no two
+//! neighbouring blocks are both `Free` (they merge); a block is in a free set iff it is `Free`.
+
+use crate::driver::StreamId;
+
+use super::size::PoolKind;
+
+/// Index of a block in its shard's slab.
+pub(crate) type BlockId = usize;
+
+/// A block's life-cycle state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BlockState {
+    Free,
+    Allocated,
+    PendingFree,
+}
+
+/// One block.
+#[derive(Debug)]
+pub(crate) struct Block {
+    pub ptr: u64,
+    pub size: u64,
+    /// Bytes the caller asked for (0 when free).
+    pub requested: u64,
+    pub pool: PoolKind,
+    pub state: BlockState,
+    pub prev: Option<BlockId>,
+    pub next: Option<BlockId>,
+    /// Base address of the segment this block belongs to.
+    pub segment: u64,
+    /// Other streams that used this block (`record_stream`), cleared when it is freed.
+    pub stream_uses: Vec<StreamId>,
+    /// Events still pending before a `PendingFree` block becomes `Free`.
+    pub pending_events: u32,
+    /// Shard allocation counter when the block last became free (garbage collection age).
+    pub freed_at: u64,
+}
+
+impl Block {
+    /// Whether the block shares its segment with others (the segment is split).
+    pub fn is_split(&self) -> bool {
+        self.prev.is_some() || self.next.is_some()
+    }
+}
+
+/// Key of a free block in a pool: best fit is the first key ≥ (size, 0, 0), so the smallest block
+/// that fits wins and the lowest address breaks ties.
+pub(crate) type FreeKey = (u64, u64, BlockId);
+
+/// A segment owned by a shard.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SegmentInfo {
+    pub size: u64,
+    pub pool: PoolKind,
+    /// First block of the segment.
+    pub head: BlockId,
+}

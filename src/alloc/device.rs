@@ -1,0 +1,572 @@
+//! One device of the caching allocator: its shards (one per stream) and the device-wide paths that
+//! visit them — the cache-miss sequence, garbage collection, `empty_cache`, stats, snapshots.
+//!
+//! Locking: a thread holds at most one shard lock at a time. The hit path locks only its own shard.
+//! The miss path drops its shard lock before any device-wide step (callbacks, garbage collection,
+//! releasing other shards' cached segments), so two threads on different streams never wait for
+//! each other except while both are short of memory. Driver `free` calls happen outside every shard
+//! lock (on the host backend `free` drains every stream).
+//!
+//! Miss path (PyTorch's order): poll completed events → best fit → free-memory callbacks, and best
+//! fit again if one freed something → garbage collection (when a threshold and a memory fraction
+//! are set) → driver malloc (within the per-process fraction) → free oversize cached segments and
+//! malloc again → wait for every pending event, free every cached segment of the device, best fit
+//! and malloc again → out-of-memory error.
+
+use std::collections::HashMap;
+
+use super::block::BlockId;
+use super::oom::{self, Callbacks, OomFacts};
+use super::shard::ShardState;
+use super::size::{self, PoolKind};
+use super::snapshot::{self, SnapshotSegment, Trace, TraceAction};
+use super::stats::DeviceStats;
+use crate::config::AllocatorConfig;
+use crate::driver::{Driver, EventFlags, EventId, StreamId};
+use crate::error::{Error, ErrorKind, Result};
+use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::os::{Arc, Mutex, MutexGuard, RwLock};
+
+/// One (device, stream) shard.
+#[derive(Debug)]
+pub(crate) struct Shard {
+    pub stream: StreamId,
+    pub state: Mutex<ShardState>,
+    pub core: Arc<DeviceCore>,
+}
+
+/// Everything an allocator keeps per device.
+pub(crate) struct DeviceCore {
+    pub device: usize,
+    pub driver: Arc<dyn Driver>,
+    pub config: Arc<AllocatorConfig>,
+    pub callbacks: Arc<Callbacks>,
+    pub trace: Arc<Trace>,
+    pub check_invariants: bool,
+    pub capacity: u64,
+    /// `f64` bits of the per-process memory fraction; `fraction_set` says whether one was chosen.
+    fraction_bits: AtomicU64,
+    fraction_set: AtomicBool,
+    /// Bytes of live segments on this device (all shards).
+    reserved: AtomicU64,
+    shards: RwLock<HashMap<StreamId, Arc<Shard>>>,
+    events: Mutex<Vec<EventId>>,
+    alloc_retries: AtomicU64,
+    ooms: AtomicU64,
+    sync_all: AtomicU64,
+}
+
+impl std::fmt::Debug for DeviceCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceCore")
+            .field("device", &self.device)
+            .field("reserved", &self.reserved.load(Ordering::Relaxed))
+            .field("shards", &self.shards.read().len())
+            .finish()
+    }
+}
+
+/// A block handed out: where it lives and its address.
+pub(crate) struct Allocated {
+    pub shard: Arc<Shard>,
+    pub block: BlockId,
+    pub ptr: u64,
+}
+
+impl DeviceCore {
+    pub fn new(
+        device: usize,
+        driver: Arc<dyn Driver>,
+        config: Arc<AllocatorConfig>,
+        callbacks: Arc<Callbacks>,
+        trace: Arc<Trace>,
+        check_invariants: bool,
+    ) -> Result<Self> {
+        let capacity = driver.mem_info(device)?.total;
+        let fraction = config.per_process_memory_fraction;
+        Ok(DeviceCore {
+            device,
+            driver,
+            callbacks,
+            trace,
+            check_invariants,
+            capacity,
+            fraction_bits: AtomicU64::new(fraction.to_bits()),
+            fraction_set: AtomicBool::new(fraction < 1.0),
+            reserved: AtomicU64::new(0),
+            shards: RwLock::new(HashMap::new()),
+            events: Mutex::new(Vec::new()),
+            alloc_retries: AtomicU64::new(0),
+            ooms: AtomicU64::new(0),
+            sync_all: AtomicU64::new(0),
+            config,
+        })
+    }
+
+    /// The shard of `stream`, created on first use (the stream must belong to this device).
+    pub fn shard(self: &Arc<Self>, stream: StreamId) -> Result<Arc<Shard>> {
+        if let Some(shard) = self.shards.read().get(&stream) {
+            return Ok(Arc::clone(shard));
+        }
+        let device = self.driver.stream_device(stream)?;
+        if device != self.device {
+            return Err(Error::invalid(format!(
+                "stream {} belongs to device {device}, not device {}",
+                stream.raw(),
+                self.device
+            )));
+        }
+        let mut shards = self.shards.write();
+        let shard = shards.entry(stream).or_insert_with(|| {
+            Arc::new(Shard {
+                stream,
+                state: Mutex::new(ShardState::default()),
+                core: Arc::clone(self),
+            })
+        });
+        Ok(Arc::clone(shard))
+    }
+
+    fn all_shards(&self) -> Vec<Arc<Shard>> {
+        self.shards.read().values().cloned().collect()
+    }
+
+    /// Sets the per-process memory fraction.
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(Error::invalid(format!(
+                "memory fraction {fraction} is not in [0.0, 1.0]"
+            )));
+        }
+        self.fraction_bits
+            .store(fraction.to_bits(), Ordering::Relaxed);
+        self.fraction_set.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn fraction(&self) -> Option<(f64, u64)> {
+        if !self.fraction_set.load(Ordering::Relaxed) {
+            return None;
+        }
+        let f = f64::from_bits(self.fraction_bits.load(Ordering::Relaxed));
+        Some((f, (self.capacity as f64 * f) as u64))
+    }
+
+    fn verify(&self, state: &ShardState) {
+        if self.check_invariants {
+            if let Err(broken) = state.check_invariants() {
+                // A test asked for this check: a violated invariant is a bug to stop at.
+                panic!(
+                    "cudalloc invariant violated on device {}: {broken}",
+                    self.device
+                );
+            }
+        }
+    }
+
+    fn poll_events(&self, shard: &Shard, state: &mut ShardState) {
+        if !state.has_pending() {
+            return;
+        }
+        let (events, freed) = state.complete_events(|e| self.driver.event_query(e));
+        self.events.lock().extend(events);
+        for (addr, size) in freed {
+            self.trace.record(
+                TraceAction::FreeCompleted,
+                self.device,
+                addr,
+                size,
+                shard.stream,
+            );
+        }
+    }
+
+    /// Best fit in the shard (after polling its events), allocating on success.
+    fn try_fit(
+        &self,
+        shard: &Arc<Shard>,
+        pool: PoolKind,
+        rounded: u64,
+        requested: u64,
+    ) -> Option<Allocated> {
+        let mut st = shard.state.lock();
+        self.poll_events(shard, &mut st);
+        let id = st.find_fit(pool, rounded, &self.config)?;
+        let id = st.allocate(id, rounded, requested, &self.config);
+        let ptr = st.blocks[id].ptr;
+        self.verify(&st);
+        drop(st);
+        self.trace
+            .record(TraceAction::Alloc, self.device, ptr, rounded, shard.stream);
+        Some(Allocated {
+            shard: Arc::clone(shard),
+            block: id,
+            ptr,
+        })
+    }
+
+    /// Allocates `requested` bytes on `shard`'s stream.
+    pub fn allocate(self: &Arc<Self>, shard: &Arc<Shard>, requested: u64) -> Result<Allocated> {
+        size::check_request(self.device, requested)?;
+        let rounded = size::round_size(requested, &self.config);
+        let pool = PoolKind::for_size(rounded);
+        if let Some(hit) = self.try_fit(shard, pool, rounded, requested) {
+            return Ok(hit);
+        }
+        self.allocate_slow(shard, pool, rounded, requested)
+    }
+
+    fn allocate_slow(
+        &self,
+        shard: &Arc<Shard>,
+        pool: PoolKind,
+        rounded: u64,
+        requested: u64,
+    ) -> Result<Allocated> {
+        if self.callbacks.run() {
+            if let Some(hit) = self.try_fit(shard, pool, rounded, requested) {
+                return Ok(hit);
+            }
+        }
+        self.garbage_collect();
+        let seg = size::segment_size(rounded);
+        if let Some(hit) = self.allocate_segment(shard, pool, seg, rounded, requested)? {
+            return Ok(hit);
+        }
+        if self.release_oversize(rounded) {
+            if let Some(hit) = self.allocate_segment(shard, pool, seg, rounded, requested)? {
+                return Ok(hit);
+            }
+        }
+        self.release_cached(true);
+        self.alloc_retries.fetch_add(1, Ordering::Relaxed);
+        if let Some(hit) = self.try_fit(shard, pool, rounded, requested) {
+            return Ok(hit);
+        }
+        if let Some(hit) = self.allocate_segment(shard, pool, seg, rounded, requested)? {
+            return Ok(hit);
+        }
+        self.ooms.fetch_add(1, Ordering::Relaxed);
+        self.trace
+            .record(TraceAction::Oom, self.device, 0, requested, shard.stream);
+        let stats = self.stats();
+        let free = self
+            .driver
+            .mem_info(self.device)
+            .map(|m| m.free)
+            .unwrap_or(0);
+        Err(oom::out_of_memory(OomFacts {
+            device: self.device,
+            requested,
+            capacity: self.capacity,
+            free,
+            allocated: stats.allocated_bytes[0].current as u64,
+            reserved: stats.reserved_bytes[0].current as u64,
+            fraction: self.fraction(),
+        }))
+    }
+
+    /// Gets a segment from the driver (within the memory fraction) and allocates from it.
+    /// `Ok(None)` when the device (or the fraction) is out of memory.
+    fn allocate_segment(
+        &self,
+        shard: &Arc<Shard>,
+        pool: PoolKind,
+        seg: u64,
+        rounded: u64,
+        requested: u64,
+    ) -> Result<Option<Allocated>> {
+        let held: Option<MutexGuard<'_, ShardState>> =
+            (!self.config.release_lock_on_cudamalloc).then(|| shard.state.lock());
+        let limit = self.fraction().map_or(u64::MAX, |(_, allowed)| allowed);
+        if self
+            .reserved
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
+                r.checked_add(seg).filter(|&n| n <= limit)
+            })
+            .is_err()
+        {
+            return Ok(None);
+        }
+        let ptr = match self.driver.malloc(self.device, seg) {
+            Ok(ptr) => ptr,
+            Err(err) => {
+                self.reserved.fetch_sub(seg, Ordering::SeqCst);
+                return match err.kind() {
+                    ErrorKind::OutOfMemory => Ok(None),
+                    _ => Err(err),
+                };
+            }
+        };
+        let mut st = held.unwrap_or_else(|| shard.state.lock());
+        let head = st.add_segment(ptr.0, seg, pool, &self.config);
+        let id = st.allocate(head, rounded, requested, &self.config);
+        self.verify(&st);
+        drop(st);
+        self.trace.record(
+            TraceAction::SegmentAlloc,
+            self.device,
+            ptr.0,
+            seg,
+            shard.stream,
+        );
+        self.trace.record(
+            TraceAction::Alloc,
+            self.device,
+            ptr.0,
+            rounded,
+            shard.stream,
+        );
+        Ok(Some(Allocated {
+            shard: Arc::clone(shard),
+            block: id,
+            ptr: ptr.0,
+        }))
+    }
+
+    /// Returns segments to the driver (outside every shard lock).
+    fn free_segments(&self, stream: StreamId, segments: Vec<(u64, u64)>) {
+        for (ptr, size) in segments {
+            if let Err(err) = self.driver.free(crate::driver::DevicePtr(ptr)) {
+                tracing::error!(%err, ptr, size, "driver free of a cached segment failed");
+            }
+            self.reserved.fetch_sub(size, Ordering::SeqCst);
+            self.trace
+                .record(TraceAction::SegmentFree, self.device, ptr, size, stream);
+        }
+    }
+
+    /// Frees oversize cached segments (largest first) until `rounded` bytes are freed. Only when
+    /// `max_split_size` is set, as in PyTorch.
+    fn release_oversize(&self, rounded: u64) -> bool {
+        let max_split = self.config.max_split_size;
+        if max_split == u64::MAX {
+            return false;
+        }
+        let threshold = rounded.max(max_split);
+        let mut freed = 0u64;
+        for shard in self.all_shards() {
+            let taken = {
+                let mut st = shard.state.lock();
+                let taken = st.take_free_segments(
+                    &self.config,
+                    |b| b.pool == PoolKind::Large && b.size >= threshold,
+                    false,
+                    |f| f + freed >= rounded,
+                );
+                self.verify(&st);
+                taken
+            };
+            freed += taken.iter().map(|s| s.1).sum::<u64>();
+            self.free_segments(shard.stream, taken);
+            if freed >= rounded {
+                break;
+            }
+        }
+        freed > 0
+    }
+
+    /// Frees every cached whole segment of the device; with `sync`, first waits for every pending
+    /// free's events (PyTorch's `synchronize_and_free_events`). Returns whether anything was freed.
+    pub fn release_cached(&self, sync: bool) -> bool {
+        if sync {
+            self.sync_all.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut any = false;
+        for shard in self.all_shards() {
+            let taken = {
+                let mut st = shard.state.lock();
+                if sync {
+                    for e in st.pending_events() {
+                        if let Err(err) = self.driver.event_synchronize(e) {
+                            tracing::warn!(%err, "event synchronize failed while draining pending frees");
+                        }
+                    }
+                }
+                self.poll_events(&shard, &mut st);
+                let taken = st.take_free_segments(&self.config, |_| true, false, |_| false);
+                self.verify(&st);
+                taken
+            };
+            any |= !taken.is_empty();
+            self.free_segments(shard.stream, taken);
+        }
+        any
+    }
+
+    /// Reclaims the oldest cached segments while reserved memory exceeds the threshold share of
+    /// the allowed memory (only with `garbage_collection_threshold` and a memory fraction).
+    fn garbage_collect(&self) {
+        let threshold = self.config.garbage_collection_threshold;
+        let Some((_, allowed)) = self.fraction().filter(|_| threshold > 0.0) else {
+            return;
+        };
+        let limit = (allowed as f64 * threshold) as u64;
+        let reserved = self.reserved.load(Ordering::SeqCst);
+        if reserved <= limit {
+            return;
+        }
+        let target = reserved - limit;
+        let mut freed = 0u64;
+        for shard in self.all_shards() {
+            let taken = {
+                let mut st = shard.state.lock();
+                let taken =
+                    st.take_free_segments(&self.config, |_| true, true, |f| f + freed >= target);
+                self.verify(&st);
+                taken
+            };
+            freed += taken.iter().map(|s| s.1).sum::<u64>();
+            self.free_segments(shard.stream, taken);
+            if freed >= target {
+                break;
+            }
+        }
+    }
+
+    /// An event for a pending free, recorded on `stream`.
+    pub fn record_free_event(&self, stream: StreamId) -> Result<EventId> {
+        let pooled = self.events.lock().pop();
+        let event = match pooled {
+            Some(e) => e,
+            None => self
+                .driver
+                .event_create(self.device, EventFlags::default())?,
+        };
+        if let Err(err) = self.driver.event_record(event, stream) {
+            self.events.lock().push(event);
+            return Err(err);
+        }
+        Ok(event)
+    }
+
+    /// The device's stats: the sum of its shards' plus device-wide counters.
+    pub fn stats(&self) -> DeviceStats {
+        let mut total = DeviceStats::default();
+        for shard in self.all_shards() {
+            total.accumulate(&shard.state.lock().stats);
+        }
+        total.num_alloc_retries += self.alloc_retries.load(Ordering::Relaxed);
+        total.num_ooms += self.ooms.load(Ordering::Relaxed);
+        total.num_sync_all_streams += self.sync_all.load(Ordering::Relaxed);
+        total.max_split_size = i64::try_from(self.config.max_split_size).unwrap_or(-1);
+        total
+    }
+
+    /// Resets peaks (`peaks`) or accumulated counts (`!peaks`) in every shard.
+    pub fn reset_stats(&self, peaks: bool) {
+        for shard in self.all_shards() {
+            let mut st = shard.state.lock();
+            if peaks {
+                st.stats.reset_peaks();
+            } else {
+                st.stats.reset_accumulated();
+            }
+        }
+        if !peaks {
+            for counter in [&self.alloc_retries, &self.ooms, &self.sync_all] {
+                counter.store(0, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Appends every segment of the device to `out`.
+    pub fn snapshot_into(&self, out: &mut Vec<SnapshotSegment>) {
+        for shard in self.all_shards() {
+            snapshot::shard_segments(&shard.state.lock(), self.device, shard.stream, out);
+        }
+    }
+
+    /// Checks every shard's invariants.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.all_shards()
+            .iter()
+            .try_for_each(|s| s.state.lock().check_invariants())
+    }
+
+    /// Bytes of segments currently held from the driver.
+    pub fn reserved_bytes(&self) -> u64 {
+        self.reserved.load(Ordering::SeqCst)
+    }
+
+    /// Empties the cache and detaches the shards (allocator teardown). Live blocks keep their shard
+    /// alive; their segments are returned when the shard drops.
+    pub fn shutdown(&self) {
+        self.release_cached(true);
+        let events: Vec<_> = std::mem::take(&mut *self.events.lock());
+        for e in events {
+            let _ = self.driver.event_destroy(e);
+        }
+        self.shards.write().clear();
+    }
+}
+
+impl Shard {
+    /// The owner dropped block `id` (the `DataPtr` free path).
+    pub fn free(&self, id: BlockId) {
+        let core = &self.core;
+        let mut st = self.state.lock();
+        let (ptr, size) = (st.blocks[id].ptr, st.blocks[id].size);
+        core.trace.record(
+            TraceAction::FreeRequested,
+            core.device,
+            ptr,
+            size,
+            self.stream,
+        );
+        let uses = st.release(id, &core.config);
+        if uses.is_empty() {
+            core.trace.record(
+                TraceAction::FreeCompleted,
+                core.device,
+                ptr,
+                size,
+                self.stream,
+            );
+        } else {
+            for stream in uses {
+                match core.record_free_event(stream) {
+                    Ok(event) => st.add_pending(id, stream, event),
+                    Err(err) => {
+                        tracing::warn!(%err, "could not record a free event; synchronizing the stream instead");
+                        if let Err(err) = core.driver.stream_synchronize(stream) {
+                            tracing::error!(%err, "stream synchronize failed too; freeing anyway");
+                        }
+                    }
+                }
+            }
+            st.finish_pending_without_events(id);
+        }
+        core.verify(&st);
+    }
+
+    /// Marks block `id` as used by `stream` (`record_stream`).
+    pub fn record_use(&self, id: BlockId, stream: StreamId) -> Result<()> {
+        if stream == self.stream {
+            return Ok(());
+        }
+        let device = self.core.driver.stream_device(stream)?;
+        if device != self.core.device {
+            return Err(Error::invalid(format!(
+                "record_stream: stream {} is on device {device}, the block on device {}",
+                stream.raw(),
+                self.core.device
+            )));
+        }
+        self.state.lock().record_use(id, stream);
+        Ok(())
+    }
+}
+
+impl Drop for Shard {
+    fn drop(&mut self) {
+        // Only reached after the allocator shut down and the last block of this shard was freed.
+        let st = self.state.get_mut();
+        for e in st.pending_events() {
+            let _ = self.core.driver.event_synchronize(e);
+        }
+        let _ = st.complete_events(|_| Ok(true));
+        let taken = st.take_free_segments(&self.core.config, |_| true, false, |_| false);
+        self.core.free_segments(self.stream, taken);
+    }
+}

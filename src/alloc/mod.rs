@@ -1,0 +1,368 @@
+//! The caching allocator: PyTorch's `CUDACachingAllocator` policy, sharded per (device, stream).
+//!
+//! * `size.rs` — rounding, pools, segment sizes, split and oversize rules.
+//! * `block.rs` / `shard.rs` — blocks tiling segments, best-fit free pools, split/merge, pending
+//!   frees; all the state of one (device, stream) under one lock.
+//! * `device.rs` — a device's shards and the device-wide paths (miss sequence, GC, `empty_cache`).
+//! * `stats.rs`, `summary.rs`, `snapshot.rs` — PyTorch's stats keys, the summary table, snapshots
+//!   and the allocation trace. `oom.rs` — callbacks and the out-of-memory message.
+//! * `invariants.rs` — the scanner that tests run after every mutation.
+//!
+//! A segment belongs to one stream for its whole life (as in PyTorch), so each (device, stream)
+//! owns its pools and segments under its own lock: threads on different streams never contend, and
+//! a free finds its shard through the [`DataPtr`]'s owner — there is no global pointer map and no
+//! device-wide mutex on the hot path.
+
+mod block;
+mod device;
+mod invariants;
+mod oom;
+mod shard;
+pub mod size;
+mod snapshot;
+mod stats;
+mod summary;
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+
+pub use oom::{format_size, FreeMemoryCallback};
+pub use snapshot::{
+    Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment, TraceAction, TraceEntry,
+};
+pub use stats::{DeviceStats, Stat, StatArray, POOL_NAMES};
+
+pub(crate) use device::Shard;
+
+use self::device::DeviceCore;
+use self::oom::Callbacks;
+use self::snapshot::Trace;
+use crate::config::AllocatorConfig;
+use crate::driver::{DevicePtr, Driver, StreamId};
+use crate::error::{Error, Result};
+use crate::storage::{BlockOwner, DataPtr, Owner};
+use crate::sync::os::atomic::{AtomicU64, Ordering};
+use crate::sync::os::Arc;
+
+static NEXT_ALLOCATOR_ID: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// Current stream per (allocator id, device) on this thread.
+    static CURRENT_STREAMS: RefCell<Vec<((u64, usize), StreamId)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Options of a [`CachingAllocator`].
+#[derive(Clone, Debug, Default)]
+pub struct CachingAllocatorBuilder {
+    config: AllocatorConfig,
+    check_invariants: bool,
+}
+
+impl CachingAllocatorBuilder {
+    /// Uses `config` (default: [`AllocatorConfig::default`]).
+    pub fn config(mut self, config: AllocatorConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Runs the invariant scanner after every mutation and panics on a violation (tests).
+    pub fn check_invariants(mut self, on: bool) -> Self {
+        self.check_invariants = on;
+        self
+    }
+
+    /// Builds the allocator over `driver`.
+    pub fn build(self, driver: Arc<dyn Driver>) -> Result<CachingAllocator> {
+        let config = Arc::new(self.config);
+        let callbacks = Arc::new(Callbacks::default());
+        let trace = Arc::new(Trace::default());
+        let devices = (0..driver.device_count())
+            .map(|d| {
+                DeviceCore::new(
+                    d,
+                    Arc::clone(&driver),
+                    Arc::clone(&config),
+                    Arc::clone(&callbacks),
+                    Arc::clone(&trace),
+                    self.check_invariants,
+                )
+                .map(Arc::new)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(CachingAllocator {
+            id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
+            driver,
+            config,
+            devices,
+            callbacks,
+            trace,
+        })
+    }
+}
+
+/// A caching allocator over any [`Driver`], for all its devices.
+pub struct CachingAllocator {
+    id: u64,
+    driver: Arc<dyn Driver>,
+    config: Arc<AllocatorConfig>,
+    devices: Vec<Arc<DeviceCore>>,
+    callbacks: Arc<Callbacks>,
+    trace: Arc<Trace>,
+}
+
+impl std::fmt::Debug for CachingAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachingAllocator")
+            .field("backend", &self.driver.backend())
+            .field("devices", &self.devices.len())
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+/// Restores the previous current stream when dropped (see [`CachingAllocator::set_current_stream`]).
+#[derive(Debug)]
+pub struct StreamGuard {
+    key: (u64, usize),
+    previous: Option<StreamId>,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        CURRENT_STREAMS.with(|cell| {
+            let mut list = cell.borrow_mut();
+            list.retain(|(k, _)| *k != self.key);
+            if let Some(prev) = self.previous {
+                list.push((self.key, prev));
+            }
+        });
+    }
+}
+
+impl CachingAllocator {
+    /// A builder with the default configuration.
+    pub fn builder() -> CachingAllocatorBuilder {
+        CachingAllocatorBuilder::default()
+    }
+
+    /// An allocator over `driver` with `config`.
+    pub fn new(driver: Arc<dyn Driver>, config: AllocatorConfig) -> Result<Self> {
+        Self::builder().config(config).build(driver)
+    }
+
+    /// The driver underneath.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &AllocatorConfig {
+        &self.config
+    }
+
+    /// Number of devices.
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    fn device(&self, device: usize) -> Result<&Arc<DeviceCore>> {
+        self.devices.get(device).ok_or_else(|| {
+            Error::invalid(format!(
+                "device {device} does not exist ({} device(s))",
+                self.devices.len()
+            ))
+        })
+    }
+
+    /// The device's default stream.
+    pub fn default_stream(&self, device: usize) -> Result<StreamId> {
+        self.driver.default_stream(device)
+    }
+
+    /// Creates a new stream on `device`.
+    pub fn create_stream(&self, device: usize) -> Result<StreamId> {
+        self.driver.stream_create(device)
+    }
+
+    /// This thread's current stream on `device` (the default stream unless set).
+    pub fn current_stream(&self, device: usize) -> Result<StreamId> {
+        let key = (self.id, device);
+        let set = CURRENT_STREAMS.with(|cell| {
+            cell.borrow()
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, s)| *s)
+        });
+        match set {
+            Some(stream) => Ok(stream),
+            None => self.default_stream(device),
+        }
+    }
+
+    /// Makes `stream` this thread's current stream on its device until the guard drops.
+    pub fn set_current_stream(&self, stream: StreamId) -> Result<StreamGuard> {
+        let device = self.driver.stream_device(stream)?;
+        let key = (self.id, device);
+        let previous = CURRENT_STREAMS.with(|cell| {
+            let mut list = cell.borrow_mut();
+            let previous = list.iter().find(|(k, _)| *k == key).map(|(_, s)| *s);
+            list.retain(|(k, _)| *k != key);
+            list.push((key, stream));
+            previous
+        });
+        Ok(StreamGuard { key, previous })
+    }
+
+    /// Allocates `size` bytes on `device`'s current stream. Size 0 gives an empty pointer.
+    pub fn allocate(&self, device: usize, size: u64) -> Result<DataPtr> {
+        let stream = self.current_stream(device)?;
+        self.allocate_on(stream, size)
+    }
+
+    /// Allocates `size` bytes for use on `stream`.
+    pub fn allocate_on(&self, stream: StreamId, size: u64) -> Result<DataPtr> {
+        let device = self.driver.stream_device(stream)?;
+        let core = self.device(device)?;
+        if size == 0 {
+            return Ok(DataPtr::empty(device));
+        }
+        let shard = core.shard(stream)?;
+        let a = core.allocate(&shard, size)?;
+        Ok(DataPtr::new(
+            DevicePtr(a.ptr),
+            device,
+            Owner::Block(BlockOwner::new(a.shard, a.block)),
+        ))
+    }
+
+    /// Marks `data` as used on `stream`: its free will wait for the work queued there so far.
+    pub fn record_stream(&self, data: &DataPtr, stream: StreamId) -> Result<()> {
+        match data.block_owner() {
+            Some(owner) => owner.record_use(stream),
+            None if data.is_empty() => Ok(()),
+            None => Err(Error::invalid(
+                "record_stream: this pointer was not allocated by a caching allocator",
+            )),
+        }
+    }
+
+    /// The allocator-level clone: allocates `nbytes` on `stream` and enqueues a device-to-device
+    /// copy of `src`'s first `nbytes` there (stream-ordered, not blocking). `src` is marked as used
+    /// by `stream`, so its free waits for the copy. (DESIGN calls this `clone`; renamed so it
+    /// cannot be confused with `Clone::clone` on an `Arc<CachingAllocator>`.)
+    pub fn clone_data(&self, src: &DataPtr, nbytes: u64, stream: StreamId) -> Result<DataPtr> {
+        let device = self.driver.stream_device(stream)?;
+        if device != src.device() {
+            return Err(Error::invalid(format!(
+                "clone: source on device {} but stream on device {device}",
+                src.device()
+            )));
+        }
+        let out = self.allocate_on(stream, nbytes)?;
+        if nbytes > 0 {
+            self.driver
+                .copy_device_to_device(stream, out.ptr(), src.ptr(), nbytes)?;
+            self.record_stream(src, stream)?;
+        }
+        Ok(out)
+    }
+
+    /// Registers a callback run on a cache miss before asking the driver for memory; it returns
+    /// whether it freed anything (then best fit is retried).
+    pub fn register_free_memory_callback(&self, callback: FreeMemoryCallback) {
+        self.callbacks.register(callback);
+    }
+
+    /// Waits for pending frees and returns every cached whole segment of every device to the driver.
+    pub fn empty_cache(&self) {
+        for d in &self.devices {
+            d.release_cached(true);
+        }
+    }
+
+    /// Stats of `device`.
+    pub fn memory_stats(&self, device: usize) -> Result<DeviceStats> {
+        Ok(self.device(device)?.stats())
+    }
+
+    /// Stats of `device` with PyTorch's keys.
+    pub fn memory_stats_map(&self, device: usize) -> Result<BTreeMap<String, i64>> {
+        Ok(self.memory_stats(device)?.to_map())
+    }
+
+    /// Resets every `peak` of `device` to its current value.
+    pub fn reset_peak_memory_stats(&self, device: usize) -> Result<()> {
+        self.device(device)?.reset_stats(true);
+        Ok(())
+    }
+
+    /// Zeroes the accumulated counts of `device`.
+    pub fn reset_accumulated_memory_stats(&self, device: usize) -> Result<()> {
+        self.device(device)?.reset_stats(false);
+        Ok(())
+    }
+
+    /// The summary table of `device`.
+    pub fn memory_summary(&self, device: usize) -> Result<String> {
+        let stats = self.memory_stats(device)?;
+        Ok(summary::render(
+            device,
+            self.driver.backend().name(),
+            &stats,
+        ))
+    }
+
+    /// Turns the allocation trace on (keeping the last `max_entries`) or off.
+    pub fn record_history(&self, enabled: bool, max_entries: usize) {
+        self.trace.configure(enabled, max_entries);
+    }
+
+    /// Every segment with its blocks, and the trace when history is on.
+    pub fn snapshot(&self) -> Snapshot {
+        let mut segments = Vec::new();
+        for d in &self.devices {
+            d.snapshot_into(&mut segments);
+        }
+        segments.sort_by_key(|s| (s.device, s.address));
+        if let Some(first) = self.devices.first() {
+            let stream = self
+                .driver
+                .default_stream(first.device)
+                .unwrap_or(StreamId(0));
+            self.trace
+                .record(TraceAction::Snapshot, first.device, 0, 0, stream);
+        }
+        Snapshot {
+            segments,
+            trace: self.trace.entries(),
+        }
+    }
+
+    /// Caps this process's reservations on `device` at `fraction` of its capacity.
+    pub fn set_per_process_memory_fraction(&self, fraction: f64, device: usize) -> Result<()> {
+        self.device(device)?.set_memory_fraction(fraction)
+    }
+
+    /// Bytes of segments held from the driver on `device`.
+    pub fn reserved_bytes(&self, device: usize) -> Result<u64> {
+        Ok(self.device(device)?.reserved_bytes())
+    }
+
+    /// Drains the IPC limbo. Returns whether anything was freed (always false until IPC lands).
+    pub fn ipc_collect(&self) -> bool {
+        false
+    }
+
+    /// Runs the invariant scanner over every shard.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.devices.iter().try_for_each(|d| d.check_invariants())
+    }
+}
+
+impl Drop for CachingAllocator {
+    fn drop(&mut self) {
+        for d in &self.devices {
+            d.shutdown();
+        }
+    }
+}

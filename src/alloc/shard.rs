@@ -1,0 +1,378 @@
+//! The state of one shard — the blocks, free pools, segments, pending frees and stats of one
+//! (device, stream) — and every operation on it. All methods run under the shard's lock and never
+//! call the driver except through the closures they are given, so the locking policy lives in one
+//! place (`device.rs`).
+//!
+//! Pending frees (`record_stream`): a block freed while other streams used it becomes `PendingFree`
+//! and one event per using stream is recorded; the events queue per using stream, in order. They
+//! are polled lazily ([`ShardState::complete_events`]) before each allocation of the shard, and
+//! waited for in `empty_cache` and the last out-of-memory step.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+
+use slab::Slab;
+
+use super::block::{Block, BlockId, BlockState, FreeKey, SegmentInfo};
+use super::size::{self, PoolKind};
+use super::stats::{self, DeviceStats};
+use crate::config::AllocatorConfig;
+use crate::driver::{EventId, StreamId};
+use crate::error::Result;
+
+/// The mutable state of one shard.
+#[derive(Debug, Default)]
+pub(crate) struct ShardState {
+    pub blocks: Slab<Block>,
+    pub free_small: BTreeSet<FreeKey>,
+    pub free_large: BTreeSet<FreeKey>,
+    pub segments: BTreeMap<u64, SegmentInfo>,
+    /// Pending-free events, per stream that used the blocks, oldest first.
+    pub pending: HashMap<StreamId, VecDeque<(EventId, BlockId)>>,
+    pub stats: DeviceStats,
+    /// Allocations served so far (age clock of garbage collection).
+    pub tick: u64,
+}
+
+/// Whether a block of this size counts as oversize.
+fn oversize(size: u64, config: &AllocatorConfig) -> bool {
+    size >= config.max_split_size
+}
+
+impl ShardState {
+    fn free_set(&mut self, pool: PoolKind) -> &mut BTreeSet<FreeKey> {
+        match pool {
+            PoolKind::Small => &mut self.free_small,
+            PoolKind::Large => &mut self.free_large,
+        }
+    }
+
+    /// Adds (`sign` = true) or removes a free block's contribution to the inactive-split stats.
+    fn account_inactive(&mut self, id: BlockId, add: bool) {
+        let b = &self.blocks[id];
+        if b.state == BlockState::Free && b.is_split() {
+            let (pool, size) = (b.pool, b.size);
+            let s = &mut self.stats;
+            if add {
+                stats::increase(&mut s.inactive_split, pool, 1);
+                stats::increase(&mut s.inactive_split_bytes, pool, size);
+            } else {
+                stats::decrease(&mut s.inactive_split, pool, 1);
+                stats::decrease(&mut s.inactive_split_bytes, pool, size);
+            }
+        }
+    }
+
+    fn insert_free(&mut self, id: BlockId) {
+        let (pool, key) = {
+            let b = &self.blocks[id];
+            (b.pool, (b.size, b.ptr, id))
+        };
+        self.free_set(pool).insert(key);
+        self.account_inactive(id, true);
+    }
+
+    fn remove_free(&mut self, id: BlockId) {
+        self.account_inactive(id, false);
+        let (pool, key) = {
+            let b = &self.blocks[id];
+            (b.pool, (b.size, b.ptr, id))
+        };
+        let removed = self.free_set(pool).remove(&key);
+        debug_assert!(removed, "free block {id} missing from its pool");
+    }
+
+    /// Best fit in `pool` for a rounded request, under the oversize rules.
+    pub fn find_fit(
+        &self,
+        pool: PoolKind,
+        rounded: u64,
+        config: &AllocatorConfig,
+    ) -> Option<BlockId> {
+        let set = match pool {
+            PoolKind::Small => &self.free_small,
+            PoolKind::Large => &self.free_large,
+        };
+        let &(block_size, _, id) = set.range((rounded, 0, 0)..).next()?;
+        size::fits_oversize_rules(block_size, rounded, config).then_some(id)
+    }
+
+    /// Registers a new segment as one free block; returns it.
+    pub fn add_segment(
+        &mut self,
+        ptr: u64,
+        seg_size: u64,
+        pool: PoolKind,
+        config: &AllocatorConfig,
+    ) -> BlockId {
+        let id = self.blocks.insert(Block {
+            ptr,
+            size: seg_size,
+            requested: 0,
+            pool,
+            state: BlockState::Free,
+            prev: None,
+            next: None,
+            segment: ptr,
+            stream_uses: Vec::new(),
+            pending_events: 0,
+            freed_at: self.tick,
+        });
+        self.segments.insert(
+            ptr,
+            SegmentInfo {
+                size: seg_size,
+                pool,
+                head: id,
+            },
+        );
+        let s = &mut self.stats;
+        stats::increase(&mut s.segment, pool, 1);
+        stats::increase(&mut s.reserved_bytes, pool, seg_size);
+        s.num_device_alloc += 1;
+        if oversize(seg_size, config) {
+            s.oversize_segments.increase(1);
+        }
+        self.insert_free(id);
+        id
+    }
+
+    /// Hands out free block `id` for a request (splitting off the remainder when the policy says
+    /// so); returns the allocated block (the same id).
+    pub fn allocate(
+        &mut self,
+        id: BlockId,
+        rounded: u64,
+        requested: u64,
+        config: &AllocatorConfig,
+    ) -> BlockId {
+        self.remove_free(id);
+        let (pool, block_size) = (self.blocks[id].pool, self.blocks[id].size);
+        if size::should_split(pool, block_size, rounded, config) {
+            let b = &self.blocks[id];
+            let rest = Block {
+                ptr: b.ptr + rounded,
+                size: block_size - rounded,
+                requested: 0,
+                pool,
+                state: BlockState::Free,
+                prev: Some(id),
+                next: b.next,
+                segment: b.segment,
+                stream_uses: Vec::new(),
+                pending_events: 0,
+                freed_at: self.tick,
+            };
+            let rest_id = self.blocks.insert(rest);
+            if let Some(next) = self.blocks[rest_id].next {
+                self.blocks[next].prev = Some(rest_id);
+            }
+            let b = &mut self.blocks[id];
+            b.next = Some(rest_id);
+            b.size = rounded;
+            self.insert_free(rest_id);
+        }
+        self.tick += 1;
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Allocated;
+        b.requested = requested;
+        let (size, pool) = (b.size, b.pool);
+        let s = &mut self.stats;
+        stats::increase(&mut s.allocation, pool, 1);
+        stats::increase(&mut s.allocated_bytes, pool, size);
+        stats::increase(&mut s.active, pool, 1);
+        stats::increase(&mut s.active_bytes, pool, size);
+        stats::increase(&mut s.requested_bytes, pool, requested);
+        if oversize(size, config) {
+            s.oversize_allocations.increase(1);
+        }
+        id
+    }
+
+    /// Records that `stream` (not the shard's own) used allocated block `id`.
+    pub fn record_use(&mut self, id: BlockId, stream: StreamId) {
+        let uses = &mut self.blocks[id].stream_uses;
+        if !uses.contains(&stream) {
+            uses.push(stream);
+        }
+    }
+
+    /// The caller dropped block `id`. Returns the streams that used it (events must be recorded on
+    /// each, then [`Self::add_pending`]); when none, the block is free already.
+    pub fn release(&mut self, id: BlockId, config: &AllocatorConfig) -> Vec<StreamId> {
+        let b = &mut self.blocks[id];
+        debug_assert_eq!(b.state, BlockState::Allocated);
+        let (size, pool, requested) = (b.size, b.pool, b.requested);
+        let uses = std::mem::take(&mut b.stream_uses);
+        let s = &mut self.stats;
+        stats::decrease(&mut s.allocation, pool, 1);
+        stats::decrease(&mut s.allocated_bytes, pool, size);
+        stats::decrease(&mut s.requested_bytes, pool, requested);
+        if oversize(size, config) {
+            s.oversize_allocations.decrease(1);
+        }
+        if uses.is_empty() {
+            self.finish_free(id);
+        } else {
+            self.blocks[id].state = BlockState::PendingFree;
+        }
+        uses
+    }
+
+    /// Queues `event` (recorded on `stream`) as one of the waits of pending block `id`.
+    pub fn add_pending(&mut self, id: BlockId, stream: StreamId, event: EventId) {
+        self.blocks[id].pending_events += 1;
+        self.pending
+            .entry(stream)
+            .or_default()
+            .push_back((event, id));
+    }
+
+    /// A pending block whose events could not all be recorded: wait is impossible, so the caller
+    /// synchronized instead; the block is free now.
+    pub fn finish_pending_without_events(&mut self, id: BlockId) {
+        if self.blocks[id].pending_events == 0 {
+            self.finish_free(id);
+        }
+    }
+
+    /// Makes block `id` free: merges it with free neighbours and returns it to its pool.
+    fn finish_free(&mut self, id: BlockId) {
+        let mut id = id;
+        {
+            let b = &mut self.blocks[id];
+            let (pool, size) = (b.pool, b.size);
+            b.state = BlockState::Free;
+            b.requested = 0;
+            b.stream_uses.clear();
+            b.freed_at = self.tick;
+            stats::decrease(&mut self.stats.active, pool, 1);
+            stats::decrease(&mut self.stats.active_bytes, pool, size);
+        }
+        if let Some(prev) = self.blocks[id]
+            .prev
+            .filter(|&p| self.blocks[p].state == BlockState::Free)
+        {
+            self.remove_free(prev);
+            let b = self.blocks.remove(id);
+            let p = &mut self.blocks[prev];
+            p.size += b.size;
+            p.next = b.next;
+            p.freed_at = b.freed_at;
+            if let Some(next) = b.next {
+                self.blocks[next].prev = Some(prev);
+            }
+            id = prev;
+        }
+        if let Some(next) = self.blocks[id]
+            .next
+            .filter(|&n| self.blocks[n].state == BlockState::Free)
+        {
+            self.remove_free(next);
+            let n = self.blocks.remove(next);
+            let b = &mut self.blocks[id];
+            b.size += n.size;
+            b.next = n.next;
+            if let Some(after) = n.next {
+                self.blocks[after].prev = Some(id);
+            }
+        }
+        self.insert_free(id);
+    }
+
+    /// Polls the pending events of every using stream in order; frees blocks whose last event
+    /// completed. Returns the completed events (for reuse) and the (address, size) of each block
+    /// that became free. A failing query stops that stream's queue (the blocks stay pending).
+    pub fn complete_events(
+        &mut self,
+        mut query: impl FnMut(EventId) -> Result<bool>,
+    ) -> (Vec<EventId>, Vec<(u64, u64)>) {
+        let mut done = Vec::new();
+        let mut ready = Vec::new();
+        for queue in self.pending.values_mut() {
+            while let Some(&(event, block)) = queue.front() {
+                match query(event) {
+                    Ok(true) => {
+                        queue.pop_front();
+                        done.push(event);
+                        ready.push(block);
+                    }
+                    Ok(false) => break,
+                    Err(err) => {
+                        tracing::warn!(%err, "event query failed; pending frees stay pending");
+                        break;
+                    }
+                }
+            }
+        }
+        self.pending.retain(|_, q| !q.is_empty());
+        let mut freed = Vec::new();
+        for block in ready {
+            let b = &mut self.blocks[block];
+            b.pending_events -= 1;
+            if b.pending_events == 0 {
+                freed.push((b.ptr, b.size));
+                self.finish_free(block);
+            }
+        }
+        (done, freed)
+    }
+
+    /// Whether any free is waiting for events.
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Removes every free block that spans a whole segment and satisfies `select` (visited oldest
+    /// first when `oldest_first`), stopping once `enough(freed_bytes)` holds. Returns the segments
+    /// (base, size) for the caller to give back to the driver.
+    pub fn take_free_segments(
+        &mut self,
+        config: &AllocatorConfig,
+        select: impl Fn(&Block) -> bool,
+        oldest_first: bool,
+        enough: impl Fn(u64) -> bool,
+    ) -> Vec<(u64, u64)> {
+        let mut candidates: Vec<BlockId> = self
+            .free_small
+            .iter()
+            .chain(self.free_large.iter())
+            .map(|&(_, _, id)| id)
+            .filter(|&id| !self.blocks[id].is_split() && select(&self.blocks[id]))
+            .collect();
+        if oldest_first {
+            candidates.sort_by_key(|&id| self.blocks[id].freed_at);
+        } else {
+            // Largest first: PyTorch frees the biggest oversize blocks first.
+            candidates.sort_by_key(|&id| std::cmp::Reverse(self.blocks[id].size));
+        }
+        let mut released = Vec::new();
+        let mut freed = 0u64;
+        for id in candidates {
+            if enough(freed) {
+                break;
+            }
+            self.remove_free(id);
+            let b = self.blocks.remove(id);
+            self.segments.remove(&b.ptr);
+            let s = &mut self.stats;
+            stats::decrease(&mut s.segment, b.pool, 1);
+            stats::decrease(&mut s.reserved_bytes, b.pool, b.size);
+            s.num_device_free += 1;
+            if oversize(b.size, config) {
+                s.oversize_segments.decrease(1);
+            }
+            freed += b.size;
+            released.push((b.ptr, b.size));
+        }
+        released
+    }
+
+    /// Takes every pending event (for a synchronous drain): the caller synchronizes them and then
+    /// calls [`Self::complete_events`] with an always-true query.
+    pub fn pending_events(&self) -> Vec<EventId> {
+        self.pending
+            .values()
+            .flat_map(|q| q.iter().map(|&(e, _)| e))
+            .collect()
+    }
+}

@@ -1,0 +1,279 @@
+//! PyTorch's allocator statistics, key for key.
+//!
+//! Every [`Stat`] has `current`, `peak`, `allocated` (sum of increases) and `freed` (sum of
+//! decreases). Each is kept per pool: index 0 = `all`, 1 = `small_pool`, 2 = `large_pool`.
+//! [`DeviceStats::to_map`] flattens them into exactly PyTorch's keys (`allocated_bytes.all.current`,
+//! `allocation.small_pool.peak`, `num_alloc_retries`, …).
+//!
+//! Stats live in each shard (one per stream), updated under the shard's lock — no shared cache line
+//! on the hot path. A device's stats are the sum of its shards'. `current`, `allocated` and `freed`
+//! add exactly; `peak` is exact while a device uses one stream, and with several streams is the sum
+//! of each stream's peak — an upper bound of PyTorch's device-wide peak (deliberate: an exact global
+//! peak needs one contended counter per update, which is what sharding removes).
+
+use std::collections::BTreeMap;
+
+use super::size::PoolKind;
+
+/// One statistic.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stat {
+    /// Value now.
+    pub current: i64,
+    /// Highest value since the last peak reset.
+    pub peak: i64,
+    /// Sum of increases since the last accumulated reset.
+    pub allocated: i64,
+    /// Sum of decreases since the last accumulated reset.
+    pub freed: i64,
+}
+
+impl Stat {
+    /// Adds `n` (updates `peak` and `allocated`).
+    #[inline]
+    pub fn increase(&mut self, n: i64) {
+        self.current += n;
+        self.allocated += n;
+        self.peak = self.peak.max(self.current);
+    }
+
+    /// Subtracts `n` (updates `freed`).
+    #[inline]
+    pub fn decrease(&mut self, n: i64) {
+        self.current -= n;
+        self.freed += n;
+    }
+
+    fn add(&mut self, other: &Stat) {
+        self.current += other.current;
+        self.peak += other.peak;
+        self.allocated += other.allocated;
+        self.freed += other.freed;
+    }
+
+    fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+
+    fn reset_accumulated(&mut self) {
+        self.allocated = 0;
+        self.freed = 0;
+    }
+}
+
+/// A [`Stat`] per pool: `[all, small_pool, large_pool]`.
+pub type StatArray = [Stat; 3];
+
+/// PyTorch's pool names in [`StatArray`] order.
+pub const POOL_NAMES: [&str; 3] = ["all", "small_pool", "large_pool"];
+
+fn pool_index(pool: PoolKind) -> usize {
+    match pool {
+        PoolKind::Small => 1,
+        PoolKind::Large => 2,
+    }
+}
+
+/// Increases the `all` entry and the pool's entry.
+#[inline]
+pub fn increase(array: &mut StatArray, pool: PoolKind, n: u64) {
+    let n = n as i64;
+    array[0].increase(n);
+    array[pool_index(pool)].increase(n);
+}
+
+/// Decreases the `all` entry and the pool's entry.
+#[inline]
+pub fn decrease(array: &mut StatArray, pool: PoolKind, n: u64) {
+    let n = n as i64;
+    array[0].decrease(n);
+    array[pool_index(pool)].decrease(n);
+}
+
+/// All statistics of one device (or one shard).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// Live allocations handed out.
+    pub allocation: StatArray,
+    /// Segments obtained from the driver.
+    pub segment: StatArray,
+    /// Blocks in use or waiting for their stream events (active).
+    pub active: StatArray,
+    /// Free blocks that are part of a split segment.
+    pub inactive_split: StatArray,
+    /// Bytes of allocated blocks (rounded sizes).
+    pub allocated_bytes: StatArray,
+    /// Bytes of segments.
+    pub reserved_bytes: StatArray,
+    /// Bytes of active blocks.
+    pub active_bytes: StatArray,
+    /// Bytes of inactive split blocks.
+    pub inactive_split_bytes: StatArray,
+    /// Bytes requested by callers (before rounding).
+    pub requested_bytes: StatArray,
+    /// Allocations of at least `max_split_size` bytes.
+    pub oversize_allocations: Stat,
+    /// Segments of at least `max_split_size` bytes.
+    pub oversize_segments: Stat,
+    /// Allocations that had to free cached memory and retry.
+    pub num_alloc_retries: u64,
+    /// Allocations that failed with out-of-memory.
+    pub num_ooms: u64,
+    /// Times every stream's pending frees were synchronized.
+    pub num_sync_all_streams: u64,
+    /// Driver `malloc` calls.
+    pub num_device_alloc: u64,
+    /// Driver `free` calls.
+    pub num_device_free: u64,
+    /// The configured `max_split_size` in bytes (-1 when unlimited: PyTorch's `SIZE_MAX` as int64).
+    pub max_split_size: i64,
+}
+
+impl DeviceStats {
+    fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
+        [
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+        ]
+    }
+
+    fn arrays(&self) -> [(&'static str, &StatArray); 9] {
+        [
+            ("allocation", &self.allocation),
+            ("segment", &self.segment),
+            ("active", &self.active),
+            ("inactive_split", &self.inactive_split),
+            ("allocated_bytes", &self.allocated_bytes),
+            ("reserved_bytes", &self.reserved_bytes),
+            ("active_bytes", &self.active_bytes),
+            ("inactive_split_bytes", &self.inactive_split_bytes),
+            ("requested_bytes", &self.requested_bytes),
+        ]
+    }
+
+    /// Adds another shard's stats into these (counters too).
+    pub fn accumulate(&mut self, other: &DeviceStats) {
+        for (mine, (_, theirs)) in self.arrays_mut().into_iter().zip(other.arrays()) {
+            for (m, t) in mine.iter_mut().zip(theirs) {
+                m.add(t);
+            }
+        }
+        self.oversize_allocations.add(&other.oversize_allocations);
+        self.oversize_segments.add(&other.oversize_segments);
+        self.num_alloc_retries += other.num_alloc_retries;
+        self.num_ooms += other.num_ooms;
+        self.num_sync_all_streams += other.num_sync_all_streams;
+        self.num_device_alloc += other.num_device_alloc;
+        self.num_device_free += other.num_device_free;
+    }
+
+    /// Sets every peak to its current value.
+    pub fn reset_peaks(&mut self) {
+        for array in self.arrays_mut() {
+            array.iter_mut().for_each(Stat::reset_peak);
+        }
+        self.oversize_allocations.reset_peak();
+        self.oversize_segments.reset_peak();
+    }
+
+    /// Zeroes every `allocated`/`freed` sum and the event counters.
+    pub fn reset_accumulated(&mut self) {
+        for array in self.arrays_mut() {
+            array.iter_mut().for_each(Stat::reset_accumulated);
+        }
+        self.oversize_allocations.reset_accumulated();
+        self.oversize_segments.reset_accumulated();
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_sync_all_streams = 0;
+        self.num_device_alloc = 0;
+        self.num_device_free = 0;
+    }
+
+    /// The flat map with PyTorch's exact keys.
+    pub fn to_map(&self) -> BTreeMap<String, i64> {
+        let mut map = BTreeMap::new();
+        let mut put_stat = |prefix: String, stat: &Stat| {
+            map.insert(format!("{prefix}.current"), stat.current);
+            map.insert(format!("{prefix}.peak"), stat.peak);
+            map.insert(format!("{prefix}.allocated"), stat.allocated);
+            map.insert(format!("{prefix}.freed"), stat.freed);
+        };
+        for (name, array) in self.arrays() {
+            for (pool, stat) in POOL_NAMES.iter().zip(array) {
+                put_stat(format!("{name}.{pool}"), stat);
+            }
+        }
+        put_stat("oversize_allocations".into(), &self.oversize_allocations);
+        put_stat("oversize_segments".into(), &self.oversize_segments);
+        for (key, value) in [
+            ("num_alloc_retries", self.num_alloc_retries),
+            ("num_ooms", self.num_ooms),
+            ("num_sync_all_streams", self.num_sync_all_streams),
+            ("num_device_alloc", self.num_device_alloc),
+            ("num_device_free", self.num_device_free),
+        ] {
+            map.insert(key.to_owned(), value as i64);
+        }
+        map.insert("max_split_size".into(), self.max_split_size);
+        map
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_tracks_peak_and_sums() {
+        let mut s = Stat::default();
+        s.increase(10);
+        s.decrease(4);
+        s.increase(2);
+        assert_eq!(
+            s,
+            Stat {
+                current: 8,
+                peak: 10,
+                allocated: 12,
+                freed: 4
+            }
+        );
+        s.reset_peak();
+        assert_eq!(s.peak, 8);
+    }
+
+    #[test]
+    fn map_has_pytorch_keys() {
+        let mut d = DeviceStats::default();
+        increase(&mut d.allocated_bytes, PoolKind::Small, 512);
+        let m = d.to_map();
+        assert_eq!(m["allocated_bytes.all.current"], 512);
+        assert_eq!(m["allocated_bytes.small_pool.peak"], 512);
+        assert_eq!(m["allocated_bytes.large_pool.current"], 0);
+        for key in [
+            "allocation.all.allocated",
+            "segment.large_pool.freed",
+            "inactive_split_bytes.all.peak",
+            "requested_bytes.small_pool.current",
+            "oversize_allocations.current",
+            "oversize_segments.peak",
+            "num_alloc_retries",
+            "num_ooms",
+            "num_sync_all_streams",
+            "num_device_alloc",
+            "num_device_free",
+            "max_split_size",
+        ] {
+            assert!(m.contains_key(key), "{key}");
+        }
+        assert_eq!(m.len(), 9 * 3 * 4 + 2 * 4 + 6);
+    }
+}

@@ -1,0 +1,322 @@
+//! Allocator configuration: `CUDALLOC_CONF`, in the grammar and with the keys of PyTorch's
+//! `PYTORCH_CUDA_ALLOC_CONF`, so a tuned PyTorch setting carries over unchanged.
+//!
+//! Grammar: `key:value[,key:value]*`, whitespace ignored; `roundup_power2_divisions` also takes a
+//! list `[size_mb:divisions,...,>:divisions]`. Every key is checked: an unknown key or a bad value is
+//! an [`Error::Config`] naming the key and what is valid.
+//!
+//! | key | value | default |
+//! |---|---|---|
+//! | `max_split_size_mb` | integer > 20 (MiB); blocks at least this large are never split | unlimited |
+//! | `garbage_collection_threshold` | 0.0 < t < 1.0: reclaim cached blocks above t × allowed memory | off |
+//! | `roundup_power2_divisions` | power of two ≤ 64, or `[256:1,512:2,>:4]` per size interval | off |
+//! | `expandable_segments` | `True`/`False` (only `False`: segments must be whole `cuMemAlloc` allocations to be IPC-exportable) | `False` |
+//! | `release_lock_on_cudamalloc` | `True`/`False`: call the driver's malloc without holding the shard lock | `False` |
+//! | `per_process_memory_fraction` | 0.0 ≤ f ≤ 1.0 of each device's total memory | 1.0 |
+//! | `pinned_use_cuda_host_register`, `pinned_num_register_threads`, `pinned_use_background_threads` | PyTorch's pinned host-memory keys: validated, then ignored (cudalloc has no pinned host allocator) | — |
+
+use crate::error::{Error, Result};
+
+/// Bytes in a MiB.
+const MIB: u64 = 1 << 20;
+/// Number of size intervals of `roundup_power2_divisions` (1 MiB, 2 MiB, … 32 GiB and above).
+pub const ROUNDUP_INTERVALS: usize = 16;
+/// `max_split_size_mb` must exceed this (PyTorch's large-buffer size, 20 MiB).
+const MIN_MAX_SPLIT_MB: u64 = 20;
+
+/// Parsed allocator settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AllocatorConfig {
+    /// Blocks of at least this many bytes are never split (`u64::MAX`: no limit).
+    pub max_split_size: u64,
+    /// Fraction of allowed memory above which cached blocks are reclaimed (0: off).
+    pub garbage_collection_threshold: f64,
+    /// Divisions per size interval for power-of-two rounding (0 or 1: plain 512-byte rounding).
+    pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
+    /// Call the driver's malloc without holding the shard lock.
+    pub release_lock_on_cudamalloc: bool,
+    /// Fraction of each device's memory this process may reserve.
+    pub per_process_memory_fraction: f64,
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        AllocatorConfig {
+            max_split_size: u64::MAX,
+            garbage_collection_threshold: 0.0,
+            roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
+            release_lock_on_cudamalloc: false,
+            per_process_memory_fraction: 1.0,
+        }
+    }
+}
+
+fn bad(key: &str, value: &str, valid: &str) -> Error {
+    Error::Config(format!("{key}:{value} is invalid; expected {valid}"))
+}
+
+fn parse_bool(key: &str, value: &str) -> Result<bool> {
+    match value {
+        "True" | "true" => Ok(true),
+        "False" | "false" => Ok(false),
+        _ => Err(bad(key, value, "True or False")),
+    }
+}
+
+fn parse_power_of_two(key: &str, what: &str, value: &str, max: u64) -> Result<u64> {
+    match value.parse::<u64>() {
+        Ok(n) if n.is_power_of_two() && n <= max => Ok(n),
+        _ => Err(bad(
+            key,
+            value,
+            &format!("{what}: a power of two between 1 and {max}"),
+        )),
+    }
+}
+
+/// Interval index of a size given in MiB (1 MiB → 0, 2 MiB → 1, …), clamped to the table.
+fn interval_of_mb(mb: u64) -> usize {
+    (mb.ilog2() as usize).min(ROUNDUP_INTERVALS - 1)
+}
+
+fn parse_divisions(value: &str) -> Result<[u64; ROUNDUP_INTERVALS]> {
+    const KEY: &str = "roundup_power2_divisions";
+    let mut table = [0u64; ROUNDUP_INTERVALS];
+    let Some(list) = value.strip_prefix('[') else {
+        let n = parse_power_of_two(KEY, "divisions", value, 64)?;
+        return Ok([n; ROUNDUP_INTERVALS]);
+    };
+    let list = list
+        .strip_suffix(']')
+        .ok_or_else(|| bad(KEY, value, "a list closed by ']', e.g. [256:1,512:2,>:4]"))?;
+    // Each entry `size_mb:d` sets the divisions of the intervals from the end of the previous entry
+    // up to (not including) size_mb's interval; `>:d` sets every interval after the last entry.
+    let mut start = 0usize;
+    for entry in list.split(',').filter(|e| !e.is_empty()) {
+        let (size, divisions) = entry.split_once(':').ok_or_else(|| {
+            bad(
+                KEY,
+                value,
+                "entries of the form size_mb:divisions or >:divisions",
+            )
+        })?;
+        let d = parse_power_of_two(KEY, "divisions", divisions, 64)?;
+        if size == ">" {
+            table[start..].fill(d);
+            start = ROUNDUP_INTERVALS;
+        } else {
+            let mb = parse_power_of_two(KEY, "interval size in MiB", size, 1 << 40)?;
+            let end = interval_of_mb(mb);
+            if end < start {
+                return Err(bad(KEY, value, "interval sizes in increasing order"));
+            }
+            table[start..end].fill(d);
+            start = end;
+        }
+    }
+    Ok(table)
+}
+
+fn parse_fraction(key: &str, value: &str, open_low: bool, open_high: bool) -> Result<f64> {
+    let v: f64 = value.parse().map_err(|_| bad(key, value, "a number"))?;
+    let low_ok = if open_low { v > 0.0 } else { v >= 0.0 };
+    let high_ok = if open_high { v < 1.0 } else { v <= 1.0 };
+    if !(low_ok && high_ok) {
+        let range = format!(
+            "a number in {}0.0, 1.0{}",
+            if open_low { "(" } else { "[" },
+            if open_high { ")" } else { "]" }
+        );
+        return Err(bad(key, value, &range));
+    }
+    Ok(v)
+}
+
+/// Splits at commas that are not inside `[...]`.
+fn split_top_level(text: &str) -> Vec<&str> {
+    let (mut parts, mut depth, mut start) = (Vec::new(), 0i32, 0);
+    for (i, c) in text.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&text[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&text[start..]);
+    parts
+}
+
+impl AllocatorConfig {
+    /// Parses a `PYTORCH_CUDA_ALLOC_CONF`-style string.
+    pub fn parse(text: &str) -> Result<Self> {
+        let compact: String = text.chars().filter(|c| !c.is_whitespace()).collect();
+        let mut config = AllocatorConfig::default();
+        for item in split_top_level(&compact)
+            .into_iter()
+            .filter(|s| !s.is_empty())
+        {
+            let (key, value) = item
+                .split_once(':')
+                .ok_or_else(|| Error::Config(format!("{item:?} is not of the form key:value")))?;
+            match key {
+                "max_split_size_mb" => {
+                    let mb: u64 = value.parse().map_err(|_| {
+                        bad(key, value, &format!("an integer number of MiB > {MIN_MAX_SPLIT_MB}"))
+                    })?;
+                    if mb <= MIN_MAX_SPLIT_MB {
+                        return Err(bad(key, value, &format!("an integer number of MiB > {MIN_MAX_SPLIT_MB}")));
+                    }
+                    config.max_split_size = mb.saturating_mul(MIB);
+                }
+                "garbage_collection_threshold" => {
+                    config.garbage_collection_threshold = parse_fraction(key, value, true, true)?;
+                }
+                "roundup_power2_divisions" => config.roundup_power2_divisions = parse_divisions(value)?,
+                "expandable_segments" => {
+                    if parse_bool(key, value)? {
+                        return Err(Error::Config(
+                            "expandable_segments:True is not supported: cudalloc segments are whole \
+                             cuMemAlloc allocations so they can be shared through CUDA IPC; use False"
+                                .into(),
+                        ));
+                    }
+                }
+                "release_lock_on_cudamalloc" => config.release_lock_on_cudamalloc = parse_bool(key, value)?,
+                "per_process_memory_fraction" => {
+                    config.per_process_memory_fraction = parse_fraction(key, value, false, false)?;
+                }
+                "pinned_use_cuda_host_register" | "pinned_use_background_threads" => {
+                    parse_bool(key, value)?;
+                }
+                "pinned_num_register_threads" => {
+                    parse_power_of_two(key, "threads", value, 128)?;
+                }
+                _ => {
+                    return Err(Error::Config(format!(
+                        "unknown key {key:?}; valid keys: max_split_size_mb, garbage_collection_threshold, \
+                         roundup_power2_divisions, expandable_segments, release_lock_on_cudamalloc, \
+                         per_process_memory_fraction, pinned_use_cuda_host_register, \
+                         pinned_num_register_threads, pinned_use_background_threads"
+                    )))
+                }
+            }
+        }
+        Ok(config)
+    }
+
+    /// Reads `CUDALLOC_CONF` (unset or empty: defaults).
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("CUDALLOC_CONF") {
+            Ok(text) => Self::parse(&text).map_err(|e| match e {
+                Error::Config(m) => Error::Config(format!("CUDALLOC_CONF: {m}")),
+                other => other,
+            }),
+            Err(std::env::VarError::NotPresent) => Ok(Self::default()),
+            Err(std::env::VarError::NotUnicode(_)) => {
+                Err(Error::Config("CUDALLOC_CONF is not valid UTF-8".into()))
+            }
+        }
+    }
+
+    /// Divisions for power-of-two rounding of a request of `size` bytes.
+    pub fn divisions_for(&self, size: u64) -> u64 {
+        let index = if size > MIB {
+            (size.ilog2() - 20) as usize
+        } else {
+            0
+        };
+        self.roundup_power2_divisions[index.min(ROUNDUP_INTERVALS - 1)]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pytorch_rejected_strings_are_errors_naming_the_key() {
+        for (text, key) in [
+            ("foo:1,bar:2", "foo"),
+            (
+                "garbage_collection_threshold:1.2",
+                "garbage_collection_threshold",
+            ),
+            (
+                "garbage_collection_threshold:0",
+                "garbage_collection_threshold",
+            ),
+            ("max_split_size_mb:2", "max_split_size_mb"),
+            ("max_split_size_mb:-1", "max_split_size_mb"),
+            (
+                "release_lock_on_cudamalloc:none",
+                "release_lock_on_cudamalloc",
+            ),
+            (
+                "pinned_use_cuda_host_register:none",
+                "pinned_use_cuda_host_register",
+            ),
+            (
+                "pinned_num_register_threads:1024",
+                "pinned_num_register_threads",
+            ),
+            (
+                "pinned_num_register_threads:3",
+                "pinned_num_register_threads",
+            ),
+            ("roundup_power2_divisions:3", "roundup_power2_divisions"),
+            (
+                "roundup_power2_divisions:[100:1,>:2]",
+                "roundup_power2_divisions",
+            ),
+            (
+                "roundup_power2_divisions:[64:8,>:3]",
+                "roundup_power2_divisions",
+            ),
+            ("expandable_segments:True", "expandable_segments"),
+            (
+                "per_process_memory_fraction:1.5",
+                "per_process_memory_fraction",
+            ),
+        ] {
+            let err = AllocatorConfig::parse(text).unwrap_err();
+            assert!(err.to_string().contains(key), "{text}: {err}");
+            assert_eq!(err.kind(), crate::ErrorKind::Config);
+        }
+        assert!(AllocatorConfig::parse("max_split_size_mb").is_err());
+    }
+
+    #[test]
+    fn accepted_settings() {
+        let c = AllocatorConfig::parse(
+            "max_split_size_mb:40, garbage_collection_threshold:0.5, release_lock_on_cudamalloc:True,\
+             expandable_segments:False,pinned_use_cuda_host_register:False",
+        )
+        .unwrap();
+        assert_eq!(c.max_split_size, 40 * MIB);
+        assert_eq!(c.garbage_collection_threshold, 0.5);
+        assert!(c.release_lock_on_cudamalloc);
+        assert_eq!(
+            AllocatorConfig::parse("").unwrap(),
+            AllocatorConfig::default()
+        );
+    }
+
+    #[test]
+    fn roundup_divisions_both_forms() {
+        let single = AllocatorConfig::parse("roundup_power2_divisions:4").unwrap();
+        assert!(single.roundup_power2_divisions.iter().all(|&d| d == 4));
+        let list =
+            AllocatorConfig::parse("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]").unwrap();
+        // Intervals: index i covers sizes in [2^i MiB, 2^(i+1) MiB).
+        assert_eq!(list.divisions_for(1), 1);
+        assert_eq!(list.divisions_for(255 * MIB), 1);
+        assert_eq!(list.divisions_for(256 * MIB), 2);
+        assert_eq!(list.divisions_for(600 * MIB), 4);
+        assert_eq!(list.divisions_for(1024 * MIB), 8);
+        assert_eq!(list.divisions_for(1 << 45), 8);
+    }
+}
