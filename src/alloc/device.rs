@@ -17,7 +17,7 @@ use std::collections::HashMap;
 
 use super::block::BlockId;
 use super::oom::{self, Callbacks, OomFacts};
-use super::shard::ShardState;
+use super::shard::{ReleaseOrder, ShardState};
 use super::size::{self, PoolKind};
 use super::snapshot::{self, SnapshotSegment, Trace, TraceAction};
 use super::stats::DeviceStats;
@@ -336,34 +336,63 @@ impl DeviceCore {
         }
     }
 
-    /// Frees oversize cached segments (largest first) until `rounded` bytes are freed. Only when
-    /// `max_split_size` is set, as in PyTorch.
+    /// Frees oversize cached segments to make room for `rounded` bytes, as PyTorch's
+    /// `release_available_cached_blocks`: the smallest oversize segment of at least `rounded` bytes
+    /// if there is one, else oversize segments largest first. Only when `max_split_size` is set.
+    /// True when at least `rounded` bytes were freed.
     fn release_oversize(&self, rounded: u64) -> bool {
         let max_split = self.config.max_split_size;
         if max_split == u64::MAX {
             return false;
         }
-        let threshold = rounded.max(max_split);
+        let single = rounded.max(max_split);
+        for shard in self.all_shards() {
+            let taken = self.take_from(
+                &shard,
+                |b| b.pool == PoolKind::Large && b.size >= single,
+                ReleaseOrder::SmallestFirst,
+                |f| f > 0,
+            );
+            if !taken.is_empty() {
+                return true;
+            }
+        }
         let mut freed = 0u64;
         for shard in self.all_shards() {
-            let taken = {
-                let mut st = shard.state.lock();
-                let taken = st.take_free_segments(
-                    &self.config,
-                    |b| b.pool == PoolKind::Large && b.size >= threshold,
-                    false,
+            freed += self
+                .take_from(
+                    &shard,
+                    |b| b.pool == PoolKind::Large && b.size >= max_split,
+                    ReleaseOrder::LargestFirst,
                     |f| f + freed >= rounded,
-                );
-                self.verify(&st);
-                taken
-            };
-            freed += taken.iter().map(|s| s.1).sum::<u64>();
-            self.free_segments(shard.stream, taken);
+                )
+                .iter()
+                .map(|s| s.1)
+                .sum::<u64>();
             if freed >= rounded {
                 break;
             }
         }
-        freed > 0
+        freed >= rounded
+    }
+
+    /// Takes cached segments from one shard (see [`ShardState::take_free_segments`]) and returns
+    /// them to the driver after unlocking; returns what was released.
+    fn take_from(
+        &self,
+        shard: &Shard,
+        select: impl Fn(&super::block::Block) -> bool,
+        order: ReleaseOrder,
+        enough: impl Fn(u64) -> bool,
+    ) -> Vec<(u64, u64)> {
+        let taken = {
+            let mut st = shard.state.lock();
+            let taken = st.take_free_segments(&self.config, select, order, enough);
+            self.verify(&st);
+            taken
+        };
+        self.free_segments(shard.stream, taken.clone());
+        taken
     }
 
     /// Frees every cached whole segment of the device; with `sync`, first waits for every pending
@@ -384,7 +413,12 @@ impl DeviceCore {
                     }
                 }
                 self.poll_events(&shard, &mut st);
-                let taken = st.take_free_segments(&self.config, |_| true, false, |_| false);
+                let taken = st.take_free_segments(
+                    &self.config,
+                    |_| true,
+                    ReleaseOrder::LargestFirst,
+                    |_| false,
+                );
                 self.verify(&st);
                 taken
             };
@@ -409,15 +443,16 @@ impl DeviceCore {
         let target = reserved - limit;
         let mut freed = 0u64;
         for shard in self.all_shards() {
-            let taken = {
-                let mut st = shard.state.lock();
-                let taken =
-                    st.take_free_segments(&self.config, |_| true, true, |f| f + freed >= target);
-                self.verify(&st);
-                taken
-            };
-            freed += taken.iter().map(|s| s.1).sum::<u64>();
-            self.free_segments(shard.stream, taken);
+            freed += self
+                .take_from(
+                    &shard,
+                    |_| true,
+                    ReleaseOrder::OldestFirst,
+                    |f| f + freed >= target,
+                )
+                .iter()
+                .map(|s| s.1)
+                .sum::<u64>();
             if freed >= target {
                 break;
             }
@@ -566,7 +601,12 @@ impl Drop for Shard {
             let _ = self.core.driver.event_synchronize(e);
         }
         let _ = st.complete_events(|_| Ok(true));
-        let taken = st.take_free_segments(&self.core.config, |_| true, false, |_| false);
+        let taken = st.take_free_segments(
+            &self.core.config,
+            |_| true,
+            ReleaseOrder::LargestFirst,
+            |_| false,
+        );
         self.core.free_segments(self.stream, taken);
     }
 }

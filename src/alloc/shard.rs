@@ -33,6 +33,17 @@ pub(crate) struct ShardState {
     pub tick: u64,
 }
 
+/// The order in which [`ShardState::take_free_segments`] visits candidate segments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReleaseOrder {
+    /// Least recently freed first (garbage collection).
+    OldestFirst,
+    /// Biggest first (oversize release when no single block suffices).
+    LargestFirst,
+    /// Smallest first, lowest address on ties (the one oversize block that suffices).
+    SmallestFirst,
+}
+
 /// Whether a block of this size counts as oversize.
 fn oversize(size: u64, config: &AllocatorConfig) -> bool {
     size >= config.max_split_size
@@ -322,14 +333,14 @@ impl ShardState {
         !self.pending.is_empty()
     }
 
-    /// Removes every free block that spans a whole segment and satisfies `select` (visited oldest
-    /// first when `oldest_first`), stopping once `enough(freed_bytes)` holds. Returns the segments
-    /// (base, size) for the caller to give back to the driver.
+    /// Removes free blocks that span a whole segment and satisfy `select`, visited in `order`,
+    /// stopping once `enough(freed_bytes)` holds. Returns the segments (base, size) for the caller
+    /// to give back to the driver.
     pub fn take_free_segments(
         &mut self,
         config: &AllocatorConfig,
         select: impl Fn(&Block) -> bool,
-        oldest_first: bool,
+        order: ReleaseOrder,
         enough: impl Fn(u64) -> bool,
     ) -> Vec<(u64, u64)> {
         let mut candidates: Vec<BlockId> = self
@@ -339,11 +350,14 @@ impl ShardState {
             .map(|&(_, _, id)| id)
             .filter(|&id| !self.blocks[id].is_split() && select(&self.blocks[id]))
             .collect();
-        if oldest_first {
-            candidates.sort_by_key(|&id| self.blocks[id].freed_at);
-        } else {
-            // Largest first: PyTorch frees the biggest oversize blocks first.
-            candidates.sort_by_key(|&id| std::cmp::Reverse(self.blocks[id].size));
+        match order {
+            ReleaseOrder::OldestFirst => candidates.sort_by_key(|&id| self.blocks[id].freed_at),
+            ReleaseOrder::LargestFirst => {
+                candidates.sort_by_key(|&id| std::cmp::Reverse(self.blocks[id].size))
+            }
+            ReleaseOrder::SmallestFirst => {
+                candidates.sort_by_key(|&id| (self.blocks[id].size, self.blocks[id].ptr))
+            }
         }
         let mut released = Vec::new();
         let mut freed = 0u64;

@@ -201,3 +201,30 @@ pub fn shm_names_with_prefix(prefix: &str) -> Vec<String> {
         .filter(|n| n.starts_with(prefix))
         .collect()
 }
+
+/// A caching allocator with the invariant scanner on, over `driver`.
+pub fn checked_allocator(driver: Arc<dyn Driver>, conf: &str) -> Arc<cudalloc::CachingAllocator> {
+    let config = cudalloc::AllocatorConfig::parse(conf).unwrap();
+    Arc::new(
+        cudalloc::CachingAllocator::builder()
+            .config(config)
+            .check_invariants(true)
+            .build(driver)
+            .unwrap(),
+    )
+}
+
+/// Holds `stream` busy: a gate on the host backend (deterministic), a 300 ms sleep kernel on CUDA.
+/// Opening (or dropping) the returned value releases a gate; a sleep releases itself.
+pub fn hold_stream(
+    b: &TestBackend,
+    stream: cudalloc::StreamId,
+) -> Option<cudalloc::driver::host::StreamGate> {
+    match &b.host {
+        Some(h) => Some(h.gate_stream(stream).unwrap()),
+        None => {
+            b.driver.sleep(stream, 300_000).unwrap();
+            None
+        }
+    }
+}

@@ -1,0 +1,278 @@
+//! The allocator's policy, observed through snapshots and stats: pools and segment sizes, best fit
+//! with lowest address on ties, split and merge, the oversize rules, per-stream isolation, and
+//! `empty_cache` returning every segment to the driver.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use cudalloc::alloc::{SnapshotBlockState, TraceAction};
+use cudalloc::{CachingAllocator, Driver};
+
+const MIB: u64 = 1 << 20;
+
+fn host() -> (Arc<dyn Driver>, Arc<cudalloc::HostDriver>) {
+    let h = Arc::new(host_driver());
+    (h.clone(), h)
+}
+
+fn segment_sizes(a: &CachingAllocator) -> Vec<(u64, &'static str)> {
+    a.snapshot()
+        .segments
+        .iter()
+        .map(|s| (s.total_size, s.segment_type))
+        .collect()
+}
+
+#[test]
+fn pools_and_segment_sizes_follow_pytorch() {
+    let (d, _) = host();
+    let a = checked_allocator(d, "");
+    // 11 MiB gets its own 12 MiB segment (the 1 MiB remainder is not split off: it must exceed
+    // 1 MiB); 1 MiB + 1 then needs a 20 MiB segment, and 1 MiB a 2 MiB small segment.
+    let big = a.allocate(0, 11 * MIB).unwrap();
+    let large = a.allocate(0, MIB + 1).unwrap();
+    let small = a.allocate(0, MIB).unwrap();
+    let mut sizes = segment_sizes(&a);
+    sizes.sort();
+    assert_eq!(
+        sizes,
+        vec![(2 * MIB, "small"), (12 * MIB, "large"), (20 * MIB, "large")]
+    );
+    drop((small, large, big));
+}
+
+#[test]
+fn split_blocks_merge_back_when_freed() {
+    let (d, _) = host();
+    let a = checked_allocator(d, "");
+    let blocks: Vec<_> = (0..3).map(|_| a.allocate(0, 4096).unwrap()).collect();
+    // Carved in address order from one 2 MiB segment.
+    assert_eq!(blocks[1].ptr().0, blocks[0].ptr().0 + 4096);
+    assert_eq!(blocks[2].ptr().0, blocks[1].ptr().0 + 4096);
+    let [b0, b1, b2]: [_; 3] = blocks.try_into().unwrap();
+    drop(b1);
+    let stats = a.memory_stats(0).unwrap();
+    assert_eq!(
+        stats.inactive_split[1].current, 2,
+        "the hole and the tail are inactive splits"
+    );
+    drop(b0);
+    drop(b2);
+    let snap = a.snapshot();
+    assert_eq!(snap.segments.len(), 1);
+    assert_eq!(
+        snap.segments[0].blocks.len(),
+        1,
+        "all neighbours merged: {:?}",
+        snap.segments[0].blocks
+    );
+    assert_eq!(
+        snap.segments[0].blocks[0].state,
+        SnapshotBlockState::Inactive
+    );
+    assert_eq!(a.memory_stats(0).unwrap().inactive_split[0].current, 0);
+}
+
+#[test]
+fn best_fit_takes_the_smallest_block_then_the_lowest_address() {
+    let (d, _) = host();
+    let a = checked_allocator(d, "");
+    // Holes of 8 KiB, 4 KiB, 4 KiB (in address order) separated by live blocks.
+    let p: Vec<_> = [8192u64, 512, 4096, 512, 4096, 512]
+        .iter()
+        .map(|&s| a.allocate(0, s).unwrap())
+        .collect();
+    let addrs: Vec<u64> = p.iter().map(|x| x.ptr().0).collect();
+    let mut p = p.into_iter().map(Some).collect::<Vec<_>>();
+    for i in [0, 2, 4] {
+        p[i] = None;
+    }
+    let got = a.allocate(0, 4096).unwrap();
+    assert_eq!(
+        got.ptr().0,
+        addrs[2],
+        "smallest fitting hole, lowest address"
+    );
+    let got2 = a.allocate(0, 4096).unwrap();
+    assert_eq!(got2.ptr().0, addrs[4]);
+    let got3 = a.allocate(0, 6000).unwrap();
+    assert_eq!(got3.ptr().0, addrs[0]);
+}
+
+#[test]
+fn oversize_blocks_are_not_split_nor_given_to_small_requests() {
+    let (d, _) = host();
+    let a = checked_allocator(d, "max_split_size_mb:21");
+    let x = a.allocate(0, 30 * MIB).unwrap();
+    let x_addr = x.ptr();
+    drop(x);
+    let stats = a.memory_stats(0).unwrap();
+    assert_eq!(stats.oversize_segments.current, 1);
+    // A 2 MiB request must not carve the cached 30 MiB oversize block.
+    let small = a.allocate(0, 2 * MIB).unwrap();
+    assert_ne!(small.ptr(), x_addr);
+    // A 25 MiB request may take it (wastes less than 20 MiB), unsplit.
+    let y = a.allocate(0, 25 * MIB).unwrap();
+    assert_eq!(y.ptr(), x_addr);
+    assert_eq!(a.memory_stats(0).unwrap().oversize_allocations.current, 1);
+    let seg = a
+        .snapshot()
+        .segments
+        .into_iter()
+        .find(|s| s.address == x_addr.0)
+        .unwrap();
+    assert_eq!(seg.blocks.len(), 1, "oversize blocks are never split");
+    drop((small, y));
+}
+
+#[test]
+fn oversize_cached_blocks_are_released_before_giving_up() {
+    let (d, _) = host();
+    let a = checked_allocator(d, "max_split_size_mb:21");
+    let x = a.allocate(0, 50 * MIB).unwrap();
+    drop(x);
+    // The cached 50 MiB block would waste 25 MiB on a 25 MiB request (oversize rule), and a new
+    // 26 MiB segment does not fit beside it on a 64 MiB device: the oversize block is released.
+    let y = a.allocate(0, 25 * MIB).unwrap();
+    assert_eq!(a.reserved_bytes(0).unwrap(), 26 * MIB);
+    assert_eq!(
+        a.memory_stats(0).unwrap().num_alloc_retries,
+        0,
+        "freed by the oversize step, not the last resort"
+    );
+    drop(y);
+}
+
+#[test]
+fn streams_do_not_share_cached_blocks() {
+    let (d, _) = host();
+    let a = checked_allocator(d, "");
+    let s1 = a.create_stream(0).unwrap();
+    let s2 = a.create_stream(0).unwrap();
+    let x = a.allocate_on(s1, MIB).unwrap();
+    let x_addr = x.ptr();
+    drop(x);
+    let y = a.allocate_on(s2, MIB).unwrap();
+    assert_ne!(
+        y.ptr(),
+        x_addr,
+        "stream 2 must not get stream 1's cached block"
+    );
+    let snap = a.snapshot();
+    assert_eq!(snap.segments.len(), 2);
+    let z = a.allocate_on(s1, MIB).unwrap();
+    assert_eq!(z.ptr(), x_addr);
+    // The current-stream guard routes plain allocations.
+    {
+        let _g = a.set_current_stream(s2).unwrap();
+        assert_eq!(a.current_stream(0).unwrap(), s2);
+        let w = a.allocate(0, 512).unwrap();
+        assert_eq!(w.allocation_stream(), Some(s2));
+    }
+    assert_eq!(a.current_stream(0).unwrap(), a.default_stream(0).unwrap());
+    drop((y, z));
+}
+
+#[test]
+fn empty_cache_returns_every_segment_to_the_driver() {
+    let (d, h) = host();
+    let a = checked_allocator(d.clone(), "");
+    let s = a.create_stream(1).unwrap();
+    let live: Vec<_> = [512u64, MIB, 3 * MIB, 15 * MIB]
+        .iter()
+        .map(|&n| a.allocate(0, n).unwrap())
+        .collect();
+    let other = a.allocate_on(s, 5 * MIB).unwrap();
+    assert!(h.mem_info(0).unwrap().free < h.mem_info(0).unwrap().total);
+    drop(live);
+    drop(other);
+    a.empty_cache();
+    for dev in 0..2 {
+        let m = h.mem_info(dev).unwrap();
+        assert_eq!(
+            m.free, m.total,
+            "device {dev}: driver-side memory back to zero use"
+        );
+    }
+    assert!(a.snapshot().segments.is_empty());
+}
+
+#[test]
+fn zero_byte_allocations_are_valid_and_empty() {
+    let (d, _) = host();
+    let a = Arc::new(CachingAllocator::new(d, Default::default()).unwrap());
+    let p = a.allocate(0, 0).unwrap();
+    assert!(p.is_empty());
+    a.record_stream(&p, a.default_stream(0).unwrap()).unwrap();
+    let s = cudalloc::Storage::new(&a, 0, 0).unwrap();
+    assert_eq!(s.nbytes(), 0);
+    s.fill_pattern(1).unwrap();
+    assert_eq!(s.count_pattern_mismatches(1).unwrap(), 0);
+    assert_eq!(a.memory_stats(0).unwrap().allocation[0].current, 0);
+}
+
+#[test]
+fn history_records_the_trace() {
+    let (d, _) = host();
+    let a = checked_allocator(d, "");
+    a.record_history(true, 100);
+    let x = a.allocate(0, 4096).unwrap();
+    drop(x);
+    a.empty_cache();
+    let actions: Vec<TraceAction> = a.snapshot().trace.iter().map(|e| e.action).collect();
+    assert_eq!(
+        actions,
+        [
+            TraceAction::SegmentAlloc,
+            TraceAction::Alloc,
+            TraceAction::FreeRequested,
+            TraceAction::FreeCompleted,
+            TraceAction::SegmentFree,
+            TraceAction::Snapshot
+        ]
+    );
+    a.record_history(false, 0);
+    assert!(a.snapshot().trace.is_empty());
+}
+
+#[test]
+fn free_memory_callbacks_run_before_the_driver_is_asked() {
+    let (d, _) = host();
+    let a = checked_allocator(d, "");
+    let stash = Arc::new(std::sync::Mutex::new(Some(
+        a.allocate(0, 40 * MIB).unwrap(),
+    )));
+    let for_cb = stash.clone();
+    a.register_free_memory_callback(Arc::new(move || for_cb.lock().unwrap().take().is_some()));
+    // Only fits if the callback drops the stashed 40 MiB block first (64 MiB device).
+    let y = a.allocate(0, 40 * MIB).unwrap();
+    assert!(stash.lock().unwrap().is_none());
+    assert_eq!(a.memory_stats(0).unwrap().num_alloc_retries, 0);
+    drop(y);
+}
+
+#[test]
+fn garbage_collection_reclaims_the_oldest_cached_segments() {
+    let (d, _) = host();
+    // 64 MiB device, fraction 0.5 -> 32 MiB allowed; threshold 0.5 -> collect above 16 MiB.
+    let a = checked_allocator(
+        d,
+        "garbage_collection_threshold:0.5,per_process_memory_fraction:0.5",
+    );
+    drop(a.allocate(0, 12 * MIB).unwrap());
+    drop(a.allocate(0, 14 * MIB).unwrap());
+    assert_eq!(a.reserved_bytes(0).unwrap(), 26 * MIB);
+    let z = a.allocate(0, 16 * MIB).unwrap();
+    let mut sizes: Vec<u64> = a.snapshot().segments.iter().map(|s| s.total_size).collect();
+    sizes.sort();
+    assert_eq!(
+        sizes,
+        vec![14 * MIB, 16 * MIB],
+        "the oldest (12 MiB) segment was collected"
+    );
+    assert_eq!(a.memory_stats(0).unwrap().num_alloc_retries, 0);
+    drop(z);
+}
