@@ -350,7 +350,7 @@ impl DeviceCore {
             let taken = self.take_from(
                 &shard,
                 |b| b.pool == PoolKind::Large && b.size >= single,
-                ReleaseOrder::SmallestFirst,
+                ReleaseOrder::Smallest,
                 |f| f > 0,
             );
             if !taken.is_empty() {
@@ -363,7 +363,7 @@ impl DeviceCore {
                 .take_from(
                     &shard,
                     |b| b.pool == PoolKind::Large && b.size >= max_split,
-                    ReleaseOrder::LargestFirst,
+                    ReleaseOrder::Largest,
                     |f| f + freed >= rounded,
                 )
                 .iter()
@@ -413,12 +413,8 @@ impl DeviceCore {
                     }
                 }
                 self.poll_events(&shard, &mut st);
-                let taken = st.take_free_segments(
-                    &self.config,
-                    |_| true,
-                    ReleaseOrder::LargestFirst,
-                    |_| false,
-                );
+                let taken =
+                    st.take_free_segments(&self.config, |_| true, ReleaseOrder::Largest, |_| false);
                 self.verify(&st);
                 taken
             };
@@ -447,7 +443,7 @@ impl DeviceCore {
                 .take_from(
                     &shard,
                     |_| true,
-                    ReleaseOrder::OldestFirst,
+                    ReleaseOrder::Oldest,
                     |f| f + freed >= target,
                 )
                 .iter()
@@ -604,7 +600,7 @@ impl Drop for Shard {
         let taken = st.take_free_segments(
             &self.core.config,
             |_| true,
-            ReleaseOrder::LargestFirst,
+            ReleaseOrder::Largest,
             |_| false,
         );
         self.core.free_segments(self.stream, taken);

@@ -37,11 +37,11 @@ pub(crate) struct ShardState {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ReleaseOrder {
     /// Least recently freed first (garbage collection).
-    OldestFirst,
+    Oldest,
     /// Biggest first (oversize release when no single block suffices).
-    LargestFirst,
+    Largest,
     /// Smallest first, lowest address on ties (the one oversize block that suffices).
-    SmallestFirst,
+    Smallest,
 }
 
 /// Whether a block of this size counts as oversize.
@@ -351,11 +351,11 @@ impl ShardState {
             .filter(|&id| !self.blocks[id].is_split() && select(&self.blocks[id]))
             .collect();
         match order {
-            ReleaseOrder::OldestFirst => candidates.sort_by_key(|&id| self.blocks[id].freed_at),
-            ReleaseOrder::LargestFirst => {
+            ReleaseOrder::Oldest => candidates.sort_by_key(|&id| self.blocks[id].freed_at),
+            ReleaseOrder::Largest => {
                 candidates.sort_by_key(|&id| std::cmp::Reverse(self.blocks[id].size))
             }
-            ReleaseOrder::SmallestFirst => {
+            ReleaseOrder::Smallest => {
                 candidates.sort_by_key(|&id| (self.blocks[id].size, self.blocks[id].ptr))
             }
         }
