@@ -31,6 +31,8 @@ use crate::sync::os::{Arc, Mutex, MutexGuard, RwLock};
 #[derive(Debug)]
 pub(crate) struct Shard {
     pub stream: StreamId,
+    /// False once the allocator shut down (thread caches then drop their reference).
+    alive: AtomicBool,
     pub state: Mutex<ShardState>,
     pub core: Arc<DeviceCore>,
 }
@@ -66,9 +68,8 @@ impl std::fmt::Debug for DeviceCore {
     }
 }
 
-/// A block handed out: where it lives and its address.
+/// A block handed out by a shard, and its address.
 pub(crate) struct Allocated {
-    pub shard: Arc<Shard>,
     pub block: BlockId,
     pub ptr: u64,
 }
@@ -120,6 +121,7 @@ impl DeviceCore {
         let shard = shards.entry(stream).or_insert_with(|| {
             Arc::new(Shard {
                 stream,
+                alive: AtomicBool::new(true),
                 state: Mutex::new(ShardState::default()),
                 core: Arc::clone(self),
             })
@@ -184,7 +186,7 @@ impl DeviceCore {
     /// Best fit in the shard (after polling its events), allocating on success.
     fn try_fit(
         &self,
-        shard: &Arc<Shard>,
+        shard: &Shard,
         pool: PoolKind,
         rounded: u64,
         requested: u64,
@@ -198,15 +200,11 @@ impl DeviceCore {
         drop(st);
         self.trace
             .record(TraceAction::Alloc, self.device, ptr, rounded, shard.stream);
-        Some(Allocated {
-            shard: Arc::clone(shard),
-            block: id,
-            ptr,
-        })
+        Some(Allocated { block: id, ptr })
     }
 
     /// Allocates `requested` bytes on `shard`'s stream.
-    pub fn allocate(self: &Arc<Self>, shard: &Arc<Shard>, requested: u64) -> Result<Allocated> {
+    pub fn allocate(&self, shard: &Shard, requested: u64) -> Result<Allocated> {
         size::check_request(self.device, requested)?;
         let rounded = size::round_size(requested, &self.config);
         let pool = PoolKind::for_size(rounded);
@@ -218,7 +216,7 @@ impl DeviceCore {
 
     fn allocate_slow(
         &self,
-        shard: &Arc<Shard>,
+        shard: &Shard,
         pool: PoolKind,
         rounded: u64,
         requested: u64,
@@ -270,7 +268,7 @@ impl DeviceCore {
     /// `Ok(None)` when the device (or the fraction) is out of memory.
     fn allocate_segment(
         &self,
-        shard: &Arc<Shard>,
+        shard: &Shard,
         pool: PoolKind,
         seg: u64,
         rounded: u64,
@@ -318,7 +316,6 @@ impl DeviceCore {
             shard.stream,
         );
         Ok(Some(Allocated {
-            shard: Arc::clone(shard),
             block: id,
             ptr: ptr.0,
         }))
@@ -528,11 +525,19 @@ impl DeviceCore {
         for e in events {
             let _ = self.driver.event_destroy(e);
         }
-        self.shards.write().clear();
+        for (_, shard) in self.shards.write().drain() {
+            shard.alive.store(false, Ordering::Release);
+        }
     }
 }
 
 impl Shard {
+    /// Whether the shard's allocator is still running.
+    #[inline]
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
     /// The owner dropped block `id` (the `DataPtr` free path).
     pub fn free(&self, id: BlockId) {
         let core = &self.core;

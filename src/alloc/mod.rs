@@ -17,13 +17,14 @@ mod block;
 mod device;
 mod invariants;
 mod oom;
+mod pool;
 mod shard;
 pub mod size;
 mod snapshot;
 mod stats;
 mod summary;
+mod thread;
 
-use std::cell::RefCell;
 use std::collections::BTreeMap;
 
 pub use oom::{format_size, FreeMemoryCallback};
@@ -45,11 +46,6 @@ use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::Arc;
 
 static NEXT_ALLOCATOR_ID: AtomicU64 = AtomicU64::new(1);
-
-thread_local! {
-    /// Current stream per (allocator id, device) on this thread.
-    static CURRENT_STREAMS: RefCell<Vec<((u64, usize), StreamId)>> = const { RefCell::new(Vec::new()) };
-}
 
 /// Options of a [`CachingAllocator`].
 #[derive(Clone, Debug, Default)]
@@ -89,8 +85,12 @@ impl CachingAllocatorBuilder {
                 .map(Arc::new)
             })
             .collect::<Result<Vec<_>>>()?;
+        let default_streams = (0..driver.device_count())
+            .map(|d| driver.default_stream(d))
+            .collect::<Result<Vec<_>>>()?;
         Ok(CachingAllocator {
             id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
+            default_streams,
             driver,
             config,
             devices,
@@ -103,6 +103,7 @@ impl CachingAllocatorBuilder {
 /// A caching allocator over any [`Driver`], for all its devices.
 pub struct CachingAllocator {
     id: u64,
+    default_streams: Vec<StreamId>,
     driver: Arc<dyn Driver>,
     config: Arc<AllocatorConfig>,
     devices: Vec<Arc<DeviceCore>>,
@@ -129,13 +130,7 @@ pub struct StreamGuard {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        CURRENT_STREAMS.with(|cell| {
-            let mut list = cell.borrow_mut();
-            list.retain(|(k, _)| *k != self.key);
-            if let Some(prev) = self.previous {
-                list.push((self.key, prev));
-            }
-        });
+        thread::set_current_stream(self.key.0, self.key.1, self.previous);
     }
 }
 
@@ -176,7 +171,24 @@ impl CachingAllocator {
 
     /// The device's default stream.
     pub fn default_stream(&self, device: usize) -> Result<StreamId> {
-        self.driver.default_stream(device)
+        self.default_streams.get(device).copied().ok_or_else(|| {
+            Error::invalid(format!(
+                "device {device} does not exist ({} device(s))",
+                self.devices.len()
+            ))
+        })
+    }
+
+    /// The shard of `stream`: from this thread's cache, else from its device (and cached).
+    #[inline]
+    fn shard_of(&self, stream: StreamId) -> Result<Arc<Shard>> {
+        if let Some(shard) = thread::cached_shard(self.id, stream) {
+            return Ok(shard);
+        }
+        let device = self.driver.stream_device(stream)?;
+        let shard = self.device(device)?.shard(stream)?;
+        thread::cache_shard(self.id, stream, &shard);
+        Ok(shard)
     }
 
     /// Creates a new stream on `device`.
@@ -186,14 +198,7 @@ impl CachingAllocator {
 
     /// This thread's current stream on `device` (the default stream unless set).
     pub fn current_stream(&self, device: usize) -> Result<StreamId> {
-        let key = (self.id, device);
-        let set = CURRENT_STREAMS.with(|cell| {
-            cell.borrow()
-                .iter()
-                .find(|(k, _)| *k == key)
-                .map(|(_, s)| *s)
-        });
-        match set {
+        match thread::current_stream(self.id, device) {
             Some(stream) => Ok(stream),
             None => self.default_stream(device),
         }
@@ -202,15 +207,11 @@ impl CachingAllocator {
     /// Makes `stream` this thread's current stream on its device until the guard drops.
     pub fn set_current_stream(&self, stream: StreamId) -> Result<StreamGuard> {
         let device = self.driver.stream_device(stream)?;
-        let key = (self.id, device);
-        let previous = CURRENT_STREAMS.with(|cell| {
-            let mut list = cell.borrow_mut();
-            let previous = list.iter().find(|(k, _)| *k == key).map(|(_, s)| *s);
-            list.retain(|(k, _)| *k != key);
-            list.push((key, stream));
-            previous
-        });
-        Ok(StreamGuard { key, previous })
+        let previous = thread::set_current_stream(self.id, device, Some(stream));
+        Ok(StreamGuard {
+            key: (self.id, device),
+            previous,
+        })
     }
 
     /// Allocates `size` bytes on `device`'s current stream. Size 0 gives an empty pointer.
@@ -221,17 +222,16 @@ impl CachingAllocator {
 
     /// Allocates `size` bytes for use on `stream`.
     pub fn allocate_on(&self, stream: StreamId, size: u64) -> Result<DataPtr> {
-        let device = self.driver.stream_device(stream)?;
-        let core = self.device(device)?;
         if size == 0 {
-            return Ok(DataPtr::empty(device));
+            return Ok(DataPtr::empty(self.driver.stream_device(stream)?));
         }
-        let shard = core.shard(stream)?;
-        let a = core.allocate(&shard, size)?;
+        let shard = self.shard_of(stream)?;
+        let a = shard.core.allocate(&shard, size)?;
+        let device = shard.core.device;
         Ok(DataPtr::new(
             DevicePtr(a.ptr),
             device,
-            Owner::Block(BlockOwner::new(a.shard, a.block)),
+            Owner::Block(BlockOwner::new(shard, a.block)),
         ))
     }
 

@@ -8,11 +8,12 @@
 //! are polled lazily ([`ShardState::complete_events`]) before each allocation of the shard, and
 //! waited for in `empty_cache` and the last out-of-memory step.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use slab::Slab;
 
-use super::block::{Block, BlockId, BlockState, FreeKey, SegmentInfo};
+use super::block::{Block, BlockId, BlockState, SegmentInfo};
+use super::pool::FreePool;
 use super::size::{self, PoolKind};
 use super::stats::{self, DeviceStats};
 use crate::config::AllocatorConfig;
@@ -23,8 +24,8 @@ use crate::error::Result;
 #[derive(Debug, Default)]
 pub(crate) struct ShardState {
     pub blocks: Slab<Block>,
-    pub free_small: BTreeSet<FreeKey>,
-    pub free_large: BTreeSet<FreeKey>,
+    pub free_small: FreePool,
+    pub free_large: FreePool,
     pub segments: BTreeMap<u64, SegmentInfo>,
     /// Pending-free events, per stream that used the blocks, oldest first.
     pub pending: HashMap<StreamId, VecDeque<(EventId, BlockId)>>,
@@ -50,7 +51,7 @@ fn oversize(size: u64, config: &AllocatorConfig) -> bool {
 }
 
 impl ShardState {
-    fn free_set(&mut self, pool: PoolKind) -> &mut BTreeSet<FreeKey> {
+    fn free_set(&mut self, pool: PoolKind) -> &mut FreePool {
         match pool {
             PoolKind::Small => &mut self.free_small,
             PoolKind::Large => &mut self.free_large,
@@ -103,7 +104,7 @@ impl ShardState {
             PoolKind::Small => &self.free_small,
             PoolKind::Large => &self.free_large,
         };
-        let &(block_size, _, id) = set.range((rounded, 0, 0)..).next()?;
+        let (block_size, _, id) = set.best_fit(rounded)?;
         size::fits_oversize_rules(block_size, rounded, config).then_some(id)
     }
 

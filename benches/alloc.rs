@@ -1,0 +1,195 @@
+//! Caching-allocator benchmarks with their baselines in the same groups:
+//! * `pair/<impl>/<size>` — one cached allocate + free, ours vs glibc `malloc`/`free` vs a no-cache
+//!   allocator that calls the driver every time;
+//! * `random_trace/<impl>/<max>-<n>` — RMM's `random_allocations`: fixed seed, allocate with
+//!   probability 0.73 (if the live total stays under 1 GiB) else free a random live allocation, sizes
+//!   uniform in [1 B, max];
+//! * `threads/<n>` — n threads, each on its own stream, doing the same number of pairs each
+//!   (started together by a barrier): 2 threads finishing in the time of 1 means 2× throughput.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
+use cudalloc::driver::pattern;
+use cudalloc::{CachingAllocator, DataPtr, DevicePtr, Driver, HostDriver};
+
+const MIB: u64 = 1 << 20;
+
+fn driver() -> Arc<dyn Driver> {
+    // Memory is only committed when touched; the benchmarks never touch it.
+    Arc::new(
+        HostDriver::builder()
+            .memory_per_device(8 << 30)
+            .poison_on_free(false)
+            .build()
+            .unwrap(),
+    )
+}
+
+fn allocator(d: &Arc<dyn Driver>) -> Arc<CachingAllocator> {
+    Arc::new(CachingAllocator::new(d.clone(), Default::default()).unwrap())
+}
+
+fn glibc_malloc(size: u64) -> *mut libc::c_void {
+    // SAFETY: plain malloc of a positive size; the result is freed by `glibc_free`.
+    unsafe { libc::malloc(size as usize) }
+}
+
+fn glibc_free(p: *mut libc::c_void) {
+    // SAFETY: `p` came from `glibc_malloc` and is freed once.
+    unsafe { libc::free(p) }
+}
+
+fn pair(c: &mut Criterion) {
+    let d = driver();
+    let a = allocator(&d);
+    let mut g = c.benchmark_group("pair");
+    for size in [512u64, 64 << 10, MIB, 16 * MIB, 64 * MIB] {
+        drop(a.allocate(0, size).unwrap()); // warm the cache
+        g.bench_with_input(BenchmarkId::new("cudalloc", size), &size, |b, &s| {
+            b.iter(|| black_box(a.allocate(0, s).unwrap()))
+        });
+        g.bench_with_input(BenchmarkId::new("glibc", size), &size, |b, &s| {
+            b.iter(|| glibc_free(black_box(glibc_malloc(s))))
+        });
+        g.bench_with_input(BenchmarkId::new("no-cache", size), &size, |b, &s| {
+            b.iter(|| d.free(black_box(d.malloc(0, s).unwrap())).unwrap())
+        });
+    }
+    g.finish();
+}
+
+/// One step of the RMM trace: `Some(size)` to allocate, `None` to free the live allocation at
+/// `victim % live`.
+fn trace(max: u64, n: usize) -> Vec<(Option<u64>, u64)> {
+    let mut out = Vec::with_capacity(n);
+    let mut live_bytes = Vec::new();
+    let mut total = 0u64;
+    for i in 0..n as u64 {
+        let r = pattern::word(0x5EED, i);
+        let size = 1 + pattern::word(0xB17E, i) % max;
+        let allocate = (r % 100) < 73 || live_bytes.is_empty();
+        if allocate && total + size <= 1 << 30 {
+            live_bytes.push(size);
+            total += size;
+            out.push((Some(size), 0));
+        } else if !live_bytes.is_empty() {
+            let victim = pattern::word(0xF4EE, i);
+            let idx = (victim % live_bytes.len() as u64) as usize;
+            total -= live_bytes.swap_remove(idx);
+            out.push((None, victim));
+        }
+    }
+    out
+}
+
+fn replay<T>(
+    steps: &[(Option<u64>, u64)],
+    mut alloc: impl FnMut(u64) -> T,
+    mut free: impl FnMut(T),
+) {
+    let mut live: Vec<T> = Vec::new();
+    for &(op, victim) in steps {
+        match op {
+            Some(size) => live.push(alloc(size)),
+            None => {
+                let idx = (victim % live.len() as u64) as usize;
+                free(live.swap_remove(idx));
+            }
+        }
+    }
+    live.into_iter().for_each(free);
+}
+
+fn random_trace(c: &mut Criterion) {
+    let d = driver();
+    let a = allocator(&d);
+    let mut g = c.benchmark_group("random_trace");
+    g.sample_size(10);
+    for (max, n) in [
+        (MIB, 10_000),
+        (4 * MIB, 10_000),
+        (64 * MIB, 10_000),
+        (MIB, 100_000),
+        (4 * MIB, 100_000),
+        (64 * MIB, 100_000),
+    ] {
+        let steps = trace(max, n);
+        let id = format!("{}MiB-{n}", max / MIB);
+        let mut peak_reserved = 0;
+        g.bench_function(BenchmarkId::new("cudalloc", &id), |b| {
+            b.iter(|| replay(&steps, |s| a.allocate(0, s).unwrap(), drop::<DataPtr>));
+            let stats = a.memory_stats(0).unwrap();
+            peak_reserved = stats.reserved_bytes[0].peak;
+        });
+        let stats = a.memory_stats(0).unwrap();
+        println!(
+            "random_trace {id}: peak reserved {} MiB / peak allocated {} MiB",
+            peak_reserved / MIB as i64,
+            stats.allocated_bytes[0].peak / MIB as i64
+        );
+        g.bench_function(BenchmarkId::new("glibc", &id), |b| {
+            b.iter(|| replay(&steps, glibc_malloc, glibc_free))
+        });
+        if n <= 10_000 {
+            g.bench_function(BenchmarkId::new("no-cache", &id), |b| {
+                b.iter(|| {
+                    replay(
+                        &steps,
+                        |s| d.malloc(0, s).unwrap(),
+                        |p: DevicePtr| d.free(p).unwrap(),
+                    )
+                })
+            });
+        }
+        a.empty_cache();
+        a.reset_peak_memory_stats(0).unwrap();
+    }
+    g.finish();
+}
+
+fn threads(c: &mut Criterion) {
+    let d = driver();
+    let a = allocator(&d);
+    let mut g = c.benchmark_group("threads");
+    const PAIRS: u64 = 20_000;
+    for n in [1usize, 2] {
+        let streams: Vec<_> = (0..n).map(|_| a.create_stream(0).unwrap()).collect();
+        for &s in &streams {
+            drop(a.allocate_on(s, 4096).unwrap());
+        }
+        g.bench_function(BenchmarkId::new("pairs-per-thread-20000", n), |b| {
+            b.iter_custom(|iters| {
+                let barrier = Arc::new(Barrier::new(n + 1));
+                let handles: Vec<_> = streams
+                    .iter()
+                    .map(|&s| {
+                        let (a, barrier) = (a.clone(), barrier.clone());
+                        std::thread::spawn(move || {
+                            barrier.wait();
+                            for _ in 0..iters * PAIRS {
+                                black_box(a.allocate_on(s, 4096).unwrap());
+                            }
+                        })
+                    })
+                    .collect();
+                barrier.wait();
+                let start = Instant::now();
+                for h in handles {
+                    h.join().unwrap();
+                }
+                start.elapsed()
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
+    targets = pair, random_trace, threads
+}
+criterion_main!(benches);

@@ -1,0 +1,83 @@
+//! Per-thread state of every allocator: the current stream per device and a small cache of the
+//! shards this thread used last, so the hot path finds its shard with one thread-local access and
+//! one reference-count increment — no shared map, no lock.
+//!
+//! Cached shards are strong references; a shard whose allocator shut down is marked dead and is
+//! evicted on the next lookup (its cached segments were already returned at shutdown).
+
+use std::cell::RefCell;
+
+use super::device::Shard;
+use crate::driver::StreamId;
+use crate::sync::os::Arc;
+
+/// Entries of the shard cache.
+const SHARD_SLOTS: usize = 4;
+
+#[derive(Default)]
+struct ThreadState {
+    /// ((allocator id, device), current stream)
+    current: Vec<((u64, usize), StreamId)>,
+    /// ((allocator id, stream), shard), most recent last.
+    shards: Vec<((u64, StreamId), Arc<Shard>)>,
+}
+
+thread_local! {
+    static STATE: RefCell<ThreadState> = RefCell::new(ThreadState::default());
+}
+
+/// This thread's current stream of `device` for allocator `alloc`, if one was set.
+pub(crate) fn current_stream(alloc: u64, device: usize) -> Option<StreamId> {
+    STATE.with(|s| {
+        s.borrow()
+            .current
+            .iter()
+            .find(|(k, _)| *k == (alloc, device))
+            .map(|(_, st)| *st)
+    })
+}
+
+/// Sets the current stream; returns the previous one.
+pub(crate) fn set_current_stream(
+    alloc: u64,
+    device: usize,
+    stream: Option<StreamId>,
+) -> Option<StreamId> {
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        let key = (alloc, device);
+        let previous = s.current.iter().find(|(k, _)| *k == key).map(|(_, st)| *st);
+        s.current.retain(|(k, _)| *k != key);
+        if let Some(stream) = stream {
+            s.current.push((key, stream));
+        }
+        previous
+    })
+}
+
+/// The cached shard of (`alloc`, `stream`), if this thread has a live one.
+#[inline]
+pub(crate) fn cached_shard(alloc: u64, stream: StreamId) -> Option<Arc<Shard>> {
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        let at = s.shards.iter().rposition(|(k, _)| *k == (alloc, stream))?;
+        if s.shards[at].1.is_alive() {
+            return Some(Arc::clone(&s.shards[at].1));
+        }
+        s.shards.remove(at);
+        None
+    })
+}
+
+/// Remembers `shard` as this thread's shard of (`alloc`, `stream`).
+pub(crate) fn cache_shard(alloc: u64, stream: StreamId, shard: &Arc<Shard>) {
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        s.shards
+            .retain(|(k, sh)| *k != (alloc, stream) && sh.is_alive());
+        if s.shards.len() >= SHARD_SLOTS {
+            s.shards.remove(0);
+        }
+        s.shards.push(((alloc, stream), Arc::clone(shard)));
+    })
+}
