@@ -46,6 +46,10 @@ fn info(driver: &dyn Driver, fallback_reason: Option<&str>) -> cudalloc::Result<
             human_bytes(mem.free)
         );
     }
+    match cudalloc::AllocatorConfig::from_env() {
+        Ok(config) => println!("allocator configuration: {config:?}"),
+        Err(err) => println!("allocator configuration: invalid ({err})"),
+    }
     println!("environment:");
     for var in [
         "CUDALLOC_BACKEND",

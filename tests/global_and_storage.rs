@@ -1,0 +1,168 @@
+//! `GLOBAL` built from the environment (in child processes, so each gets a fresh process-wide
+//! allocator), and `Storage` semantics: aliasing, the write path, host copies, empty storages.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::process::Command;
+use std::sync::Arc;
+
+use common::*;
+use cudalloc::{CachingAllocator, ErrorKind, Storage, GLOBAL};
+
+const MIB: u64 = 1 << 20;
+
+fn run_child(entry: &str, env: &[(&str, &str)]) -> String {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            entry,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE_VAR, entry)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "child {entry} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+#[test]
+fn global_is_built_from_the_environment() {
+    let out = run_child(
+        "global_child_uses_env",
+        &[
+            ("CUDALLOC_BACKEND", "host"),
+            ("CUDALLOC_HOST_DEVICES", "2"),
+            ("CUDALLOC_HOST_MEMORY", "128MiB"),
+            ("CUDALLOC_CONF", "max_split_size_mb:64"),
+        ],
+    );
+    assert!(out.contains("global ok"), "{out}");
+}
+
+#[test]
+#[ignore = "child process entry: run by global_is_built_from_the_environment"]
+fn global_child_uses_env() {
+    if std::env::var(ROLE_VAR).is_err() {
+        return;
+    }
+    let a = GLOBAL.get().unwrap();
+    assert_eq!(a.device_count(), 2);
+    assert_eq!(a.driver().mem_info(1).unwrap().total, 128 * MIB);
+    assert_eq!(a.config().max_split_size, 64 * MIB);
+    let s = GLOBAL.storage(1, 3 * MIB).unwrap();
+    s.fill_pattern(7).unwrap();
+    assert_eq!(s.count_pattern_mismatches(7).unwrap(), 0);
+    let stats = GLOBAL.memory_stats(1).unwrap();
+    assert_eq!(stats.allocated_bytes[0].current, (3 * MIB) as i64);
+    assert_eq!(stats.max_split_size, (64 * MIB) as i64);
+    assert!(GLOBAL.memory_summary(1).unwrap().contains("device 1"));
+    assert!(!GLOBAL.ipc_collect().unwrap());
+    drop(s);
+    GLOBAL.empty_cache().unwrap();
+    assert_eq!(GLOBAL.snapshot().unwrap().segments.len(), 0);
+    println!("global ok");
+}
+
+#[test]
+fn global_reports_a_bad_environment_as_a_config_error() {
+    let out = run_child(
+        "global_child_bad_env",
+        &[("CUDALLOC_BACKEND", "host"), ("CUDALLOC_CONF", "foo:1")],
+    );
+    assert!(out.contains("config error twice"), "{out}");
+}
+
+#[test]
+#[ignore = "child process entry: run by global_reports_a_bad_environment_as_a_config_error"]
+fn global_child_bad_env() {
+    if std::env::var(ROLE_VAR).is_err() {
+        return;
+    }
+    for _ in 0..2 {
+        let err = GLOBAL.allocate(0, 512).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(err.to_string().contains("foo"), "{err}");
+    }
+    println!("config error twice");
+}
+
+fn allocator() -> Arc<CachingAllocator> {
+    checked_allocator(Arc::new(host_driver()), "")
+}
+
+#[test]
+fn clones_alias_and_distinct_storages_do_not() {
+    let a = allocator();
+    let s = Storage::new(&a, 0, 4096).unwrap();
+    let alias = s.clone();
+    let other = Storage::new(&a, 0, 4096).unwrap();
+    assert!(s.is_alias_of(&alias));
+    assert!(!s.is_alias_of(&other));
+    assert_eq!(s.data_ptr(), alias.data_ptr());
+    assert_ne!(s.data_ptr(), other.data_ptr());
+    assert_eq!(s.mutable_data_ptr().unwrap(), s.data_ptr());
+    // Writes through one alias are seen through the other.
+    s.copy_from_host(&[1, 2, 3, 4]).unwrap();
+    let mut back = [0u8; 4];
+    alias.copy_to_host(&mut back).unwrap();
+    assert_eq!(back, [1, 2, 3, 4]);
+    drop(s);
+    assert_eq!(
+        a.memory_stats(0).unwrap().allocation[0].current,
+        2,
+        "the alias keeps the data alive"
+    );
+    drop(alias);
+    assert_eq!(a.memory_stats(0).unwrap().allocation[0].current, 1);
+}
+
+#[test]
+fn storage_copies_are_bounds_checked() {
+    let a = allocator();
+    let s = Storage::new(&a, 0, 16).unwrap();
+    assert_eq!(
+        s.copy_from_host(&[0; 17]).unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
+    let mut big = [0u8; 17];
+    assert_eq!(
+        s.copy_to_host(&mut big).unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
+    let empty = Storage::new(&a, 0, 0).unwrap();
+    assert!(empty.data_ptr().0 == 0 && empty.nbytes() == 0);
+    empty.copy_from_host(&[]).unwrap();
+}
+
+#[test]
+fn storage_clone_data_is_stream_ordered() {
+    let a = allocator();
+    let d = a.driver().clone();
+    let side = a.create_stream(0).unwrap();
+    let src = a.allocate(0, MIB).unwrap();
+    d.fill_pattern(a.default_stream(0).unwrap(), src.ptr(), MIB, 3)
+        .unwrap();
+    d.stream_synchronize(a.default_stream(0).unwrap()).unwrap();
+    let copy = a.clone_data(&src, MIB, side).unwrap();
+    assert_eq!(copy.allocation_stream(), Some(side));
+    drop(src); // waits for the copy on `side` (record_stream inside clone_data)
+    assert_eq!(
+        d.count_pattern_mismatches(side, copy.ptr(), MIB, 3)
+            .unwrap(),
+        0
+    );
+    assert!(
+        a.clone_data(&copy, MIB, a.create_stream(1).unwrap())
+            .is_err(),
+        "cross-device clone"
+    );
+}
