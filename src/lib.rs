@@ -12,6 +12,8 @@ pub mod config;
 pub mod driver;
 mod error;
 mod global;
+pub mod ipc;
+mod shm;
 mod storage;
 mod sync;
 
@@ -24,4 +26,5 @@ pub use driver::{
 };
 pub use error::{Error, ErrorKind, Result};
 pub use global::{Global, GLOBAL};
+pub use ipc::IpcHandle;
 pub use storage::{DataPtr, Storage};

@@ -15,8 +15,9 @@ use std::fmt;
 use crate::alloc::{CachingAllocator, Shard};
 use crate::driver::{DevicePtr, StreamId};
 use crate::error::{Error, Result};
+use crate::ipc::{IpcHandle, ReceivedOwner, SentOwner};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex};
+use crate::sync::os::{Arc, Mutex, Weak};
 
 /// A caching-allocator block owned by a [`DataPtr`]: dropping it frees the block into its shard.
 pub(crate) struct BlockOwner {
@@ -37,6 +38,11 @@ impl BlockOwner {
     pub(crate) fn stream(&self) -> StreamId {
         self.shard.stream
     }
+
+    /// Base and size of the block's segment.
+    pub(crate) fn segment(&self) -> (u64, u64) {
+        self.shard.segment_of(self.block)
+    }
 }
 
 impl Drop for BlockOwner {
@@ -51,6 +57,10 @@ pub(crate) enum Owner {
     None,
     /// A block of a caching allocator.
     Block(BlockOwner),
+    /// A block shared with other processes (keeps the block; may go to limbo when dropped).
+    Sent(Box<SentOwner>),
+    /// Memory of another process, held through a lease on its slot.
+    Received(Box<ReceivedOwner>),
 }
 
 /// An owning device pointer.
@@ -65,6 +75,8 @@ impl fmt::Debug for DataPtr {
         let owner = match &self.owner {
             Owner::None => "none",
             Owner::Block(_) => "block",
+            Owner::Sent(_) => "ipc-sent",
+            Owner::Received(_) => "ipc-received",
         };
         f.debug_struct("DataPtr")
             .field("ptr", &self.ptr)
@@ -103,11 +115,22 @@ impl DataPtr {
         self.ptr.0 == 0
     }
 
+    /// The block behind this pointer (directly, or kept by a shared storage's owner).
     pub(crate) fn block_owner(&self) -> Option<&BlockOwner> {
         match &self.owner {
             Owner::Block(b) => Some(b),
-            Owner::None => None,
+            Owner::Sent(s) => s.data.as_ref().and_then(|d| d.original.block_owner()),
+            Owner::None | Owner::Received(_) => None,
         }
+    }
+
+    pub(crate) fn owner(&self) -> &Owner {
+        &self.owner
+    }
+
+    /// Base and size of the allocator segment holding this memory.
+    pub(crate) fn segment(&self) -> Option<(u64, u64)> {
+        self.block_owner().map(BlockOwner::segment)
     }
 
     /// The stream the memory was allocated on, when it came from a caching allocator.
@@ -133,6 +156,22 @@ struct StorageInner {
 #[derive(Clone)]
 pub struct Storage {
     inner: Arc<StorageInner>,
+}
+
+/// A weak reference to a storage (caches of shared and received storages).
+#[derive(Clone)]
+pub(crate) struct WeakStorage(Weak<StorageInner>);
+
+impl fmt::Debug for WeakStorage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "WeakStorage(alive: {})", self.0.strong_count() > 0)
+    }
+}
+
+impl WeakStorage {
+    pub(crate) fn upgrade(&self) -> Option<Storage> {
+        self.0.upgrade().map(|inner| Storage { inner })
+    }
 }
 
 impl fmt::Debug for Storage {
@@ -204,10 +243,44 @@ impl Storage {
     }
 
     /// Marks the storage's memory as used on `stream` (see [`CachingAllocator::record_stream`]).
+    /// For a received storage, the lease is released only after `stream`'s work is done.
     pub fn record_stream(&self, stream: StreamId) -> Result<()> {
-        self.inner
-            .allocator
-            .record_stream(&self.inner.data.lock(), stream)
+        let data = self.inner.data.lock();
+        if let Owner::Received(r) = &data.owner {
+            let mut streams = r.streams.lock();
+            if !streams.contains(&stream) {
+                streams.push(stream);
+            }
+            return Ok(());
+        }
+        self.inner.allocator.record_stream(&data, stream)
+    }
+
+    /// Shares this storage with other processes: the returned handle owns one count on the
+    /// storage's slot (see [`crate::ipc`]). Sharing a received storage forwards it.
+    pub fn share_ipc(&self) -> Result<IpcHandle> {
+        crate::ipc::share(self)
+    }
+
+    /// Opens a handle from another process (or returns the original storage in the producer's own
+    /// process, or the already-open storage in this one). The storage waits for the producer's
+    /// event on the current stream before any work queued after this call.
+    pub fn from_ipc(allocator: &Arc<CachingAllocator>, handle: IpcHandle) -> Result<Storage> {
+        crate::ipc::receive(allocator, handle)
+    }
+
+    /// Whether the memory came from another process.
+    pub fn is_received(&self) -> bool {
+        matches!(self.inner.data.lock().owner, Owner::Received(_))
+    }
+
+    pub(crate) fn downgrade(&self) -> WeakStorage {
+        WeakStorage(Arc::downgrade(&self.inner))
+    }
+
+    /// Runs `f` on the storage's `DataPtr` under its lock.
+    pub(crate) fn with_data<R>(&self, f: impl FnOnce(&mut DataPtr) -> R) -> R {
+        f(&mut self.inner.data.lock())
     }
 
     fn check_len(&self, len: usize) -> Result<()> {

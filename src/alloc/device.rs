@@ -576,6 +576,13 @@ impl Shard {
         core.verify(&st);
     }
 
+    /// Base address and size of the segment holding block `id`.
+    pub fn segment_of(&self, id: BlockId) -> (u64, u64) {
+        let st = self.state.lock();
+        let base = st.blocks[id].segment;
+        (base, st.segments.get(&base).map_or(0, |s| s.size))
+    }
+
     /// Marks block `id` as used by `stream` (`record_stream`).
     pub fn record_use(&self, id: BlockId, stream: StreamId) -> Result<()> {
         if stream == self.stream {

@@ -41,6 +41,7 @@ use self::snapshot::Trace;
 use crate::config::AllocatorConfig;
 use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::{Error, Result};
+use crate::ipc::IpcState;
 use crate::storage::{BlockOwner, DataPtr, Owner};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::Arc;
@@ -48,10 +49,23 @@ use crate::sync::os::Arc;
 static NEXT_ALLOCATOR_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Options of a [`CachingAllocator`].
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct CachingAllocatorBuilder {
     config: AllocatorConfig,
     check_invariants: bool,
+    ipc_slots_per_file: u32,
+    ipc_event_budget: usize,
+}
+
+impl Default for CachingAllocatorBuilder {
+    fn default() -> Self {
+        CachingAllocatorBuilder {
+            config: AllocatorConfig::default(),
+            check_invariants: false,
+            ipc_slots_per_file: crate::ipc::refcount::DEFAULT_SLOTS,
+            ipc_event_budget: crate::ipc::DEFAULT_EVENT_BUDGET,
+        }
+    }
 }
 
 impl CachingAllocatorBuilder {
@@ -64,6 +78,18 @@ impl CachingAllocatorBuilder {
     /// Runs the invariant scanner after every mutation and panics on a violation (tests).
     pub fn check_invariants(mut self, on: bool) -> Self {
         self.check_invariants = on;
+        self
+    }
+
+    /// Slots per IPC ref-counter file (default 10,000).
+    pub fn ipc_slots_per_file(mut self, slots: u32) -> Self {
+        self.ipc_slots_per_file = slots;
+        self
+    }
+
+    /// Live interprocess events before sharing synchronizes instead (default 1,000).
+    pub fn ipc_event_budget(mut self, events: usize) -> Self {
+        self.ipc_event_budget = events;
         self
     }
 
@@ -85,6 +111,18 @@ impl CachingAllocatorBuilder {
                 .map(Arc::new)
             })
             .collect::<Result<Vec<_>>>()?;
+        let ipc = Arc::new(IpcState::new(
+            Arc::clone(&driver),
+            self.ipc_slots_per_file,
+            self.ipc_event_budget,
+        ));
+        // A cache miss first drains the IPC limbo (cost proportional to what consumers released).
+        let weak_ipc = Arc::downgrade(&ipc);
+        callbacks.register(Arc::new(move || {
+            weak_ipc
+                .upgrade()
+                .is_some_and(|ipc| ipc.drain().storages > 0)
+        }));
         let default_streams = (0..driver.device_count())
             .map(|d| driver.default_stream(d))
             .collect::<Result<Vec<_>>>()?;
@@ -96,6 +134,7 @@ impl CachingAllocatorBuilder {
             devices,
             callbacks,
             trace,
+            ipc,
         })
     }
 }
@@ -109,6 +148,7 @@ pub struct CachingAllocator {
     devices: Vec<Arc<DeviceCore>>,
     callbacks: Arc<Callbacks>,
     trace: Arc<Trace>,
+    ipc: Arc<IpcState>,
 }
 
 impl std::fmt::Debug for CachingAllocator {
@@ -348,9 +388,30 @@ impl CachingAllocator {
         Ok(self.device(device)?.reserved_bytes())
     }
 
-    /// Drains the IPC limbo. Returns whether anything was freed (always false until IPC lands).
+    /// Frees shared storages that consumers released, and those held only by dead consumer
+    /// processes. Returns whether anything was freed.
     pub fn ipc_collect(&self) -> bool {
-        false
+        self.ipc.collect().storages > 0
+    }
+
+    /// [`Self::ipc_collect`] with what it freed.
+    pub fn ipc_collect_stats(&self) -> crate::ipc::Drained {
+        self.ipc.collect()
+    }
+
+    /// Shared storages in limbo (dropped here, still counted by consumers) and their bytes.
+    pub fn ipc_limbo(&self) -> (usize, u64) {
+        self.ipc.limbo_size()
+    }
+
+    /// Segments of other processes this allocator has open (each opened once, however many
+    /// storages live in it).
+    pub fn ipc_open_segments(&self) -> usize {
+        self.ipc.consumer.open_mappings()
+    }
+
+    pub(crate) fn ipc(&self) -> &Arc<IpcState> {
+        &self.ipc
     }
 
     /// Runs the invariant scanner over every shard.
@@ -361,6 +422,7 @@ impl CachingAllocator {
 
 impl Drop for CachingAllocator {
     fn drop(&mut self) {
+        self.ipc.shutdown();
         for d in &self.devices {
             d.shutdown();
         }

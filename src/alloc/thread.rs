@@ -2,14 +2,15 @@
 //! shards this thread used last, so the hot path finds its shard with one thread-local access and
 //! one reference-count increment — no shared map, no lock.
 //!
-//! Cached shards are strong references; a shard whose allocator shut down is marked dead and is
-//! evicted on the next lookup (its cached segments were already returned at shutdown).
+//! Cached shards are weak references: a thread cache never keeps an allocator's shards (and with
+//! them its driver) alive after the allocator is dropped. Upgrading costs the same one atomic
+//! read-modify-write as cloning a strong reference would.
 
 use std::cell::RefCell;
 
 use super::device::Shard;
 use crate::driver::StreamId;
-use crate::sync::os::Arc;
+use crate::sync::os::{Arc, Weak};
 
 /// Entries of the shard cache.
 const SHARD_SLOTS: usize = 4;
@@ -19,7 +20,7 @@ struct ThreadState {
     /// ((allocator id, device), current stream)
     current: Vec<((u64, usize), StreamId)>,
     /// ((allocator id, stream), shard), most recent last.
-    shards: Vec<((u64, StreamId), Arc<Shard>)>,
+    shards: Vec<((u64, StreamId), Weak<Shard>)>,
 }
 
 thread_local! {
@@ -61,11 +62,13 @@ pub(crate) fn cached_shard(alloc: u64, stream: StreamId) -> Option<Arc<Shard>> {
     STATE.with(|s| {
         let mut s = s.borrow_mut();
         let at = s.shards.iter().rposition(|(k, _)| *k == (alloc, stream))?;
-        if s.shards[at].1.is_alive() {
-            return Some(Arc::clone(&s.shards[at].1));
+        match s.shards[at].1.upgrade().filter(|shard| shard.is_alive()) {
+            Some(shard) => Some(shard),
+            None => {
+                s.shards.remove(at);
+                None
+            }
         }
-        s.shards.remove(at);
-        None
     })
 }
 
@@ -74,10 +77,10 @@ pub(crate) fn cache_shard(alloc: u64, stream: StreamId, shard: &Arc<Shard>) {
     STATE.with(|s| {
         let mut s = s.borrow_mut();
         s.shards
-            .retain(|(k, sh)| *k != (alloc, stream) && sh.is_alive());
+            .retain(|(k, sh)| *k != (alloc, stream) && sh.strong_count() > 0);
         if s.shards.len() >= SHARD_SLOTS {
             s.shards.remove(0);
         }
-        s.shards.push(((alloc, stream), Arc::clone(shard)));
+        s.shards.push(((alloc, stream), Arc::downgrade(shard)));
     })
 }

@@ -146,6 +146,12 @@ impl ChildProcess {
         }
     }
 
+    /// Kills the child with SIGKILL and reaps it.
+    pub fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
     /// Waits for the child and asserts it succeeded.
     pub fn finish(mut self) {
         drop(self.stdin);

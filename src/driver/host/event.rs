@@ -19,8 +19,8 @@
 
 use std::time::Duration;
 
-use super::shm::SharedMemory;
 use crate::error::{Error, Result};
+use crate::shm::SharedMemory;
 use crate::sync::os::atomic::{AtomicU32, AtomicU64, Ordering};
 use crate::sync::os::Arc;
 

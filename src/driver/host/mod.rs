@@ -23,11 +23,9 @@ mod event;
 mod handle;
 mod kernels;
 mod segments;
-mod shm;
 mod stream;
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hasher};
 
 pub use config::{
     parse_byte_size, HostDriverBuilder, DEFAULT_DEVICES, DEFAULT_MEMORY, MAX_DEVICES,
@@ -37,24 +35,17 @@ pub use stream::StreamGate;
 use self::event::{CellRef, EventPool};
 use self::handle::{HandleKind, HostHandle};
 use self::segments::{Origin, Segment, SegmentTable};
-use self::shm::SharedMemory;
 use self::stream::HostStream;
 use crate::driver::{
     Backend, DevicePtr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
     OpenedSegment, StreamId,
 };
 use crate::error::{Error, Result};
+use crate::shm::{self, SharedMemory};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex, RwLock, Weak};
 
 const PAGE: u64 = 4096;
-
-/// A random 64-bit value (seeded by the OS through std's `RandomState`).
-pub(crate) fn random_u64() -> u64 {
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(std::process::id().into());
-    h.finish()
-}
 
 #[derive(Debug)]
 struct HostEvent {
@@ -106,7 +97,7 @@ impl HostDriver {
     fn with_config(config: HostDriverBuilder) -> Result<Self> {
         let mut driver = HostDriver {
             pid: std::process::id(),
-            nonce: random_u64(),
+            nonce: shm::random_u64(),
             used: (0..config.devices).map(|_| AtomicU64::new(0)).collect(),
             next_id: AtomicU64::new(1),
             segments: SegmentTable::default(),

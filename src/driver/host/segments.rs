@@ -16,9 +16,9 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use super::shm::SharedMemory;
 use crate::driver::{ranges, DevicePtr};
 use crate::error::{Error, Result};
+use crate::shm::SharedMemory;
 use crate::sync::os::{RwLock, RwLockReadGuard};
 
 /// Identity of an opened foreign segment: (exporting pid, its driver nonce, segment number).

@@ -1,4 +1,5 @@
-//! POSIX shared-memory objects: the only module that maps memory (`memmap2`).
+//! POSIX shared-memory objects: the only module that maps memory (`memmap2`). Used by the host
+//! backend (segments, event chunks) and by IPC (ref-counter files).
 //!
 //! An object is a file in `/dev/shm` (what `shm_open` uses on Linux), created `0600` with
 //! `O_CREAT | O_EXCL | O_NOFOLLOW` so a pre-planted file or symlink makes creation fail instead of
@@ -18,6 +19,14 @@ use memmap2::MmapRaw;
 
 use crate::error::{Error, Result};
 
+/// A random 64-bit value (seeded by the OS through std's `RandomState`), for object-name nonces.
+pub(crate) fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(std::process::id().into());
+    h.finish()
+}
+
 /// Where POSIX shared-memory objects live on Linux.
 pub(crate) const SHM_DIR: &str = "/dev/shm";
 
@@ -34,6 +43,8 @@ pub(crate) struct SharedMemory {
     map: MmapRaw,
     len: u64,
     owner: bool,
+    /// Kept open: its open file description carries the OFD byte-range locks of IPC leases.
+    file: File,
 }
 
 impl std::fmt::Debug for SharedMemory {
@@ -105,6 +116,7 @@ impl SharedMemory {
                 map,
                 len,
                 owner: true,
+                file,
             }),
             Err(err) => {
                 let _ = std::fs::remove_file(path_of(name));
@@ -149,6 +161,7 @@ impl SharedMemory {
             map,
             len,
             owner: false,
+            file,
         })
     }
 
@@ -160,6 +173,11 @@ impl SharedMemory {
     /// Start of the mapping in this process.
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.map.as_mut_ptr()
+    }
+
+    /// The open file (for `fcntl` locks on its bytes).
+    pub(crate) fn file(&self) -> &File {
+        &self.file
     }
 
     /// Size of the mapping in bytes.
@@ -192,7 +210,7 @@ mod tests {
         format!(
             "{NAME_PREFIX}test-{}-{tag}-{:x}",
             std::process::id(),
-            crate::driver::host::random_u64()
+            crate::shm::random_u64()
         )
     }
 

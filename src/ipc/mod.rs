@@ -1,0 +1,257 @@
+//! Cross-process sharing: PyTorch's CUDA IPC protocol (ref-counter files, limbo, `ipc_collect`)
+//! without its leaks.
+//!
+//! * `wire.rs` — the handle's byte format; `refcount.rs` — ref-counter files (slots, release ring,
+//!   OFD locks); `state.rs` — the producer's files, limbo and drains; `producer.rs` — what a shared
+//!   storage owns; `consumer.rs` — claims, leases, caches.
+//!
+//! Life of one share: [`Storage::share_ipc`](crate::Storage::share_ipc) returns an [`IpcHandle`]
+//! that owns one `pending` count; [`IpcHandle::into_bytes`] sends the count with the bytes;
+//! [`IpcHandle::from_bytes`] in the consumer takes it back into a handle (validating everything);
+//! [`Storage::from_ipc`](crate::Storage::from_ipc) turns it into a lease — or gives it back at once
+//! when the storage is already open here. A handle dropped without being opened gives its count back
+//! (PyTorch leaks it). A received storage can be shared on to a third process: the new handle
+//! counts on the original slot (PyTorch refuses).
+
+mod consumer;
+mod producer;
+pub(crate) mod refcount;
+pub(crate) mod state;
+pub mod wire;
+
+pub(crate) use consumer::ReceivedOwner;
+pub(crate) use producer::SentOwner;
+pub(crate) use state::IpcState;
+pub use state::{Drained, DEFAULT_EVENT_BUDGET};
+pub use wire::{WireHandle, WIRE_SIZE};
+
+use self::consumer::{Claim, ConsumerCaches};
+use crate::error::{Error, Result};
+use crate::storage::{DataPtr, Owner, Storage};
+use crate::sync::os::{Arc, Mutex};
+
+/// A handle of a shared storage that owns one count on its slot (see the [module docs](self)).
+#[derive(Debug)]
+pub struct IpcHandle {
+    wire: WireHandle,
+    claim: Option<Claim>,
+}
+
+impl IpcHandle {
+    /// The decoded fields.
+    pub fn wire(&self) -> &WireHandle {
+        &self.wire
+    }
+
+    /// The bytes to send; the count travels with them (decode them exactly once on the other side).
+    pub fn into_bytes(mut self) -> Vec<u8> {
+        if let Some(claim) = self.claim.take() {
+            claim.forget();
+        }
+        self.wire.encode()
+    }
+
+    /// Decodes bytes from another process: parses and validates them, opens (once per process)
+    /// and checks the ref-counter file and the slot. The returned handle owns the count.
+    pub fn from_bytes(bytes: &[u8]) -> Result<IpcHandle> {
+        let wire = WireHandle::parse(bytes)?;
+        if wire.is_empty() {
+            return Ok(IpcHandle { wire, claim: None });
+        }
+        let file = consumer::open_ref_file(&wire.ref_file, wire.producer_pid)?;
+        file.slot(wire.slot)?;
+        Ok(IpcHandle {
+            claim: Some(Claim::new(file, wire.slot)),
+            wire,
+        })
+    }
+
+    fn into_parts(mut self) -> (WireHandle, Option<Claim>) {
+        let claim = self.claim.take();
+        let wire = std::mem::replace(
+            &mut self.wire,
+            WireHandle::empty(crate::Backend::Host, 0, 1),
+        );
+        (wire, claim)
+    }
+}
+
+/// Shares `storage` (see [`Storage::share_ipc`]).
+pub(crate) fn share(storage: &Storage) -> Result<IpcHandle> {
+    let alloc = storage.allocator();
+    let ipc = alloc.ipc();
+    let device = storage.device();
+    let stream = alloc.current_stream(device)?;
+    let pid = std::process::id();
+    let device32 = u32::try_from(device).map_err(|_| Error::invalid("device ordinal too large"))?;
+    storage.with_data(|data| {
+        if storage.nbytes() == 0 {
+            return Ok(IpcHandle {
+                wire: WireHandle::empty(ipc.backend, device32, pid),
+                claim: None,
+            });
+        }
+        if let Owner::Block(_) = data.owner() {
+            let segment = data.segment().ok_or_else(|| Error::invalid("no segment"))?;
+            let original = std::mem::replace(data, DataPtr::empty(device));
+            let ptr = original.ptr();
+            match ipc.wrap(original, segment, storage.nbytes()) {
+                Ok(sent) => {
+                    ipc.shared.lock().insert(
+                        (
+                            sent_name(&sent),
+                            sent.data.as_ref().map_or(0, |d| d.slot.slot),
+                        ),
+                        storage.downgrade(),
+                    );
+                    *data = DataPtr::new(ptr, device, Owner::Sent(Box::new(sent)));
+                }
+                Err(failed) => {
+                    let (err, original) = *failed;
+                    *data = original;
+                    return Err(err);
+                }
+            }
+        }
+        match data.owner() {
+            Owner::Sent(sent) => {
+                let d = sent
+                    .data
+                    .as_ref()
+                    .ok_or_else(|| Error::invalid("shared storage already released"))?;
+                let event = match d.event {
+                    Some(e) => {
+                        ipc.driver.event_record(e, stream)?;
+                        Some(ipc.driver.ipc_export_event(e)?.0)
+                    }
+                    None => {
+                        ipc.driver.stream_synchronize(stream)?;
+                        None
+                    }
+                };
+                let file = Arc::clone(&d.slot.file);
+                file.slot(d.slot.slot)?.add_pending();
+                let wire = WireHandle {
+                    backend: ipc.backend,
+                    device: device32,
+                    producer_pid: pid,
+                    slot: d.slot.slot,
+                    memory: d.memory,
+                    segment_size: d.segment_size,
+                    offset: d.offset,
+                    nbytes: d.nbytes,
+                    ref_file: file.name().to_owned(),
+                    event,
+                };
+                Ok(IpcHandle {
+                    claim: Some(Claim::new(file, d.slot.slot)),
+                    wire,
+                })
+            }
+            Owner::Received(recv) => {
+                // Forwarding: count on the original slot; our writes are made visible by
+                // synchronizing instead of sending an event of ours.
+                ipc.driver.stream_synchronize(stream)?;
+                let lease = recv
+                    .lease
+                    .as_ref()
+                    .ok_or_else(|| Error::invalid("received storage already released"))?;
+                lease.file.slot(lease.slot)?.add_pending();
+                let wire = WireHandle {
+                    event: None,
+                    ..recv.wire.clone()
+                };
+                Ok(IpcHandle {
+                    claim: Some(Claim::new(Arc::clone(&lease.file), lease.slot)),
+                    wire,
+                })
+            }
+            Owner::Block(_) | Owner::None => Err(Error::invalid(
+                "only memory from a caching allocator (or received through IPC) can be shared",
+            )),
+        }
+    })
+}
+
+fn sent_name(sent: &SentOwner) -> String {
+    sent.data
+        .as_ref()
+        .map(|d| d.slot.file.name().to_owned())
+        .unwrap_or_default()
+}
+
+/// Opens a handle (see [`Storage::from_ipc`]).
+pub(crate) fn receive(alloc: &Arc<crate::CachingAllocator>, handle: IpcHandle) -> Result<Storage> {
+    let ipc = alloc.ipc();
+    let (wire, claim) = handle.into_parts();
+    let device = usize::try_from(wire.device).map_err(|_| Error::bad_handle("device ordinal"))?;
+    if device >= alloc.device_count() {
+        return Err(Error::bad_handle(format!(
+            "device {device} does not exist here"
+        )));
+    }
+    if wire.is_empty() {
+        return Storage::new(alloc, device, 0);
+    }
+    if wire.producer_pid == std::process::id() {
+        let original = ipc.same_process(&wire.ref_file, wire.slot);
+        if let Some(c) = claim {
+            c.give_back();
+        }
+        return original;
+    }
+    if wire.backend != ipc.backend {
+        return Err(Error::bad_handle(format!(
+            "handle from the {} backend cannot be opened by the {} backend",
+            wire.backend, ipc.backend
+        )));
+    }
+    let claim = claim.ok_or_else(|| Error::bad_handle("handle carries no count"))?;
+    let key = (wire.memory, wire.offset);
+    if let Some(live) = ipc
+        .consumer()
+        .received
+        .lock()
+        .get(&key)
+        .and_then(|w| w.upgrade())
+    {
+        claim.give_back();
+        return Ok(live);
+    }
+    let mapping = ipc.consumer().mapping(&ipc.driver, &wire)?;
+    let lease = claim.into_lease()?;
+    let stream = alloc.current_stream(device)?;
+    if let Some(event) = &wire.event {
+        let e = ipc
+            .driver
+            .ipc_open_event(device, &crate::driver::IpcEventHandle(*event))?;
+        let waited = ipc.driver.stream_wait_event(stream, e);
+        let destroyed = ipc.driver.event_destroy(e);
+        waited.and(destroyed)?;
+    }
+    let ptr = mapping.base.offset(wire.offset)?;
+    let nbytes = wire.nbytes;
+    let owner = ReceivedOwner {
+        wire,
+        streams: Mutex::new(vec![stream]),
+        driver: Arc::clone(&ipc.driver),
+        lease: Some(lease),
+        _mapping: mapping,
+    };
+    let storage = Storage::from_data_ptr(
+        alloc,
+        DataPtr::new(ptr, device, Owner::Received(Box::new(owner))),
+        nbytes,
+    );
+    ipc.consumer()
+        .received
+        .lock()
+        .insert(key, storage.downgrade());
+    Ok(storage)
+}
+
+impl IpcState {
+    fn consumer(&self) -> &ConsumerCaches {
+        &self.consumer
+    }
+}

@@ -1,0 +1,110 @@
+//! Producer side: what a shared storage's `DataPtr` owns, and `share`.
+//!
+//! The first share of a storage replaces its owner with a [`SentOwner`] that keeps the original
+//! owner (so the block stays allocated), one slot in a ref-counter file and — within the live-event
+//! budget — one interprocess event. Every share records the event on the current stream (past the
+//! budget: synchronizes the stream and sends no event) and adds one to the slot's `pending`.
+//!
+//! | producer storage | slot counts | what happens to the memory                    |
+//! |------------------|-------------|-----------------------------------------------|
+//! | alive            | any         | allocated                                     |
+//! | dropped          | 0 / 0       | freed at once (event, slot, block)            |
+//! | dropped          | not 0       | limbo: freed by a drain once consumers release |
+
+use super::state::{IpcState, SlotRef};
+use crate::driver::{EventFlags, EventId, IPC_HANDLE_SIZE};
+use crate::storage::DataPtr;
+use crate::sync::os::atomic::Ordering;
+use crate::sync::os::Arc;
+
+/// Everything a shared storage keeps while consumers may count on it.
+#[derive(Debug)]
+pub(crate) struct SentData {
+    /// The original owner: keeps the block allocated.
+    pub original: DataPtr,
+    pub slot: SlotRef,
+    pub event: Option<EventId>,
+    pub memory: [u8; IPC_HANDLE_SIZE],
+    pub segment_size: u64,
+    pub offset: u64,
+    pub nbytes: u64,
+}
+
+/// The owner of a shared storage's `DataPtr`.
+#[derive(Debug)]
+pub(crate) struct SentOwner {
+    pub state: Arc<IpcState>,
+    pub data: Option<SentData>,
+}
+
+impl Drop for SentOwner {
+    fn drop(&mut self) {
+        let Some(data) = self.data.take() else { return };
+        let free_now = data
+            .slot
+            .file
+            .slot(data.slot.slot)
+            .is_ok_and(|s| s.is_free());
+        if free_now {
+            self.state.free_sent(data);
+        } else {
+            self.state.to_limbo(data);
+        }
+        // Every producer-side free drains what consumers released meanwhile.
+        self.state.drain();
+    }
+}
+
+impl IpcState {
+    /// Wraps `original` for sharing: a slot, the segment's memory handle and (within the budget)
+    /// an interprocess event.
+    pub(crate) fn wrap(
+        self: &Arc<Self>,
+        original: DataPtr,
+        segment: (u64, u64),
+        nbytes: u64,
+    ) -> Result<SentOwner, Box<(crate::Error, DataPtr)>> {
+        let (base, segment_size) = segment;
+        let memory = match self
+            .driver
+            .ipc_export_memory(crate::driver::DevicePtr(base))
+        {
+            Ok(h) => h.0,
+            Err(err) => return Err(Box::new((err, original))),
+        };
+        let slot = match self.take_slot() {
+            Ok(s) => s,
+            Err(err) => return Err(Box::new((err, original))),
+        };
+        let event = if self.live_events.load(Ordering::Relaxed) < self.event_budget as u64 {
+            match self
+                .driver
+                .event_create(original.device(), EventFlags { interprocess: true })
+            {
+                Ok(e) => {
+                    self.live_events.fetch_add(1, Ordering::Relaxed);
+                    Some(e)
+                }
+                Err(err) => {
+                    self.give_back_slot(&slot);
+                    return Err(Box::new((err, original)));
+                }
+            }
+        } else {
+            None
+        };
+        let offset = original.ptr().0 - base;
+        Ok(SentOwner {
+            state: Arc::clone(self),
+            data: Some(SentData {
+                original,
+                slot,
+                event,
+                memory,
+                segment_size,
+                offset,
+                nbytes,
+            }),
+        })
+    }
+}

@@ -1,0 +1,304 @@
+//! The producer's bookkeeping: ref-counter files and their free slots, the limbo of storages that
+//! died while consumers still counted on them, and the storages it shared (for same-process
+//! receipt). One `IpcState` per allocator.
+//!
+//! Limbo entries are keyed by (file number, slot). Draining reads each file's release ring and
+//! re-checks only the hinted slots — cost proportional to what consumers released, independent of
+//! how much sits in limbo. [`IpcState::collect`] additionally looks for slots whose holders all died
+//! (`pending == 0`, `held > 0`, no OFD lock) and reclaims them with a warning.
+
+use std::collections::HashMap;
+
+use super::producer::SentData;
+use super::refcount::RefCounterFile;
+use crate::driver::{Backend, Driver};
+use crate::error::{Error, Result};
+use crate::storage::WeakStorage;
+use crate::sync::os::atomic::{AtomicU64, Ordering};
+use crate::sync::os::{Arc, Mutex};
+
+/// Default live interprocess-event budget (PyTorch's number).
+pub const DEFAULT_EVENT_BUDGET: usize = 1000;
+
+/// A slot taken in one of our files.
+#[derive(Debug, Clone)]
+pub(crate) struct SlotRef {
+    pub file: Arc<RefCounterFile>,
+    pub file_index: u64,
+    pub slot: u32,
+}
+
+#[derive(Debug)]
+struct ProducerFile {
+    file: Arc<RefCounterFile>,
+    index: u64,
+    free: Vec<u32>,
+    next_unused: u32,
+    in_use: u32,
+}
+
+#[derive(Debug, Default)]
+struct Files {
+    files: Vec<ProducerFile>,
+    next_index: u64,
+}
+
+/// What one drain or collect freed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Drained {
+    /// Storages freed.
+    pub storages: u64,
+    /// Bytes freed.
+    pub bytes: u64,
+    /// Of those, storages reclaimed from dead consumers.
+    pub from_dead_consumers: u64,
+}
+
+/// Per-allocator IPC state.
+pub(crate) struct IpcState {
+    pub driver: Arc<dyn Driver>,
+    pub backend: Backend,
+    pid: u32,
+    nonce: u64,
+    slots_per_file: u32,
+    pub event_budget: usize,
+    pub live_events: AtomicU64,
+    files: Mutex<Files>,
+    limbo: Mutex<HashMap<(u64, u32), SentData>>,
+    /// Storages this process shared, by (file name, slot): same-process receipt returns them.
+    pub shared: Mutex<HashMap<(String, u32), WeakStorage>>,
+    /// Consumer-side caches (mappings, received storages).
+    pub consumer: super::consumer::ConsumerCaches,
+}
+
+impl std::fmt::Debug for IpcState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IpcState")
+            .field("limbo", &self.limbo.lock().len())
+            .finish()
+    }
+}
+
+impl IpcState {
+    pub fn new(driver: Arc<dyn Driver>, slots_per_file: u32, event_budget: usize) -> Self {
+        IpcState {
+            backend: driver.backend(),
+            driver,
+            pid: std::process::id(),
+            nonce: crate::shm::random_u64(),
+            slots_per_file: slots_per_file.max(1),
+            event_budget,
+            live_events: AtomicU64::new(0),
+            files: Mutex::new(Files::default()),
+            limbo: Mutex::new(HashMap::new()),
+            shared: Mutex::new(HashMap::new()),
+            consumer: Default::default(),
+        }
+    }
+
+    /// Takes a free slot (creating a file when every file is full).
+    pub fn take_slot(&self) -> Result<SlotRef> {
+        let mut f = self.files.lock();
+        for pf in f.files.iter_mut() {
+            let slot = match pf.free.pop() {
+                Some(s) => Some(s),
+                None if pf.next_unused < pf.file.slot_count() => {
+                    pf.next_unused += 1;
+                    Some(pf.next_unused - 1)
+                }
+                None => None,
+            };
+            if let Some(slot) = slot {
+                pf.in_use += 1;
+                pf.file.slot(slot)?.clear();
+                return Ok(SlotRef {
+                    file: Arc::clone(&pf.file),
+                    file_index: pf.index,
+                    slot,
+                });
+            }
+        }
+        let index = f.next_index;
+        f.next_index += 1;
+        let name = format!(
+            "cudalloc-{}-{:016x}{}{index}",
+            self.pid,
+            self.nonce,
+            super::wire::REF_FILE_TAG
+        );
+        let file = Arc::new(RefCounterFile::create(&name, self.slots_per_file)?);
+        f.files.push(ProducerFile {
+            file: Arc::clone(&file),
+            index,
+            free: Vec::new(),
+            next_unused: 1,
+            in_use: 1,
+        });
+        Ok(SlotRef {
+            file,
+            file_index: index,
+            slot: 0,
+        })
+    }
+
+    /// Returns a slot; a file with no slot in use that is not the newest is unlinked and dropped.
+    pub fn give_back_slot(&self, slot: &SlotRef) {
+        let mut f = self.files.lock();
+        let newest = f.next_index.saturating_sub(1);
+        if let Some(at) = f.files.iter().position(|pf| pf.index == slot.file_index) {
+            let pf = &mut f.files[at];
+            pf.free.push(slot.slot);
+            pf.in_use -= 1;
+            if pf.in_use == 0 && pf.index != newest {
+                let mut gone = f.files.swap_remove(at);
+                if let Some(file) = Arc::get_mut(&mut gone.file) {
+                    file.unlink();
+                } else {
+                    // Still referenced by a limbo entry being torn down: unlink through a fresh
+                    // name-less path is impossible, so unlink by name.
+                    let _ = std::fs::remove_file(format!(
+                        "{}/{}",
+                        crate::shm::SHM_DIR,
+                        gone.file.name()
+                    ));
+                }
+            }
+        }
+    }
+
+    /// The storage's producer died while consumers still count: keep its memory in limbo.
+    pub fn to_limbo(&self, data: SentData) {
+        let key = (data.slot.file_index, data.slot.slot);
+        self.limbo.lock().insert(key, data);
+    }
+
+    /// Frees a shared storage for good: its event, its slot, then its memory.
+    pub fn free_sent(&self, data: SentData) {
+        if let Some(event) = data.event {
+            if let Err(err) = self.driver.event_destroy(event) {
+                tracing::warn!(%err, "destroying a shared storage's event failed");
+            }
+            self.live_events.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.shared
+            .lock()
+            .remove(&(data.slot.file.name().to_owned(), data.slot.slot));
+        self.give_back_slot(&data.slot);
+        drop(data.original);
+    }
+
+    /// Storages in limbo and their bytes.
+    pub fn limbo_size(&self) -> (usize, u64) {
+        let l = self.limbo.lock();
+        (l.len(), l.values().map(|d| d.nbytes).sum())
+    }
+
+    fn producer_files(&self) -> Vec<(u64, Arc<RefCounterFile>)> {
+        self.files
+            .lock()
+            .files
+            .iter()
+            .map(|pf| (pf.index, Arc::clone(&pf.file)))
+            .collect()
+    }
+
+    /// Frees limbo entries whose slots consumers released since the last drain (ring hints; one
+    /// scan of a file's entries if its ring overflowed). Cost ∝ releases.
+    pub fn drain(&self) -> Drained {
+        let mut freed = Vec::new();
+        for (index, file) in self.producer_files() {
+            let released = file.drain_released();
+            let mut limbo = self.limbo.lock();
+            if released.overflowed {
+                let keys: Vec<_> = limbo.keys().filter(|k| k.0 == index).copied().collect();
+                for key in keys {
+                    if file.slot(key.1).is_ok_and(|s| s.is_free()) {
+                        freed.extend(limbo.remove(&key));
+                    }
+                }
+            }
+            for slot in released.slots {
+                if file.slot(slot).is_ok_and(|s| s.is_free()) {
+                    freed.extend(limbo.remove(&(index, slot)));
+                }
+            }
+        }
+        let mut out = Drained::default();
+        for data in freed {
+            out.storages += 1;
+            out.bytes += data.nbytes;
+            self.free_sent(data);
+        }
+        out
+    }
+
+    /// [`Self::drain`], then reclaims limbo slots whose every holder is dead.
+    pub fn collect(&self) -> Drained {
+        let mut out = self.drain();
+        let mut dead = Vec::new();
+        {
+            let mut limbo = self.limbo.lock();
+            let keys: Vec<_> = limbo.keys().copied().collect();
+            for key in keys {
+                let Some(data) = limbo.get(&key) else {
+                    continue;
+                };
+                let Ok(slot) = data.slot.file.slot(key.1) else {
+                    continue;
+                };
+                let (pending, held) = slot.counts();
+                if pending == 0 && held == 0 {
+                    dead.extend(limbo.remove(&key).map(|d| (d, false)));
+                } else if pending == 0
+                    && held > 0
+                    && data.slot.file.is_locked(key.1).is_ok_and(|locked| !locked)
+                {
+                    slot.clear();
+                    dead.extend(limbo.remove(&key).map(|d| (d, true)));
+                }
+            }
+        }
+        for (data, from_dead) in dead {
+            out.storages += 1;
+            out.bytes += data.nbytes;
+            if from_dead {
+                out.from_dead_consumers += 1;
+                tracing::warn!(
+                    bytes = data.nbytes,
+                    slot = data.slot.slot,
+                    "reclaimed shared memory held only by dead consumer processes"
+                );
+            }
+            self.free_sent(data);
+        }
+        out
+    }
+
+    /// Allocator teardown: frees what it can and warns once about what stays in limbo.
+    pub fn shutdown(&self) {
+        self.collect();
+        let (count, bytes) = self.limbo_size();
+        if count > 0 {
+            tracing::warn!(
+                storages = count,
+                bytes,
+                "cudalloc: shared storages still counted by consumer processes at exit; their memory stays allocated until the process exits"
+            );
+            // Consumers may still read this memory: it must not return to the cache (or the driver).
+            // It is released with the process.
+            let entries: Vec<_> = self.limbo.lock().drain().map(|(_, d)| d).collect();
+            for data in entries {
+                std::mem::forget(data);
+            }
+        }
+    }
+
+    /// Checks a same-process receipt and returns the original storage.
+    pub fn same_process(&self, ref_file: &str, slot: u32) -> Result<crate::storage::Storage> {
+        self.shared
+            .lock()
+            .get(&(ref_file.to_owned(), slot))
+            .and_then(WeakStorage::upgrade)
+            .ok_or_else(|| Error::bad_handle("the shared storage no longer exists in this process"))
+    }
+}

@@ -1,0 +1,311 @@
+//! The IPC handle's wire format: a versioned, fixed-layout byte encoding.
+//!
+//! | bytes     | field                                                     |
+//! |-----------|-----------------------------------------------------------|
+//! | 0..8      | magic `cdalIPC1`                                          |
+//! | 8..10     | layout version (1), little endian                         |
+//! | 10        | backend: 1 host, 2 cuda                                   |
+//! | 11        | flags: bit 0 = carries an event, bit 1 = empty storage    |
+//! | 12..16    | device ordinal                                            |
+//! | 16..20    | producer pid                                              |
+//! | 20..24    | slot in the ref-counter file                              |
+//! | 24..88    | the segment's 64-byte memory handle                       |
+//! | 88..96    | segment size                                              |
+//! | 96..104   | byte offset of the storage in the segment                 |
+//! | 104..112  | storage size in bytes                                     |
+//! | 112..176  | ref-counter file name, NUL padded                         |
+//! | 176..240  | event handle (zero without an event)                      |
+//! | 240..248  | checksum of bytes 0..240                                  |
+//!
+//! [`WireHandle::parse`] trusts nothing and never panics: every field is checked (magic,
+//! version, backend, flags, pid, name pattern, `offset + nbytes <= segment size` without overflow,
+//! zero padding, checksum). What the bytes *name* (the file, the slot) is checked when the handle is
+//! opened (`refcount.rs`).
+
+use crate::driver::{pattern, Backend, IPC_HANDLE_SIZE};
+use crate::error::{Error, Result};
+use crate::shm;
+
+/// Encoded size of a handle.
+pub const WIRE_SIZE: usize = 248;
+const MAGIC: [u8; 8] = *b"cdalIPC1";
+const VERSION: u16 = 1;
+const NAME_BYTES: usize = 64;
+/// Suffix pattern of ref-counter file names: `cudalloc-<pid>-<nonce>-ref<n>`.
+pub(crate) const REF_FILE_TAG: &str = "-ref";
+
+/// The decoded fields of a handle (pure data; owning nothing).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct WireHandle {
+    /// Backend of the producer.
+    pub backend: Backend,
+    /// Device ordinal.
+    pub device: u32,
+    /// Producer process id.
+    pub producer_pid: u32,
+    /// Slot in the ref-counter file.
+    pub slot: u32,
+    /// The whole segment's memory handle.
+    pub memory: [u8; IPC_HANDLE_SIZE],
+    /// Size of the whole segment.
+    pub segment_size: u64,
+    /// Offset of the storage in the segment.
+    pub offset: u64,
+    /// Size of the storage.
+    pub nbytes: u64,
+    /// Name of the ref-counter file in `/dev/shm`.
+    pub ref_file: String,
+    /// The producer's interprocess event, if the handle carries one.
+    pub event: Option<[u8; IPC_HANDLE_SIZE]>,
+}
+
+fn checksum(bytes: &[u8]) -> u64 {
+    bytes
+        .chunks(8)
+        .enumerate()
+        .fold(0x4950_4331, |acc, (i, chunk)| {
+            let mut w = [0u8; 8];
+            w[..chunk.len()].copy_from_slice(chunk);
+            pattern::word(acc ^ u64::from_le_bytes(w), i as u64)
+        })
+}
+
+fn bad(what: impl std::fmt::Display) -> Error {
+    Error::bad_handle(what)
+}
+
+/// Checks that `name` is a ref-counter file name of ours.
+pub(crate) fn validate_ref_file_name(name: &str) -> Result<()> {
+    shm::validate_name(name)?;
+    let digits = name.rsplit_once(REF_FILE_TAG).map(|(_, n)| n).unwrap_or("");
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad(format!(
+            "{name:?} is not a cudalloc ref-counter file name"
+        )));
+    }
+    Ok(())
+}
+
+impl WireHandle {
+    /// A handle of an empty storage (no memory, no slot).
+    pub fn empty(backend: Backend, device: u32, producer_pid: u32) -> Self {
+        WireHandle {
+            backend,
+            device,
+            producer_pid,
+            slot: 0,
+            memory: [0; IPC_HANDLE_SIZE],
+            segment_size: 0,
+            offset: 0,
+            nbytes: 0,
+            ref_file: String::new(),
+            event: None,
+        }
+    }
+
+    /// Whether this is the handle of an empty storage.
+    pub fn is_empty(&self) -> bool {
+        self.ref_file.is_empty() && self.nbytes == 0
+    }
+
+    /// Encodes the handle (`WIRE_SIZE` bytes).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = vec![0u8; WIRE_SIZE];
+        b[0..8].copy_from_slice(&MAGIC);
+        b[8..10].copy_from_slice(&VERSION.to_le_bytes());
+        b[10] = match self.backend {
+            Backend::Host => 1,
+            Backend::Cuda => 2,
+        };
+        b[11] = u8::from(self.event.is_some()) | (u8::from(self.is_empty()) << 1);
+        b[12..16].copy_from_slice(&self.device.to_le_bytes());
+        b[16..20].copy_from_slice(&self.producer_pid.to_le_bytes());
+        b[20..24].copy_from_slice(&self.slot.to_le_bytes());
+        b[24..88].copy_from_slice(&self.memory);
+        b[88..96].copy_from_slice(&self.segment_size.to_le_bytes());
+        b[96..104].copy_from_slice(&self.offset.to_le_bytes());
+        b[104..112].copy_from_slice(&self.nbytes.to_le_bytes());
+        let name = self.ref_file.as_bytes();
+        let n = name.len().min(NAME_BYTES);
+        b[112..112 + n].copy_from_slice(&name[..n]);
+        if let Some(event) = &self.event {
+            b[176..240].copy_from_slice(event);
+        }
+        let sum = checksum(&b[0..240]);
+        b[240..248].copy_from_slice(&sum.to_le_bytes());
+        b
+    }
+
+    /// Decodes and validates `bytes` (see the module docs). Never panics.
+    pub fn parse(bytes: &[u8]) -> Result<Self> {
+        if bytes.len() != WIRE_SIZE {
+            return Err(bad(format!(
+                "a handle has {WIRE_SIZE} bytes, got {}",
+                bytes.len()
+            )));
+        }
+        let u32_at = |at: usize| {
+            u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+        };
+        let u64_at = |at: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&bytes[at..at + 8]);
+            u64::from_le_bytes(w)
+        };
+        if bytes[0..8] != MAGIC {
+            return Err(bad("not a cudalloc IPC handle (bad magic)"));
+        }
+        let version = u16::from_le_bytes([bytes[8], bytes[9]]);
+        if version != VERSION {
+            return Err(bad(format!(
+                "handle layout version {version}; this build reads {VERSION}"
+            )));
+        }
+        if u64_at(240) != checksum(&bytes[0..240]) {
+            return Err(bad("handle is corrupt (checksum mismatch)"));
+        }
+        let backend = match bytes[10] {
+            1 => Backend::Host,
+            2 => Backend::Cuda,
+            other => return Err(bad(format!("unknown backend code {other}"))),
+        };
+        if bytes[11] & !0b11 != 0 || bytes[11] == 0b11 {
+            return Err(bad(format!("unknown flags {:#x}", bytes[11])));
+        }
+        let has_event = bytes[11] & 1 != 0;
+        let empty = bytes[11] & 2 != 0;
+        let producer_pid = u32_at(16);
+        if producer_pid == 0 || producer_pid > i32::MAX as u32 {
+            return Err(bad(format!(
+                "producer pid {producer_pid} is not a process id"
+            )));
+        }
+        let segment_size = u64_at(88);
+        let offset = u64_at(96);
+        let nbytes = u64_at(104);
+        match offset.checked_add(nbytes) {
+            Some(end) if end <= segment_size => {}
+            _ => {
+                return Err(bad(format!(
+                    "storage at offset {offset} with {nbytes} bytes does not fit its segment of {segment_size} bytes"
+                )))
+            }
+        }
+        let raw_name = &bytes[112..176];
+        let len = raw_name.iter().position(|&c| c == 0).unwrap_or(NAME_BYTES);
+        if raw_name[len..].iter().any(|&c| c != 0) {
+            return Err(bad("ref-counter file name is not NUL padded"));
+        }
+        let ref_file = std::str::from_utf8(&raw_name[..len])
+            .map_err(|_| bad("ref-counter file name is not UTF-8"))?
+            .to_owned();
+        if empty {
+            if !ref_file.is_empty()
+                || segment_size != 0
+                || nbytes != 0
+                || bytes[20..88].iter().any(|&c| c != 0)
+            {
+                return Err(bad(
+                    "an empty-storage handle must name no segment, slot or file",
+                ));
+            }
+        } else {
+            validate_ref_file_name(&ref_file)?;
+        }
+        let mut memory = [0u8; IPC_HANDLE_SIZE];
+        memory.copy_from_slice(&bytes[24..88]);
+        let event = if has_event {
+            let mut e = [0u8; IPC_HANDLE_SIZE];
+            e.copy_from_slice(&bytes[176..240]);
+            Some(e)
+        } else {
+            if bytes[176..240].iter().any(|&c| c != 0) {
+                return Err(bad("event bytes present but the event flag is clear"));
+            }
+            None
+        };
+        Ok(WireHandle {
+            backend,
+            device: u32_at(12),
+            producer_pid,
+            slot: u32_at(20),
+            memory,
+            segment_size,
+            offset,
+            nbytes,
+            ref_file,
+            event,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> WireHandle {
+        WireHandle {
+            backend: Backend::Host,
+            device: 0,
+            producer_pid: 1234,
+            slot: 7,
+            memory: [3; 64],
+            segment_size: 2 << 20,
+            offset: 4096,
+            nbytes: 512,
+            ref_file: "cudalloc-1234-00000000000000ab-ref0".into(),
+            event: Some([9; 64]),
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let h = sample();
+        assert_eq!(WireHandle::parse(&h.encode()).unwrap(), h);
+        let plain = WireHandle {
+            event: None,
+            ..sample()
+        };
+        assert_eq!(WireHandle::parse(&plain.encode()).unwrap(), plain);
+        let empty = WireHandle::empty(Backend::Host, 0, 77);
+        assert_eq!(WireHandle::parse(&empty.encode()).unwrap(), empty);
+    }
+
+    #[test]
+    fn rejects_what_it_must() {
+        let bad_name = |name: &str| {
+            WireHandle {
+                ref_file: name.into(),
+                ..sample()
+            }
+            .encode()
+        };
+        for name in [
+            "../../etc/passwd",
+            "cudalloc-1-2-seg3",
+            "cudalloc-..-ref1",
+            "x-ref1",
+            "cudalloc-1-ref",
+        ] {
+            assert!(WireHandle::parse(&bad_name(name)).is_err(), "{name}");
+        }
+        let overflow = WireHandle {
+            offset: u64::MAX,
+            nbytes: 2,
+            ..sample()
+        }
+        .encode();
+        assert!(WireHandle::parse(&overflow).is_err());
+        let outside = WireHandle {
+            offset: 2 << 20,
+            nbytes: 1,
+            ..sample()
+        }
+        .encode();
+        assert!(WireHandle::parse(&outside).is_err());
+        assert!(WireHandle::parse(&[0u8; 10]).is_err());
+        let mut flipped = sample().encode();
+        flipped[100] ^= 1;
+        assert!(WireHandle::parse(&flipped).is_err());
+    }
+}
