@@ -15,9 +15,12 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
 
+use std::collections::HashSet;
+
 use memmap2::MmapRaw;
 
 use crate::error::{Error, Result};
+use crate::sync::os::Mutex;
 
 /// A random 64-bit value (seeded by the OS through std's `RandomState`), for object-name nonces.
 pub(crate) fn random_u64() -> u64 {
@@ -25,6 +28,37 @@ pub(crate) fn random_u64() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(std::process::id().into());
     h.finish()
+}
+
+/// Names this process created and has not unlinked yet. At normal process exit (`atexit`) every
+/// remaining name is unlinked, so nothing outlives the process in `/dev/shm` even when memory had
+/// to stay allocated to the end (an allocator dropped while consumers still held its storages).
+/// Mappings stay valid for other processes: only the names go.
+static LIVE_NAMES: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+extern "C" fn unlink_live_names_at_exit() {
+    if let Some(names) = LIVE_NAMES.lock().take() {
+        for name in names {
+            let _ = std::fs::remove_file(path_of(&name));
+        }
+    }
+}
+
+fn remember_name(name: &str) {
+    let mut live = LIVE_NAMES.lock();
+    if live.is_none() {
+        // SAFETY: registers a plain `extern "C"` function with no arguments; it only touches a
+        // static mutex and the file system, which are valid at exit.
+        unsafe { libc::atexit(unlink_live_names_at_exit) };
+    }
+    live.get_or_insert_with(HashSet::new)
+        .insert(name.to_owned());
+}
+
+fn forget_name(name: &str) {
+    if let Some(live) = LIVE_NAMES.lock().as_mut() {
+        live.remove(name);
+    }
 }
 
 /// Where POSIX shared-memory objects live on Linux.
@@ -111,13 +145,16 @@ impl SharedMemory {
             .map_err(|e| Error::host_os("ftruncate", format!("{name}: {e}")))
             .and_then(|()| map_file(&file, len, "mmap"));
         match result {
-            Ok(map) => Ok(SharedMemory {
-                name: name.to_owned(),
-                map,
-                len,
-                owner: true,
-                file,
-            }),
+            Ok(map) => {
+                remember_name(name);
+                Ok(SharedMemory {
+                    name: name.to_owned(),
+                    map,
+                    len,
+                    owner: true,
+                    file,
+                })
+            }
             Err(err) => {
                 let _ = std::fs::remove_file(path_of(name));
                 Err(err)
@@ -189,6 +226,7 @@ impl SharedMemory {
     pub(crate) fn unlink(&mut self) {
         if self.owner {
             self.owner = false;
+            forget_name(&self.name);
             if let Err(err) = std::fs::remove_file(path_of(&self.name)) {
                 tracing::warn!(name = %self.name, %err, "could not unlink shared-memory object");
             }
