@@ -394,6 +394,13 @@ impl CachingAllocator {
         self.ipc.collect().storages > 0
     }
 
+    /// The cheap part of [`Self::ipc_collect`]: frees limbo storages whose slots consumers released
+    /// since the last drain, reading only those releases (cost independent of the limbo's size).
+    /// This is what every producer-side free and every cache miss run.
+    pub fn ipc_drain(&self) -> crate::ipc::Drained {
+        self.ipc.drain()
+    }
+
     /// [`Self::ipc_collect`] with what it freed.
     pub fn ipc_collect_stats(&self) -> crate::ipc::Drained {
         self.ipc.collect()
