@@ -23,17 +23,17 @@ pub(crate) mod os {
 
 /// Primitives of the model-checked protocols: loom's under `--cfg loom`, real ones otherwise.
 #[allow(unused_imports)]
-pub(crate) mod model {
+pub mod model {
     #[cfg(loom)]
-    pub(crate) use loom::sync::{Arc, RwLock};
+    pub(crate) use loom::sync::{Arc, Mutex, MutexGuard, RwLock};
     #[cfg(not(loom))]
-    pub(crate) use std::sync::{Arc, RwLock};
+    pub(crate) use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
     /// Atomics of the modeled protocols.
-    pub(crate) mod atomic {
+    pub mod atomic {
         #[cfg(loom)]
-        pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+        pub use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
         #[cfg(not(loom))]
-        pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+        pub use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
     }
 }

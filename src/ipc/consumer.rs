@@ -11,7 +11,8 @@
 
 use std::collections::HashMap;
 
-use super::refcount::RefCounterFile;
+use super::limbo::SlotCounters;
+use super::refcount::{underflow, RefCounterFile};
 use super::wire::WireHandle;
 use crate::driver::{DevicePtr, Driver, StreamId, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
@@ -71,7 +72,14 @@ impl Claim {
             give_back(&file, slot);
             return Err(err);
         }
-        if let Err(err) = file.slot(slot).and_then(|s| s.pending_to_held()) {
+        let held = file.slot(slot).and_then(|s| {
+            if s.pending_to_held() {
+                Ok(())
+            } else {
+                Err(underflow("pending"))
+            }
+        });
+        if let Err(err) = held {
             let _ = file.unlock(slot);
             return Err(err);
         }
@@ -80,7 +88,13 @@ impl Claim {
 }
 
 fn give_back(file: &RefCounterFile, slot: u32) {
-    match file.slot(slot).and_then(|s| s.give_back_pending()) {
+    match file.slot(slot).and_then(|s| {
+        if s.give_back_pending() {
+            Ok(())
+        } else {
+            Err(underflow("pending"))
+        }
+    }) {
         Ok(()) => file.push_release(slot),
         Err(err) => tracing::warn!(%err, "giving an IPC count back failed"),
     }
@@ -103,7 +117,13 @@ pub(crate) struct Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if let Err(err) = self.file.slot(self.slot).and_then(|s| s.release_held()) {
+        if let Err(err) = self.file.slot(self.slot).and_then(|s| {
+            if s.release_held() {
+                Ok(())
+            } else {
+                Err(underflow("held"))
+            }
+        }) {
             tracing::warn!(%err, "releasing an IPC lease failed");
         }
         self.file.push_release(self.slot);

@@ -14,6 +14,8 @@
 //! counts on the original slot (PyTorch refuses).
 
 mod consumer;
+#[doc(hidden)]
+pub mod limbo;
 mod producer;
 pub(crate) mod refcount;
 pub(crate) mod state;
@@ -26,6 +28,7 @@ pub use state::{Drained, DEFAULT_EVENT_BUDGET};
 pub use wire::{WireHandle, WIRE_SIZE};
 
 use self::consumer::{Claim, ConsumerCaches};
+use self::limbo::SlotCounters;
 use crate::error::{Error, Result};
 use crate::storage::{DataPtr, Owner, Storage};
 use crate::sync::os::{Arc, Mutex};

@@ -40,18 +40,7 @@ pub(crate) struct SentOwner {
 impl Drop for SentOwner {
     fn drop(&mut self) {
         let Some(data) = self.data.take() else { return };
-        let free_now = data
-            .slot
-            .file
-            .slot(data.slot.slot)
-            .is_ok_and(|s| s.is_free());
-        if free_now {
-            self.state.free_sent(data);
-        } else {
-            self.state.to_limbo(data);
-        }
-        // Every producer-side free drains what consumers released meanwhile.
-        self.state.drain();
+        self.state.retire(data);
     }
 }
 

@@ -31,6 +31,7 @@
 
 use std::os::fd::AsRawFd;
 
+use super::limbo::{Counter, SlotCounters};
 use crate::error::{Error, Result};
 use crate::shm::SharedMemory;
 use crate::sync::os::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -72,54 +73,44 @@ fn file_size(slots: u32) -> u64 {
     HEADER + CONTROL + u64::from(RING) * 4 + u64::from(slots) * SLOT_BYTES
 }
 
-/// Decrements `counter` unless it is already 0 (a foreign process cannot wrap our counts around).
-fn checked_decrement(counter: &AtomicU64, what: &str) -> Result<()> {
-    counter
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| v.checked_sub(1))
-        .map(|_| ())
-        .map_err(|_| Error::bad_handle(format!("slot {what} count is already 0 (released twice?)")))
+impl Counter for AtomicU64 {
+    fn increment(&self) -> u64 {
+        self.fetch_add(1, Ordering::SeqCst)
+    }
+
+    fn decrement(&self) -> bool {
+        self.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| v.checked_sub(1))
+            .is_ok()
+    }
+
+    fn get(&self) -> u64 {
+        self.load(Ordering::SeqCst)
+    }
+}
+
+impl SlotCounters for SlotCell {
+    type C = AtomicU64;
+
+    fn pending(&self) -> &AtomicU64 {
+        &self.pending
+    }
+
+    fn held(&self) -> &AtomicU64 {
+        &self.held
+    }
 }
 
 impl SlotCell {
-    /// Producer: one more handle sent.
-    pub fn add_pending(&self) {
-        self.pending.fetch_add(1, Ordering::SeqCst);
-    }
-
-    /// Consumer: a handle arrived in a process that already holds the slot, or was dropped unopened.
-    pub fn give_back_pending(&self) -> Result<()> {
-        checked_decrement(&self.pending, "pending")
-    }
-
-    /// Consumer, with the slot's lock held: becomes a holder (raises `held` before lowering `pending`).
-    pub fn pending_to_held(&self) -> Result<()> {
-        self.held.fetch_add(1, Ordering::SeqCst);
-        checked_decrement(&self.pending, "pending").inspect_err(|_| {
-            self.held.fetch_sub(1, Ordering::SeqCst);
-        })
-    }
-
-    /// Consumer: stops holding.
-    pub fn release_held(&self) -> Result<()> {
-        checked_decrement(&self.held, "held")
-    }
-
-    /// `(pending, held)`, read in that order.
-    pub fn counts(&self) -> (u64, u64) {
-        let pending = self.pending.load(Ordering::SeqCst);
-        (pending, self.held.load(Ordering::SeqCst))
-    }
-
-    /// Producer: the slot is unused by everyone.
-    pub fn is_free(&self) -> bool {
-        self.counts() == (0, 0)
-    }
-
-    /// Producer: clears a slot of dead holders (after proving no lock is held).
+    /// Producer: resets a slot (a fresh slot, or one whose holders are proven dead).
     pub fn clear(&self) {
         self.pending.store(0, Ordering::SeqCst);
         self.held.store(0, Ordering::SeqCst);
     }
+}
+
+/// A counter that went below zero: a foreign process released more than it held.
+pub(crate) fn underflow(what: &str) -> Error {
+    Error::bad_handle(format!("slot {what} count is already 0 (released twice?)"))
 }
 
 /// What a drain of the release ring found.
@@ -354,10 +345,10 @@ mod tests {
         assert!(g.slot(16).is_err());
         f.slot(3).unwrap().add_pending();
         assert_eq!(g.slot(3).unwrap().counts(), (1, 0));
-        g.slot(3).unwrap().pending_to_held().unwrap();
+        assert!(g.slot(3).unwrap().pending_to_held());
         assert_eq!(f.slot(3).unwrap().counts(), (0, 1));
         assert!(
-            g.slot(3).unwrap().give_back_pending().is_err(),
+            !g.slot(3).unwrap().give_back_pending(),
             "no wrap-around below 0"
         );
     }

@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 
+use super::limbo::{Limbo, SlotCounters};
 use super::producer::SentData;
 use super::refcount::RefCounterFile;
 use crate::driver::{Backend, Driver};
@@ -64,7 +65,7 @@ pub(crate) struct IpcState {
     pub event_budget: usize,
     pub live_events: AtomicU64,
     files: Mutex<Files>,
-    limbo: Mutex<HashMap<(u64, u32), SentData>>,
+    limbo: Limbo<(u64, u32), SentData>,
     /// Storages this process shared, by (file name, slot): same-process receipt returns them.
     pub shared: Mutex<HashMap<(String, u32), WeakStorage>>,
     /// Consumer-side caches (mappings, received storages).
@@ -74,7 +75,7 @@ pub(crate) struct IpcState {
 impl std::fmt::Debug for IpcState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IpcState")
-            .field("limbo", &self.limbo.lock().len())
+            .field("limbo", &self.limbo.len())
             .finish()
     }
 }
@@ -90,7 +91,7 @@ impl IpcState {
             event_budget,
             live_events: AtomicU64::new(0),
             files: Mutex::new(Files::default()),
-            limbo: Mutex::new(HashMap::new()),
+            limbo: Limbo::default(),
             shared: Mutex::new(HashMap::new()),
             consumer: Default::default(),
         }
@@ -166,10 +167,20 @@ impl IpcState {
         }
     }
 
-    /// The storage's producer died while consumers still count: keep its memory in limbo.
-    pub fn to_limbo(&self, data: SentData) {
+    /// The producer's storage died: free it now if nobody counts on its slot, else keep its
+    /// memory in limbo (decided under the limbo lock, see `limbo.rs`). Then drain.
+    pub fn retire(&self, data: SentData) {
         let key = (data.slot.file_index, data.slot.slot);
-        self.limbo.lock().insert(key, data);
+        let file = Arc::clone(&data.slot.file);
+        let freed = match file.slot(key.1) {
+            Ok(slot) => self.limbo.retire(key, data, slot),
+            Err(_) => Some(data),
+        };
+        if let Some(data) = freed {
+            self.free_sent(data);
+        }
+        // Every producer-side free drains what consumers released meanwhile.
+        self.drain();
     }
 
     /// Frees a shared storage for good: its event, its slot, then its memory.
@@ -189,8 +200,10 @@ impl IpcState {
 
     /// Storages in limbo and their bytes.
     pub fn limbo_size(&self) -> (usize, u64) {
-        let l = self.limbo.lock();
-        (l.len(), l.values().map(|d| d.nbytes).sum())
+        (
+            self.limbo.len(),
+            self.limbo.fold(0, |sum, d| sum + d.nbytes),
+        )
     }
 
     fn producer_files(&self) -> Vec<(u64, Arc<RefCounterFile>)> {
@@ -208,18 +221,16 @@ impl IpcState {
         let mut freed = Vec::new();
         for (index, file) in self.producer_files() {
             let released = file.drain_released();
-            let mut limbo = self.limbo.lock();
             if released.overflowed {
-                let keys: Vec<_> = limbo.keys().filter(|k| k.0 == index).copied().collect();
-                for key in keys {
-                    if file.slot(key.1).is_ok_and(|s| s.is_free()) {
-                        freed.extend(limbo.remove(&key));
-                    }
-                }
+                freed.extend(
+                    self.limbo.take_where(|k, _| {
+                        k.0 == index && file.slot(k.1).is_ok_and(|s| s.is_free())
+                    }),
+                );
             }
             for slot in released.slots {
-                if file.slot(slot).is_ok_and(|s| s.is_free()) {
-                    freed.extend(limbo.remove(&(index, slot)));
+                if let Ok(cell) = file.slot(slot) {
+                    freed.extend(self.limbo.take_if_free((index, slot), cell));
                 }
             }
         }
@@ -235,29 +246,29 @@ impl IpcState {
     /// [`Self::drain`], then reclaims limbo slots whose every holder is dead.
     pub fn collect(&self) -> Drained {
         let mut out = self.drain();
-        let mut dead = Vec::new();
-        {
-            let mut limbo = self.limbo.lock();
-            let keys: Vec<_> = limbo.keys().copied().collect();
-            for key in keys {
-                let Some(data) = limbo.get(&key) else {
-                    continue;
-                };
-                let Ok(slot) = data.slot.file.slot(key.1) else {
-                    continue;
-                };
-                let (pending, held) = slot.counts();
-                if pending == 0 && held == 0 {
-                    dead.extend(limbo.remove(&key).map(|d| (d, false)));
-                } else if pending == 0
-                    && held > 0
-                    && data.slot.file.is_locked(key.1).is_ok_and(|locked| !locked)
-                {
+        let mut dead_holders = Vec::new();
+        let taken = self.limbo.take_where(|key, data| {
+            let Ok(slot) = data.slot.file.slot(key.1) else {
+                return false;
+            };
+            match slot.counts() {
+                (0, 0) => true,
+                (0, _) if data.slot.file.is_locked(key.1).is_ok_and(|locked| !locked) => {
+                    // Every holder is dead: Linux dropped their locks with them.
                     slot.clear();
-                    dead.extend(limbo.remove(&key).map(|d| (d, true)));
+                    dead_holders.push(*key);
+                    true
                 }
+                _ => false,
             }
-        }
+        });
+        let dead: Vec<(SentData, bool)> = taken
+            .into_iter()
+            .map(|d| {
+                let from_dead = dead_holders.contains(&(d.slot.file_index, d.slot.slot));
+                (d, from_dead)
+            })
+            .collect();
         for (data, from_dead) in dead {
             out.storages += 1;
             out.bytes += data.nbytes;
@@ -286,7 +297,7 @@ impl IpcState {
             );
             // Consumers may still read this memory: it must not return to the cache (or the driver).
             // It is released with the process.
-            let entries: Vec<_> = self.limbo.lock().drain().map(|(_, d)| d).collect();
+            let entries = self.limbo.drain_all();
             for data in entries {
                 std::mem::forget(data);
             }
