@@ -295,6 +295,50 @@ fn test_cuda_send_many() {
 }
 
 #[test]
+fn test_cuda_ipc_deadlock() {
+    // A bounded channel (one message in flight, the line protocol waits for each answer), 100
+    // iterations of share / receive / release while the producer frees and drains. A watchdog
+    // kills the child after 10 s, which fails the test instead of hanging CI.
+    let (a, prefix) = producer();
+    let mut child = ChildProcess::spawn(CHILD, "echo", "host");
+    let pid = child.pid();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watchdog = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            for _ in 0..100 {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                if done.load(std::sync::atomic::Ordering::SeqCst) {
+                    return false;
+                }
+            }
+            // The standard library cannot signal a process by pid: use kill(1).
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &pid.to_string()])
+                .status();
+            true
+        })
+    };
+    for i in 0..100u64 {
+        let s = Storage::new(&a, 0, 4096).unwrap();
+        s.fill_pattern(i).unwrap();
+        child.send(&format!("{i} {}", send(s.share_ipc().unwrap())));
+        drop(s);
+        assert_eq!(child.recv(), format!("{i} ok"));
+        a.ipc_drain();
+    }
+    child.send("stop");
+    child.finish();
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        !watchdog.join().unwrap(),
+        "watchdog fired: the exchange deadlocked"
+    );
+    a.ipc_collect();
+    assert_no_leaks(a, &prefix);
+}
+
+#[test]
 #[ignore = "child process entry: run by the tests of this file"]
 fn ipc_child() {
     let Ok(role) = std::env::var(ROLE_VAR) else {
@@ -327,6 +371,17 @@ fn ipc_child() {
                 s.count_pattern_mismatches(2).unwrap()
             ));
         }
+        "echo" => loop {
+            let line = parent.recv();
+            if line == "stop" {
+                break;
+            }
+            let (i, h) = line.split_once(' ').unwrap();
+            let s = receive(&a, h);
+            assert_eq!(s.count_pattern_mismatches(i.parse().unwrap()).unwrap(), 0);
+            drop(s);
+            parent.send(&format!("{i} ok"));
+        },
         "empty" => {
             let s = receive(&a, &parent.recv());
             parent.send(&format!("empty nbytes={}", s.nbytes()));
