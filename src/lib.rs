@@ -9,6 +9,7 @@
 
 pub mod alloc;
 pub mod config;
+pub mod cow;
 pub mod driver;
 mod error;
 mod global;

@@ -13,6 +13,7 @@
 use std::fmt;
 
 use crate::alloc::{CachingAllocator, Shard};
+use crate::cow::CowOwner;
 use crate::driver::{DevicePtr, StreamId};
 use crate::error::{Error, Result};
 use crate::ipc::{IpcHandle, ReceivedOwner, SentOwner};
@@ -61,6 +62,8 @@ pub(crate) enum Owner {
     Sent(Box<SentOwner>),
     /// Memory of another process, held through a lease on its slot.
     Received(Box<ReceivedOwner>),
+    /// One reference on a copy-on-write context.
+    Cow(CowOwner),
 }
 
 /// An owning device pointer.
@@ -77,6 +80,7 @@ impl fmt::Debug for DataPtr {
             Owner::Block(_) => "block",
             Owner::Sent(_) => "ipc-sent",
             Owner::Received(_) => "ipc-received",
+            Owner::Cow(_) => "cow",
         };
         f.debug_struct("DataPtr")
             .field("ptr", &self.ptr)
@@ -120,8 +124,12 @@ impl DataPtr {
         match &self.owner {
             Owner::Block(b) => Some(b),
             Owner::Sent(s) => s.data.as_ref().and_then(|d| d.original.block_owner()),
-            Owner::None | Owner::Received(_) => None,
+            Owner::None | Owner::Received(_) | Owner::Cow(_) => None,
         }
+    }
+
+    pub(crate) fn into_owner(self) -> Owner {
+        self.owner
     }
 
     pub(crate) fn owner(&self) -> &Owner {
@@ -225,16 +233,34 @@ impl Storage {
         DevicePtr(self.inner.word.load(Ordering::Acquire) & !COW_TAG)
     }
 
-    /// The address for writing. For a plain storage this is one atomic load.
+    /// The address for writing. For a plain storage this is one atomic load; a COW storage is
+    /// materialized first (see [`crate::cow`]): on error (out of memory for the copy) it stays a
+    /// valid COW storage.
     #[inline]
     pub fn mutable_data_ptr(&self) -> Result<DevicePtr> {
         let word = self.inner.word.load(Ordering::Acquire);
         if word & COW_TAG == 0 {
             return Ok(DevicePtr(word));
         }
-        Err(Error::invalid(
-            "copy-on-write storages are not materialized by this build",
-        ))
+        crate::cow::materialize(self)
+    }
+
+    /// A lazy clone: a new storage sharing this one's data copy-on-write (converting this storage
+    /// to COW on its first lazy clone). Not an alias: writes to either stay private.
+    pub fn lazy_clone(&self) -> Result<Storage> {
+        crate::cow::lazy_clone(self)
+    }
+
+    /// Whether the storage shares its data copy-on-write.
+    pub fn is_cow(&self) -> bool {
+        self.inner.word.load(Ordering::Acquire) & COW_TAG != 0
+    }
+
+    /// Sets or clears the COW tag; clearing also publishes the (possibly new) address. Called with
+    /// the storage's data lock held, `ptr` being the new address.
+    pub(crate) fn set_cow_word(&self, ptr: DevicePtr, cow: bool) {
+        let tag = if cow { COW_TAG } else { 0 };
+        self.inner.word.store(ptr.0 | tag, Ordering::Release);
     }
 
     /// Whether `self` and `other` are the same storage (aliases).
@@ -246,14 +272,20 @@ impl Storage {
     /// For a received storage, the lease is released only after `stream`'s work is done.
     pub fn record_stream(&self, stream: StreamId) -> Result<()> {
         let data = self.inner.data.lock();
-        if let Owner::Received(r) = &data.owner {
-            let mut streams = r.streams.lock();
-            if !streams.contains(&stream) {
-                streams.push(stream);
+        match &data.owner {
+            Owner::Received(r) => {
+                let mut streams = r.streams.lock();
+                if !streams.contains(&stream) {
+                    streams.push(stream);
+                }
+                Ok(())
             }
-            return Ok(());
+            Owner::Cow(c) => c.with_original(|original| match original {
+                Some(d) => self.inner.allocator.record_stream(d, stream),
+                None => Ok(()),
+            }),
+            _ => self.inner.allocator.record_stream(&data, stream),
         }
-        self.inner.allocator.record_stream(&data, stream)
     }
 
     /// Shares this storage with other processes: the returned handle owns one count on the

@@ -298,6 +298,28 @@ fn a_wait_captures_the_record_current_at_call_time() {
 }
 
 #[test]
+fn destroying_an_event_with_a_record_in_flight_keeps_its_waiters_waiting() {
+    // CUDA lets a record finish after cuEventDestroy; a new event must not inherit (and complete)
+    // the destroyed event's in-flight record.
+    let d = host_driver();
+    let (a, b) = (d.stream_create(0).unwrap(), d.stream_create(0).unwrap());
+    let gate = d.gate_stream(a).unwrap();
+    let e1 = d.event_create(0, EventFlags::default()).unwrap();
+    d.event_record(e1, a).unwrap();
+    d.stream_wait_event(b, e1).unwrap();
+    d.event_destroy(e1).unwrap();
+    let e2 = d.event_create(0, EventFlags::default()).unwrap();
+    assert!(d.event_query(e2).unwrap(), "a new event starts complete");
+    assert!(
+        !d.stream_query(b).unwrap(),
+        "b still waits for the destroyed event's record"
+    );
+    gate.open();
+    d.stream_synchronize(b).unwrap();
+    d.event_destroy(e2).unwrap();
+}
+
+#[test]
 fn misuse_is_a_typed_error() {
     for b in backends("misuse_is_a_typed_error") {
         let d = b.driver.as_ref();

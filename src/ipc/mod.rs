@@ -81,6 +81,10 @@ impl IpcHandle {
 
 /// Shares `storage` (see [`Storage::share_ipc`]).
 pub(crate) fn share(storage: &Storage) -> Result<IpcHandle> {
+    if storage.is_cow() {
+        // A consumer may write: the shared memory must be this storage's own.
+        storage.mutable_data_ptr()?;
+    }
     let alloc = storage.allocator();
     let ipc = alloc.ipc();
     let device = storage.device();
@@ -169,7 +173,7 @@ pub(crate) fn share(storage: &Storage) -> Result<IpcHandle> {
                     wire,
                 })
             }
-            Owner::Block(_) | Owner::None => Err(Error::invalid(
+            Owner::Block(_) | Owner::None | Owner::Cow(_) => Err(Error::invalid(
                 "only memory from a caching allocator (or received through IPC) can be shared",
             )),
         }

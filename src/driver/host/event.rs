@@ -180,36 +180,45 @@ pub(crate) struct EventPool {
 impl EventPool {
     /// Takes a free cell, creating a chunk named by `name_of(chunk_index)` when none is free.
     /// Returns the cell and its (chunk, slot) address.
+    ///
+    /// A destroyed event's cell is reused only once its last record has completed (CUDA lets a
+    /// record finish after `cuEventDestroy`): a new event must start complete, and resetting the
+    /// counters of a cell with a record in flight would complete that record early for everyone
+    /// still waiting on it.
     pub(crate) fn take(
         &mut self,
         name_of: impl FnOnce(u32) -> String,
     ) -> Result<(CellRef, u32, u32)> {
-        if self.free.is_empty() {
-            let index = u32::try_from(self.chunks.len())
-                .map_err(|_| Error::invalid("too many event chunks"))?;
-            let chunk = SharedMemory::create(&name_of(index), CHUNK_BYTES)?;
-            let h = header(&chunk);
-            h.magic.store(CHUNK_MAGIC, Ordering::SeqCst);
-            h.version.store(CHUNK_VERSION, Ordering::SeqCst);
-            h.cells.store(CELLS_PER_CHUNK, Ordering::SeqCst);
-            h.owner_pid.store(std::process::id(), Ordering::SeqCst);
-            self.chunks.push(Arc::new(chunk));
-            self.free
-                .extend((0..CELLS_PER_CHUNK).rev().map(|slot| (index, slot)));
-        }
-        let (chunk, slot) = self
-            .free
-            .pop()
-            .ok_or_else(|| Error::invalid("event pool empty"))?;
+        let ready = self.free.iter().rposition(|&(chunk, slot)| {
+            CellRef {
+                chunk: Arc::clone(&self.chunks[chunk as usize]),
+                slot,
+                foreign_owner: None,
+            }
+            .is_complete()
+        });
+        let (chunk, slot) = match ready {
+            Some(at) => self.free.swap_remove(at),
+            None => {
+                let index = u32::try_from(self.chunks.len())
+                    .map_err(|_| Error::invalid("too many event chunks"))?;
+                let chunk = SharedMemory::create(&name_of(index), CHUNK_BYTES)?;
+                let h = header(&chunk);
+                h.magic.store(CHUNK_MAGIC, Ordering::SeqCst);
+                h.version.store(CHUNK_VERSION, Ordering::SeqCst);
+                h.cells.store(CELLS_PER_CHUNK, Ordering::SeqCst);
+                h.owner_pid.store(std::process::id(), Ordering::SeqCst);
+                self.chunks.push(Arc::new(chunk));
+                self.free
+                    .extend((1..CELLS_PER_CHUNK).rev().map(|slot| (index, slot)));
+                (index, 0)
+            }
+        };
         let cell = CellRef {
             chunk: Arc::clone(&self.chunks[chunk as usize]),
             slot,
             foreign_owner: None,
         };
-        // A reused cell starts complete: reset both counters to the same value.
-        let c = cell.cell();
-        let seq = c.recorded.load(Ordering::SeqCst);
-        c.completed.store(seq, Ordering::SeqCst);
         Ok((cell, chunk, slot))
     }
 

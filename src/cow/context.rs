@@ -1,0 +1,179 @@
+//! The COW context of device memory: the generic [`CowCell`] holding the original `DataPtr`, plus
+//! what stream ordering needs (the stream current at lazy-clone time, the copiers' events).
+
+use super::cell::{CowCell, Materialized};
+use crate::driver::{DevicePtr, Driver, EventFlags, EventId, StreamId};
+use crate::error::{Error, Result};
+use crate::storage::{DataPtr, Owner, Storage};
+use crate::sync::os::{Arc, Mutex};
+
+/// Shared state of a set of COW storages.
+#[derive(Debug)]
+pub(crate) struct CowContext {
+    cell: CowCell<DataPtr>,
+    device: usize,
+    clone_stream: StreamId,
+    copier_events: Mutex<Vec<EventId>>,
+    driver: Arc<dyn Driver>,
+}
+
+impl Drop for CowContext {
+    fn drop(&mut self) {
+        for e in self.copier_events.lock().drain(..) {
+            if let Err(err) = self.driver.event_destroy(e) {
+                tracing::warn!(%err, "destroying a COW copier event failed");
+            }
+        }
+    }
+}
+
+/// The owner of a COW storage's `DataPtr`: one reference on the context.
+#[derive(Debug)]
+pub(crate) struct CowOwner {
+    ctx: Arc<CowContext>,
+    /// False once materialization gave the reference up (nothing to release on drop).
+    armed: bool,
+}
+
+impl CowOwner {
+    /// Runs `f` on the shared original data.
+    pub(crate) fn with_original<R>(&self, f: impl FnOnce(Option<&DataPtr>) -> R) -> R {
+        self.ctx.cell.with_data(f)
+    }
+}
+
+impl Drop for CowOwner {
+    fn drop(&mut self) {
+        if self.armed {
+            // The last reference frees the original (its block's free waits for copier streams).
+            drop(self.ctx.cell.release());
+        }
+    }
+}
+
+/// A lazy clone of `storage` (converted to COW in place on its first lazy clone).
+pub(crate) fn lazy_clone(storage: &Storage) -> Result<Storage> {
+    let alloc = storage.allocator();
+    let device = storage.device();
+    if storage.nbytes() == 0 {
+        return Storage::new(alloc, device, 0);
+    }
+    storage.with_data(|data| {
+        let ptr = data.ptr();
+        let ctx = match data.owner() {
+            Owner::Cow(owner) => {
+                owner.ctx.cell.add_ref();
+                Arc::clone(&owner.ctx)
+            }
+            _ => {
+                let clone_stream = alloc.current_stream(device)?;
+                let original = std::mem::replace(data, DataPtr::empty(device));
+                let ctx = Arc::new(CowContext {
+                    cell: CowCell::new(original, 2),
+                    device,
+                    clone_stream,
+                    copier_events: Mutex::new(Vec::new()),
+                    driver: Arc::clone(alloc.driver()),
+                });
+                *data = DataPtr::new(
+                    ptr,
+                    device,
+                    Owner::Cow(CowOwner {
+                        ctx: Arc::clone(&ctx),
+                        armed: true,
+                    }),
+                );
+                storage.set_cow_word(ptr, true);
+                ctx
+            }
+        };
+        let clone = Storage::from_data_ptr(
+            alloc,
+            DataPtr::new(ptr, device, Owner::Cow(CowOwner { ctx, armed: true })),
+            storage.nbytes(),
+        );
+        clone.set_cow_word(ptr, true);
+        Ok(clone)
+    })
+}
+
+/// Materializes a COW storage for writing on the current stream; returns the address to write.
+pub(crate) fn materialize(storage: &Storage) -> Result<DevicePtr> {
+    let alloc = storage.allocator();
+    let device = storage.device();
+    let nbytes = storage.nbytes();
+    let stream = alloc.current_stream(device)?;
+    let driver = Arc::clone(alloc.driver());
+    storage.with_data(|data| {
+        let ctx = match data.owner() {
+            Owner::Cow(owner) => Arc::clone(&owner.ctx),
+            _ => return Ok(data.ptr()), // materialized by another alias meanwhile
+        };
+        if stream != ctx.clone_stream {
+            wait_for_stream(&driver, ctx.device, ctx.clone_stream, stream)?;
+        }
+        let outcome = ctx.cell.materialize(
+            || alloc.allocate_on(stream, nbytes),
+            |original, copy| enqueue_copy(alloc, &ctx, original, copy, nbytes, stream),
+        )?;
+        let new_data = match outcome {
+            Materialized::Stole(original) => {
+                for &e in ctx.copier_events.lock().iter() {
+                    driver.stream_wait_event(stream, e)?;
+                }
+                original
+            }
+            Materialized::Copied(copy) => copy,
+        };
+        let ptr = new_data.ptr();
+        // `materialize` already gave our reference up: disarm the old owner before it drops.
+        if let Owner::Cow(mut owner) = std::mem::replace(data, new_data).into_owner() {
+            owner.armed = false;
+        }
+        storage.set_cow_word(ptr, false);
+        Ok(ptr)
+    })
+}
+
+/// Copier: enqueue the copy, record an event after it, mark the source as used by `stream`.
+fn enqueue_copy(
+    alloc: &crate::CachingAllocator,
+    ctx: &CowContext,
+    original: &DataPtr,
+    copy: &mut DataPtr,
+    nbytes: u64,
+    stream: StreamId,
+) {
+    let driver = alloc.driver();
+    let result = driver
+        .copy_device_to_device(stream, copy.ptr(), original.ptr(), nbytes)
+        .and_then(|()| alloc.record_stream(original, stream))
+        .and_then(|()| {
+            let e = driver.event_create(ctx.device, EventFlags::default())?;
+            driver.event_record(e, stream)?;
+            ctx.copier_events.lock().push(e);
+            Ok(())
+        });
+    if let Err(err) = result {
+        // The copy is enqueued or the stream is broken; make the ordering hold by waiting.
+        tracing::warn!(%err, "COW copy bookkeeping failed; synchronizing the stream");
+        let _ = driver.stream_synchronize(stream);
+    }
+}
+
+fn wait_for_stream(
+    driver: &Arc<dyn Driver>,
+    device: usize,
+    waited: StreamId,
+    waiter: StreamId,
+) -> Result<()> {
+    let e = driver.event_create(device, EventFlags::default())?;
+    let result = driver
+        .event_record(e, waited)
+        .and_then(|()| driver.stream_wait_event(waiter, e));
+    let destroyed = driver.event_destroy(e);
+    result.and(destroyed).map_err(|err| match err {
+        Error::InvalidArgument(m) => Error::invalid(format!("COW stream ordering: {m}")),
+        other => other,
+    })
+}

@@ -1,0 +1,32 @@
+//! Copy-on-write lazy clones.
+//!
+//! `storage.lazy_clone()` returns a new [`Storage`](crate::Storage) that shares the data through a
+//! COW context; reads never copy, and the first write through `mutable_data_ptr()` materializes:
+//! the last holder steals the data in place, the others copy it through the allocator's
+//! stream-ordered `clone_data`. The protocol is in `cell.rs` (generic, model-checked by
+//! `loom_tests/cow.rs`); `context.rs` binds it to device memory and streams.
+//!
+//! States of a storage:
+//!
+//! | state            | address word                 | owner                  | `mutable_data_ptr()`              |
+//! |------------------|------------------------------|------------------------|-----------------------------------|
+//! | plain            | address, tag clear           | block / IPC / none     | one atomic load                   |
+//! | COW (shared)     | shared address, tag set      | COW context (count ≥ 2) | copy: new address, tag cleared   |
+//! | COW (last)       | shared address, tag set      | COW context (count = 1) | steal: same address, tag cleared |
+//!
+//! | operation                     | source storage            | context count |
+//! |-------------------------------|---------------------------|---------------|
+//! | first lazy clone of a plain   | converted to COW in place | 2             |
+//! | lazy clone of a COW storage   | unchanged                 | +1            |
+//! | materialize (copy)            | —                         | −1            |
+//! | materialize (steal) / drop    | —                         | −1 (last frees or hands over the data) |
+//!
+//! Stream order: a copier enqueues its copy on its current stream, records an event after it and
+//! marks the source block as used by that stream (so a later free waits); a stealer makes its stream
+//! wait on every copier's event before returning; materializing on a stream other than the one that
+//! was current at lazy-clone time first waits for that stream.
+
+pub mod cell;
+mod context;
+
+pub(crate) use context::{lazy_clone, materialize, CowOwner};

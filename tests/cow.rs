@@ -1,0 +1,288 @@
+//! Copy-on-write: ports of c10's `cow_test.cpp` cases (named after them), `test_torch.py`'s lazy
+//! clone checks, and host-backend stream-order, stress and out-of-memory tests.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::*;
+use cudalloc::cow::cell::{CowCell, Materialized};
+use cudalloc::{CachingAllocator, Driver, ErrorKind, Storage};
+
+const MIB: u64 = 1 << 20;
+
+fn allocator() -> Arc<CachingAllocator> {
+    checked_allocator(Arc::new(host_driver()), "")
+}
+
+fn live_blocks(a: &CachingAllocator) -> i64 {
+    a.memory_stats(0).unwrap().allocation[0].current
+}
+
+struct CountsDrops(Arc<AtomicUsize>);
+impl Drop for CountsDrops {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn context_basic() {
+    let drops = Arc::new(AtomicUsize::new(0));
+    let cell = CowCell::new(CountsDrops(drops.clone()), 1);
+    assert_eq!(cell.refs(), 1);
+    cell.add_ref();
+    assert_eq!(cell.refs(), 2);
+    // Not the last reference: nothing handed back.
+    assert!(cell.release().is_none());
+    assert_eq!(drops.load(Ordering::SeqCst), 0);
+    // The last reference gets the data; dropping it frees it exactly once.
+    let data = cell.release().unwrap();
+    drop(data);
+    assert_eq!(drops.load(Ordering::SeqCst), 1);
+    assert!(cell.with_data(|d| d.is_none()));
+}
+
+#[test]
+fn context_materialize_copies_unless_last() {
+    let cell = CowCell::new(41u64, 2);
+    match cell
+        .materialize(|| Ok(0u64), |src, dst| *dst = *src + 1)
+        .unwrap()
+    {
+        Materialized::Copied(v) => assert_eq!(v, 42),
+        Materialized::Stole(_) => panic!("not the last reference"),
+    }
+    match cell
+        .materialize(|| Ok(0u64), |_, _| panic!("no copy for the last reference"))
+        .unwrap()
+    {
+        Materialized::Stole(v) => assert_eq!(v, 41),
+        Materialized::Copied(_) => panic!("the last reference steals"),
+    }
+    // A failing preparation changes nothing.
+    let cell = CowCell::new(1u64, 2);
+    let failed = cell.materialize(
+        || Err::<u64, _>(cudalloc::Error::InvalidArgument("no memory".into())),
+        |_, _| {},
+    );
+    assert!(failed.is_err());
+    assert_eq!(cell.refs(), 2);
+}
+
+#[test]
+fn deleter_path() {
+    let a = allocator();
+    let s = Storage::new(&a, 0, 4096).unwrap();
+    let clones: Vec<_> = (0..3).map(|_| s.lazy_clone().unwrap()).collect();
+    assert_eq!(live_blocks(&a), 1, "lazy clones allocate nothing");
+    drop(s);
+    drop(clones);
+    assert_eq!(
+        live_blocks(&a),
+        0,
+        "the data is freed once, with the last reference"
+    );
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn lazy_clone_of_a_plain_storage() {
+    let a = allocator();
+    let s = Storage::new(&a, 0, 4096).unwrap();
+    assert!(!s.is_cow());
+    let c = s.lazy_clone().unwrap();
+    assert!(s.is_cow(), "the source is converted in place");
+    assert!(c.is_cow());
+    assert!(!c.is_alias_of(&s), "a lazy clone is a distinct storage");
+    assert_eq!(c.data_ptr(), s.data_ptr(), "sharing the same data");
+}
+
+#[test]
+fn lazy_clone_of_an_already_cow_storage() {
+    let a = allocator();
+    let s = Storage::new(&a, 0, 4096).unwrap();
+    let c1 = s.lazy_clone().unwrap();
+    let c2 = c1.lazy_clone().unwrap();
+    assert!(c2.is_cow());
+    assert_eq!(c2.data_ptr(), s.data_ptr());
+    assert_eq!(live_blocks(&a), 1);
+}
+
+#[test]
+fn lazy_clone_of_a_storage_with_another_owner_is_supported() {
+    // PyTorch refuses storages whose deleter is not its own; ours are typed, so a shared (IPC)
+    // storage can be lazily cloned and materialized like any other.
+    let a = allocator();
+    let s = Storage::new(&a, 0, 4096).unwrap();
+    s.fill_pattern(3).unwrap();
+    let handle = s.share_ipc().unwrap();
+    let c = s.lazy_clone().unwrap();
+    assert_eq!(c.data_ptr(), s.data_ptr());
+    c.mutable_data_ptr().unwrap();
+    assert_ne!(c.data_ptr(), s.data_ptr());
+    assert_eq!(c.count_pattern_mismatches(3).unwrap(), 0);
+    drop(handle);
+}
+
+#[test]
+fn materialize_of_a_non_cow_storage_is_a_no_op() {
+    let a = allocator();
+    let s = Storage::new(&a, 0, 4096).unwrap();
+    let before = s.data_ptr();
+    assert_eq!(s.mutable_data_ptr().unwrap(), before);
+    assert!(!s.is_cow());
+}
+
+#[test]
+fn materialize_of_a_single_reference_cow_storage_steals() {
+    let a = allocator();
+    let s = Storage::new(&a, 0, 4096).unwrap();
+    let c = s.lazy_clone().unwrap();
+    let addr = s.data_ptr();
+    drop(c);
+    assert!(s.is_cow(), "still tagged until written");
+    assert_eq!(
+        s.mutable_data_ptr().unwrap(),
+        addr,
+        "steal: same address, no copy"
+    );
+    assert!(!s.is_cow());
+    assert_eq!(live_blocks(&a), 1);
+}
+
+#[test]
+fn materialize_of_a_shared_cow_storage_copies() {
+    let a = allocator();
+    let s = Storage::new(&a, 0, MIB).unwrap();
+    s.fill_pattern(9).unwrap();
+    let c = s.lazy_clone().unwrap();
+    let original = s.data_ptr();
+    let written = c.mutable_data_ptr().unwrap();
+    assert_ne!(written, original, "copy: new address");
+    assert_eq!(s.data_ptr(), original, "the other keeps the original");
+    assert_eq!(c.count_pattern_mismatches(9).unwrap(), 0, "same bytes");
+    assert!(!c.is_cow());
+    assert!(s.is_cow());
+    assert_eq!(live_blocks(&a), 2);
+    // Now the source is the last reference: it steals.
+    assert_eq!(s.mutable_data_ptr().unwrap(), original);
+    assert!(!s.is_cow());
+}
+
+#[test]
+fn test_lazy_clone_addresses_and_reads() {
+    // test_torch.py: addresses are equal until a write; the writer's address changes and the other
+    // keeps the original; reads of both (a "binary op") do not materialize.
+    let a = allocator();
+    let x = Storage::new(&a, 0, 4096).unwrap();
+    x.fill_pattern(1).unwrap();
+    let y = x.lazy_clone().unwrap();
+    assert_eq!(x.data_ptr(), y.data_ptr());
+    assert_eq!(
+        x.count_pattern_mismatches(1).unwrap() + y.count_pattern_mismatches(1).unwrap(),
+        0
+    );
+    assert!(x.is_cow() && y.is_cow(), "reads did not materialize");
+    let original = x.data_ptr();
+    y.fill_pattern(2).unwrap(); // a write through y
+    assert_ne!(y.data_ptr(), original);
+    assert_eq!(x.data_ptr(), original);
+    assert_eq!(
+        x.count_pattern_mismatches(1).unwrap(),
+        0,
+        "x unaffected by y's write"
+    );
+    assert_eq!(y.count_pattern_mismatches(2).unwrap(), 0);
+}
+
+#[test]
+fn a_slow_copier_still_sees_the_original_when_the_stealer_writes_on_another_stream() {
+    // The copier's copy is queued behind a gate on stream A; the last reference then steals on
+    // stream B and writes at once. The stealer's stream must wait for the copier's event.
+    let driver = Arc::new(host_driver());
+    let d: Arc<dyn Driver> = driver.clone();
+    let a = checked_allocator(d.clone(), "");
+    let (sa, sb) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
+    let s = Storage::new(&a, 0, MIB).unwrap();
+    s.fill_pattern(1).unwrap();
+    let c = s.lazy_clone().unwrap();
+    let gate = driver.gate_stream(sa).unwrap();
+    {
+        let _on_a = a.set_current_stream(sa).unwrap();
+        c.mutable_data_ptr().unwrap(); // copy enqueued behind the gate
+    }
+    {
+        let _on_b = a.set_current_stream(sb).unwrap();
+        let addr = s.mutable_data_ptr().unwrap(); // last reference: steal
+        d.fill_pattern(sb, addr, MIB, 2).unwrap(); // write at once on B
+        assert!(!d.stream_query(sb).unwrap(), "B waits for the gated copy");
+    }
+    gate.open();
+    d.stream_synchronize(sb).unwrap();
+    d.stream_synchronize(sa).unwrap();
+    assert_eq!(
+        d.count_pattern_mismatches(sa, c.data_ptr(), MIB, 1)
+            .unwrap(),
+        0,
+        "copy saw the original"
+    );
+    assert_eq!(
+        d.count_pattern_mismatches(sb, s.data_ptr(), MIB, 2)
+            .unwrap(),
+        0
+    );
+}
+
+#[test]
+fn out_of_memory_during_materialization_leaves_the_storage_cow_and_readable() {
+    let a = allocator(); // 64 MiB device
+    let s = Storage::new(&a, 0, 40 * MIB).unwrap();
+    s.fill_pattern(4).unwrap();
+    let c = s.lazy_clone().unwrap();
+    let err = c.mutable_data_ptr().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory);
+    assert!(c.is_cow());
+    assert_eq!(c.count_pattern_mismatches(4).unwrap(), 0);
+    drop(s);
+    assert_eq!(
+        c.mutable_data_ptr().unwrap(),
+        c.data_ptr(),
+        "now the last reference: steal"
+    );
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn stress_four_threads_of_concurrent_materializations() {
+    let a = Arc::new(CachingAllocator::new(Arc::new(host_driver()), Default::default()).unwrap());
+    let baseline = live_blocks(&a);
+    let handles: Vec<_> = (0..4u64)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                for round in 0..10_000u64 {
+                    let seed = t * 1_000_000 + round;
+                    let s = Storage::new(&a, 0, 1024).unwrap();
+                    s.copy_from_host(&cudalloc::driver::pattern::expected(1024, seed))
+                        .unwrap();
+                    let c = s.lazy_clone().unwrap();
+                    let (writer, other) = if round % 2 == 0 { (&s, &c) } else { (&c, &s) };
+                    writer.mutable_data_ptr().unwrap();
+                    other.mutable_data_ptr().unwrap();
+                    if round % 100 == 0 {
+                        assert_eq!(s.count_pattern_mismatches(seed).unwrap(), 0);
+                        assert_eq!(c.count_pattern_mismatches(seed).unwrap(), 0);
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(live_blocks(&a), baseline);
+    a.check_invariants().unwrap();
+}
