@@ -12,7 +12,13 @@ use cudalloc::{CachingAllocator, HostDriver, Storage};
 const BIG: u64 = 64 << 20;
 
 fn allocator() -> Arc<CachingAllocator> {
-    let driver = Arc::new(HostDriver::builder().memory_per_device(2 << 30).poison_on_free(false).build().unwrap());
+    let driver = Arc::new(
+        HostDriver::builder()
+            .memory_per_device(2 << 30)
+            .poison_on_free(false)
+            .build()
+            .unwrap(),
+    );
     Arc::new(CachingAllocator::new(driver, Default::default()).unwrap())
 }
 
@@ -21,7 +27,9 @@ fn lazy_clone_and_steal(c: &mut Criterion) {
     let s = Storage::new(&a, 0, 4096).unwrap();
     let keep = s.lazy_clone().unwrap(); // s is COW from here on
     let mut g = c.benchmark_group("cow");
-    g.bench_function("lazy_clone (of a COW storage)", |b| b.iter(|| s.lazy_clone().unwrap()));
+    g.bench_function("lazy_clone (of a COW storage)", |b| {
+        b.iter(|| s.lazy_clone().unwrap())
+    });
     g.bench_function("steal-materialize (last reference)", |b| {
         b.iter_batched(
             || {
@@ -49,7 +57,8 @@ fn copy_materialize(c: &mut Criterion) {
     g.sample_size(20);
     g.bench_function(BenchmarkId::new("plain d2d copy", BIG), |b| {
         b.iter(|| {
-            d.copy_device_to_device(stream, dst.ptr(), src.data_ptr(), BIG).unwrap();
+            d.copy_device_to_device(stream, dst.ptr(), src.data_ptr(), BIG)
+                .unwrap();
             d.stream_synchronize(stream).unwrap();
         })
     });

@@ -50,7 +50,10 @@ fn materialize_and_write(cell: &CowCell<Data>) -> bool {
             true
         }
         Materialized::Copied(copy) => {
-            assert_eq!(copy, ORIGINAL, "a copy read data that a stealer had already changed");
+            assert_eq!(
+                copy, ORIGINAL,
+                "a copy read data that a stealer had already changed"
+            );
             false
         }
     }
@@ -58,7 +61,10 @@ fn materialize_and_write(cell: &CowCell<Data>) -> bool {
 
 fn cell(refs: usize) -> (Arc<CowCell<Data>>, Arc<AtomicUsize>) {
     let frees = Arc::new(AtomicUsize::new(0));
-    let data = Data { value: UnsafeCell::new(ORIGINAL), frees: frees.clone() };
+    let data = Data {
+        value: UnsafeCell::new(ORIGINAL),
+        frees: frees.clone(),
+    };
     (Arc::new(CowCell::new(data, refs)), frees)
 }
 
@@ -77,7 +83,11 @@ fn two_holders_materialize_concurrently() {
         let mine = materialize_and_write(&c);
         let theirs = t.join().unwrap();
         assert!(mine ^ theirs, "exactly one steal");
-        assert_eq!(frees.load(Ordering::SeqCst), 1, "the data freed exactly once (by the stealer)");
+        assert_eq!(
+            frees.load(Ordering::SeqCst),
+            1,
+            "the data freed exactly once (by the stealer)"
+        );
     });
 }
 
@@ -111,7 +121,11 @@ fn lazy_clone_races_materialization() {
             usize::from(materialize_and_write(&c2)) + usize::from(materialize_and_write(&c2))
         });
         let mine = usize::from(materialize_and_write(&c));
-        assert_eq!(mine + t.join().unwrap(), 1, "exactly one of the three steals");
+        assert_eq!(
+            mine + t.join().unwrap(),
+            1,
+            "exactly one of the three steals"
+        );
         assert_eq!(frees.load(Ordering::SeqCst), 1);
     });
 }
@@ -125,7 +139,11 @@ fn drop_races_materialization() {
         let stole = materialize_and_write(&c);
         t.join().unwrap();
         // Either the dropper released first (we stole) or we copied and the dropper freed.
-        assert_eq!(frees.load(Ordering::SeqCst), 1, "freed exactly once (stole: {stole})");
+        assert_eq!(
+            frees.load(Ordering::SeqCst),
+            1,
+            "freed exactly once (stole: {stole})"
+        );
     });
 }
 
@@ -165,7 +183,10 @@ fn negative_control_decrement_then_lock() {
             let c = Arc::new(NaiveCell {
                 lock: RwLock::new(()),
                 refs: AtomicUsize::new(2),
-                data: Mutex::new(Some(Data { value: UnsafeCell::new(ORIGINAL), frees })),
+                data: Mutex::new(Some(Data {
+                    value: UnsafeCell::new(ORIGINAL),
+                    frees,
+                })),
             });
             let c2 = c.clone();
             let t = thread::spawn(move || c2.materialize_and_write());
@@ -173,5 +194,8 @@ fn negative_control_decrement_then_lock() {
             t.join().unwrap();
         })
     });
-    assert!(caught.is_err(), "loom must catch the decrement-then-lock ordering");
+    assert!(
+        caught.is_err(),
+        "loom must catch the decrement-then-lock ordering"
+    );
 }

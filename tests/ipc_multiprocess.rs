@@ -14,18 +14,33 @@ use cudalloc::{CachingAllocator, Driver, IpcHandle, Storage};
 const CHILD: &str = "ipc_child";
 
 fn producer() -> (Arc<CachingAllocator>, String) {
-    let driver = Arc::new(host_driver());
-    let prefix = driver.shm_name_prefix();
-    let d: Arc<dyn Driver> = driver;
-    (
-        Arc::new(
-            CachingAllocator::builder()
-                .ipc_slots_per_file(64)
-                .build(d)
-                .unwrap(),
-        ),
-        prefix,
-    )
+    producer_on("host")
+}
+
+/// A producer allocator on `backend`; the prefix of its host objects ("" on CUDA).
+fn producer_on(backend: &str) -> (Arc<CachingAllocator>, String) {
+    let (d, prefix): (Arc<dyn Driver>, String) = match backend {
+        "cuda" => (child_driver("cuda"), String::new()),
+        _ => {
+            let driver = Arc::new(host_driver());
+            let prefix = driver.shm_name_prefix();
+            (driver, prefix)
+        }
+    };
+    let a = CachingAllocator::builder()
+        .ipc_slots_per_file(64)
+        .build(d)
+        .unwrap();
+    (Arc::new(a), prefix)
+}
+
+/// The backends the ported tests run on: host, and CUDA when a driver and a device exist.
+fn ipc_backends(test: &str) -> Vec<&'static str> {
+    let mut out = vec!["host"];
+    if cuda_present(test) {
+        out.push("cuda");
+    }
+    out
 }
 
 fn pid_prefix() -> String {
@@ -48,6 +63,9 @@ fn receive(a: &Arc<CachingAllocator>, text: &str) -> Storage {
 fn assert_no_leaks(a: Arc<CachingAllocator>, prefix: &str) {
     assert_eq!(a.ipc_limbo(), (0, 0), "limbo not empty");
     drop(a);
+    if prefix.is_empty() {
+        return; // CUDA backend: no host objects besides ref files, checked by the limbo
+    }
     assert!(
         shm_names_with_prefix(prefix).is_empty(),
         "host objects left: {:?}",
@@ -65,103 +83,113 @@ fn assert_no_leaks(a: Arc<CachingAllocator>, prefix: &str) {
 
 #[test]
 fn test_cuda_simple() {
-    let (a, prefix) = producer();
-    let s = Storage::new(&a, 0, 1 << 20).unwrap();
-    s.fill_pattern(11).unwrap();
-    let mut child = ChildProcess::spawn(CHILD, "simple", "host");
-    child.send(&send(s.share_ipc().unwrap()));
-    assert_eq!(child.recv(), "verified mismatches=0");
-    child.send("done");
-    child.finish();
-    assert_eq!(
-        s.count_pattern_mismatches(12).unwrap(),
-        0,
-        "the consumer's answer is visible"
-    );
-    drop(s);
-    a.ipc_collect();
-    assert_no_leaks(a, &prefix);
+    for backend in ipc_backends("test_cuda_simple") {
+        let (a, prefix) = producer_on(backend);
+        let s = Storage::new(&a, 0, 1 << 20).unwrap();
+        s.fill_pattern(11).unwrap();
+        let mut child = ChildProcess::spawn(CHILD, "simple", backend);
+        child.send(&send(s.share_ipc().unwrap()));
+        assert_eq!(child.recv(), "verified mismatches=0");
+        child.send("done");
+        child.finish();
+        assert_eq!(
+            s.count_pattern_mismatches(12).unwrap(),
+            0,
+            "the consumer's answer is visible"
+        );
+        drop(s);
+        a.ipc_collect();
+        assert_no_leaks(a, &prefix);
+    }
 }
 
 #[test]
 fn test_cuda_small_tensors() {
-    // Five storages carved from one 2 MiB segment, sent in one message: one mapping opened.
-    let (a, prefix) = producer();
-    let storages: Vec<_> = (0..5u64)
-        .map(|i| Storage::new(&a, 0, 1000 + i * 100).unwrap())
-        .collect();
-    for (i, s) in storages.iter().enumerate() {
-        s.fill_pattern(100 + i as u64).unwrap();
-    }
-    assert_eq!(a.snapshot().segments.len(), 1);
-    let line: Vec<String> = storages
-        .iter()
-        .map(|s| send(s.share_ipc().unwrap()))
-        .collect();
-    let mut child = ChildProcess::spawn(CHILD, "small_tensors", "host");
-    child.send(&line.join(" "));
-    assert_eq!(child.recv(), "ok mappings=1");
-    child.finish();
-    drop(storages);
-    a.ipc_collect();
-    assert_no_leaks(a, &prefix);
-}
-
-#[test]
-fn test_event() {
-    // The producer's write is queued behind a sleep; the consumer sees it only thanks to the event.
-    let (a, prefix) = producer();
-    let s = Storage::new(&a, 0, 4 << 20).unwrap();
-    s.fill_pattern(1).unwrap();
-    a.driver()
-        .sleep(a.default_stream(0).unwrap(), 300_000)
-        .unwrap();
-    s.fill_pattern(2).unwrap();
-    let mut child = ChildProcess::spawn(CHILD, "event", "host");
-    child.send(&send(s.share_ipc().unwrap()));
-    assert_eq!(child.recv(), "mismatches=0");
-    child.finish();
-    drop(s);
-    a.ipc_collect();
-    assert_no_leaks(a, &prefix);
-}
-
-#[test]
-fn test_empty_storage_sharing() {
-    let (a, prefix) = producer();
-    let s = Storage::new(&a, 0, 0).unwrap();
-    let mut child = ChildProcess::spawn(CHILD, "empty", "host");
-    child.send(&send(s.share_ipc().unwrap()));
-    assert_eq!(child.recv(), "empty nbytes=0");
-    child.finish();
-    assert_no_leaks(a, &prefix);
-}
-
-#[test]
-fn test_mixed_types_cuda_sharing() {
-    // Same segment, different offsets, 10 rounds of share / verify / release.
-    let (a, prefix) = producer();
-    let storages: Vec<_> = [512u64, 4096, 777]
-        .iter()
-        .map(|&n| Storage::new(&a, 0, n).unwrap())
-        .collect();
-    let mut child = ChildProcess::spawn(CHILD, "rounds", "host");
-    for round in 0..10u64 {
+    for backend in ipc_backends("test_cuda_small_tensors") {
+        // Five storages carved from one 2 MiB segment, sent in one message: one mapping opened.
+        let (a, prefix) = producer_on(backend);
+        let storages: Vec<_> = (0..5u64)
+            .map(|i| Storage::new(&a, 0, 1000 + i * 100).unwrap())
+            .collect();
         for (i, s) in storages.iter().enumerate() {
-            s.fill_pattern(round * 10 + i as u64).unwrap();
+            s.fill_pattern(100 + i as u64).unwrap();
         }
+        assert_eq!(a.snapshot().segments.len(), 1);
         let line: Vec<String> = storages
             .iter()
             .map(|s| send(s.share_ipc().unwrap()))
             .collect();
-        child.send(&format!("{round} {}", line.join(" ")));
-        assert_eq!(child.recv(), format!("round {round} ok"));
+        let mut child = ChildProcess::spawn(CHILD, "small_tensors", backend);
+        child.send(&line.join(" "));
+        assert_eq!(child.recv(), "ok mappings=1");
+        child.finish();
+        drop(storages);
+        a.ipc_collect();
+        assert_no_leaks(a, &prefix);
     }
-    child.send("stop");
-    child.finish();
-    drop(storages);
-    a.ipc_collect();
-    assert_no_leaks(a, &prefix);
+}
+
+#[test]
+fn test_event() {
+    for backend in ipc_backends("test_event") {
+        // The producer's write is queued behind a sleep; the consumer sees it only thanks to the event.
+        let (a, prefix) = producer_on(backend);
+        let s = Storage::new(&a, 0, 4 << 20).unwrap();
+        s.fill_pattern(1).unwrap();
+        a.driver()
+            .sleep(a.default_stream(0).unwrap(), 300_000)
+            .unwrap();
+        s.fill_pattern(2).unwrap();
+        let mut child = ChildProcess::spawn(CHILD, "event", backend);
+        child.send(&send(s.share_ipc().unwrap()));
+        assert_eq!(child.recv(), "mismatches=0");
+        child.finish();
+        drop(s);
+        a.ipc_collect();
+        assert_no_leaks(a, &prefix);
+    }
+}
+
+#[test]
+fn test_empty_storage_sharing() {
+    for backend in ipc_backends("test_empty_storage_sharing") {
+        let (a, prefix) = producer_on(backend);
+        let s = Storage::new(&a, 0, 0).unwrap();
+        let mut child = ChildProcess::spawn(CHILD, "empty", backend);
+        child.send(&send(s.share_ipc().unwrap()));
+        assert_eq!(child.recv(), "empty nbytes=0");
+        child.finish();
+        assert_no_leaks(a, &prefix);
+    }
+}
+
+#[test]
+fn test_mixed_types_cuda_sharing() {
+    for backend in ipc_backends("test_mixed_types_cuda_sharing") {
+        // Same segment, different offsets, 10 rounds of share / verify / release.
+        let (a, prefix) = producer_on(backend);
+        let storages: Vec<_> = [512u64, 4096, 777]
+            .iter()
+            .map(|&n| Storage::new(&a, 0, n).unwrap())
+            .collect();
+        let mut child = ChildProcess::spawn(CHILD, "rounds", backend);
+        for round in 0..10u64 {
+            for (i, s) in storages.iter().enumerate() {
+                s.fill_pattern(round * 10 + i as u64).unwrap();
+            }
+            let line: Vec<String> = storages
+                .iter()
+                .map(|s| send(s.share_ipc().unwrap()))
+                .collect();
+            child.send(&format!("{round} {}", line.join(" ")));
+            assert_eq!(child.recv(), format!("round {round} ok"));
+        }
+        child.send("stop");
+        child.finish();
+        drop(storages);
+        a.ipc_collect();
+        assert_no_leaks(a, &prefix);
+    }
 }
 
 #[test]
