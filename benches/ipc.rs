@@ -5,12 +5,19 @@
 //!   The consumer's release is the in-process path of a handle dropped unopened (give back the count,
 //!   push the slot into the ring) — exactly the file operations a remote consumer performs.
 //! * `share_encode_decode` — share a storage, encode the handle, decode it (file cached), drop it.
+//! * `round_trip` — the full cross-process path: share + encode in the producer, send the bytes
+//!   over a pipe to a consumer process (this bench binary re-executed), which decodes, opens (the
+//!   segment mapping is cached after the first time), reads one byte stream-ordered, releases and
+//!   answers; the producer then drains. Baseline in the same group: the same bytes sent and
+//!   answered over the same pipe without any sharing.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
+use criterion::{criterion_group, BatchSize, BenchmarkId, Criterion};
 use cudalloc::{CachingAllocator, HostDriver, IpcHandle, Storage};
 
 fn allocator() -> Arc<CachingAllocator> {
@@ -77,9 +84,88 @@ fn share_round_trip(c: &mut Criterion) {
     });
 }
 
+const CHILD_ENV: &str = "CUDALLOC_BENCH_IPC_CHILD";
+
+/// The consumer process: one hex line in (a handle, or `raw:` bytes for the baseline), one line out.
+fn consumer() {
+    let a = allocator();
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout().lock();
+    for line in stdin.lock().lines() {
+        let Ok(line) = line else { return };
+        let reply = if let Some(raw) = line.strip_prefix("raw:") {
+            raw.len().to_string()
+        } else {
+            let bytes: Vec<u8> = (0..line.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&line[i..i + 2], 16).unwrap())
+                .collect();
+            let s = Storage::from_ipc(&a, IpcHandle::from_bytes(&bytes).unwrap()).unwrap();
+            let mut b = [0u8; 1];
+            s.copy_to_host(&mut b).unwrap();
+            b[0].to_string()
+        };
+        writeln!(out, "{reply}").unwrap();
+        out.flush().unwrap();
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn round_trip(c: &mut Criterion) {
+    let exe = std::env::current_exe().unwrap();
+    let mut child = Command::new(exe)
+        .env(CHILD_ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut to_child = child.stdin.take().unwrap();
+    let mut from_child = BufReader::new(child.stdout.take().unwrap());
+    let a = allocator();
+    let s = Storage::new(&a, 0, 4096).unwrap();
+    s.copy_from_host(&[42]).unwrap();
+    let mut g = c.benchmark_group("round_trip");
+    let mut ask = |line: String| {
+        writeln!(to_child, "{line}").unwrap();
+        to_child.flush().unwrap();
+        let mut reply = String::new();
+        from_child.read_line(&mut reply).unwrap();
+        reply
+    };
+    g.bench_function("share+send+open+read+release", |b| {
+        b.iter(|| {
+            let reply = ask(hex(&s.share_ipc().unwrap().into_bytes()));
+            assert_eq!(reply.trim(), "42");
+            a.ipc_drain();
+        })
+    });
+    g.bench_function("same bytes over the pipe, no sharing (baseline)", |b| {
+        let bytes = s.share_ipc().unwrap().wire().encode();
+        let line = format!("raw:{}", hex(&bytes));
+        b.iter(|| {
+            let reply = ask(line.clone());
+            assert_eq!(reply.trim(), (bytes.len() * 2).to_string());
+        })
+    });
+    g.finish();
+    drop(to_child);
+    child.wait().unwrap();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2)).sample_size(20);
-    targets = limbo_drain, share_round_trip
+    targets = limbo_drain, share_round_trip, round_trip
 }
-criterion_main!(benches);
+
+fn main() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        consumer();
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
