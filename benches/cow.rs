@@ -6,20 +6,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+mod common;
+
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
-use cudalloc::{CachingAllocator, HostDriver, Storage};
+use cudalloc::{CachingAllocator, Storage};
 
 const BIG: u64 = 64 << 20;
 
 fn allocator() -> Arc<CachingAllocator> {
-    let driver = Arc::new(
-        HostDriver::builder()
-            .memory_per_device(2 << 30)
-            .poison_on_free(false)
-            .build()
-            .unwrap(),
-    );
-    Arc::new(CachingAllocator::new(driver, Default::default()).unwrap())
+    common::host_allocator(2 << 30)
 }
 
 fn lazy_clone_and_steal(c: &mut Criterion) {

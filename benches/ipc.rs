@@ -17,18 +17,13 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+mod common;
+
 use criterion::{criterion_group, BatchSize, BenchmarkId, Criterion};
-use cudalloc::{CachingAllocator, HostDriver, IpcHandle, Storage};
+use cudalloc::{CachingAllocator, IpcHandle, Storage};
 
 fn allocator() -> Arc<CachingAllocator> {
-    let driver = Arc::new(
-        HostDriver::builder()
-            .memory_per_device(2 << 30)
-            .poison_on_free(false)
-            .build()
-            .unwrap(),
-    );
-    Arc::new(CachingAllocator::new(driver, Default::default()).unwrap())
+    common::host_allocator(2 << 30)
 }
 
 /// A storage in limbo whose only count is held by the returned (decoded, unopened) handle.
@@ -110,10 +105,6 @@ fn consumer() {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 fn round_trip(c: &mut Criterion) {
     let exe = std::env::current_exe().unwrap();
     let mut child = Command::new(exe)
@@ -137,14 +128,14 @@ fn round_trip(c: &mut Criterion) {
     };
     g.bench_function("share+send+open+read+release", |b| {
         b.iter(|| {
-            let reply = ask(hex(&s.share_ipc().unwrap().into_bytes()));
+            let reply = ask(common::hex(&s.share_ipc().unwrap().into_bytes()));
             assert_eq!(reply.trim(), "42");
             a.ipc_drain();
         })
     });
     g.bench_function("same bytes over the pipe, no sharing (baseline)", |b| {
         let bytes = s.share_ipc().unwrap().wire().encode();
-        let line = format!("raw:{}", hex(&bytes));
+        let line = format!("raw:{}", common::hex(&bytes));
         b.iter(|| {
             let reply = ask(line.clone());
             assert_eq!(reply.trim(), (bytes.len() * 2).to_string());

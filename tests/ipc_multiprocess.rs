@@ -52,10 +52,7 @@ fn send(h: IpcHandle) -> String {
 }
 
 fn receive(a: &Arc<CachingAllocator>, text: &str) -> Storage {
-    let bytes: Vec<u8> = (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
-        .collect();
+    let bytes = unhex(text);
     Storage::from_ipc(a, IpcHandle::from_bytes(&bytes).unwrap()).unwrap()
 }
 
@@ -437,10 +434,7 @@ fn ipc_child() {
         }
         "drop_unopened" => {
             let line = parent.recv();
-            let bytes: Vec<u8> = (0..line.len())
-                .step_by(2)
-                .map(|i| u8::from_str_radix(&line[i..i + 2], 16).unwrap())
-                .collect();
+            let bytes = unhex(&line);
             drop(IpcHandle::from_bytes(&bytes).unwrap());
             parent.send("dropped");
         }

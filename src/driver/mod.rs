@@ -88,6 +88,7 @@ impl EventId {
 
 /// Which implementation a driver is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum Backend {
     /// [`HostDriver`].
     Host,

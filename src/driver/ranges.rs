@@ -36,6 +36,20 @@ pub(crate) fn containing<T>(
     Ok((base, seg))
 }
 
+/// The error for freeing a segment that was opened from another process's handle.
+pub(crate) fn opened_not_owned(ptr: DevicePtr) -> Error {
+    Error::invalid(format!(
+        "segment {ptr} was opened from another process: close it, do not free it"
+    ))
+}
+
+/// The error for a pointer that is not the base of a segment this driver allocated.
+pub(crate) fn not_a_segment_base(ptr: DevicePtr) -> Error {
+    Error::invalid(format!(
+        "pointer {ptr} is not the base of a segment allocated by this driver"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -54,6 +54,13 @@ impl IpcHandle {
         self.wire.encode()
     }
 
+    /// Builds a handle from fields received by other means (e.g. the `serde` feature): validated
+    /// exactly like bytes.
+    pub fn from_wire(wire: &WireHandle) -> Result<IpcHandle> {
+        wire.validate()?;
+        Self::from_bytes(&wire.encode())
+    }
+
     /// Decodes bytes from another process: parses and validates them, opens (once per process)
     /// and checks the ref-counter file and the slot. The returned handle owns the count.
     pub fn from_bytes(bytes: &[u8]) -> Result<IpcHandle> {

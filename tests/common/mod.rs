@@ -78,14 +78,20 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Inverse of [`hex`].
+pub fn unhex(text: &str) -> Vec<u8> {
+    assert_eq!(text.len() % 2, 0, "odd hex length {}", text.len());
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+        .collect()
+}
+
 /// Inverse of [`hex`] for 64-byte handles.
 pub fn unhex64(text: &str) -> [u8; 64] {
-    let mut out = [0u8; 64];
-    assert_eq!(text.len(), 128, "handle hex has {} chars", text.len());
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).unwrap();
-    }
-    out
+    unhex(text)
+        .try_into()
+        .unwrap_or_else(|v: Vec<u8>| panic!("handle hex has {} bytes", v.len()))
 }
 
 /// A child process running one ignored test of the current test binary, talking over lines.

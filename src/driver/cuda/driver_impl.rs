@@ -7,7 +7,7 @@ use cudarc::driver::sys::{self, CUresult};
 
 use super::{check, CudaDriver, EventEntry, Raw, SegmentEntry, StreamEntry};
 use crate::driver::{
-    Backend, DevicePtr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
+    ranges, Backend, DevicePtr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
     OpenedSegment, StreamId, IPC_HANDLE_SIZE,
 };
 use crate::error::{Error, Result};
@@ -131,16 +131,8 @@ impl Driver for CudaDriver {
                 Some(SegmentEntry {
                     opened_from: None, ..
                 }) => segments.remove(&ptr.0),
-                Some(_) => {
-                    return Err(Error::invalid(format!(
-                        "segment {ptr} was opened from another process: close it, do not free it"
-                    )))
-                }
-                None => {
-                    return Err(Error::invalid(format!(
-                        "pointer {ptr} is not the base of a segment allocated by this driver"
-                    )))
-                }
+                Some(_) => return Err(ranges::opened_not_owned(ptr)),
+                None => return Err(ranges::not_a_segment_base(ptr)),
             }
         };
         let device = entry.map_or(0, |e| e.device);

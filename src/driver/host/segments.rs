@@ -122,16 +122,8 @@ impl SegmentTable {
                 origin: Origin::Owned { .. },
                 ..
             }) => {}
-            Some(_) => {
-                return Err(Error::invalid(format!(
-                    "segment {ptr} was opened from another process: close it, do not free it"
-                )))
-            }
-            None => {
-                return Err(Error::invalid(format!(
-                    "pointer {ptr} is not the base of a segment allocated by this driver"
-                )))
-            }
+            Some(_) => return Err(ranges::opened_not_owned(ptr)),
+            None => return Err(ranges::not_a_segment_base(ptr)),
         }
         t.by_base
             .remove(&ptr.0)
