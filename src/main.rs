@@ -1,10 +1,13 @@
 //! The `cudalloc` command.
 //!
-//! * `cudalloc info` — backend, devices and capacities, configuration, version (the default job for
-//!   now; the producer/consumer demonstration replaces it as the default once IPC and COW land).
+//! * `cudalloc` / `cudalloc demo` — the producer/consumer demonstration (see `cli/demo.rs`).
+//! * `cudalloc info` — backend, devices and capacities, configuration, version.
 //!
 //! Bad flags or environment values print one clear line and exit with code 2.
 
+mod cli;
+
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -26,8 +29,30 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Producer/consumer demonstration over IPC with lazy clones (the default job).
+    Demo {
+        /// Consumer processes.
+        #[arg(long, default_value_t = 2)]
+        consumers: usize,
+        /// Storages the producer allocates (lazy clones of every third are added).
+        #[arg(long, default_value_t = 48)]
+        storages: usize,
+        /// Largest storage: bytes or a size such as 64MiB.
+        #[arg(long, default_value = "64MiB")]
+        max_size: String,
+        /// Seed of sizes and patterns.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Print the backend, its devices and capacities, and the configuration.
     Info,
+    /// A demo consumer (started by `demo`).
+    #[command(hide = true)]
+    DemoConsumer {
+        /// The producer's socket.
+        #[arg(long)]
+        socket: PathBuf,
+    },
 }
 
 fn info(driver: &dyn Driver, fallback_reason: Option<&str>) -> cudalloc::Result<()> {
@@ -80,17 +105,57 @@ fn human_bytes(bytes: u64) -> String {
     }
 }
 
-fn run(cli: Cli) -> cudalloc::Result<()> {
-    let choice = match &cli.backend {
-        Some(name) => name.parse()?,
-        None => BackendChoice::from_env()?,
+fn run(cli: Cli) -> Result<(), (u8, String)> {
+    let usage = |e: cudalloc::Error| (2u8, e.to_string());
+    let choice: BackendChoice = match &cli.backend {
+        Some(name) => name.parse().map_err(usage)?,
+        None => BackendChoice::from_env().map_err(usage)?,
     };
-    let selected = choice.open()?;
-    match cli.command.unwrap_or(Command::Info) {
-        Command::Info => info(
-            selected.driver.as_ref(),
-            selected.fallback_reason.as_deref(),
-        ),
+    let command = cli.command.unwrap_or(Command::Demo {
+        consumers: 2,
+        storages: 48,
+        max_size: "64MiB".into(),
+        seed: 1,
+    });
+    match command {
+        Command::Info => {
+            let selected = choice.open().map_err(|e| exit_code(&e))?;
+            info(
+                selected.driver.as_ref(),
+                selected.fallback_reason.as_deref(),
+            )
+            .map_err(|e| exit_code(&e))
+        }
+        Command::Demo {
+            consumers,
+            storages,
+            max_size,
+            seed,
+        } => {
+            let max_size = cudalloc::driver::host::parse_byte_size(&max_size)
+                .map_err(|why| (2, format!("--max-size {max_size:?}: {why}")))?;
+            let opts = cli::demo::DemoOptions {
+                consumers,
+                storages,
+                max_size,
+                seed,
+                backend: choice,
+            };
+            let verdict =
+                cli::demo::run(&opts).map_err(|why| (1, format!("demo failed: {why}")))?;
+            println!("{verdict}");
+            Ok(())
+        }
+        Command::DemoConsumer { socket } => {
+            cli::demo::consumer(&socket, choice).map_err(|why| (1, why))
+        }
+    }
+}
+
+fn exit_code(err: &cudalloc::Error) -> (u8, String) {
+    match err.kind() {
+        cudalloc::ErrorKind::Config | cudalloc::ErrorKind::InvalidArgument => (2, err.to_string()),
+        _ => (1, err.to_string()),
     }
 }
 
@@ -102,14 +167,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("cudalloc: {err}");
-            match err.kind() {
-                cudalloc::ErrorKind::Config | cudalloc::ErrorKind::InvalidArgument => {
-                    ExitCode::from(2)
-                }
-                _ => ExitCode::FAILURE,
-            }
+        Err((code, message)) => {
+            eprintln!("cudalloc: {message}");
+            ExitCode::from(code)
         }
     }
 }

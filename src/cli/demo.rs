@@ -1,0 +1,280 @@
+//! `cudalloc demo`: the producer/consumer demonstration that exercises everything.
+//!
+//! The producer allocates a realistic mix of storages (512 B to `--max-size`, log-uniform, on two
+//! streams), fills them with the pattern kernel, lazily clones some and writes to half of the
+//! clones (materializing them), and shares storages and clones with `--consumers` consumer
+//! processes (this binary, hidden subcommand `demo-consumer`) over Unix sockets. Each consumer
+//! verifies every byte with the verify kernel, writes an answer pattern into some, and releases.
+//! The producer checks the answers, drops its storages, calls `ipc_collect()`, prints the memory
+//! summary and a verdict. Any mismatch or leak is a non-zero exit with the reason.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudalloc::driver::pattern;
+use cudalloc::{AllocatorConfig, BackendChoice, CachingAllocator, IpcHandle, Storage};
+
+/// Options of the demo.
+#[derive(Debug, Clone)]
+pub struct DemoOptions {
+    pub consumers: usize,
+    pub storages: usize,
+    pub max_size: u64,
+    pub seed: u64,
+    pub backend: BackendChoice,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Result<Vec<u8>, String> {
+    if text.len() % 2 != 0 {
+        return Err("odd-length hex".into());
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| {
+            u8::from_str_radix(text.get(i..i + 2).unwrap_or("zz"), 16).map_err(|e| e.to_string())
+        })
+        .collect()
+}
+
+fn allocator(backend: BackendChoice) -> Result<Arc<CachingAllocator>, String> {
+    let selected = backend.open().map_err(|e| e.to_string())?;
+    let config = AllocatorConfig::from_env().map_err(|e| e.to_string())?;
+    CachingAllocator::new(selected.driver, config)
+        .map(Arc::new)
+        .map_err(|e| e.to_string())
+}
+
+/// One storage the producer tracks: what it holds and what the consumer must answer.
+struct Item {
+    storage: Storage,
+    seed: u64,
+    answer: Option<u64>,
+    label: &'static str,
+}
+
+struct Consumer {
+    child: Child,
+    stream: BufReader<UnixStream>,
+}
+
+impl Consumer {
+    fn ask(&mut self, line: &str) -> Result<String, String> {
+        let s = self.stream.get_mut();
+        s.write_all(line.as_bytes())
+            .and_then(|()| s.write_all(b"\n"))
+            .map_err(|e| e.to_string())?;
+        let mut reply = String::new();
+        self.stream
+            .read_line(&mut reply)
+            .map_err(|e| e.to_string())?;
+        if reply.is_empty() {
+            return Err("consumer closed the socket".into());
+        }
+        Ok(reply.trim_end().to_owned())
+    }
+}
+
+/// Runs the producer side; returns the verdict line or the reason for failing.
+pub fn run(opts: &DemoOptions) -> Result<String, String> {
+    let start = Instant::now();
+    let a = allocator(opts.backend)?;
+    let streams = [
+        a.default_stream(0).map_err(|e| e.to_string())?,
+        a.create_stream(0).map_err(|e| e.to_string())?,
+    ];
+    println!(
+        "cudalloc demo: backend {}, {} consumer(s), {} storages",
+        a.driver().backend(),
+        opts.consumers,
+        opts.storages
+    );
+
+    // Phase 1: allocate and fill a realistic mix on two streams.
+    let progress = indicatif::ProgressBar::new(opts.storages as u64);
+    let mut items = Vec::new();
+    let (lo, hi) = (9f64, (opts.max_size.max(512) as f64).log2());
+    for i in 0..opts.storages as u64 {
+        let r = pattern::word(opts.seed, i);
+        let size = 2f64.powf(lo + (hi - lo) * (r % 10_000) as f64 / 10_000.0) as u64;
+        let _guard = a
+            .set_current_stream(streams[(i % 2) as usize])
+            .map_err(|e| e.to_string())?;
+        let storage =
+            Storage::new(&a, 0, size).map_err(|e| format!("allocating {size} bytes: {e}"))?;
+        let seed = opts.seed ^ (i << 20);
+        storage.fill_pattern(seed).map_err(|e| e.to_string())?;
+        let answer = (i % 2 == 0).then_some(seed ^ 0xA5A5);
+        items.push(Item {
+            storage,
+            seed,
+            answer,
+            label: "storage",
+        });
+        progress.inc(1);
+    }
+    progress.finish_and_clear();
+
+    // Phase 2: lazy clones of every third storage; write to half of them (materialize).
+    let mut clones = Vec::new();
+    for (k, item) in items.iter().enumerate().filter(|(k, _)| k % 3 == 0) {
+        let clone = item.storage.lazy_clone().map_err(|e| e.to_string())?;
+        let seed = if k % 2 == 0 {
+            let s = item.seed ^ 0xC10E;
+            clone.fill_pattern(s).map_err(|e| e.to_string())?; // first write: copy
+            s
+        } else {
+            item.seed // unwritten: shares the data until shared (sharing materializes)
+        };
+        clones.push(Item {
+            storage: clone,
+            seed,
+            answer: None,
+            label: "lazy clone",
+        });
+    }
+    items.extend(clones);
+
+    // Phase 3: consumers over Unix sockets.
+    let dir = std::env::temp_dir().join(format!("cudalloc-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let socket: PathBuf = dir.join("producer.sock");
+    let listener =
+        UnixListener::bind(&socket).map_err(|e| format!("bind {}: {e}", socket.display()))?;
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut consumers = Vec::new();
+    for _ in 0..opts.consumers.max(1) {
+        let child = Command::new(&exe)
+            .args(["demo-consumer", "--socket"])
+            .arg(&socket)
+            .args(["--backend", backend_name(opts.backend)])
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        let (stream, _) = listener.accept().map_err(|e| e.to_string())?;
+        consumers.push(Consumer {
+            child,
+            stream: BufReader::new(stream),
+        });
+    }
+    let progress = indicatif::ProgressBar::new(items.len() as u64);
+    let mut verified_bytes = 0u64;
+    for (k, item) in items.iter().enumerate() {
+        let handle = item
+            .storage
+            .share_ipc()
+            .map_err(|e| format!("sharing a {}: {e}", item.label))?;
+        let answer = item.answer.map_or("-".to_owned(), |s| s.to_string());
+        let line = format!(
+            "VERIFY {} {answer} {}",
+            item.seed,
+            hex(&handle.into_bytes())
+        );
+        let n = consumers.len();
+        let reply = consumers[k % n].ask(&line)?;
+        if reply != "OK 0" {
+            return Err(format!(
+                "consumer reported {reply:?} for {} {k} ({} bytes)",
+                item.label,
+                item.storage.nbytes()
+            ));
+        }
+        verified_bytes += item.storage.nbytes();
+        progress.inc(1);
+    }
+    progress.finish_and_clear();
+    for mut c in consumers {
+        let _ = c.ask("BYE");
+        let status = c.child.wait().map_err(|e| e.to_string())?;
+        if !status.success() {
+            return Err(format!("a consumer exited with {status}"));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // Phase 4: answers, release, collect.
+    for item in &items {
+        if let Some(seed) = item.answer {
+            let bad = item
+                .storage
+                .count_pattern_mismatches(seed)
+                .map_err(|e| e.to_string())?;
+            if bad != 0 {
+                return Err(format!("{bad} bytes of a consumer's answer are wrong"));
+            }
+        }
+    }
+    let shared = items.len();
+    drop(items);
+    a.ipc_collect();
+    let (limbo, limbo_bytes) = a.ipc_limbo();
+    if limbo != 0 {
+        return Err(format!(
+            "{limbo} storages ({limbo_bytes} bytes) left in limbo"
+        ));
+    }
+    let stats = a.memory_stats(0).map_err(|e| e.to_string())?;
+    if stats.allocation[0].current != 0 {
+        return Err(format!(
+            "{} allocations leaked",
+            stats.allocation[0].current
+        ));
+    }
+    println!("{}", a.memory_summary(0).map_err(|e| e.to_string())?);
+    Ok(format!(
+        "verdict: ok — {shared} storages shared with {} consumer(s), {} verified byte for byte, answers checked, limbo drained, {:.2} s",
+        opts.consumers.max(1),
+        cudalloc::alloc::format_size(verified_bytes),
+        start.elapsed().as_secs_f64()
+    ))
+}
+
+fn backend_name(b: BackendChoice) -> &'static str {
+    match b {
+        BackendChoice::Auto => "auto",
+        BackendChoice::Cuda => "cuda",
+        BackendChoice::Host => "host",
+    }
+}
+
+/// The consumer process: verify, maybe answer, release, reply — until `BYE`.
+pub fn consumer(socket: &std::path::Path, backend: BackendChoice) -> Result<(), String> {
+    let a = allocator(backend)?;
+    let stream =
+        UnixStream::connect(socket).map_err(|e| format!("connect {}: {e}", socket.display()))?;
+    let mut writer = stream.try_clone().map_err(|e| e.to_string())?;
+    for line in BufReader::new(stream).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let mut parts = line.split(' ');
+        let reply = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+            (Some("BYE"), ..) => {
+                let _ = writeln!(writer, "BYE");
+                return Ok(());
+            }
+            (Some("VERIFY"), Some(seed), Some(answer), Some(handle)) => {
+                let seed: u64 = seed.parse().map_err(|_| "bad seed")?;
+                let bytes = unhex(handle)?;
+                let storage = IpcHandle::from_bytes(&bytes)
+                    .and_then(|h| Storage::from_ipc(&a, h))
+                    .map_err(|e| e.to_string())?;
+                let bad = storage
+                    .count_pattern_mismatches(seed)
+                    .map_err(|e| e.to_string())?;
+                if let Ok(answer) = answer.parse::<u64>() {
+                    storage.fill_pattern(answer).map_err(|e| e.to_string())?;
+                }
+                drop(storage); // waits for our work, then releases the slot
+                format!("OK {bad}")
+            }
+            _ => format!("ERR unknown request {line:?}"),
+        };
+        writeln!(writer, "{reply}").map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}

@@ -1,0 +1,3 @@
+//! The `cudalloc` command's jobs (binary-only code).
+
+pub mod demo;

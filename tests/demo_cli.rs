@@ -1,0 +1,69 @@
+//! End-to-end: the `cudalloc` command's default job (the demo, small sizes) passes its own
+//! verification; bad flags and environment values are one line and exit code 2.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Command;
+
+fn cudalloc() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_cudalloc"));
+    c.env("CUDALLOC_BACKEND", "host")
+        .env("CUDALLOC_HOST_MEMORY", "256MiB");
+    c
+}
+
+#[test]
+fn demo_passes_its_own_verification() {
+    let out = cudalloc()
+        .args([
+            "demo",
+            "--consumers",
+            "2",
+            "--storages",
+            "12",
+            "--max-size",
+            "4MiB",
+            "--seed",
+            "7",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("verdict: ok"), "{stdout}");
+    assert!(
+        stdout.contains("16 storages shared with 2 consumer(s)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("Allocated memory"),
+        "the memory summary is printed: {stdout}"
+    );
+}
+
+#[test]
+fn bad_flags_and_environment_exit_with_code_2() {
+    for (args, env) in [
+        (vec!["demo", "--max-size", "12 parsecs"], None),
+        (vec!["demo", "--consumers", "many"], None),
+        (vec!["info"], Some(("CUDALLOC_HOST_MEMORY", "lots"))),
+        (vec!["info"], Some(("CUDALLOC_BACKEND", "quantum"))),
+    ] {
+        let mut c = cudalloc();
+        c.args(&args);
+        if let Some((k, v)) = env {
+            c.env(k, v);
+        }
+        let out = c.output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?} {env:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!out.stderr.is_empty());
+    }
+}
