@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::sync::Arc;
 
 use common::*;
@@ -13,15 +12,7 @@ use cudalloc::{CachingAllocator, ErrorKind, Storage, GLOBAL};
 const MIB: u64 = 1 << 20;
 
 fn run_child(entry: &str, env: &[(&str, &str)]) -> String {
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            entry,
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(ROLE_VAR, entry)
+    let out = child_command(entry, entry)
         .envs(env.iter().copied())
         .output()
         .unwrap();

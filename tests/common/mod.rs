@@ -101,19 +101,25 @@ pub struct ChildProcess {
     stdout: BufReader<ChildStdout>,
 }
 
+/// A command that re-executes this test binary running only `entry` (an `#[ignore]`d test) as
+/// `role`.
+pub fn child_command(entry: &str, role: &str) -> Command {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args([
+        "--exact",
+        entry,
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(ROLE_VAR, role);
+    c
+}
+
 impl ChildProcess {
     /// Re-executes this test binary running only `entry` (an `#[ignore]`d test) as `role`.
     pub fn spawn(entry: &str, role: &str, backend: &str) -> Self {
-        let exe = std::env::current_exe().unwrap();
-        let mut child = Command::new(exe)
-            .args([
-                "--exact",
-                entry,
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(ROLE_VAR, role)
+        let mut child = child_command(entry, role)
             .env(BACKEND_VAR, backend)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
