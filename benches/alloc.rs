@@ -11,6 +11,11 @@
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+mod common;
+#[cfg(feature = "bench-peers")]
+#[path = "common/cubecl_peer.rs"]
+mod cubecl_peer;
+
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use cudalloc::driver::pattern;
 use cudalloc::{CachingAllocator, DataPtr, DevicePtr, Driver, HostDriver};
@@ -57,6 +62,14 @@ fn pair(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("no-cache", size), &size, |b, &s| {
             b.iter(|| d.free(black_box(d.malloc(0, s).unwrap())).unwrap())
         });
+        #[cfg(feature = "bench-peers")]
+        {
+            let mut m = cubecl_peer::manager();
+            drop(cubecl_peer::reserve(&mut m, size));
+            g.bench_with_input(BenchmarkId::new("cubecl", size), &size, |b, &s| {
+                b.iter(|| black_box(cubecl_peer::reserve(&mut m, s)))
+            });
+        }
     }
     g.finish();
 }
@@ -133,6 +146,21 @@ fn random_trace(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("glibc", &id), |b| {
             b.iter(|| replay(&steps, glibc_malloc, glibc_free))
         });
+        #[cfg(feature = "bench-peers")]
+        {
+            let mut m = cubecl_peer::manager();
+            g.bench_function(BenchmarkId::new("cubecl", &id), |b| {
+                b.iter(|| {
+                    let mut live = Vec::new();
+                    for &(op, victim) in &steps {
+                        match op {
+                            Some(size) => live.push(cubecl_peer::reserve(&mut m, size)),
+                            None => drop(live.swap_remove((victim % live.len() as u64) as usize)),
+                        }
+                    }
+                })
+            });
+        }
         if n <= 10_000 {
             g.bench_function(BenchmarkId::new("no-cache", &id), |b| {
                 b.iter(|| {
