@@ -18,19 +18,13 @@ mod cubecl_peer;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use cudalloc::driver::pattern;
-use cudalloc::{CachingAllocator, DataPtr, DevicePtr, Driver, HostDriver};
+use cudalloc::{CachingAllocator, DataPtr, DevicePtr, Driver};
 
 const MIB: u64 = 1 << 20;
 
 fn driver() -> Arc<dyn Driver> {
     // Memory is only committed when touched; the benchmarks never touch it.
-    Arc::new(
-        HostDriver::builder()
-            .memory_per_device(8 << 30)
-            .poison_on_free(false)
-            .build()
-            .unwrap(),
-    )
+    common::bench_driver(8 << 30)
 }
 
 fn allocator(d: &Arc<dyn Driver>) -> Arc<CachingAllocator> {

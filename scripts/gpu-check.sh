@@ -14,7 +14,8 @@ bin_dir=target/gpu-bin
 
 prepare() {
   mkdir -p "$bin_dir"
-  cargo test --release --no-run --message-format=json 2>/dev/null \
+  { cargo test --release --no-run --message-format=json 2>/dev/null
+    cargo bench --no-run --message-format=json 2>/dev/null; } \
     | python3 -c '
 import json, sys, shutil, os
 for line in sys.stdin:
@@ -22,7 +23,8 @@ for line in sys.stdin:
     except ValueError: continue
     exe = msg.get("executable")
     if msg.get("reason") == "compiler-artifact" and exe and msg["target"]["kind"] != ["bin"]:
-        name = msg["target"]["name"] + ("-lib" if "lib" in msg["target"]["kind"] else "")
+        kind = msg["target"]["kind"]
+        name = msg["target"]["name"] + ("-lib" if "lib" in kind else "") + ("-bench" if "bench" in kind else "")
         shutil.copy(exe, os.path.join(sys.argv[1], name)); print("prepared", name)
 ' "$bin_dir"
 }
@@ -57,6 +59,7 @@ status=0
 printf '\n%-58s %s\n' "test" "result"
 for exe in "$bin_dir"/*; do
   suite=$(basename "$exe")
+  case "$suite" in *-bench) continue ;; esac
   if ! "$exe" --test-threads=1 --nocapture >"$log" 2>&1; then status=1; fi
   grep -E '^test .* \.\.\. ' "$log" | sed -E 's/^test (.*) \.\.\. (.*)$/\1|\2/' \
     | while IFS='|' read -r name result; do printf '%-58s %s\n' "$suite::$name" "$result"; done
@@ -66,6 +69,31 @@ for exe in "$bin_dir"/*; do
   grep -E 'panicked|FAILED|test result' "$log" | sed 's/^/  /'
 done
 rm -f "$log"
+# PyTorch side: torch's caching allocator pair and CUDA IPC round trip beside ours, same run.
+median_ns() { # criterion's "time: [lo median hi]" line -> median in ns
+  awk '/time:/ { v=$5; u=$6; if (u=="ps") v/=1000; if (u=="µs"||u=="us") v*=1000; if (u=="ms") v*=1e6; print v; exit }'
+}
+if [ -x "$bin_dir/alloc-bench" ] && python3 -c 'import torch' 2>/dev/null; then
+  echo
+  echo "== cudalloc vs PyTorch (CUDA, medians in ns)"
+  torch_out=$(python3 scripts/torch_peer.py 2>&1)
+  printf '%-22s %12s %12s %10s\n' case cudalloc torch torch/ours
+  for size in 512 65536 1048576 16777216 67108864; do
+    ours=$(CUDALLOC_BENCH_BACKEND=cuda "$bin_dir/alloc-bench" --bench "pair/cudalloc/$size\$" 2>/dev/null | median_ns)
+    theirs=$(echo "$torch_out" | awk -v k="pair/$size" '$2==k {print $3}')
+    ratio=$(awk -v a="$ours" -v b="$theirs" 'BEGIN { if (a>0 && b>0) printf "%.1fx", b/a; else print "n/a" }')
+    printf '%-22s %12s %12s %10s\n' "pair/$size" "${ours:-n/a}" "${theirs:-n/a}" "$ratio"
+  done
+  if [ -x "$bin_dir/ipc-bench" ]; then
+    ours=$(CUDALLOC_BENCH_BACKEND=cuda "$bin_dir/ipc-bench" --bench "round_trip/share" 2>/dev/null | median_ns)
+    theirs=$(echo "$torch_out" | awk '$2=="round_trip" {print $3}')
+    ratio=$(awk -v a="$ours" -v b="$theirs" 'BEGIN { if (a>0 && b>0) printf "%.1fx", b/a; else print "n/a" }')
+    printf '%-22s %12s %12s %10s\n' "ipc round trip" "${ours:-n/a}" "${theirs:-n/a}" "$ratio"
+  fi
+else
+  echo "PyTorch comparison: skipped (no torch in python3, or no bench binaries)"
+fi
+
 echo
 [ "$status" -eq 0 ] && echo "gpu-check: all CUDA evidence passed" || echo "gpu-check: FAILURES above"
 exit "$status"

@@ -37,7 +37,10 @@ impl ComputeStorage for AddressStorage {
     fn alloc(&mut self, size: u64) -> Result<StorageHandle, IoError> {
         let id = StorageId::new();
         self.live.insert(id, size);
-        Ok(StorageHandle { id, utilization: StorageUtilization { offset: 0, size } })
+        Ok(StorageHandle {
+            id,
+            utilization: StorageUtilization { offset: 0, size },
+        })
     }
 
     fn dealloc(&mut self, id: StorageId) {
@@ -47,7 +50,10 @@ impl ComputeStorage for AddressStorage {
 
 /// cubecl's manager over [`AddressStorage`], pages up to 1 GiB, 512-byte alignment.
 pub fn manager() -> MemoryManagement<AddressStorage> {
-    let props = MemoryDeviceProperties { max_page_size: 1 << 30, alignment: 512 };
+    let props = MemoryDeviceProperties {
+        max_page_size: 1 << 30,
+        alignment: 512,
+    };
     MemoryManagement::from_configuration(
         AddressStorage::default(),
         &props,
