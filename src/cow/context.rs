@@ -103,33 +103,52 @@ pub(crate) fn materialize(storage: &Storage) -> Result<DevicePtr> {
     let device = storage.device();
     let nbytes = storage.nbytes();
     let stream = alloc.current_stream(device)?;
-    let driver = Arc::clone(alloc.driver());
+    let driver = alloc.driver();
     storage.with_data(|data| {
-        let ctx = match data.owner() {
-            Owner::Cow(owner) => Arc::clone(&owner.ctx),
-            _ => return Ok(data.ptr()), // materialized by another alias meanwhile
+        // Take the owner out (no refcount traffic); every early return puts it back.
+        let shared_ptr = data.ptr();
+        let mut owner = match std::mem::replace(data, DataPtr::empty(device)).into_owner() {
+            Owner::Cow(owner) => owner,
+            other => {
+                // Materialized by another alias meanwhile.
+                *data = DataPtr::new(shared_ptr, device, other);
+                return Ok(shared_ptr);
+            }
         };
-        if stream != ctx.clone_stream {
-            wait_for_stream(&driver, ctx.device, ctx.clone_stream, stream)?;
-        }
-        let outcome = ctx.cell.materialize(
-            || alloc.allocate_on(stream, nbytes),
-            |original, copy| enqueue_copy(alloc, &ctx, original, copy, nbytes, stream),
-        )?;
+        let ctx = &owner.ctx;
+        let outcome = (|| {
+            if stream != ctx.clone_stream {
+                wait_for_stream(driver, ctx.device, ctx.clone_stream, stream)?;
+            }
+            ctx.cell.materialize(
+                || alloc.allocate_on(stream, nbytes),
+                |original, copy| enqueue_copy(alloc, ctx, original, copy, nbytes, stream),
+            )
+        })();
         let new_data = match outcome {
-            Materialized::Stole(original) => {
+            Ok(Materialized::Stole(original)) => {
+                // The reference is given up: from here nothing may fail. Our stream waits for
+                // every copier; if a wait cannot be enqueued, block on the event instead.
                 for &e in ctx.copier_events.lock().iter() {
-                    driver.stream_wait_event(stream, e)?;
+                    if let Err(err) = driver.stream_wait_event(stream, e) {
+                        tracing::warn!(%err, "COW steal: waiting on the host instead");
+                        let _ = driver.event_synchronize(e);
+                    }
                 }
                 original
             }
-            Materialized::Copied(copy) => copy,
+            Ok(Materialized::Copied(copy)) => copy,
+            Err(err) => {
+                // Still a valid COW storage (the reference was not given up).
+                *data = DataPtr::new(shared_ptr, device, Owner::Cow(owner));
+                return Err(err);
+            }
         };
-        let ptr = new_data.ptr();
         // `materialize` already gave our reference up: disarm the old owner before it drops.
-        if let Owner::Cow(mut owner) = std::mem::replace(data, new_data).into_owner() {
-            owner.armed = false;
-        }
+        owner.armed = false;
+        drop(owner);
+        let ptr = new_data.ptr();
+        *data = new_data;
         storage.set_cow_word(ptr, false);
         Ok(ptr)
     })
