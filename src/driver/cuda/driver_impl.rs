@@ -107,6 +107,15 @@ impl Driver for CudaDriver {
         }
         let bytes = usize::try_from(size)
             .map_err(|_| Error::invalid(format!("size {size} exceeds the address space")))?;
+        let total = self.mem_info(device)?.total;
+        if size > total {
+            // CUDA answers absurd sizes with CUDA_ERROR_INVALID_VALUE; it is out of memory.
+            return Err(Error::OutOfMemory {
+                device,
+                requested: size,
+                message: format!("requested {size} bytes; the device has {total} bytes in total"),
+            });
+        }
         let mut ptr = 0;
         // SAFETY: out-pointer valid; a context is current.
         check("cuMemAlloc_v2", unsafe {
@@ -136,6 +145,8 @@ impl Driver for CudaDriver {
             }
         };
         let device = entry.map_or(0, |e| e.device);
+        // Like the host backend (and cudaFree): queued work on the segment finishes first.
+        self.synchronize_all()?;
         self.bind(device)?;
         // SAFETY: `ptr` is the base of a live cuMemAlloc segment (checked and removed above).
         check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(ptr.0) })
@@ -271,6 +282,9 @@ impl Driver for CudaDriver {
     fn copy_host_to_device(&self, stream: StreamId, dst: DevicePtr, src: &[u8]) -> Result<()> {
         self.check_range(dst, src.len() as u64)?;
         let s = self.stream(stream)?;
+        if src.is_empty() {
+            return Ok(());
+        }
         // SAFETY: the destination range lies in a live segment; `src` stays borrowed until the
         // stream synchronize below returns, so the async copy never reads freed host memory.
         check("cuMemcpyHtoDAsync_v2", unsafe {
@@ -285,6 +299,9 @@ impl Driver for CudaDriver {
     fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DevicePtr) -> Result<()> {
         self.check_range(src, dst.len() as u64)?;
         let s = self.stream(stream)?;
+        if dst.is_empty() {
+            return Ok(());
+        }
         // SAFETY: the source range lies in a live segment; `dst` stays mutably borrowed until the
         // stream synchronize below returns.
         check("cuMemcpyDtoHAsync_v2", unsafe {
@@ -306,6 +323,9 @@ impl Driver for CudaDriver {
         let n = self.check_range(dst, len)?;
         self.check_range(src, len)?;
         let s = self.stream(stream)?;
+        if n == 0 {
+            return Ok(());
+        }
         // SAFETY: both ranges lie in live segments; the copy is stream-ordered device work.
         check("cuMemcpyDtoDAsync_v2", unsafe {
             sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, n, s.raw.0)
@@ -315,6 +335,9 @@ impl Driver for CudaDriver {
     fn memset(&self, stream: StreamId, dst: DevicePtr, value: u8, len: u64) -> Result<()> {
         let n = self.check_range(dst, len)?;
         let s = self.stream(stream)?;
+        if n == 0 {
+            return Ok(());
+        }
         // SAFETY: the range lies in a live segment.
         check("cuMemsetD8Async", unsafe {
             sys::cuMemsetD8Async(dst.0, value, n, s.raw.0)
