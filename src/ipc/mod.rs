@@ -76,13 +76,8 @@ impl IpcHandle {
         })
     }
 
-    fn into_parts(mut self) -> (WireHandle, Option<Claim>) {
-        let claim = self.claim.take();
-        let wire = std::mem::replace(
-            &mut self.wire,
-            WireHandle::empty(crate::Backend::Host, 0, 1),
-        );
-        (wire, claim)
+    fn into_parts(self) -> (WireHandle, Option<Claim>) {
+        (self.wire, self.claim)
     }
 }
 

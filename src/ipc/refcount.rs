@@ -193,11 +193,6 @@ impl RefCounterFile {
         self.slots
     }
 
-    /// Removes the name (mappings stay valid).
-    pub fn unlink(&mut self) {
-        self.shm.unlink();
-    }
-
     fn at<T>(&self, offset: u64) -> &T {
         debug_assert!(offset + std::mem::size_of::<T>() as u64 <= self.shm.len());
         // SAFETY: callers pass offsets inside the mapping (header and control are within the

@@ -151,18 +151,9 @@ impl IpcState {
             pf.free.push(slot.slot);
             pf.in_use -= 1;
             if pf.in_use == 0 && pf.index != newest {
-                let mut gone = f.files.swap_remove(at);
-                if let Some(file) = Arc::get_mut(&mut gone.file) {
-                    file.unlink();
-                } else {
-                    // Still referenced by a limbo entry being torn down: unlink through a fresh
-                    // name-less path is impossible, so unlink by name.
-                    let _ = std::fs::remove_file(format!(
-                        "{}/{}",
-                        crate::shm::SHM_DIR,
-                        gone.file.name()
-                    ));
-                }
+                // The file's name goes with its last reference (`SharedMemory` unlinks on drop):
+                // possibly the storage being freed right now still holds one.
+                f.files.swap_remove(at);
             }
         }
     }
@@ -246,7 +237,7 @@ impl IpcState {
     /// [`Self::drain`], then reclaims limbo slots whose every holder is dead.
     pub fn collect(&self) -> Drained {
         let mut out = self.drain();
-        let mut dead_holders = Vec::new();
+        let mut dead_holders = std::collections::HashSet::new();
         let taken = self.limbo.take_where(|key, data| {
             let Ok(slot) = data.slot.file.slot(key.1) else {
                 return false;
@@ -256,7 +247,7 @@ impl IpcState {
                 (0, _) if data.slot.file.is_locked(key.1).is_ok_and(|locked| !locked) => {
                     // Every holder is dead: Linux dropped their locks with them.
                     slot.clear();
-                    dead_holders.push(*key);
+                    dead_holders.insert(*key);
                     true
                 }
                 _ => false,

@@ -70,14 +70,27 @@ fn header(chunk: &SharedMemory) -> &ChunkHeader {
     unsafe { &*(chunk.as_ptr() as *const ChunkHeader) }
 }
 
+/// Cell `slot` of a chunk (`slot < CELLS_PER_CHUNK`, checked by every caller).
+fn cell_at(chunk: &SharedMemory, slot: u32) -> &EventCell {
+    debug_assert!(slot < CELLS_PER_CHUNK);
+    let offset = CELL_SIZE * (u64::from(slot) + 1);
+    // SAFETY: slot < CELLS_PER_CHUNK, so the 64-byte cell lies inside the mapping (CHUNK_BYTES
+    // long, checked at create/open), which is page aligned and borrowed for the reference's life;
+    // the cell is only atomics, valid for any bytes another process may have written.
+    unsafe { &*(chunk.as_ptr().add(offset as usize) as *const EventCell) }
+}
+
+impl EventCell {
+    /// Whether the latest record has finished (reads `recorded` first).
+    fn is_complete(&self) -> bool {
+        let target = self.recorded.load(Ordering::SeqCst);
+        self.completed.load(Ordering::SeqCst) >= target
+    }
+}
+
 impl CellRef {
     fn cell(&self) -> &EventCell {
-        debug_assert!(self.slot < CELLS_PER_CHUNK);
-        let offset = CELL_SIZE * (u64::from(self.slot) + 1);
-        // SAFETY: slot < CELLS_PER_CHUNK (checked where CellRefs are made), so the 64-byte cell lies
-        // inside the mapping, which is page-aligned and kept alive by `self.chunk`; the cell is only
-        // atomics, valid for any bytes another process may have written.
-        unsafe { &*(self.chunk.as_ptr().add(offset as usize) as *const EventCell) }
+        cell_at(&self.chunk, self.slot)
     }
 
     /// Starts a new record; returns its sequence number (the stream later calls [`Self::complete`]).
@@ -107,7 +120,7 @@ impl CellRef {
 
     /// Whether the latest record has finished.
     pub(crate) fn is_complete(&self) -> bool {
-        self.reached(self.current_target())
+        self.cell().is_complete()
     }
 
     /// Blocks until `target` is reached (or the foreign owner died).
@@ -189,14 +202,10 @@ impl EventPool {
         &mut self,
         name_of: impl FnOnce(u32) -> String,
     ) -> Result<(CellRef, u32, u32)> {
-        let ready = self.free.iter().rposition(|&(chunk, slot)| {
-            CellRef {
-                chunk: Arc::clone(&self.chunks[chunk as usize]),
-                slot,
-                foreign_owner: None,
-            }
-            .is_complete()
-        });
+        let ready = self
+            .free
+            .iter()
+            .rposition(|&(chunk, slot)| cell_at(&self.chunks[chunk as usize], slot).is_complete());
         let (chunk, slot) = match ready {
             Some(at) => self.free.swap_remove(at),
             None => {
