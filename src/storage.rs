@@ -177,6 +177,10 @@ impl fmt::Debug for WeakStorage {
 }
 
 impl WeakStorage {
+    pub(crate) fn is_alive(&self) -> bool {
+        self.0.strong_count() > 0
+    }
+
     pub(crate) fn upgrade(&self) -> Option<Storage> {
         self.0.upgrade().map(|inner| Storage { inner })
     }

@@ -414,7 +414,7 @@ impl CachingAllocator {
     /// Segments of other processes this allocator has open (each opened once, however many
     /// storages live in it).
     pub fn ipc_open_segments(&self) -> usize {
-        self.ipc.consumer.open_mappings()
+        crate::ipc::open_segments(&self.driver)
     }
 
     pub(crate) fn ipc(&self) -> &Arc<IpcState> {

@@ -61,13 +61,76 @@ impl Claim {
         }
     }
 
-    /// Turns the claim into a lease of this process (lock, then `pending` → `held`). On error the
-    /// count is given back.
+    /// Turns the claim into a lease of this process (see [`Lease`]). On error the count is given
+    /// back.
     pub fn into_lease(mut self) -> Result<Lease> {
         let (file, slot) = self
             .inner
             .take()
             .ok_or_else(|| Error::invalid("claim already used"))?;
+        Lease::take(file, slot)
+    }
+}
+
+/// Gives one `pending` count back without a release hint (the caller's process still holds the
+/// slot, so it cannot become free now).
+fn give_back_quietly(file: &RefCounterFile, slot: u32) -> Result<()> {
+    file.slot(slot).and_then(|s| {
+        if s.give_back_pending() {
+            Ok(())
+        } else {
+            Err(underflow("pending"))
+        }
+    })
+}
+
+fn give_back(file: &RefCounterFile, slot: u32) {
+    match give_back_quietly(file, slot) {
+        Ok(()) => file.push_release(slot),
+        Err(err) => tracing::warn!(%err, "giving an IPC count back failed"),
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if let Some((file, slot)) = self.inner.take() {
+            give_back(&file, slot);
+        }
+    }
+}
+
+/// Leases of this process by (ref-counter file name, slot): how many live [`Lease`]s share the
+/// process's one hold on the slot. The process's OFD lock and its `held` count are taken by the
+/// first lease and given up by the last, under this table's lock — so two allocators, or two
+/// threads, of one process never unlock a slot another lease of the process still needs (the
+/// lock sits on the process's one open file description of the ref-counter file).
+static LEASES: Mutex<Option<HashMap<(String, u32), u64>>> = Mutex::new(None);
+
+/// This process holds `slot` (one of possibly several leases of the process on it).
+///
+/// | leases of the process on the slot | taking one                          | dropping one                              |
+/// |-----------------------------------|-------------------------------------|-------------------------------------------|
+/// | 0 → 1                             | OFD lock, then `pending` → `held`    | —                                         |
+/// | n → n + 1 (n ≥ 1)                 | `pending` − 1 (the process already holds) | —                                    |
+/// | n → n − 1 (n ≥ 2)                 | —                                   | nothing shared changes                    |
+/// | 1 → 0                             | —                                   | `held` − 1, release hint, then unlock     |
+#[derive(Debug)]
+pub(crate) struct Lease {
+    pub file: Arc<RefCounterFile>,
+    pub slot: u32,
+}
+
+impl Lease {
+    fn take(file: Arc<RefCounterFile>, slot: u32) -> Result<Lease> {
+        let mut table = LEASES.lock();
+        let leases = table.get_or_insert_with(HashMap::new);
+        let key = (file.name().to_owned(), slot);
+        if let Some(count) = leases.get_mut(&key) {
+            // The process already holds the slot: this count is covered by that hold.
+            give_back_quietly(&file, slot)?;
+            *count += 1;
+            return Ok(Lease { file, slot });
+        }
         if let Err(err) = file.lock_shared(slot) {
             give_back(&file, slot);
             return Err(err);
@@ -83,40 +146,29 @@ impl Claim {
             let _ = file.unlock(slot);
             return Err(err);
         }
+        leases.insert(key, 1);
         Ok(Lease { file, slot })
     }
 }
 
-fn give_back(file: &RefCounterFile, slot: u32) {
-    match file.slot(slot).and_then(|s| {
-        if s.give_back_pending() {
-            Ok(())
-        } else {
-            Err(underflow("pending"))
-        }
-    }) {
-        Ok(()) => file.push_release(slot),
-        Err(err) => tracing::warn!(%err, "giving an IPC count back failed"),
-    }
-}
-
-impl Drop for Claim {
-    fn drop(&mut self) {
-        if let Some((file, slot)) = self.inner.take() {
-            give_back(&file, slot);
-        }
-    }
-}
-
-/// This process holds `slot`.
-#[derive(Debug)]
-pub(crate) struct Lease {
-    pub file: Arc<RefCounterFile>,
-    pub slot: u32,
-}
-
 impl Drop for Lease {
     fn drop(&mut self) {
+        let mut table = LEASES.lock();
+        let leases = table.get_or_insert_with(HashMap::new);
+        let key = (self.file.name().to_owned(), self.slot);
+        match leases.get_mut(&key) {
+            Some(count) if *count > 1 => {
+                *count -= 1;
+                return;
+            }
+            Some(_) => {
+                leases.remove(&key);
+            }
+            None => {
+                tracing::warn!(slot = self.slot, "IPC lease missing from the lease table");
+                return;
+            }
+        }
         if let Err(err) = self.file.slot(self.slot).and_then(|s| {
             if s.release_held() {
                 Ok(())
@@ -133,15 +185,96 @@ impl Drop for Lease {
     }
 }
 
-/// An opened segment of another process; closed when the last storage in it drops.
+/// Segments of other processes open in this process, by (driver, memory handle), with how many
+/// [`Mapping`]s use each. A handle opens once per driver (CUDA refuses a second open in one
+/// context; the host backend does too), however many allocators over that driver receive storages
+/// in it. Opening and the last close both happen under this table's lock, so a close in progress
+/// can never race a reopen of the same handle.
+static MAPPINGS: Mutex<Option<HashMap<MappingKey, MappingEntry>>> = Mutex::new(None);
+
+/// The driver's address (stable while any mapping holds the driver) and the memory handle.
+type MappingKey = (usize, [u8; IPC_HANDLE_SIZE]);
+
+#[derive(Debug)]
+struct MappingEntry {
+    base: DevicePtr,
+    size: u64,
+    users: u64,
+}
+
+fn driver_key(driver: &Arc<dyn Driver>) -> usize {
+    Arc::as_ptr(driver) as *const () as usize
+}
+
+/// One user of an opened segment of another process; the segment is closed when the last user
+/// drops.
 #[derive(Debug)]
 pub(crate) struct Mapping {
     driver: Arc<dyn Driver>,
+    key: MappingKey,
     pub base: DevicePtr,
+}
+
+impl Mapping {
+    /// Opens `wire`'s segment through `driver`, or joins the mapping already open.
+    pub fn open(driver: &Arc<dyn Driver>, wire: &WireHandle) -> Result<Mapping> {
+        let key = (driver_key(driver), wire.memory);
+        let mut table = MAPPINGS.lock();
+        let maps = table.get_or_insert_with(HashMap::new);
+        let entry = match maps.get_mut(&key) {
+            Some(entry) => entry,
+            None => {
+                let device = usize::try_from(wire.device)
+                    .map_err(|_| Error::bad_handle("device ordinal"))?;
+                let opened =
+                    driver.ipc_open_memory(device, &crate::driver::IpcMemHandle(wire.memory))?;
+                maps.entry(key).or_insert(MappingEntry {
+                    base: opened.ptr,
+                    size: opened.size,
+                    users: 0,
+                })
+            }
+        };
+        entry.users += 1;
+        let mapping = Mapping {
+            driver: Arc::clone(driver),
+            key,
+            base: entry.base,
+        };
+        if entry.size < wire.segment_size {
+            let size = entry.size;
+            drop(table);
+            drop(mapping);
+            return Err(Error::bad_handle(format!(
+                "the opened segment has {size} bytes, the handle claims {}",
+                wire.segment_size
+            )));
+        }
+        Ok(mapping)
+    }
+
+    /// Segments open through `driver` now.
+    pub fn open_count(driver: &Arc<dyn Driver>) -> usize {
+        let key = driver_key(driver);
+        MAPPINGS
+            .lock()
+            .as_ref()
+            .map_or(0, |maps| maps.keys().filter(|k| k.0 == key).count())
+    }
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        let mut table = MAPPINGS.lock();
+        let Some(maps) = table.as_mut() else { return };
+        let Some(entry) = maps.get_mut(&self.key) else {
+            return;
+        };
+        entry.users = entry.users.saturating_sub(1);
+        if entry.users > 0 {
+            return;
+        }
+        maps.remove(&self.key);
         if let Err(err) = self.driver.ipc_close_memory(self.base) {
             tracing::warn!(%err, "closing an IPC mapping failed");
         }
@@ -157,7 +290,7 @@ pub(crate) struct ReceivedOwner {
     pub driver: Arc<dyn Driver>,
     pub lease: Option<Lease>,
     /// Keeps the segment open while the storage lives (dropped after the lease).
-    pub _mapping: Arc<Mapping>,
+    pub _mapping: Mapping,
 }
 
 impl Drop for ReceivedOwner {
@@ -171,46 +304,9 @@ impl Drop for ReceivedOwner {
     }
 }
 
-/// Per-allocator consumer caches.
+/// Per-allocator consumer cache: received storages by (memory handle, offset), weakly. Its lock
+/// is held across a whole receipt, so two threads opening one storage get one `Storage`.
 #[derive(Debug, Default)]
 pub(crate) struct ConsumerCaches {
-    pub mappings: Mutex<HashMap<[u8; IPC_HANDLE_SIZE], Weak<Mapping>>>,
     pub received: Mutex<HashMap<([u8; IPC_HANDLE_SIZE], u64), WeakStorage>>,
-}
-
-impl ConsumerCaches {
-    /// The mapping of `wire`'s segment, opened once per process.
-    pub fn mapping(&self, driver: &Arc<dyn Driver>, wire: &WireHandle) -> Result<Arc<Mapping>> {
-        let mut maps = self.mappings.lock();
-        maps.retain(|_, w| w.strong_count() > 0);
-        if let Some(m) = maps.get(&wire.memory).and_then(Weak::upgrade) {
-            return Ok(m);
-        }
-        let device =
-            usize::try_from(wire.device).map_err(|_| Error::bad_handle("device ordinal"))?;
-        let opened = driver.ipc_open_memory(device, &crate::driver::IpcMemHandle(wire.memory))?;
-        let mapping = Arc::new(Mapping {
-            driver: Arc::clone(driver),
-            base: opened.ptr,
-        });
-        if opened.size < wire.segment_size {
-            return Err(Error::bad_handle(format!(
-                "the opened segment has {} bytes, the handle claims {}",
-                opened.size, wire.segment_size
-            )));
-        }
-        maps.insert(wire.memory, Arc::downgrade(&mapping));
-        Ok(mapping)
-    }
-}
-
-impl ConsumerCaches {
-    /// Number of segments of other processes open now.
-    pub fn open_mappings(&self) -> usize {
-        self.mappings
-            .lock()
-            .values()
-            .filter(|w| w.strong_count() > 0)
-            .count()
-    }
 }

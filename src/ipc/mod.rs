@@ -27,10 +27,10 @@ pub(crate) use state::IpcState;
 pub use state::{Drained, DEFAULT_EVENT_BUDGET};
 pub use wire::{WireHandle, WIRE_SIZE};
 
-use self::consumer::{Claim, ConsumerCaches};
+use self::consumer::{Claim, ConsumerCaches, Mapping};
 use self::limbo::SlotCounters;
 use crate::error::{Error, Result};
-use crate::storage::{DataPtr, Owner, Storage};
+use crate::storage::{DataPtr, Owner, Storage, WeakStorage};
 use crate::sync::os::{Arc, Mutex};
 
 /// A handle of a shared storage that owns one count on its slot (see the [module docs](self)).
@@ -217,17 +217,14 @@ pub(crate) fn receive(alloc: &Arc<crate::CachingAllocator>, handle: IpcHandle) -
     }
     let claim = claim.ok_or_else(|| Error::bad_handle("handle carries no count"))?;
     let key = (wire.memory, wire.offset);
-    if let Some(live) = ipc
-        .consumer()
-        .received
-        .lock()
-        .get(&key)
-        .and_then(|w| w.upgrade())
-    {
+    // The cache lock is held across the whole receipt: check and insert are one step.
+    let mut received = ipc.consumer().received.lock();
+    received.retain(|_, w| w.is_alive());
+    if let Some(live) = received.get(&key).and_then(WeakStorage::upgrade) {
         claim.give_back();
         return Ok(live);
     }
-    let mapping = ipc.consumer().mapping(&ipc.driver, &wire)?;
+    let mapping = Mapping::open(&ipc.driver, &wire)?;
     let lease = claim.into_lease()?;
     let stream = alloc.current_stream(device)?;
     if let Some(event) = &wire.event {
@@ -252,11 +249,13 @@ pub(crate) fn receive(alloc: &Arc<crate::CachingAllocator>, handle: IpcHandle) -
         DataPtr::new(ptr, device, Owner::Received(Box::new(owner))),
         nbytes,
     );
-    ipc.consumer()
-        .received
-        .lock()
-        .insert(key, storage.downgrade());
+    received.insert(key, storage.downgrade());
     Ok(storage)
+}
+
+/// Segments of other processes open through `driver` now.
+pub(crate) fn open_segments(driver: &Arc<dyn crate::Driver>) -> usize {
+    Mapping::open_count(driver)
 }
 
 impl IpcState {

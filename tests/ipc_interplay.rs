@@ -1,0 +1,198 @@
+//! Where sharing meets the rest: several allocators and threads in one consumer process, COW ×
+//! sharing, and the ordering of leases. Each test here reproduces a bug found by the adversarial
+//! review of issue 9 and failed before its fix. Children are this test binary re-executed.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use cudalloc::{CachingAllocator, Driver, IpcHandle, Storage};
+
+const CHILD: &str = "interplay_child";
+
+fn allocator(driver: Arc<dyn Driver>) -> Arc<CachingAllocator> {
+    Arc::new(
+        CachingAllocator::builder()
+            .ipc_slots_per_file(64)
+            .check_invariants(true)
+            .build(driver)
+            .unwrap(),
+    )
+}
+
+fn producer() -> Arc<CachingAllocator> {
+    allocator(Arc::new(host_driver()))
+}
+
+fn send(h: IpcHandle) -> String {
+    hex(&h.into_bytes())
+}
+
+fn open(a: &Arc<CachingAllocator>, text: &str) -> Storage {
+    Storage::from_ipc(a, IpcHandle::from_bytes(&unhex(text)).unwrap()).unwrap()
+}
+
+/// Shares a patterned storage twice to a child playing `role`, drops the producer's storage (so it
+/// sits in limbo), lets the child drop one of its two receipts, then collects: the memory must stay
+/// allocated (no "dead consumer" reclaim) and the child's other receipt must still read the pattern.
+fn one_receipt_dropped_keeps_the_other(role: &str) {
+    let a = producer();
+    let s = Storage::new(&a, 0, 1 << 20).unwrap();
+    s.fill_pattern(77).unwrap();
+    let (h1, h2) = (send(s.share_ipc().unwrap()), send(s.share_ipc().unwrap()));
+    let mut child = ChildProcess::spawn(CHILD, role, "host");
+    child.send(&format!("{h1} {h2}"));
+    assert_eq!(child.recv(), "opened");
+    drop(s);
+    assert_eq!(a.ipc_limbo().0, 1, "consumers count on it: limbo");
+    child.send("drop one");
+    assert_eq!(child.recv(), "dropped one");
+    let collected = a.ipc_collect_stats();
+    assert_eq!(
+        collected.from_dead_consumers, 0,
+        "a live consumer still holds the slot: nothing may be reclaimed"
+    );
+    assert_eq!(a.ipc_limbo().0, 1, "still counted by the live receipt");
+    // Reuse the memory if it was wrongly freed: the poison and the new data would show.
+    let reuse = Storage::new(&a, 0, 1 << 20).unwrap();
+    reuse.fill_pattern(1).unwrap();
+    child.send("verify");
+    assert_eq!(child.recv(), "mismatches=0");
+    child.send("stop");
+    child.finish();
+    drop(reuse);
+    assert_eq!(a.ipc_collect_stats().storages, 1, "freed once released");
+    assert_eq!(a.ipc_limbo(), (0, 0));
+}
+
+#[test]
+fn two_allocators_with_their_own_drivers_in_one_consumer() {
+    one_receipt_dropped_keeps_the_other("two_drivers");
+}
+
+#[test]
+fn two_allocators_over_one_driver_in_one_consumer() {
+    one_receipt_dropped_keeps_the_other("one_driver");
+}
+
+#[test]
+fn drop_waiting_on_a_busy_stream_while_another_thread_reopens() {
+    one_receipt_dropped_keeps_the_other("busy_drop");
+}
+
+#[test]
+fn two_threads_opening_one_storage_get_one_storage() {
+    let a = producer();
+    let mut child = ChildProcess::spawn(CHILD, "racing_opens", "host");
+    for round in 0..200u64 {
+        let s = Storage::new(&a, 0, 4096).unwrap();
+        s.fill_pattern(round).unwrap();
+        let (h1, h2) = (send(s.share_ipc().unwrap()), send(s.share_ipc().unwrap()));
+        child.send(&format!("{round} {h1} {h2}"));
+        drop(s);
+        assert_eq!(child.recv(), format!("{round} same=true"));
+        // The child still holds the storage: nothing may be reclaimed.
+        assert_eq!(
+            a.ipc_collect_stats().from_dead_consumers,
+            0,
+            "round {round}"
+        );
+        child.send("release");
+        assert_eq!(child.recv(), "released");
+    }
+    child.send("stop");
+    child.finish();
+    a.ipc_collect();
+    assert_eq!(a.ipc_limbo(), (0, 0));
+}
+
+#[test]
+#[ignore = "child process entry: run by the tests of this file"]
+fn interplay_child() {
+    let Ok(role) = std::env::var(ROLE_VAR) else {
+        return;
+    };
+    let mut parent = ParentLink::new();
+    match role.as_str() {
+        "two_drivers" | "one_driver" | "busy_drop" => {
+            let line = parent.recv();
+            let (h1, h2) = line.split_once(' ').unwrap();
+            let host1 = Arc::new(host_driver());
+            let d1: Arc<dyn Driver> = host1.clone();
+            let d2: Arc<dyn Driver> = if role == "two_drivers" {
+                Arc::new(host_driver())
+            } else {
+                d1.clone()
+            };
+            let (a1, a2) = (allocator(d1), allocator(d2));
+            let first = open(&a1, h1);
+            let mut gate = None;
+            let second = if role == "busy_drop" {
+                // The first receipt's drop waits on its busy stream while the same handle is
+                // opened again from another thread (the weak cache entry is already dead).
+                gate = Some(host1.gate_stream(a1.default_stream(0).unwrap()).unwrap());
+                let dropper = std::thread::spawn(move || drop(first));
+                let h2 = h2.to_owned();
+                let a1c = a1.clone();
+                let second = std::thread::spawn(move || open(&a1c, &h2)).join().unwrap();
+                parent.send("opened");
+                assert_eq!(parent.recv(), "drop one");
+                drop(gate.take());
+                dropper.join().unwrap();
+                second
+            } else {
+                let second = open(&a2, h2);
+                parent.send("opened");
+                assert_eq!(parent.recv(), "drop one");
+                drop(first);
+                second
+            };
+            parent.send("dropped one");
+            assert_eq!(parent.recv(), "verify");
+            parent.send(&format!(
+                "mismatches={}",
+                second.count_pattern_mismatches(77).unwrap()
+            ));
+            assert_eq!(parent.recv(), "stop");
+            drop(gate);
+        }
+        "racing_opens" => {
+            let a = allocator(Arc::new(host_driver()));
+            loop {
+                let line = parent.recv();
+                if line == "stop" {
+                    break;
+                }
+                let mut parts = line.split(' ');
+                let round: u64 = parts.next().unwrap().parse().unwrap();
+                let handles: Vec<String> = parts.map(str::to_owned).collect();
+                let barrier = Arc::new(std::sync::Barrier::new(2));
+                let opened: Vec<Storage> = handles
+                    .into_iter()
+                    .map(|h| {
+                        let (a, barrier) = (a.clone(), barrier.clone());
+                        std::thread::spawn(move || {
+                            let handle = IpcHandle::from_bytes(&unhex(&h)).unwrap();
+                            barrier.wait();
+                            Storage::from_ipc(&a, handle).unwrap()
+                        })
+                    })
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .map(|t| t.join().unwrap())
+                    .collect();
+                let same = opened[0].is_alias_of(&opened[1]);
+                let survivor = opened[1].clone();
+                drop(opened);
+                parent.send(&format!("{round} same={same}"));
+                assert_eq!(parent.recv(), "release");
+                assert_eq!(survivor.count_pattern_mismatches(round).unwrap(), 0);
+                drop(survivor);
+                parent.send("released");
+            }
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
