@@ -276,6 +276,11 @@ impl Storage {
     /// For a received storage, the lease is released only after `stream`'s work is done.
     pub fn record_stream(&self, stream: StreamId) -> Result<()> {
         let data = self.inner.data.lock();
+        self.record_stream_locked(&data, stream)
+    }
+
+    /// [`Self::record_stream`] with the storage's data lock held (`data` is its `DataPtr`).
+    pub(crate) fn record_stream_locked(&self, data: &DataPtr, stream: StreamId) -> Result<()> {
         match &data.owner {
             Owner::Received(r) => {
                 let mut streams = r.streams.lock();
@@ -288,7 +293,7 @@ impl Storage {
                 Some(d) => self.inner.allocator.record_stream(d, stream),
                 None => Ok(()),
             }),
-            _ => self.inner.allocator.record_stream(&data, stream),
+            _ => self.inner.allocator.record_stream(data, stream),
         }
     }
 

@@ -112,17 +112,19 @@ fn lazy_clone_of_an_already_cow_storage() {
 }
 
 #[test]
-fn lazy_clone_of_a_storage_with_another_owner_is_supported() {
-    // PyTorch refuses storages whose deleter is not its own; ours are typed, so a shared (IPC)
-    // storage can be lazily cloned and materialized like any other.
+fn lazy_clone_of_a_shared_storage_is_an_eager_copy() {
+    // Shared memory is an alias of other processes' storages: a COW view of it could change under
+    // the clone (a consumer writes) and a steal would take it from them. So, as PyTorch does for
+    // storages whose data pointer is not its own, the clone is a stream-ordered copy up front.
     let a = allocator();
     let s = Storage::new(&a, 0, 4096).unwrap();
     s.fill_pattern(3).unwrap();
     let handle = s.share_ipc().unwrap();
     let c = s.lazy_clone().unwrap();
-    assert_eq!(c.data_ptr(), s.data_ptr());
-    c.mutable_data_ptr().unwrap();
+    assert!(!c.is_cow() && !s.is_cow());
     assert_ne!(c.data_ptr(), s.data_ptr());
+    assert_eq!(c.count_pattern_mismatches(3).unwrap(), 0);
+    s.fill_pattern(4).unwrap();
     assert_eq!(c.count_pattern_mismatches(3).unwrap(), 0);
     drop(handle);
 }

@@ -193,6 +193,164 @@ fn interplay_child() {
                 parent.send("released");
             }
         }
+        "verify_and_write" => {
+            let a = allocator(Arc::new(host_driver()));
+            let s = open(&a, &parent.recv());
+            parent.send(&format!(
+                "mismatches={}",
+                s.count_pattern_mismatches(4).unwrap()
+            ));
+            s.fill_pattern(8).unwrap();
+            a.driver()
+                .stream_synchronize(a.default_stream(0).unwrap())
+                .unwrap();
+            parent.send("wrote 8");
+            assert_eq!(parent.recv(), "stop");
+        }
         other => panic!("unknown role {other}"),
     }
+}
+
+/// Bytes of `s` that do not hold pattern `seed`.
+fn mismatches(s: &Storage, seed: u64) -> u64 {
+    s.count_pattern_mismatches(seed).unwrap()
+}
+
+#[test]
+fn sharing_a_lazy_clone_taken_on_another_stream_keeps_every_byte() {
+    // Written and synchronized, lazily cloned on one stream, shared on another, then written on
+    // the default stream: the share's own copy must not land after (and over) that write.
+    let a = producer();
+    let (x, y) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
+    let default = a.default_stream(0).unwrap();
+    for (clone_on, share_on) in [(x, y), (x, x), (default, y), (x, default)] {
+        let s = Storage::new(&a, 0, 1 << 20).unwrap();
+        s.fill_pattern(5).unwrap();
+        a.driver().stream_synchronize(default).unwrap();
+        let clone = {
+            let _on = a.set_current_stream(clone_on).unwrap();
+            s.lazy_clone().unwrap()
+        };
+        let handle = {
+            let _on = a.set_current_stream(share_on).unwrap();
+            s.share_ipc().unwrap()
+        };
+        assert_eq!(
+            mismatches(&s, 5),
+            0,
+            "the shared storage, read on the default stream"
+        );
+        s.fill_pattern(6).unwrap();
+        for st in [default, x, y] {
+            a.driver().stream_synchronize(st).unwrap();
+        }
+        assert_eq!(mismatches(&s, 6), 0, "the write after sharing stands");
+        assert_eq!(mismatches(&clone, 5), 0, "the lazy clone kept its bytes");
+        let again = Storage::from_ipc(&a, handle).unwrap();
+        assert!(again.is_alias_of(&s), "same-process receipt is the storage");
+        drop((s, again));
+        assert_eq!(
+            mismatches(&clone, 5),
+            0,
+            "the clone after the shared storage died"
+        );
+    }
+}
+
+#[test]
+fn share_racing_lazy_clone_never_fails() {
+    // The storage is COW when shared, so sharing materializes it; a lazy clone taken right after
+    // that (the cloner waits on the storage's lock meanwhile) used to find it COW again when the
+    // share went on to wrap it: "only memory from a caching allocator ... can be shared".
+    let a = producer();
+    let mut failures = Vec::new();
+    for round in 0..500u64 {
+        let s = Storage::new(&a, 0, 64 << 10).unwrap();
+        s.fill_pattern(round).unwrap();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let cloner = {
+            let (s, stop) = (s.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut last = s.lazy_clone().unwrap();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    last = s.lazy_clone().unwrap();
+                }
+                last
+            })
+        };
+        while !s.is_cow() {
+            std::hint::spin_loop();
+        }
+        let shared = s.share_ipc();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let clone = cloner.join().unwrap();
+        match shared {
+            Ok(handle) => drop(handle),
+            Err(e) => failures.push(format!("round {round}: {e}")),
+        }
+        for c in [&s, &clone] {
+            assert_eq!(mismatches(c, round), 0, "round {round}");
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of 500 rounds failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(3)]
+    );
+    a.ipc_collect();
+    assert_eq!(a.ipc_limbo(), (0, 0));
+}
+
+#[test]
+fn a_lazy_clone_of_a_shared_storage_leaves_the_shared_memory_with_it() {
+    let a = producer();
+    let s = Storage::new(&a, 0, 1 << 20).unwrap();
+    s.fill_pattern(3).unwrap();
+    let to_child = send(s.share_ipc().unwrap());
+    let later = s.share_ipc().unwrap();
+    let clone = s.lazy_clone().unwrap();
+    // The shared storage is written after the clone: consumers see its memory, so they see this.
+    s.fill_pattern(4).unwrap();
+    a.driver()
+        .stream_synchronize(a.default_stream(0).unwrap())
+        .unwrap();
+    let mut child = ChildProcess::spawn(CHILD, "verify_and_write", "host");
+    child.send(&to_child);
+    assert_eq!(
+        child.recv(),
+        "mismatches=0",
+        "the consumer sees the producer's write"
+    );
+    assert_eq!(child.recv(), "wrote 8");
+    assert_eq!(
+        mismatches(&s, 8),
+        0,
+        "the producer sees the consumer's write"
+    );
+    assert_eq!(
+        mismatches(&clone, 3),
+        0,
+        "the lazy clone kept the old bytes"
+    );
+    // The clone written, the original dropped: the handle names the shared storage, which is
+    // gone here — not the clone.
+    clone.fill_pattern(6).unwrap();
+    drop(s);
+    let err = Storage::from_ipc(&a, later).unwrap_err();
+    assert!(err.to_string().contains("no longer exists"), "{err}");
+    assert_eq!(mismatches(&clone, 6), 0);
+    child.send("stop");
+    child.finish();
+    a.ipc_collect();
+    assert_eq!(a.ipc_limbo(), (0, 0));
+}
+
+#[test]
+fn receipt_through_a_second_allocator_of_the_producer_process_is_the_original() {
+    let a = producer();
+    let b = producer();
+    let s = Storage::new(&a, 0, 4096).unwrap();
+    let back = Storage::from_ipc(&b, s.share_ipc().unwrap()).unwrap();
+    assert!(back.is_alias_of(&s));
 }

@@ -65,6 +65,7 @@ pub(crate) fn lazy_clone(storage: &Storage) -> Result<Storage> {
                 owner.ctx.cell.add_ref();
                 Arc::clone(&owner.ctx)
             }
+            Owner::Sent(_) | Owner::Received(_) => return eager_clone(storage, data),
             _ => {
                 let clone_stream = alloc.current_stream(device)?;
                 let original = std::mem::replace(data, DataPtr::empty(device));
@@ -97,14 +98,37 @@ pub(crate) fn lazy_clone(storage: &Storage) -> Result<Storage> {
     })
 }
 
+/// A lazy clone of memory shared with other processes is an eager, stream-ordered copy: the
+/// memory is an alias of another process's storage, so it can change under a COW view (a consumer
+/// writes it) and cannot be handed to a clone by a steal (the other processes would lose their
+/// alias). PyTorch falls back the same way for storages whose data pointer is not its own.
+fn eager_clone(storage: &Storage, data: &DataPtr) -> Result<Storage> {
+    let alloc = storage.allocator();
+    let stream = alloc.current_stream(storage.device())?;
+    let nbytes = storage.nbytes();
+    let copy = alloc.allocate_on(stream, nbytes)?;
+    alloc
+        .driver()
+        .copy_device_to_device(stream, copy.ptr(), data.ptr(), nbytes)?;
+    storage.record_stream_locked(data, stream)?;
+    Ok(Storage::from_data_ptr(alloc, copy, nbytes))
+}
+
 /// Materializes a COW storage for writing on the current stream; returns the address to write.
 pub(crate) fn materialize(storage: &Storage) -> Result<DevicePtr> {
+    storage.with_data(|data| materialize_locked(storage, data))
+}
+
+/// [`materialize`] with the storage's data lock already held (`data` is the storage's `DataPtr`),
+/// so callers can materialize and go on (e.g. wrap the memory for sharing) in one critical
+/// section. A storage that is not COW is left alone.
+pub(crate) fn materialize_locked(storage: &Storage, data: &mut DataPtr) -> Result<DevicePtr> {
     let alloc = storage.allocator();
     let device = storage.device();
     let nbytes = storage.nbytes();
     let stream = alloc.current_stream(device)?;
     let driver = alloc.driver();
-    storage.with_data(|data| {
+    {
         // Take the owner out (no refcount traffic); every early return puts it back.
         let shared_ptr = data.ptr();
         let mut owner = match std::mem::replace(data, DataPtr::empty(device)).into_owner() {
@@ -151,7 +175,7 @@ pub(crate) fn materialize(storage: &Storage) -> Result<DevicePtr> {
         *data = new_data;
         storage.set_cow_word(ptr, false);
         Ok(ptr)
-    })
+    }
 }
 
 /// Copier: enqueue the copy, record an event after it, mark the source as used by `stream`.

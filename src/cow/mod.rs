@@ -20,6 +20,15 @@
 //! | lazy clone of a COW storage   | unchanged                 | +1            |
 //! | materialize (copy)            | —                         | −1            |
 //! | materialize (steal) / drop    | —                         | −1 (last frees or hands over the data) |
+//! | lazy clone of a shared (IPC sent or received) storage | unchanged | — (eager copy) |
+//!
+//! Deviation from DESIGN §6 ("any owner can be wrapped"): memory shared with other processes is
+//! an alias of their storages, so a COW view of it could change under the clone when a consumer
+//! writes, and a steal would take it away from them (a same-process receipt would then name a
+//! storage that no longer holds the shared memory). A lazy clone of such a storage is therefore an
+//! eager, stream-ordered copy on the current stream — what PyTorch does for storages whose data
+//! pointer is not its own. Sharing a COW storage materializes it first, under the same storage lock
+//! as the wrapping, and completes that copy before returning.
 //!
 //! Deviation from DESIGN §6: a lazy clone of a COW storage is one atomic increment *plus* the
 //! source storage's own lock, taken to read its owner safely while another thread may be
@@ -33,4 +42,4 @@
 pub mod cell;
 mod context;
 
-pub(crate) use context::{lazy_clone, materialize, CowOwner};
+pub(crate) use context::{lazy_clone, materialize, materialize_locked, CowOwner};

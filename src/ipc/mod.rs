@@ -83,10 +83,6 @@ impl IpcHandle {
 
 /// Shares `storage` (see [`Storage::share_ipc`]).
 pub(crate) fn share(storage: &Storage) -> Result<IpcHandle> {
-    if storage.is_cow() {
-        // A consumer may write: the shared memory must be this storage's own.
-        storage.mutable_data_ptr()?;
-    }
     let alloc = storage.allocator();
     let ipc = alloc.ipc();
     let device = storage.device();
@@ -100,19 +96,28 @@ pub(crate) fn share(storage: &Storage) -> Result<IpcHandle> {
                 claim: None,
             });
         }
+        if let Owner::Cow(_) = data.owner() {
+            // A consumer may write: the shared memory must be this storage's own. Materialized
+            // under the same lock as the wrapping below, so a concurrent lazy clone cannot turn it
+            // back into a COW view in between. The copy is enqueued on `stream`; nothing the
+            // caller did asked for it, so it is made complete before any stream can touch the new
+            // memory (a later write on another stream must not be overwritten by it).
+            crate::cow::materialize_locked(storage, data)?;
+            ipc.driver.stream_synchronize(stream)?;
+        }
         if let Owner::Block(_) = data.owner() {
             let segment = data.segment().ok_or_else(|| Error::invalid("no segment"))?;
             let original = std::mem::replace(data, DataPtr::empty(device));
             let ptr = original.ptr();
             match ipc.wrap(original, segment, storage.nbytes()) {
                 Ok(sent) => {
-                    ipc.shared.lock().insert(
-                        (
-                            sent_name(&sent),
-                            sent.data.as_ref().map_or(0, |d| d.slot.slot),
-                        ),
-                        storage.downgrade(),
-                    );
+                    if let Some(d) = sent.data.as_ref() {
+                        state::remember_shared(
+                            d.slot.file.name(),
+                            d.slot.slot,
+                            storage.downgrade(),
+                        );
+                    }
                     *data = DataPtr::new(ptr, device, Owner::Sent(Box::new(sent)));
                 }
                 Err(failed) => {
@@ -182,13 +187,6 @@ pub(crate) fn share(storage: &Storage) -> Result<IpcHandle> {
     })
 }
 
-fn sent_name(sent: &SentOwner) -> String {
-    sent.data
-        .as_ref()
-        .map(|d| d.slot.file.name().to_owned())
-        .unwrap_or_default()
-}
-
 /// Opens a handle (see [`Storage::from_ipc`]).
 pub(crate) fn receive(alloc: &Arc<crate::CachingAllocator>, handle: IpcHandle) -> Result<Storage> {
     let ipc = alloc.ipc();
@@ -203,7 +201,7 @@ pub(crate) fn receive(alloc: &Arc<crate::CachingAllocator>, handle: IpcHandle) -
         return Storage::new(alloc, device, 0);
     }
     if wire.producer_pid == std::process::id() {
-        let original = ipc.same_process(&wire.ref_file, wire.slot);
+        let original = state::same_process(&wire.ref_file, wire.slot);
         if let Some(c) = claim {
             c.give_back();
         }

@@ -66,8 +66,6 @@ pub(crate) struct IpcState {
     pub live_events: AtomicU64,
     files: Mutex<Files>,
     limbo: Limbo<(u64, u32), SentData>,
-    /// Storages this process shared, by (file name, slot): same-process receipt returns them.
-    pub shared: Mutex<HashMap<(String, u32), WeakStorage>>,
     /// Consumer-side caches (mappings, received storages).
     pub consumer: super::consumer::ConsumerCaches,
 }
@@ -92,7 +90,6 @@ impl IpcState {
             live_events: AtomicU64::new(0),
             files: Mutex::new(Files::default()),
             limbo: Limbo::default(),
-            shared: Mutex::new(HashMap::new()),
             consumer: Default::default(),
         }
     }
@@ -182,9 +179,7 @@ impl IpcState {
             }
             self.live_events.fetch_sub(1, Ordering::Relaxed);
         }
-        self.shared
-            .lock()
-            .remove(&(data.slot.file.name().to_owned(), data.slot.slot));
+        forget_shared(data.slot.file.name(), data.slot.slot);
         self.give_back_slot(&data.slot);
         drop(data.original);
     }
@@ -294,13 +289,33 @@ impl IpcState {
             }
         }
     }
+}
 
-    /// Checks a same-process receipt and returns the original storage.
-    pub fn same_process(&self, ref_file: &str, slot: u32) -> Result<crate::storage::Storage> {
-        self.shared
-            .lock()
-            .get(&(ref_file.to_owned(), slot))
-            .and_then(WeakStorage::upgrade)
-            .ok_or_else(|| Error::bad_handle("the shared storage no longer exists in this process"))
+/// Storages this process shared, by (ref-counter file name, slot), whichever allocator shared them:
+/// a receipt in the producer's own process returns the original storage (through any allocator of
+/// the process — the names are unique per process).
+static SHARED_STORAGES: Mutex<Option<HashMap<(String, u32), WeakStorage>>> = Mutex::new(None);
+
+/// Registers a storage that was just shared for the first time.
+pub(crate) fn remember_shared(file: &str, slot: u32, storage: WeakStorage) {
+    SHARED_STORAGES
+        .lock()
+        .get_or_insert_with(HashMap::new)
+        .insert((file.to_owned(), slot), storage);
+}
+
+fn forget_shared(file: &str, slot: u32) {
+    if let Some(map) = SHARED_STORAGES.lock().as_mut() {
+        map.remove(&(file.to_owned(), slot));
     }
+}
+
+/// A receipt in the producer's own process: the original storage, if it still lives.
+pub(crate) fn same_process(ref_file: &str, slot: u32) -> Result<crate::storage::Storage> {
+    SHARED_STORAGES
+        .lock()
+        .as_ref()
+        .and_then(|map| map.get(&(ref_file.to_owned(), slot)).cloned())
+        .and_then(|weak| weak.upgrade())
+        .ok_or_else(|| Error::bad_handle("the shared storage no longer exists in this process"))
 }
