@@ -41,9 +41,7 @@ fn write(d: &Data, v: u64) {
 
 /// One holder writes: materialize, then write to what it got. Returns true if it stole.
 fn materialize_and_write(cell: &CowCell<Data>) -> bool {
-    let out = cell
-        .materialize(|| Ok(0u64), |src, copy| *copy = read(src))
-        .unwrap();
+    let out = cell.materialize(|src| Ok(read(src))).unwrap();
     match out {
         Materialized::Stole(data) => {
             write(&data, WRITTEN);
@@ -69,8 +67,11 @@ fn cell(refs: usize) -> (Arc<CowCell<Data>>, Arc<AtomicUsize>) {
 }
 
 fn model(f: impl Fn() + Sync + Send + 'static) {
+    // Honours LOOM_MAX_PREEMPTIONS (read by `Builder::new`); 3 when unset.
     let mut b = loom::model::Builder::new();
-    b.preemption_bound = Some(3);
+    if std::env::var_os("LOOM_MAX_PREEMPTIONS").is_none() {
+        b.preemption_bound = Some(3);
+    }
     b.check(f);
 }
 
@@ -82,11 +83,13 @@ fn two_holders_materialize_concurrently() {
         let t = thread::spawn(move || materialize_and_write(&c2));
         let mine = materialize_and_write(&c);
         let theirs = t.join().unwrap();
-        assert!(mine ^ theirs, "exactly one steal");
+        // At most one steal: a copier that finds itself last after its copy (the other let go
+        // meanwhile) frees the original instead.
+        assert!(!(mine && theirs), "at most one steal");
         assert_eq!(
             frees.load(Ordering::SeqCst),
             1,
-            "the data freed exactly once (by the stealer)"
+            "the data freed exactly once (by the stealer or the last copier)"
         );
     });
 }
@@ -105,8 +108,8 @@ fn three_holders_materialize_concurrently() {
         for h in handles {
             steals += usize::from(h.join().unwrap());
         }
-        assert_eq!(steals, 1);
-        assert_eq!(frees.load(Ordering::SeqCst), 1);
+        assert!(steals <= 1, "at most one steal");
+        assert_eq!(frees.load(Ordering::SeqCst), 1, "freed exactly once");
     });
 }
 
@@ -121,10 +124,9 @@ fn lazy_clone_races_materialization() {
             usize::from(materialize_and_write(&c2)) + usize::from(materialize_and_write(&c2))
         });
         let mine = usize::from(materialize_and_write(&c));
-        assert_eq!(
-            mine + t.join().unwrap(),
-            1,
-            "exactly one of the three steals"
+        assert!(
+            mine + t.join().unwrap() <= 1,
+            "at most one of the three steals"
         );
         assert_eq!(frees.load(Ordering::SeqCst), 1);
     });

@@ -112,9 +112,17 @@ fn consumer(w: &World) {
     w.hint.fetch_or(true, Ordering::SeqCst);
 }
 
+/// A model builder honouring `LOOM_MAX_PREEMPTIONS` (3 when unset).
+fn builder() -> loom::model::Builder {
+    let mut b = loom::model::Builder::new();
+    if std::env::var_os("LOOM_MAX_PREEMPTIONS").is_none() {
+        b.preemption_bound = Some(3);
+    }
+    b
+}
+
 fn run(retire: fn(&World)) {
-    let mut builder = loom::model::Builder::new();
-    builder.preemption_bound = Some(3);
+    let builder = builder();
     builder.check(move || {
         let w = World::new(1);
         let (c, p, d) = (w.clone(), w.clone(), w.clone());
@@ -140,8 +148,7 @@ fn retire_races_release_and_drain() {
 
 #[test]
 fn a_handle_given_back_unopened_races_retire() {
-    let mut builder = loom::model::Builder::new();
-    builder.preemption_bound = Some(3);
+    let builder = builder();
     builder.check(|| {
         let w = World::new(2);
         let (c, g, p) = (w.clone(), w.clone(), w.clone());

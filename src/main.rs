@@ -71,6 +71,15 @@ fn info(driver: &dyn Driver, fallback_reason: Option<&str>) -> cudalloc::Result<
             human_bytes(mem.free)
         );
     }
+    if driver.backend() == cudalloc::Backend::Host {
+        match cudalloc::HostDriver::shm_available_bytes() {
+            Ok(free) => println!(
+                "  /dev/shm can back {} now (host segments live there; a full /dev/shm is out of memory)",
+                human_bytes(free)
+            ),
+            Err(err) => println!("  /dev/shm free space unknown ({err})"),
+        }
+    }
     match cudalloc::AllocatorConfig::from_env() {
         Ok(config) => println!("allocator configuration: {config:?}"),
         Err(err) => println!("allocator configuration: invalid ({err})"),

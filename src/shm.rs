@@ -12,6 +12,7 @@
 //! pointer copies by code that owns the ordering argument (see `kernels.rs`).
 
 use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
 
@@ -30,14 +31,22 @@ pub(crate) fn random_u64() -> u64 {
     h.finish()
 }
 
-/// Names this process created and has not unlinked yet. At normal process exit (`atexit`) every
-/// remaining name is unlinked, so nothing outlives the process in `/dev/shm` even when memory had
-/// to stay allocated to the end (an allocator dropped while consumers still held its storages).
-/// Mappings stay valid for other processes: only the names go.
-static LIVE_NAMES: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+/// Names this process created and has not unlinked yet, with the pid of the process that created
+/// them. At normal process exit (`atexit`) every remaining name is unlinked, so nothing outlives the
+/// process in `/dev/shm` even when memory had to stay allocated to the end (an allocator dropped
+/// while consumers still held its storages). Mappings stay valid for other processes: only the
+/// names go.
+///
+/// Only the creating process unlinks: a forked child inherits this set (and the `atexit` hook) but
+/// not the objects' ownership, so when it exits — or drops a copied `SharedMemory` — the parent's
+/// names stay. A child that creates objects of its own starts a set of its own.
+static LIVE_NAMES: Mutex<Option<(u32, HashSet<String>)>> = Mutex::new(None);
 
 extern "C" fn unlink_live_names_at_exit() {
-    if let Some(names) = LIVE_NAMES.lock().take() {
+    if let Some((creator, names)) = LIVE_NAMES.lock().take() {
+        if creator != std::process::id() {
+            return;
+        }
         for name in names {
             let _ = std::fs::remove_file(path_of(&name));
         }
@@ -45,18 +54,24 @@ extern "C" fn unlink_live_names_at_exit() {
 }
 
 fn remember_name(name: &str) {
+    let me = std::process::id();
     let mut live = LIVE_NAMES.lock();
     if live.is_none() {
         // SAFETY: registers a plain `extern "C"` function with no arguments; it only touches a
         // static mutex and the file system, which are valid at exit.
         unsafe { libc::atexit(unlink_live_names_at_exit) };
     }
-    live.get_or_insert_with(HashSet::new)
-        .insert(name.to_owned());
+    match live.as_mut() {
+        Some((creator, names)) if *creator == me => {
+            names.insert(name.to_owned());
+        }
+        // Nothing yet, or the parent's set inherited through fork: start ours.
+        _ => *live = Some((me, HashSet::from([name.to_owned()]))),
+    }
 }
 
 fn forget_name(name: &str) {
-    if let Some(live) = LIVE_NAMES.lock().as_mut() {
+    if let Some((_, live)) = LIVE_NAMES.lock().as_mut() {
         live.remove(name);
     }
 }
@@ -76,7 +91,9 @@ pub(crate) struct SharedMemory {
     name: String,
     map: MmapRaw,
     len: u64,
-    owner: bool,
+    /// The pid of the process that created the object and alone may unlink it; `None` when opened
+    /// (or already unlinked).
+    creator: Option<u32>,
     /// Kept open: its open file description carries the OFD byte-range locks of IPC leases.
     file: File,
 }
@@ -86,7 +103,7 @@ impl std::fmt::Debug for SharedMemory {
         f.debug_struct("SharedMemory")
             .field("name", &self.name)
             .field("len", &self.len)
-            .field("owner", &self.owner)
+            .field("creator", &self.creator)
             .finish()
     }
 }
@@ -125,6 +142,55 @@ fn map_file(file: &File, len: u64, call: &'static str) -> Result<MmapRaw> {
         .map_err(|e| Error::host_os(call, e))
 }
 
+/// The `call` of the error [`SharedMemory::create`] returns when `/dev/shm` has no room: callers
+/// that allocate device memory turn it into out-of-memory.
+pub(crate) const NO_SPACE_CALL: &str = "posix_fallocate";
+
+/// Whether `err` says that `/dev/shm` had no room for a new object.
+pub(crate) fn is_no_space(err: &Error) -> bool {
+    matches!(err, Error::Driver { call, .. } if *call == NO_SPACE_CALL)
+}
+
+/// Backs every page of a new object now. A sparse object (`ftruncate` alone) faults — SIGBUS, the
+/// process dies — on the first write to a page the file system cannot back, which on a full
+/// `/dev/shm` (Docker's default is 64 MiB) is any write. Reserved up front, a full `/dev/shm` is an
+/// error at creation instead.
+fn reserve(file: &File, name: &str, len: u64) -> Result<()> {
+    let len = libc::off_t::try_from(len)
+        .map_err(|_| Error::invalid(format!("shared-memory size {len} too large")))?;
+    // SAFETY: the descriptor is open for the duration of the call; posix_fallocate only changes
+    // the file's allocation.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
+    match rc {
+        0 => Ok(()),
+        libc::ENOSPC => Err(Error::Driver {
+            backend: "host",
+            call: NO_SPACE_CALL,
+            message: format!(
+                "{name}: {SHM_DIR} has no room for {len} more bytes (its free space is smaller than \
+                 the configured device capacity; enlarge {SHM_DIR} or lower CUDALLOC_HOST_MEMORY)"
+            ),
+        }),
+        err => Err(Error::host_os(
+            NO_SPACE_CALL,
+            format!("{name}: {}", std::io::Error::from_raw_os_error(err)),
+        )),
+    }
+}
+
+/// Bytes `/dev/shm` can still back (what the host backend can really hand out).
+pub(crate) fn available_bytes() -> Result<u64> {
+    let path = std::ffi::CString::new(SHM_DIR).map_err(|e| Error::invalid(e.to_string()))?;
+    // SAFETY: statvfs is a plain C struct; all-zero is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is a valid NUL-terminated string and `st` a valid out-pointer for the call.
+    let rc = unsafe { libc::statvfs(path.as_ptr(), &mut st) };
+    if rc != 0 {
+        return Err(Error::host_os("statvfs", std::io::Error::last_os_error()));
+    }
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
 impl SharedMemory {
     /// Creates, sizes and maps a new object of `len` bytes (zero-filled by the kernel).
     pub(crate) fn create(name: &str, len: u64) -> Result<Self> {
@@ -143,6 +209,7 @@ impl SharedMemory {
         let result = file
             .set_len(len)
             .map_err(|e| Error::host_os("ftruncate", format!("{name}: {e}")))
+            .and_then(|()| reserve(&file, name, len))
             .and_then(|()| map_file(&file, len, "mmap"));
         match result {
             Ok(map) => {
@@ -151,7 +218,7 @@ impl SharedMemory {
                     name: name.to_owned(),
                     map,
                     len,
-                    owner: true,
+                    creator: Some(std::process::id()),
                     file,
                 })
             }
@@ -197,7 +264,7 @@ impl SharedMemory {
             name: name.to_owned(),
             map,
             len,
-            owner: false,
+            creator: None,
             file,
         })
     }
@@ -222,10 +289,10 @@ impl SharedMemory {
         self.len
     }
 
-    /// Removes the name now (the mapping stays valid for every holder). Idempotent.
+    /// Removes the name now (the mapping stays valid for every holder). Idempotent; a no-op in any
+    /// process but the creator (a forked child).
     pub(crate) fn unlink(&mut self) {
-        if self.owner {
-            self.owner = false;
+        if self.creator.take() == Some(std::process::id()) {
             forget_name(&self.name);
             if let Err(err) = std::fs::remove_file(path_of(&self.name)) {
                 tracing::warn!(name = %self.name, %err, "could not unlink shared-memory object");

@@ -48,15 +48,12 @@ fn context_basic() {
 #[test]
 fn context_materialize_copies_unless_last() {
     let cell = CowCell::new(41u64, 2);
-    match cell
-        .materialize(|| Ok(0u64), |src, dst| *dst = *src + 1)
-        .unwrap()
-    {
+    match cell.materialize(|src| Ok(*src + 1)).unwrap() {
         Materialized::Copied(v) => assert_eq!(v, 42),
         Materialized::Stole(_) => panic!("not the last reference"),
     }
     match cell
-        .materialize(|| Ok(0u64), |_, _| panic!("no copy for the last reference"))
+        .materialize(|_| -> cudalloc::Result<u64> { panic!("no copy for the last reference") })
         .unwrap()
     {
         Materialized::Stole(v) => assert_eq!(v, 41),
@@ -64,10 +61,8 @@ fn context_materialize_copies_unless_last() {
     }
     // A failing preparation changes nothing.
     let cell = CowCell::new(1u64, 2);
-    let failed = cell.materialize(
-        || Err::<u64, _>(cudalloc::Error::InvalidArgument("no memory".into())),
-        |_, _| {},
-    );
+    let failed =
+        cell.materialize(|_| Err::<u64, _>(cudalloc::Error::InvalidArgument("no memory".into())));
     assert!(failed.is_err());
     assert_eq!(cell.refs(), 2);
 }
@@ -287,4 +282,39 @@ fn stress_four_threads_of_concurrent_materializations() {
     }
     assert_eq!(live_blocks(&a), baseline);
     a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_failed_copy_leaves_the_storage_a_valid_cow_storage() {
+    // The copy step (allocate, enqueue, order) runs before the reference is given up: a device copy
+    // that cannot be enqueued, or a copier event that cannot be created, is an error and the storage
+    // stays COW with its bytes — it never hands back a "copy" that holds stale bytes.
+    let faulty = Arc::new(common::faulty::FaultyDriver::new(Arc::new(host_driver())));
+    let faults = faulty.faults.clone();
+    let a = Arc::new(CachingAllocator::builder().build(faulty).unwrap());
+    let s = Storage::new(&a, 0, 8192).unwrap();
+    s.fill_pattern(3).unwrap();
+    let c = s.lazy_clone().unwrap();
+    for fault in [&faults.device_copies, &faults.event_creation] {
+        fault.store(true, std::sync::atomic::Ordering::SeqCst);
+        let err = c.copy_from_host(&[1, 2, 3]).unwrap_err();
+        assert!(err.to_string().contains("injected"), "{err}");
+        fault.store(false, std::sync::atomic::Ordering::SeqCst);
+        assert!(c.is_cow(), "still a COW storage");
+        assert_eq!(c.data_ptr(), s.data_ptr(), "still sharing");
+        assert_eq!(c.count_pattern_mismatches(3).unwrap(), 0);
+    }
+    c.copy_from_host(&[1, 2, 3]).unwrap();
+    assert!(!c.is_cow());
+    let mut head = [0u8; 8192];
+    c.copy_to_host(&mut head).unwrap();
+    assert_eq!(&head[..3], &[1, 2, 3]);
+    let expected: Vec<u8> = (3..8192u64)
+        .map(|i| cudalloc::driver::pattern::byte(3, i))
+        .collect();
+    assert!(
+        head[3..] == expected[..],
+        "the rest of the copy holds the original bytes"
+    );
+    assert_eq!(s.count_pattern_mismatches(3).unwrap(), 0);
 }

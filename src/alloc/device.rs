@@ -23,7 +23,7 @@ use super::snapshot::{self, SnapshotSegment, Trace, TraceAction};
 use super::stats::DeviceStats;
 use crate::config::AllocatorConfig;
 use crate::driver::{Driver, EventFlags, EventId, StreamId};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex, MutexGuard, RwLock};
 
@@ -228,11 +228,16 @@ impl DeviceCore {
         }
         self.garbage_collect();
         let seg = size::segment_size(rounded);
-        if let Some(hit) = self.allocate_segment(shard, pool, seg, rounded, requested)? {
+        let mut cause = None;
+        if let Some(hit) =
+            self.allocate_segment(shard, pool, seg, rounded, requested, &mut cause)?
+        {
             return Ok(hit);
         }
         if self.release_oversize(rounded) {
-            if let Some(hit) = self.allocate_segment(shard, pool, seg, rounded, requested)? {
+            if let Some(hit) =
+                self.allocate_segment(shard, pool, seg, rounded, requested, &mut cause)?
+            {
                 return Ok(hit);
             }
         }
@@ -241,7 +246,9 @@ impl DeviceCore {
         if let Some(hit) = self.try_fit(shard, pool, rounded, requested) {
             return Ok(hit);
         }
-        if let Some(hit) = self.allocate_segment(shard, pool, seg, rounded, requested)? {
+        if let Some(hit) =
+            self.allocate_segment(shard, pool, seg, rounded, requested, &mut cause)?
+        {
             return Ok(hit);
         }
         self.ooms.fetch_add(1, Ordering::Relaxed);
@@ -261,11 +268,13 @@ impl DeviceCore {
             allocated: stats.allocated_bytes[0].current as u64,
             reserved: stats.reserved_bytes[0].current as u64,
             fraction: self.fraction(),
+            cause,
         }))
     }
 
     /// Gets a segment from the driver (within the memory fraction) and allocates from it.
-    /// `Ok(None)` when the device (or the fraction) is out of memory.
+    /// `Ok(None)` when the device (or the fraction) is out of memory; the driver's own explanation,
+    /// when it gave one, goes to `cause` (the final error quotes it).
     fn allocate_segment(
         &self,
         shard: &Shard,
@@ -273,6 +282,7 @@ impl DeviceCore {
         seg: u64,
         rounded: u64,
         requested: u64,
+        cause: &mut Option<String>,
     ) -> Result<Option<Allocated>> {
         let held: Option<MutexGuard<'_, ShardState>> =
             (!self.config.release_lock_on_cudamalloc).then(|| shard.state.lock());
@@ -290,9 +300,12 @@ impl DeviceCore {
             Ok(ptr) => ptr,
             Err(err) => {
                 self.reserved.fetch_sub(seg, Ordering::SeqCst);
-                return match err.kind() {
-                    ErrorKind::OutOfMemory => Ok(None),
-                    _ => Err(err),
+                return match err {
+                    Error::OutOfMemory { message, .. } => {
+                        *cause = Some(message);
+                        Ok(None)
+                    }
+                    other => Err(other),
                 };
             }
         };

@@ -53,7 +53,7 @@ pub fn format_size(bytes: u64) -> String {
 }
 
 /// What the message reports.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct OomFacts {
     pub device: usize,
     pub requested: u64,
@@ -62,6 +62,8 @@ pub(crate) struct OomFacts {
     pub allocated: u64,
     pub reserved: u64,
     pub fraction: Option<(f64, u64)>,
+    /// What the driver said when it refused the last segment (e.g. a full `/dev/shm`).
+    pub cause: Option<String>,
 }
 
 /// Builds the out-of-memory error.
@@ -89,6 +91,9 @@ pub(crate) fn out_of_memory(f: OomFacts) -> Error {
              CUDALLOC_CONF to reduce fragmentation.",
         );
     }
+    if let Some(cause) = &f.cause {
+        message.push_str(&format!(" The driver said: {cause}"));
+    }
     Error::OutOfMemory {
         device: f.device,
         requested: f.requested,
@@ -110,6 +115,7 @@ mod tests {
             allocated: 4 << 30,
             reserved: 6 << 30,
             fraction: None,
+            cause: None,
         });
         let text = e.to_string();
         assert!(text.contains("tried to allocate 3.00 GiB"), "{text}");

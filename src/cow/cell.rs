@@ -5,11 +5,12 @@
 //! decrement**:
 //!
 //! 1. take the shared lock;
-//! 2. if others still hold references, do the fallible work (allocate the copy) *before* giving up
-//!    the count — on failure nothing changed and the storage stays COW;
-//! 3. decrement; if that released the last reference, drop the shared lock, take the exclusive lock
-//!    (it waits for every in-flight copy) and steal the data — no copy;
-//! 4. otherwise copy while still holding the shared lock, then release it.
+//! 2. if others still hold references, do the whole fallible copy step (allocate, enqueue the copy,
+//!    order it) *before* giving up the count — on failure nothing changed and the storage stays COW;
+//! 3. decrement; if that released the last reference and nothing was copied, drop the shared lock,
+//!    take the exclusive lock (it waits for every in-flight copy) and steal the data — no copy; if
+//!    a copy was made meanwhile (the others let go after step 2), free the original the same way;
+//! 4. release the shared lock.
 //!
 //! PyTorch decrements first and locks after: in between, the last holder can steal — and start
 //! writing — the data another thread is about to copy. The model
@@ -67,43 +68,45 @@ impl<D> CowCell<D> {
         f(guard.as_ref())
     }
 
-    /// Materializes one reference: steal if last, else `prepare` (fallible, before the count is
-    /// given up) then `copy` under the shared lock. On `prepare`'s error nothing changed.
-    pub fn materialize<C>(
-        &self,
-        prepare: impl FnOnce() -> Result<C>,
-        copy: impl FnOnce(&D, &mut C),
-    ) -> Result<Materialized<D, C>> {
+    /// Materializes one reference: steal if last, else `copy` — the whole fallible copy step
+    /// (allocate, enqueue the copy, order it) — under the shared lock *before* the count is given
+    /// up. On `copy`'s error nothing changed: the caller still holds its reference.
+    ///
+    /// If the others released their references between the copy and the decrement, this was the
+    /// last reference after all: the copy is kept and the original data is freed here, after every
+    /// in-flight copy (exclusive lock).
+    pub fn materialize<C>(&self, copy: impl FnOnce(&D) -> Result<C>) -> Result<Materialized<D, C>> {
         let shared = self.lock.read().unwrap_or_else(|p| p.into_inner());
-        let mut prepared = if self.refcount.load(Ordering::Acquire) > 1 {
-            Some(prepare()?)
+        let copied = if self.refcount.load(Ordering::Acquire) > 1 {
+            let data = self.data.lock().unwrap_or_else(|p| p.into_inner());
+            let original = data.as_ref().ok_or_else(|| {
+                crate::Error::invalid("COW data already taken: reference count corrupted")
+            })?;
+            Some(copy(original)?)
         } else {
             None
         };
         if self.refcount.fetch_sub(1, Ordering::AcqRel) == 1 {
             drop(shared);
-            drop(prepared);
             let _exclusive = self.lock.write().unwrap_or_else(|p| p.into_inner());
             let data = self.data.lock().unwrap_or_else(|p| p.into_inner()).take();
-            return data.map(Materialized::Stole).ok_or_else(|| {
-                crate::Error::invalid("COW data already taken: reference count corrupted")
-            });
-        }
-        let Some(mut target) = prepared.take() else {
-            // Count was 1 when read but someone else held a reference at the decrement: the
-            // precondition was broken. Nothing safe can be done but to report it.
-            return Err(crate::Error::invalid(
-                "COW materialization raced a lazy clone of the same storage",
-            ));
-        };
-        {
-            let data = self.data.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(d) = data.as_ref() {
-                copy(d, &mut target);
-            }
+            return match (copied, data) {
+                (Some(copy), original) => {
+                    drop(original);
+                    Ok(Materialized::Copied(copy))
+                }
+                (None, Some(original)) => Ok(Materialized::Stole(original)),
+                (None, None) => Err(crate::Error::invalid(
+                    "COW data already taken: reference count corrupted",
+                )),
+            };
         }
         drop(shared);
-        Ok(Materialized::Copied(target))
+        copied.map(Materialized::Copied).ok_or_else(|| {
+            // Count was 1 when read but someone else held a reference at the decrement: the
+            // precondition (the caller's storage is locked) was broken.
+            crate::Error::invalid("COW materialization raced a lazy clone of the same storage")
+        })
     }
 
     /// A COW storage went away without writing: gives up its reference; the last one takes the

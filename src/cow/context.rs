@@ -144,10 +144,8 @@ pub(crate) fn materialize_locked(storage: &Storage, data: &mut DataPtr) -> Resul
             if stream != ctx.clone_stream {
                 wait_for_stream(driver, ctx.device, ctx.clone_stream, stream)?;
             }
-            ctx.cell.materialize(
-                || alloc.allocate_on(stream, nbytes),
-                |original, copy| enqueue_copy(alloc, ctx, original, copy, nbytes, stream),
-            )
+            ctx.cell
+                .materialize(|original| copy_step(alloc, ctx, original, nbytes, stream))
         })();
         let new_data = match outcome {
             Ok(Materialized::Stole(original)) => {
@@ -178,29 +176,46 @@ pub(crate) fn materialize_locked(storage: &Storage, data: &mut DataPtr) -> Resul
     }
 }
 
-/// Copier: enqueue the copy, record an event after it, mark the source as used by `stream`.
-fn enqueue_copy(
+/// Copier: the whole fallible copy step, done before the reference is given up. Allocates the
+/// copy on `stream`, enqueues the device copy there, marks the source as used by `stream` (its free
+/// waits) and records an event after the copy (a later stealer waits on it). The event is created
+/// before anything is enqueued; if the bookkeeping after the enqueue fails, the stream is
+/// synchronized (so the abandoned copy cannot read the source after a stealer writes it) and the
+/// error returned — the caller's storage stays COW.
+fn copy_step(
     alloc: &crate::CachingAllocator,
     ctx: &CowContext,
     original: &DataPtr,
-    copy: &mut DataPtr,
     nbytes: u64,
     stream: StreamId,
-) {
+) -> Result<DataPtr> {
     let driver = alloc.driver();
-    let result = driver
+    let copy = alloc.allocate_on(stream, nbytes)?;
+    let event = driver.event_create(ctx.device, EventFlags::default())?;
+    let ordered = driver
         .copy_device_to_device(stream, copy.ptr(), original.ptr(), nbytes)
-        .and_then(|()| alloc.record_stream(original, stream))
         .and_then(|()| {
-            let e = driver.event_create(ctx.device, EventFlags::default())?;
-            driver.event_record(e, stream)?;
-            ctx.copier_events.lock().push(e);
-            Ok(())
+            let after_enqueue = alloc
+                .record_stream(original, stream)
+                .and_then(|()| driver.event_record(event, stream));
+            if after_enqueue.is_err() {
+                if let Err(err) = driver.stream_synchronize(stream) {
+                    tracing::warn!(%err, "COW: synchronizing after a failed copy step failed");
+                }
+            }
+            after_enqueue
         });
-    if let Err(err) = result {
-        // The copy is enqueued or the stream is broken; make the ordering hold by waiting.
-        tracing::warn!(%err, "COW copy bookkeeping failed; synchronizing the stream");
-        let _ = driver.stream_synchronize(stream);
+    match ordered {
+        Ok(()) => {
+            ctx.copier_events.lock().push(event);
+            Ok(copy)
+        }
+        Err(err) => {
+            if let Err(destroy) = driver.event_destroy(event) {
+                tracing::warn!(%destroy, "COW: destroying an unused copier event failed");
+            }
+            Err(err)
+        }
     }
 }
 

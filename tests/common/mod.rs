@@ -6,6 +6,8 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 
+pub mod faulty;
+
 use cudalloc::{CudaDriver, Driver, HostDriver};
 
 /// Environment variable naming a child process's role.

@@ -126,6 +126,12 @@ impl HostDriver {
         format!("cudalloc-{}-{:016x}-", self.pid, self.nonce)
     }
 
+    /// Bytes `/dev/shm` can still back: every segment, event chunk and ref-counter file of the host
+    /// backend lives there, so this bounds the real capacity whatever `memory_per_device` says.
+    pub fn shm_available_bytes() -> Result<u64> {
+        crate::shm::available_bytes()
+    }
+
     /// Holds `stream` at this point of its queue until the returned gate is opened or dropped
     /// (host-only; see [`StreamGate`]).
     pub fn gate_stream(&self, stream: StreamId) -> Result<StreamGate> {
@@ -252,8 +258,11 @@ impl Driver for HostDriver {
         self.check_device(device)?;
         let total = self.config.memory_per_device;
         let used = self.used[device].load(Ordering::SeqCst);
+        // What /dev/shm can still back bounds what malloc can really hand out (shared by every
+        // device and process); unknown counts as unbounded.
+        let shm_free = crate::shm::available_bytes().unwrap_or(u64::MAX);
         Ok(MemInfo {
-            free: total.saturating_sub(used),
+            free: total.saturating_sub(used).min(shm_free),
             total,
         })
     }
@@ -293,6 +302,15 @@ impl Driver for HostDriver {
             })),
             Err(err) => {
                 used.fetch_sub(charged, Ordering::SeqCst);
+                if crate::shm::is_no_space(&err) {
+                    // Through the allocator's miss path like any out-of-memory (free cached
+                    // segments, retry, then a clear error) instead of a SIGBUS on first write.
+                    return Err(Error::OutOfMemory {
+                        device,
+                        requested: size,
+                        message: err.to_string(),
+                    });
+                }
                 Err(err)
             }
         }

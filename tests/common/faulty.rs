@@ -1,0 +1,167 @@
+//! A driver that delegates to a host driver and fails chosen operations on demand: the test double
+//! for error paths the host backend cannot be made to take (a device copy that fails, an event that
+//! cannot be created).
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use cudalloc::driver::host::HostDriver;
+use cudalloc::{
+    Backend, DevicePtr, Driver, Error, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
+    OpenedSegment, Result, StreamId,
+};
+
+/// Operations a [`FaultyDriver`] can be told to fail.
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// `copy_device_to_device` fails without enqueueing anything.
+    pub device_copies: AtomicBool,
+    /// `event_create` fails.
+    pub event_creation: AtomicBool,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct FaultyDriver {
+    /// The driver doing the work.
+    pub inner: Arc<HostDriver>,
+    /// What fails now.
+    pub faults: Arc<Faults>,
+}
+
+impl FaultyDriver {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<HostDriver>) -> Self {
+        FaultyDriver {
+            inner,
+            faults: Arc::default(),
+        }
+    }
+}
+
+fn injected(call: &'static str) -> Error {
+    Error::Driver {
+        backend: "host",
+        call,
+        message: "failure injected by the test".into(),
+    }
+}
+
+fn check(flag: &AtomicBool, call: &'static str) -> Result<()> {
+    if flag.load(Ordering::SeqCst) {
+        Err(injected(call))
+    } else {
+        Ok(())
+    }
+}
+
+impl Driver for FaultyDriver {
+    fn backend(&self) -> Backend {
+        self.inner.backend()
+    }
+    fn device_count(&self) -> usize {
+        self.inner.device_count()
+    }
+    fn device_name(&self, device: usize) -> Result<String> {
+        self.inner.device_name(device)
+    }
+    fn mem_info(&self, device: usize) -> Result<MemInfo> {
+        self.inner.mem_info(device)
+    }
+    fn malloc(&self, device: usize, size: u64) -> Result<DevicePtr> {
+        self.inner.malloc(device, size)
+    }
+    fn free(&self, ptr: DevicePtr) -> Result<()> {
+        self.inner.free(ptr)
+    }
+    fn default_stream(&self, device: usize) -> Result<StreamId> {
+        self.inner.default_stream(device)
+    }
+    fn stream_create(&self, device: usize) -> Result<StreamId> {
+        self.inner.stream_create(device)
+    }
+    fn stream_destroy(&self, stream: StreamId) -> Result<()> {
+        self.inner.stream_destroy(stream)
+    }
+    fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
+        self.inner.stream_synchronize(stream)
+    }
+    fn stream_query(&self, stream: StreamId) -> Result<bool> {
+        self.inner.stream_query(stream)
+    }
+    fn stream_device(&self, stream: StreamId) -> Result<usize> {
+        self.inner.stream_device(stream)
+    }
+    fn event_create(&self, device: usize, flags: EventFlags) -> Result<EventId> {
+        check(&self.faults.event_creation, "event_create")?;
+        self.inner.event_create(device, flags)
+    }
+    fn event_destroy(&self, event: EventId) -> Result<()> {
+        self.inner.event_destroy(event)
+    }
+    fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
+        self.inner.event_record(event, stream)
+    }
+    fn event_query(&self, event: EventId) -> Result<bool> {
+        self.inner.event_query(event)
+    }
+    fn event_synchronize(&self, event: EventId) -> Result<()> {
+        self.inner.event_synchronize(event)
+    }
+    fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
+        self.inner.stream_wait_event(stream, event)
+    }
+    fn copy_host_to_device(&self, stream: StreamId, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        self.inner.copy_host_to_device(stream, dst, src)
+    }
+    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        self.inner.copy_device_to_host(stream, dst, src)
+    }
+    fn copy_device_to_device(
+        &self,
+        stream: StreamId,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len: u64,
+    ) -> Result<()> {
+        check(&self.faults.device_copies, "copy_device_to_device")?;
+        self.inner.copy_device_to_device(stream, dst, src, len)
+    }
+    fn memset(&self, stream: StreamId, dst: DevicePtr, value: u8, len: u64) -> Result<()> {
+        self.inner.memset(stream, dst, value, len)
+    }
+    fn fill_pattern(&self, stream: StreamId, dst: DevicePtr, len: u64, seed: u64) -> Result<()> {
+        self.inner.fill_pattern(stream, dst, len, seed)
+    }
+    fn count_pattern_mismatches(
+        &self,
+        stream: StreamId,
+        src: DevicePtr,
+        len: u64,
+        seed: u64,
+    ) -> Result<u64> {
+        self.inner.count_pattern_mismatches(stream, src, len, seed)
+    }
+    fn poison(&self, stream: StreamId, dst: DevicePtr, len: u64) -> Result<()> {
+        self.inner.poison(stream, dst, len)
+    }
+    fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
+        self.inner.sleep(stream, micros)
+    }
+    fn ipc_export_memory(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+        self.inner.ipc_export_memory(ptr)
+    }
+    fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
+        self.inner.ipc_open_memory(device, handle)
+    }
+    fn ipc_close_memory(&self, ptr: DevicePtr) -> Result<()> {
+        self.inner.ipc_close_memory(ptr)
+    }
+    fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {
+        self.inner.ipc_export_event(event)
+    }
+    fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
+        self.inner.ipc_open_event(device, handle)
+    }
+}

@@ -1,0 +1,139 @@
+//! A full `/dev/shm` (Docker's default is 64 MiB) is out-of-memory, never a SIGBUS: the host
+//! backend reserves the pages of every object when it creates it. The tests run the test binary
+//! (and the `cudalloc` command) in a private mount namespace with a small tmpfs on `/dev/shm`; where
+//! that cannot be set up (no privilege for `unshare -m`) they print why they are skipped.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::process::Command;
+use std::sync::Arc;
+
+use common::*;
+use cudalloc::{CachingAllocator, Driver, ErrorKind, HostDriver, Storage};
+
+const SHM_MIB: u64 = 24;
+
+/// `program args…` inside a private mount namespace whose /dev/shm is a `SHM_MIB` MiB tmpfs, or
+/// `None` when this machine does not allow it.
+fn in_small_shm(test: &str, program: &str, args: &[&str]) -> Option<std::process::Output> {
+    let probe = Command::new("unshare")
+        .args(["-m", "sh", "-c"])
+        .arg(format!("mount -t tmpfs -o size={SHM_MIB}m tmpfs /dev/shm"))
+        .output();
+    match probe {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => {
+            println!(
+                "{test}: skipped: cannot mount a private /dev/shm ({})",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+            return None;
+        }
+        Err(err) => {
+            println!("{test}: skipped: unshare is not available ({err})");
+            return None;
+        }
+    }
+    let script = format!("mount -t tmpfs -o size={SHM_MIB}m tmpfs /dev/shm && exec \"$0\" \"$@\"");
+    Some(
+        Command::new("unshare")
+            .args(["-m", "sh", "-c", &script, program])
+            .args(args)
+            .env(ROLE_VAR, "small_shm")
+            .output()
+            .unwrap(),
+    )
+}
+
+#[test]
+fn a_full_dev_shm_is_out_of_memory_not_sigbus() {
+    let exe = std::env::current_exe().unwrap();
+    let Some(out) = in_small_shm(
+        "a_full_dev_shm_is_out_of_memory_not_sigbus",
+        exe.to_str().unwrap(),
+        &["--exact", "small_shm_child", "--ignored", "--nocapture"],
+    ) else {
+        return;
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "child failed ({}): {stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("@@cudalloc oom after"), "{stdout}");
+}
+
+#[test]
+fn the_demo_in_a_small_dev_shm_fails_cleanly() {
+    let Some(out) = in_small_shm(
+        "the_demo_in_a_small_dev_shm_fails_cleanly",
+        env!("CARGO_BIN_EXE_cudalloc"),
+        &[],
+    ) else {
+        return;
+    };
+    use std::os::unix::process::ExitStatusExt;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.signal(), None, "killed by a signal: {stderr}");
+    assert!(
+        !out.status.success(),
+        "the demo cannot fit in {SHM_MIB} MiB"
+    );
+    assert!(
+        stderr.contains("out of memory") && stderr.contains("/dev/shm"),
+        "a clear message: {stderr}"
+    );
+}
+
+#[test]
+#[ignore = "child process entry: run by the tests of this file"]
+fn small_shm_child() {
+    if std::env::var(ROLE_VAR).is_err() {
+        return;
+    }
+    // Device capacity (64 MiB) above what /dev/shm can back: the file system is the limit.
+    let driver = Arc::new(
+        HostDriver::builder()
+            .devices(1)
+            .memory_per_device(64 << 20)
+            .build()
+            .unwrap(),
+    );
+    let free = driver.mem_info(0).unwrap().free;
+    assert!(
+        free <= SHM_MIB << 20,
+        "mem_info reports what /dev/shm can back: {free}"
+    );
+    let a = Arc::new(
+        CachingAllocator::builder()
+            .check_invariants(true)
+            .build(driver)
+            .unwrap(),
+    );
+    let mut held = Vec::new();
+    let err = loop {
+        match Storage::new(&a, 0, 3 << 20) {
+            Ok(s) => {
+                s.fill_pattern(held.len() as u64).unwrap();
+                held.push(s);
+            }
+            Err(err) => break err,
+        }
+        assert!(held.len() < 64, "never ran out");
+    };
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{err}");
+    assert!(err.to_string().contains("/dev/shm"), "{err}");
+    for (i, s) in held.iter().enumerate() {
+        assert_eq!(s.count_pattern_mismatches(i as u64).unwrap(), 0);
+    }
+    let n = held.len();
+    held.clear();
+    a.empty_cache();
+    // Memory came back: allocating again works.
+    let again = Storage::new(&a, 0, 3 << 20).unwrap();
+    again.fill_pattern(1).unwrap();
+    ParentLink::new().send(&format!("oom after {n} storages"));
+}
