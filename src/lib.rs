@@ -28,4 +28,5 @@ pub use driver::{
 pub use error::{Error, ErrorKind, Result};
 pub use global::{Global, GLOBAL};
 pub use ipc::IpcHandle;
+pub use shm::sweep_orphans;
 pub use storage::{DataPtr, Storage};

@@ -2,6 +2,8 @@
 //!
 //! * `cudalloc` / `cudalloc demo` — the producer/consumer demonstration (see `cli/demo.rs`).
 //! * `cudalloc info` — backend, devices and capacities, configuration, version.
+//! * `cudalloc clean` — removes shared-memory objects that dead cudalloc processes left in
+//!   `/dev/shm` (never those of a live process, nor those a consumer still holds) and prints them.
 //!
 //! Bad flags or environment values print one clear line and exit with code 2.
 
@@ -46,6 +48,9 @@ enum Command {
     },
     /// Print the backend, its devices and capacities, and the configuration.
     Info,
+    /// Remove shared-memory objects left in /dev/shm by dead cudalloc processes (never those of a
+    /// live process, nor those a consumer still holds) and print what was removed.
+    Clean,
     /// A demo consumer (started by `demo`).
     #[command(hide = true)]
     DemoConsumer {
@@ -134,6 +139,14 @@ fn run(cli: Cli) -> Result<(), (u8, String)> {
                 selected.fallback_reason.as_deref(),
             )
             .map_err(|e| exit_code(&e))
+        }
+        Command::Clean => {
+            let removed = cudalloc::sweep_orphans().map_err(|e| exit_code(&e))?;
+            for name in &removed {
+                println!("removed /dev/shm/{name}");
+            }
+            println!("{} orphaned object(s) removed", removed.len());
+            Ok(())
         }
         Command::Demo {
             consumers,

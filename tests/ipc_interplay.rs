@@ -207,6 +207,24 @@ fn interplay_child() {
             parent.send("wrote 8");
             assert_eq!(parent.recv(), "stop");
         }
+        "producer_holds" => {
+            let a = allocator(Arc::new(host_driver()));
+            let s = Storage::new(&a, 0, 1 << 20).unwrap();
+            s.fill_pattern(31).unwrap();
+            parent.send(&send(s.share_ipc().unwrap()));
+            let _ = parent.recv(); // killed while waiting
+        }
+        "producer_dies" => {
+            // A producer whose writes are held behind a gate when it shares, then is killed.
+            let host = Arc::new(host_driver());
+            let a = allocator(host.clone());
+            let s = Storage::new(&a, 0, 1 << 20).unwrap();
+            let gate = host.gate_stream(a.default_stream(0).unwrap()).unwrap();
+            s.fill_pattern(21).unwrap();
+            parent.send(&send(s.share_ipc().unwrap()));
+            let _ = parent.recv(); // killed while waiting
+            drop(gate);
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -353,4 +371,63 @@ fn receipt_through_a_second_allocator_of_the_producer_process_is_the_original() 
     let s = Storage::new(&a, 0, 4096).unwrap();
     let back = Storage::from_ipc(&b, s.share_ipc().unwrap()).unwrap();
     assert!(back.is_alias_of(&s));
+}
+
+#[test]
+fn a_producer_that_dies_before_its_data_is_ready_is_an_error_for_the_consumer() {
+    let a = producer();
+    // Died before the receipt: `from_ipc` refuses.
+    let mut child = ChildProcess::spawn(CHILD, "producer_dies", "host");
+    let handle = IpcHandle::from_bytes(&unhex(&child.recv())).unwrap();
+    child.kill();
+    let err = Storage::from_ipc(&a, handle).unwrap_err();
+    assert!(err.to_string().contains("exited before"), "{err}");
+    // Died after the receipt, while the consumer's stream waits: that stream reports the failure.
+    let stream = a.create_stream(0).unwrap();
+    let _on = a.set_current_stream(stream).unwrap();
+    let mut child = ChildProcess::spawn(CHILD, "producer_dies", "host");
+    let s = open(&a, &child.recv());
+    let theirs = format!("cudalloc-{}-", child.pid());
+    child.kill();
+    let err = s.count_pattern_mismatches(21).unwrap_err();
+    assert!(err.to_string().contains("exited before"), "{err}");
+    // Nothing of the dead producers stays in /dev/shm once nobody holds it.
+    drop(s);
+    cudalloc::sweep_orphans().unwrap();
+    assert!(shm_names_with_prefix(&theirs).is_empty());
+}
+
+#[test]
+fn a_dead_producers_objects_are_swept_once_no_consumer_holds_them() {
+    let a = producer();
+    let mut child = ChildProcess::spawn(CHILD, "producer_holds", "host");
+    let received = open(&a, &child.recv());
+    // The producer's writes are complete before it dies.
+    assert_eq!(received.count_pattern_mismatches(31).unwrap(), 0);
+    let theirs = format!("cudalloc-{}-", child.pid());
+    let objects = shm_names_with_prefix(&theirs);
+    assert!(
+        objects.len() >= 3,
+        "segment, event chunk, ref file, liveness: {objects:?}"
+    );
+    let swept = cudalloc::sweep_orphans().unwrap();
+    assert!(!swept.iter().any(|n| n.starts_with(&theirs)), "alive: kept");
+    child.kill();
+    let swept = cudalloc::sweep_orphans().unwrap();
+    assert!(
+        !swept.iter().any(|n| n.starts_with(&theirs)),
+        "dead, but we hold a lease: kept"
+    );
+    assert_eq!(received.count_pattern_mismatches(31).unwrap(), 0);
+    drop(received);
+    let swept = cudalloc::sweep_orphans().unwrap();
+    let mut removed: Vec<_> = swept
+        .into_iter()
+        .filter(|n| n.starts_with(&theirs))
+        .collect();
+    removed.sort();
+    let mut expected = objects;
+    expected.sort();
+    assert_eq!(removed, expected, "every object of the dead producer");
+    assert!(shm_names_with_prefix(&theirs).is_empty());
 }

@@ -95,6 +95,10 @@ impl CachingAllocatorBuilder {
 
     /// Builds the allocator over `driver`.
     pub fn build(self, driver: Arc<dyn Driver>) -> Result<CachingAllocator> {
+        // What dead processes left in /dev/shm goes before this process adds its own.
+        if let Err(err) = crate::shm::sweep_orphans() {
+            tracing::debug!(%err, "sweeping orphaned shared-memory objects failed");
+        }
         let config = Arc::new(self.config);
         let callbacks = Arc::new(Callbacks::default());
         let trace = Arc::new(Trace::default());

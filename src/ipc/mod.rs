@@ -229,7 +229,13 @@ pub(crate) fn receive(alloc: &Arc<crate::CachingAllocator>, handle: IpcHandle) -
         let e = ipc
             .driver
             .ipc_open_event(device, &crate::driver::IpcEventHandle(*event))?;
-        let waited = ipc.driver.stream_wait_event(stream, e);
+        let waited = ipc.driver.stream_wait_event(stream, e).map_err(|err| {
+            Error::bad_handle(format!(
+                "the data of this handle is not ready and cannot become ready: the producer \
+                 (pid {}) exited before its writes completed ({err})",
+                wire.producer_pid
+            ))
+        });
         let destroyed = ipc.driver.event_destroy(e);
         waited.and(destroyed)?;
     }

@@ -231,6 +231,9 @@ impl IpcState {
 
     /// [`Self::drain`], then reclaims limbo slots whose every holder is dead.
     pub fn collect(&self) -> Drained {
+        if let Err(err) = crate::shm::sweep_orphans() {
+            tracing::debug!(%err, "sweeping orphaned shared-memory objects failed");
+        }
         let mut out = self.drain();
         let mut dead_holders = std::collections::HashSet::new();
         let taken = self.limbo.take_where(|key, data| {

@@ -32,7 +32,7 @@ const MAGIC: [u8; 8] = *b"cdalIPC1";
 const VERSION: u16 = 1;
 const NAME_BYTES: usize = 64;
 /// Suffix pattern of ref-counter file names: `cudalloc-<pid>-<nonce>-ref<n>`.
-pub(crate) const REF_FILE_TAG: &str = "-ref";
+pub(crate) use crate::shm::REF_FILE_TAG;
 
 /// The decoded fields of a handle (pure data; owning nothing). With the `serde` feature it can be
 /// serialized in any serde format; deserialized values are checked like bytes are, through

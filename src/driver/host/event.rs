@@ -20,7 +20,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::shm::SharedMemory;
+use crate::shm::{process_alive, SharedMemory};
 use crate::sync::os::atomic::{AtomicU32, AtomicU64, Ordering};
 use crate::sync::os::Arc;
 
@@ -54,11 +54,23 @@ struct ChunkHeader {
 const _: () = assert!(std::mem::size_of::<EventCell>() == CELL_SIZE as usize);
 const _: () = assert!(std::mem::size_of::<ChunkHeader>() == CELL_SIZE as usize);
 
+/// This process's own copy of one of its cells' counters. Another process that opened the chunk
+/// (to wait on an exported event) can write anything into the shared cell; the owner's records,
+/// completions, queries and waits use only this copy, so a scribbled chunk can mislead foreign
+/// waiters at worst — never hang or fool the owner (`empty_cache`, teardown, COW ordering).
+#[derive(Debug, Default)]
+pub(crate) struct LocalCounters {
+    recorded: AtomicU64,
+    completed: AtomicU64,
+}
+
 /// A counted reference to one cell of a mapped chunk.
 #[derive(Clone, Debug)]
 pub(crate) struct CellRef {
     chunk: Arc<SharedMemory>,
     slot: u32,
+    /// Own cells: the chunk's local counters (authoritative). `None` for another process's cell.
+    local: Option<Arc<Vec<LocalCounters>>>,
     /// `Some(pid)` when another process owns the chunk (checked for liveness while waiting).
     foreign_owner: Option<u32>,
 }
@@ -80,12 +92,9 @@ fn cell_at(chunk: &SharedMemory, slot: u32) -> &EventCell {
     unsafe { &*(chunk.as_ptr().add(offset as usize) as *const EventCell) }
 }
 
-impl EventCell {
-    /// Whether the latest record has finished (reads `recorded` first).
-    fn is_complete(&self) -> bool {
-        let target = self.recorded.load(Ordering::SeqCst);
-        self.completed.load(Ordering::SeqCst) >= target
-    }
+/// The message of a wait or query on an event whose owner process died before completing it.
+fn owner_died(pid: u32) -> String {
+    format!("the process {pid} that owns this interprocess event exited before completing it (the data it guards was never made ready)")
 }
 
 impl CellRef {
@@ -93,13 +102,36 @@ impl CellRef {
         cell_at(&self.chunk, self.slot)
     }
 
+    fn local(&self) -> Option<&LocalCounters> {
+        self.local
+            .as_ref()
+            .and_then(|counters| counters.get(self.slot as usize))
+    }
+
     /// Starts a new record; returns its sequence number (the stream later calls [`Self::complete`]).
     pub(crate) fn begin_record(&self) -> u64 {
-        self.cell().recorded.fetch_add(1, Ordering::SeqCst) + 1
+        match self.local() {
+            Some(local) => {
+                let seq = local
+                    .recorded
+                    .fetch_add(1, Ordering::SeqCst)
+                    .wrapping_add(1);
+                self.cell().recorded.store(seq, Ordering::SeqCst);
+                seq
+            }
+            None => self
+                .cell()
+                .recorded
+                .fetch_add(1, Ordering::SeqCst)
+                .wrapping_add(1),
+        }
     }
 
     /// Marks record `seq` finished and wakes sleepers.
     pub(crate) fn complete(&self, seq: u64) {
+        if let Some(local) = self.local() {
+            local.completed.fetch_max(seq, Ordering::SeqCst);
+        }
         let cell = self.cell();
         cell.completed.fetch_max(seq, Ordering::SeqCst);
         cell.wake.fetch_add(1, Ordering::SeqCst);
@@ -110,21 +142,39 @@ impl CellRef {
 
     /// The sequence number a wait issued now must reach.
     pub(crate) fn current_target(&self) -> u64 {
-        self.cell().recorded.load(Ordering::SeqCst)
+        match self.local() {
+            Some(local) => local.recorded.load(Ordering::SeqCst),
+            None => self.cell().recorded.load(Ordering::SeqCst),
+        }
     }
 
     /// Whether every record up to `target` has finished.
     pub(crate) fn reached(&self, target: u64) -> bool {
-        self.cell().completed.load(Ordering::SeqCst) >= target
+        let completed = match self.local() {
+            Some(local) => local.completed.load(Ordering::SeqCst),
+            None => self.cell().completed.load(Ordering::SeqCst),
+        };
+        completed >= target
     }
 
-    /// Whether the latest record has finished.
-    pub(crate) fn is_complete(&self) -> bool {
-        self.cell().is_complete()
+    /// Whether the latest record has finished; an error when the event belongs to another process
+    /// that died before finishing it.
+    pub(crate) fn is_complete(&self) -> std::result::Result<bool, String> {
+        if self.reached(self.current_target()) {
+            return Ok(true);
+        }
+        self.check_owner_alive().map(|()| false)
     }
 
-    /// Blocks until `target` is reached (or the foreign owner died).
-    pub(crate) fn wait_until(&self, target: u64) {
+    fn check_owner_alive(&self) -> std::result::Result<(), String> {
+        match self.foreign_owner {
+            Some(pid) if !process_alive(pid) => Err(owner_died(pid)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Blocks until `target` is reached; an error when the foreign owner died first.
+    pub(crate) fn wait_until(&self, target: u64) -> std::result::Result<(), String> {
         let cell = self.cell();
         while !self.reached(target) {
             cell.waiters.fetch_add(1, Ordering::SeqCst);
@@ -133,28 +183,12 @@ impl CellRef {
                 futex_wait(&cell.wake, seen, Duration::from_millis(50));
             }
             cell.waiters.fetch_sub(1, Ordering::SeqCst);
-            if let Some(pid) = self.foreign_owner {
-                if !self.reached(target) && !process_alive(pid) {
-                    tracing::warn!(
-                        pid,
-                        "event owner process exited before completing; wait ends"
-                    );
-                    return;
-                }
+            if !self.reached(target) {
+                self.check_owner_alive()?;
             }
         }
+        Ok(())
     }
-}
-
-/// Whether a process with this pid exists (signal 0 probes without sending anything).
-pub(crate) fn process_alive(pid: u32) -> bool {
-    let Ok(pid) = libc::pid_t::try_from(pid) else {
-        return false;
-    };
-    // SAFETY: kill with signal 0 only checks permissions and existence; no memory is involved.
-    let rc = unsafe { libc::kill(pid, 0) };
-    // EPERM means it exists but belongs to someone else.
-    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
@@ -186,7 +220,7 @@ fn futex_wake_all(word: &AtomicU32) {
 /// This process's chunks and their free cells.
 #[derive(Debug, Default)]
 pub(crate) struct EventPool {
-    chunks: Vec<Arc<SharedMemory>>,
+    chunks: Vec<(Arc<SharedMemory>, Arc<Vec<LocalCounters>>)>,
     free: Vec<(u32, u32)>,
 }
 
@@ -202,10 +236,14 @@ impl EventPool {
         &mut self,
         name_of: impl FnOnce(u32) -> String,
     ) -> Result<(CellRef, u32, u32)> {
-        let ready = self
-            .free
-            .iter()
-            .rposition(|&(chunk, slot)| cell_at(&self.chunks[chunk as usize], slot).is_complete());
+        let ready = self.free.iter().rposition(|&(chunk, slot)| {
+            self.chunks[chunk as usize]
+                .1
+                .get(slot as usize)
+                .is_some_and(|l| {
+                    l.completed.load(Ordering::SeqCst) >= l.recorded.load(Ordering::SeqCst)
+                })
+        });
         let (chunk, slot) = match ready {
             Some(at) => self.free.swap_remove(at),
             None => {
@@ -217,15 +255,20 @@ impl EventPool {
                 h.version.store(CHUNK_VERSION, Ordering::SeqCst);
                 h.cells.store(CELLS_PER_CHUNK, Ordering::SeqCst);
                 h.owner_pid.store(std::process::id(), Ordering::SeqCst);
-                self.chunks.push(Arc::new(chunk));
+                let locals = (0..CELLS_PER_CHUNK)
+                    .map(|_| LocalCounters::default())
+                    .collect();
+                self.chunks.push((Arc::new(chunk), Arc::new(locals)));
                 self.free
                     .extend((1..CELLS_PER_CHUNK).rev().map(|slot| (index, slot)));
                 (index, 0)
             }
         };
+        let (shm, locals) = &self.chunks[chunk as usize];
         let cell = CellRef {
-            chunk: Arc::clone(&self.chunks[chunk as usize]),
+            chunk: Arc::clone(shm),
             slot,
+            local: Some(Arc::clone(locals)),
             foreign_owner: None,
         };
         Ok((cell, chunk, slot))
@@ -268,6 +311,7 @@ pub(crate) fn open_foreign_cell(
     Ok(CellRef {
         chunk,
         slot,
+        local: None,
         foreign_owner: Some(owner_pid),
     })
 }

@@ -240,6 +240,15 @@ fn checked_len(len: u64) -> Result<usize> {
         .map_err(|_| Error::invalid(format!("length {len} exceeds the address space")))
 }
 
+/// The error of a query or wait on an event whose owning process died before completing it.
+fn event_owner_died(message: String) -> Error {
+    Error::Driver {
+        backend: "host",
+        call: "event wait",
+        message,
+    }
+}
+
 impl Driver for HostDriver {
     fn backend(&self) -> Backend {
         Backend::Host
@@ -417,13 +426,17 @@ impl Driver for HostDriver {
     }
 
     fn event_query(&self, event: EventId) -> Result<bool> {
-        Ok(self.event(event)?.cell.is_complete())
+        self.event(event)?
+            .cell
+            .is_complete()
+            .map_err(event_owner_died)
     }
 
     fn event_synchronize(&self, event: EventId) -> Result<()> {
         let e = self.event(event)?;
-        e.cell.wait_until(e.cell.current_target());
-        Ok(())
+        e.cell
+            .wait_until(e.cell.current_target())
+            .map_err(event_owner_died)
     }
 
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
@@ -433,8 +446,11 @@ impl Driver for HostDriver {
         if e.cell.reached(target) {
             return Ok(());
         }
+        // An owner already dead is an error now; one that dies while the wait is queued fails the
+        // stream (sticky, like a CUDA error), so later work on it reports the failure.
+        e.cell.is_complete().map_err(event_owner_died)?;
         let cell = e.cell.clone();
-        s.enqueue(Box::new(move || cell.wait_until(target)))
+        s.enqueue_fallible(Box::new(move || cell.wait_until(target)))
             .map(|_| ())
     }
 

@@ -25,9 +25,13 @@ use crate::sync::os::{Arc, Condvar, Mutex};
 /// One unit of stream work.
 pub(crate) type Op = Box<dyn FnOnce() + Send + 'static>;
 
+/// A unit of stream work that can fail (a wait on another process's event whose owner died): its
+/// error fails the stream, like CUDA's sticky errors.
+pub(crate) type FallibleOp = Box<dyn FnOnce() -> std::result::Result<(), String> + Send + 'static>;
+
 #[derive(Default)]
 struct Queue {
-    ops: VecDeque<Op>,
+    ops: VecDeque<FallibleOp>,
     submitted: u64,
     completed: u64,
     waiters: u32,
@@ -99,14 +103,21 @@ impl HostStream {
             let outcome = catch_unwind(AssertUnwindSafe(op));
             let mut q = self.queue.lock();
             q.completed += 1;
-            if let Err(panic) = outcome {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "unknown panic".to_owned());
-                tracing::error!(stream = self.id, %what, "host stream operation panicked; stream failed");
-                q.failure.get_or_insert(what);
+            match outcome {
+                Ok(Ok(())) => {}
+                Ok(Err(what)) => {
+                    tracing::warn!(stream = self.id, %what, "host stream operation failed; stream failed");
+                    q.failure.get_or_insert(what);
+                }
+                Err(panic) => {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "unknown panic".to_owned());
+                    tracing::error!(stream = self.id, %what, "host stream operation panicked; stream failed");
+                    q.failure.get_or_insert(what);
+                }
             }
             if q.waiters > 0 {
                 self.progressed.notify_all();
@@ -130,6 +141,14 @@ impl HostStream {
 
     /// Appends `op` to the queue; returns its ticket.
     pub(crate) fn enqueue(&self, op: Op) -> Result<u64> {
+        self.enqueue_fallible(Box::new(move || {
+            op();
+            Ok(())
+        }))
+    }
+
+    /// Appends an operation that can fail the stream; returns its ticket.
+    pub(crate) fn enqueue_fallible(&self, op: FallibleOp) -> Result<u64> {
         let mut q = self.queue.lock();
         self.check_usable(&q)?;
         q.ops.push_back(op);

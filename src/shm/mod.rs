@@ -16,12 +16,15 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
 
-use std::collections::HashSet;
-
 use memmap2::MmapRaw;
 
+mod names;
+
+pub use names::sweep_orphans;
+use names::{forget_name, remember_name};
+pub(crate) use names::{process_alive, REF_FILE_TAG};
+
 use crate::error::{Error, Result};
-use crate::sync::os::Mutex;
 
 /// A random 64-bit value (seeded by the OS through std's `RandomState`), for object-name nonces.
 pub(crate) fn random_u64() -> u64 {
@@ -29,51 +32,6 @@ pub(crate) fn random_u64() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(std::process::id().into());
     h.finish()
-}
-
-/// Names this process created and has not unlinked yet, with the pid of the process that created
-/// them. At normal process exit (`atexit`) every remaining name is unlinked, so nothing outlives the
-/// process in `/dev/shm` even when memory had to stay allocated to the end (an allocator dropped
-/// while consumers still held its storages). Mappings stay valid for other processes: only the
-/// names go.
-///
-/// Only the creating process unlinks: a forked child inherits this set (and the `atexit` hook) but
-/// not the objects' ownership, so when it exits — or drops a copied `SharedMemory` — the parent's
-/// names stay. A child that creates objects of its own starts a set of its own.
-static LIVE_NAMES: Mutex<Option<(u32, HashSet<String>)>> = Mutex::new(None);
-
-extern "C" fn unlink_live_names_at_exit() {
-    if let Some((creator, names)) = LIVE_NAMES.lock().take() {
-        if creator != std::process::id() {
-            return;
-        }
-        for name in names {
-            let _ = std::fs::remove_file(path_of(&name));
-        }
-    }
-}
-
-fn remember_name(name: &str) {
-    let me = std::process::id();
-    let mut live = LIVE_NAMES.lock();
-    if live.is_none() {
-        // SAFETY: registers a plain `extern "C"` function with no arguments; it only touches a
-        // static mutex and the file system, which are valid at exit.
-        unsafe { libc::atexit(unlink_live_names_at_exit) };
-    }
-    match live.as_mut() {
-        Some((creator, names)) if *creator == me => {
-            names.insert(name.to_owned());
-        }
-        // Nothing yet, or the parent's set inherited through fork: start ours.
-        _ => *live = Some((me, HashSet::from([name.to_owned()]))),
-    }
-}
-
-fn forget_name(name: &str) {
-    if let Some((_, live)) = LIVE_NAMES.lock().as_mut() {
-        live.remove(name);
-    }
 }
 
 /// Where POSIX shared-memory objects live on Linux.
@@ -126,7 +84,7 @@ pub(crate) fn validate_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-fn path_of(name: &str) -> PathBuf {
+pub(crate) fn path_of(name: &str) -> PathBuf {
     PathBuf::from(SHM_DIR).join(name)
 }
 

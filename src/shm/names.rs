@@ -1,0 +1,219 @@
+//! The names of this process's shared-memory objects: which ones it must unlink at exit, the
+//! *liveness file* that tells other processes it is alive, and the sweep that removes what dead
+//! processes left behind.
+//!
+//! Every object name starts with `cudalloc-<creator pid>-`. A process that creates its first object
+//! also creates `cudalloc-<pid>-<nonce>-live` and holds an exclusive OFD lock on it for its whole
+//! life; Linux drops that lock when the process dies (SIGKILL included). The sweep decides per
+//! creator pid:
+//!
+//! | creator                                               | its objects                        |
+//! |-------------------------------------------------------|------------------------------------|
+//! | this process                                          | kept                               |
+//! | a locked liveness file, or `kill(pid, 0)` finds it     | kept (alive)                       |
+//! | dead, and some ref-counter file of it is locked        | kept: a consumer still holds a lease |
+//! | dead, nothing locked                                   | unlinked (mappings stay valid)     |
+//!
+//! The lock makes liveness hold across pid namespaces (a container sharing `/dev/shm` whose pids
+//! we cannot see); the pid probe covers a process between creating and locking its liveness file.
+//! Unlinking only removes names: a consumer that has a dead producer's segment mapped keeps using it.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+
+use super::{path_of, NAME_PREFIX, SHM_DIR};
+use crate::error::{Error, Result};
+use crate::sync::os::Mutex;
+
+/// What this process created and has not unlinked yet, and its liveness file.
+struct LiveNames {
+    /// The process these names belong to (a forked child inherits the set but not the objects).
+    creator: u32,
+    names: HashSet<String>,
+    /// The liveness file, exclusively locked for the life of the process.
+    _liveness: Option<File>,
+}
+
+/// Names this process created and has not unlinked yet, with the pid of the process that created
+/// them. At normal process exit (`atexit`) every remaining name is unlinked, so nothing outlives the
+/// process in `/dev/shm` even when memory had to stay allocated to the end (an allocator dropped
+/// while consumers still held its storages). Mappings stay valid for other processes: only the
+/// names go.
+///
+/// Only the creating process unlinks: a forked child inherits this set (and the `atexit` hook) but
+/// not the objects' ownership, so when it exits — or drops a copied `SharedMemory` — the parent's
+/// names stay. A child that creates objects of its own starts a set of its own.
+static LIVE_NAMES: Mutex<Option<LiveNames>> = Mutex::new(None);
+
+extern "C" fn unlink_live_names_at_exit() {
+    if let Some(live) = LIVE_NAMES.lock().take() {
+        if live.creator != std::process::id() {
+            return;
+        }
+        for name in live.names {
+            let _ = std::fs::remove_file(path_of(&name));
+        }
+    }
+}
+
+/// Creates and locks this process's liveness file; its name joins the names unlinked at exit.
+fn liveness_file(pid: u32) -> Option<(String, File)> {
+    let name = format!("{NAME_PREFIX}{pid}-{:016x}-live", super::random_u64());
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path_of(&name))
+        .map_err(|err| tracing::warn!(%err, "cannot create the liveness file {name}"))
+        .ok()?;
+    match ofd_lock(&file, libc::F_WRLCK, libc::F_OFD_SETLK) {
+        Ok(_) => Some((name, file)),
+        Err(err) => {
+            tracing::warn!(%err, "cannot lock the liveness file {name}");
+            let _ = std::fs::remove_file(path_of(&name));
+            None
+        }
+    }
+}
+
+pub(super) fn remember_name(name: &str) {
+    let me = std::process::id();
+    let mut live = LIVE_NAMES.lock();
+    if live.is_none() {
+        // SAFETY: registers a plain `extern "C"` function with no arguments; it only touches a
+        // static mutex and the file system, which are valid at exit.
+        unsafe { libc::atexit(unlink_live_names_at_exit) };
+    }
+    if live.as_ref().is_none_or(|l| l.creator != me) {
+        // Nothing yet, or the parent's set inherited through fork: start ours.
+        let mut names = HashSet::new();
+        let liveness = liveness_file(me).map(|(n, file)| {
+            names.insert(n);
+            file
+        });
+        *live = Some(LiveNames {
+            creator: me,
+            names,
+            _liveness: liveness,
+        });
+    }
+    if let Some(l) = live.as_mut() {
+        l.names.insert(name.to_owned());
+    }
+}
+
+pub(super) fn forget_name(name: &str) {
+    if let Some(live) = LIVE_NAMES.lock().as_mut() {
+        live.names.remove(name);
+    }
+}
+
+/// `fcntl(F_OFD_*)` over a whole file.
+fn ofd_lock(file: &File, lock_type: libc::c_int, cmd: libc::c_int) -> Result<libc::flock> {
+    // SAFETY: flock is a plain C struct; all-zero is a valid value.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = lock_type as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    // SAFETY: the descriptor is open for the duration of the call; `fl` is a valid flock that
+    // F_OFD_* commands only read and write.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), cmd, &mut fl as *mut libc::flock) };
+    if rc == -1 {
+        return Err(Error::host_os(
+            "fcntl(F_OFD_*)",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(fl)
+}
+
+/// Whether any process holds a lock on any byte of the object `name` (false if it is gone).
+fn is_locked(name: &str) -> bool {
+    let Ok(file) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path_of(name))
+    else {
+        return false;
+    };
+    ofd_lock(&file, libc::F_WRLCK, libc::F_OFD_GETLK)
+        .is_ok_and(|fl| fl.l_type != libc::F_UNLCK as libc::c_short)
+}
+
+/// Whether a process with this pid exists (signal 0 probes without sending anything).
+pub(crate) fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill with signal 0 only checks permissions and existence; no memory is involved.
+    let rc = unsafe { libc::kill(pid, 0) };
+    // EPERM means it exists but belongs to someone else.
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// The tag of ref-counter file names (`cudalloc-<pid>-<nonce>-ref<n>`).
+pub(crate) const REF_FILE_TAG: &str = "-ref";
+
+/// The creator pid in an object name (`cudalloc-<pid>-…`).
+fn creator_of(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix(NAME_PREFIX)?;
+    let digits = rest.split('-').next()?;
+    digits.parse().ok()
+}
+
+/// Removes the shared-memory objects of dead cudalloc processes that no consumer holds a lease on,
+/// and returns their names. Objects of live processes (proven by their liveness lock or their pid)
+/// and of dead producers whose storages a consumer still holds are never touched; unlinking only
+/// removes names, so mappings stay valid. Run by every new [`CachingAllocator`](crate::CachingAllocator),
+/// by `ipc_collect()` and by `cudalloc clean`.
+pub fn sweep_orphans() -> Result<Vec<String>> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    let me = std::process::id();
+    let mut by_creator: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+    let dir = std::fs::read_dir(SHM_DIR).map_err(|e| Error::host_os("readdir", e))?;
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = creator_of(&name) else {
+            continue;
+        };
+        let ours = entry
+            .metadata()
+            .is_ok_and(|m| m.file_type().is_file() && m.uid() == euid);
+        if pid != me && ours && super::validate_name(&name).is_ok() {
+            by_creator.entry(pid).or_default().push(name);
+        }
+    }
+    let mut removed = Vec::new();
+    for (pid, names) in by_creator {
+        let alive =
+            names.iter().any(|n| n.ends_with("-live") && is_locked(n)) || process_alive(pid);
+        if alive {
+            continue;
+        }
+        if let Some(leased) = names
+            .iter()
+            .find(|n| n.contains(REF_FILE_TAG) && is_locked(n))
+        {
+            tracing::debug!(pid, file = %leased, "dead process's objects kept: a consumer holds a lease");
+            continue;
+        }
+        for name in names {
+            match std::fs::remove_file(path_of(&name)) {
+                Ok(()) => removed.push(name),
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                Err(err) => tracing::warn!(%err, "cannot remove orphan {name}"),
+            }
+        }
+    }
+    if !removed.is_empty() {
+        tracing::warn!(
+            objects = removed.len(),
+            "removed shared-memory objects left by dead cudalloc processes"
+        );
+    }
+    Ok(removed)
+}
