@@ -234,8 +234,13 @@ impl RefCounterFile {
     /// Consumer: records that `slot` was released (a hint for the producer's next drain).
     pub fn push_release(&self, slot: u32) {
         let c = self.control();
+        // `head` and `tail` are written by other processes: never trusted for arithmetic.
         let pos = c.tail.fetch_add(1, Ordering::SeqCst);
-        if pos >= c.head.load(Ordering::SeqCst) + u64::from(RING) {
+        if pos
+            >= c.head
+                .load(Ordering::SeqCst)
+                .saturating_add(u64::from(RING))
+        {
             c.overflow.store(1, Ordering::SeqCst);
             return;
         }
@@ -253,7 +258,11 @@ impl RefCounterFile {
         };
         let tail = c.tail.load(Ordering::SeqCst);
         let mut head = c.head.load(Ordering::SeqCst);
-        if tail.saturating_sub(head) > u64::from(RING) {
+        if head > tail {
+            // Corrupt (or scribbled) positions: resynchronize and fall back to a scan.
+            out.overflowed = true;
+            head = tail;
+        } else if tail - head > u64::from(RING) {
             out.overflowed = true;
             head = tail - u64::from(RING);
         }
@@ -262,7 +271,10 @@ impl RefCounterFile {
             if v == 0 {
                 break;
             }
-            out.slots.push(v - 1);
+            // A hint naming no slot of this file is ignored (callers re-check every hint).
+            if v - 1 < self.slots {
+                out.slots.push(v - 1);
+            }
             head += 1;
         }
         c.head.store(head, Ordering::SeqCst);
