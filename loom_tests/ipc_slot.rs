@@ -53,6 +53,7 @@ struct Slot {
 
 impl SlotCounters for Slot {
     type C = LoomCounter;
+    type P = LoomCounter;
     fn pending(&self) -> &LoomCounter {
         &self.pending
     }

@@ -13,6 +13,7 @@
 //! | `expandable_segments` | `True`/`False` (only `False`: segments must be whole `cuMemAlloc` allocations to be IPC-exportable) | `False` |
 //! | `release_lock_on_cudamalloc` | `True`/`False`: call the driver's malloc without holding the shard lock | `False` |
 //! | `per_process_memory_fraction` | 0.0 ≤ f ≤ 1.0 of each device's total memory | 1.0 |
+//! | `ipc_handle_ttl_s` | seconds > 0 (cudalloc's own key): an IPC handle not opened within this time is refused by consumers and its count reclaimed by `ipc_collect()` | off |
 //! | `pinned_use_cuda_host_register`, `pinned_num_register_threads`, `pinned_use_background_threads` | PyTorch's pinned host-memory keys: validated, then ignored (cudalloc has no pinned host allocator) | — |
 
 use crate::error::{Error, Result};
@@ -37,6 +38,8 @@ pub struct AllocatorConfig {
     pub release_lock_on_cudamalloc: bool,
     /// Fraction of each device's memory this process may reserve.
     pub per_process_memory_fraction: f64,
+    /// Time-to-live of IPC handles in milliseconds (0: handles never expire).
+    pub ipc_handle_ttl_ms: u64,
 }
 
 impl Default for AllocatorConfig {
@@ -47,6 +50,7 @@ impl Default for AllocatorConfig {
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
             release_lock_on_cudamalloc: false,
             per_process_memory_fraction: 1.0,
+            ipc_handle_ttl_ms: 0,
         }
     }
 }
@@ -189,6 +193,14 @@ impl AllocatorConfig {
                 "per_process_memory_fraction" => {
                     config.per_process_memory_fraction = parse_fraction(key, value, false, false)?;
                 }
+                "ipc_handle_ttl_s" => {
+                    let seconds: f64 = value
+                        .parse()
+                        .ok()
+                        .filter(|s: &f64| s.is_finite() && *s > 0.0 && *s <= 1e9)
+                        .ok_or_else(|| bad(key, value, "a number of seconds > 0"))?;
+                    config.ipc_handle_ttl_ms = ((seconds * 1000.0).ceil() as u64).max(1);
+                }
                 "pinned_use_cuda_host_register" | "pinned_use_background_threads" => {
                     parse_bool(key, value)?;
                 }
@@ -199,7 +211,7 @@ impl AllocatorConfig {
                     return Err(Error::Config(format!(
                         "unknown key {key:?}; valid keys: max_split_size_mb, garbage_collection_threshold, \
                          roundup_power2_divisions, expandable_segments, release_lock_on_cudamalloc, \
-                         per_process_memory_fraction, pinned_use_cuda_host_register, \
+                         per_process_memory_fraction, ipc_handle_ttl_s, pinned_use_cuda_host_register, \
                          pinned_num_register_threads, pinned_use_background_threads"
                     )))
                 }

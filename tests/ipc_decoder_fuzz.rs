@@ -29,6 +29,8 @@ fn valid() -> WireHandle {
         nbytes: 4096,
         ref_file: "cudalloc-4242-0123456789abcdef-ref0".into(),
         event: Some([1; 64]),
+        generation: 9,
+        expires_ms: 0,
     }
 }
 
@@ -65,7 +67,8 @@ fn a_million_random_and_mutated_inputs_never_panic() {
         };
         if WireHandle::parse(&input).is_err() {
             rejected += 1;
-        } else {
+        } else if input != base {
+            // (Two changes of one byte can cancel out: then the handle is the valid one.)
             assert!(
                 round % 4 != 2 && round % 4 != 3,
                 "a corrupted handle was accepted (round {round})"

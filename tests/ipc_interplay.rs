@@ -207,6 +207,17 @@ fn interplay_child() {
             parent.send("wrote 8");
             assert_eq!(parent.recv(), "stop");
         }
+        "open_late" => {
+            let a = allocator(Arc::new(host_driver()));
+            let bytes = unhex(&parent.recv());
+            parent.send("got it");
+            assert_eq!(parent.recv(), "open");
+            let outcome = IpcHandle::from_bytes(&bytes).and_then(|h| Storage::from_ipc(&a, h));
+            match outcome {
+                Ok(_) => parent.send("opened"),
+                Err(e) => parent.send(&format!("refused: {e}")),
+            }
+        }
         "producer_holds" => {
             let a = allocator(Arc::new(host_driver()));
             let s = Storage::new(&a, 0, 1 << 20).unwrap();
@@ -430,4 +441,82 @@ fn a_dead_producers_objects_are_swept_once_no_consumer_holds_them() {
     expected.sort();
     assert_eq!(removed, expected, "every object of the dead producer");
     assert!(shm_names_with_prefix(&theirs).is_empty());
+}
+
+#[test]
+fn a_stale_handle_cannot_take_the_count_of_the_slots_next_storage() {
+    let a = producer();
+    let s = Storage::new(&a, 0, 4096).unwrap();
+    let old = s.share_ipc().unwrap().into_bytes();
+    // The handle is used once (here: a same-process receipt) and its storage freed.
+    let back = Storage::from_ipc(&a, IpcHandle::from_bytes(&old).unwrap()).unwrap();
+    drop((s, back));
+    assert_eq!(a.ipc_limbo(), (0, 0));
+    // The slot is reused by the next shared storage.
+    let s2 = Storage::new(&a, 0, 4096).unwrap();
+    let h2 = s2.share_ipc().unwrap();
+    assert_eq!(h2.wire().slot, wire_slot(&old));
+    let err = IpcHandle::from_bytes(&old).unwrap_err();
+    assert!(err.to_string().contains("stale"), "{err}");
+    // The new storage's count is intact: its handle opens, and once dropped nothing is pending.
+    let back2 = Storage::from_ipc(&a, h2).unwrap();
+    assert!(back2.is_alias_of(&s2));
+    drop((s2, back2));
+    a.ipc_collect();
+    assert_eq!(a.ipc_limbo(), (0, 0));
+}
+
+fn wire_slot(bytes: &[u8]) -> u32 {
+    cudalloc::ipc::WireHandle::parse(bytes).unwrap().slot
+}
+
+/// Waits (on the clock: the time-to-live is the behaviour under test) until `expires_ms` passed.
+fn wait_past(expires_ms: u64) {
+    loop {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        if now > expires_ms {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(expires_ms + 1 - now));
+    }
+}
+
+#[test]
+fn handles_lost_in_flight_expire_and_are_reclaimed() {
+    let config = cudalloc::AllocatorConfig::parse("ipc_handle_ttl_s:0.2").unwrap();
+    let a = Arc::new(
+        CachingAllocator::builder()
+            .config(config)
+            .build(Arc::new(host_driver()))
+            .unwrap(),
+    );
+    let s = Storage::new(&a, 0, 1 << 20).unwrap();
+    let lost = s.share_ipc().unwrap();
+    let late = s.share_ipc().unwrap();
+    let expires = late.wire().expires_ms;
+    assert!(expires > 0);
+    // One consumer dies holding a handle it never opened; another opens its handle too late.
+    let mut killed = ChildProcess::spawn(CHILD, "open_late", "host");
+    killed.send(&send(lost));
+    assert_eq!(killed.recv(), "got it");
+    killed.kill();
+    let mut slow = ChildProcess::spawn(CHILD, "open_late", "host");
+    slow.send(&send(late));
+    assert_eq!(slow.recv(), "got it");
+    drop(s);
+    assert_eq!(a.ipc_limbo().0, 1, "two unopened handles count on it");
+    wait_past(expires);
+    slow.send("open");
+    let answer = slow.recv();
+    assert!(
+        answer.starts_with("refused") && answer.contains("expired"),
+        "{answer}"
+    );
+    slow.finish();
+    let collected = a.ipc_collect_stats();
+    assert_eq!(collected.storages, 1, "both expired counts reclaimed");
+    assert_eq!(a.ipc_limbo(), (0, 0));
 }

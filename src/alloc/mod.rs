@@ -119,6 +119,7 @@ impl CachingAllocatorBuilder {
             Arc::clone(&driver),
             self.ipc_slots_per_file,
             self.ipc_event_budget,
+            config.ipc_handle_ttl_ms,
         ));
         // A cache miss first drains the IPC limbo (cost proportional to what consumers released).
         let weak_ipc = Arc::downgrade(&ipc);

@@ -35,17 +35,27 @@ pub(crate) fn open_ref_file(name: &str, producer_pid: u32) -> Result<Arc<RefCoun
     Ok(file)
 }
 
+/// Which count a claim owns: the slot, the generation of the storage it names, its expiry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SlotTicket {
+    pub slot: u32,
+    pub generation: u32,
+    /// Unix time (ms) after which the handle is refused (0: never).
+    pub expires_ms: u64,
+}
+
 /// One pending count on a slot, owned by an `IpcHandle` until it is opened (then it becomes a
-/// lease) or dropped (then it is given back).
+/// lease) or dropped (then it is given back). A stale or expired claim owns nothing any more: the
+/// slot refuses its operations (see `refcount.rs`).
 #[derive(Debug)]
 pub(crate) struct Claim {
-    inner: Option<(Arc<RefCounterFile>, u32)>,
+    inner: Option<(Arc<RefCounterFile>, SlotTicket)>,
 }
 
 impl Claim {
-    pub fn new(file: Arc<RefCounterFile>, slot: u32) -> Self {
+    pub fn new(file: Arc<RefCounterFile>, ticket: SlotTicket) -> Self {
         Claim {
-            inner: Some((file, slot)),
+            inner: Some((file, ticket)),
         }
     }
 
@@ -56,45 +66,41 @@ impl Claim {
 
     /// Gives the count back to the producer now.
     pub fn give_back(mut self) {
-        if let Some((file, slot)) = self.inner.take() {
-            give_back(&file, slot);
+        if let Some((file, ticket)) = self.inner.take() {
+            give_back(&file, ticket);
         }
     }
 
     /// Turns the claim into a lease of this process (see [`Lease`]). On error the count is given
-    /// back.
+    /// back (or, for an expired handle, left to the producer's reclaim).
     pub fn into_lease(mut self) -> Result<Lease> {
-        let (file, slot) = self
+        let (file, ticket) = self
             .inner
             .take()
             .ok_or_else(|| Error::invalid("claim already used"))?;
-        Lease::take(file, slot)
+        Lease::take(file, ticket)
     }
 }
 
 /// Gives one `pending` count back without a release hint (the caller's process still holds the
 /// slot, so it cannot become free now).
-fn give_back_quietly(file: &RefCounterFile, slot: u32) -> Result<()> {
-    file.slot(slot).and_then(|s| {
-        if s.give_back_pending() {
-            Ok(())
-        } else {
-            Err(underflow("pending"))
-        }
-    })
+fn give_back_quietly(file: &RefCounterFile, ticket: SlotTicket) -> Result<()> {
+    file.slot(ticket.slot)?
+        .give_back(ticket.generation)
+        .map_err(|refused| refused.into_error(ticket.slot))
 }
 
-fn give_back(file: &RefCounterFile, slot: u32) {
-    match give_back_quietly(file, slot) {
-        Ok(()) => file.push_release(slot),
+fn give_back(file: &RefCounterFile, ticket: SlotTicket) {
+    match give_back_quietly(file, ticket) {
+        Ok(()) => file.push_release(ticket.slot),
         Err(err) => tracing::warn!(%err, "giving an IPC count back failed"),
     }
 }
 
 impl Drop for Claim {
     fn drop(&mut self) {
-        if let Some((file, slot)) = self.inner.take() {
-            give_back(&file, slot);
+        if let Some((file, ticket)) = self.inner.take() {
+            give_back(&file, ticket);
         }
     }
 }
@@ -121,28 +127,30 @@ pub(crate) struct Lease {
 }
 
 impl Lease {
-    fn take(file: Arc<RefCounterFile>, slot: u32) -> Result<Lease> {
+    fn take(file: Arc<RefCounterFile>, ticket: SlotTicket) -> Result<Lease> {
+        let slot = ticket.slot;
+        if ticket.expires_ms != 0 && super::refcount::now_ms() >= ticket.expires_ms {
+            // The producer reclaims the count: nothing to give back.
+            return Err(super::refcount::Refused::Expired.into_error(slot));
+        }
         let mut table = LEASES.lock();
         let leases = table.get_or_insert_with(HashMap::new);
         let key = (file.name().to_owned(), slot);
         if let Some(count) = leases.get_mut(&key) {
             // The process already holds the slot: this count is covered by that hold.
-            give_back_quietly(&file, slot)?;
+            give_back_quietly(&file, ticket)?;
             *count += 1;
             return Ok(Lease { file, slot });
         }
         if let Err(err) = file.lock_shared(slot) {
-            give_back(&file, slot);
+            give_back(&file, ticket);
             return Err(err);
         }
-        let held = file.slot(slot).and_then(|s| {
-            if s.pending_to_held() {
-                Ok(())
-            } else {
-                Err(underflow("pending"))
-            }
+        let claimed = file.slot(slot).and_then(|s| {
+            s.claim(ticket.generation, ticket.expires_ms)
+                .map_err(|refused| refused.into_error(slot))
         });
-        if let Err(err) = held {
+        if let Err(err) = claimed {
             let _ = file.unlock(slot);
             return Err(err);
         }

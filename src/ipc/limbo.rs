@@ -26,10 +26,12 @@ pub trait Counter {
 
 /// The two counters of a slot and the protocol on them (see `refcount.rs` for the table).
 pub trait SlotCounters {
-    /// Counter type.
+    /// Counter type of `held`.
     type C: Counter;
+    /// Counter type of `pending` (in ref-counter files it also carries the slot's generation).
+    type P: Counter;
     /// Handles sent, not yet opened or given back.
-    fn pending(&self) -> &Self::C;
+    fn pending(&self) -> &Self::P;
     /// Consumer processes holding the slot.
     fn held(&self) -> &Self::C;
 

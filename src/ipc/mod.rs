@@ -28,7 +28,6 @@ pub use state::{Drained, DEFAULT_EVENT_BUDGET};
 pub use wire::{WireHandle, WIRE_SIZE};
 
 use self::consumer::{Claim, ConsumerCaches, Mapping};
-use self::limbo::SlotCounters;
 use crate::error::{Error, Result};
 use crate::storage::{DataPtr, Owner, Storage, WeakStorage};
 use crate::sync::os::{Arc, Mutex};
@@ -69,15 +68,30 @@ impl IpcHandle {
             return Ok(IpcHandle { wire, claim: None });
         }
         let file = consumer::open_ref_file(&wire.ref_file, wire.producer_pid)?;
-        file.slot(wire.slot)?;
+        let generation = file.slot(wire.slot)?.generation();
+        if generation != wire.generation {
+            // The storage this handle named was freed and its slot serves another one: the handle
+            // owns no count any more.
+            return Err(refcount::Refused::Stale.into_error(wire.slot));
+        }
+        let ticket = ticket_of(&wire);
         Ok(IpcHandle {
-            claim: Some(Claim::new(file, wire.slot)),
+            claim: Some(Claim::new(file, ticket)),
             wire,
         })
     }
 
     fn into_parts(self) -> (WireHandle, Option<Claim>) {
         (self.wire, self.claim)
+    }
+}
+
+/// The count a handle's claim owns.
+fn ticket_of(wire: &WireHandle) -> consumer::SlotTicket {
+    consumer::SlotTicket {
+        slot: wire.slot,
+        generation: wire.generation,
+        expires_ms: wire.expires_ms,
     }
 }
 
@@ -112,11 +126,7 @@ pub(crate) fn share(storage: &Storage) -> Result<IpcHandle> {
             match ipc.wrap(original, segment, storage.nbytes()) {
                 Ok(sent) => {
                     if let Some(d) = sent.data.as_ref() {
-                        state::remember_shared(
-                            d.slot.file.name(),
-                            d.slot.slot,
-                            storage.downgrade(),
-                        );
+                        state::remember_shared(&d.slot, storage.downgrade());
                     }
                     *data = DataPtr::new(ptr, device, Owner::Sent(Box::new(sent)));
                 }
@@ -144,7 +154,8 @@ pub(crate) fn share(storage: &Storage) -> Result<IpcHandle> {
                     }
                 };
                 let file = Arc::clone(&d.slot.file);
-                file.slot(d.slot.slot)?.add_pending();
+                let expires_ms = ipc.handle_expiry();
+                file.slot(d.slot.slot)?.add_pending_until(expires_ms);
                 let wire = WireHandle {
                     backend: ipc.backend,
                     device: device32,
@@ -156,9 +167,11 @@ pub(crate) fn share(storage: &Storage) -> Result<IpcHandle> {
                     nbytes: d.nbytes,
                     ref_file: file.name().to_owned(),
                     event,
+                    generation: d.slot.generation,
+                    expires_ms,
                 };
                 Ok(IpcHandle {
-                    claim: Some(Claim::new(file, d.slot.slot)),
+                    claim: Some(Claim::new(file, ticket_of(&wire))),
                     wire,
                 })
             }
@@ -170,13 +183,15 @@ pub(crate) fn share(storage: &Storage) -> Result<IpcHandle> {
                     .lease
                     .as_ref()
                     .ok_or_else(|| Error::invalid("received storage already released"))?;
-                lease.file.slot(lease.slot)?.add_pending();
+                let expires_ms = ipc.handle_expiry();
+                lease.file.slot(lease.slot)?.add_pending_until(expires_ms);
                 let wire = WireHandle {
                     event: None,
+                    expires_ms,
                     ..recv.wire.clone()
                 };
                 Ok(IpcHandle {
-                    claim: Some(Claim::new(Arc::clone(&lease.file), lease.slot)),
+                    claim: Some(Claim::new(Arc::clone(&lease.file), ticket_of(&wire))),
                     wire,
                 })
             }
@@ -201,7 +216,7 @@ pub(crate) fn receive(alloc: &Arc<crate::CachingAllocator>, handle: IpcHandle) -
         return Storage::new(alloc, device, 0);
     }
     if wire.producer_pid == std::process::id() {
-        let original = state::same_process(&wire.ref_file, wire.slot);
+        let original = state::same_process(&wire.ref_file, wire.slot, wire.generation);
         if let Some(c) = claim {
             c.give_back();
         }

@@ -8,7 +8,7 @@
 //! | 0                   | header: magic `cdalRCNT`, version, slot count, producer pid, ring size |
 //! | 64                  | ring control: `head` (producer's read position), `tail` (next write position), `overflow` flag |
 //! | 128                 | ring: `RING` × u32 released-slot hints (slot + 1; 0 = empty)    |
-//! | 128 + 4·RING        | slots: `pending`, `held` (u64 each)                             |
+//! | 128 + 4·RING        | slots of 32 bytes: `pending` word (count, generation, closed bit), `held`, `deadline` (unix ms), reserved |
 //!
 //! Slot counters (the producer frees the storage when both are 0 and its own storage is gone):
 //!
@@ -41,10 +41,10 @@ pub const DEFAULT_SLOTS: u32 = 10_000;
 /// Entries of the release ring.
 pub const RING: u32 = 1024;
 const MAGIC: u64 = u64::from_le_bytes(*b"cdalRCNT");
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const HEADER: u64 = 64;
 const CONTROL: u64 = 64;
-const SLOT_BYTES: u64 = 16;
+const SLOT_BYTES: u64 = 32;
 
 #[repr(C)]
 struct Header {
@@ -62,11 +62,69 @@ struct Control {
     overflow: AtomicU32,
 }
 
-/// The two counters of one slot.
+/// The counters of one slot.
 #[repr(C)]
 pub(crate) struct SlotCell {
-    pending: AtomicU64,
+    pending: PendingWord,
     held: AtomicU64,
+    /// Unix time (ms) after which every handle of the slot has expired (0: no time-to-live).
+    deadline: AtomicU64,
+    _reserved: AtomicU64,
+}
+
+/// The `pending` word: the count, the slot's generation and the *closed* bit in one atomic, so a
+/// claim checks generation and expiry and takes its count in one compare-and-swap.
+///
+/// | bits   | field                                                                    |
+/// |--------|--------------------------------------------------------------------------|
+/// | 0..32  | handles sent and not yet opened or given back                           |
+/// | 32..63 | generation: bumped each time the producer gives the slot to a new storage |
+/// | 63     | closed: the producer reclaimed the counts of expired handles             |
+///
+/// A stale handle (older generation) or an expired one (closed slot) can neither take nor give back
+/// a count: a handle is either opened or reclaimed, never both.
+#[repr(transparent)]
+pub(crate) struct PendingWord(AtomicU64);
+
+const COUNT_MASK: u64 = (1 << 32) - 1;
+const GEN_SHIFT: u32 = 32;
+const GEN_MASK: u64 = (1 << 31) - 1;
+const CLOSED: u64 = 1 << 63;
+
+fn generation_of(word: u64) -> u32 {
+    ((word >> GEN_SHIFT) & GEN_MASK) as u32
+}
+
+impl Counter for PendingWord {
+    fn increment(&self) -> u64 {
+        // The producer sends one more handle; a closed slot reopens with this one count (every
+        // earlier count was reclaimed). The count saturates instead of spilling into the generation.
+        let old = self
+            .0
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| {
+                if w & CLOSED != 0 {
+                    Some((w & !CLOSED & !COUNT_MASK) | 1)
+                } else if w & COUNT_MASK == COUNT_MASK {
+                    None
+                } else {
+                    Some(w + 1)
+                }
+            })
+            .unwrap_or(COUNT_MASK);
+        old & COUNT_MASK
+    }
+
+    fn decrement(&self) -> bool {
+        self.0
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| {
+                (w & CLOSED == 0 && w & COUNT_MASK > 0).then(|| w - 1)
+            })
+            .is_ok()
+    }
+
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::SeqCst) & COUNT_MASK
+    }
 }
 
 fn file_size(slots: u32) -> u64 {
@@ -75,7 +133,8 @@ fn file_size(slots: u32) -> u64 {
 
 impl Counter for AtomicU64 {
     fn increment(&self) -> u64 {
-        self.fetch_add(1, Ordering::SeqCst)
+        self.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| v.checked_add(1))
+            .unwrap_or(u64::MAX)
     }
 
     fn decrement(&self) -> bool {
@@ -90,8 +149,9 @@ impl Counter for AtomicU64 {
 
 impl SlotCounters for SlotCell {
     type C = AtomicU64;
+    type P = PendingWord;
 
-    fn pending(&self) -> &AtomicU64 {
+    fn pending(&self) -> &PendingWord {
         &self.pending
     }
 
@@ -100,11 +160,124 @@ impl SlotCounters for SlotCell {
     }
 }
 
+/// Why a claim on a slot was refused.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// The slot belongs to a newer storage than the handle's.
+    Stale,
+    /// The handle's time-to-live ran out (the producer reclaims its count).
+    Expired,
+    /// No count to take (released twice, or a corrupt file).
+    Underflow,
+}
+
+impl Refused {
+    pub(crate) fn into_error(self, slot: u32) -> Error {
+        Error::bad_handle(match self {
+            Refused::Stale => format!(
+                "slot {slot} belongs to a newer storage: the handle is stale (its storage was freed)"
+            ),
+            Refused::Expired => format!(
+                "the handle of slot {slot} expired (ipc_handle_ttl_s) before it was opened"
+            ),
+            Refused::Underflow => format!("slot {slot} has no pending count (opened twice?)"),
+        })
+    }
+}
+
+/// Unix time in milliseconds.
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 impl SlotCell {
-    /// Producer: resets a slot (a fresh slot, or one whose holders are proven dead).
-    pub fn clear(&self) {
-        self.pending.store(0, Ordering::SeqCst);
+    /// Producer: gives a free slot to a new storage; returns the slot's new generation.
+    pub fn assign(&self) -> u32 {
+        let next = (generation_of(self.pending.0.load(Ordering::SeqCst)) as u64 + 1) & GEN_MASK;
         self.held.store(0, Ordering::SeqCst);
+        self.deadline.store(0, Ordering::SeqCst);
+        self.pending.0.store(next << GEN_SHIFT, Ordering::SeqCst);
+        next as u32
+    }
+
+    /// Producer: resets the counts of a slot whose holders are proven dead (generation kept).
+    pub fn clear(&self) {
+        let generation = u64::from(generation_of(self.pending.0.load(Ordering::SeqCst)));
+        self.held.store(0, Ordering::SeqCst);
+        self.pending
+            .0
+            .store(generation << GEN_SHIFT, Ordering::SeqCst);
+    }
+
+    /// The slot's current generation.
+    pub fn generation(&self) -> u32 {
+        generation_of(self.pending.0.load(Ordering::SeqCst))
+    }
+
+    /// Producer: one more handle sent, valid until `expires_ms` (0: no time-to-live).
+    pub fn add_pending_until(&self, expires_ms: u64) {
+        if expires_ms != 0 {
+            self.deadline.fetch_max(expires_ms, Ordering::SeqCst);
+        }
+        self.add_pending();
+    }
+
+    fn take_count(&self, generation: u32) -> std::result::Result<(), Refused> {
+        self.pending
+            .0
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| {
+                let ok = w & CLOSED == 0 && generation_of(w) == generation && w & COUNT_MASK > 0;
+                ok.then(|| w - 1)
+            })
+            .map(|_| ())
+            .map_err(|w| {
+                if generation_of(w) != generation {
+                    Refused::Stale
+                } else if w & CLOSED != 0 {
+                    Refused::Expired
+                } else {
+                    Refused::Underflow
+                }
+            })
+    }
+
+    /// Consumer (lock held): becomes a holder of the handle's storage — `held` is raised before
+    /// `pending` is lowered, so nobody reading `pending` then `held` sees both at 0 midway.
+    pub fn claim(&self, generation: u32, expires_ms: u64) -> std::result::Result<(), Refused> {
+        if expires_ms != 0 && now_ms() >= expires_ms {
+            return Err(Refused::Expired);
+        }
+        self.held.increment();
+        self.take_count(generation).inspect_err(|_| {
+            self.held.decrement();
+        })
+    }
+
+    /// Consumer: gives an unopened handle's count back. A stale or expired handle has no count to
+    /// give (the producer already reclaimed it): that is not an error.
+    pub fn give_back(&self, generation: u32) -> std::result::Result<(), Refused> {
+        match self.take_count(generation) {
+            Err(Refused::Stale | Refused::Expired) => Ok(()),
+            other => other,
+        }
+    }
+
+    /// Producer: past the slot's deadline, takes back every count still pending and closes the slot
+    /// (later claims of those handles are refused). Returns the counts reclaimed.
+    pub fn reclaim_expired(&self, now_ms: u64) -> u64 {
+        let deadline = self.deadline.load(Ordering::SeqCst);
+        if deadline == 0 || now_ms < deadline {
+            return 0;
+        }
+        let old = self
+            .pending
+            .0
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| {
+                (w & CLOSED == 0 && w & COUNT_MASK > 0).then_some((w & !COUNT_MASK) | CLOSED)
+            });
+        old.map_or(0, |w| w & COUNT_MASK)
     }
 }
 
@@ -357,6 +530,40 @@ mod tests {
         assert!(
             !g.slot(3).unwrap().give_back_pending(),
             "no wrap-around below 0"
+        );
+    }
+
+    #[test]
+    fn generations_and_expiry_decide_claims_atomically() {
+        let f = RefCounterFile::create(&name("g"), 4).unwrap();
+        let s = f.slot(1).unwrap();
+        let g1 = s.assign();
+        s.add_pending_until(0);
+        s.add_pending_until(0);
+        assert_eq!(s.claim(g1 + 1, 0), Err(Refused::Stale));
+        assert_eq!(s.claim(g1, 0), Ok(()));
+        assert_eq!(s.counts(), (1, 1));
+        // Reuse: the old handle's remaining count is stale now.
+        let g2 = s.assign();
+        assert_ne!(g1, g2);
+        assert_eq!(s.give_back(g1), Ok(()), "a stale give-back touches nothing");
+        assert_eq!(s.counts(), (0, 0));
+        // Expiry: the producer reclaims, the late claim is refused, a give-back is a no-op.
+        s.add_pending_until(1_000);
+        s.add_pending_until(2_000);
+        assert_eq!(s.reclaim_expired(1_500), 0, "not every handle expired yet");
+        assert_eq!(s.reclaim_expired(2_000), 2);
+        assert_eq!(s.counts(), (0, 0));
+        assert_eq!(s.claim(g2, 0), Err(Refused::Expired));
+        assert_eq!(s.give_back(g2), Ok(()));
+        assert_eq!(s.counts(), (0, 0));
+        // A new share reopens the slot.
+        s.add_pending_until(0);
+        assert_eq!(s.claim(g2, 0), Ok(()));
+        assert_eq!(
+            s.claim(g2, 1),
+            Err(Refused::Expired),
+            "expired by the clock"
         );
     }
 

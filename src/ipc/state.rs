@@ -27,6 +27,8 @@ pub(crate) struct SlotRef {
     pub file: Arc<RefCounterFile>,
     pub file_index: u64,
     pub slot: u32,
+    /// The slot's generation while this storage holds it.
+    pub generation: u32,
 }
 
 #[derive(Debug)]
@@ -63,6 +65,8 @@ pub(crate) struct IpcState {
     nonce: u64,
     slots_per_file: u32,
     pub event_budget: usize,
+    /// Time-to-live of handles in ms (0: none).
+    pub handle_ttl_ms: u64,
     pub live_events: AtomicU64,
     files: Mutex<Files>,
     limbo: Limbo<(u64, u32), SentData>,
@@ -79,7 +83,12 @@ impl std::fmt::Debug for IpcState {
 }
 
 impl IpcState {
-    pub fn new(driver: Arc<dyn Driver>, slots_per_file: u32, event_budget: usize) -> Self {
+    pub fn new(
+        driver: Arc<dyn Driver>,
+        slots_per_file: u32,
+        event_budget: usize,
+        handle_ttl_ms: u64,
+    ) -> Self {
         IpcState {
             backend: driver.backend(),
             driver,
@@ -87,10 +96,20 @@ impl IpcState {
             nonce: crate::shm::random_u64(),
             slots_per_file: slots_per_file.max(1),
             event_budget,
+            handle_ttl_ms,
             live_events: AtomicU64::new(0),
             files: Mutex::new(Files::default()),
             limbo: Limbo::default(),
             consumer: Default::default(),
+        }
+    }
+
+    /// The expiry of a handle made now (0 without a time-to-live).
+    pub fn handle_expiry(&self) -> u64 {
+        if self.handle_ttl_ms == 0 {
+            0
+        } else {
+            super::refcount::now_ms().saturating_add(self.handle_ttl_ms)
         }
     }
 
@@ -107,12 +126,13 @@ impl IpcState {
                 None => None,
             };
             if let Some(slot) = slot {
+                let generation = pf.file.slot(slot)?.assign();
                 pf.in_use += 1;
-                pf.file.slot(slot)?.clear();
                 return Ok(SlotRef {
                     file: Arc::clone(&pf.file),
                     file_index: pf.index,
                     slot,
+                    generation,
                 });
             }
         }
@@ -125,6 +145,7 @@ impl IpcState {
             super::wire::REF_FILE_TAG
         );
         let file = Arc::new(RefCounterFile::create(&name, self.slots_per_file)?);
+        let generation = file.slot(0)?.assign();
         f.files.push(ProducerFile {
             file: Arc::clone(&file),
             index,
@@ -136,6 +157,7 @@ impl IpcState {
             file,
             file_index: index,
             slot: 0,
+            generation,
         })
     }
 
@@ -236,10 +258,19 @@ impl IpcState {
         }
         let mut out = self.drain();
         let mut dead_holders = std::collections::HashSet::new();
+        let now = super::refcount::now_ms();
         let taken = self.limbo.take_where(|key, data| {
             let Ok(slot) = data.slot.file.slot(key.1) else {
                 return false;
             };
+            let expired = slot.reclaim_expired(now);
+            if expired > 0 {
+                tracing::info!(
+                    handles = expired,
+                    slot = key.1,
+                    "reclaimed the counts of IPC handles that expired unopened"
+                );
+            }
             match slot.counts() {
                 (0, 0) => true,
                 (0, _) if data.slot.file.is_locked(key.1).is_ok_and(|locked| !locked) => {
@@ -297,14 +328,20 @@ impl IpcState {
 /// Storages this process shared, by (ref-counter file name, slot), whichever allocator shared them:
 /// a receipt in the producer's own process returns the original storage (through any allocator of
 /// the process — the names are unique per process).
-static SHARED_STORAGES: Mutex<Option<HashMap<(String, u32), WeakStorage>>> = Mutex::new(None);
+static SHARED_STORAGES: Mutex<Option<SharedStorages>> = Mutex::new(None);
+
+/// (ref-counter file name, slot) → (the slot's generation, the storage).
+type SharedStorages = HashMap<(String, u32), (u32, WeakStorage)>;
 
 /// Registers a storage that was just shared for the first time.
-pub(crate) fn remember_shared(file: &str, slot: u32, storage: WeakStorage) {
+pub(crate) fn remember_shared(slot: &SlotRef, storage: WeakStorage) {
     SHARED_STORAGES
         .lock()
         .get_or_insert_with(HashMap::new)
-        .insert((file.to_owned(), slot), storage);
+        .insert(
+            (slot.file.name().to_owned(), slot.slot),
+            (slot.generation, storage),
+        );
 }
 
 fn forget_shared(file: &str, slot: u32) {
@@ -313,12 +350,18 @@ fn forget_shared(file: &str, slot: u32) {
     }
 }
 
-/// A receipt in the producer's own process: the original storage, if it still lives.
-pub(crate) fn same_process(ref_file: &str, slot: u32) -> Result<crate::storage::Storage> {
+/// A receipt in the producer's own process: the original storage, if it still lives (and the
+/// handle is of its generation, not of an earlier storage in the same slot).
+pub(crate) fn same_process(
+    ref_file: &str,
+    slot: u32,
+    generation: u32,
+) -> Result<crate::storage::Storage> {
     SHARED_STORAGES
         .lock()
         .as_ref()
         .and_then(|map| map.get(&(ref_file.to_owned(), slot)).cloned())
-        .and_then(|weak| weak.upgrade())
+        .filter(|(g, _)| *g == generation)
+        .and_then(|(_, weak)| weak.upgrade())
         .ok_or_else(|| Error::bad_handle("the shared storage no longer exists in this process"))
 }

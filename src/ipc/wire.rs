@@ -3,7 +3,7 @@
 //! | bytes     | field                                                     |
 //! |-----------|-----------------------------------------------------------|
 //! | 0..8      | magic `cdalIPC1`                                          |
-//! | 8..10     | layout version (1), little endian                         |
+//! | 8..10     | layout version (2), little endian                         |
 //! | 10        | backend: 1 host, 2 cuda                                   |
 //! | 11        | flags: bit 0 = carries an event, bit 1 = empty storage    |
 //! | 12..16    | device ordinal                                            |
@@ -15,7 +15,10 @@
 //! | 104..112  | storage size in bytes                                     |
 //! | 112..176  | ref-counter file name, NUL padded                         |
 //! | 176..240  | event handle (zero without an event)                      |
-//! | 240..248  | checksum of bytes 0..240                                  |
+//! | 240..244  | the slot's generation (a handle of an older storage in a reused slot is stale) |
+//! | 244..248  | zero                                                      |
+//! | 248..256  | expiry, unix time in ms (0: no time-to-live)              |
+//! | 256..264  | checksum of bytes 0..256                                  |
 //!
 //! [`WireHandle::parse`] trusts nothing and never panics: every field is checked (magic,
 //! version, backend, flags, pid, name pattern, `offset + nbytes <= segment size` without overflow,
@@ -27,9 +30,10 @@ use crate::error::{Error, Result};
 use crate::shm;
 
 /// Encoded size of a handle.
-pub const WIRE_SIZE: usize = 248;
+pub const WIRE_SIZE: usize = 264;
 const MAGIC: [u8; 8] = *b"cdalIPC1";
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
+const SUMMED: usize = 256;
 const NAME_BYTES: usize = 64;
 /// Suffix pattern of ref-counter file names: `cudalloc-<pid>-<nonce>-ref<n>`.
 pub(crate) use crate::shm::REF_FILE_TAG;
@@ -62,6 +66,11 @@ pub struct WireHandle {
     /// The producer's interprocess event, if the handle carries one.
     #[cfg_attr(feature = "serde", serde(with = "serde_handles::optional"))]
     pub event: Option<[u8; IPC_HANDLE_SIZE]>,
+    /// Generation of the slot when the handle was made: a handle whose storage was freed and whose
+    /// slot now serves another storage is stale and refused.
+    pub generation: u32,
+    /// Unix time (ms) after which the handle is refused and its count reclaimed (0: never).
+    pub expires_ms: u64,
 }
 
 /// serde for 64-byte handles (serde derives arrays only up to 32 elements).
@@ -158,6 +167,8 @@ impl WireHandle {
             nbytes: 0,
             ref_file: String::new(),
             event: None,
+            generation: 0,
+            expires_ms: 0,
         }
     }
 
@@ -189,8 +200,10 @@ impl WireHandle {
         if let Some(event) = &self.event {
             b[176..240].copy_from_slice(event);
         }
-        let sum = checksum(&b[0..240]);
-        b[240..248].copy_from_slice(&sum.to_le_bytes());
+        b[240..244].copy_from_slice(&self.generation.to_le_bytes());
+        b[248..256].copy_from_slice(&self.expires_ms.to_le_bytes());
+        let sum = checksum(&b[0..SUMMED]);
+        b[SUMMED..WIRE_SIZE].copy_from_slice(&sum.to_le_bytes());
         b
     }
 
@@ -231,7 +244,7 @@ impl WireHandle {
                 "handle layout version {version}; this build reads {VERSION}"
             )));
         }
-        if u64_at(240) != checksum(&bytes[0..240]) {
+        if u64_at(SUMMED) != checksum(&bytes[0..SUMMED]) {
             return Err(bad("handle is corrupt (checksum mismatch)"));
         }
         let backend = match bytes[10] {
@@ -282,6 +295,9 @@ impl WireHandle {
         } else {
             validate_ref_file_name(&ref_file)?;
         }
+        if bytes[244..248].iter().any(|&c| c != 0) {
+            return Err(bad("reserved handle bytes are not zero"));
+        }
         let mut memory = [0u8; IPC_HANDLE_SIZE];
         memory.copy_from_slice(&bytes[24..88]);
         let event = if has_event {
@@ -305,6 +321,8 @@ impl WireHandle {
             nbytes,
             ref_file,
             event,
+            generation: u32_at(240),
+            expires_ms: u64_at(248),
         })
     }
 }
@@ -325,6 +343,8 @@ mod tests {
             nbytes: 512,
             ref_file: "cudalloc-1234-00000000000000ab-ref0".into(),
             event: Some([9; 64]),
+            generation: 5,
+            expires_ms: 1_700_000_000_000,
         }
     }
 
