@@ -45,6 +45,12 @@ enum Command {
         /// Seed of sizes and patterns.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Seconds a consumer process may take to start and connect.
+        #[arg(long, default_value_t = 30.0)]
+        connect_timeout_s: f64,
+        /// The consumer program (default: this executable).
+        #[arg(long, hide = true)]
+        consumer_exe: Option<PathBuf>,
     },
     /// Print the backend, its devices and capacities, and the configuration.
     Info,
@@ -130,6 +136,8 @@ fn run(cli: Cli) -> Result<(), (u8, String)> {
         storages: 48,
         max_size: "64MiB".into(),
         seed: 1,
+        connect_timeout_s: 30.0,
+        consumer_exe: None,
     });
     match command {
         Command::Info => {
@@ -153,15 +161,30 @@ fn run(cli: Cli) -> Result<(), (u8, String)> {
             storages,
             max_size,
             seed,
+            connect_timeout_s,
+            consumer_exe,
         } => {
             let max_size = cudalloc::driver::host::parse_byte_size(&max_size)
                 .map_err(|why| (2, format!("--max-size {max_size:?}: {why}")))?;
+            let connect_timeout = std::time::Duration::try_from_secs_f64(connect_timeout_s)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| {
+                    (
+                        2,
+                        format!(
+                            "--connect-timeout-s {connect_timeout_s}: a positive number of seconds"
+                        ),
+                    )
+                })?;
             let opts = cli::demo::DemoOptions {
                 consumers,
                 storages,
                 max_size,
                 seed,
                 backend: choice,
+                connect_timeout,
+                consumer_exe,
             };
             let verdict =
                 cli::demo::run(&opts).map_err(|why| (1, format!("demo failed: {why}")))?;

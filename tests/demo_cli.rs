@@ -67,3 +67,29 @@ fn bad_flags_and_environment_exit_with_code_2() {
         assert!(!out.stderr.is_empty());
     }
 }
+
+#[test]
+fn a_consumer_that_fails_to_start_or_connect_is_a_clear_error_and_cleans_up() {
+    let script = std::env::temp_dir().join(format!("cudalloc-test-hang-{}.sh", std::process::id()));
+    std::fs::write(&script, "#!/bin/sh\nexec sleep 30\n").unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    for (exe, expect) in [
+        ("/bin/false", "exited"),
+        (script.to_str().unwrap(), "did not connect within 1.0 s"),
+    ] {
+        let child = cudalloc()
+            .args(["demo", "--storages", "3", "--max-size", "64KiB"])
+            .args(["--connect-timeout-s", "1", "--consumer-exe", exe])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let dir = std::env::temp_dir().join(format!("cudalloc-demo-{}", child.id()));
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains(expect), "{exe}: {stderr}");
+        assert!(!dir.exists(), "the socket folder {} is left", dir.display());
+    }
+    std::fs::remove_file(&script).unwrap();
+}

@@ -9,11 +9,12 @@
 //! summary and a verdict. Any mismatch or leak is a non-zero exit with the reason.
 
 use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudalloc::driver::pattern;
 use cudalloc::{AllocatorConfig, BackendChoice, CachingAllocator, IpcHandle, Storage};
@@ -26,6 +27,67 @@ pub struct DemoOptions {
     pub max_size: u64,
     pub seed: u64,
     pub backend: BackendChoice,
+    /// How long a consumer may take to start and connect.
+    pub connect_timeout: Duration,
+    /// The consumer program (default: this executable); tests and packagers may point elsewhere.
+    pub consumer_exe: Option<PathBuf>,
+}
+
+/// The folder of the producer's socket: removed on every exit path.
+struct SocketDir(PathBuf);
+
+impl Drop for SocketDir {
+    fn drop(&mut self) {
+        if let Err(err) = std::fs::remove_dir_all(&self.0) {
+            if err.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(%err, dir = %self.0.display(), "removing the demo's socket folder failed");
+            }
+        }
+    }
+}
+
+/// Waits for `child` to connect to `listener`, at most `timeout`; fails at once if the child exits.
+fn accept_consumer(
+    listener: &UnixListener,
+    child: &mut Child,
+    timeout: Duration,
+) -> Result<UnixStream, String> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| format!("listener: {e}"))?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                stream
+                    .set_nonblocking(false)
+                    .map_err(|e| format!("consumer socket: {e}"))?;
+                return Ok(stream);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(format!("accepting a consumer: {e}")),
+        }
+        if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
+            return Err(format!(
+                "a consumer process exited ({status}) before connecting"
+            ));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!(
+                "a consumer process did not connect within {:.1} s",
+                timeout.as_secs_f64()
+            ));
+        }
+        let mut fds = libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = left.as_millis().min(100) as libc::c_int;
+        // SAFETY: `fds` is one valid pollfd for the duration of the call; poll only writes revents.
+        unsafe { libc::poll(&mut fds, 1, ms) };
+    }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -63,6 +125,16 @@ struct Item {
 struct Consumer {
     child: Child,
     stream: BufReader<UnixStream>,
+}
+
+impl Drop for Consumer {
+    fn drop(&mut self) {
+        // On an early return the consumer may still run: stop it rather than leave it behind.
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
 }
 
 impl Consumer {
@@ -143,21 +215,31 @@ pub fn run(opts: &DemoOptions) -> Result<String, String> {
     items.extend(clones);
 
     // Phase 3: consumers over Unix sockets.
-    let dir = std::env::temp_dir().join(format!("cudalloc-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let socket: PathBuf = dir.join("producer.sock");
+    let dir = SocketDir(std::env::temp_dir().join(format!("cudalloc-demo-{}", std::process::id())));
+    std::fs::create_dir_all(&dir.0).map_err(|e| e.to_string())?;
+    let socket: PathBuf = dir.0.join("producer.sock");
     let listener =
         UnixListener::bind(&socket).map_err(|e| format!("bind {}: {e}", socket.display()))?;
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let exe = match &opts.consumer_exe {
+        Some(exe) => exe.clone(),
+        None => std::env::current_exe().map_err(|e| e.to_string())?,
+    };
     let mut consumers = Vec::new();
     for _ in 0..opts.consumers.max(1) {
-        let child = Command::new(&exe)
+        let mut child = Command::new(&exe)
             .args(["demo-consumer", "--socket"])
             .arg(&socket)
             .args(["--backend", backend_name(opts.backend)])
             .spawn()
-            .map_err(|e| e.to_string())?;
-        let (stream, _) = listener.accept().map_err(|e| e.to_string())?;
+            .map_err(|e| format!("starting a consumer ({}): {e}", exe.display()))?;
+        let stream = match accept_consumer(&listener, &mut child, opts.connect_timeout) {
+            Ok(stream) => stream,
+            Err(why) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(why);
+            }
+        };
         consumers.push(Consumer {
             child,
             stream: BufReader::new(stream),
@@ -196,7 +278,7 @@ pub fn run(opts: &DemoOptions) -> Result<String, String> {
             return Err(format!("a consumer exited with {status}"));
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
 
     // Phase 4: answers, release, collect.
     for item in &items {
