@@ -1,0 +1,601 @@
+//! The interplay test: a seeded, randomized run over the public API where the features meet —
+//! two allocators in the producer process, several streams, a churn thread reusing freed memory,
+//! lazy clones and their writes, sharing to several consumer processes, consumers writing back and
+//! forwarding to each other, drops on both sides, `empty_cache`, `ipc_collect`, and consumers killed
+//! with SIGKILL (and replaced). An oracle knows the pattern seed every live storage must hold and
+//! checks it on both sides at every step; poison-on-free turns a use-after-free into a mismatch.
+//!
+//! ```text
+//! cargo test --test interplay                          # a fresh seed, INTERPLAY_SECONDS (default 10)
+//! cargo test --test interplay -- --seed 1234 --seconds 60
+//! ```
+//!
+//! A failure prints the seed and the operation log; `--seed` replays the same operations (the
+//! interleaving with the churn thread differs, which only adds coverage). Consumers are this binary
+//! re-executed with `--consumer`. Not covered here: `fork` of the producer (a forked copy of a process
+//! with stream threads cannot run them; `tests/fork.rs` checks what a forked child may do).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{hex, host_driver, unhex};
+use cudalloc::driver::pattern;
+use cudalloc::{CachingAllocator, IpcHandle, Storage, StreamId};
+
+/// A deterministic generator (splitmix over the pattern hash).
+struct Rng(u64, u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.1 += 1;
+        pattern::word(self.0, self.1)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+struct Consumer {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Consumer {
+    fn spawn() -> Consumer {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .arg("--consumer")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Consumer {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    fn ask(&mut self, line: &str) -> Result<String, String> {
+        writeln!(self.stdin, "{line}").map_err(|e| format!("consumer gone: {e}"))?;
+        self.stdin.flush().map_err(|e| e.to_string())?;
+        let mut reply = String::new();
+        self.stdout
+            .read_line(&mut reply)
+            .map_err(|e| e.to_string())?;
+        if reply.is_empty() {
+            return Err("consumer exited".into());
+        }
+        Ok(reply.trim_end().to_owned())
+    }
+
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A producer-side storage and the seed its bytes must hold.
+struct Live {
+    storage: Storage,
+    seed: u64,
+    /// Consumers (by index) holding it.
+    holders: Vec<usize>,
+}
+
+struct World {
+    rng: Rng,
+    allocators: [Arc<CachingAllocator>; 2],
+    streams: Vec<(usize, StreamId)>,
+    live: BTreeMap<u64, Live>,
+    consumers: Vec<Consumer>,
+    next_id: u64,
+    log: Vec<String>,
+    ops: u64,
+}
+
+impl World {
+    fn fresh_seed(&mut self) -> u64 {
+        self.rng.next() | 1
+    }
+
+    fn pick_live(&mut self) -> Option<u64> {
+        if self.live.is_empty() {
+            return None;
+        }
+        let k = self.rng.below(self.live.len() as u64) as usize;
+        self.live.keys().nth(k).copied()
+    }
+
+    /// Runs `f` with a random stream of the storage's allocator current, then synchronizes that
+    /// stream (what a user does after a write before other streams read).
+    fn on_random_stream<R>(&mut self, alloc: usize, f: impl FnOnce() -> R) -> R {
+        self.on_random_stream_then(alloc, true, f)
+    }
+
+    /// [`Self::on_random_stream`], synchronizing only if `sync` (sharing and lazy clones are not
+    /// writes: a user does not synchronize after them).
+    fn on_random_stream_then<R>(&mut self, alloc: usize, sync: bool, f: impl FnOnce() -> R) -> R {
+        let choices: Vec<StreamId> = self
+            .streams
+            .iter()
+            .filter(|(a, _)| *a == alloc)
+            .map(|(_, s)| *s)
+            .collect();
+        let stream = choices[self.rng.below(choices.len() as u64) as usize];
+        let a = &self.allocators[alloc];
+        let _on = a.set_current_stream(stream).unwrap();
+        let out = f();
+        if sync {
+            a.driver().stream_synchronize(stream).unwrap();
+        }
+        out
+    }
+
+    fn allocator_index(&self, s: &Storage) -> usize {
+        usize::from(!Arc::ptr_eq(s.allocator(), &self.allocators[0]))
+    }
+
+    fn check(&self, id: u64) -> Result<(), String> {
+        let l = &self.live[&id];
+        let bad = l
+            .storage
+            .count_pattern_mismatches(l.seed)
+            .map_err(|e| e.to_string())?;
+        if bad != 0 {
+            return Err(format!(
+                "storage {id}: {bad} bytes differ from seed {}",
+                l.seed
+            ));
+        }
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<(), String> {
+        self.ops += 1;
+        let op = self.rng.below(100);
+        match op {
+            0..=19 if self.live.len() < 48 => {
+                let alloc = self.rng.below(2) as usize;
+                let class = match self.rng.below(4) {
+                    0 => 512,
+                    1 => 64 << 10,
+                    2 => 1 << 20,
+                    _ => 6 << 20,
+                };
+                let size = 1 + self.rng.below(class);
+                let seed = self.fresh_seed();
+                let a = Arc::clone(&self.allocators[alloc]);
+                let storage = self.on_random_stream(alloc, || {
+                    let s = Storage::new(&a, 0, size)?;
+                    s.fill_pattern(seed)?;
+                    Ok::<_, cudalloc::Error>(s)
+                });
+                let storage = storage.map_err(|e| format!("allocate {size}: {e}"))?;
+                let id = self.next_id;
+                self.next_id += 1;
+                self.log
+                    .push(format!("{id} = alloc(a{alloc}, {size}) seed {seed}"));
+                self.live.insert(
+                    id,
+                    Live {
+                        storage,
+                        seed,
+                        holders: Vec::new(),
+                    },
+                );
+            }
+            20..=31 => {
+                let Some(src) = self.pick_live() else {
+                    return Ok(());
+                };
+                let alloc = self.allocator_index(&self.live[&src].storage);
+                let s = self.live[&src].storage.clone();
+                let clone = self
+                    .on_random_stream_then(alloc, false, || s.lazy_clone())
+                    .map_err(|e| format!("lazy_clone {src}: {e}"))?;
+                let id = self.next_id;
+                self.next_id += 1;
+                let seed = self.live[&src].seed;
+                self.log.push(format!("{id} = lazy_clone({src})"));
+                self.live.insert(
+                    id,
+                    Live {
+                        storage: clone,
+                        seed,
+                        holders: Vec::new(),
+                    },
+                );
+            }
+            32..=43 => {
+                let Some(id) = self.pick_live() else {
+                    return Ok(());
+                };
+                let seed = self.fresh_seed();
+                let alloc = self.allocator_index(&self.live[&id].storage);
+                let s = self.live[&id].storage.clone();
+                self.on_random_stream(alloc, || s.fill_pattern(seed))
+                    .map_err(|e| format!("write {id}: {e}"))?;
+                self.log.push(format!("write({id}) seed {seed}"));
+                self.live.get_mut(&id).unwrap().seed = seed;
+                // Consumers holding it see the write (the memory is shared).
+                let holders = self.live[&id].holders.clone();
+                for c in holders {
+                    let r = self.consumers[c].ask(&format!("VERIFY {id} {seed}"))?;
+                    if r != "ok 0" {
+                        return Err(format!("consumer {c} sees {r} after write({id})"));
+                    }
+                }
+            }
+            44..=59 => {
+                let Some(id) = self.pick_live() else {
+                    return Ok(());
+                };
+                // A consumer may already hold it: it opens it again, maybe through its other
+                // allocator (two receipts, one process).
+                let c = self.rng.below(self.consumers.len() as u64) as usize;
+                let via = self.rng.below(2);
+                let alloc = self.allocator_index(&self.live[&id].storage);
+                let s = self.live[&id].storage.clone();
+                let handle = self
+                    .on_random_stream_then(alloc, false, || s.share_ipc())
+                    .map_err(|e| format!("share {id}: {e}"))?;
+                let seed = self.live[&id].seed;
+                if self.rng.below(8) == 0 {
+                    // Same-process receipt, through either allocator: the storage itself.
+                    let into = Arc::clone(&self.allocators[self.rng.below(2) as usize]);
+                    self.log.push(format!("share({id}) -> this process"));
+                    let back = Storage::from_ipc(&into, handle)
+                        .map_err(|e| format!("same-process receipt of {id}: {e}"))?;
+                    if !back.is_alias_of(&self.live[&id].storage) {
+                        return Err(format!("same-process receipt of {id} is another storage"));
+                    }
+                    return Ok(());
+                }
+                self.log
+                    .push(format!("share({id}) -> consumer {c} via a{via}"));
+                let line = format!("OPEN {id} {seed} {} {via}", hex(&handle.into_bytes()));
+                let r = self.consumers[c].ask(&line)?;
+                if r != "ok 0" {
+                    return Err(format!("consumer {c} opened {id}: {r}"));
+                }
+                self.live.get_mut(&id).unwrap().holders.push(c);
+            }
+            60..=65 => {
+                // A consumer writes back; the producer (and every other holder) sees it.
+                let Some(id) = self.pick_live() else {
+                    return Ok(());
+                };
+                let Some(&c) = self.live[&id].holders.first() else {
+                    return Ok(());
+                };
+                let seed = self.fresh_seed();
+                let r = self.consumers[c].ask(&format!("WRITE {id} {seed}"))?;
+                if r != "ok" {
+                    return Err(format!("consumer {c} write {id}: {r}"));
+                }
+                self.log
+                    .push(format!("consumer {c} writes {id} seed {seed}"));
+                self.live.get_mut(&id).unwrap().seed = seed;
+                self.check(id)?;
+            }
+            66..=70 => {
+                // Forward from one consumer to another.
+                let Some(id) = self.pick_live() else {
+                    return Ok(());
+                };
+                let Some(&from) = self.live[&id].holders.first() else {
+                    return Ok(());
+                };
+                let to = self.rng.below(self.consumers.len() as u64) as usize;
+                if to == from {
+                    return Ok(());
+                }
+                let via = self.rng.below(2);
+                let h = self.consumers[from].ask(&format!("FORWARD {id}"))?;
+                let seed = self.live[&id].seed;
+                self.log
+                    .push(format!("forward({id}) consumer {from} -> {to} via a{via}"));
+                let r = self.consumers[to].ask(&format!("OPEN {id} {seed} {h} {via}"))?;
+                if r != "ok 0" {
+                    return Err(format!("consumer {to} opened forwarded {id}: {r}"));
+                }
+                self.live.get_mut(&id).unwrap().holders.push(to);
+            }
+            71..=78 => {
+                let Some(id) = self.pick_live() else {
+                    return Ok(());
+                };
+                let Some(&c) = self.live[&id].holders.last() else {
+                    return Ok(());
+                };
+                let r = self.consumers[c].ask(&format!("DROP {id}"))?;
+                if r != "ok" {
+                    return Err(format!("consumer {c} drop {id}: {r}"));
+                }
+                self.log.push(format!("consumer {c} drops {id}"));
+                self.live.get_mut(&id).unwrap().holders.pop();
+            }
+            0..=19 | 79..=90 => {
+                let Some(id) = self.pick_live() else {
+                    return Ok(());
+                };
+                self.log.push(format!("drop({id})"));
+                let l = self.live.remove(&id).unwrap();
+                if !l.holders.is_empty() {
+                    // Consumers keep it: it must stay intact for them.
+                    for c in &l.holders {
+                        let r = self.consumers[*c].ask(&format!("VERIFY {id} {}", l.seed))?;
+                        if r != "ok 0" {
+                            return Err(format!("consumer {c} after producer drop({id}): {r}"));
+                        }
+                    }
+                    // Then they let go (one receipt per entry): the limbo drains.
+                    for c in &l.holders {
+                        let r = self.consumers[*c].ask(&format!("DROP {id}"))?;
+                        if r != "ok" {
+                            return Err(format!("consumer {c} drop {id}: {r}"));
+                        }
+                    }
+                }
+            }
+            91..=93 => {
+                self.log.push("empty_cache".into());
+                for a in &self.allocators {
+                    a.empty_cache();
+                }
+            }
+            94..=96 => {
+                self.log.push("ipc_collect".into());
+                for a in &self.allocators {
+                    a.ipc_collect();
+                }
+            }
+            _ => {
+                // SIGKILL a consumer while it holds storages; replace it.
+                let c = self.rng.below(self.consumers.len() as u64) as usize;
+                self.log.push(format!("kill consumer {c}"));
+                let old = std::mem::replace(&mut self.consumers[c], Consumer::spawn());
+                old.kill();
+                for l in self.live.values_mut() {
+                    l.holders.retain(|&h| h != c);
+                }
+                for a in &self.allocators {
+                    a.ipc_collect();
+                }
+            }
+        }
+        // Every live producer storage still holds its bytes (checked every few operations: the
+        // verify kernel reads every byte).
+        if self.ops % 4 == 0 {
+            let ids: Vec<u64> = self.live.keys().copied().collect();
+            for id in ids {
+                self.check(id)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn consumer_main() {
+    // Two allocators (each over its own driver) in one consumer process.
+    let allocators = [0, 1].map(|_| {
+        Arc::new(CachingAllocator::new(Arc::new(host_driver()), Default::default()).unwrap())
+    });
+    // Receipts by id (a storage opened twice, through either allocator, has two).
+    let mut held: BTreeMap<u64, Vec<Storage>> = BTreeMap::new();
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout().lock();
+    for line in stdin.lock().lines() {
+        let line = line.unwrap();
+        let parts: Vec<&str> = line.split(' ').collect();
+        let id: u64 = parts.get(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+        let verify = |storages: &[Storage], seed: u64| -> String {
+            let mut bad = 0;
+            for s in storages {
+                match s.count_pattern_mismatches(seed) {
+                    Ok(n) => bad += n,
+                    Err(e) => return format!("error {e}"),
+                }
+            }
+            format!("ok {bad}")
+        };
+        let reply = match parts[0] {
+            "OPEN" => {
+                let seed: u64 = parts[2].parse().unwrap();
+                let a = &allocators[parts[4].parse::<usize>().unwrap()];
+                match IpcHandle::from_bytes(&unhex(parts[3])).and_then(|h| Storage::from_ipc(a, h))
+                {
+                    Ok(s) => {
+                        let receipts = held.entry(id).or_default();
+                        receipts.push(s);
+                        verify(receipts, seed)
+                    }
+                    Err(e) => format!("error {e}"),
+                }
+            }
+            "VERIFY" => {
+                let seed: u64 = parts[2].parse().unwrap();
+                match held.get(&id) {
+                    Some(receipts) => verify(receipts, seed),
+                    None => "error not held".into(),
+                }
+            }
+            "WRITE" => {
+                let seed: u64 = parts[2].parse().unwrap();
+                match held.get(&id).and_then(|r| r.first()) {
+                    Some(s) => match s.fill_pattern(seed).and_then(|()| {
+                        let a = s.allocator();
+                        a.driver().stream_synchronize(a.current_stream(0)?)
+                    }) {
+                        Ok(()) => "ok".into(),
+                        Err(e) => format!("error {e}"),
+                    },
+                    None => "error not held".into(),
+                }
+            }
+            "FORWARD" => match held.get(&id).and_then(|r| r.first()).map(|s| s.share_ipc()) {
+                Some(Ok(h)) => hex(&h.into_bytes()),
+                Some(Err(e)) => format!("error {e}"),
+                None => "error not held".into(),
+            },
+            "DROP" => {
+                // One receipt goes; the others must stay intact.
+                if let Some(receipts) = held.get_mut(&id) {
+                    receipts.pop();
+                    if receipts.is_empty() {
+                        held.remove(&id);
+                    }
+                }
+                "ok".into()
+            }
+            other => format!("error unknown command {other}"),
+        };
+        writeln!(out, "{reply}").unwrap();
+        out.flush().unwrap();
+    }
+}
+
+fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--consumer") {
+        consumer_main();
+        return;
+    }
+    let seed = arg("--seed")
+        .or_else(|| std::env::var("INTERPLAY_SEED").ok())
+        .map(|s| s.parse::<u64>().expect("--seed takes a number"))
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                ^ u64::from(std::process::id())
+        });
+    let seconds: f64 = arg("--seconds")
+        .or_else(|| std::env::var("INTERPLAY_SECONDS").ok())
+        .map(|s| s.parse().expect("--seconds takes a number"))
+        .unwrap_or(10.0);
+    println!("interplay: seed {seed}, budget {seconds} s (replay: cargo test --test interplay -- --seed {seed})");
+    let allocators = [0, 1].map(|_| {
+        Arc::new(
+            CachingAllocator::builder()
+                .ipc_slots_per_file(32)
+                .check_invariants(true)
+                .build(Arc::new(
+                    cudalloc::HostDriver::builder()
+                        .devices(1)
+                        .memory_per_device(256 << 20)
+                        .build()
+                        .unwrap(),
+                ))
+                .unwrap(),
+        )
+    });
+    let mut streams = Vec::new();
+    for (i, a) in allocators.iter().enumerate() {
+        streams.push((i, a.default_stream(0).unwrap()));
+        streams.push((i, a.create_stream(0).unwrap()));
+        streams.push((i, a.create_stream(0).unwrap()));
+    }
+    // Churn: another thread allocating, writing and freeing on its own stream of allocator 0, so
+    // freed memory is reused (and its segments freed and poisoned) while the run goes on.
+    let stop = Arc::new(AtomicBool::new(false));
+    let churn = {
+        let (a, stop) = (Arc::clone(&allocators[0]), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let stream = a.create_stream(0).unwrap();
+            let _on = a.set_current_stream(stream).unwrap();
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let size = 512 + pattern::word(seed, i) % (3 << 20);
+                if let Ok(s) = Storage::new(&a, 0, size) {
+                    s.fill_pattern(i).unwrap();
+                    assert_eq!(s.count_pattern_mismatches(i).unwrap(), 0, "churn storage");
+                }
+                if i % 64 == 0 {
+                    a.empty_cache();
+                }
+            }
+            i
+        })
+    };
+    let mut world = World {
+        rng: Rng(seed, 0),
+        allocators,
+        streams,
+        live: BTreeMap::new(),
+        consumers: (0..3).map(|_| Consumer::spawn()).collect(),
+        next_id: 0,
+        log: Vec::new(),
+        ops: 0,
+    };
+    let start = Instant::now();
+    let mut failure = None;
+    while start.elapsed() < Duration::from_secs_f64(seconds) {
+        if let Err(e) = world.step() {
+            failure = Some(e);
+            break;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let churned = churn.join();
+    if failure.is_none() {
+        if let Err(panic) = &churned {
+            failure = Some(format!("churn thread panicked: {panic:?}"));
+        }
+    }
+    if let Some(e) = failure {
+        let tail = world.log.len().saturating_sub(60);
+        eprintln!(
+            "interplay FAILED (seed {seed}) after {} operations: {e}",
+            world.ops
+        );
+        eprintln!("last operations:");
+        for l in &world.log[tail..] {
+            eprintln!("  {l}");
+        }
+        eprintln!("replay: cargo test --test interplay -- --seed {seed}");
+        for c in world.consumers.drain(..) {
+            c.kill();
+        }
+        std::process::exit(1);
+    }
+    // Teardown: consumers release everything, producers drop and collect; nothing may be left.
+    for mut c in world.consumers.drain(..) {
+        drop(c.stdin);
+        let _ = c.child.wait();
+    }
+    world.live.clear();
+    for a in &world.allocators {
+        a.ipc_collect();
+        assert_eq!(
+            a.ipc_limbo(),
+            (0, 0),
+            "limbo drained at the end (seed {seed})"
+        );
+    }
+    println!(
+        "interplay: seed {seed}: {} operations, {} churn allocations in {:.1} s",
+        world.ops,
+        churned.unwrap_or(0),
+        start.elapsed().as_secs_f64()
+    );
+    println!("interplay: 1 passed, 0 failed");
+}
