@@ -18,7 +18,7 @@ mod cubecl_peer;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use cudalloc::driver::pattern;
-use cudalloc::{CachingAllocator, DataPtr, DevicePtr, Driver};
+use cudalloc::{DataPtr, DevicePtr, Driver, Runtime};
 
 const MIB: u64 = 1 << 20;
 
@@ -27,8 +27,8 @@ fn driver() -> Arc<dyn Driver> {
     common::bench_driver(8 << 30)
 }
 
-fn allocator(d: &Arc<dyn Driver>) -> Arc<CachingAllocator> {
-    Arc::new(CachingAllocator::new(d.clone(), Default::default()).unwrap())
+fn allocator(d: &Arc<dyn Driver>) -> Arc<Runtime> {
+    Arc::new(Runtime::new(d.clone(), Default::default()).unwrap())
 }
 
 fn glibc_malloc(size: u64) -> *mut libc::c_void {

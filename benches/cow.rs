@@ -9,11 +9,11 @@ use std::time::Duration;
 mod common;
 
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, Throughput};
-use cudalloc::{CachingAllocator, Storage};
+use cudalloc::{Runtime, Storage};
 
 const BIG: u64 = 64 << 20;
 
-fn allocator() -> Arc<CachingAllocator> {
+fn allocator() -> Arc<Runtime> {
     common::host_allocator(2 << 30)
 }
 

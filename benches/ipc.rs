@@ -20,14 +20,14 @@ use std::time::Duration;
 mod common;
 
 use criterion::{criterion_group, BatchSize, BenchmarkId, Criterion};
-use cudalloc::{CachingAllocator, IpcHandle, Storage};
+use cudalloc::{IpcHandle, Runtime, Storage};
 
-fn allocator() -> Arc<CachingAllocator> {
+fn allocator() -> Arc<Runtime> {
     common::host_allocator(2 << 30)
 }
 
 /// A storage in limbo whose only count is held by the returned (decoded, unopened) handle.
-fn in_limbo(a: &Arc<CachingAllocator>) -> IpcHandle {
+fn in_limbo(a: &Arc<Runtime>) -> IpcHandle {
     let s = Storage::new(a, 0, 512).unwrap();
     let bytes = s.share_ipc().unwrap().into_bytes();
     let handle = IpcHandle::from_bytes(&bytes).unwrap();

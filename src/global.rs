@@ -4,11 +4,12 @@
 //! If the environment is invalid, every call returns the same configuration error (built once,
 //! never a panic). The choice of backend is logged through `tracing`.
 
-use crate::alloc::{CachingAllocator, DeviceStats, Snapshot};
+use crate::alloc::{DataPtr, DeviceStats, Snapshot};
 use crate::config::AllocatorConfig;
 use crate::driver::{BackendChoice, StreamId};
 use crate::error::Result;
-use crate::storage::{DataPtr, Storage};
+use crate::runtime::Runtime;
+use crate::storage::Storage;
 use crate::sync::os::{Arc, OnceLock};
 
 /// The process-wide allocator (see the [module docs](self)).
@@ -19,18 +20,18 @@ pub static GLOBAL: Global = Global {
 /// The type of [`GLOBAL`].
 #[derive(Debug)]
 pub struct Global {
-    cell: OnceLock<Result<Arc<CachingAllocator>>>,
+    cell: OnceLock<Result<Arc<Runtime>>>,
 }
 
 impl Global {
-    /// The allocator, building it from the environment on first use.
-    pub fn get(&self) -> Result<&Arc<CachingAllocator>> {
+    /// The runtime, building it from the environment on first use.
+    pub fn get(&self) -> Result<&Arc<Runtime>> {
         self.cell
             .get_or_init(|| {
                 let backend = BackendChoice::from_env()?.open()?;
                 let config = AllocatorConfig::from_env()?;
                 tracing::info!(backend = %backend.driver.backend(), ?config, "cudalloc GLOBAL allocator ready");
-                Ok(Arc::new(CachingAllocator::new(backend.driver, config)?))
+                Ok(Arc::new(Runtime::new(backend.driver, config)?))
             })
             .as_ref()
             .map_err(Clone::clone)

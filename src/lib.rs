@@ -4,8 +4,18 @@
 //! be the global GPU allocator of a Rust tensor library. Everything runs and is tested without a GPU
 //! on a real host backend ([`HostDriver`]); the CUDA backend ([`CudaDriver`]) is loaded at run time.
 //!
-//! Layers, bottom up: [`driver`] (the [`Driver`] trait and its two backends) → [`alloc`] (the
-//! caching allocator, sharded per stream) → [`DataPtr`] / [`Storage`] → [`GLOBAL`].
+//! Layers, bottom up (a module never imports a layer above it; `tests/layering.rs` checks it):
+//!
+//! ```text
+//! cli        the `cudalloc` command (src/main.rs, src/cli/)
+//! global     GLOBAL: the process-wide runtime
+//! storage    Storage: the unit of aliasing; its state table; which Storage a receipt returns
+//! runtime    Runtime: a CachingAllocator and the IPC state side by side (ipc_collect, drains)
+//! cow | ipc  copy-on-write contexts | sharing across processes — both on DataPtrs
+//! alloc      CachingAllocator, DataPtr and its owners (upper layers attach trait objects)
+//! driver     the Driver trait: HostDriver, CudaDriver
+//! ground     error, sync, config, shm
+//! ```
 
 pub mod alloc;
 pub mod config;
@@ -14,11 +24,14 @@ pub mod driver;
 mod error;
 mod global;
 pub mod ipc;
+mod runtime;
 mod shm;
 mod storage;
 mod sync;
 
-pub use alloc::{CachingAllocator, CachingAllocatorBuilder, DeviceStats, Snapshot, StreamGuard};
+pub use alloc::{
+    CachingAllocator, CachingAllocatorBuilder, DataPtr, DeviceStats, Snapshot, StreamGuard,
+};
 pub use config::AllocatorConfig;
 pub use driver::{
     Backend, BackendChoice, CudaDriver, DevicePtr, Driver, EventFlags, EventId, HostDriver,
@@ -28,5 +41,6 @@ pub use driver::{
 pub use error::{Error, ErrorKind, Result};
 pub use global::{Global, GLOBAL};
 pub use ipc::IpcHandle;
+pub use runtime::{Runtime, RuntimeBuilder};
 pub use shm::sweep_orphans;
-pub use storage::{DataPtr, Storage};
+pub use storage::Storage;

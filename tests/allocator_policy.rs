@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use common::*;
 use cudalloc::alloc::{SnapshotBlockState, TraceAction};
-use cudalloc::{CachingAllocator, Driver};
+use cudalloc::{Driver, Runtime};
 
 const MIB: u64 = 1 << 20;
 
@@ -18,7 +18,7 @@ fn host() -> (Arc<dyn Driver>, Arc<cudalloc::HostDriver>) {
     (h.clone(), h)
 }
 
-fn segment_sizes(a: &CachingAllocator) -> Vec<(u64, &'static str)> {
+fn segment_sizes(a: &Runtime) -> Vec<(u64, &'static str)> {
     a.snapshot()
         .segments
         .iter()
@@ -203,7 +203,7 @@ fn empty_cache_returns_every_segment_to_the_driver() {
 #[test]
 fn zero_byte_allocations_are_valid_and_empty() {
     let (d, _) = host();
-    let a = Arc::new(CachingAllocator::new(d, Default::default()).unwrap());
+    let a = Arc::new(Runtime::new(d, Default::default()).unwrap());
     let p = a.allocate(0, 0).unwrap();
     assert!(p.is_empty());
     a.record_stream(&p, a.default_stream(0).unwrap()).unwrap();

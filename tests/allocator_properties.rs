@@ -41,7 +41,7 @@ struct Live {
     seed: u64,
 }
 
-fn check_model(a: &cudalloc::CachingAllocator, live: &[Live]) {
+fn check_model(a: &cudalloc::Runtime, live: &[Live]) {
     let mut ranges: Vec<(u64, u64)> = live.iter().map(|l| (l.data.ptr().0, l.size)).collect();
     ranges.sort();
     for w in ranges.windows(2) {

@@ -5,11 +5,11 @@
 mod common;
 
 use common::*;
-use cudalloc::{CachingAllocator, Driver, ErrorKind};
+use cudalloc::{Driver, ErrorKind, Runtime};
 
 const MIB: u64 = 1 << 20;
 
-fn stat(a: &CachingAllocator, key: &str) -> i64 {
+fn stat(a: &Runtime, key: &str) -> i64 {
     a.memory_stats_map(0).unwrap()[key]
 }
 

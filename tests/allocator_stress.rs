@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
 
 use cudalloc::driver::pattern;
-use cudalloc::{CachingAllocator, Driver, HostDriver};
+use cudalloc::{Driver, HostDriver, Runtime};
 
 const THREADS: usize = 4;
 const OPS: u64 = 100_000;
@@ -36,7 +36,7 @@ fn four_threads_on_shared_and_private_streams() {
             .build()
             .unwrap(),
     );
-    let a = Arc::new(CachingAllocator::new(driver.clone(), Default::default()).unwrap());
+    let a = Arc::new(Runtime::new(driver.clone(), Default::default()).unwrap());
     let shared = a.create_stream(0).unwrap();
     let live = Arc::new(Mutex::new(BTreeMap::new()));
     let barrier = Arc::new(Barrier::new(THREADS));

@@ -9,15 +9,15 @@ use std::sync::Arc;
 
 use common::*;
 use cudalloc::cow::cell::{CowCell, Materialized};
-use cudalloc::{CachingAllocator, Driver, ErrorKind, Storage};
+use cudalloc::{Driver, ErrorKind, Runtime, Storage};
 
 const MIB: u64 = 1 << 20;
 
-fn allocator() -> Arc<CachingAllocator> {
+fn allocator() -> Arc<Runtime> {
     checked_allocator(Arc::new(host_driver()), "")
 }
 
-fn live_blocks(a: &CachingAllocator) -> i64 {
+fn live_blocks(a: &Runtime) -> i64 {
     a.memory_stats(0).unwrap().allocation[0].current
 }
 
@@ -254,7 +254,7 @@ fn out_of_memory_during_materialization_leaves_the_storage_cow_and_readable() {
 
 #[test]
 fn stress_four_threads_of_concurrent_materializations() {
-    let a = Arc::new(CachingAllocator::new(Arc::new(host_driver()), Default::default()).unwrap());
+    let a = Arc::new(Runtime::new(Arc::new(host_driver()), Default::default()).unwrap());
     let baseline = live_blocks(&a);
     let handles: Vec<_> = (0..4u64)
         .map(|t| {
@@ -291,7 +291,7 @@ fn a_failed_copy_leaves_the_storage_a_valid_cow_storage() {
     // stays COW with its bytes — it never hands back a "copy" that holds stale bytes.
     let faulty = Arc::new(common::faulty::FaultyDriver::new(Arc::new(host_driver())));
     let faults = faulty.faults.clone();
-    let a = Arc::new(CachingAllocator::builder().build(faulty).unwrap());
+    let a = Arc::new(Runtime::builder().build(faulty).unwrap());
     let s = Storage::new(&a, 0, 8192).unwrap();
     s.fill_pattern(3).unwrap();
     let c = s.lazy_clone().unwrap();

@@ -8,13 +8,13 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{CachingAllocator, IpcHandle, Storage};
+use cudalloc::{IpcHandle, Runtime, Storage};
 
 #[test]
 fn a_forked_child_exiting_normally_leaves_the_parents_objects() {
     let driver = Arc::new(host_driver());
     let prefix = driver.shm_name_prefix();
-    let a = Arc::new(CachingAllocator::new(driver, Default::default()).unwrap());
+    let a = Arc::new(Runtime::new(driver, Default::default()).unwrap());
     let s = Storage::new(&a, 0, 1 << 20).unwrap();
     s.fill_pattern(9).unwrap();
     let bytes = s.share_ipc().unwrap().into_bytes();

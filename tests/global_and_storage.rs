@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{CachingAllocator, ErrorKind, Storage, GLOBAL};
+use cudalloc::{ErrorKind, Runtime, Storage, GLOBAL};
 
 const MIB: u64 = 1 << 20;
 
@@ -86,7 +86,7 @@ fn global_child_bad_env() {
     println!("config error twice");
 }
 
-fn allocator() -> Arc<CachingAllocator> {
+fn allocator() -> Arc<Runtime> {
     checked_allocator(Arc::new(host_driver()), "")
 }
 

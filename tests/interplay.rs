@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use common::{hex, host_driver, unhex};
 use cudalloc::driver::pattern;
-use cudalloc::{CachingAllocator, IpcHandle, Storage, StreamId};
+use cudalloc::{IpcHandle, Runtime, Storage, StreamId};
 
 /// A deterministic generator (splitmix over the pattern hash).
 struct Rng(u64, u64);
@@ -94,7 +94,7 @@ struct Live {
 
 struct World {
     rng: Rng,
-    allocators: [Arc<CachingAllocator>; 2],
+    allocators: [Arc<Runtime>; 2],
     streams: Vec<(usize, StreamId)>,
     live: BTreeMap<u64, Live>,
     consumers: Vec<Consumer>,
@@ -142,7 +142,7 @@ impl World {
     }
 
     fn allocator_index(&self, s: &Storage) -> usize {
-        usize::from(!Arc::ptr_eq(s.allocator(), &self.allocators[0]))
+        usize::from(!Arc::ptr_eq(s.runtime(), &self.allocators[0]))
     }
 
     fn check(&self, id: u64) -> Result<(), String> {
@@ -388,9 +388,8 @@ impl World {
 
 fn consumer_main() {
     // Two allocators (each over its own driver) in one consumer process.
-    let allocators = [0, 1].map(|_| {
-        Arc::new(CachingAllocator::new(Arc::new(host_driver()), Default::default()).unwrap())
-    });
+    let allocators = [0, 1]
+        .map(|_| Arc::new(Runtime::new(Arc::new(host_driver()), Default::default()).unwrap()));
     // Receipts by id (a storage opened twice, through either allocator, has two).
     let mut held: BTreeMap<u64, Vec<Storage>> = BTreeMap::new();
     let stdin = std::io::stdin();
@@ -494,7 +493,7 @@ fn main() {
     println!("interplay: seed {seed}, budget {seconds} s (replay: cargo test --test interplay -- --seed {seed})");
     let allocators = [0, 1].map(|_| {
         Arc::new(
-            CachingAllocator::builder()
+            Runtime::builder()
                 .ipc_slots_per_file(32)
                 .check_invariants(true)
                 .build(Arc::new(

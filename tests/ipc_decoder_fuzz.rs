@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudalloc::driver::pattern;
 use cudalloc::ipc::{WireHandle, WIRE_SIZE};
-use cudalloc::{Backend, CachingAllocator, ErrorKind, HostDriver, IpcHandle, Storage};
+use cudalloc::{Backend, ErrorKind, HostDriver, IpcHandle, Runtime, Storage};
 
 fn rng(seed: u64) -> impl FnMut() -> u64 {
     let mut i = 0u64;
@@ -124,7 +124,7 @@ fn handles_naming_missing_files_or_slots_are_typed_errors() {
     assert_eq!(missing.kind(), ErrorKind::InvalidIpcHandle, "{missing}");
     // A real file of ours (same process), slot out of range, then a wrong producer pid.
     let a = Arc::new(
-        CachingAllocator::builder()
+        Runtime::builder()
             .ipc_slots_per_file(8)
             .build(Arc::new(
                 HostDriver::builder()

@@ -8,13 +8,13 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{CachingAllocator, Driver, IpcHandle, Storage};
+use cudalloc::{Driver, IpcHandle, Runtime, Storage};
 
 const CHILD: &str = "interplay_child";
 
-fn allocator(driver: Arc<dyn Driver>) -> Arc<CachingAllocator> {
+fn allocator(driver: Arc<dyn Driver>) -> Arc<Runtime> {
     Arc::new(
-        CachingAllocator::builder()
+        Runtime::builder()
             .ipc_slots_per_file(64)
             .check_invariants(true)
             .build(driver)
@@ -22,7 +22,7 @@ fn allocator(driver: Arc<dyn Driver>) -> Arc<CachingAllocator> {
     )
 }
 
-fn producer() -> Arc<CachingAllocator> {
+fn producer() -> Arc<Runtime> {
     allocator(Arc::new(host_driver()))
 }
 
@@ -30,7 +30,7 @@ fn send(h: IpcHandle) -> String {
     hex(&h.into_bytes())
 }
 
-fn open(a: &Arc<CachingAllocator>, text: &str) -> Storage {
+fn open(a: &Arc<Runtime>, text: &str) -> Storage {
     Storage::from_ipc(a, IpcHandle::from_bytes(&unhex(text)).unwrap()).unwrap()
 }
 
@@ -488,7 +488,7 @@ fn wait_past(expires_ms: u64) {
 fn handles_lost_in_flight_expire_and_are_reclaimed() {
     let config = cudalloc::AllocatorConfig::parse("ipc_handle_ttl_s:0.2").unwrap();
     let a = Arc::new(
-        CachingAllocator::builder()
+        Runtime::builder()
             .config(config)
             .build(Arc::new(host_driver()))
             .unwrap(),

@@ -9,16 +9,16 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{CachingAllocator, Driver, IpcHandle, Storage};
+use cudalloc::{Driver, IpcHandle, Runtime, Storage};
 
 const CHILD: &str = "ipc_child";
 
-fn producer() -> (Arc<CachingAllocator>, String) {
+fn producer() -> (Arc<Runtime>, String) {
     producer_on("host")
 }
 
 /// A producer allocator on `backend`; the prefix of its host objects ("" on CUDA).
-fn producer_on(backend: &str) -> (Arc<CachingAllocator>, String) {
+fn producer_on(backend: &str) -> (Arc<Runtime>, String) {
     let (d, prefix): (Arc<dyn Driver>, String) = match backend {
         "cuda" => (child_driver("cuda"), String::new()),
         _ => {
@@ -27,10 +27,7 @@ fn producer_on(backend: &str) -> (Arc<CachingAllocator>, String) {
             (driver, prefix)
         }
     };
-    let a = CachingAllocator::builder()
-        .ipc_slots_per_file(64)
-        .build(d)
-        .unwrap();
+    let a = Runtime::builder().ipc_slots_per_file(64).build(d).unwrap();
     (Arc::new(a), prefix)
 }
 
@@ -51,13 +48,13 @@ fn send(h: IpcHandle) -> String {
     hex(&h.into_bytes())
 }
 
-fn receive(a: &Arc<CachingAllocator>, text: &str) -> Storage {
+fn receive(a: &Arc<Runtime>, text: &str) -> Storage {
     let bytes = unhex(text);
     Storage::from_ipc(a, IpcHandle::from_bytes(&bytes).unwrap()).unwrap()
 }
 
 /// Everything the producer made is gone once its allocator and driver are gone.
-fn assert_no_leaks(a: Arc<CachingAllocator>, prefix: &str) {
+fn assert_no_leaks(a: Arc<Runtime>, prefix: &str) {
     assert_eq!(a.ipc_limbo(), (0, 0), "limbo not empty");
     drop(a);
     if prefix.is_empty() {
@@ -369,7 +366,7 @@ fn ipc_child() {
     let Ok(role) = std::env::var(ROLE_VAR) else {
         return;
     };
-    let a = Arc::new(CachingAllocator::new(Arc::new(host_driver()), Default::default()).unwrap());
+    let a = Arc::new(Runtime::new(Arc::new(host_driver()), Default::default()).unwrap());
     let mut parent = ParentLink::new();
     match role.as_str() {
         "simple" => {

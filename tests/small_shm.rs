@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{CachingAllocator, Driver, ErrorKind, HostDriver, Storage};
+use cudalloc::{Driver, ErrorKind, HostDriver, Runtime, Storage};
 
 const SHM_MIB: u64 = 24;
 
@@ -108,7 +108,7 @@ fn small_shm_child() {
         "mem_info reports what /dev/shm can back: {free}"
     );
     let a = Arc::new(
-        CachingAllocator::builder()
+        Runtime::builder()
             .check_invariants(true)
             .build(driver)
             .unwrap(),

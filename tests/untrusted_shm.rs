@@ -8,7 +8,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{CachingAllocator, Driver, EventFlags, IpcHandle, Storage};
+use cudalloc::{Driver, EventFlags, IpcHandle, Runtime, Storage};
 
 const CHILD: &str = "untrusted_child";
 /// Offsets in a ref-counter file (see `src/ipc/refcount.rs`): ring control, then the slots.
@@ -23,9 +23,9 @@ fn scribble(name: &str, offset: u64, bytes: &[u8]) {
     f.write_all_at(bytes, offset).unwrap();
 }
 
-fn allocator() -> Arc<CachingAllocator> {
+fn allocator() -> Arc<Runtime> {
     Arc::new(
-        CachingAllocator::builder()
+        Runtime::builder()
             .ipc_slots_per_file(16)
             .build(Arc::new(host_driver()))
             .unwrap(),
@@ -107,7 +107,7 @@ fn a_scribbled_event_chunk_cannot_hang_or_panic_its_owner() {
     driver.stream_synchronize(other).unwrap();
     driver.event_destroy(e).unwrap();
     // An allocator over the same driver: its events, empty_cache and teardown still work.
-    let a = Arc::new(CachingAllocator::new(driver, Default::default()).unwrap());
+    let a = Arc::new(Runtime::new(driver, Default::default()).unwrap());
     let s = Storage::new(&a, 0, 1 << 20).unwrap();
     let c = s.lazy_clone().unwrap();
     c.fill_pattern(5).unwrap();

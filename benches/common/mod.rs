@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use cudalloc::{CachingAllocator, CudaDriver, Driver, HostDriver};
+use cudalloc::{CudaDriver, Driver, HostDriver, Runtime};
 
 /// The driver the benchmarks run on: a host driver of `capacity` bytes that does not poison freed
 /// segments (memory is only committed when touched; the benchmarks measure the allocator, not
@@ -21,8 +21,8 @@ pub fn bench_driver(capacity: u64) -> Arc<dyn Driver> {
 }
 
 /// A caching allocator over [`bench_driver`].
-pub fn host_allocator(capacity: u64) -> Arc<CachingAllocator> {
-    Arc::new(CachingAllocator::new(bench_driver(capacity), Default::default()).unwrap())
+pub fn host_allocator(capacity: u64) -> Arc<Runtime> {
+    Arc::new(Runtime::new(bench_driver(capacity), Default::default()).unwrap())
 }
 
 /// Lower-case hex of `bytes`.

@@ -7,6 +7,11 @@
 //! * `stats.rs`, `summary.rs`, `snapshot.rs` — PyTorch's stats keys, the summary table, snapshots
 //!   and the allocation trace. `oom.rs` — callbacks and the out-of-memory message.
 //! * `invariants.rs` — the scanner that tests run after every mutation.
+//! * `data_ptr.rs` — [`DataPtr`] and its owners; upper layers attach theirs as trait objects.
+//!
+//! The allocator knows nothing of sharing or copy-on-write: it hands out and takes back
+//! `DataPtr`s. IPC administration (ref-counter files, limbo, `ipc_collect`) lives in
+//! [`crate::Runtime`], which holds an allocator and the IPC state side by side.
 //!
 //! A segment belongs to one stream for its whole life (as in PyTorch), so each (device, stream)
 //! owns its pools and segments under its own lock: threads on different streams never contend, and
@@ -14,6 +19,7 @@
 //! device-wide mutex on the hot path.
 
 mod block;
+mod data_ptr;
 mod device;
 mod invariants;
 mod oom;
@@ -33,40 +39,27 @@ pub use snapshot::{
 };
 pub use stats::{DeviceStats, Stat, StatArray, POOL_NAMES};
 
-pub(crate) use device::Shard;
+pub use data_ptr::DataPtr;
+pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
 
-use self::device::DeviceCore;
+use self::device::{DeviceCore, Shard};
 use self::oom::Callbacks;
 use self::snapshot::Trace;
 use crate::config::AllocatorConfig;
 use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::{Error, Result};
-use crate::ipc::IpcState;
-use crate::storage::{BlockOwner, DataPtr, Owner};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::Arc;
 
 static NEXT_ALLOCATOR_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Options of a [`CachingAllocator`].
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct CachingAllocatorBuilder {
     config: AllocatorConfig,
     check_invariants: bool,
-    ipc_slots_per_file: u32,
-    ipc_event_budget: usize,
 }
 
-impl Default for CachingAllocatorBuilder {
-    fn default() -> Self {
-        CachingAllocatorBuilder {
-            config: AllocatorConfig::default(),
-            check_invariants: false,
-            ipc_slots_per_file: crate::ipc::refcount::DEFAULT_SLOTS,
-            ipc_event_budget: crate::ipc::DEFAULT_EVENT_BUDGET,
-        }
-    }
-}
 
 impl CachingAllocatorBuilder {
     /// Uses `config` (default: [`AllocatorConfig::default`]).
@@ -81,24 +74,8 @@ impl CachingAllocatorBuilder {
         self
     }
 
-    /// Slots per IPC ref-counter file (default 10,000).
-    pub fn ipc_slots_per_file(mut self, slots: u32) -> Self {
-        self.ipc_slots_per_file = slots;
-        self
-    }
-
-    /// Live interprocess events before sharing synchronizes instead (default 1,000).
-    pub fn ipc_event_budget(mut self, events: usize) -> Self {
-        self.ipc_event_budget = events;
-        self
-    }
-
     /// Builds the allocator over `driver`.
     pub fn build(self, driver: Arc<dyn Driver>) -> Result<CachingAllocator> {
-        // What dead processes left in /dev/shm goes before this process adds its own.
-        if let Err(err) = crate::shm::sweep_orphans() {
-            tracing::debug!(%err, "sweeping orphaned shared-memory objects failed");
-        }
         let config = Arc::new(self.config);
         let callbacks = Arc::new(Callbacks::default());
         let trace = Arc::new(Trace::default());
@@ -115,19 +92,6 @@ impl CachingAllocatorBuilder {
                 .map(Arc::new)
             })
             .collect::<Result<Vec<_>>>()?;
-        let ipc = Arc::new(IpcState::new(
-            Arc::clone(&driver),
-            self.ipc_slots_per_file,
-            self.ipc_event_budget,
-            config.ipc_handle_ttl_ms,
-        ));
-        // A cache miss first drains the IPC limbo (cost proportional to what consumers released).
-        let weak_ipc = Arc::downgrade(&ipc);
-        callbacks.register(Arc::new(move || {
-            weak_ipc
-                .upgrade()
-                .is_some_and(|ipc| ipc.drain().storages > 0)
-        }));
         let default_streams = (0..driver.device_count())
             .map(|d| driver.default_stream(d))
             .collect::<Result<Vec<_>>>()?;
@@ -139,7 +103,6 @@ impl CachingAllocatorBuilder {
             devices,
             callbacks,
             trace,
-            ipc,
         })
     }
 }
@@ -153,7 +116,6 @@ pub struct CachingAllocator {
     devices: Vec<Arc<DeviceCore>>,
     callbacks: Arc<Callbacks>,
     trace: Arc<Trace>,
-    ipc: Arc<IpcState>,
 }
 
 impl std::fmt::Debug for CachingAllocator {
@@ -282,13 +244,7 @@ impl CachingAllocator {
 
     /// Marks `data` as used on `stream`: its free will wait for the work queued there so far.
     pub fn record_stream(&self, data: &DataPtr, stream: StreamId) -> Result<()> {
-        match data.block_owner() {
-            Some(owner) => owner.record_use(stream),
-            None if data.is_empty() => Ok(()),
-            None => Err(Error::invalid(
-                "record_stream: this pointer was not allocated by a caching allocator",
-            )),
-        }
+        data.record_stream(stream)
     }
 
     /// The allocator-level clone: allocates `nbytes` on `stream` and enqueues a device-to-device
@@ -393,39 +349,6 @@ impl CachingAllocator {
         Ok(self.device(device)?.reserved_bytes())
     }
 
-    /// Frees shared storages that consumers released, and those held only by dead consumer
-    /// processes. Returns whether anything was freed.
-    pub fn ipc_collect(&self) -> bool {
-        self.ipc.collect().storages > 0
-    }
-
-    /// The cheap part of [`Self::ipc_collect`]: frees limbo storages whose slots consumers released
-    /// since the last drain, reading only those releases (cost independent of the limbo's size).
-    /// This is what every producer-side free and every cache miss run.
-    pub fn ipc_drain(&self) -> crate::ipc::Drained {
-        self.ipc.drain()
-    }
-
-    /// [`Self::ipc_collect`] with what it freed.
-    pub fn ipc_collect_stats(&self) -> crate::ipc::Drained {
-        self.ipc.collect()
-    }
-
-    /// Shared storages in limbo (dropped here, still counted by consumers) and their bytes.
-    pub fn ipc_limbo(&self) -> (usize, u64) {
-        self.ipc.limbo_size()
-    }
-
-    /// Segments of other processes this allocator has open (each opened once, however many
-    /// storages live in it).
-    pub fn ipc_open_segments(&self) -> usize {
-        crate::ipc::open_segments(&self.driver)
-    }
-
-    pub(crate) fn ipc(&self) -> &Arc<IpcState> {
-        &self.ipc
-    }
-
     /// Runs the invariant scanner over every shard.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.devices.iter().try_for_each(|d| d.check_invariants())
@@ -434,7 +357,6 @@ impl CachingAllocator {
 
 impl Drop for CachingAllocator {
     fn drop(&mut self) {
-        self.ipc.shutdown();
         for d in &self.devices {
             d.shutdown();
         }

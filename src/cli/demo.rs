@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudalloc::driver::pattern;
-use cudalloc::{AllocatorConfig, BackendChoice, CachingAllocator, IpcHandle, Storage};
+use cudalloc::{AllocatorConfig, BackendChoice, IpcHandle, Runtime, Storage};
 
 /// Options of the demo.
 #[derive(Debug, Clone)]
@@ -106,10 +106,10 @@ fn unhex(text: &str) -> Result<Vec<u8>, String> {
         .collect()
 }
 
-fn allocator(backend: BackendChoice) -> Result<Arc<CachingAllocator>, String> {
+fn allocator(backend: BackendChoice) -> Result<Arc<Runtime>, String> {
     let selected = backend.open().map_err(|e| e.to_string())?;
     let config = AllocatorConfig::from_env().map_err(|e| e.to_string())?;
-    CachingAllocator::new(selected.driver, config)
+    Runtime::new(selected.driver, config)
         .map(Arc::new)
         .map_err(|e| e.to_string())
 }

@@ -2,9 +2,9 @@
 //! what stream ordering needs (the stream current at lazy-clone time, the copiers' events).
 
 use super::cell::{CowCell, Materialized};
+use crate::alloc::{take_shared, CachingAllocator, DataPtr, Owner, SharedOwner};
 use crate::driver::{DevicePtr, Driver, EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
-use crate::storage::{DataPtr, Owner, Storage};
 use crate::sync::os::{Arc, Mutex};
 
 /// Shared state of a set of COW storages.
@@ -35,13 +35,6 @@ pub(crate) struct CowOwner {
     armed: bool,
 }
 
-impl CowOwner {
-    /// Runs `f` on the shared original data.
-    pub(crate) fn with_original<R>(&self, f: impl FnOnce(Option<&DataPtr>) -> R) -> R {
-        self.ctx.cell.with_data(f)
-    }
-}
-
 impl Drop for CowOwner {
     fn drop(&mut self) {
         if self.armed {
@@ -51,129 +44,116 @@ impl Drop for CowOwner {
     }
 }
 
-/// A lazy clone of `storage` (converted to COW in place on its first lazy clone).
-pub(crate) fn lazy_clone(storage: &Storage) -> Result<Storage> {
-    let alloc = storage.allocator();
-    let device = storage.device();
-    if storage.nbytes() == 0 {
-        return Storage::new(alloc, device, 0);
+impl SharedOwner for CowOwner {
+    fn label(&self) -> &'static str {
+        "cow"
     }
-    storage.with_data(|data| {
-        let ptr = data.ptr();
-        let ctx = match data.owner() {
-            Owner::Cow(owner) => {
-                owner.ctx.cell.add_ref();
-                Arc::clone(&owner.ctx)
-            }
-            Owner::Sent(_) | Owner::Received(_) => return eager_clone(storage, data),
-            _ => {
-                let clone_stream = alloc.current_stream(device)?;
-                let original = std::mem::replace(data, DataPtr::empty(device));
-                let ctx = Arc::new(CowContext {
-                    cell: CowCell::new(original, 2),
-                    device,
-                    clone_stream,
-                    copier_events: Mutex::new(Vec::new()),
-                    driver: Arc::clone(alloc.driver()),
-                });
-                *data = DataPtr::new(
-                    ptr,
-                    device,
-                    Owner::Cow(CowOwner {
-                        ctx: Arc::clone(&ctx),
-                        armed: true,
-                    }),
-                );
-                storage.set_cow_word(ptr, true);
-                ctx
-            }
-        };
-        let clone = Storage::from_data_ptr(
-            alloc,
-            DataPtr::new(ptr, device, Owner::Cow(CowOwner { ctx, armed: true })),
-            storage.nbytes(),
-        );
-        clone.set_cow_word(ptr, true);
-        Ok(clone)
-    })
+
+    fn record_stream(&self, stream: StreamId) -> Result<()> {
+        // Recorded on the shared original: whoever frees it last waits for `stream`.
+        self.ctx.cell.with_data(|original| match original {
+            Some(d) => d.record_stream(stream),
+            None => Ok(()),
+        })
+    }
 }
 
-/// A lazy clone of memory shared with other processes is an eager, stream-ordered copy: the
-/// memory is an alias of another process's storage, so it can change under a COW view (a consumer
-/// writes it) and cannot be handed to a clone by a steal (the other processes would lose their
-/// alias). PyTorch falls back the same way for storages whose data pointer is not its own.
-fn eager_clone(storage: &Storage, data: &DataPtr) -> Result<Storage> {
-    let alloc = storage.allocator();
-    let stream = alloc.current_stream(storage.device())?;
-    let nbytes = storage.nbytes();
-    let copy = alloc.allocate_on(stream, nbytes)?;
-    alloc
-        .driver()
-        .copy_device_to_device(stream, copy.ptr(), data.ptr(), nbytes)?;
-    storage.record_stream_locked(data, stream)?;
-    Ok(Storage::from_data_ptr(alloc, copy, nbytes))
+/// Whether `data` is a COW view (its owner is a reference on a COW context).
+pub(crate) fn is_cow(data: &DataPtr) -> bool {
+    data.shared_owner::<CowOwner>().is_some()
 }
 
-/// Materializes a COW storage for writing on the current stream; returns the address to write.
-pub(crate) fn materialize(storage: &Storage) -> Result<DevicePtr> {
-    storage.with_data(|data| materialize_locked(storage, data))
+/// A lazy clone of the memory of `data` (a storage's `DataPtr`, its lock held): converts `data` to
+/// a COW view in place on its first lazy clone (or adds one reference to its context) and returns
+/// the clone's `DataPtr`. `None` when the memory cannot be shared copy-on-write — memory shared
+/// with other processes (see the module docs): the caller makes an eager copy instead.
+pub(crate) fn lazy_clone(alloc: &CachingAllocator, data: &mut DataPtr) -> Result<Option<DataPtr>> {
+    let ptr = data.ptr();
+    let device = data.device();
+    let ctx = if let Some(owner) = data.shared_owner::<CowOwner>() {
+        owner.ctx.cell.add_ref();
+        Arc::clone(&owner.ctx)
+    } else if matches!(data.owner(), Owner::Block(_)) {
+        let clone_stream = alloc.current_stream(device)?;
+        let original = std::mem::replace(data, DataPtr::empty(device));
+        let ctx = Arc::new(CowContext {
+            cell: CowCell::new(original, 2),
+            device,
+            clone_stream,
+            copier_events: Mutex::new(Vec::new()),
+            driver: Arc::clone(alloc.driver()),
+        });
+        *data = DataPtr::new(ptr, device, cow_owner(&ctx));
+        ctx
+    } else {
+        return Ok(None);
+    };
+    Ok(Some(DataPtr::new(ptr, device, cow_owner(&ctx))))
 }
 
-/// [`materialize`] with the storage's data lock already held (`data` is the storage's `DataPtr`),
-/// so callers can materialize and go on (e.g. wrap the memory for sharing) in one critical
-/// section. A storage that is not COW is left alone.
-pub(crate) fn materialize_locked(storage: &Storage, data: &mut DataPtr) -> Result<DevicePtr> {
-    let alloc = storage.allocator();
-    let device = storage.device();
-    let nbytes = storage.nbytes();
+fn cow_owner(ctx: &Arc<CowContext>) -> Owner {
+    Owner::Shared(Box::new(CowOwner {
+        ctx: Arc::clone(ctx),
+        armed: true,
+    }))
+}
+
+/// Materializes the COW view `data` (a storage's `DataPtr` of `nbytes`, its lock held) for
+/// writing on the current stream; returns the address to write. Memory that is not a COW view is
+/// left alone. On error `data` is still a valid COW view (the reference was not given up).
+pub(crate) fn materialize(
+    alloc: &CachingAllocator,
+    data: &mut DataPtr,
+    nbytes: u64,
+) -> Result<DevicePtr> {
+    let device = data.device();
+    let shared_ptr = data.ptr();
     let stream = alloc.current_stream(device)?;
     let driver = alloc.driver();
-    {
-        // Take the owner out (no refcount traffic); every early return puts it back.
-        let shared_ptr = data.ptr();
-        let mut owner = match std::mem::replace(data, DataPtr::empty(device)).into_owner() {
-            Owner::Cow(owner) => owner,
-            other => {
-                // Materialized by another alias meanwhile.
+    // Take the owner out (no refcount traffic); every early return puts it back.
+    let mut owner =
+        match take_shared::<CowOwner>(std::mem::replace(data, DataPtr::empty(device)).into_owner())
+        {
+            Ok(owner) => owner,
+            Err(other) => {
+                // Not (or no longer) a COW view.
                 *data = DataPtr::new(shared_ptr, device, other);
                 return Ok(shared_ptr);
             }
         };
-        let ctx = &owner.ctx;
-        let outcome = (|| {
-            if stream != ctx.clone_stream {
-                wait_for_stream(driver, ctx.device, ctx.clone_stream, stream)?;
-            }
-            ctx.cell
-                .materialize(|original| copy_step(alloc, ctx, original, nbytes, stream))
-        })();
-        let new_data = match outcome {
-            Ok(Materialized::Stole(original)) => {
-                // The reference is given up: from here nothing may fail. Our stream waits for
-                // every copier; if a wait cannot be enqueued, block on the event instead.
-                for &e in ctx.copier_events.lock().iter() {
-                    if let Err(err) = driver.stream_wait_event(stream, e) {
-                        tracing::warn!(%err, "COW steal: waiting on the host instead");
-                        let _ = driver.event_synchronize(e);
-                    }
+    let ctx = Arc::clone(&owner.ctx);
+    let outcome = (|| {
+        if stream != ctx.clone_stream {
+            wait_for_stream(driver, ctx.device, ctx.clone_stream, stream)?;
+        }
+        ctx.cell
+            .materialize(|original| copy_step(alloc, &ctx, original, nbytes, stream))
+    })();
+    let new_data = match outcome {
+        Ok(Materialized::Stole(original)) => {
+            // The reference is given up: from here nothing may fail. Our stream waits for
+            // every copier; if a wait cannot be enqueued, block on the event instead.
+            for &e in ctx.copier_events.lock().iter() {
+                if let Err(err) = driver.stream_wait_event(stream, e) {
+                    tracing::warn!(%err, "COW steal: waiting on the host instead");
+                    let _ = driver.event_synchronize(e);
                 }
-                original
             }
-            Ok(Materialized::Copied(copy)) => copy,
-            Err(err) => {
-                // Still a valid COW storage (the reference was not given up).
-                *data = DataPtr::new(shared_ptr, device, Owner::Cow(owner));
-                return Err(err);
-            }
-        };
-        // `materialize` already gave our reference up: disarm the old owner before it drops.
-        owner.armed = false;
-        drop(owner);
-        let ptr = new_data.ptr();
-        *data = new_data;
-        storage.set_cow_word(ptr, false);
-        Ok(ptr)
-    }
+            original
+        }
+        Ok(Materialized::Copied(copy)) => copy,
+        Err(err) => {
+            // Still a valid COW storage (the reference was not given up).
+            *data = DataPtr::new(shared_ptr, device, Owner::Shared(owner));
+            return Err(err);
+        }
+    };
+    // `materialize` already gave our reference up: disarm the old owner before it drops.
+    owner.armed = false;
+    drop(owner);
+    let ptr = new_data.ptr();
+    *data = new_data;
+    Ok(ptr)
 }
 
 /// Copier: the whole fallible copy step, done before the reference is given up. Allocates the
@@ -183,7 +163,7 @@ pub(crate) fn materialize_locked(storage: &Storage, data: &mut DataPtr) -> Resul
 /// synchronized (so the abandoned copy cannot read the source after a stealer writes it) and the
 /// error returned — the caller's storage stays COW.
 fn copy_step(
-    alloc: &crate::CachingAllocator,
+    alloc: &CachingAllocator,
     ctx: &CowContext,
     original: &DataPtr,
     nbytes: u64,

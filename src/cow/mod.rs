@@ -42,4 +42,4 @@
 pub mod cell;
 mod context;
 
-pub(crate) use context::{lazy_clone, materialize, materialize_locked, CowOwner};
+pub(crate) use context::{is_cow, lazy_clone, materialize};

@@ -1,9 +1,8 @@
 //! Consumer side: opening a handle, the caches that make a handle open once per process, and the
 //! lease a process holds on a slot while it uses a received storage.
 //!
-//! * Opened segment mappings are cached by memory handle (a CUDA handle opens once per process);
-//!   received storages by (memory handle, offset), weakly: a second receipt of a live storage
-//!   returns the same `Storage` and gives the producer its count back at once.
+//! * Opened segment mappings are shared per (driver, memory handle): a CUDA handle opens once per
+//!   process and context, however many allocators receive storages in it.
 //! * Ref-counter files are opened once per process and cached by name.
 //! * A lease is taken with the slot's shared OFD lock held *before* `pending` moves to `held`; it is
 //!   released after the process's work on the memory is done: streams synchronized, `held` lowered,
@@ -14,9 +13,9 @@ use std::collections::HashMap;
 use super::limbo::SlotCounters;
 use super::refcount::{underflow, RefCounterFile};
 use super::wire::WireHandle;
+use crate::alloc::SharedOwner;
 use crate::driver::{DevicePtr, Driver, StreamId, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
-use crate::storage::WeakStorage;
 use crate::sync::os::{Arc, Mutex, Weak};
 
 /// Ref-counter files this process opened, by name.
@@ -301,6 +300,21 @@ pub(crate) struct ReceivedOwner {
     pub _mapping: Mapping,
 }
 
+impl SharedOwner for ReceivedOwner {
+    fn label(&self) -> &'static str {
+        "ipc-received"
+    }
+
+    fn record_stream(&self, stream: StreamId) -> Result<()> {
+        // The lease is released only after the work queued on `stream` so far is done.
+        let mut streams = self.streams.lock();
+        if !streams.contains(&stream) {
+            streams.push(stream);
+        }
+        Ok(())
+    }
+}
+
 impl Drop for ReceivedOwner {
     fn drop(&mut self) {
         for stream in self.streams.lock().drain(..) {
@@ -310,11 +324,4 @@ impl Drop for ReceivedOwner {
         }
         drop(self.lease.take());
     }
-}
-
-/// Per-allocator consumer cache: received storages by (memory handle, offset), weakly. Its lock
-/// is held across a whole receipt, so two threads opening one storage get one `Storage`.
-#[derive(Debug, Default)]
-pub(crate) struct ConsumerCaches {
-    pub received: Mutex<HashMap<([u8; IPC_HANDLE_SIZE], u64), WeakStorage>>,
 }

@@ -12,8 +12,10 @@
 //! | dropped          | not 0       | limbo: freed by a drain once consumers release |
 
 use super::state::{IpcState, SlotRef};
+use crate::alloc::{BlockOwner, DataPtr, SharedOwner};
+use crate::driver::StreamId;
 use crate::driver::{EventFlags, EventId, IPC_HANDLE_SIZE};
-use crate::storage::DataPtr;
+use crate::error::Result;
 use crate::sync::os::atomic::Ordering;
 use crate::sync::os::Arc;
 
@@ -35,6 +37,23 @@ pub(crate) struct SentData {
 pub(crate) struct SentOwner {
     pub state: Arc<IpcState>,
     pub data: Option<SentData>,
+}
+
+impl SharedOwner for SentOwner {
+    fn label(&self) -> &'static str {
+        "ipc-sent"
+    }
+
+    fn block(&self) -> Option<&BlockOwner> {
+        self.data.as_ref().and_then(|d| d.original.block_owner())
+    }
+
+    fn record_stream(&self, stream: StreamId) -> Result<()> {
+        match &self.data {
+            Some(d) => d.original.record_stream(stream),
+            None => Ok(()),
+        }
+    }
 }
 
 impl Drop for SentOwner {

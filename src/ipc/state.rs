@@ -1,20 +1,17 @@
 //! The producer's bookkeeping: ref-counter files and their free slots, the limbo of storages that
 //! died while consumers still counted on them, and the storages it shared (for same-process
-//! receipt). One `IpcState` per allocator.
+//! receipt). One `IpcState` per [`Runtime`](crate::Runtime).
 //!
 //! Limbo entries are keyed by (file number, slot). Draining reads each file's release ring and
 //! re-checks only the hinted slots — cost proportional to what consumers released, independent of
 //! how much sits in limbo. [`IpcState::collect`] additionally looks for slots whose holders all died
 //! (`pending == 0`, `held > 0`, no OFD lock) and reclaims them with a warning.
 
-use std::collections::HashMap;
-
 use super::limbo::{Limbo, SlotCounters};
 use super::producer::SentData;
 use super::refcount::RefCounterFile;
 use crate::driver::{Backend, Driver};
-use crate::error::{Error, Result};
-use crate::storage::WeakStorage;
+use crate::error::Result;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex};
 
@@ -70,8 +67,6 @@ pub(crate) struct IpcState {
     pub live_events: AtomicU64,
     files: Mutex<Files>,
     limbo: Limbo<(u64, u32), SentData>,
-    /// Consumer-side caches (mappings, received storages).
-    pub consumer: super::consumer::ConsumerCaches,
 }
 
 impl std::fmt::Debug for IpcState {
@@ -100,7 +95,6 @@ impl IpcState {
             live_events: AtomicU64::new(0),
             files: Mutex::new(Files::default()),
             limbo: Limbo::default(),
-            consumer: Default::default(),
         }
     }
 
@@ -201,7 +195,6 @@ impl IpcState {
             }
             self.live_events.fetch_sub(1, Ordering::Relaxed);
         }
-        forget_shared(data.slot.file.name(), data.slot.slot);
         self.give_back_slot(&data.slot);
         drop(data.original);
     }
@@ -323,45 +316,4 @@ impl IpcState {
             }
         }
     }
-}
-
-/// Storages this process shared, by (ref-counter file name, slot), whichever allocator shared them:
-/// a receipt in the producer's own process returns the original storage (through any allocator of
-/// the process — the names are unique per process).
-static SHARED_STORAGES: Mutex<Option<SharedStorages>> = Mutex::new(None);
-
-/// (ref-counter file name, slot) → (the slot's generation, the storage).
-type SharedStorages = HashMap<(String, u32), (u32, WeakStorage)>;
-
-/// Registers a storage that was just shared for the first time.
-pub(crate) fn remember_shared(slot: &SlotRef, storage: WeakStorage) {
-    SHARED_STORAGES
-        .lock()
-        .get_or_insert_with(HashMap::new)
-        .insert(
-            (slot.file.name().to_owned(), slot.slot),
-            (slot.generation, storage),
-        );
-}
-
-fn forget_shared(file: &str, slot: u32) {
-    if let Some(map) = SHARED_STORAGES.lock().as_mut() {
-        map.remove(&(file.to_owned(), slot));
-    }
-}
-
-/// A receipt in the producer's own process: the original storage, if it still lives (and the
-/// handle is of its generation, not of an earlier storage in the same slot).
-pub(crate) fn same_process(
-    ref_file: &str,
-    slot: u32,
-    generation: u32,
-) -> Result<crate::storage::Storage> {
-    SHARED_STORAGES
-        .lock()
-        .as_ref()
-        .and_then(|map| map.get(&(ref_file.to_owned(), slot)).cloned())
-        .filter(|(g, _)| *g == generation)
-        .and_then(|(_, weak)| weak.upgrade())
-        .ok_or_else(|| Error::bad_handle("the shared storage no longer exists in this process"))
 }

@@ -223,10 +223,10 @@ pub fn shm_names_with_prefix(prefix: &str) -> Vec<String> {
 }
 
 /// A caching allocator with the invariant scanner on, over `driver`.
-pub fn checked_allocator(driver: Arc<dyn Driver>, conf: &str) -> Arc<cudalloc::CachingAllocator> {
+pub fn checked_allocator(driver: Arc<dyn Driver>, conf: &str) -> Arc<cudalloc::Runtime> {
     let config = cudalloc::AllocatorConfig::parse(conf).unwrap();
     Arc::new(
-        cudalloc::CachingAllocator::builder()
+        cudalloc::Runtime::builder()
             .config(config)
             .check_invariants(true)
             .build(driver)

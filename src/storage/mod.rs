@@ -1,151 +1,45 @@
-//! `DataPtr` (an owning device pointer with a typed owner) and `Storage` (the unit of aliasing).
+//! [`Storage`]: the unit of aliasing, and the one place that knows every kind of memory.
 //!
-//! A [`DataPtr`] owns one device address. Its owner says how the memory goes back when the pointer
-//! drops: a caching-allocator block returns to its shard; `Owner::None` owns nothing (empty or
-//! borrowed memory). Later layers add owners (COW contexts, IPC sent and received data); because the
-//! owner is typed, any of them can be wrapped by another.
+//! Storages alias **iff** they are clones of one `Storage`. A storage holds its [`DataPtr`] under
+//! a lock, an atomic *address word* (the address with a COW tag in bit 0, so `mutable_data_ptr()`
+//! of a plain storage is one atomic load), and its [`Runtime`] (allocator + IPC state). The layers
+//! below work on `DataPtr`s only; this module decides which `Storage` a receipt returns
+//! (`registry.rs`) and orders the steps of sharing a COW storage (`sharing.rs`).
 //!
-//! A [`Storage`] is shared by cloning: clones alias (same data, same identity). Reads never change
-//! it. `mutable_data_ptr()` reads one atomic word holding the address and a COW tag in bit 0 (device
-//! addresses are at least 512-byte aligned); with the tag clear — every storage until lazy clones
-//! exist — that load is the whole cost.
+//! States (the owner of its `DataPtr`) and transitions — every operation takes the storage's lock
+//! for its whole transition, so no other thread sees a state in between:
+//!
+//! | state    | owner                       | address word        |
+//! |----------|-----------------------------|---------------------|
+//! | plain    | allocator block (or none)   | address, tag clear  |
+//! | COW      | reference on a COW context  | shared address, tag set |
+//! | shared   | IPC sent data (keeps the block) | address, tag clear |
+//! | received | IPC lease on another process's memory | address, tag clear |
+//!
+//! | operation on a storage in state → | plain | COW | shared | received |
+//! |---|---|---|---|---|
+//! | `lazy_clone()` | → COW (context of 2); the clone is COW | +1 reference; the clone is COW | unchanged; the clone is a plain eager copy | unchanged; the clone is a plain eager copy |
+//! | `mutable_data_ptr()` | unchanged (one load) | → plain: steal if last, else copy | unchanged | unchanged |
+//! | `share_ipc()` | → shared (slot, event) | materialize (→ plain), → shared, copy completed | +1 pending on its slot | forwarded: +1 pending on the original slot |
+//! | `from_ipc()` | — | — | same process: this storage | another process: → received (or the storage already open) |
+//! | drop (last clone) | block freed | −1 reference (last frees) | limbo while counted, else freed | lease released after its streams |
+//!
+//! A lazy clone of shared memory is an eager copy because the memory is an alias of other
+//! processes' storages (see `cow/mod.rs`); sharing a COW storage materializes it first because a
+//! consumer may write.
+
+mod registry;
+mod sharing;
 
 use std::fmt;
 
-use crate::alloc::{CachingAllocator, Shard};
-use crate::cow::CowOwner;
+use crate::alloc::DataPtr;
 use crate::driver::{DevicePtr, StreamId};
 use crate::error::{Error, Result};
-use crate::ipc::{IpcHandle, ReceivedOwner, SentOwner};
+use crate::ipc::IpcHandle;
+use crate::runtime::Runtime;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex, Weak};
-
-/// A caching-allocator block owned by a [`DataPtr`]: dropping it frees the block into its shard.
-pub(crate) struct BlockOwner {
-    shard: Arc<Shard>,
-    block: usize,
-}
-
-impl BlockOwner {
-    pub(crate) fn new(shard: Arc<Shard>, block: usize) -> Self {
-        BlockOwner { shard, block }
-    }
-
-    pub(crate) fn record_use(&self, stream: StreamId) -> Result<()> {
-        self.shard.record_use(self.block, stream)
-    }
-
-    /// The stream the block was allocated on.
-    pub(crate) fn stream(&self) -> StreamId {
-        self.shard.stream
-    }
-
-    /// Base and size of the block's segment.
-    pub(crate) fn segment(&self) -> (u64, u64) {
-        self.shard.segment_of(self.block)
-    }
-}
-
-impl Drop for BlockOwner {
-    fn drop(&mut self) {
-        self.shard.free(self.block);
-    }
-}
-
-/// Who is responsible for a [`DataPtr`]'s memory.
-pub(crate) enum Owner {
-    /// Nothing to release (empty storage).
-    None,
-    /// A block of a caching allocator.
-    Block(BlockOwner),
-    /// A block shared with other processes (keeps the block; may go to limbo when dropped).
-    Sent(Box<SentOwner>),
-    /// Memory of another process, held through a lease on its slot.
-    Received(Box<ReceivedOwner>),
-    /// One reference on a copy-on-write context.
-    Cow(CowOwner),
-}
-
-/// An owning device pointer.
-pub struct DataPtr {
-    ptr: DevicePtr,
-    device: usize,
-    owner: Owner,
-}
-
-impl fmt::Debug for DataPtr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let owner = match &self.owner {
-            Owner::None => "none",
-            Owner::Block(_) => "block",
-            Owner::Sent(_) => "ipc-sent",
-            Owner::Received(_) => "ipc-received",
-            Owner::Cow(_) => "cow",
-        };
-        f.debug_struct("DataPtr")
-            .field("ptr", &self.ptr)
-            .field("device", &self.device)
-            .field("owner", &owner)
-            .finish()
-    }
-}
-
-impl DataPtr {
-    pub(crate) fn new(ptr: DevicePtr, device: usize, owner: Owner) -> Self {
-        DataPtr { ptr, device, owner }
-    }
-
-    /// A null pointer owning nothing (the data of an empty storage).
-    pub fn empty(device: usize) -> Self {
-        DataPtr {
-            ptr: DevicePtr(0),
-            device,
-            owner: Owner::None,
-        }
-    }
-
-    /// The device address.
-    pub fn ptr(&self) -> DevicePtr {
-        self.ptr
-    }
-
-    /// The device ordinal.
-    pub fn device(&self) -> usize {
-        self.device
-    }
-
-    /// Whether this is the null pointer of an empty allocation.
-    pub fn is_empty(&self) -> bool {
-        self.ptr.0 == 0
-    }
-
-    /// The block behind this pointer (directly, or kept by a shared storage's owner).
-    pub(crate) fn block_owner(&self) -> Option<&BlockOwner> {
-        match &self.owner {
-            Owner::Block(b) => Some(b),
-            Owner::Sent(s) => s.data.as_ref().and_then(|d| d.original.block_owner()),
-            Owner::None | Owner::Received(_) | Owner::Cow(_) => None,
-        }
-    }
-
-    pub(crate) fn into_owner(self) -> Owner {
-        self.owner
-    }
-
-    pub(crate) fn owner(&self) -> &Owner {
-        &self.owner
-    }
-
-    /// Base and size of the allocator segment holding this memory.
-    pub(crate) fn segment(&self) -> Option<(u64, u64)> {
-        self.block_owner().map(BlockOwner::segment)
-    }
-
-    /// The stream the memory was allocated on, when it came from a caching allocator.
-    pub fn allocation_stream(&self) -> Option<StreamId> {
-        self.block_owner().map(BlockOwner::stream)
-    }
-}
 
 /// Bit 0 of the address word: the storage is a COW view (set by lazy clones).
 const COW_TAG: u64 = 1;
@@ -156,7 +50,7 @@ struct StorageInner {
     nbytes: u64,
     device: usize,
     data: Mutex<DataPtr>,
-    allocator: Arc<CachingAllocator>,
+    runtime: Arc<Runtime>,
 }
 
 /// The unit of aliasing: clones share the same data; distinct storages never alias (until lazy
@@ -198,20 +92,20 @@ impl fmt::Debug for Storage {
 
 impl Storage {
     /// Allocates `nbytes` on `device`'s current stream (0 bytes: a valid empty storage).
-    pub fn new(allocator: &Arc<CachingAllocator>, device: usize, nbytes: u64) -> Result<Self> {
-        let data = allocator.allocate(device, nbytes)?;
-        Ok(Self::from_data_ptr(allocator, data, nbytes))
+    pub fn new(runtime: &Arc<Runtime>, device: usize, nbytes: u64) -> Result<Self> {
+        let data = runtime.allocate(device, nbytes)?;
+        Ok(Self::from_data_ptr(runtime, data, nbytes))
     }
 
     /// Wraps memory already owned by `data` (of at least `nbytes`).
-    pub fn from_data_ptr(allocator: &Arc<CachingAllocator>, data: DataPtr, nbytes: u64) -> Self {
+    pub fn from_data_ptr(runtime: &Arc<Runtime>, data: DataPtr, nbytes: u64) -> Self {
         Storage {
             inner: Arc::new(StorageInner {
                 word: AtomicU64::new(data.ptr().0),
                 nbytes,
                 device: data.device(),
                 data: Mutex::new(data),
-                allocator: Arc::clone(allocator),
+                runtime: Arc::clone(runtime),
             }),
         }
     }
@@ -226,9 +120,14 @@ impl Storage {
         self.inner.device
     }
 
+    /// The runtime (allocator and IPC state) the storage belongs to.
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self.inner.runtime
+    }
+
     /// The allocator that owns the memory.
-    pub fn allocator(&self) -> &Arc<CachingAllocator> {
-        &self.inner.allocator
+    pub fn allocator(&self) -> &Arc<crate::CachingAllocator> {
+        self.inner.runtime.allocator()
     }
 
     /// The address for reading. Never materializes.
@@ -246,13 +145,21 @@ impl Storage {
         if word & COW_TAG == 0 {
             return Ok(DevicePtr(word));
         }
-        crate::cow::materialize(self)
+        self.with_data(|data| self.materialize_locked(data))
+    }
+
+    /// Materializes a COW storage with its lock held (`data` is its `DataPtr`) and publishes the
+    /// new address; a storage that is not COW is left alone.
+    fn materialize_locked(&self, data: &mut DataPtr) -> Result<DevicePtr> {
+        let ptr = crate::cow::materialize(self.allocator(), data, self.inner.nbytes)?;
+        self.set_cow_word(ptr, false);
+        Ok(ptr)
     }
 
     /// A lazy clone: a new storage sharing this one's data copy-on-write (converting this storage
     /// to COW on its first lazy clone). Not an alias: writes to either stay private.
     pub fn lazy_clone(&self) -> Result<Storage> {
-        crate::cow::lazy_clone(self)
+        sharing::lazy_clone(self)
     }
 
     /// Whether the storage shares its data copy-on-write.
@@ -262,7 +169,7 @@ impl Storage {
 
     /// Sets or clears the COW tag; clearing also publishes the (possibly new) address. Called with
     /// the storage's data lock held, `ptr` being the new address.
-    pub(crate) fn set_cow_word(&self, ptr: DevicePtr, cow: bool) {
+    fn set_cow_word(&self, ptr: DevicePtr, cow: bool) {
         let tag = if cow { COW_TAG } else { 0 };
         self.inner.word.store(ptr.0 | tag, Ordering::Release);
     }
@@ -275,44 +182,25 @@ impl Storage {
     /// Marks the storage's memory as used on `stream` (see [`CachingAllocator::record_stream`]).
     /// For a received storage, the lease is released only after `stream`'s work is done.
     pub fn record_stream(&self, stream: StreamId) -> Result<()> {
-        let data = self.inner.data.lock();
-        self.record_stream_locked(&data, stream)
-    }
-
-    /// [`Self::record_stream`] with the storage's data lock held (`data` is its `DataPtr`).
-    pub(crate) fn record_stream_locked(&self, data: &DataPtr, stream: StreamId) -> Result<()> {
-        match &data.owner {
-            Owner::Received(r) => {
-                let mut streams = r.streams.lock();
-                if !streams.contains(&stream) {
-                    streams.push(stream);
-                }
-                Ok(())
-            }
-            Owner::Cow(c) => c.with_original(|original| match original {
-                Some(d) => self.inner.allocator.record_stream(d, stream),
-                None => Ok(()),
-            }),
-            _ => self.inner.allocator.record_stream(data, stream),
-        }
+        self.inner.data.lock().record_stream(stream)
     }
 
     /// Shares this storage with other processes: the returned handle owns one count on the
     /// storage's slot (see [`crate::ipc`]). Sharing a received storage forwards it.
     pub fn share_ipc(&self) -> Result<IpcHandle> {
-        crate::ipc::share(self)
+        sharing::share(self)
     }
 
     /// Opens a handle from another process (or returns the original storage in the producer's own
     /// process, or the already-open storage in this one). The storage waits for the producer's
     /// event on the current stream before any work queued after this call.
-    pub fn from_ipc(allocator: &Arc<CachingAllocator>, handle: IpcHandle) -> Result<Storage> {
-        crate::ipc::receive(allocator, handle)
+    pub fn from_ipc(runtime: &Arc<Runtime>, handle: IpcHandle) -> Result<Storage> {
+        sharing::receive(runtime, handle)
     }
 
     /// Whether the memory came from another process.
     pub fn is_received(&self) -> bool {
-        matches!(self.inner.data.lock().owner, Owner::Received(_))
+        crate::ipc::is_received(&self.inner.data.lock())
     }
 
     pub(crate) fn downgrade(&self) -> WeakStorage {
@@ -335,7 +223,7 @@ impl Storage {
     }
 
     fn stream(&self) -> Result<StreamId> {
-        self.inner.allocator.current_stream(self.inner.device)
+        self.inner.runtime.current_stream(self.inner.device)
     }
 
     /// Copies `src` to the start of the storage on the current stream (returns when done).
@@ -346,7 +234,7 @@ impl Storage {
         }
         let dst = self.mutable_data_ptr()?;
         self.inner
-            .allocator
+            .runtime
             .driver()
             .copy_host_to_device(self.stream()?, dst, src)
     }
@@ -358,7 +246,7 @@ impl Storage {
             return Ok(());
         }
         self.inner
-            .allocator
+            .runtime
             .driver()
             .copy_device_to_host(self.stream()?, dst, self.data_ptr())
     }
@@ -370,7 +258,7 @@ impl Storage {
         }
         let dst = self.mutable_data_ptr()?;
         self.inner
-            .allocator
+            .runtime
             .driver()
             .fill_pattern(self.stream()?, dst, self.inner.nbytes, seed)
     }
@@ -380,7 +268,7 @@ impl Storage {
         if self.inner.nbytes == 0 {
             return Ok(0);
         }
-        self.inner.allocator.driver().count_pattern_mismatches(
+        self.inner.runtime.driver().count_pattern_mismatches(
             self.stream()?,
             self.data_ptr(),
             self.inner.nbytes,

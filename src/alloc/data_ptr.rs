@@ -1,0 +1,189 @@
+//! `DataPtr`: one owning device pointer with a typed owner.
+//!
+//! The owner says how the memory goes back when the pointer drops. This layer knows two kinds: a
+//! caching-allocator block (returned to its shard) and nothing (an empty storage). Upper layers —
+//! copy-on-write contexts, memory shared with or received from other processes — attach their own
+//! owners through the [`SharedOwner`] trait object, so the allocator never names them (DESIGN §1:
+//! no module imports a layer above it). An upper layer recognizes its own owners by downcasting.
+//!
+//! | owner                      | dropping the `DataPtr`                                    |
+//! |----------------------------|-----------------------------------------------------------|
+//! | `None`                     | nothing                                                   |
+//! | `Block`                    | the block is freed into its shard (after recorded streams) |
+//! | `Shared(Box<dyn SharedOwner>)` | the upper layer's `Drop` (COW release, IPC limbo, lease release) |
+
+use std::any::Any;
+use std::fmt;
+
+use super::device::Shard;
+use crate::driver::{DevicePtr, StreamId};
+use crate::error::{Error, Result};
+use crate::sync::os::Arc;
+
+/// A caching-allocator block owned by a [`DataPtr`]: dropping it frees the block into its shard.
+pub(crate) struct BlockOwner {
+    shard: Arc<Shard>,
+    block: usize,
+}
+
+impl BlockOwner {
+    pub(crate) fn new(shard: Arc<Shard>, block: usize) -> Self {
+        BlockOwner { shard, block }
+    }
+
+    /// Its free waits for the work queued on `stream` so far.
+    pub(crate) fn record_use(&self, stream: StreamId) -> Result<()> {
+        self.shard.record_use(self.block, stream)
+    }
+
+    /// The stream the block was allocated on.
+    pub(crate) fn stream(&self) -> StreamId {
+        self.shard.stream
+    }
+
+    /// Base and size of the block's segment.
+    pub(crate) fn segment(&self) -> (u64, u64) {
+        self.shard.segment_of(self.block)
+    }
+}
+
+impl Drop for BlockOwner {
+    fn drop(&mut self) {
+        self.shard.free(self.block);
+    }
+}
+
+/// An owner defined by a layer above the allocator (COW context, IPC sent or received data).
+pub(crate) trait SharedOwner: Any + Send + Sync + fmt::Debug {
+    /// A short name for logs (`"cow"`, `"ipc-sent"`, …).
+    fn label(&self) -> &'static str;
+
+    /// The allocator block this owner keeps allocated, if any.
+    fn block(&self) -> Option<&BlockOwner> {
+        None
+    }
+
+    /// Makes the release of this memory wait for the work queued on `stream` so far.
+    fn record_stream(&self, stream: StreamId) -> Result<()>;
+}
+
+/// Who is responsible for a [`DataPtr`]'s memory.
+pub(crate) enum Owner {
+    /// Nothing to release (empty storage).
+    None,
+    /// A block of a caching allocator.
+    Block(BlockOwner),
+    /// An owner of an upper layer.
+    Shared(Box<dyn SharedOwner>),
+}
+
+/// An owning device pointer.
+pub struct DataPtr {
+    ptr: DevicePtr,
+    device: usize,
+    owner: Owner,
+}
+
+impl fmt::Debug for DataPtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let owner = match &self.owner {
+            Owner::None => "none",
+            Owner::Block(_) => "block",
+            Owner::Shared(s) => s.label(),
+        };
+        f.debug_struct("DataPtr")
+            .field("ptr", &self.ptr)
+            .field("device", &self.device)
+            .field("owner", &owner)
+            .finish()
+    }
+}
+
+impl DataPtr {
+    pub(crate) fn new(ptr: DevicePtr, device: usize, owner: Owner) -> Self {
+        DataPtr { ptr, device, owner }
+    }
+
+    /// A null pointer owning nothing (the data of an empty storage).
+    pub fn empty(device: usize) -> Self {
+        DataPtr {
+            ptr: DevicePtr(0),
+            device,
+            owner: Owner::None,
+        }
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// Whether this is the null pointer of an empty allocation.
+    pub fn is_empty(&self) -> bool {
+        self.ptr.0 == 0
+    }
+
+    /// The block behind this pointer (directly, or kept by an upper layer's owner).
+    pub(crate) fn block_owner(&self) -> Option<&BlockOwner> {
+        match &self.owner {
+            Owner::Block(b) => Some(b),
+            Owner::Shared(s) => s.block(),
+            Owner::None => None,
+        }
+    }
+
+    pub(crate) fn into_owner(self) -> Owner {
+        self.owner
+    }
+
+    pub(crate) fn owner(&self) -> &Owner {
+        &self.owner
+    }
+
+    /// The upper-layer owner of type `T`, if that is what owns this memory.
+    pub(crate) fn shared_owner<T: SharedOwner>(&self) -> Option<&T> {
+        match &self.owner {
+            Owner::Shared(s) => (&**s as &dyn Any).downcast_ref::<T>(),
+            _ => None,
+        }
+    }
+
+    /// Base and size of the allocator segment holding this memory.
+    pub(crate) fn segment(&self) -> Option<(u64, u64)> {
+        self.block_owner().map(BlockOwner::segment)
+    }
+
+    /// The stream the memory was allocated on, when it came from a caching allocator.
+    pub fn allocation_stream(&self) -> Option<StreamId> {
+        self.block_owner().map(BlockOwner::stream)
+    }
+
+    /// Marks the memory as used on `stream`: its release waits for the work queued there so far.
+    pub(crate) fn record_stream(&self, stream: StreamId) -> Result<()> {
+        match &self.owner {
+            Owner::Block(b) => b.record_use(stream),
+            Owner::Shared(s) => s.record_stream(stream),
+            Owner::None if self.is_empty() => Ok(()),
+            Owner::None => Err(Error::invalid(
+                "record_stream: this pointer was not allocated by a caching allocator",
+            )),
+        }
+    }
+}
+
+/// Takes the upper-layer owner of type `T` out of `owner`, or gives `owner` back unchanged.
+pub(crate) fn take_shared<T: SharedOwner>(owner: Owner) -> std::result::Result<Box<T>, Owner> {
+    match owner {
+        Owner::Shared(s) if (&*s as &dyn Any).is::<T>() => {
+            let any: Box<dyn Any> = s;
+            // Cannot fail (the type was just checked); were it to, the owner is released.
+            any.downcast::<T>().map_err(|_| Owner::None)
+        }
+        other => Err(other),
+    }
+}

@@ -1,0 +1,50 @@
+//! Which `Storage` a receipt returns.
+//!
+//! * **Shared storages** of this process, by the key their handles carry (ref-counter file,
+//!   slot, generation), whichever runtime shared them: a receipt in the producer's own process
+//!   returns the original storage — through any runtime of the process. The generation makes a
+//!   handle of an earlier storage in a reused slot miss.
+//! * **Received storages**, per runtime, by (memory handle, offset): a second receipt of a live
+//!   storage returns the same `Storage`. The lock of this table is held across a whole receipt, so
+//!   two threads opening one storage get one `Storage` (check and insert are one step).
+//!
+//! Entries are weak; dead ones are pruned whenever an entry is added.
+
+use std::collections::HashMap;
+
+use super::{Storage, WeakStorage};
+use crate::driver::IPC_HANDLE_SIZE;
+use crate::ipc::SharedKey;
+use crate::sync::os::{Mutex, MutexGuard};
+
+static SHARED: Mutex<Option<HashMap<SharedKey, WeakStorage>>> = Mutex::new(None);
+
+/// (runtime id, memory handle, offset).
+pub(super) type ReceivedKey = (u64, [u8; IPC_HANDLE_SIZE], u64);
+
+/// Received storages of every runtime of the process.
+pub(super) type Received = HashMap<ReceivedKey, WeakStorage>;
+
+static RECEIVED: Mutex<Option<Received>> = Mutex::new(None);
+
+/// Registers a storage shared for the first time.
+pub(super) fn remember_shared(key: SharedKey, storage: &Storage) {
+    let mut guard = SHARED.lock();
+    let map = guard.get_or_insert_with(HashMap::new);
+    map.retain(|_, w| w.is_alive());
+    map.insert(key, storage.downgrade());
+}
+
+/// The live storage this process shared under `key`.
+pub(super) fn shared(key: &SharedKey) -> Option<Storage> {
+    SHARED
+        .lock()
+        .as_ref()
+        .and_then(|map| map.get(key))
+        .and_then(WeakStorage::upgrade)
+}
+
+/// The received-storage table, locked for a whole receipt.
+pub(super) fn received() -> MutexGuard<'static, Option<Received>> {
+    RECEIVED.lock()
+}

@@ -1,0 +1,105 @@
+//! The storage-level steps of lazy clones and sharing, each under the storage's lock (see the state
+//! table in the [module docs](super)).
+
+use std::collections::HashMap;
+
+use super::{registry, Storage};
+use crate::alloc::DataPtr;
+use crate::error::{Error, Result};
+use crate::ipc::IpcHandle;
+use crate::runtime::Runtime;
+use crate::sync::os::Arc;
+
+/// A lazy clone of `storage` (converting it to COW in place on its first lazy clone).
+pub(super) fn lazy_clone(storage: &Storage) -> Result<Storage> {
+    let runtime = storage.runtime();
+    if storage.nbytes() == 0 {
+        return Storage::new(runtime, storage.device(), 0);
+    }
+    storage.with_data(|data| {
+        let ptr = data.ptr();
+        match crate::cow::lazy_clone(runtime.allocator(), data)? {
+            Some(clone_data) => {
+                storage.set_cow_word(ptr, true);
+                let clone = Storage::from_data_ptr(runtime, clone_data, storage.nbytes());
+                clone.set_cow_word(ptr, true);
+                Ok(clone)
+            }
+            None => eager_clone(storage, data),
+        }
+    })
+}
+
+/// A lazy clone of memory shared with other processes is an eager, stream-ordered copy on the
+/// current stream (the memory is an alias of their storages: see `cow/mod.rs`). The source is
+/// marked as used by that stream, so its release waits for the copy.
+fn eager_clone(storage: &Storage, data: &DataPtr) -> Result<Storage> {
+    let runtime = storage.runtime();
+    let stream = runtime.current_stream(storage.device())?;
+    let copy = runtime.clone_data(data, storage.nbytes(), stream)?;
+    Ok(Storage::from_data_ptr(runtime, copy, storage.nbytes()))
+}
+
+/// Shares `storage` (see [`Storage::share_ipc`]).
+pub(super) fn share(storage: &Storage) -> Result<IpcHandle> {
+    let runtime = storage.runtime();
+    let stream = runtime.current_stream(storage.device())?;
+    storage.with_data(|data| {
+        if crate::cow::is_cow(data) {
+            // A consumer may write: the shared memory must be this storage's own. Materialized
+            // under the same lock as the wrapping below, so a concurrent lazy clone cannot turn it
+            // back into a COW view in between. The copy is enqueued on `stream`; nothing the
+            // caller did asked for it, so it is made complete before any stream can touch the new
+            // memory (a later write on another stream must not be overwritten by it).
+            storage.materialize_locked(data)?;
+            runtime.driver().stream_synchronize(stream)?;
+        }
+        let shared = crate::ipc::share(runtime.ipc(), data, storage.nbytes(), stream)?;
+        if let Some(key) = shared.first_share {
+            registry::remember_shared(key, storage);
+        }
+        Ok(shared.handle)
+    })
+}
+
+/// Opens a handle (see [`Storage::from_ipc`]).
+pub(super) fn receive(runtime: &Arc<Runtime>, handle: IpcHandle) -> Result<Storage> {
+    let wire = handle.wire();
+    let device = usize::try_from(wire.device).map_err(|_| Error::bad_handle("device ordinal"))?;
+    if device >= runtime.device_count() {
+        return Err(Error::bad_handle(format!(
+            "device {device} does not exist here"
+        )));
+    }
+    if wire.is_empty() {
+        return Storage::new(runtime, device, 0);
+    }
+    if wire.producer_pid == std::process::id() {
+        // The producer's own process: the original storage, and the count goes back at once.
+        let original = registry::shared(&crate::ipc::shared_key(wire)).ok_or_else(|| {
+            Error::bad_handle("the shared storage no longer exists in this process")
+        });
+        let (_, claim) = handle.into_parts();
+        if let Some(c) = claim {
+            c.give_back();
+        }
+        return original;
+    }
+    let key = (runtime.id(), wire.memory, wire.offset);
+    let nbytes = wire.nbytes;
+    // Held across the whole receipt: check and insert are one step.
+    let mut guard = registry::received();
+    let received = guard.get_or_insert_with(HashMap::new);
+    if let Some(live) = received.get(&key).and_then(super::WeakStorage::upgrade) {
+        let (_, claim) = handle.into_parts();
+        if let Some(c) = claim {
+            c.give_back();
+        }
+        return Ok(live);
+    }
+    received.retain(|_, w| w.is_alive());
+    let data = crate::ipc::open(runtime.ipc(), runtime.allocator(), handle, device)?;
+    let storage = Storage::from_data_ptr(runtime, data, nbytes);
+    received.insert(key, storage.downgrade());
+    Ok(storage)
+}
