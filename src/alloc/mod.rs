@@ -60,7 +60,6 @@ pub struct CachingAllocatorBuilder {
     check_invariants: bool,
 }
 
-
 impl CachingAllocatorBuilder {
     /// Uses `config` (default: [`AllocatorConfig::default`]).
     pub fn config(mut self, config: AllocatorConfig) -> Self {
