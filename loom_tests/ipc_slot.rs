@@ -13,6 +13,7 @@
 #![cfg(loom)]
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+use cudalloc::ipc::lease_table::LeaseTable;
 use cudalloc::ipc::limbo::{Counter, Limbo, SlotCounters};
 use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use loom::sync::Arc;
@@ -195,6 +196,122 @@ fn negative_control_checking_outside_the_limbo_lock_strands_the_storage() {
         .unwrap_or_default();
     assert!(
         text.contains("never stranded"),
+        "failed for another reason: {text}"
+    );
+}
+
+// ---- Leases of one consumer process (`cudalloc::ipc::lease_table`) ----
+//
+// Two threads of one consumer process each hold a lease on the same slot (two runtimes, or two
+// receipts of one handle); the producer, whose storage is in limbo, runs the dead-holder check of
+// `ipc_collect` concurrently: "pending == 0, held > 0 and nobody holds the slot's lock" means every
+// holder died, so the memory is reclaimed. It must never be reclaimed while a lease uses it.
+
+struct Process {
+    slot: Slot,
+    /// The process's OFD lock on the slot (one open file description per process).
+    locked: AtomicBool,
+    leases: LeaseTable<u32>,
+    in_use: AtomicUsize,
+    reclaimed: AtomicBool,
+}
+
+impl Process {
+    fn new() -> Arc<Process> {
+        Arc::new(Process {
+            slot: Slot {
+                pending: LoomCounter(AtomicU64::new(2)),
+                held: LoomCounter(AtomicU64::new(0)),
+            },
+            locked: AtomicBool::new(false),
+            leases: LeaseTable::default(),
+            in_use: AtomicUsize::new(0),
+            reclaimed: AtomicBool::new(false),
+        })
+    }
+
+    /// The producer's dead-holder check, in `collect`'s order: counts, then the lock.
+    fn collect(&self) {
+        let (pending, held) = self.slot.counts();
+        if pending == 0 && held > 0 && !self.locked.load(Ordering::SeqCst) {
+            assert_eq!(
+                self.in_use.load(Ordering::SeqCst),
+                0,
+                "reclaimed memory a live lease uses"
+            );
+            self.reclaimed.store(true, Ordering::SeqCst);
+        }
+    }
+
+    fn use_memory(&self) {
+        self.in_use.fetch_add(1, Ordering::SeqCst);
+        self.in_use.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// One lease, the production way: counted per process.
+fn counted_lease(p: &Process) {
+    p.leases
+        .take(
+            0,
+            || {
+                p.locked.store(true, Ordering::SeqCst);
+                assert!(p.slot.pending_to_held());
+                Ok(())
+            },
+            || {
+                assert!(p.slot.give_back_pending());
+                Ok(())
+            },
+        )
+        .unwrap();
+    p.use_memory();
+    assert!(p.leases.release(&0, || {
+        assert!(p.slot.release_held());
+        p.locked.store(false, Ordering::SeqCst);
+    }));
+}
+
+/// One lease the old way: every lease is a holder, and every drop unlocks the process's lock.
+fn unlock_on_every_drop(p: &Process) {
+    p.locked.store(true, Ordering::SeqCst);
+    assert!(p.slot.pending_to_held());
+    p.use_memory();
+    assert!(p.slot.release_held());
+    p.locked.store(false, Ordering::SeqCst);
+}
+
+fn run_leases(lease: fn(&Process)) {
+    builder().check(move || {
+        let p = Process::new();
+        let (a, b, c) = (p.clone(), p.clone(), p.clone());
+        let ta = thread::spawn(move || lease(&a));
+        let tb = thread::spawn(move || lease(&b));
+        let tc = thread::spawn(move || c.collect());
+        ta.join().unwrap();
+        tb.join().unwrap();
+        tc.join().unwrap();
+        assert_eq!(p.slot.counts(), (0, 0), "every count returned");
+        assert!(!p.locked.load(Ordering::SeqCst));
+    });
+}
+
+#[test]
+fn two_leases_of_one_process_keep_the_slot_held_until_the_last() {
+    run_leases(counted_lease);
+}
+
+#[test]
+fn negative_control_unlocking_on_every_drop_frees_memory_in_use() {
+    let caught = std::panic::catch_unwind(|| run_leases(unlock_on_every_drop));
+    let message = caught.expect_err("loom must find the reclaim of memory in use");
+    let text = message
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| message.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_default();
+    assert!(
+        text.contains("reclaimed memory a live lease uses"),
         "failed for another reason: {text}"
     );
 }

@@ -10,13 +10,14 @@
 
 use std::collections::HashMap;
 
+use super::lease_table::LeaseTable;
 use super::limbo::SlotCounters;
 use super::refcount::{underflow, RefCounterFile};
 use super::wire::WireHandle;
 use crate::alloc::SharedOwner;
 use crate::driver::{DevicePtr, Driver, StreamId, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
-use crate::sync::os::{Arc, Mutex, Weak};
+use crate::sync::os::{Arc, Mutex, OnceLock, Weak};
 
 /// Ref-counter files this process opened, by name.
 static OPENED_FILES: Mutex<Option<HashMap<String, Weak<RefCounterFile>>>> = Mutex::new(None);
@@ -109,7 +110,11 @@ impl Drop for Claim {
 /// first lease and given up by the last, under this table's lock — so two allocators, or two
 /// threads, of one process never unlock a slot another lease of the process still needs (the
 /// lock sits on the process's one open file description of the ref-counter file).
-static LEASES: Mutex<Option<HashMap<(String, u32), u64>>> = Mutex::new(None);
+static LEASES: OnceLock<LeaseTable<(String, u32)>> = OnceLock::new();
+
+fn leases() -> &'static LeaseTable<(String, u32)> {
+    LEASES.get_or_init(LeaseTable::default)
+}
 
 /// This process holds `slot` (one of possibly several leases of the process on it).
 ///
@@ -132,62 +137,48 @@ impl Lease {
             // The producer reclaims the count: nothing to give back.
             return Err(super::refcount::Refused::Expired.into_error(slot));
         }
-        let mut table = LEASES.lock();
-        let leases = table.get_or_insert_with(HashMap::new);
         let key = (file.name().to_owned(), slot);
-        if let Some(count) = leases.get_mut(&key) {
+        leases().take(
+            key,
+            || {
+                file.lock_shared(slot)
+                    .inspect_err(|_| give_back(&file, ticket))?;
+                let claimed = file.slot(slot).and_then(|s| {
+                    s.claim(ticket.generation, ticket.expires_ms)
+                        .map_err(|refused| refused.into_error(slot))
+                });
+                if claimed.is_err() {
+                    let _ = file.unlock(slot);
+                }
+                claimed
+            },
             // The process already holds the slot: this count is covered by that hold.
-            give_back_quietly(&file, ticket)?;
-            *count += 1;
-            return Ok(Lease { file, slot });
-        }
-        if let Err(err) = file.lock_shared(slot) {
-            give_back(&file, ticket);
-            return Err(err);
-        }
-        let claimed = file.slot(slot).and_then(|s| {
-            s.claim(ticket.generation, ticket.expires_ms)
-                .map_err(|refused| refused.into_error(slot))
-        });
-        if let Err(err) = claimed {
-            let _ = file.unlock(slot);
-            return Err(err);
-        }
-        leases.insert(key, 1);
+            || give_back_quietly(&file, ticket),
+        )?;
         Ok(Lease { file, slot })
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        let mut table = LEASES.lock();
-        let leases = table.get_or_insert_with(HashMap::new);
         let key = (self.file.name().to_owned(), self.slot);
-        match leases.get_mut(&key) {
-            Some(count) if *count > 1 => {
-                *count -= 1;
-                return;
+        let known = leases().release(&key, || {
+            if let Err(err) = self.file.slot(self.slot).and_then(|s| {
+                if s.release_held() {
+                    Ok(())
+                } else {
+                    Err(underflow("held"))
+                }
+            }) {
+                tracing::warn!(%err, "releasing an IPC lease failed");
             }
-            Some(_) => {
-                leases.remove(&key);
+            self.file.push_release(self.slot);
+            if let Err(err) = self.file.unlock(self.slot) {
+                tracing::warn!(%err, "unlocking an IPC slot failed");
             }
-            None => {
-                tracing::warn!(slot = self.slot, "IPC lease missing from the lease table");
-                return;
-            }
-        }
-        if let Err(err) = self.file.slot(self.slot).and_then(|s| {
-            if s.release_held() {
-                Ok(())
-            } else {
-                Err(underflow("held"))
-            }
-        }) {
-            tracing::warn!(%err, "releasing an IPC lease failed");
-        }
-        self.file.push_release(self.slot);
-        if let Err(err) = self.file.unlock(self.slot) {
-            tracing::warn!(%err, "unlocking an IPC slot failed");
+        });
+        if !known {
+            tracing::warn!(slot = self.slot, "IPC lease missing from the lease table");
         }
     }
 }

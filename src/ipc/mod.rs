@@ -21,6 +21,8 @@
 mod consumer;
 mod handle;
 #[doc(hidden)]
+pub mod lease_table;
+#[doc(hidden)]
 pub mod limbo;
 mod producer;
 pub(crate) mod refcount;
