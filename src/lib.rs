@@ -14,10 +14,11 @@
 //! cow | ipc  copy-on-write contexts | sharing across processes — both on DataPtrs
 //! alloc      CachingAllocator, DataPtr and its owners (upper layers attach trait objects)
 //! driver     the Driver trait: HostDriver, CudaDriver
-//! ground     error, sync, config, shm
+//! ground     error, sync, config, shm, codec
 //! ```
 
 pub mod alloc;
+mod codec;
 pub mod config;
 pub mod cow;
 pub mod driver;

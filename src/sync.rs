@@ -22,12 +22,57 @@ pub(crate) mod os {
 }
 
 /// Primitives of the model-checked protocols: loom's under `--cfg loom`, real ones otherwise.
+///
+/// The locks are wrapped so that they never report poisoning: a panic while one is held is a bug
+/// that the panic itself reports; the protected state of these protocols stays consistent at every
+/// await point (each critical section is a few field updates), so later users go on with it rather
+/// than every call site writing `unwrap_or_else(|p| p.into_inner())`.
 #[allow(unused_imports)]
 pub mod model {
     #[cfg(loom)]
-    pub(crate) use loom::sync::{Arc, Mutex, MutexGuard, RwLock};
+    use loom::sync as inner;
     #[cfg(not(loom))]
-    pub(crate) use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+    use std::sync as inner;
+
+    pub(crate) use inner::Arc;
+    pub(crate) use inner::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
+
+    /// A mutex whose `lock` ignores poisoning.
+    #[derive(Debug, Default)]
+    pub(crate) struct Mutex<T>(inner::Mutex<T>);
+
+    impl<T> Mutex<T> {
+        /// A new mutex.
+        pub(crate) fn new(value: T) -> Self {
+            Mutex(inner::Mutex::new(value))
+        }
+
+        /// Locks (waiting as long as it takes).
+        pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
+            self.0.lock().unwrap_or_else(|p| p.into_inner())
+        }
+    }
+
+    /// A reader-writer lock whose `read` and `write` ignore poisoning.
+    #[derive(Debug, Default)]
+    pub(crate) struct RwLock<T>(inner::RwLock<T>);
+
+    impl<T> RwLock<T> {
+        /// A new lock.
+        pub(crate) fn new(value: T) -> Self {
+            RwLock(inner::RwLock::new(value))
+        }
+
+        /// Shared access.
+        pub(crate) fn read(&self) -> RwLockReadGuard<'_, T> {
+            self.0.read().unwrap_or_else(|p| p.into_inner())
+        }
+
+        /// Exclusive access.
+        pub(crate) fn write(&self) -> RwLockWriteGuard<'_, T> {
+            self.0.write().unwrap_or_else(|p| p.into_inner())
+        }
+    }
 
     /// Atomics of the modeled protocols.
     pub mod atomic {

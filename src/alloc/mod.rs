@@ -191,8 +191,7 @@ impl CachingAllocator {
         if let Some(shard) = thread::cached_shard(self.id, stream) {
             return Ok(shard);
         }
-        let device = self.driver.stream_device(stream)?;
-        let shard = self.device(device)?.shard(stream)?;
+        let shard = self.device(stream.device())?.shard(stream)?;
         thread::cache_shard(self.id, stream, &shard);
         Ok(shard)
     }

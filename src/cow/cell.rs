@@ -64,7 +64,7 @@ impl<D> CowCell<D> {
 
     /// Runs `f` on the shared data (it is present until the last reference steals or releases it).
     pub fn with_data<R>(&self, f: impl FnOnce(Option<&D>) -> R) -> R {
-        let guard = self.data.lock().unwrap_or_else(|p| p.into_inner());
+        let guard = self.data.lock();
         f(guard.as_ref())
     }
 
@@ -76,9 +76,9 @@ impl<D> CowCell<D> {
     /// last reference after all: the copy is kept and the original data is freed here, after every
     /// in-flight copy (exclusive lock).
     pub fn materialize<C>(&self, copy: impl FnOnce(&D) -> Result<C>) -> Result<Materialized<D, C>> {
-        let shared = self.lock.read().unwrap_or_else(|p| p.into_inner());
+        let shared = self.lock.read();
         let copied = if self.refcount.load(Ordering::Acquire) > 1 {
-            let data = self.data.lock().unwrap_or_else(|p| p.into_inner());
+            let data = self.data.lock();
             let original = data.as_ref().ok_or_else(|| {
                 crate::Error::invalid("COW data already taken: reference count corrupted")
             })?;
@@ -88,8 +88,8 @@ impl<D> CowCell<D> {
         };
         if self.refcount.fetch_sub(1, Ordering::AcqRel) == 1 {
             drop(shared);
-            let _exclusive = self.lock.write().unwrap_or_else(|p| p.into_inner());
-            let data = self.data.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let _exclusive = self.lock.write();
+            let data = self.data.lock().take();
             return match (copied, data) {
                 (Some(copy), original) => {
                     drop(original);
@@ -113,8 +113,8 @@ impl<D> CowCell<D> {
     /// data out (after every in-flight copy, through the exclusive lock) for the caller to free.
     pub fn release(&self) -> Option<D> {
         if self.refcount.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let _exclusive = self.lock.write().unwrap_or_else(|p| p.into_inner());
-            return self.data.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let _exclusive = self.lock.write();
+            return self.data.lock().take();
         }
         None
     }

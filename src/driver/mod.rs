@@ -64,11 +64,33 @@ impl fmt::Display for DevicePtr {
     }
 }
 
-/// An opaque stream id handed out by a [`Driver`].
+/// An opaque stream id handed out by a [`Driver`]. It carries its device (bits 48..64) so the
+/// allocator finds a stream's device without asking the driver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct StreamId(pub(crate) u64);
 
+/// Bits of a [`StreamId`] below its device.
+const STREAM_DEVICE_SHIFT: u32 = 48;
+
 impl StreamId {
+    /// The id of a driver's stream number `serial` on `device` (drivers only).
+    pub(crate) fn new(device: usize, serial: u64) -> Result<StreamId> {
+        let device = u64::try_from(device)
+            .ok()
+            .filter(|&d| d < 1 << (64 - STREAM_DEVICE_SHIFT))
+            .ok_or_else(|| crate::Error::invalid(format!("device ordinal {device} too large")))?;
+        if serial >= 1 << STREAM_DEVICE_SHIFT {
+            return Err(crate::Error::invalid("stream numbers exhausted"));
+        }
+        Ok(StreamId((device << STREAM_DEVICE_SHIFT) | serial))
+    }
+
+    /// The device the stream belongs to (no driver call; the driver still validates the stream
+    /// whenever it is used).
+    pub fn device(self) -> usize {
+        (self.0 >> STREAM_DEVICE_SHIFT) as usize
+    }
+
     /// The raw id, for logs and snapshots.
     pub fn raw(self) -> u64 {
         self.0

@@ -39,7 +39,7 @@ impl<K: Eq + Hash + Clone> LeaseTable<K> {
         first: impl FnOnce() -> Result<()>,
         again: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
-        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let mut counts = self.counts.lock();
         match counts.get_mut(&key) {
             Some(n) => {
                 again()?;
@@ -56,7 +56,7 @@ impl<K: Eq + Hash + Clone> LeaseTable<K> {
     /// Drops one lease on `key`; the last one runs `last` (`held` − 1, release hint, unlock).
     /// Returns false if the process held no lease on `key` (a bookkeeping bug; nothing is done).
     pub fn release(&self, key: &K, last: impl FnOnce()) -> bool {
-        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let mut counts = self.counts.lock();
         match counts.get_mut(key) {
             Some(n) if *n > 1 => *n -= 1,
             Some(_) => {
@@ -70,7 +70,7 @@ impl<K: Eq + Hash + Clone> LeaseTable<K> {
 
     /// Leases held on `key`.
     pub fn count(&self, key: &K) -> u64 {
-        let counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let counts = self.counts.lock();
         counts.get(key).copied().unwrap_or(0)
     }
 }

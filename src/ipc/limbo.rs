@@ -90,9 +90,7 @@ impl<K: Eq + Hash + Copy, T> Default for Limbo<K, T> {
 
 impl<K: Eq + Hash + Copy, T> Limbo<K, T> {
     fn lock(&self) -> crate::sync::model::MutexGuard<'_, HashMap<K, T>> {
-        self.entries
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.entries.lock()
     }
 
     /// The producer's storage died. Returns it back when it must be freed now (nobody counts),

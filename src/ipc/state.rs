@@ -132,11 +132,11 @@ impl IpcState {
         }
         let index = f.next_index;
         f.next_index += 1;
-        let name = format!(
-            "cudalloc-{}-{:016x}{}{index}",
+        let name = crate::shm::object_name(
             self.pid,
             self.nonce,
-            super::wire::REF_FILE_TAG
+            super::wire::REF_FILE_TAG.trim_start_matches('-'),
+            index,
         );
         let file = Arc::new(RefCounterFile::create(&name, self.slots_per_file)?);
         let generation = file.slot(0)?.assign();

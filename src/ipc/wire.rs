@@ -25,7 +25,8 @@
 //! zero padding, checksum). What the bytes *name* (the file, the slot) is checked when the handle is
 //! opened (`refcount.rs`).
 
-use crate::driver::{pattern, Backend, IPC_HANDLE_SIZE};
+use crate::codec;
+use crate::driver::{Backend, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
 use crate::shm;
 
@@ -126,15 +127,11 @@ mod serde_handles {
     }
 }
 
+/// Seed of the wire handle's checksum.
+const CHECKSUM_SEED: u64 = 0x4950_4331;
+
 fn checksum(bytes: &[u8]) -> u64 {
-    bytes
-        .chunks(8)
-        .enumerate()
-        .fold(0x4950_4331, |acc, (i, chunk)| {
-            let mut w = [0u8; 8];
-            w[..chunk.len()].copy_from_slice(chunk);
-            pattern::word(acc ^ u64::from_le_bytes(w), i as u64)
-        })
+    codec::checksum(CHECKSUM_SEED, bytes)
 }
 
 fn bad(what: impl std::fmt::Display) -> Error {
@@ -180,30 +177,30 @@ impl WireHandle {
     /// Encodes the handle (`WIRE_SIZE` bytes).
     pub fn encode(&self) -> Vec<u8> {
         let mut b = vec![0u8; WIRE_SIZE];
-        b[0..8].copy_from_slice(&MAGIC);
-        b[8..10].copy_from_slice(&VERSION.to_le_bytes());
+        codec::put(&mut b, 0, &MAGIC);
+        codec::put(&mut b, 8, &VERSION.to_le_bytes());
         b[10] = match self.backend {
             Backend::Host => 1,
             Backend::Cuda => 2,
         };
         b[11] = u8::from(self.event.is_some()) | (u8::from(self.is_empty()) << 1);
-        b[12..16].copy_from_slice(&self.device.to_le_bytes());
-        b[16..20].copy_from_slice(&self.producer_pid.to_le_bytes());
-        b[20..24].copy_from_slice(&self.slot.to_le_bytes());
-        b[24..88].copy_from_slice(&self.memory);
-        b[88..96].copy_from_slice(&self.segment_size.to_le_bytes());
-        b[96..104].copy_from_slice(&self.offset.to_le_bytes());
-        b[104..112].copy_from_slice(&self.nbytes.to_le_bytes());
+        codec::put(&mut b, 12, &self.device.to_le_bytes());
+        codec::put(&mut b, 16, &self.producer_pid.to_le_bytes());
+        codec::put(&mut b, 20, &self.slot.to_le_bytes());
+        codec::put(&mut b, 24, &self.memory);
+        codec::put(&mut b, 88, &self.segment_size.to_le_bytes());
+        codec::put(&mut b, 96, &self.offset.to_le_bytes());
+        codec::put(&mut b, 104, &self.nbytes.to_le_bytes());
         let name = self.ref_file.as_bytes();
         let n = name.len().min(NAME_BYTES);
-        b[112..112 + n].copy_from_slice(&name[..n]);
+        codec::put(&mut b, 112, &name[..n]);
         if let Some(event) = &self.event {
-            b[176..240].copy_from_slice(event);
+            codec::put(&mut b, 176, event);
         }
-        b[240..244].copy_from_slice(&self.generation.to_le_bytes());
-        b[248..256].copy_from_slice(&self.expires_ms.to_le_bytes());
+        codec::put(&mut b, 240, &self.generation.to_le_bytes());
+        codec::put(&mut b, 248, &self.expires_ms.to_le_bytes());
         let sum = checksum(&b[0..SUMMED]);
-        b[SUMMED..WIRE_SIZE].copy_from_slice(&sum.to_le_bytes());
+        codec::put(&mut b, SUMMED, &sum.to_le_bytes());
         b
     }
 
@@ -227,18 +224,12 @@ impl WireHandle {
                 bytes.len()
             )));
         }
-        let u32_at = |at: usize| {
-            u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
-        };
-        let u64_at = |at: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&bytes[at..at + 8]);
-            u64::from_le_bytes(w)
-        };
+        let u32_at = |at: usize| codec::u32_at(bytes, at);
+        let u64_at = |at: usize| codec::u64_at(bytes, at);
         if bytes[0..8] != MAGIC {
             return Err(bad("not a cudalloc IPC handle (bad magic)"));
         }
-        let version = u16::from_le_bytes([bytes[8], bytes[9]]);
+        let version = codec::u16_at(bytes, 8);
         if version != VERSION {
             return Err(bad(format!(
                 "handle layout version {version}; this build reads {VERSION}"

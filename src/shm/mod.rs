@@ -40,6 +40,13 @@ pub(crate) const SHM_DIR: &str = "/dev/shm";
 /// Every object cudalloc creates starts with this.
 pub(crate) const NAME_PREFIX: &str = "cudalloc-";
 
+/// The name of object `number` of kind `tag` (`seg`, `evt`, `ref`, …) of the process `pid` whose
+/// creating component drew `nonce`: `cudalloc-<pid>-<nonce>-<tag><number>`. Every object cudalloc
+/// creates is named here, so the creator pid (which the orphan sweep reads) is always first.
+pub(crate) fn object_name(pid: u32, nonce: u64, tag: &str, number: u64) -> String {
+    format!("{NAME_PREFIX}{pid}-{nonce:016x}-{tag}{number}")
+}
+
 /// Longest name accepted (NAME_MAX is 255).
 const MAX_NAME_LEN: usize = 200;
 

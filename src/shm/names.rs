@@ -3,7 +3,7 @@
 //! processes left behind.
 //!
 //! Every object name starts with `cudalloc-<creator pid>-`. A process that creates its first object
-//! also creates `cudalloc-<pid>-<nonce>-live` and holds an exclusive OFD lock on it for its whole
+//! also creates `cudalloc-<pid>-<nonce>-live0` and holds an exclusive OFD lock on it for its whole
 //! life; Linux drops that lock when the process dies (SIGKILL included). The sweep decides per
 //! creator pid:
 //!
@@ -58,9 +58,12 @@ extern "C" fn unlink_live_names_at_exit() {
     }
 }
 
+/// Tag of liveness files (`cudalloc-<pid>-<nonce>-live0`).
+const LIVENESS_TAG: &str = "live";
+
 /// Creates and locks this process's liveness file; its name joins the names unlinked at exit.
 fn liveness_file(pid: u32) -> Option<(String, File)> {
-    let name = format!("{NAME_PREFIX}{pid}-{:016x}-live", super::random_u64());
+    let name = super::object_name(pid, super::random_u64(), LIVENESS_TAG, 0);
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -189,8 +192,10 @@ pub fn sweep_orphans() -> Result<Vec<String>> {
     }
     let mut removed = Vec::new();
     for (pid, names) in by_creator {
-        let alive =
-            names.iter().any(|n| n.ends_with("-live") && is_locked(n)) || process_alive(pid);
+        let alive = names
+            .iter()
+            .any(|n| n.contains(&format!("-{LIVENESS_TAG}")) && is_locked(n))
+            || process_alive(pid);
         if alive {
             continue;
         }

@@ -164,15 +164,15 @@ impl Driver for CudaDriver {
         check("cuStreamCreate", unsafe {
             sys::cuStreamCreate(&mut raw, flags)
         })?;
-        let id = self.fresh_id();
+        let id = StreamId::new(device, self.fresh_id())?;
         self.streams.write().insert(
-            id,
+            id.0,
             StreamEntry {
                 device,
                 raw: Raw(raw),
             },
         );
-        Ok(StreamId(id))
+        Ok(id)
     }
 
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {

@@ -16,7 +16,8 @@
 //! The shared-memory name is derived from (pid, nonce, kind, object number), never read from the
 //! handle, so a handle cannot point the opener at an arbitrary file. Decoding checks every field.
 
-use crate::driver::{pattern, IPC_HANDLE_SIZE};
+use crate::codec;
+use crate::driver::IPC_HANDLE_SIZE;
 use crate::error::{Error, Result};
 
 const VERSION: u16 = 1;
@@ -60,18 +61,14 @@ pub(crate) struct HostHandle {
 
 /// The shared-memory name of object `object` of `kind` made by the driver (`pid`, `nonce`).
 pub(crate) fn object_name(kind: HandleKind, pid: u32, nonce: u64, object: u64) -> String {
-    format!("cudalloc-{pid}-{nonce:016x}-{}{object}", kind.tag())
+    crate::shm::object_name(pid, nonce, kind.tag(), object)
 }
 
+/// Seed of the host handles' checksum.
+const CHECKSUM_SEED: u64 = 0x6364_616c;
+
 fn checksum(bytes: &[u8]) -> u64 {
-    bytes
-        .chunks(8)
-        .enumerate()
-        .fold(0x6364_616c_u64, |acc, (i, chunk)| {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            pattern::word(acc ^ u64::from_le_bytes(word), i as u64)
-        })
+    codec::checksum(CHECKSUM_SEED, bytes)
 }
 
 impl HostHandle {
@@ -82,24 +79,20 @@ impl HostHandle {
 
     pub(crate) fn encode(&self) -> [u8; IPC_HANDLE_SIZE] {
         let mut b = [0u8; IPC_HANDLE_SIZE];
-        b[0..8].copy_from_slice(&self.kind.magic());
-        b[8..10].copy_from_slice(&VERSION.to_le_bytes());
-        b[10..12].copy_from_slice(&self.device.to_le_bytes());
-        b[12..16].copy_from_slice(&self.pid.to_le_bytes());
-        b[16..24].copy_from_slice(&self.nonce.to_le_bytes());
-        b[24..32].copy_from_slice(&self.object.to_le_bytes());
-        b[32..40].copy_from_slice(&self.extra.to_le_bytes());
+        codec::put(&mut b, 0, &self.kind.magic());
+        codec::put(&mut b, 8, &VERSION.to_le_bytes());
+        codec::put(&mut b, 10, &self.device.to_le_bytes());
+        codec::put(&mut b, 12, &self.pid.to_le_bytes());
+        codec::put(&mut b, 16, &self.nonce.to_le_bytes());
+        codec::put(&mut b, 24, &self.object.to_le_bytes());
+        codec::put(&mut b, 32, &self.extra.to_le_bytes());
         let sum = checksum(&b[0..56]);
-        b[56..64].copy_from_slice(&sum.to_le_bytes());
+        codec::put(&mut b, 56, &sum.to_le_bytes());
         b
     }
 
     pub(crate) fn decode(kind: HandleKind, b: &[u8; IPC_HANDLE_SIZE]) -> Result<Self> {
-        let u64_at = |at: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&b[at..at + 8]);
-            u64::from_le_bytes(w)
-        };
+        let u64_at = |at: usize| codec::u64_at(b, at);
         let what = match kind {
             HandleKind::Memory => "memory",
             HandleKind::Event => "event",
@@ -109,7 +102,7 @@ impl HostHandle {
                 "not a host-backend {what} handle (bad magic)"
             )));
         }
-        let version = u16::from_le_bytes([b[8], b[9]]);
+        let version = codec::u16_at(b, 8);
         if version != VERSION {
             return Err(Error::bad_handle(format!(
                 "host {what} handle layout version {version}, this build reads {VERSION}"

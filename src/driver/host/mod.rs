@@ -341,10 +341,10 @@ impl Driver for HostDriver {
 
     fn stream_create(&self, device: usize) -> Result<StreamId> {
         self.check_device(device)?;
-        let id = self.fresh_id();
-        let stream = HostStream::spawn(device, id)?;
-        self.streams.write().insert(id, stream);
-        Ok(StreamId(id))
+        let id = StreamId::new(device, self.fresh_id())?;
+        let stream = HostStream::spawn(device, id.0)?;
+        self.streams.write().insert(id.0, stream);
+        Ok(id)
     }
 
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
