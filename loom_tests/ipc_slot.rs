@@ -114,6 +114,15 @@ fn consumer(w: &World) {
     w.hint.fetch_or(true, Ordering::SeqCst);
 }
 
+/// The message of a caught panic.
+fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_default()
+}
+
 /// A model builder honouring `LOOM_MAX_PREEMPTIONS` (3 when unset).
 fn builder() -> loom::model::Builder {
     let mut b = loom::model::Builder::new();
@@ -187,13 +196,9 @@ fn negative_control_checking_outside_the_limbo_lock_strands_the_storage() {
         );
     }
     let caught = std::panic::catch_unwind(|| run(naive_retire));
-    let message =
-        caught.expect_err("loom must find the schedule that strands the storage in limbo");
-    let text = message
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| message.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-        .unwrap_or_default();
+    let text = panic_text(
+        caught.expect_err("loom must find the schedule that strands the storage in limbo"),
+    );
     assert!(
         text.contains("never stranded"),
         "failed for another reason: {text}"
@@ -304,12 +309,7 @@ fn two_leases_of_one_process_keep_the_slot_held_until_the_last() {
 #[test]
 fn negative_control_unlocking_on_every_drop_frees_memory_in_use() {
     let caught = std::panic::catch_unwind(|| run_leases(unlock_on_every_drop));
-    let message = caught.expect_err("loom must find the reclaim of memory in use");
-    let text = message
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| message.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-        .unwrap_or_default();
+    let text = panic_text(caught.expect_err("loom must find the reclaim of memory in use"));
     assert!(
         text.contains("reclaimed memory a live lease uses"),
         "failed for another reason: {text}"

@@ -20,7 +20,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -50,14 +50,8 @@ struct Consumer {
 
 impl Consumer {
     fn spawn() -> Consumer {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .arg("--consumer")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let (child, stdin, stdout) =
+            common::spawn_piped(Command::new(std::env::current_exe().unwrap()).arg("--consumer"));
         Consumer {
             child,
             stdin,

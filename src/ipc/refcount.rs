@@ -29,8 +29,6 @@
 //! is re-checked against its counters — so a lost or stale entry can delay a free but never cause a
 //! wrong one; when the ring overflows, the producer falls back to one scan of its limbo.
 
-use std::os::fd::AsRawFd;
-
 use super::limbo::{Counter, SlotCounters};
 use crate::error::{Error, Result};
 use crate::shm::SharedMemory;
@@ -454,48 +452,26 @@ impl RefCounterFile {
         out
     }
 
-    fn lock(&self, slot: u32, lock_type: libc::c_short, cmd: libc::c_int) -> Result<libc::flock> {
+    fn lock(&self, slot: u32, lock_type: libc::c_int, cmd: libc::c_int) -> Result<libc::flock> {
         let start = self.slot_offset(slot)?;
-        // SAFETY: flock is a plain C struct; all-zero is a valid value.
-        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-        fl.l_type = lock_type;
-        fl.l_whence = libc::SEEK_SET as libc::c_short;
-        fl.l_start = start as libc::off_t;
-        fl.l_len = SLOT_BYTES as libc::off_t;
-        // SAFETY: the descriptor is open for the life of `self.shm`; `fl` is a valid flock for
-        // the duration of the call; F_OFD_* commands only read/write `fl`.
-        let rc = unsafe {
-            libc::fcntl(
-                self.shm.file().as_raw_fd(),
-                cmd,
-                &mut fl as *mut libc::flock,
-            )
-        };
-        if rc == -1 {
-            return Err(Error::Driver {
-                backend: "host",
-                call: "fcntl(F_OFD_*)",
-                message: std::io::Error::last_os_error().to_string(),
-            });
-        }
-        Ok(fl)
+        crate::shm::ofd_lock(self.shm.file(), lock_type, cmd, start, SLOT_BYTES)
     }
 
     /// Consumer: takes the shared lock on `slot`'s bytes (held while the process holds the slot).
     pub fn lock_shared(&self, slot: u32) -> Result<()> {
-        self.lock(slot, libc::F_RDLCK as libc::c_short, libc::F_OFD_SETLK)
+        self.lock(slot, libc::F_RDLCK, libc::F_OFD_SETLK)
             .map(|_| ())
     }
 
     /// Consumer: releases its lock on `slot`.
     pub fn unlock(&self, slot: u32) -> Result<()> {
-        self.lock(slot, libc::F_UNLCK as libc::c_short, libc::F_OFD_SETLK)
+        self.lock(slot, libc::F_UNLCK, libc::F_OFD_SETLK)
             .map(|_| ())
     }
 
     /// Producer: whether any process holds a lock on `slot`'s bytes.
     pub fn is_locked(&self, slot: u32) -> Result<bool> {
-        let fl = self.lock(slot, libc::F_WRLCK as libc::c_short, libc::F_OFD_GETLK)?;
+        let fl = self.lock(slot, libc::F_WRLCK, libc::F_OFD_GETLK)?;
         Ok(fl.l_type != libc::F_UNLCK as libc::c_short)
     }
 }

@@ -22,7 +22,7 @@ mod names;
 
 pub use names::sweep_orphans;
 use names::{forget_name, remember_name};
-pub(crate) use names::{process_alive, REF_FILE_TAG};
+pub(crate) use names::{ofd_lock, process_alive, REF_FILE_TAG};
 
 use crate::error::{Error, Result};
 
@@ -107,6 +107,18 @@ fn map_file(file: &File, len: u64, call: &'static str) -> Result<MmapRaw> {
         .map_err(|e| Error::host_os(call, e))
 }
 
+/// Creates the file of object `name`: read-write, `0600`, exclusive (`O_EXCL`: a pre-planted file
+/// makes creation fail), not through a symlink, closed on exec.
+fn create_exclusive(name: &str) -> std::io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path_of(name))
+}
+
 /// The `call` of the error [`SharedMemory::create`] returns when `/dev/shm` has no room: callers
 /// that allocate device memory turn it into out-of-memory.
 pub(crate) const NO_SPACE_CALL: &str = "posix_fallocate";
@@ -163,13 +175,7 @@ impl SharedMemory {
         if len == 0 {
             return Err(Error::invalid("shared-memory object of size 0"));
         }
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(path_of(name))
+        let file = create_exclusive(name)
             .map_err(|e| Error::host_os("shm_open(O_CREAT|O_EXCL)", format!("{name}: {e}")))?;
         let result = file
             .set_len(len)

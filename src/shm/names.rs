@@ -64,16 +64,10 @@ const LIVENESS_TAG: &str = "live";
 /// Creates and locks this process's liveness file; its name joins the names unlinked at exit.
 fn liveness_file(pid: u32) -> Option<(String, File)> {
     let name = super::object_name(pid, super::random_u64(), LIVENESS_TAG, 0);
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path_of(&name))
+    let file = super::create_exclusive(&name)
         .map_err(|err| tracing::warn!(%err, "cannot create the liveness file {name}"))
         .ok()?;
-    match ofd_lock(&file, libc::F_WRLCK, libc::F_OFD_SETLK) {
+    match ofd_lock(&file, libc::F_WRLCK, libc::F_OFD_SETLK, 0, 0) {
         Ok(_) => Some((name, file)),
         Err(err) => {
             tracing::warn!(%err, "cannot lock the liveness file {name}");
@@ -115,12 +109,25 @@ pub(super) fn forget_name(name: &str) {
     }
 }
 
-/// `fcntl(F_OFD_*)` over a whole file.
-fn ofd_lock(file: &File, lock_type: libc::c_int, cmd: libc::c_int) -> Result<libc::flock> {
+/// `fcntl(F_OFD_*)` of `lock_type` over bytes `start..start + len` of `file` (`len` 0: to the end
+/// of the file). OFD locks belong to the open file description: they are dropped when its last
+/// descriptor closes — when the process dies, SIGKILL included.
+pub(crate) fn ofd_lock(
+    file: &File,
+    lock_type: libc::c_int,
+    cmd: libc::c_int,
+    start: u64,
+    len: u64,
+) -> Result<libc::flock> {
+    let (Ok(start), Ok(len)) = (libc::off_t::try_from(start), libc::off_t::try_from(len)) else {
+        return Err(Error::invalid("lock range exceeds the file offset type"));
+    };
     // SAFETY: flock is a plain C struct; all-zero is a valid value.
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
     fl.l_type = lock_type as libc::c_short;
     fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = start;
+    fl.l_len = len;
     // SAFETY: the descriptor is open for the duration of the call; `fl` is a valid flock that
     // F_OFD_* commands only read and write.
     let rc = unsafe { libc::fcntl(file.as_raw_fd(), cmd, &mut fl as *mut libc::flock) };
@@ -142,7 +149,7 @@ fn is_locked(name: &str) -> bool {
     else {
         return false;
     };
-    ofd_lock(&file, libc::F_WRLCK, libc::F_OFD_GETLK)
+    ofd_lock(&file, libc::F_WRLCK, libc::F_OFD_GETLK, 0, 0)
         .is_ok_and(|fl| fl.l_type != libc::F_UNLCK as libc::c_short)
 }
 

@@ -96,6 +96,18 @@ pub fn unhex64(text: &str) -> [u8; 64] {
         .unwrap_or_else(|v: Vec<u8>| panic!("handle hex has {} bytes", v.len()))
 }
 
+/// Starts `command` with piped stdin and stdout.
+pub fn spawn_piped(command: &mut Command) -> (Child, ChildStdin, BufReader<ChildStdout>) {
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdin = child.stdin.take().unwrap();
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    (child, stdin, stdout)
+}
+
 /// A child process running one ignored test of the current test binary, talking over lines.
 pub struct ChildProcess {
     child: Child,
@@ -121,14 +133,9 @@ pub fn child_command(entry: &str, role: &str) -> Command {
 impl ChildProcess {
     /// Re-executes this test binary running only `entry` (an `#[ignore]`d test) as `role`.
     pub fn spawn(entry: &str, role: &str, backend: &str) -> Self {
-        let mut child = child_command(entry, role)
-            .env(BACKEND_VAR, backend)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut command = child_command(entry, role);
+        command.env(BACKEND_VAR, backend);
+        let (child, stdin, stdout) = spawn_piped(&mut command);
         ChildProcess {
             child,
             stdin,
