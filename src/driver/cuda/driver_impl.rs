@@ -5,24 +5,23 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::{check, CudaDriver, EventEntry, Raw, SegmentEntry, StreamEntry};
+use super::{check, CudaDriver, EventEntry, EventHandle, SegmentEntry, StreamEntry, StreamHandle};
 use crate::driver::{
     ranges, Backend, DevicePtr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
     OpenedSegment, StreamId, IPC_HANDLE_SIZE,
 };
 use crate::error::{Error, Result};
 
-fn out_of_memory(device: usize, requested: u64, err: Error) -> Error {
-    match err {
-        Error::Driver { ref message, .. } if message.contains("CUDA_ERROR_OUT_OF_MEMORY") => {
-            Error::OutOfMemory {
-                device,
-                requested,
-                message: format!("cuMemAlloc of {requested} bytes: {message}"),
-            }
-        }
-        other => other,
+/// `cuMemAlloc`'s result: out-of-memory is decided by the result code (never by message text).
+fn alloc_result(device: usize, requested: u64, rc: CUresult) -> Result<()> {
+    if rc == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        return Err(Error::OutOfMemory {
+            device,
+            requested,
+            message: format!("cuMemAlloc_v2 of {requested} bytes: {rc:?}"),
+        });
     }
+    check("cuMemAlloc_v2", rc)
 }
 
 fn query_result(call: &'static str, rc: CUresult) -> Result<bool> {
@@ -54,8 +53,8 @@ impl CudaDriver {
     fn launch_args(
         &self,
         stream: StreamId,
-        kernel: impl FnOnce(&super::Kernels) -> Raw<sys::CUfunction>,
-    ) -> Result<(StreamEntry, Raw<sys::CUfunction>)> {
+        kernel: impl FnOnce(&super::Kernels) -> super::FunctionHandle,
+    ) -> Result<(StreamEntry, super::FunctionHandle)> {
         let entry = self.stream(stream)?;
         let f = kernel(&self.kernels(entry.device)?);
         self.bind(entry.device)?;
@@ -118,10 +117,7 @@ impl Driver for CudaDriver {
         }
         let mut ptr = 0;
         // SAFETY: out-pointer valid; a context is current.
-        check("cuMemAlloc_v2", unsafe {
-            sys::cuMemAlloc_v2(&mut ptr, bytes)
-        })
-        .map_err(|e| out_of_memory(device, size, e))?;
+        alloc_result(device, size, unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) })?;
         self.segments.write().insert(
             ptr,
             SegmentEntry {
@@ -169,7 +165,7 @@ impl Driver for CudaDriver {
             id.0,
             StreamEntry {
                 device,
-                raw: Raw(raw),
+                raw: StreamHandle(raw),
             },
         );
         Ok(id)
@@ -224,7 +220,7 @@ impl Driver for CudaDriver {
             id,
             EventEntry {
                 device,
-                raw: Raw(raw),
+                raw: EventHandle(raw),
                 interprocess: flags.interprocess,
                 opened: false,
             },
@@ -551,7 +547,7 @@ impl Driver for CudaDriver {
             id,
             EventEntry {
                 device,
-                raw: Raw(raw),
+                raw: EventHandle(raw),
                 interprocess: true,
                 opened: true,
             },

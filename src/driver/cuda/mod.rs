@@ -28,14 +28,44 @@ use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Mutex, OnceLock, RwLock};
 
-/// A CUDA handle (context, stream, event, module, function) that may cross threads.
-#[derive(Clone, Copy, Debug)]
-struct Raw<T>(T);
-// SAFETY: CUDA driver handles are opaque tokens that the driver API accepts from any thread once a
-// context is current; the driver synchronizes internally.
-unsafe impl<T> Send for Raw<T> {}
-// SAFETY: as above; shared references only copy the token.
-unsafe impl<T> Sync for Raw<T> {}
+/// Declares a `Send + Sync` newtype for one kind of CUDA handle, so each kind states why it may
+/// cross threads (and a handle of one kind cannot be passed where another is expected).
+macro_rules! cuda_handle {
+    ($(#[$doc:meta])* $name:ident($raw:ty), $why:literal) => {
+        $(#[$doc])*
+        #[doc = concat!("\n\nSend + Sync: ", $why, ".")]
+        #[derive(Clone, Copy, Debug)]
+        pub(crate) struct $name(pub(crate) $raw);
+        // SAFETY: the reason given in the type's docs — the handle is an opaque token the driver
+        // API accepts from any thread once the owning context is current (every call binds it
+        // first); the driver synchronizes internally and the token is only copied, never
+        // dereferenced by us.
+        unsafe impl Send for $name {}
+        // SAFETY: as for `Send`: shared references only copy the token.
+        unsafe impl Sync for $name {}
+    };
+}
+
+cuda_handle!(
+    /// A device's primary context.
+    CtxHandle(sys::CUcontext),
+    "contexts are process-wide; cuCtxSetCurrent binds one on any thread"
+);
+cuda_handle!(
+    /// A stream created with `cuStreamCreate`.
+    StreamHandle(sys::CUstream),
+    "streams may be used from any thread with their context current"
+);
+cuda_handle!(
+    /// An event created or opened from an IPC handle.
+    EventHandle(sys::CUevent),
+    "events may be recorded, queried and waited on from any thread"
+);
+cuda_handle!(
+    /// A kernel of a module loaded for the life of the process.
+    FunctionHandle(sys::CUfunction),
+    "functions of a loaded module may be launched from any thread"
+);
 
 fn check(call: &'static str, rc: CUresult) -> Result<()> {
     if rc == CUresult::CUDA_SUCCESS {
@@ -62,29 +92,29 @@ fn check(call: &'static str, rc: CUresult) -> Result<()> {
 #[derive(Debug)]
 struct Device {
     ordinal: sys::CUdevice,
-    context: Raw<sys::CUcontext>,
+    context: CtxHandle,
     default_stream: StreamId,
     kernels: OnceLock<std::result::Result<Kernels, String>>,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct Kernels {
-    fill: Raw<sys::CUfunction>,
-    count: Raw<sys::CUfunction>,
-    poison: Raw<sys::CUfunction>,
-    sleep: Raw<sys::CUfunction>,
+    fill: FunctionHandle,
+    count: FunctionHandle,
+    poison: FunctionHandle,
+    sleep: FunctionHandle,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct StreamEntry {
     device: usize,
-    raw: Raw<sys::CUstream>,
+    raw: StreamHandle,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct EventEntry {
     device: usize,
-    raw: Raw<sys::CUevent>,
+    raw: EventHandle,
     interprocess: bool,
     opened: bool,
 }
@@ -155,7 +185,7 @@ impl CudaDriver {
             })?;
             driver.devices.push(Device {
                 ordinal: dev,
-                context: Raw(ctx),
+                context: CtxHandle(ctx),
                 default_stream: StreamId(0),
                 kernels: OnceLock::new(),
             });
@@ -254,7 +284,7 @@ impl CudaDriver {
                 if unsafe { sys::cuModuleGetFunction(&mut f, module, cname.as_ptr()) }
                     == CUresult::CUDA_SUCCESS
                 {
-                    functions.insert(name, Raw(f));
+                    functions.insert(name, FunctionHandle(f));
                 }
             }
         }
@@ -276,7 +306,7 @@ impl CudaDriver {
     /// Launches `f` with a grid-stride configuration for `work` items.
     fn launch(
         &self,
-        f: Raw<sys::CUfunction>,
+        f: FunctionHandle,
         stream: StreamEntry,
         work: u64,
         args: &mut [*mut c_void],
