@@ -15,7 +15,7 @@
 use std::any::Any;
 use std::fmt;
 
-use super::device::Shard;
+use super::shard::Shard;
 use crate::driver::{DevicePtr, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::Arc;

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 
 use super::block::BlockId;
 use super::oom::{self, Callbacks, OomFacts};
-use super::shard::{ReleaseOrder, ShardState};
+use super::shard::{ReleaseOrder, Shard, ShardState};
 use super::size::{self, PoolKind};
 use super::snapshot::{self, SnapshotSegment, Trace, TraceAction};
 use super::stats::DeviceStats;
@@ -26,16 +26,6 @@ use crate::driver::{Driver, EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex, MutexGuard, RwLock};
-
-/// One (device, stream) shard.
-#[derive(Debug)]
-pub(crate) struct Shard {
-    pub stream: StreamId,
-    /// False once the allocator shut down (thread caches then drop their reference).
-    alive: AtomicBool,
-    pub state: Mutex<ShardState>,
-    pub core: Arc<DeviceCore>,
-}
 
 /// Everything an allocator keeps per device.
 pub(crate) struct DeviceCore {
@@ -154,7 +144,7 @@ impl DeviceCore {
         Some((f, (self.capacity as f64 * f) as u64))
     }
 
-    fn verify(&self, state: &ShardState) {
+    pub(super) fn verify(&self, state: &ShardState) {
         if self.check_invariants && !std::thread::panicking() {
             if let Err(broken) = state.check_invariants() {
                 // A test asked for this check: a violated invariant is a bug to stop at.
@@ -335,7 +325,7 @@ impl DeviceCore {
     }
 
     /// Returns segments to the driver (outside every shard lock).
-    fn free_segments(&self, stream: StreamId, segments: Vec<(u64, u64)>) {
+    pub(super) fn free_segments(&self, stream: StreamId, segments: Vec<(u64, u64)>) {
         for (ptr, size) in segments {
             if let Err(err) = self.driver.free(crate::driver::DevicePtr(ptr)) {
                 tracing::error!(%err, ptr, size, "driver free of a cached segment failed");
@@ -541,93 +531,5 @@ impl DeviceCore {
         for (_, shard) in self.shards.write().drain() {
             shard.alive.store(false, Ordering::Release);
         }
-    }
-}
-
-impl Shard {
-    /// Whether the shard's allocator is still running.
-    #[inline]
-    pub fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::Acquire)
-    }
-
-    /// The owner dropped block `id` (the `DataPtr` free path).
-    pub fn free(&self, id: BlockId) {
-        let core = &self.core;
-        let mut st = self.state.lock();
-        let (ptr, size) = (st.blocks[id].ptr, st.blocks[id].size);
-        core.trace.record(
-            TraceAction::FreeRequested,
-            core.device,
-            ptr,
-            size,
-            self.stream,
-        );
-        let uses = st.release(id, &core.config);
-        if uses.is_empty() {
-            core.trace.record(
-                TraceAction::FreeCompleted,
-                core.device,
-                ptr,
-                size,
-                self.stream,
-            );
-        } else {
-            for stream in uses {
-                match core.record_free_event(stream) {
-                    Ok(event) => st.add_pending(id, stream, event),
-                    Err(err) => {
-                        tracing::warn!(%err, "could not record a free event; synchronizing the stream instead");
-                        if let Err(err) = core.driver.stream_synchronize(stream) {
-                            tracing::error!(%err, "stream synchronize failed too; freeing anyway");
-                        }
-                    }
-                }
-            }
-            st.finish_pending_without_events(id);
-        }
-        core.verify(&st);
-    }
-
-    /// Base address and size of the segment holding block `id`.
-    pub fn segment_of(&self, id: BlockId) -> (u64, u64) {
-        let st = self.state.lock();
-        let base = st.blocks[id].segment;
-        (base, st.segments.get(&base).map_or(0, |s| s.size))
-    }
-
-    /// Marks block `id` as used by `stream` (`record_stream`).
-    pub fn record_use(&self, id: BlockId, stream: StreamId) -> Result<()> {
-        if stream == self.stream {
-            return Ok(());
-        }
-        let device = self.core.driver.stream_device(stream)?;
-        if device != self.core.device {
-            return Err(Error::invalid(format!(
-                "record_stream: stream {} is on device {device}, the block on device {}",
-                stream.raw(),
-                self.core.device
-            )));
-        }
-        self.state.lock().record_use(id, stream);
-        Ok(())
-    }
-}
-
-impl Drop for Shard {
-    fn drop(&mut self) {
-        // Only reached after the allocator shut down and the last block of this shard was freed.
-        let st = self.state.get_mut();
-        for e in st.pending_events() {
-            let _ = self.core.driver.event_synchronize(e);
-        }
-        let _ = st.complete_events(|_| Ok(true));
-        let taken = st.take_free_segments(
-            &self.core.config,
-            |_| true,
-            ReleaseOrder::Largest,
-            |_| false,
-        );
-        self.core.free_segments(self.stream, taken);
     }
 }

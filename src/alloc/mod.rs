@@ -42,8 +42,9 @@ pub use stats::{DeviceStats, Stat, StatArray, POOL_NAMES};
 pub use data_ptr::DataPtr;
 pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
 
-use self::device::{DeviceCore, Shard};
+use self::device::DeviceCore;
 use self::oom::Callbacks;
+use self::shard::Shard;
 use self::snapshot::Trace;
 use crate::config::AllocatorConfig;
 use crate::driver::{DevicePtr, Driver, StreamId};

@@ -1,4 +1,5 @@
-//! The state of one shard — the blocks, free pools, segments, pending frees and stats of one
+//! One (device, stream) shard: [`Shard`] (its lock, its stream, its device) and the state under
+//! that lock. The state of one shard — the blocks, free pools, segments, pending frees and stats of one
 //! (device, stream) — and every operation on it. All methods run under the shard's lock and never
 //! call the driver except through the closures they are given, so the locking policy lives in one
 //! place (`device.rs`).
@@ -13,12 +14,26 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use slab::Slab;
 
 use super::block::{Block, BlockId, BlockState, SegmentInfo};
+use super::device::DeviceCore;
 use super::pool::FreePool;
 use super::size::{self, PoolKind};
+use super::snapshot::TraceAction;
 use super::stats::{self, DeviceStats};
 use crate::config::AllocatorConfig;
 use crate::driver::{EventId, StreamId};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::sync::os::atomic::{AtomicBool, Ordering};
+use crate::sync::os::{Arc, Mutex};
+
+/// One (device, stream) shard.
+#[derive(Debug)]
+pub(crate) struct Shard {
+    pub stream: StreamId,
+    /// False once the allocator shut down (thread caches then drop their reference).
+    pub(super) alive: AtomicBool,
+    pub state: Mutex<ShardState>,
+    pub core: Arc<DeviceCore>,
+}
 
 /// The mutable state of one shard.
 #[derive(Debug, Default)]
@@ -389,5 +404,93 @@ impl ShardState {
             .values()
             .flat_map(|q| q.iter().map(|&(e, _)| e))
             .collect()
+    }
+}
+
+impl Shard {
+    /// Whether the shard's allocator is still running.
+    #[inline]
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
+    /// The owner dropped block `id` (the `DataPtr` free path).
+    pub fn free(&self, id: BlockId) {
+        let core = &self.core;
+        let mut st = self.state.lock();
+        let (ptr, size) = (st.blocks[id].ptr, st.blocks[id].size);
+        core.trace.record(
+            TraceAction::FreeRequested,
+            core.device,
+            ptr,
+            size,
+            self.stream,
+        );
+        let uses = st.release(id, &core.config);
+        if uses.is_empty() {
+            core.trace.record(
+                TraceAction::FreeCompleted,
+                core.device,
+                ptr,
+                size,
+                self.stream,
+            );
+        } else {
+            for stream in uses {
+                match core.record_free_event(stream) {
+                    Ok(event) => st.add_pending(id, stream, event),
+                    Err(err) => {
+                        tracing::warn!(%err, "could not record a free event; synchronizing the stream instead");
+                        if let Err(err) = core.driver.stream_synchronize(stream) {
+                            tracing::error!(%err, "stream synchronize failed too; freeing anyway");
+                        }
+                    }
+                }
+            }
+            st.finish_pending_without_events(id);
+        }
+        core.verify(&st);
+    }
+
+    /// Base address and size of the segment holding block `id`.
+    pub fn segment_of(&self, id: BlockId) -> (u64, u64) {
+        let st = self.state.lock();
+        let base = st.blocks[id].segment;
+        (base, st.segments.get(&base).map_or(0, |s| s.size))
+    }
+
+    /// Marks block `id` as used by `stream` (`record_stream`).
+    pub fn record_use(&self, id: BlockId, stream: StreamId) -> Result<()> {
+        if stream == self.stream {
+            return Ok(());
+        }
+        let device = self.core.driver.stream_device(stream)?;
+        if device != self.core.device {
+            return Err(Error::invalid(format!(
+                "record_stream: stream {} is on device {device}, the block on device {}",
+                stream.raw(),
+                self.core.device
+            )));
+        }
+        self.state.lock().record_use(id, stream);
+        Ok(())
+    }
+}
+
+impl Drop for Shard {
+    fn drop(&mut self) {
+        // Only reached after the allocator shut down and the last block of this shard was freed.
+        let st = self.state.get_mut();
+        for e in st.pending_events() {
+            let _ = self.core.driver.event_synchronize(e);
+        }
+        let _ = st.complete_events(|_| Ok(true));
+        let taken = st.take_free_segments(
+            &self.core.config,
+            |_| true,
+            ReleaseOrder::Largest,
+            |_| false,
+        );
+        self.core.free_segments(self.stream, taken);
     }
 }

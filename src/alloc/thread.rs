@@ -8,7 +8,7 @@
 
 use std::cell::RefCell;
 
-use super::device::Shard;
+use super::shard::Shard;
 use crate::driver::StreamId;
 use crate::sync::os::{Arc, Weak};
 
