@@ -276,7 +276,7 @@ impl Driver for CudaDriver {
     }
 
     fn copy_host_to_device(&self, stream: StreamId, dst: DevicePtr, src: &[u8]) -> Result<()> {
-        self.check_range(dst, src.len() as u64)?;
+        let (_held, _) = self.hold_ranges([(dst, src.len() as u64)])?;
         let s = self.stream(stream)?;
         if src.is_empty() {
             return Ok(());
@@ -293,7 +293,7 @@ impl Driver for CudaDriver {
     }
 
     fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DevicePtr) -> Result<()> {
-        self.check_range(src, dst.len() as u64)?;
+        let (_held, _) = self.hold_ranges([(src, dst.len() as u64)])?;
         let s = self.stream(stream)?;
         if dst.is_empty() {
             return Ok(());
@@ -316,8 +316,7 @@ impl Driver for CudaDriver {
         src: DevicePtr,
         len: u64,
     ) -> Result<()> {
-        let n = self.check_range(dst, len)?;
-        self.check_range(src, len)?;
+        let (_held, n) = self.hold_ranges([(dst, len), (src, len)])?;
         let s = self.stream(stream)?;
         if n == 0 {
             return Ok(());
@@ -329,7 +328,7 @@ impl Driver for CudaDriver {
     }
 
     fn memset(&self, stream: StreamId, dst: DevicePtr, value: u8, len: u64) -> Result<()> {
-        let n = self.check_range(dst, len)?;
+        let (_held, n) = self.hold_ranges([(dst, len)])?;
         let s = self.stream(stream)?;
         if n == 0 {
             return Ok(());
@@ -341,7 +340,7 @@ impl Driver for CudaDriver {
     }
 
     fn fill_pattern(&self, stream: StreamId, dst: DevicePtr, len: u64, seed: u64) -> Result<()> {
-        self.check_range(dst, len)?;
+        let (_held, _) = self.hold_ranges([(dst, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.fill)?;
         let (mut p, mut n, mut sd) = (dst.0, len, seed);
         let mut args = [
@@ -359,7 +358,7 @@ impl Driver for CudaDriver {
         len: u64,
         seed: u64,
     ) -> Result<u64> {
-        self.check_range(src, len)?;
+        let (_held, _) = self.hold_ranges([(src, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.count)?;
         let mut counter = 0;
         // SAFETY: out-pointer valid; context bound by launch_args.
@@ -398,7 +397,7 @@ impl Driver for CudaDriver {
     }
 
     fn poison(&self, stream: StreamId, dst: DevicePtr, len: u64) -> Result<()> {
-        self.check_range(dst, len)?;
+        let (_held, _) = self.hold_ranges([(dst, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.poison)?;
         let (mut p, mut n) = (dst.0, len);
         let mut args = [

@@ -26,7 +26,7 @@ use cudarc::driver::sys::{self, CUresult};
 use crate::driver::{ranges, DevicePtr, Driver, EventId, StreamId, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
-use crate::sync::os::{Mutex, OnceLock, RwLock};
+use crate::sync::os::{Mutex, OnceLock, RwLock, RwLockReadGuard};
 
 /// Declares a `Send + Sync` newtype for one kind of CUDA handle, so each kind states why it may
 /// cross threads (and a handle of one kind cannot be passed where another is expected).
@@ -240,10 +240,22 @@ impl CudaDriver {
         Ok(entry)
     }
 
-    fn check_range(&self, ptr: DevicePtr, len: u64) -> Result<usize> {
-        ranges::containing(&self.segments.read(), |s| s.size, ptr, len)?;
-        usize::try_from(len)
-            .map_err(|_| Error::invalid(format!("length {len} exceeds the address space")))
+    /// Checks that every range lies in a live segment and returns the segment table's read guard
+    /// with the first range's length: hold the guard until the work naming the ranges is
+    /// enqueued, so a concurrent `free` (which takes the write lock to remove the segment before
+    /// `cuMemFree`) cannot slip in between the check and the enqueue — the host backend's rule.
+    fn hold_ranges<const N: usize>(
+        &self,
+        ranges: [(DevicePtr, u64); N],
+    ) -> Result<(RwLockReadGuard<'_, BTreeMap<u64, SegmentEntry>>, usize)> {
+        let table = self.segments.read();
+        for &(ptr, len) in &ranges {
+            ranges::containing(&table, |s| s.size, ptr, len)?;
+        }
+        let first = ranges.first().map_or(0, |r| r.1);
+        let n = usize::try_from(first)
+            .map_err(|_| Error::invalid(format!("length {first} exceeds the address space")))?;
+        Ok((table, n))
     }
 
     fn kernels(&self, device: usize) -> Result<Kernels> {
