@@ -34,6 +34,7 @@ pub mod cuda;
 pub mod host;
 pub mod pattern;
 mod ranges;
+pub(crate) mod registry;
 
 use std::fmt;
 

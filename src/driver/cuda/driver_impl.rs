@@ -161,7 +161,7 @@ impl Driver for CudaDriver {
             sys::cuStreamCreate(&mut raw, flags)
         })?;
         let id = StreamId::new(device, self.fresh_id())?;
-        self.streams.write().insert(
+        self.streams.insert(
             id.0,
             StreamEntry {
                 device,
@@ -175,8 +175,8 @@ impl Driver for CudaDriver {
         if self.devices.iter().any(|d| d.default_stream == stream) {
             return Err(Error::invalid("the default stream cannot be destroyed"));
         }
-        let entry = self.stream(stream)?;
-        self.streams.write().remove(&stream.0);
+        let entry = self.streams.remove(stream.0)?;
+        self.bind(entry.device)?;
         // SAFETY: the stream was created by this driver and is removed from the table, so it is
         // destroyed exactly once.
         check("cuStreamDestroy_v2", unsafe {
@@ -216,7 +216,7 @@ impl Driver for CudaDriver {
             sys::cuEventCreate(&mut raw, bits)
         })?;
         let id = self.fresh_id();
-        self.events.write().insert(
+        self.events.insert(
             id,
             EventEntry {
                 device,
@@ -229,8 +229,8 @@ impl Driver for CudaDriver {
     }
 
     fn event_destroy(&self, event: EventId) -> Result<()> {
-        let entry = self.event(event)?;
-        self.events.write().remove(&event.0);
+        let entry = self.events.remove(event.0)?;
+        self.bind(entry.device)?;
         // SAFETY: created or opened by this driver, removed from the table: destroyed once.
         check("cuEventDestroy_v2", unsafe {
             sys::cuEventDestroy_v2(entry.raw.0)
@@ -542,7 +542,7 @@ impl Driver for CudaDriver {
         })
         .map_err(|e| Error::bad_handle(format!("cuIpcOpenEventHandle refused the handle: {e}")))?;
         let id = self.fresh_id();
-        self.events.write().insert(
+        self.events.insert(
             id,
             EventEntry {
                 device,

@@ -23,9 +23,9 @@ use std::ffi::{c_void, CStr, CString};
 
 use cudarc::driver::sys::{self, CUresult};
 
+use crate::driver::registry::{IdCounter, Registry};
 use crate::driver::{ranges, DevicePtr, Driver, EventId, StreamId, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
-use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Mutex, OnceLock, RwLock, RwLockReadGuard};
 
 /// Declares a `Send + Sync` newtype for one kind of CUDA handle, so each kind states why it may
@@ -130,9 +130,9 @@ struct SegmentEntry {
 #[derive(Debug)]
 pub struct CudaDriver {
     devices: Vec<Device>,
-    next_id: AtomicU64,
-    streams: RwLock<HashMap<u64, StreamEntry>>,
-    events: RwLock<HashMap<u64, EventEntry>>,
+    ids: IdCounter,
+    streams: Registry<StreamEntry>,
+    events: Registry<EventEntry>,
     segments: RwLock<BTreeMap<u64, SegmentEntry>>,
     opened_handles: Mutex<HashSet<[u8; IPC_HANDLE_SIZE]>>,
 }
@@ -166,9 +166,9 @@ impl CudaDriver {
         }
         let mut driver = CudaDriver {
             devices: Vec::new(),
-            next_id: AtomicU64::new(1),
-            streams: RwLock::new(HashMap::new()),
-            events: RwLock::new(HashMap::new()),
+            ids: IdCounter::default(),
+            streams: Registry::new("stream"),
+            events: Registry::new("event"),
             segments: RwLock::new(BTreeMap::new()),
             opened_handles: Mutex::new(HashSet::new()),
         };
@@ -214,28 +214,18 @@ impl CudaDriver {
     }
 
     fn fresh_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
+        self.ids.fresh()
     }
 
     /// Looks up `stream` and binds its device.
     fn stream(&self, stream: StreamId) -> Result<StreamEntry> {
-        let entry = self.streams.read().get(&stream.0).copied().ok_or_else(|| {
-            Error::invalid(format!(
-                "stream {} was not created by this driver or was destroyed",
-                stream.0
-            ))
-        })?;
+        let entry = self.streams.get(stream.0)?;
         self.bind(entry.device)?;
         Ok(entry)
     }
 
     fn event(&self, event: EventId) -> Result<EventEntry> {
-        let entry = self.events.read().get(&event.0).copied().ok_or_else(|| {
-            Error::invalid(format!(
-                "event {} was not created by this driver or was destroyed",
-                event.0
-            ))
-        })?;
+        let entry = self.events.get(event.0)?;
         self.bind(entry.device)?;
         Ok(entry)
     }
@@ -348,14 +338,14 @@ impl CudaDriver {
 
 impl Drop for CudaDriver {
     fn drop(&mut self) {
-        let events: Vec<_> = self.events.get_mut().drain().map(|(_, e)| e).collect();
+        let events = self.events.drain();
         for e in events {
             if self.bind(e.device).is_ok() {
                 // SAFETY: the event was created or opened by this driver and is dropped once.
                 let _ = unsafe { sys::cuEventDestroy_v2(e.raw.0) };
             }
         }
-        let streams: Vec<_> = self.streams.get_mut().drain().map(|(_, s)| s).collect();
+        let streams = self.streams.drain();
         for s in streams {
             if self.bind(s.device).is_ok() {
                 // SAFETY: the stream was created by this driver and is destroyed once; queued work

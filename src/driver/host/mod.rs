@@ -36,6 +36,7 @@ use self::event::{CellRef, EventPool};
 use self::handle::{HandleKind, HostHandle};
 use self::segments::{Origin, Segment, SegmentTable};
 use self::stream::HostStream;
+use crate::driver::registry::{IdCounter, Registry};
 use crate::driver::{
     Backend, DevicePtr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
     OpenedSegment, StreamId,
@@ -43,7 +44,7 @@ use crate::driver::{
 use crate::error::{Error, Result};
 use crate::shm::{self, SharedMemory};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex, RwLock, Weak};
+use crate::sync::os::{Arc, Mutex, Weak};
 
 const PAGE: u64 = 4096;
 
@@ -62,11 +63,11 @@ pub struct HostDriver {
     pid: u32,
     nonce: u64,
     used: Vec<AtomicU64>,
-    next_id: AtomicU64,
+    ids: IdCounter,
     segments: SegmentTable,
-    streams: RwLock<HashMap<u64, Arc<HostStream>>>,
+    streams: Registry<Arc<HostStream>>,
     default_streams: Vec<StreamId>,
-    events: RwLock<HashMap<u64, Arc<HostEvent>>>,
+    events: Registry<Arc<HostEvent>>,
     event_pool: Mutex<EventPool>,
     foreign_chunks: Mutex<HashMap<String, Weak<SharedMemory>>>,
 }
@@ -77,8 +78,8 @@ impl std::fmt::Debug for HostDriver {
             .field("pid", &self.pid)
             .field("devices", &self.config.devices)
             .field("memory_per_device", &self.config.memory_per_device)
-            .field("streams", &self.streams.read().len())
-            .field("events", &self.events.read().len())
+            .field("streams", &self.streams.len())
+            .field("events", &self.events.len())
             .finish()
     }
 }
@@ -99,11 +100,11 @@ impl HostDriver {
             pid: std::process::id(),
             nonce: shm::random_u64(),
             used: (0..config.devices).map(|_| AtomicU64::new(0)).collect(),
-            next_id: AtomicU64::new(1),
+            ids: IdCounter::default(),
             segments: SegmentTable::default(),
-            streams: RwLock::new(HashMap::new()),
+            streams: Registry::new("stream"),
             default_streams: Vec::new(),
-            events: RwLock::new(HashMap::new()),
+            events: Registry::new("event"),
             event_pool: Mutex::new(EventPool::default()),
             foreign_chunks: Mutex::new(HashMap::new()),
             config,
@@ -149,29 +150,19 @@ impl HostDriver {
     }
 
     fn stream(&self, id: StreamId) -> Result<Arc<HostStream>> {
-        self.streams.read().get(&id.0).cloned().ok_or_else(|| {
-            Error::invalid(format!(
-                "stream {} was not created by this driver or was destroyed",
-                id.0
-            ))
-        })
+        self.streams.get(id.0)
     }
 
     fn event(&self, id: EventId) -> Result<Arc<HostEvent>> {
-        self.events.read().get(&id.0).cloned().ok_or_else(|| {
-            Error::invalid(format!(
-                "event {} was not created by this driver or was destroyed",
-                id.0
-            ))
-        })
+        self.events.get(id.0)
     }
 
     fn fresh_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
+        self.ids.fresh()
     }
 
     fn synchronize_all(&self) -> Result<()> {
-        let streams: Vec<_> = self.streams.read().values().cloned().collect();
+        let streams = self.streams.values();
         streams.iter().try_for_each(|s| s.synchronize())
     }
 
@@ -218,7 +209,7 @@ impl HostDriver {
 
 impl Drop for HostDriver {
     fn drop(&mut self) {
-        let streams: Vec<_> = self.streams.write().drain().map(|(_, s)| s).collect();
+        let streams = self.streams.drain();
         for s in &streams {
             s.shutdown();
         }
@@ -343,7 +334,7 @@ impl Driver for HostDriver {
         self.check_device(device)?;
         let id = StreamId::new(device, self.fresh_id())?;
         let stream = HostStream::spawn(device, id.0)?;
-        self.streams.write().insert(id.0, stream);
+        self.streams.insert(id.0, stream);
         Ok(id)
     }
 
@@ -351,12 +342,7 @@ impl Driver for HostDriver {
         if self.default_streams.contains(&stream) {
             return Err(Error::invalid("the default stream cannot be destroyed"));
         }
-        let s = self.streams.write().remove(&stream.0).ok_or_else(|| {
-            Error::invalid(format!(
-                "stream {} was not created by this driver or was destroyed",
-                stream.0
-            ))
-        })?;
+        let s = self.streams.remove(stream.0)?;
         s.shutdown();
         Ok(())
     }
@@ -387,17 +373,12 @@ impl Driver for HostDriver {
             cell,
             owned_slot: Some((chunk, slot)),
         };
-        self.events.write().insert(id, Arc::new(event));
+        self.events.insert(id, Arc::new(event));
         Ok(EventId(id))
     }
 
     fn event_destroy(&self, event: EventId) -> Result<()> {
-        let e = self.events.write().remove(&event.0).ok_or_else(|| {
-            Error::invalid(format!(
-                "event {} was not created by this driver or was destroyed",
-                event.0
-            ))
-        })?;
+        let e = self.events.remove(event.0)?;
         if let Some((chunk, slot)) = e.owned_slot {
             self.event_pool.lock().give_back(chunk, slot);
         }
@@ -652,7 +633,7 @@ impl Driver for HostDriver {
             cell,
             owned_slot: None,
         };
-        self.events.write().insert(id, Arc::new(e));
+        self.events.insert(id, Arc::new(e));
         Ok(EventId(id))
     }
 }

@@ -1,0 +1,108 @@
+//! The id tables both backends keep for the handles they hand out (streams, events): ids are
+//! numbers from one counter per driver, never raw CUDA pointers or host addresses, so an id the
+//! driver did not hand out — or already destroyed — is an [`Error::InvalidArgument`], never
+//! undefined behaviour. Removal returns the entry, so two threads destroying one id cannot both
+//! destroy the underlying object.
+
+use std::collections::HashMap;
+
+use crate::error::{Error, Result};
+use crate::sync::os::atomic::{AtomicU64, Ordering};
+use crate::sync::os::RwLock;
+
+/// A driver's id counter (ids start at 1).
+#[derive(Debug)]
+pub(crate) struct IdCounter(AtomicU64);
+
+impl Default for IdCounter {
+    fn default() -> Self {
+        IdCounter(AtomicU64::new(1))
+    }
+}
+
+impl IdCounter {
+    /// A number never handed out before by this counter.
+    pub(crate) fn fresh(&self) -> u64 {
+        self.0.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// Entries of one kind (`what` names it in errors) by id.
+#[derive(Debug)]
+pub(crate) struct Registry<T> {
+    what: &'static str,
+    entries: RwLock<HashMap<u64, T>>,
+}
+
+impl<T: Clone> Registry<T> {
+    /// An empty table of `what`s (`"stream"`, `"event"`).
+    pub(crate) fn new(what: &'static str) -> Self {
+        Registry {
+            what,
+            entries: RwLock::new(HashMap::new()),
+        }
+    }
+
+    fn unknown(&self, id: u64) -> Error {
+        Error::invalid(format!(
+            "{} {id} was not created by this driver or was destroyed",
+            self.what
+        ))
+    }
+
+    /// Adds `value` under `id`.
+    pub(crate) fn insert(&self, id: u64, value: T) {
+        self.entries.write().insert(id, value);
+    }
+
+    /// The entry of `id`.
+    pub(crate) fn get(&self, id: u64) -> Result<T> {
+        self.entries
+            .read()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| self.unknown(id))
+    }
+
+    /// Takes the entry of `id` out (exactly one caller gets it).
+    pub(crate) fn remove(&self, id: u64) -> Result<T> {
+        self.entries
+            .write()
+            .remove(&id)
+            .ok_or_else(|| self.unknown(id))
+    }
+
+    /// Every entry (a snapshot).
+    pub(crate) fn values(&self) -> Vec<T> {
+        self.entries.read().values().cloned().collect()
+    }
+
+    /// Takes every entry out (teardown).
+    pub(crate) fn drain(&self) -> Vec<T> {
+        self.entries.write().drain().map(|(_, v)| v).collect()
+    }
+
+    /// Number of entries.
+    pub(crate) fn len(&self) -> usize {
+        self.entries.read().len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_and_removed_ids_are_errors_and_removal_is_exclusive() {
+        let ids = IdCounter::default();
+        let table = Registry::new("stream");
+        let a = ids.fresh();
+        table.insert(a, "a");
+        assert_eq!(table.get(a).unwrap(), "a");
+        assert!(table.get(a + 1).unwrap_err().to_string().contains("stream"));
+        assert_eq!(table.remove(a).unwrap(), "a");
+        assert!(table.remove(a).is_err(), "a second destroy is refused");
+        assert_ne!(ids.fresh(), a);
+        assert_eq!(table.len(), 0);
+    }
+}
