@@ -91,6 +91,9 @@ struct World {
     allocators: [Arc<Runtime>; 2],
     streams: Vec<(usize, StreamId)>,
     live: BTreeMap<u64, Live>,
+    /// Storages the producer dropped while consumers held them: (seed, holders). They sit in the
+    /// producer's limbo; each holder's receipts must stay intact until it lets go.
+    detached: BTreeMap<u64, (u64, Vec<usize>)>,
     consumers: Vec<Consumer>,
     next_id: u64,
     log: Vec<String>,
@@ -319,26 +322,47 @@ impl World {
                 self.log.push(format!("consumer {c} drops {id}"));
                 self.live.get_mut(&id).unwrap().holders.pop();
             }
-            0..=19 | 79..=90 => {
+            0..=19 | 79..=85 => {
                 let Some(id) = self.pick_live() else {
                     return Ok(());
                 };
                 self.log.push(format!("drop({id})"));
                 let l = self.live.remove(&id).unwrap();
                 if !l.holders.is_empty() {
-                    // Consumers keep it: it must stay intact for them.
-                    for c in &l.holders {
-                        let r = self.consumers[*c].ask(&format!("VERIFY {id} {}", l.seed))?;
-                        if r != "ok 0" {
-                            return Err(format!("consumer {c} after producer drop({id}): {r}"));
-                        }
-                    }
-                    // Then they let go (one receipt per entry): the limbo drains.
-                    for c in &l.holders {
-                        let r = self.consumers[*c].ask(&format!("DROP {id}"))?;
-                        if r != "ok" {
-                            return Err(format!("consumer {c} drop {id}: {r}"));
-                        }
+                    // Consumers keep it (in the producer's limbo) until they let go, one receipt
+                    // at a time (op 86..=90 below, or a kill).
+                    self.detached.insert(id, (l.seed, l.holders));
+                }
+            }
+            86..=90 => {
+                // A consumer lets go of one receipt of a storage the producer already dropped;
+                // every receipt still held (the same process's other one included) stays intact.
+                if self.detached.is_empty() {
+                    return Ok(());
+                }
+                let k = self.rng.below(self.detached.len() as u64) as usize;
+                let id = *self.detached.keys().nth(k).unwrap();
+                let (seed, holders) = self.detached.get_mut(&id).unwrap();
+                let (seed, c) = (*seed, holders.pop().unwrap());
+                let left = holders.clone();
+                if left.is_empty() {
+                    self.detached.remove(&id);
+                }
+                let r = self.consumers[c].ask(&format!("DROP {id}"))?;
+                if r != "ok" {
+                    return Err(format!("consumer {c} drop detached {id}: {r}"));
+                }
+                self.log.push(format!("consumer {c} drops detached {id}"));
+                // The producer collects (this is when a wrongly unlocked slot gets reclaimed).
+                for a in &self.allocators {
+                    a.ipc_collect();
+                }
+                for h in left {
+                    let r = self.consumers[h].ask(&format!("VERIFY {id} {seed}"))?;
+                    if r != "ok 0" {
+                        return Err(format!(
+                            "consumer {h} holds detached {id} but sees {r} after another receipt was dropped and the producer collected"
+                        ));
                     }
                 }
             }
@@ -363,6 +387,10 @@ impl World {
                 for l in self.live.values_mut() {
                     l.holders.retain(|&h| h != c);
                 }
+                for (_, holders) in self.detached.values_mut() {
+                    holders.retain(|&h| h != c);
+                }
+                self.detached.retain(|_, (_, holders)| !holders.is_empty());
                 for a in &self.allocators {
                     a.ipc_collect();
                 }
@@ -374,6 +402,19 @@ impl World {
             let ids: Vec<u64> = self.live.keys().copied().collect();
             for id in ids {
                 self.check(id)?;
+            }
+            let detached: Vec<(u64, u64, Vec<usize>)> = self
+                .detached
+                .iter()
+                .map(|(id, (seed, holders))| (*id, *seed, holders.clone()))
+                .collect();
+            for (id, seed, holders) in detached {
+                for c in holders {
+                    let r = self.consumers[c].ask(&format!("VERIFY {id} {seed}"))?;
+                    if r != "ok 0" {
+                        return Err(format!("consumer {c} holds detached {id} but sees {r}"));
+                    }
+                }
             }
         }
         Ok(())
@@ -534,6 +575,7 @@ fn main() {
         allocators,
         streams,
         live: BTreeMap::new(),
+        detached: BTreeMap::new(),
         consumers: (0..3).map(|_| Consumer::spawn()).collect(),
         next_id: 0,
         log: Vec::new(),

@@ -528,3 +528,26 @@ fn handles_lost_in_flight_expire_and_are_reclaimed() {
     assert_eq!(collected.storages, 1, "both expired counts reclaimed");
     assert_eq!(a.ipc_limbo(), (0, 0));
 }
+
+#[test]
+fn a_lazy_clone_of_shared_memory_taken_on_one_stream_and_shared_on_another_is_complete() {
+    // Found by the interplay test: the eager copy of a shared storage's lazy clone was enqueued
+    // on the clone's stream only, so sharing the clone on another stream handed the consumer a
+    // storage whose bytes were still being copied.
+    let a = producer();
+    let (x, y) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
+    let s = Storage::new(&a, 0, 8 << 20).unwrap();
+    s.fill_pattern(41).unwrap();
+    a.driver()
+        .stream_synchronize(a.default_stream(0).unwrap())
+        .unwrap();
+    let _held = s.share_ipc().unwrap(); // the source is shared memory now
+                                        // Stream x is busy for a while (the sleep kernel: what exposes a missing wait, not a wait).
+    a.driver().sleep(x, 300_000).unwrap();
+    let clone = {
+        let _on = a.set_current_stream(x).unwrap();
+        s.lazy_clone().unwrap()
+    };
+    let _on = a.set_current_stream(y).unwrap();
+    assert_eq!(clone.count_pattern_mismatches(41).unwrap(), 0);
+}

@@ -30,13 +30,17 @@ pub(super) fn lazy_clone(storage: &Storage) -> Result<Storage> {
     })
 }
 
-/// A lazy clone of memory shared with other processes is an eager, stream-ordered copy on the
-/// current stream (the memory is an alias of their storages: see `cow/mod.rs`). The source is
-/// marked as used by that stream, so its release waits for the copy.
+/// A lazy clone of memory shared with other processes is an eager copy on the current stream
+/// (the memory is an alias of their storages: see `cow/mod.rs`). The copy is complete when this
+/// returns: the caller asked for a lazy clone, which does no device work, so nothing it does next
+/// on another stream (share the clone, read it, write the source) may race the copy. (The
+/// interplay test found that race: a clone taken on one stream and shared on another reached the
+/// consumer before its bytes.)
 fn eager_clone(storage: &Storage, data: &DataPtr) -> Result<Storage> {
     let runtime = storage.runtime();
     let stream = runtime.current_stream(storage.device())?;
     let copy = runtime.clone_data(data, storage.nbytes(), stream)?;
+    runtime.driver().stream_synchronize(stream)?;
     Ok(Storage::from_data_ptr(runtime, copy, storage.nbytes()))
 }
 
