@@ -94,6 +94,9 @@ struct World {
     /// Storages the producer dropped while consumers held them: (seed, holders). They sit in the
     /// producer's limbo; each holder's receipts must stay intact until it lets go.
     detached: BTreeMap<u64, (u64, Vec<usize>)>,
+    /// How many storages may still be reclaimed "from dead consumers": one per storage that had a
+    /// holder killed. A reclaim beyond it took memory from a live consumer.
+    dead_reclaim_budget: u64,
     consumers: Vec<Consumer>,
     next_id: u64,
     log: Vec<String>,
@@ -136,6 +139,22 @@ impl World {
             a.driver().stream_synchronize(stream).unwrap();
         }
         out
+    }
+
+    /// `ipc_collect` on both runtimes; fails if memory was reclaimed from a live consumer.
+    fn collect(&mut self) -> Result<(), String> {
+        for a in &self.allocators {
+            let freed = a.ipc_collect_stats().from_dead_consumers;
+            if freed > self.dead_reclaim_budget {
+                return Err(format!(
+                    "ipc_collect reclaimed {freed} storage(s) from dead consumers, but only {} \
+                     had a holder killed: memory of a live consumer was reclaimed",
+                    self.dead_reclaim_budget
+                ));
+            }
+            self.dead_reclaim_budget -= freed;
+        }
+        Ok(())
     }
 
     fn allocator_index(&self, s: &Storage) -> usize {
@@ -354,9 +373,7 @@ impl World {
                 }
                 self.log.push(format!("consumer {c} drops detached {id}"));
                 // The producer collects (this is when a wrongly unlocked slot gets reclaimed).
-                for a in &self.allocators {
-                    a.ipc_collect();
-                }
+                self.collect()?;
                 for h in left {
                     let r = self.consumers[h].ask(&format!("VERIFY {id} {seed}"))?;
                     if r != "ok 0" {
@@ -374,9 +391,7 @@ impl World {
             }
             94..=96 => {
                 self.log.push("ipc_collect".into());
-                for a in &self.allocators {
-                    a.ipc_collect();
-                }
+                self.collect()?;
             }
             _ => {
                 // SIGKILL a consumer while it holds storages; replace it.
@@ -384,6 +399,17 @@ impl World {
                 self.log.push(format!("kill consumer {c}"));
                 let old = std::mem::replace(&mut self.consumers[c], Consumer::spawn());
                 old.kill();
+                let lost = self
+                    .live
+                    .values()
+                    .filter(|l| l.holders.contains(&c))
+                    .count()
+                    + self
+                        .detached
+                        .values()
+                        .filter(|(_, h)| h.contains(&c))
+                        .count();
+                self.dead_reclaim_budget += lost as u64;
                 for l in self.live.values_mut() {
                     l.holders.retain(|&h| h != c);
                 }
@@ -391,9 +417,7 @@ impl World {
                     holders.retain(|&h| h != c);
                 }
                 self.detached.retain(|_, (_, holders)| !holders.is_empty());
-                for a in &self.allocators {
-                    a.ipc_collect();
-                }
+                self.collect()?;
             }
         }
         // Every live producer storage still holds its bytes (checked every few operations: the
@@ -576,6 +600,7 @@ fn main() {
         streams,
         live: BTreeMap::new(),
         detached: BTreeMap::new(),
+        dead_reclaim_budget: 0,
         consumers: (0..3).map(|_| Consumer::spawn()).collect(),
         next_id: 0,
         log: Vec::new(),
