@@ -257,8 +257,14 @@ impl World {
                     return Ok(());
                 };
                 // A consumer may already hold it: it opens it again, maybe through its other
-                // allocator (two receipts, one process).
-                let c = self.rng.below(self.consumers.len() as u64) as usize;
+                // runtime (two receipts, two leases, one process). Half the time the handle goes
+                // to a consumer that already holds the storage, if there is one.
+                let holders = self.live[&id].holders.clone();
+                let c = if !holders.is_empty() && self.rng.below(2) == 0 {
+                    holders[self.rng.below(holders.len() as u64) as usize]
+                } else {
+                    self.rng.below(self.consumers.len() as u64) as usize
+                };
                 let via = self.rng.below(2);
                 let alloc = self.allocator_index(&self.live[&id].storage);
                 let s = self.live[&id].storage.clone();
