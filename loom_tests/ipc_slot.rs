@@ -8,8 +8,13 @@
 //! A negative control re-runs the model with the check taken *outside* the limbo lock and asserts
 //! that loom finds the stranded-entry schedule.
 //!
+//! The lease models (`cudalloc::ipc::lease_table`): two leases of one consumer process on one slot
+//! against the producer's dead-holder check — the memory is never reclaimed while a lease uses
+//! it; the negative control (unlock on every drop, the old behaviour) is caught.
+//!
 //! Run: `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 cargo test --release --test loom_ipc_slot`.
-//! Measured on the 2-core CI machine: both models together finish in about a second.
+//! Measured on the 2-core CI machine: the five models (three on the slot and limbo, two on the
+//! per-process lease table) finish in about 4.5 s together.
 #![cfg(loom)]
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
