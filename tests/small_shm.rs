@@ -129,6 +129,33 @@ fn small_shm_child() {
     for (i, s) in held.iter().enumerate() {
         assert_eq!(s.count_pattern_mismatches(i as u64).unwrap(), 0);
     }
+    // Fill what is left, byte for byte: nothing new fits in /dev/shm now.
+    let filler_path = "/dev/shm/filler";
+    {
+        use std::io::Write;
+        let mut filler = std::fs::File::create(filler_path).unwrap();
+        while filler.write_all(&[0u8; 4096]).is_ok() {}
+    }
+    // Sharing needs a ref-counter file and an event chunk: an error, the storage untouched.
+    assert!(held.len() >= 2, "two storages to work with");
+    let share_err = held[0].share_ipc().unwrap_err();
+    assert!(!held[0].is_received());
+    assert_eq!(
+        held[0].count_pattern_mismatches(0).unwrap(),
+        0,
+        "{share_err}"
+    );
+    // A lazy clone's first write needs a copy: out of memory, and it stays a valid COW storage.
+    let clone = held[1].lazy_clone().unwrap();
+    let cow_err = clone.fill_pattern(99).unwrap_err();
+    assert_eq!(cow_err.kind(), ErrorKind::OutOfMemory, "{cow_err}");
+    assert!(clone.is_cow());
+    assert_eq!(clone.count_pattern_mismatches(1).unwrap(), 0);
+    // Room again: both work.
+    std::fs::remove_file(filler_path).unwrap();
+    let handle = held[0].share_ipc().unwrap();
+    assert!(Storage::from_ipc(&a, handle).unwrap().is_alias_of(&held[0]));
+    drop(clone);
     let n = held.len();
     held.clear();
     a.empty_cache();

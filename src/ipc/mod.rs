@@ -190,6 +190,9 @@ pub(crate) fn open(
             .driver
             .ipc_open_event(device, &crate::driver::IpcEventHandle(*event))?;
         let waited = ipc.driver.stream_wait_event(stream, e).map_err(|err| {
+            if crate::shm::process_alive(wire.producer_pid) {
+                return err;
+            }
             Error::bad_handle(format!(
                 "the data of this handle is not ready and cannot become ready: the producer \
                  (pid {}) exited before its writes completed ({err})",

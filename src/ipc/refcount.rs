@@ -214,11 +214,18 @@ impl SlotCell {
         generation_of(self.pending.0.load(Ordering::SeqCst))
     }
 
-    /// Producer: one more handle sent, valid until `expires_ms` (0: no time-to-live).
+    /// Producer (or a forwarding consumer): one more handle sent, valid until `expires_ms` (0: no
+    /// time-to-live). The slot's deadline is the latest expiry of its handles; a handle without a
+    /// time-to-live pushes it to "never" (`u64::MAX`), so counts are reclaimed only when *every*
+    /// handle that may still be pending has expired — a producer and a forwarder configured
+    /// differently cannot get a handle without a time-to-live refused.
     pub fn add_pending_until(&self, expires_ms: u64) {
-        if expires_ms != 0 {
-            self.deadline.fetch_max(expires_ms, Ordering::SeqCst);
-        }
+        let expiry = if expires_ms == 0 {
+            u64::MAX
+        } else {
+            expires_ms
+        };
+        self.deadline.fetch_max(expiry, Ordering::SeqCst);
         self.add_pending();
     }
 
@@ -266,7 +273,7 @@ impl SlotCell {
     /// (later claims of those handles are refused). Returns the counts reclaimed.
     pub fn reclaim_expired(&self, now_ms: u64) -> u64 {
         let deadline = self.deadline.load(Ordering::SeqCst);
-        if deadline == 0 || now_ms < deadline {
+        if deadline == 0 || deadline == u64::MAX || now_ms < deadline {
             return 0;
         }
         let old = self
@@ -480,17 +487,14 @@ impl RefCounterFile {
 mod tests {
     use super::*;
 
-    fn name(tag: &str) -> String {
-        format!(
-            "cudalloc-{}-{:016x}-{tag}-ref0",
-            std::process::id(),
-            crate::shm::random_u64()
-        )
+    /// A fresh ref-counter file name of this process (the nonce makes it unique).
+    fn name() -> String {
+        crate::shm::object_name(std::process::id(), crate::shm::random_u64(), "ref", 0)
     }
 
     #[test]
     fn create_open_and_validate() {
-        let n = name("a");
+        let n = name();
         let f = RefCounterFile::create(&n, 16).unwrap();
         let g = RefCounterFile::open(&n, std::process::id()).unwrap();
         assert_eq!(g.slot_count(), 16);
@@ -511,7 +515,7 @@ mod tests {
 
     #[test]
     fn generations_and_expiry_decide_claims_atomically() {
-        let f = RefCounterFile::create(&name("g"), 4).unwrap();
+        let f = RefCounterFile::create(&name(), 4).unwrap();
         let s = f.slot(1).unwrap();
         let g1 = s.assign();
         s.add_pending_until(0);
@@ -545,7 +549,7 @@ mod tests {
 
     #[test]
     fn ring_delivers_hints_and_reports_overflow() {
-        let f = RefCounterFile::create(&name("b"), 8).unwrap();
+        let f = RefCounterFile::create(&name(), 8).unwrap();
         f.push_release(5);
         f.push_release(2);
         let r = f.drain_released();
@@ -562,7 +566,7 @@ mod tests {
 
     #[test]
     fn ofd_locks_are_seen_by_another_open_file_description() {
-        let n = name("c");
+        let n = name();
         let producer = RefCounterFile::create(&n, 4).unwrap();
         let consumer = RefCounterFile::open(&n, std::process::id()).unwrap();
         assert!(!producer.is_locked(1).unwrap());

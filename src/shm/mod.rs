@@ -121,7 +121,8 @@ fn create_exclusive(name: &str) -> std::io::Result<File> {
 
 /// The `call` of the error [`SharedMemory::create`] returns when `/dev/shm` has no room: callers
 /// that allocate device memory turn it into out-of-memory.
-pub(crate) const NO_SPACE_CALL: &str = "posix_fallocate";
+/// Only ENOSPC carries it; any other `posix_fallocate` failure is a plain driver error.
+pub(crate) const NO_SPACE_CALL: &str = "posix_fallocate (ENOSPC)";
 
 /// Whether `err` says that `/dev/shm` had no room for a new object.
 pub(crate) fn is_no_space(err: &Error) -> bool {
@@ -149,7 +150,7 @@ fn reserve(file: &File, name: &str, len: u64) -> Result<()> {
             ),
         }),
         err => Err(Error::host_os(
-            NO_SPACE_CALL,
+            "posix_fallocate",
             format!("{name}: {}", std::io::Error::from_raw_os_error(err)),
         )),
     }
@@ -283,11 +284,7 @@ mod tests {
     use super::*;
 
     fn unique(tag: &str) -> String {
-        format!(
-            "{NAME_PREFIX}test-{}-{tag}-{:x}",
-            std::process::id(),
-            crate::shm::random_u64()
-        )
+        object_name(std::process::id(), random_u64(), tag, 0)
     }
 
     #[test]
