@@ -28,7 +28,7 @@ fn segment_sizes(a: &Runtime) -> Vec<(u64, &'static str)> {
 
 #[test]
 fn pools_and_segment_sizes_follow_pytorch() {
-    let (d, _) = host();
+    let d = test_driver();
     let a = checked_allocator(d, "");
     // 11 MiB gets its own 12 MiB segment (the 1 MiB remainder is not split off: it must exceed
     // 1 MiB); 1 MiB + 1 then needs a 20 MiB segment, and 1 MiB a 2 MiB small segment.
@@ -46,7 +46,7 @@ fn pools_and_segment_sizes_follow_pytorch() {
 
 #[test]
 fn split_blocks_merge_back_when_freed() {
-    let (d, _) = host();
+    let d = test_driver();
     let a = checked_allocator(d, "");
     let blocks: Vec<_> = (0..3).map(|_| a.allocate(0, 4096).unwrap()).collect();
     // Carved in address order from one 2 MiB segment.
@@ -78,7 +78,7 @@ fn split_blocks_merge_back_when_freed() {
 
 #[test]
 fn best_fit_takes_the_smallest_block_then_the_lowest_address() {
-    let (d, _) = host();
+    let d = test_driver();
     let a = checked_allocator(d, "");
     // Holes of 8 KiB, 4 KiB, 4 KiB (in address order) separated by live blocks.
     let p: Vec<_> = [8192u64, 512, 4096, 512, 4096, 512]
@@ -104,7 +104,7 @@ fn best_fit_takes_the_smallest_block_then_the_lowest_address() {
 
 #[test]
 fn oversize_blocks_are_not_split_nor_given_to_small_requests() {
-    let (d, _) = host();
+    let d = test_driver();
     let a = checked_allocator(d, "max_split_size_mb:21");
     let x = a.allocate(0, 30 * MIB).unwrap();
     let x_addr = x.ptr();
@@ -130,6 +130,7 @@ fn oversize_blocks_are_not_split_nor_given_to_small_requests() {
 
 #[test]
 fn oversize_cached_blocks_are_released_before_giving_up() {
+    // Host backend in every run: the expectations need its 64 MiB device.
     let (d, _) = host();
     let a = checked_allocator(d, "max_split_size_mb:21");
     let x = a.allocate(0, 50 * MIB).unwrap();
@@ -148,7 +149,7 @@ fn oversize_cached_blocks_are_released_before_giving_up() {
 
 #[test]
 fn streams_do_not_share_cached_blocks() {
-    let (d, _) = host();
+    let d = test_driver();
     let a = checked_allocator(d, "");
     let s1 = a.create_stream(0).unwrap();
     let s2 = a.create_stream(0).unwrap();
@@ -202,7 +203,7 @@ fn empty_cache_returns_every_segment_to_the_driver() {
 
 #[test]
 fn zero_byte_allocations_are_valid_and_empty() {
-    let (d, _) = host();
+    let d = test_driver();
     let a = Arc::new(Runtime::new(d, Default::default()).unwrap());
     let p = a.allocate(0, 0).unwrap();
     assert!(p.is_empty());
@@ -216,7 +217,7 @@ fn zero_byte_allocations_are_valid_and_empty() {
 
 #[test]
 fn history_records_the_trace() {
-    let (d, _) = host();
+    let d = test_driver();
     let a = checked_allocator(d, "");
     a.record_history(true, 100);
     let x = a.allocate(0, 4096).unwrap();
@@ -240,7 +241,7 @@ fn history_records_the_trace() {
 
 #[test]
 fn free_memory_callbacks_run_before_the_driver_is_asked() {
-    let (d, _) = host();
+    let d = test_driver();
     let a = checked_allocator(d, "");
     let stash = Arc::new(std::sync::Mutex::new(Some(
         a.allocate(0, 40 * MIB).unwrap(),
@@ -256,6 +257,7 @@ fn free_memory_callbacks_run_before_the_driver_is_asked() {
 
 #[test]
 fn garbage_collection_reclaims_the_oldest_cached_segments() {
+    // Host backend in every run: the expectations need its 64 MiB device.
     let (d, _) = host();
     // 64 MiB device, fraction 0.5 -> 32 MiB allowed; threshold 0.5 -> collect above 16 MiB.
     let a = checked_allocator(

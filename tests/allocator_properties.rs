@@ -61,7 +61,7 @@ proptest! {
 
     #[test]
     fn random_sequences_match_the_model(ops in proptest::collection::vec(op(), 1..60)) {
-        let driver: Arc<dyn Driver> = Arc::new(host_driver());
+        let driver: Arc<dyn Driver> = test_driver();
         let a = checked_allocator(driver.clone(), "");
         let streams = [a.default_stream(0).unwrap(), a.create_stream(0).unwrap(), a.create_stream(0).unwrap()];
         let mut live: Vec<Live> = Vec::new();

@@ -14,7 +14,7 @@ use cudalloc::{Driver, ErrorKind, Runtime, Storage};
 const MIB: u64 = 1 << 20;
 
 fn allocator() -> Arc<Runtime> {
-    checked_allocator(Arc::new(host_driver()), "")
+    checked_allocator(test_driver(), "")
 }
 
 fn live_blocks(a: &Runtime) -> i64 {
@@ -235,7 +235,8 @@ fn a_slow_copier_still_sees_the_original_when_the_stealer_writes_on_another_stre
 
 #[test]
 fn out_of_memory_during_materialization_leaves_the_storage_cow_and_readable() {
-    let a = allocator(); // 64 MiB device
+    // Host backend in every run: the expectations need its 64 MiB device.
+    let a = checked_allocator(Arc::new(host_driver()), "");
     let s = Storage::new(&a, 0, 40 * MIB).unwrap();
     s.fill_pattern(4).unwrap();
     let c = s.lazy_clone().unwrap();
@@ -254,7 +255,7 @@ fn out_of_memory_during_materialization_leaves_the_storage_cow_and_readable() {
 
 #[test]
 fn stress_four_threads_of_concurrent_materializations() {
-    let a = Arc::new(Runtime::new(Arc::new(host_driver()), Default::default()).unwrap());
+    let a = Arc::new(Runtime::new(test_driver(), Default::default()).unwrap());
     let baseline = live_blocks(&a);
     let handles: Vec<_> = (0..4u64)
         .map(|t| {

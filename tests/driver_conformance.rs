@@ -28,6 +28,19 @@ fn read(d: &dyn Driver, src: DevicePtr, len: usize) -> Vec<u8> {
 }
 
 #[test]
+fn every_device_has_a_name_and_a_bad_ordinal_is_an_error() {
+    for b in backends("every_device_has_a_name_and_a_bad_ordinal_is_an_error") {
+        let d = b.driver.as_ref();
+        for device in 0..d.device_count() {
+            let name = d.device_name(device).unwrap();
+            assert!(!name.trim().is_empty(), "{}: device {device}", b.name);
+        }
+        let err = d.device_name(d.device_count()).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{}: {err}", b.name);
+    }
+}
+
+#[test]
 fn malloc_free_capacity_and_out_of_memory() {
     for b in backends("malloc_free_capacity_and_out_of_memory") {
         let d = b.driver.as_ref();

@@ -23,7 +23,7 @@ fn allocator(driver: Arc<dyn Driver>) -> Arc<Runtime> {
 }
 
 fn producer() -> Arc<Runtime> {
-    allocator(Arc::new(host_driver()))
+    allocator(test_driver())
 }
 
 fn send(h: IpcHandle) -> String {
@@ -37,12 +37,18 @@ fn open(a: &Arc<Runtime>, text: &str) -> Storage {
 /// Shares a patterned storage twice to a child playing `role`, drops the producer's storage (so it
 /// sits in limbo), lets the child drop one of its two receipts, then collects: the memory must stay
 /// allocated (no "dead consumer" reclaim) and the child's other receipt must still read the pattern.
+/// `busy_drop` gates a stream, which only the host backend can: it runs on host in every run.
 fn one_receipt_dropped_keeps_the_other(role: &str) {
-    let a = producer();
+    let backend = if role == "busy_drop" {
+        "host"
+    } else {
+        test_backend()
+    };
+    let a = allocator(child_driver(backend));
     let s = Storage::new(&a, 0, 1 << 20).unwrap();
     s.fill_pattern(77).unwrap();
     let (h1, h2) = (send(s.share_ipc().unwrap()), send(s.share_ipc().unwrap()));
-    let mut child = ChildProcess::spawn(CHILD, role, "host");
+    let mut child = ChildProcess::spawn(CHILD, role, backend);
     child.send(&format!("{h1} {h2}"));
     assert_eq!(child.recv(), "opened");
     drop(s);
@@ -85,7 +91,7 @@ fn drop_waiting_on_a_busy_stream_while_another_thread_reopens() {
 #[test]
 fn two_threads_opening_one_storage_get_one_storage() {
     let a = producer();
-    let mut child = ChildProcess::spawn(CHILD, "racing_opens", "host");
+    let mut child = ChildProcess::spawn(CHILD, "racing_opens", test_backend());
     for round in 0..200u64 {
         let s = Storage::new(&a, 0, 4096).unwrap();
         s.fill_pattern(round).unwrap();
@@ -120,9 +126,13 @@ fn interplay_child() {
             let line = parent.recv();
             let (h1, h2) = line.split_once(' ').unwrap();
             let host1 = Arc::new(host_driver());
-            let d1: Arc<dyn Driver> = host1.clone();
+            let d1: Arc<dyn Driver> = if role == "busy_drop" {
+                host1.clone()
+            } else {
+                child_test_driver()
+            };
             let d2: Arc<dyn Driver> = if role == "two_drivers" {
-                Arc::new(host_driver())
+                child_test_driver()
             } else {
                 d1.clone()
             };
@@ -159,7 +169,7 @@ fn interplay_child() {
             drop(gate);
         }
         "racing_opens" => {
-            let a = allocator(Arc::new(host_driver()));
+            let a = allocator(child_test_driver());
             loop {
                 let line = parent.recv();
                 if line == "stop" {
@@ -194,7 +204,7 @@ fn interplay_child() {
             }
         }
         "verify_and_write" => {
-            let a = allocator(Arc::new(host_driver()));
+            let a = allocator(child_test_driver());
             let s = open(&a, &parent.recv());
             parent.send(&format!(
                 "mismatches={}",
@@ -208,7 +218,7 @@ fn interplay_child() {
             assert_eq!(parent.recv(), "stop");
         }
         "open_late" => {
-            let a = allocator(Arc::new(host_driver()));
+            let a = allocator(child_test_driver());
             let bytes = unhex(&parent.recv());
             parent.send("got it");
             assert_eq!(parent.recv(), "open");
@@ -219,7 +229,7 @@ fn interplay_child() {
             }
         }
         "producer_holds" => {
-            let a = allocator(Arc::new(host_driver()));
+            let a = allocator(child_test_driver());
             let s = Storage::new(&a, 0, 1 << 20).unwrap();
             s.fill_pattern(31).unwrap();
             parent.send(&send(s.share_ipc().unwrap()));
@@ -344,7 +354,7 @@ fn a_lazy_clone_of_a_shared_storage_leaves_the_shared_memory_with_it() {
     a.driver()
         .stream_synchronize(a.default_stream(0).unwrap())
         .unwrap();
-    let mut child = ChildProcess::spawn(CHILD, "verify_and_write", "host");
+    let mut child = ChildProcess::spawn(CHILD, "verify_and_write", test_backend());
     child.send(&to_child);
     assert_eq!(
         child.recv(),
@@ -386,7 +396,9 @@ fn receipt_through_a_second_allocator_of_the_producer_process_is_the_original() 
 
 #[test]
 fn a_producer_that_dies_before_its_data_is_ready_is_an_error_for_the_consumer() {
-    let a = producer();
+    // Host backend in every run: the producer gates its stream, and the failed wait is the host
+    // backend's interprocess-event report.
+    let a = allocator(Arc::new(host_driver()));
     // Died before the receipt: `from_ipc` refuses.
     let mut child = ChildProcess::spawn(CHILD, "producer_dies", "host");
     let handle = IpcHandle::from_bytes(&unhex(&child.recv())).unwrap();
@@ -410,7 +422,8 @@ fn a_producer_that_dies_before_its_data_is_ready_is_an_error_for_the_consumer() 
 
 #[test]
 fn a_dead_producers_objects_are_swept_once_no_consumer_holds_them() {
-    let a = producer();
+    // Host backend in every run: the segment and event chunk are /dev/shm objects only there.
+    let a = allocator(Arc::new(host_driver()));
     let mut child = ChildProcess::spawn(CHILD, "producer_holds", "host");
     let received = open(&a, &child.recv());
     // The producer's writes are complete before it dies.
@@ -498,7 +511,7 @@ fn handles_lost_in_flight_expire_and_are_reclaimed() {
     let a = Arc::new(
         Runtime::builder()
             .config(config)
-            .build(Arc::new(host_driver()))
+            .build(test_driver())
             .unwrap(),
     );
     let s = Storage::new(&a, 0, 1 << 20).unwrap();
@@ -507,11 +520,11 @@ fn handles_lost_in_flight_expire_and_are_reclaimed() {
     let expires = late.wire().expires_ms;
     assert!(expires > 0);
     // One consumer dies holding a handle it never opened; another opens its handle too late.
-    let mut killed = ChildProcess::spawn(CHILD, "open_late", "host");
+    let mut killed = ChildProcess::spawn(CHILD, "open_late", test_backend());
     killed.send(&send(lost));
     assert_eq!(killed.recv(), "got it");
     killed.kill();
-    let mut slow = ChildProcess::spawn(CHILD, "open_late", "host");
+    let mut slow = ChildProcess::spawn(CHILD, "open_late", test_backend());
     slow.send(&send(late));
     assert_eq!(slow.recv(), "got it");
     drop(s);

@@ -14,7 +14,7 @@ use cudalloc::{Driver, IpcHandle, Runtime, Storage};
 const CHILD: &str = "ipc_child";
 
 fn producer() -> (Arc<Runtime>, String) {
-    producer_on("host")
+    producer_on(test_backend())
 }
 
 /// A producer allocator on `backend`; the prefix of its host objects ("" on CUDA).
@@ -33,6 +33,9 @@ fn producer_on(backend: &str) -> (Arc<Runtime>, String) {
 
 /// The backends the ported tests run on: host, and CUDA when a driver and a device exist.
 fn ipc_backends(test: &str) -> Vec<&'static str> {
+    if cuda_suite() {
+        return vec!["cuda"];
+    }
     let mut out = vec!["host"];
     if cuda_present(test) {
         out.push("cuda");
@@ -191,7 +194,7 @@ fn producer_drop_goes_to_limbo_and_consumer_release_drains_it() {
     let (a, prefix) = producer();
     let s = Storage::new(&a, 0, 1 << 20).unwrap();
     s.fill_pattern(11).unwrap();
-    let mut child = ChildProcess::spawn(CHILD, "simple", "host");
+    let mut child = ChildProcess::spawn(CHILD, "simple", test_backend());
     child.send(&send(s.share_ipc().unwrap()));
     assert_eq!(child.recv(), "verified mismatches=0");
     drop(s); // the consumer still holds it
@@ -218,7 +221,7 @@ fn a_sigkilled_consumer_holding_100_storages_is_reclaimed() {
         .iter()
         .map(|s| send(s.share_ipc().unwrap()))
         .collect();
-    let mut child = ChildProcess::spawn(CHILD, "hold", "host");
+    let mut child = ChildProcess::spawn(CHILD, "hold", test_backend());
     child.send(&line.join(" "));
     assert_eq!(child.recv(), "holding 100");
     drop(storages);
@@ -236,7 +239,7 @@ fn a_sigkilled_consumer_holding_100_storages_is_reclaimed() {
 fn a_handle_dropped_unopened_gives_its_count_back() {
     let (a, prefix) = producer();
     let s = Storage::new(&a, 0, 4096).unwrap();
-    let mut child = ChildProcess::spawn(CHILD, "drop_unopened", "host");
+    let mut child = ChildProcess::spawn(CHILD, "drop_unopened", test_backend());
     child.send(&send(s.share_ipc().unwrap()));
     assert_eq!(child.recv(), "dropped");
     child.finish();
@@ -253,7 +256,7 @@ fn a_handle_dropped_unopened_gives_its_count_back() {
 #[test]
 fn the_consumer_survives_a_producer_that_exits_first() {
     let (a, prefix) = producer();
-    let mut child = ChildProcess::spawn(CHILD, "outlive", "host");
+    let mut child = ChildProcess::spawn(CHILD, "outlive", test_backend());
     {
         let s = Storage::new(&a, 0, 8192).unwrap();
         s.fill_pattern(5).unwrap();
@@ -285,8 +288,8 @@ fn test_cuda_send_many() {
     // p3 sums. Afterwards the limbo is empty and no ref-counter file is left.
     const N: usize = 100_000;
     let (a, prefix) = producer();
-    let mut p2 = ChildProcess::spawn(CHILD, "forward", "host");
-    let mut p3 = ChildProcess::spawn(CHILD, "sum", "host");
+    let mut p2 = ChildProcess::spawn(CHILD, "forward", test_backend());
+    let mut p3 = ChildProcess::spawn(CHILD, "sum", test_backend());
     let mut expected = 0u64;
     for chunk in 0..(N / 100) {
         let storages: Vec<_> = (0..100)
@@ -322,7 +325,7 @@ fn test_cuda_ipc_deadlock() {
     // iterations of share / receive / release while the producer frees and drains. A watchdog
     // kills the child after 10 s, which fails the test instead of hanging CI.
     let (a, prefix) = producer();
-    let mut child = ChildProcess::spawn(CHILD, "echo", "host");
+    let mut child = ChildProcess::spawn(CHILD, "echo", test_backend());
     let pid = child.pid();
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let watchdog = {
@@ -366,7 +369,7 @@ fn ipc_child() {
     let Ok(role) = std::env::var(ROLE_VAR) else {
         return;
     };
-    let a = Arc::new(Runtime::new(Arc::new(host_driver()), Default::default()).unwrap());
+    let a = Arc::new(Runtime::new(child_test_driver(), Default::default()).unwrap());
     let mut parent = ParentLink::new();
     match role.as_str() {
         "simple" => {

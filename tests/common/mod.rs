@@ -36,9 +36,65 @@ pub struct TestBackend {
     pub host: Option<Arc<HostDriver>>,
 }
 
+/// Whether the suites run on the CUDA backend: `CUDALLOC_BACKEND=cuda` (on a GPU, or on the
+/// contract double of `tools/cuda-double` in CI — `scripts/cuda-double.sh`).
+pub fn cuda_suite() -> bool {
+    std::env::var("CUDALLOC_BACKEND").is_ok_and(|b| b.trim() == "cuda")
+}
+
+/// The driver a backend-independent test runs on: CUDA in a CUDA run ([`cuda_suite`]), else the
+/// host backend ([`host_driver`]). A CUDA run without a usable driver is a failure, not a skip:
+/// it was asked for explicitly.
+pub fn test_driver() -> Arc<dyn Driver> {
+    if cuda_suite() {
+        Arc::new(CudaDriver::new().unwrap_or_else(|e| {
+            panic!("CUDALLOC_BACKEND=cuda but the CUDA backend cannot start: {e}")
+        }))
+    } else {
+        Arc::new(host_driver())
+    }
+}
+
+/// The backend name [`test_driver`] uses (`"cuda"` or `"host"`).
+pub fn test_backend() -> &'static str {
+    if cuda_suite() {
+        "cuda"
+    } else {
+        "host"
+    }
+}
+
+/// Violations the CUDA contract double has recorded in this process, or `None` when the loaded
+/// `libcuda` is not the double (a real driver, or none).
+pub fn double_violations() -> Option<u64> {
+    // SAFETY: RTLD_NOLOAD only looks up an already loaded library; the symbol, when present, is
+    // the double's `extern "C" fn() -> u64`.
+    unsafe {
+        let lib = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY);
+        if lib.is_null() {
+            return None;
+        }
+        let sym = libc::dlsym(lib, c"cuda_double_violations".as_ptr());
+        let count = (!sym.is_null()).then(|| {
+            let f: extern "C" fn() -> u64 = std::mem::transmute(sym);
+            f()
+        });
+        libc::dlclose(lib);
+        count
+    }
+}
+
 /// Every backend present: the host backend always, CUDA when a driver and a device exist. Prints
-/// "skipped: no CUDA driver" for the CUDA case otherwise.
+/// "skipped: no CUDA driver" for the CUDA case otherwise. In a CUDA run ([`cuda_suite`]) only
+/// CUDA: the host backend had its run.
 pub fn backends(test: &str) -> Vec<TestBackend> {
+    if cuda_suite() {
+        return vec![TestBackend {
+            name: "cuda",
+            driver: test_driver(),
+            host: None,
+        }];
+    }
     let host = Arc::new(host_driver());
     let mut out = vec![TestBackend {
         name: "host",
@@ -73,6 +129,11 @@ pub fn child_driver(backend: &str) -> Arc<dyn Driver> {
         "cuda" => Arc::new(CudaDriver::new().unwrap()),
         _ => Arc::new(host_driver()),
     }
+}
+
+/// The driver of a child process, on the backend its parent named ([`ChildProcess::spawn`]).
+pub fn child_test_driver() -> Arc<dyn Driver> {
+    child_driver(&std::env::var(BACKEND_VAR).unwrap_or_else(|_| "host".into()))
 }
 
 /// Hex encoding of a handle for the line protocol.

@@ -124,6 +124,7 @@ impl Driver for CudaDriver {
                 device,
                 size,
                 opened_from: None,
+                exported_as: None,
             },
         );
         Ok(DevicePtr(ptr))
@@ -140,6 +141,9 @@ impl Driver for CudaDriver {
                 None => return Err(ranges::not_a_segment_base(ptr)),
             }
         };
+        if let Some(handle) = entry.and_then(|e| e.exported_as) {
+            super::process_ipc::unexported(&handle);
+        }
         let device = entry.map_or(0, |e| e.device);
         // Like the host backend (and cudaFree): queued work on the segment finishes first.
         self.synchronize_all()?;
@@ -430,7 +434,15 @@ impl Driver for CudaDriver {
         check("cuIpcGetMemHandle", unsafe {
             sys::cuIpcGetMemHandle(&mut handle, ptr.0)
         })?;
-        Ok(IpcMemHandle(as_bytes(&handle.reserved)))
+        let bytes = as_bytes(&handle.reserved);
+        // Noted under the segment table's lock, so a concurrent free cannot miss it.
+        let mut segments = self.segments.write();
+        match segments.get_mut(&ptr.0) {
+            Some(e) => e.exported_as = Some(bytes),
+            None => return Err(ranges::not_a_segment_base(ptr)),
+        }
+        super::process_ipc::exported(bytes);
+        Ok(IpcMemHandle(bytes))
     }
 
     fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
@@ -438,31 +450,43 @@ impl Driver for CudaDriver {
         if !self.opened_handles.lock().insert(handle.0) {
             return Err(Error::invalid("this IPC memory handle is already open in this process; cache the mapping and reuse it"));
         }
-        let raw = sys::CUipcMemHandle {
-            reserved: as_chars(&handle.0),
-        };
-        let mut ptr = 0;
-        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
-        // SAFETY: out-pointer valid; the driver validates the handle bytes itself.
-        let opened = check("cuIpcOpenMemHandle_v2", unsafe {
-            sys::cuIpcOpenMemHandle_v2(&mut ptr, raw, flags)
-        });
-        let sized = opened.and_then(|()| {
+        let mapped = super::process_ipc::open(device, &handle.0, || {
+            let raw = sys::CUipcMemHandle {
+                reserved: as_chars(&handle.0),
+            };
+            let mut ptr = 0;
+            let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+            // SAFETY: out-pointer valid; the driver validates the handle bytes itself.
+            check("cuIpcOpenMemHandle_v2", unsafe {
+                sys::cuIpcOpenMemHandle_v2(&mut ptr, raw, flags)
+            })
+            .map_err(|err| match err {
+                Error::Driver { message, .. } => {
+                    Error::bad_handle(format!("cuIpcOpenMemHandle refused the handle: {message}"))
+                }
+                other => other,
+            })?;
             let (mut base, mut size) = (0, 0usize);
             // SAFETY: out-pointers valid; `ptr` was just mapped.
-            check("cuMemGetAddressRange_v2", unsafe {
+            let sized = check("cuMemGetAddressRange_v2", unsafe {
                 sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
-            })?;
-            Ok(size as u64)
+            });
+            if let Err(err) = sized {
+                // SAFETY: mapped just above and known to no one else.
+                let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
+                return Err(err);
+            }
+            Ok((ptr, size as u64))
         });
-        match sized {
-            Ok(size) => {
+        match mapped {
+            Ok((ptr, size)) => {
                 self.segments.write().insert(
                     ptr,
                     SegmentEntry {
                         device,
                         size,
                         opened_from: Some(handle.0),
+                        exported_as: None,
                     },
                 );
                 Ok(OpenedSegment {
@@ -472,12 +496,7 @@ impl Driver for CudaDriver {
             }
             Err(err) => {
                 self.opened_handles.lock().remove(&handle.0);
-                Err(match err {
-                    Error::Driver { message, .. } => Error::bad_handle(format!(
-                        "cuIpcOpenMemHandle refused the handle: {message}"
-                    )),
-                    other => other,
-                })
+                Err(err)
             }
         }
     }
@@ -502,14 +521,18 @@ impl Driver for CudaDriver {
                 }
             }
         };
-        if let Some(h) = entry.opened_from {
-            self.opened_handles.lock().remove(&h);
-        }
+        let Some(handle) = entry.opened_from else {
+            return Ok(());
+        };
+        self.opened_handles.lock().remove(&handle);
         self.synchronize_all()?;
-        self.bind(entry.device)?;
-        // SAFETY: `ptr` was returned by cuIpcOpenMemHandle and is closed exactly once.
-        check("cuIpcCloseMemHandle", unsafe {
-            sys::cuIpcCloseMemHandle(ptr.0)
+        super::process_ipc::close(entry.device, &handle, || {
+            self.bind(entry.device)?;
+            // SAFETY: `ptr` was returned by cuIpcOpenMemHandle and this is the process's last
+            // user of the mapping (counted in process_ipc), so it is closed exactly once.
+            check("cuIpcCloseMemHandle", unsafe {
+                sys::cuIpcCloseMemHandle(ptr.0)
+            })
         })
     }
 

@@ -12,11 +12,14 @@
 //!   dedicated stream per device, matching the host backend where every stream is independent.
 //! * Interprocess events are created with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`.
 //! * Streams, events and segments live in tables, like the host backend's: ids and pointers the
-//!   driver did not hand out are rejected before reaching CUDA. The CUDA driver itself refuses to
-//!   open an IPC handle in the exporting process, and we refuse to open one twice.
+//!   driver did not hand out are rejected before reaching CUDA. A driver refuses to open one
+//!   handle twice (callers cache); across the drivers of a process, `process_ipc.rs` keeps CUDA's
+//!   per-process rules: a handle exported here is refused, and a handle is mapped once per device
+//!   and shared by every driver that opens it.
 //! * Kernels are compiled from `kernels/*.cu` with NVRTC on first use (`kernels.rs`).
 
 pub mod kernels;
+mod process_ipc;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{c_void, CStr, CString};
@@ -124,6 +127,8 @@ struct SegmentEntry {
     device: usize,
     size: u64,
     opened_from: Option<[u8; IPC_HANDLE_SIZE]>,
+    /// The handle this process exported for the segment (forgotten when it is freed).
+    exported_as: Option<[u8; IPC_HANDLE_SIZE]>,
 }
 
 /// The CUDA backend (see the [module docs](self)).
@@ -338,6 +343,17 @@ impl CudaDriver {
 
 impl Drop for CudaDriver {
     fn drop(&mut self) {
+        // Mappings this driver opened give up their process-wide user (the last one unmaps).
+        let opened: Vec<u64> = self
+            .segments
+            .read()
+            .iter()
+            .filter(|(_, e)| e.opened_from.is_some())
+            .map(|(p, _)| *p)
+            .collect();
+        for ptr in opened {
+            let _ = self.ipc_close_memory(DevicePtr(ptr));
+        }
         let events = self.events.drain();
         for e in events {
             if self.bind(e.device).is_ok() {

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs cudalloc's CUDA backend (CudaDriver) on the contract double of the CUDA driver API
+# (tools/cuda-double): the conformance, allocator, COW and IPC (multi-process) suites with
+# CUDALLOC_BACKEND=cuda, then the double's verdict — fails on any contract violation or on any
+# driver entry point that src/driver/cuda uses and the run never called.
+#
+# This proves the CUDA backend executes and honours the documented API contract; it does not prove
+# real device behaviour (scripts/gpu-check.sh on a GPU does). Needs NVRTC (the kernels are compiled
+# to PTX and loaded): pass its lib folder, or set NVRTC_LIB, or have it on LD_LIBRARY_PATH.
+#
+# Usage: scripts/cuda-double.sh [NVRTC lib folder]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+nvrtc_lib="${1:-${NVRTC_LIB:-}}"
+echo "== the double's own tests (each rule broken once on purpose)"
+cargo test --quiet -p cuda-double
+cargo build --quiet --release -p cuda-double
+root="$PWD/target/cuda-double"
+rm -rf "$root"
+mkdir -p "$root/lib" "$root/report"
+cp target/release/libcuda_double.so "$root/lib/libcuda.so.1"
+# One file under both names cudarc and NVRTC open, so a process loads the double once.
+ln -s libcuda.so.1 "$root/lib/libcuda.so"
+
+export LD_LIBRARY_PATH="$root/lib${nvrtc_lib:+:$nvrtc_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export CUDALLOC_BACKEND=cuda
+export CUDA_DOUBLE_REPORT="$root/report"
+
+suites=(driver_conformance allocator_pytorch allocator_policy allocator_properties cow
+        ipc_multiprocess ipc_interplay global_and_storage cuda_contract)
+args=()
+for s in "${suites[@]}"; do args+=(--test "$s"); done
+echo "== CUDA backend on the contract double: ${suites[*]}"
+cargo test --no-fail-fast "${args[@]}"
+
+echo "== the double's verdict"
+target/release/cuda-double-report "$CUDA_DOUBLE_REPORT" src/driver/cuda
