@@ -34,5 +34,8 @@ for s in "${suites[@]}"; do args+=(--test "$s"); done
 echo "== CUDA backend on the contract double: ${suites[*]}"
 cargo test --no-fail-fast "${args[@]}"
 
+echo "== the interplay test on the double (30 s, fresh seed; killed consumers included)"
+cargo test --test interplay -- --seconds 30
+
 echo "== the double's verdict"
 target/release/cuda-double-report "$CUDA_DOUBLE_REPORT" src/driver/cuda

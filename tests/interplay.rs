@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{hex, host_driver, unhex};
+use common::{cuda_suite, hex, test_driver, unhex};
 use cudalloc::driver::pattern;
 use cudalloc::{IpcHandle, Runtime, Storage, StreamId};
 
@@ -454,7 +454,7 @@ impl World {
 fn consumer_main() {
     // Two allocators (each over its own driver) in one consumer process.
     let allocators = [0, 1]
-        .map(|_| Arc::new(Runtime::new(Arc::new(host_driver()), Default::default()).unwrap()));
+        .map(|_| Arc::new(Runtime::new(test_driver(), Default::default()).unwrap()));
     // Receipts by id (a storage opened twice, through either allocator, has two).
     let mut held: BTreeMap<u64, Vec<Storage>> = BTreeMap::new();
     let stdin = std::io::stdin();
@@ -561,13 +561,17 @@ fn main() {
             Runtime::builder()
                 .ipc_slots_per_file(32)
                 .check_invariants(true)
-                .build(Arc::new(
-                    cudalloc::HostDriver::builder()
-                        .devices(1)
-                        .memory_per_device(256 << 20)
-                        .build()
-                        .unwrap(),
-                ))
+                .build(if cuda_suite() {
+                    test_driver()
+                } else {
+                    Arc::new(
+                        cudalloc::HostDriver::builder()
+                            .devices(1)
+                            .memory_per_device(256 << 20)
+                            .build()
+                            .unwrap(),
+                    )
+                })
                 .unwrap(),
         )
     });
