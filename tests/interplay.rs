@@ -453,8 +453,8 @@ impl World {
 
 fn consumer_main() {
     // Two allocators (each over its own driver) in one consumer process.
-    let allocators = [0, 1]
-        .map(|_| Arc::new(Runtime::new(test_driver(), Default::default()).unwrap()));
+    let allocators =
+        [0, 1].map(|_| Arc::new(Runtime::new(test_driver(), Default::default()).unwrap()));
     // Receipts by id (a storage opened twice, through either allocator, has two).
     let mut held: BTreeMap<u64, Vec<Storage>> = BTreeMap::new();
     let stdin = std::io::stdin();
