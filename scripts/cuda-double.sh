@@ -27,7 +27,7 @@ export LD_LIBRARY_PATH="$root/lib${nvrtc_lib:+:$nvrtc_lib}${LD_LIBRARY_PATH:+:$L
 export CUDALLOC_BACKEND=cuda
 export CUDA_DOUBLE_REPORT="$root/report"
 
-suites=(driver_conformance allocator_pytorch allocator_policy allocator_properties cow
+suites=(driver_conformance allocator_pytorch allocator_policy allocator_properties allocator_stress cow
         ipc_multiprocess ipc_interplay global_and_storage cuda_contract)
 args=()
 for s in "${suites[@]}"; do args+=(--test "$s"); done

@@ -30,12 +30,16 @@ fn register(live: &Mutex<BTreeMap<u64, u64>>, ptr: u64, len: u64) {
 
 #[test]
 fn four_threads_on_shared_and_private_streams() {
-    let driver: Arc<dyn Driver> = Arc::new(
-        HostDriver::builder()
-            .memory_per_device(512 << 20)
-            .build()
-            .unwrap(),
-    );
+    let driver: Arc<dyn Driver> = if common::cuda_suite() {
+        common::test_driver()
+    } else {
+        Arc::new(
+            HostDriver::builder()
+                .memory_per_device(512 << 20)
+                .build()
+                .unwrap(),
+        )
+    };
     let a = Arc::new(Runtime::new(driver.clone(), Default::default()).unwrap());
     let shared = a.create_stream(0).unwrap();
     let live = Arc::new(Mutex::new(BTreeMap::new()));

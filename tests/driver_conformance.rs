@@ -41,6 +41,37 @@ fn every_device_has_a_name_and_a_bad_ordinal_is_an_error() {
 }
 
 #[test]
+fn filling_a_device_ends_in_a_retryable_out_of_memory_and_frees_recover() {
+    // Requests that each fit the device's total but not what is left: the driver's own
+    // out-of-memory answer (not a size check in front of it) must come back typed.
+    for b in backends("filling_a_device_ends_in_a_retryable_out_of_memory") {
+        let d = b.driver.as_ref();
+        let chunk = (d.mem_info(0).unwrap().total / 3).max(MIB);
+        let mut held = Vec::new();
+        let err = loop {
+            match d.malloc(0, chunk) {
+                Ok(p) => held.push(p),
+                Err(e) => break e,
+            }
+            assert!(
+                held.len() <= 8,
+                "{}: {} chunks fit in the device",
+                b.name,
+                held.len()
+            );
+        };
+        assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{}: {err}", b.name);
+        assert!(err.is_retryable(), "{}", b.name);
+        assert!(!held.is_empty(), "{}", b.name);
+        for p in held {
+            d.free(p).unwrap();
+        }
+        let again = d.malloc(0, chunk).unwrap();
+        d.free(again).unwrap();
+    }
+}
+
+#[test]
 fn malloc_free_capacity_and_out_of_memory() {
     for b in backends("malloc_free_capacity_and_out_of_memory") {
         let d = b.driver.as_ref();

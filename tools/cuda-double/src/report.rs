@@ -4,7 +4,7 @@
 //!
 //! | file             | content                                                               |
 //! |------------------|-----------------------------------------------------------------------|
-//! | `calls.bin`      | `"CUDBLCNT"`, the entry count, then one `u64` counter per entry point, mapped shared and incremented atomically (a killed process has counted its calls already) |
+//! | `calls.bin`      | `"CUDBLCNT"`, a fingerprint of the entry table, then per entry point a `u64` of calls and, after them, a `u64` of calls that did not return `CUDA_SUCCESS` (so error paths are seen to run); mapped shared and incremented atomically (a killed process has counted its calls already) |
 //! | `violations.log` | one line per contract violation: pid, call, result code, rule broken  |
 //! | `rejected.log`   | one line per input refused as corrupt (IPC handle bytes not made by the double): an expected outcome for untrusted input, not a violation |
 //!
@@ -171,7 +171,7 @@ unsafe impl Sync for SharedCounts {}
 
 impl SharedCounts {
     fn open(path: &std::path::Path) -> Option<Self> {
-        let len = COUNTS_HEADER + 8 * ENTRIES.len();
+        let len = COUNTS_HEADER + 16 * ENTRIES.len();
         let cpath = CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
         // SAFETY: valid NUL-terminated path; the descriptor is closed below.
         let fd = unsafe { libc::open(cpath.as_ptr(), libc::O_RDWR | libc::O_CREAT, 0o644) };
@@ -223,10 +223,12 @@ impl SharedCounts {
         Some(SharedCounts { base })
     }
 
-    fn counter(&self, entry: Entry) -> &AtomicU64 {
-        // SAFETY: the mapping holds one 8-byte-aligned u64 per entry after the 16-byte header
-        // (mmap returns page-aligned memory) and lives for the life of the process.
-        unsafe { AtomicU64::from_ptr(self.base.add(COUNTS_HEADER + 8 * entry as usize).cast()) }
+    /// Counter `index` (calls: the entry's number; failures: after all the entries' calls).
+    fn counter(&self, index: usize) -> &AtomicU64 {
+        // SAFETY: the mapping holds 2 * ENTRIES 8-byte-aligned u64s after the 16-byte header
+        // (mmap returns page-aligned memory; index < 2 * ENTRIES) and lives for the life of the
+        // process.
+        unsafe { AtomicU64::from_ptr(self.base.add(COUNTS_HEADER + 8 * index).cast()) }
     }
 }
 
@@ -254,7 +256,18 @@ impl Report {
     pub fn count(&self, entry: Entry) {
         self.local[entry as usize].fetch_add(1, Ordering::Relaxed);
         if let Some(shared) = &self.shared {
-            shared.counter(entry).fetch_add(1, Ordering::Relaxed);
+            shared
+                .counter(entry as usize)
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts a call of `entry` that did not return `CUDA_SUCCESS`.
+    pub fn count_failure(&self, entry: Entry) {
+        if let Some(shared) = &self.shared {
+            shared
+                .counter(ENTRIES.len() + entry as usize)
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -275,6 +288,7 @@ impl Report {
 
     /// Records a failed call of `entry` (violations and rejected input; outcomes are not logged).
     pub fn record(&self, entry: Entry, fail: &Fail) {
+        self.count_failure(entry);
         let file = match fail.class {
             Class::Outcome => return,
             Class::Violation => "violations.log",
@@ -315,11 +329,11 @@ fn append(path: &std::path::Path, line: &str) {
     }
 }
 
-/// Reads the counters of a report folder's `calls.bin` as `(entry name, calls)`.
-pub fn read_counts(dir: &std::path::Path) -> std::io::Result<Vec<(&'static str, u64)>> {
+/// Reads the counters of a report folder's `calls.bin` as `(entry name, calls, failed calls)`.
+pub fn read_counts(dir: &std::path::Path) -> std::io::Result<Vec<(&'static str, u64, u64)>> {
     let bytes = std::fs::read(dir.join("calls.bin"))?;
     let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
-    if bytes.len() != COUNTS_HEADER + 8 * ENTRIES.len()
+    if bytes.len() != COUNTS_HEADER + 16 * ENTRIES.len()
         || &bytes[..8] != COUNTS_MAGIC
         || bytes[8..16] != fingerprint()
     {
@@ -331,10 +345,13 @@ pub fn read_counts(dir: &std::path::Path) -> std::io::Result<Vec<(&'static str, 
         .iter()
         .enumerate()
         .map(|(i, e)| {
-            let at = COUNTS_HEADER + 8 * i;
-            let mut word = [0u8; 8];
-            word.copy_from_slice(&bytes[at..at + 8]);
-            (e.name(), u64::from_ne_bytes(word))
+            let word = |index: usize| {
+                let at = COUNTS_HEADER + 8 * index;
+                let mut word = [0u8; 8];
+                word.copy_from_slice(&bytes[at..at + 8]);
+                u64::from_ne_bytes(word)
+            };
+            (e.name(), word(i), word(ENTRIES.len() + i))
         })
         .collect())
 }

@@ -69,19 +69,22 @@ fn main() -> ExitCode {
         .filter_map(|f| std::fs::read_to_string(f).ok())
         .flat_map(|t| entry_points(&t))
         .collect();
-    println!("{:<32} {:>12}  used by the sources", "entry point", "calls");
-    for (name, calls) in &counts {
+    println!(
+        "{:<32} {:>12} {:>12}  used by the sources",
+        "entry point", "calls", "not success"
+    );
+    for (name, calls, failed) in &counts {
         let mark = if used.contains(*name) { "yes" } else { "-" };
-        println!("{name:<32} {calls:>12}  {mark}");
+        println!("{name:<32} {calls:>12} {failed:>12}  {mark}");
     }
     let mut failed = false;
     for name in &used {
-        match counts.iter().find(|(n, _)| n == name) {
+        match counts.iter().find(|(n, _, _)| n == name) {
             None => {
                 println!("FAIL: {name} is called by the sources but the double does not export it");
                 failed = true;
             }
-            Some((_, 0)) => {
+            Some((_, 0, _)) => {
                 println!("FAIL: {name} is used by the sources but was never called in this run");
                 failed = true;
             }
