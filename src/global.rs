@@ -1,91 +1,195 @@
-//! `GLOBAL`: the process-wide allocator a tensor library uses, built lazily from the environment
-//! (`CUDALLOC_BACKEND`, `CUDALLOC_CONF`, and the host backend's `CUDALLOC_HOST_*`) on first use.
+//! `GLOBAL`: the process-wide runtime a tensor library allocates through.
 //!
-//! If the environment is invalid, every call returns the same configuration error (built once,
-//! never a panic). The choice of backend is logged through `tracing`.
+//! It is set up once, in one of two ways, and never changes afterwards:
+//!
+//! | how                                     | backend                                  | allocator settings         |
+//! |-----------------------------------------|------------------------------------------|----------------------------|
+//! | [`Global::init`] (before any other use) | the [`BackendChoice`] given              | the [`RuntimeBuilder`]'s   |
+//! | [`Global::init_with_driver`]            | the driver given (e.g. a `HostDriver` built for tests) | the builder's |
+//! | first use of anything else              | `CUDALLOC_BACKEND` (default `auto`)      | `CUDALLOC_CONF`            |
+//!
+//! `init` after `GLOBAL` was set up (by an earlier `init` or by first use) is an
+//! [`ErrorKind::Config`](crate::ErrorKind::Config) error saying so — never a silent second
+//! configuration. If the environment is invalid, every call returns the same configuration error
+//! (built once, never a panic). With `auto`, falling back to the host backend is logged as a
+//! warning naming why CUDA was not used, and [`Global::fallback_reason`] returns it.
 
-use crate::alloc::{DataPtr, DeviceStats, Snapshot};
+use std::collections::BTreeMap;
+
+use crate::alloc::{DataPtr, DeviceStats, FreeMemoryCallback, Snapshot, StreamGuard};
 use crate::config::AllocatorConfig;
-use crate::driver::{BackendChoice, StreamId};
-use crate::error::Result;
-use crate::runtime::Runtime;
+use crate::driver::{Backend, BackendChoice, Driver, StreamId};
+use crate::error::{Error, Result};
+use crate::runtime::{Runtime, RuntimeBuilder};
 use crate::storage::Storage;
 use crate::sync::os::{Arc, OnceLock};
 
-/// The process-wide allocator (see the [module docs](self)).
+/// The process-wide runtime (see the [module docs](self)).
 pub static GLOBAL: Global = Global {
     cell: OnceLock::new(),
 };
 
+/// What `GLOBAL` was set up with.
+#[derive(Debug)]
+struct Ready {
+    runtime: Arc<Runtime>,
+    fallback_reason: Option<String>,
+}
+
 /// The type of [`GLOBAL`].
 #[derive(Debug)]
 pub struct Global {
-    cell: OnceLock<Result<Arc<Runtime>>>,
+    cell: OnceLock<Result<Ready>>,
+}
+
+/// Forwards `Global` methods to the runtime (building it on first use).
+macro_rules! forward {
+    ($($(#[$doc:meta])* fn $name:ident(&self $(, $arg:ident: $ty:ty)*) -> $ret:ty;)*) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(&self $(, $arg: $ty)*) -> Result<$ret> {
+                self.get()?.$name($($arg),*)
+            }
+        )*
+    };
+}
+
+/// Forwards `Global` methods that cannot fail once the runtime exists.
+macro_rules! forward_infallible {
+    ($($(#[$doc:meta])* fn $name:ident(&self $(, $arg:ident: $ty:ty)*) -> $ret:ty;)*) => {
+        $(
+            $(#[$doc])*
+            pub fn $name(&self $(, $arg: $ty)*) -> Result<$ret> {
+                Ok(self.get()?.$name($($arg),*))
+            }
+        )*
+    };
 }
 
 impl Global {
-    /// The runtime, building it from the environment on first use.
-    pub fn get(&self) -> Result<&Arc<Runtime>> {
+    fn ready(&self) -> Result<&Ready> {
         self.cell
             .get_or_init(|| {
                 let backend = BackendChoice::from_env()?.open()?;
                 let config = AllocatorConfig::from_env()?;
-                tracing::info!(backend = %backend.driver.backend(), ?config, "cudalloc GLOBAL allocator ready");
-                Ok(Arc::new(Runtime::new(backend.driver, config)?))
+                let runtime = Runtime::builder().config(config).build(backend.driver)?;
+                tracing::info!(backend = %runtime.driver().backend(), "cudalloc GLOBAL ready (from the environment)");
+                Ok(Ready {
+                    runtime: Arc::new(runtime),
+                    fallback_reason: backend.fallback_reason,
+                })
             })
             .as_ref()
             .map_err(Clone::clone)
     }
 
-    /// Allocates on `device`'s current stream.
-    pub fn allocate(&self, device: usize, size: u64) -> Result<DataPtr> {
-        self.get()?.allocate(device, size)
+    /// The runtime, set up from the environment on first use unless [`Global::init`] came first.
+    pub fn get(&self) -> Result<&Arc<Runtime>> {
+        self.ready().map(|r| &r.runtime)
     }
 
-    /// A new storage of `nbytes` on `device`.
+    fn install(&self, build: impl FnOnce() -> Result<Ready>) -> Result<&Arc<Runtime>> {
+        let mut installed = false;
+        let ready = self.cell.get_or_init(|| {
+            installed = true;
+            build()
+        });
+        if !installed {
+            return Err(Error::Config(
+                "GLOBAL is already set up (by an earlier init or by its first use): call \
+                 GLOBAL.init before anything else uses GLOBAL"
+                    .into(),
+            ));
+        }
+        ready.as_ref().map(|r| &r.runtime).map_err(Clone::clone)
+    }
+
+    /// Sets `GLOBAL` up from code: `backend` chosen as `CUDALLOC_BACKEND` would choose it, the
+    /// allocator configured by `builder` (`CUDALLOC_CONF` is not read). Call once, before any
+    /// other use of `GLOBAL`; afterwards it is a configuration error. If building fails, that
+    /// error is what `GLOBAL` answers from then on.
+    pub fn init(&self, builder: RuntimeBuilder, backend: BackendChoice) -> Result<&Arc<Runtime>> {
+        self.install(|| {
+            let selected = backend.open()?;
+            Ok(Ready {
+                runtime: Arc::new(builder.build(selected.driver)?),
+                fallback_reason: selected.fallback_reason,
+            })
+        })
+    }
+
+    /// As [`Global::init`], over a driver the caller built.
+    pub fn init_with_driver(
+        &self,
+        builder: RuntimeBuilder,
+        driver: Arc<dyn Driver>,
+    ) -> Result<&Arc<Runtime>> {
+        self.install(|| {
+            Ok(Ready {
+                runtime: Arc::new(builder.build(driver)?),
+                fallback_reason: None,
+            })
+        })
+    }
+
+    /// The backend `GLOBAL` runs on.
+    pub fn backend(&self) -> Result<Backend> {
+        Ok(self.get()?.driver().backend())
+    }
+
+    /// With `auto`, why the CUDA backend was not used (`None` when it was, or was not asked for).
+    pub fn fallback_reason(&self) -> Result<Option<String>> {
+        Ok(self.ready()?.fallback_reason.clone())
+    }
+
+    /// A new storage of `nbytes` on `device`'s current stream.
     pub fn storage(&self, device: usize, nbytes: u64) -> Result<Storage> {
         Storage::new(self.get()?, device, nbytes)
     }
 
-    /// See [`CachingAllocator::empty_cache`].
-    pub fn empty_cache(&self) -> Result<()> {
-        self.get()?.empty_cache();
-        Ok(())
+    forward! {
+        /// See [`CachingAllocator::allocate`](crate::CachingAllocator::allocate).
+        fn allocate(&self, device: usize, size: u64) -> DataPtr;
+        /// See [`CachingAllocator::allocate_on`](crate::CachingAllocator::allocate_on).
+        fn allocate_on(&self, stream: StreamId, size: u64) -> DataPtr;
+        /// See [`CachingAllocator::memory_stats`](crate::CachingAllocator::memory_stats).
+        fn memory_stats(&self, device: usize) -> DeviceStats;
+        /// See [`CachingAllocator::memory_stats_map`](crate::CachingAllocator::memory_stats_map).
+        fn memory_stats_map(&self, device: usize) -> BTreeMap<String, i64>;
+        /// See [`CachingAllocator::reset_peak_memory_stats`](crate::CachingAllocator::reset_peak_memory_stats).
+        fn reset_peak_memory_stats(&self, device: usize) -> ();
+        /// See [`CachingAllocator::reset_accumulated_memory_stats`](crate::CachingAllocator::reset_accumulated_memory_stats).
+        fn reset_accumulated_memory_stats(&self, device: usize) -> ();
+        /// See [`CachingAllocator::memory_summary`](crate::CachingAllocator::memory_summary).
+        fn memory_summary(&self, device: usize) -> String;
+        /// See [`CachingAllocator::default_stream`](crate::CachingAllocator::default_stream).
+        fn default_stream(&self, device: usize) -> StreamId;
+        /// See [`CachingAllocator::current_stream`](crate::CachingAllocator::current_stream).
+        fn current_stream(&self, device: usize) -> StreamId;
+        /// See [`CachingAllocator::set_current_stream`](crate::CachingAllocator::set_current_stream).
+        fn set_current_stream(&self, stream: StreamId) -> StreamGuard;
+        /// See [`CachingAllocator::create_stream`](crate::CachingAllocator::create_stream).
+        fn create_stream(&self, device: usize) -> StreamId;
+        /// See [`CachingAllocator::record_stream`](crate::CachingAllocator::record_stream).
+        fn record_stream(&self, data: &DataPtr, stream: StreamId) -> ();
+        /// See [`CachingAllocator::set_per_process_memory_fraction`](crate::CachingAllocator::set_per_process_memory_fraction).
+        fn set_per_process_memory_fraction(&self, fraction: f64, device: usize) -> ();
+        /// See [`CachingAllocator::reserved_bytes`](crate::CachingAllocator::reserved_bytes).
+        fn reserved_bytes(&self, device: usize) -> u64;
     }
 
-    /// See [`CachingAllocator::memory_stats`].
-    pub fn memory_stats(&self, device: usize) -> Result<DeviceStats> {
-        self.get()?.memory_stats(device)
-    }
-
-    /// See [`CachingAllocator::memory_summary`].
-    pub fn memory_summary(&self, device: usize) -> Result<String> {
-        self.get()?.memory_summary(device)
-    }
-
-    /// See [`CachingAllocator::snapshot`].
-    pub fn snapshot(&self) -> Result<Snapshot> {
-        Ok(self.get()?.snapshot())
-    }
-
-    /// See [`CachingAllocator::ipc_collect`].
-    pub fn ipc_collect(&self) -> Result<bool> {
-        Ok(self.get()?.ipc_collect())
-    }
-
-    /// See [`CachingAllocator::create_stream`].
-    pub fn create_stream(&self, device: usize) -> Result<StreamId> {
-        self.get()?.create_stream(device)
-    }
-
-    /// See [`CachingAllocator::record_stream`].
-    pub fn record_stream(&self, data: &DataPtr, stream: StreamId) -> Result<()> {
-        self.get()?.record_stream(data, stream)
-    }
-
-    /// See [`CachingAllocator::set_per_process_memory_fraction`].
-    pub fn set_per_process_memory_fraction(&self, fraction: f64, device: usize) -> Result<()> {
-        self.get()?
-            .set_per_process_memory_fraction(fraction, device)
+    forward_infallible! {
+        /// See [`CachingAllocator::device_count`](crate::CachingAllocator::device_count).
+        fn device_count(&self) -> usize;
+        /// See [`CachingAllocator::empty_cache`](crate::CachingAllocator::empty_cache).
+        fn empty_cache(&self) -> ();
+        /// See [`CachingAllocator::snapshot`](crate::CachingAllocator::snapshot).
+        fn snapshot(&self) -> Snapshot;
+        /// See [`CachingAllocator::record_history`](crate::CachingAllocator::record_history).
+        fn record_history(&self, enabled: bool, max_entries: usize) -> ();
+        /// See [`CachingAllocator::register_free_memory_callback`](crate::CachingAllocator::register_free_memory_callback).
+        fn register_free_memory_callback(&self, callback: FreeMemoryCallback) -> ();
+        /// See [`Runtime::ipc_collect`].
+        fn ipc_collect(&self) -> bool;
     }
 }

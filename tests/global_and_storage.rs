@@ -86,6 +86,89 @@ fn global_child_bad_env() {
     println!("config error twice");
 }
 
+#[test]
+fn global_configured_from_code_ignores_the_environment_and_refuses_a_second_init() {
+    let out = run_child(
+        "global_child_init",
+        &[("CUDALLOC_BACKEND", "quantum"), ("CUDALLOC_CONF", "foo:1")],
+    );
+    assert!(out.contains("init ok"), "{out}");
+}
+
+#[test]
+#[ignore = "child process entry: run by global_configured_from_code_ignores_the_environment"]
+fn global_child_init() {
+    if std::env::var(ROLE_VAR).is_err() {
+        return;
+    }
+    let driver = Arc::new(
+        cudalloc::HostDriver::builder()
+            .devices(1)
+            .memory_per_device(96 * MIB)
+            .build()
+            .unwrap(),
+    );
+    let config = cudalloc::AllocatorConfig::parse("max_split_size_mb:32").unwrap();
+    let runtime = GLOBAL
+        .init_with_driver(Runtime::builder().config(config), driver)
+        .unwrap();
+    assert_eq!(runtime.config().max_split_size, 32 * MIB);
+    assert_eq!(GLOBAL.backend().unwrap(), cudalloc::Backend::Host);
+    assert_eq!(GLOBAL.fallback_reason().unwrap(), None);
+    assert_eq!(GLOBAL.device_count().unwrap(), 1);
+    let s = GLOBAL.storage(0, MIB).unwrap();
+    assert_eq!(
+        GLOBAL.memory_stats_map(0).unwrap()["allocated_bytes.all.current"],
+        MIB as i64
+    );
+    // A second set-up, whichever way, is refused and changes nothing.
+    let again = GLOBAL
+        .init(Runtime::builder(), cudalloc::BackendChoice::Host)
+        .unwrap_err();
+    assert_eq!(again.kind(), ErrorKind::Config);
+    assert!(again.to_string().contains("already set up"), "{again}");
+    assert_eq!(GLOBAL.get().unwrap().config().max_split_size, 32 * MIB);
+    drop(s);
+    println!("init ok");
+}
+
+#[test]
+fn init_after_first_use_is_a_clear_error_and_auto_says_why_it_fell_back() {
+    let out = run_child(
+        "global_child_late_init",
+        &[
+            ("CUDALLOC_BACKEND", "auto"),
+            ("LD_LIBRARY_PATH", "/nonexistent"),
+        ],
+    );
+    assert!(out.contains("late init refused"), "{out}");
+}
+
+#[test]
+#[ignore = "child process entry: run by init_after_first_use_is_a_clear_error"]
+fn global_child_late_init() {
+    if std::env::var(ROLE_VAR).is_err() {
+        return;
+    }
+    let _first_use = GLOBAL.storage(0, 4096).unwrap();
+    let err = GLOBAL
+        .init(Runtime::builder(), cudalloc::BackendChoice::Host)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config);
+    assert!(err.to_string().contains("call GLOBAL.init before"), "{err}");
+    if GLOBAL.backend().unwrap() == cudalloc::Backend::Host {
+        let why = GLOBAL
+            .fallback_reason()
+            .unwrap()
+            .expect("auto fell back: why");
+        assert!(
+            why.to_lowercase().contains("cuda") || why.contains("libcuda"),
+            "{why}"
+        );
+    }
+    println!("late init refused");
+}
+
 fn allocator() -> Arc<Runtime> {
     checked_allocator(Arc::new(host_driver()), "")
 }

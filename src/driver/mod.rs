@@ -295,7 +295,7 @@ impl std::str::FromStr for BackendChoice {
             "cuda" => Ok(BackendChoice::Cuda),
             "host" => Ok(BackendChoice::Host),
             other => Err(crate::Error::Config(format!(
-                "CUDALLOC_BACKEND={other:?} is not a backend; valid values: auto, cuda, host"
+                "{other:?} is not a backend; valid values: auto, cuda, host"
             ))),
         }
     }
@@ -305,7 +305,12 @@ impl BackendChoice {
     /// Reads `CUDALLOC_BACKEND` (unset means `auto`).
     pub fn from_env() -> Result<Self> {
         match std::env::var("CUDALLOC_BACKEND") {
-            Ok(value) => value.parse(),
+            Ok(value) => value.parse().map_err(|err| match err {
+                crate::Error::Config(message) => {
+                    crate::Error::Config(format!("CUDALLOC_BACKEND: {message}"))
+                }
+                other => other,
+            }),
             Err(std::env::VarError::NotPresent) => Ok(BackendChoice::Auto),
             Err(std::env::VarError::NotUnicode(_)) => Err(crate::Error::Config(
                 "CUDALLOC_BACKEND is not valid UTF-8".into(),
@@ -336,7 +341,7 @@ impl BackendChoice {
                     })
                 }
                 Err(err) => {
-                    tracing::info!(reason = %err, "cudalloc backend: host (CUDA unavailable)");
+                    tracing::warn!(reason = %err, "cudalloc backend: host, because the CUDA backend is unavailable");
                     host(Some(err.to_string()))
                 }
             },
