@@ -13,6 +13,7 @@
 //! | `expandable_segments` | `True`/`False` (only `False`: segments must be whole `cuMemAlloc` allocations to be IPC-exportable) | `False` |
 //! | `release_lock_on_cudamalloc` | `True`/`False`: call the driver's malloc without holding the shard lock | `False` |
 //! | `per_process_memory_fraction` | 0.0 ≤ f ≤ 1.0 of each device's total memory | 1.0 |
+//! | `default_stream` | `legacy`: the device's default stream (CUDA's legacy NULL stream, what PyTorch and candle launch on); `per_thread`: one stream per thread and device, made by cudalloc on first use and kept for the allocator's life; `dedicated`: one non-blocking stream per device made by cudalloc (cudalloc's own key) | `legacy` |
 //! | `ipc_handle_ttl_s` | seconds > 0 (cudalloc's own key): an IPC handle not opened within this time is refused by consumers and its count reclaimed by `ipc_collect()` | off |
 //! | `pinned_use_cuda_host_register`, `pinned_num_register_threads`, `pinned_use_background_threads` | PyTorch's pinned host-memory keys: validated, then ignored (cudalloc has no pinned host allocator) | — |
 
@@ -24,6 +25,19 @@ const MIB: u64 = 1 << 20;
 pub const ROUNDUP_INTERVALS: usize = 16;
 /// `max_split_size_mb` must exceed this (PyTorch's large-buffer size, 20 MiB).
 const MIN_MAX_SPLIT_MB: u64 = 20;
+
+/// What a thread's current stream is until it sets one (`default_stream` in the table above).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DefaultStream {
+    /// The driver's default stream: CUDA's legacy NULL stream; the host backend's device stream.
+    #[default]
+    Legacy,
+    /// A stream per (thread, device), made on first use and kept for the allocator's life.
+    PerThread,
+    /// One stream per device made by the allocator.
+    Dedicated,
+}
 
 /// Parsed allocator settings.
 #[derive(Clone, Debug, PartialEq)]
@@ -40,6 +54,8 @@ pub struct AllocatorConfig {
     pub per_process_memory_fraction: f64,
     /// Time-to-live of IPC handles in milliseconds (0: handles never expire).
     pub ipc_handle_ttl_ms: u64,
+    /// What a thread's current stream is until it sets one.
+    pub default_stream: DefaultStream,
 }
 
 impl Default for AllocatorConfig {
@@ -51,6 +67,7 @@ impl Default for AllocatorConfig {
             release_lock_on_cudamalloc: false,
             per_process_memory_fraction: 1.0,
             ipc_handle_ttl_ms: 0,
+            default_stream: DefaultStream::Legacy,
         }
     }
 }
@@ -193,6 +210,14 @@ impl AllocatorConfig {
                 "per_process_memory_fraction" => {
                     config.per_process_memory_fraction = parse_fraction(key, value, false, false)?;
                 }
+                "default_stream" => {
+                    config.default_stream = match value {
+                        "legacy" => DefaultStream::Legacy,
+                        "per_thread" => DefaultStream::PerThread,
+                        "dedicated" => DefaultStream::Dedicated,
+                        _ => return Err(bad(key, value, "legacy, per_thread or dedicated")),
+                    }
+                }
                 "ipc_handle_ttl_s" => {
                     let seconds: f64 = value
                         .parse()
@@ -211,7 +236,7 @@ impl AllocatorConfig {
                     return Err(Error::Config(format!(
                         "unknown key {key:?}; valid keys: max_split_size_mb, garbage_collection_threshold, \
                          roundup_power2_divisions, expandable_segments, release_lock_on_cudamalloc, \
-                         per_process_memory_fraction, ipc_handle_ttl_s, pinned_use_cuda_host_register, \
+                         per_process_memory_fraction, ipc_handle_ttl_s, default_stream, pinned_use_cuda_host_register, \
                          pinned_num_register_threads, pinned_use_background_threads"
                     )))
                 }
@@ -250,6 +275,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn default_stream_choices_parse() {
+        for (text, want) in [
+            ("", DefaultStream::Legacy),
+            ("default_stream:legacy", DefaultStream::Legacy),
+            ("default_stream:per_thread", DefaultStream::PerThread),
+            ("default_stream:dedicated", DefaultStream::Dedicated),
+        ] {
+            assert_eq!(
+                AllocatorConfig::parse(text).map(|c| c.default_stream).ok(),
+                Some(want)
+            );
+        }
+    }
+
+    #[test]
     fn pytorch_rejected_strings_are_errors_naming_the_key() {
         for (text, key) in [
             ("foo:1,bar:2", "foo"),
@@ -262,6 +302,7 @@ mod tests {
                 "garbage_collection_threshold",
             ),
             ("max_split_size_mb:2", "max_split_size_mb"),
+            ("default_stream:null", "default_stream"),
             ("max_split_size_mb:-1", "max_split_size_mb"),
             (
                 "release_lock_on_cudamalloc:none",

@@ -278,3 +278,48 @@ fn garbage_collection_reclaims_the_oldest_cached_segments() {
     assert_eq!(a.memory_stats(0).unwrap().num_alloc_retries, 0);
     drop(z);
 }
+
+#[test]
+fn the_default_stream_setting_chooses_legacy_dedicated_or_per_thread_streams() {
+    let d = test_driver();
+    let driver_default = d.default_stream(0).unwrap();
+    let other_thread = |a: &Arc<Runtime>| {
+        let a = a.clone();
+        std::thread::spawn(move || a.current_stream(0).unwrap())
+            .join()
+            .unwrap()
+    };
+
+    let legacy = checked_allocator(d.clone(), "default_stream:legacy");
+    assert_eq!(legacy.current_stream(0).unwrap(), driver_default);
+    assert_eq!(other_thread(&legacy), driver_default);
+
+    let dedicated = checked_allocator(d.clone(), "default_stream:dedicated");
+    let own = dedicated.current_stream(0).unwrap();
+    assert_ne!(own, driver_default);
+    assert_eq!(other_thread(&dedicated), own, "one stream for every thread");
+
+    let per_thread = checked_allocator(d.clone(), "default_stream:per_thread");
+    let mine = per_thread.current_stream(0).unwrap();
+    assert_eq!(
+        per_thread.current_stream(0).unwrap(),
+        mine,
+        "stable within a thread"
+    );
+    let theirs = other_thread(&per_thread);
+    assert!(mine != theirs && mine != driver_default && theirs != own);
+    // Memory allocated on a per-thread stream works like any other.
+    let block = per_thread.allocate(0, MIB).unwrap();
+    assert_eq!(block.allocation_stream(), Some(mine));
+    drop(block);
+
+    // The allocator destroys the streams it made, and only those.
+    drop((dedicated, per_thread));
+    for made in [own, mine, theirs] {
+        assert!(
+            d.stream_synchronize(made).is_err(),
+            "stream {made:?} outlived its allocator"
+        );
+    }
+    d.stream_synchronize(driver_default).unwrap();
+}

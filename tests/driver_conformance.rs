@@ -28,6 +28,50 @@ fn read(d: &dyn Driver, src: DevicePtr, len: usize) -> Vec<u8> {
 }
 
 #[test]
+fn an_imported_stream_is_the_library_stream_and_is_never_destroyed() {
+    for b in backends("an_imported_stream_is_the_library_stream_and_is_never_destroyed") {
+        let d = b.driver.as_ref();
+        // The "library" made a stream; cudalloc adopts it by its raw handle.
+        let library = d.stream_create(0).unwrap();
+        let raw = d.raw_stream(library).unwrap();
+        // SAFETY: `raw` names a live stream of this driver on device 0.
+        let adopted = unsafe { d.import_stream(0, raw) }.unwrap();
+        assert_eq!(d.raw_stream(adopted).unwrap(), raw, "{}", b.name);
+        assert_eq!(d.stream_device(adopted).unwrap(), 0, "{}", b.name);
+        // Work on either id is one queue: a slow write on the library's id, then a read on the
+        // adopted id, sees the write without any event.
+        let p = d.malloc(0, MIB).unwrap();
+        d.sleep(library, 20_000).unwrap();
+        d.fill_pattern(library, p, MIB, 9).unwrap();
+        assert_eq!(
+            d.count_pattern_mismatches(adopted, p, MIB, 9).unwrap(),
+            0,
+            "{}",
+            b.name
+        );
+        // Forgetting the adopted id leaves the library's stream alive.
+        if b.name == "cuda" {
+            d.stream_destroy(adopted).unwrap();
+        }
+        d.fill_pattern(library, p, MIB, 10).unwrap();
+        d.stream_synchronize(library).unwrap();
+        // A stream of another device is refused.
+        if d.device_count() > 1 {
+            // SAFETY: as above.
+            let err = unsafe { d.import_stream(1, raw) }.unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{}: {err}", b.name);
+        }
+        // The default stream's raw handle: CUDA's legacy NULL stream.
+        let default = d.default_stream(0).unwrap();
+        if b.name == "cuda" {
+            assert_eq!(d.raw_stream(default).unwrap(), 0);
+        }
+        d.free(p).unwrap();
+        d.stream_destroy(library).unwrap();
+    }
+}
+
+#[test]
 fn every_device_has_a_name_and_a_bad_ordinal_is_an_error() {
     for b in backends("every_device_has_a_name_and_a_bad_ordinal_is_an_error") {
         let d = b.driver.as_ref();

@@ -46,11 +46,11 @@ use self::device::DeviceCore;
 use self::oom::Callbacks;
 use self::shard::Shard;
 use self::snapshot::Trace;
-use crate::config::AllocatorConfig;
+use crate::config::{AllocatorConfig, DefaultStream};
 use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
-use crate::sync::os::Arc;
+use crate::sync::os::{Arc, Mutex};
 
 static NEXT_ALLOCATOR_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -92,12 +92,22 @@ impl CachingAllocatorBuilder {
                 .map(Arc::new)
             })
             .collect::<Result<Vec<_>>>()?;
+        // Streams the allocator makes itself (dedicated, per-thread) are destroyed with it.
+        let owned_streams = Mutex::new(Vec::new());
         let default_streams = (0..driver.device_count())
-            .map(|d| driver.default_stream(d))
+            .map(|d| match config.default_stream {
+                DefaultStream::Dedicated => {
+                    let s = driver.stream_create(d)?;
+                    owned_streams.lock().push(s);
+                    Ok(s)
+                }
+                _ => driver.default_stream(d),
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(CachingAllocator {
             id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
             default_streams,
+            owned_streams,
             driver,
             config,
             devices,
@@ -111,6 +121,7 @@ impl CachingAllocatorBuilder {
 pub struct CachingAllocator {
     id: u64,
     default_streams: Vec<StreamId>,
+    owned_streams: Mutex<Vec<StreamId>>,
     driver: Arc<dyn Driver>,
     config: Arc<AllocatorConfig>,
     devices: Vec<Arc<DeviceCore>>,
@@ -176,14 +187,44 @@ impl CachingAllocator {
         })
     }
 
-    /// The device's default stream.
+    /// The device's default stream for this thread, as the `default_stream` setting chooses:
+    /// the driver's default stream (CUDA's legacy NULL stream), this thread's own stream, or the
+    /// allocator's dedicated stream.
     pub fn default_stream(&self, device: usize) -> Result<StreamId> {
-        self.default_streams.get(device).copied().ok_or_else(|| {
+        let shared = self.default_streams.get(device).copied().ok_or_else(|| {
             Error::invalid(format!(
                 "device {device} does not exist ({} device(s))",
                 self.devices.len()
             ))
-        })
+        })?;
+        if self.config.default_stream != DefaultStream::PerThread {
+            return Ok(shared);
+        }
+        if let Some(stream) = thread::per_thread_stream(self.id, device) {
+            return Ok(stream);
+        }
+        let stream = self.driver.stream_create(device)?;
+        self.owned_streams.lock().push(stream);
+        thread::set_per_thread_stream(self.id, device, stream);
+        Ok(stream)
+    }
+
+    /// Adopts a stream the caller made (a tensor library's own stream) by its raw handle; see
+    /// [`Driver::import_stream`]. cudalloc never destroys it.
+    ///
+    /// # Safety
+    /// CUDA: `raw` must be a live `CUstream` of `device`'s primary context and stay alive while
+    /// memory allocated or recorded on the returned stream is in use.
+    pub unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
+        self.device(device)?;
+        // SAFETY: forwarded; the caller upholds the driver's contract.
+        unsafe { self.driver.import_stream(device, raw) }
+    }
+
+    /// The raw handle of `stream` (CUDA: its `CUstream`, 0 for the legacy stream), for a
+    /// library's own launches.
+    pub fn raw_stream(&self, stream: StreamId) -> Result<u64> {
+        self.driver.raw_stream(stream)
     }
 
     /// The shard of `stream`: from this thread's cache, else from its device (and cached).
@@ -358,6 +399,11 @@ impl Drop for CachingAllocator {
     fn drop(&mut self) {
         for d in &self.devices {
             d.shutdown();
+        }
+        for stream in self.owned_streams.lock().drain(..) {
+            if let Err(err) = self.driver.stream_destroy(stream) {
+                tracing::debug!(%err, "destroying an allocator's own stream failed");
+            }
         }
     }
 }

@@ -19,6 +19,8 @@ const SHARD_SLOTS: usize = 4;
 struct ThreadState {
     /// ((allocator id, device), current stream)
     current: Vec<((u64, usize), StreamId)>,
+    /// ((allocator id, device), this thread's default stream) with `default_stream:per_thread`.
+    per_thread: Vec<((u64, usize), StreamId)>,
     /// ((allocator id, stream), shard), most recent last.
     shards: Vec<((u64, StreamId), Weak<Shard>)>,
 }
@@ -54,6 +56,22 @@ pub(crate) fn set_current_stream(
         }
         previous
     })
+}
+
+/// This thread's own default stream of `device` for allocator `alloc`, if made.
+pub(crate) fn per_thread_stream(alloc: u64, device: usize) -> Option<StreamId> {
+    STATE.with(|s| {
+        s.borrow()
+            .per_thread
+            .iter()
+            .find(|(k, _)| *k == (alloc, device))
+            .map(|(_, st)| *st)
+    })
+}
+
+/// Remembers this thread's own default stream of `device` for allocator `alloc`.
+pub(crate) fn set_per_thread_stream(alloc: u64, device: usize, stream: StreamId) {
+    STATE.with(|s| s.borrow_mut().per_thread.push(((alloc, device), stream)));
 }
 
 /// The cached shard of (`alloc`, `stream`), if this thread has a live one.

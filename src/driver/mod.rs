@@ -205,11 +205,24 @@ pub trait Driver: Send + Sync + fmt::Debug {
     /// Frees a segment returned by [`Driver::malloc`]; waits for all queued work first.
     fn free(&self, ptr: DevicePtr) -> Result<()>;
 
-    /// The device's default stream (independent of all other streams).
+    /// The device's default stream, never destroyed: CUDA's legacy NULL stream (what a library
+    /// launching without a stream uses); the host backend's own stream of the device.
     fn default_stream(&self, device: usize) -> Result<StreamId>;
+    /// Adopts a stream the caller made, named by its raw handle: CUDA, its `CUstream`; host, the
+    /// [`Driver::raw_stream`] of a stream this driver created. The caller keeps it alive;
+    /// [`Driver::stream_destroy`] only forgets it, never destroys it. A stream of another device
+    /// or context is an error.
+    ///
+    /// # Safety
+    /// CUDA: `raw` must be a live `CUstream` and stay alive while this driver may use the id.
+    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId>;
+    /// The raw handle of `stream` (CUDA: its `CUstream`, 0 for the legacy stream; host: its
+    /// number), to hand to a library's own launches.
+    fn raw_stream(&self, stream: StreamId) -> Result<u64>;
     /// Creates a stream on `device`.
     fn stream_create(&self, device: usize) -> Result<StreamId>;
-    /// Destroys a stream after its queued work completes. The default stream cannot be destroyed.
+    /// Destroys a stream after its queued work completes (an imported stream is only forgotten).
+    /// The default stream cannot be destroyed.
     fn stream_destroy(&self, stream: StreamId) -> Result<()>;
     /// Blocks until all work queued on `stream` is done.
     fn stream_synchronize(&self, stream: StreamId) -> Result<()>;

@@ -81,6 +81,13 @@ impl Driver for FaultyDriver {
     fn stream_create(&self, device: usize) -> Result<StreamId> {
         self.inner.stream_create(device)
     }
+    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
+        // SAFETY: forwarded; the caller's contract is the inner driver's.
+        unsafe { self.inner.import_stream(device, raw) }
+    }
+    fn raw_stream(&self, stream: StreamId) -> Result<u64> {
+        self.inner.raw_stream(stream)
+    }
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
         self.inner.stream_destroy(stream)
     }

@@ -170,9 +170,43 @@ impl Driver for CudaDriver {
             StreamEntry {
                 device,
                 raw: StreamHandle(raw),
+                borrowed: false,
             },
         );
         Ok(id)
+    }
+
+    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
+        let ctx = self.device(device)?.context;
+        self.bind(device)?;
+        let handle = raw as usize as sys::CUstream;
+        if !handle.is_null() {
+            let mut owner = std::ptr::null_mut();
+            // SAFETY: the caller guarantees `raw` is a live CUstream; out-pointer valid.
+            check("cuStreamGetCtx", unsafe {
+                sys::cuStreamGetCtx(handle, &mut owner)
+            })?;
+            if owner != ctx.0 {
+                return Err(Error::invalid(format!(
+                    "stream {raw:#x} belongs to another context than device {device}'s primary \
+                     context, which cudalloc uses"
+                )));
+            }
+        }
+        let id = StreamId::new(device, self.fresh_id())?;
+        self.streams.insert(
+            id.0,
+            StreamEntry {
+                device,
+                raw: StreamHandle(handle),
+                borrowed: true,
+            },
+        );
+        Ok(id)
+    }
+
+    fn raw_stream(&self, stream: StreamId) -> Result<u64> {
+        Ok(self.streams.get(stream.0)?.raw.0 as usize as u64)
     }
 
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
@@ -180,6 +214,9 @@ impl Driver for CudaDriver {
             return Err(Error::invalid("the default stream cannot be destroyed"));
         }
         let entry = self.streams.remove(stream.0)?;
+        if entry.borrowed {
+            return Ok(());
+        }
         self.bind(entry.device)?;
         // SAFETY: the stream was created by this driver and is removed from the table, so it is
         // destroyed exactly once.

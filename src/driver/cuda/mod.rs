@@ -8,8 +8,12 @@
 //! * Every call binds the device's primary context on the calling thread first (`cuCtxSetCurrent`
 //!   is thread-local and cheap), so any thread may use any device.
 //! * Segments come from `cuMemAlloc` (memory from `cuMemAllocAsync` pools cannot be exported through
-//!   `cuIpcGetMemHandle`). Streams are created `CU_STREAM_NON_BLOCKING` and the "default stream" is a
-//!   dedicated stream per device, matching the host backend where every stream is independent.
+//!   `cuIpcGetMemHandle`). Streams cudalloc creates are `CU_STREAM_NON_BLOCKING`; the default stream
+//!   is the legacy NULL stream, so work a library launches without a stream is ordered with it (the
+//!   allocator's `default_stream` setting can choose per-thread or dedicated streams instead).
+//! * A library's own streams are adopted with `import_stream` (checked to belong to the device's
+//!   primary context with `cuStreamGetCtx`) and never destroyed by cudalloc; `raw_stream` gives
+//!   any stream's `CUstream` back.
 //! * Interprocess events are created with `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`.
 //! * Streams, events and segments live in tables, like the host backend's: ids and pointers the
 //!   driver did not hand out are rejected before reaching CUDA. A driver refuses to open one
@@ -112,6 +116,8 @@ struct Kernels {
 struct StreamEntry {
     device: usize,
     raw: StreamHandle,
+    /// Made by someone else (the legacy stream, a library's stream): never destroyed here.
+    borrowed: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -195,9 +201,19 @@ impl CudaDriver {
                 kernels: OnceLock::new(),
             });
         }
+        // The default stream is the legacy NULL stream (a null CUstream), as for PyTorch and candle:
+        // work a library launches without naming a stream is ordered with it.
         for device in 0..driver.devices.len() {
-            let stream = driver.stream_create(device)?;
-            driver.devices[device].default_stream = stream;
+            let id = StreamId::new(device, driver.fresh_id())?;
+            driver.streams.insert(
+                id.0,
+                StreamEntry {
+                    device,
+                    raw: StreamHandle(std::ptr::null_mut()),
+                    borrowed: true,
+                },
+            );
+            driver.devices[device].default_stream = id;
         }
         Ok(driver)
     }
@@ -362,7 +378,7 @@ impl Drop for CudaDriver {
             }
         }
         let streams = self.streams.drain();
-        for s in streams {
+        for s in streams.into_iter().filter(|s| !s.borrowed) {
             if self.bind(s.device).is_ok() {
                 // SAFETY: the stream was created by this driver and is destroyed once; queued work
                 // still completes (cuStreamDestroy does not cancel it).

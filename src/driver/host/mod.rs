@@ -338,6 +338,24 @@ impl Driver for HostDriver {
         Ok(id)
     }
 
+    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
+        self.check_device(device)?;
+        let stream = StreamId(raw);
+        let owner = self.stream(stream)?.device();
+        if owner != device {
+            return Err(Error::invalid(format!(
+                "stream {raw} belongs to device {owner}, not device {device}"
+            )));
+        }
+        // The host backend's raw handle is the id itself: importing names the same stream.
+        Ok(stream)
+    }
+
+    fn raw_stream(&self, stream: StreamId) -> Result<u64> {
+        self.stream(stream)?;
+        Ok(stream.0)
+    }
+
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
         if self.default_streams.contains(&stream) {
             return Err(Error::invalid("the default stream cannot be destroyed"));

@@ -63,6 +63,7 @@ entries!(
     cuStreamDestroy_v2,
     cuStreamSynchronize,
     cuStreamQuery,
+    cuStreamGetCtx,
     cuStreamWaitEvent,
     cuEventCreate,
     cuEventDestroy_v2,

@@ -228,6 +228,11 @@ pub fn double() -> Checked<&'static Double> {
     }
 }
 
+/// `CU_STREAM_LEGACY`: the legacy stream, named explicitly.
+const CU_STREAM_LEGACY: usize = 1;
+/// `CU_STREAM_PER_THREAD`.
+const CU_STREAM_PER_THREAD: usize = 2;
+
 /// The handle value as the C API sees it.
 pub fn as_ptr(handle: usize) -> *mut c_void {
     handle as *mut c_void
@@ -341,10 +346,16 @@ impl Double {
     /// The stream `handle` (null: the current context's legacy default stream); its context
     /// must be active.
     pub fn stream(&self, handle: *mut c_void) -> Checked<Arc<Stream>> {
-        let stream = if handle.is_null() {
+        if handle as usize == CU_STREAM_PER_THREAD {
+            return Err(Fail::violation(
+                codes::NOT_SUPPORTED,
+                "CU_STREAM_PER_THREAD: the double does not emulate per-thread default streams",
+            ));
+        }
+        let stream = if handle.is_null() || handle as usize == CU_STREAM_LEGACY {
             let ctx = self.current()?;
             ctx.legacy
-                .get_or_init(|| Stream::start(0, ctx.handle, ctx.device))
+                .get_or_init(|| Stream::start(0, ctx.handle, ctx.device, true))
                 .clone()
         } else {
             match self.lookup(handle, Kind::Stream)? {
@@ -402,6 +413,46 @@ impl Double {
             }
             _ => Err(Fail::violation(codes::INVALID_HANDLE, "not a function")),
         }
+    }
+
+    /// Queues the work `make` builds on `stream`, behind the legacy stream's implicit
+    /// synchronization (see `stream.rs`).
+    pub fn enqueue(
+        &self,
+        stream: &Arc<Stream>,
+        entry: crate::report::Entry,
+        make: impl FnOnce() -> Box<dyn FnOnce() -> Checked<()> + Send>,
+    ) -> Checked<()> {
+        let ctx = self.context(as_ptr(stream.ctx))?;
+        let barriers: Vec<(Arc<Stream>, u64)> = if stream.handle == 0 {
+            ctx.streams
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .filter(|s| s.blocking)
+                .map(|s| (s.clone(), s.submitted()))
+                .collect()
+        } else if stream.blocking {
+            ctx.legacy
+                .get()
+                .map(|l| (l.clone(), l.submitted()))
+                .into_iter()
+                .collect()
+        } else {
+            Vec::new()
+        };
+        stream.submit_with(entry, || {
+            let run = make();
+            if barriers.is_empty() {
+                return run;
+            }
+            Box::new(move || {
+                for (other, target) in barriers {
+                    other.wait_completed(target);
+                }
+                run()
+            })
+        })
     }
 
     /// The violation of work submitted to a stream of a context that is not current.

@@ -6,6 +6,11 @@
 //! | operations pending       | `NOT_READY`     | blocks until they are done  |
 //! | an operation faulted     | the fault code  | the fault code (sticky, like a device error) |
 //!
+//! The legacy stream (the null `CUstream` of a context) synchronizes implicitly with the context's
+//! *blocking* streams (created without `CU_STREAM_NON_BLOCKING`): work queued on it waits for what
+//! those streams had queued, and work queued on them waits for what it had queued
+//! (`Double::enqueue`). Non-blocking streams are independent of it.
+//!
 //! An operation that faults (device work touching freed memory, say) is a violation, recorded
 //! once when it runs; afterwards the stream returns the fault code from every query, as a real
 //! context does after an illegal address. `cuStreamDestroy` returns at once; queued work still
@@ -48,17 +53,20 @@ pub struct Stream {
     pub ctx: usize,
     /// Its device.
     pub device: usize,
+    /// Created without `CU_STREAM_NON_BLOCKING` (orders with the legacy stream).
+    pub blocking: bool,
     queue: Mutex<Queue>,
     changed: Condvar,
 }
 
 impl Stream {
     /// Creates the stream and starts its worker.
-    pub fn start(handle: usize, ctx: usize, device: usize) -> Arc<Stream> {
+    pub fn start(handle: usize, ctx: usize, device: usize, blocking: bool) -> Arc<Stream> {
         let stream = Arc::new(Stream {
             handle,
             ctx,
             device,
+            blocking,
             queue: Mutex::new(Queue::default()),
             changed: Condvar::new(),
         });
@@ -159,6 +167,19 @@ impl Stream {
             q = self.changed.wait(q).unwrap_or_else(|p| p.into_inner());
         }
         Self::sticky(&q)
+    }
+
+    /// Operations submitted so far.
+    pub fn submitted(&self) -> u64 {
+        self.lock().submitted
+    }
+
+    /// Blocks until `target` operations have run (or the stream faulted).
+    pub fn wait_completed(&self, target: u64) {
+        let mut q = self.lock();
+        while q.completed < target && q.fault.is_none() {
+            q = self.changed.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
     }
 
     /// Whether everything submitted has run.

@@ -10,7 +10,6 @@ use crate::codes::{self, CuResult};
 use crate::module::{parse_ptx, Function, Module};
 use crate::report::{Entry, Fail};
 use crate::state::{double, Object};
-use crate::stream::Op;
 
 /// `cuModuleLoadData`: PTX text only (a cubin or fatbin is reported as unsupported).
 ///
@@ -201,9 +200,6 @@ pub unsafe extern "C" fn cuLaunchKernel(
             args.push(u64::from_le_bytes(word));
         }
         let work = (native.build)(&d.memory, &args)?;
-        s.submit(Op {
-            entry: Entry::cuLaunchKernel,
-            run: work,
-        })
+        d.enqueue(&s, Entry::cuLaunchKernel, || work)
     })
 }

@@ -41,7 +41,7 @@ pub unsafe extern "C" fn cuStreamCreate(ph_stream: *mut *mut c_void, flags: c_ui
         }
         let mut made = None;
         let handle = d.insert(|h| {
-            let s = Stream::start(h, ctx.handle, ctx.device);
+            let s = Stream::start(h, ctx.handle, ctx.device, flags == 0);
             made = Some(s.clone());
             Object::Stream(s)
         });
@@ -78,6 +78,19 @@ pub extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CuResult {
         s.close();
         d.destroy(s.handle, Kind::Stream);
         Ok(())
+    })
+}
+
+/// `cuStreamGetCtx` (the null stream: the current context's legacy stream).
+///
+/// # Safety
+/// `pctx` must be valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamGetCtx(stream: *mut c_void, pctx: *mut *mut c_void) -> CuResult {
+    api(Entry::cuStreamGetCtx, || {
+        let s = double()?.stream(stream)?;
+        // SAFETY: caller's out-pointer.
+        unsafe { put_handle(pctx, s.ctx, "pctx") }
     })
 }
 
@@ -120,7 +133,7 @@ pub extern "C" fn cuStreamWaitEvent(
         }
         let s = d.stream(stream)?;
         let e = d.event(event)?;
-        s.submit_with(Entry::cuStreamWaitEvent, || {
+        d.enqueue(&s, Entry::cuStreamWaitEvent, || {
             let target = e.cell().target();
             Box::new(move || {
                 e.cell().wait(target);
@@ -207,7 +220,7 @@ pub extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) -> CuRe
                 ),
             ));
         }
-        s.submit_with(Entry::cuEventRecord, || {
+        d.enqueue(&s, Entry::cuEventRecord, || {
             let n = e.cell().record();
             Box::new(move || {
                 e.cell().complete(n);
