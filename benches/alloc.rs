@@ -18,7 +18,7 @@ mod cubecl_peer;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use cudalloc::driver::pattern;
-use cudalloc::{DataPtr, DevicePtr, Driver, Runtime};
+use cudalloc::{DataPtr, DeviceAddr, Driver, Runtime};
 
 const MIB: u64 = 1 << 20;
 
@@ -161,7 +161,7 @@ fn random_trace(c: &mut Criterion) {
                     replay(
                         &steps,
                         |s| d.malloc(0, s).unwrap(),
-                        |p: DevicePtr| d.free(p).unwrap(),
+                        |p: DeviceAddr| d.free(p).unwrap(),
                     )
                 })
             });

@@ -33,6 +33,8 @@ args=()
 for s in "${suites[@]}"; do args+=(--test "$s"); done
 echo "== CUDA backend on the contract double: ${suites[*]}"
 cargo test --no-fail-fast "${args[@]}"
+echo "== cudarc views: a library's own context, stream and kernels on cudalloc storages"
+cargo test --features cudarc --test cudarc_views
 
 echo "== the interplay test on the double (30 s, fresh seed; killed consumers included)"
 cargo test --test interplay -- --seconds 30

@@ -35,7 +35,7 @@ pub use alloc::{
 };
 pub use config::AllocatorConfig;
 pub use driver::{
-    Backend, BackendChoice, CudaDriver, DevicePtr, Driver, EventFlags, EventId, HostDriver,
+    Backend, BackendChoice, CudaDriver, DeviceAddr, Driver, EventFlags, EventId, HostDriver,
     HostDriverBuilder, IpcEventHandle, IpcMemHandle, MemInfo, OpenedSegment, SelectedBackend,
     StreamId,
 };
@@ -44,4 +44,11 @@ pub use global::{Global, GLOBAL};
 pub use ipc::IpcHandle;
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use shm::sweep_orphans;
+#[cfg(feature = "cudarc")]
+pub use storage::views::{self, StorageView, StorageViewMut};
 pub use storage::Storage;
+
+/// The cudarc this crate is built with (feature `cudarc`): use it for your own launches, so the
+/// views' traits are the ones your cudarc implements.
+#[cfg(feature = "cudarc")]
+pub use cudarc;

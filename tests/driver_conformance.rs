@@ -11,16 +11,16 @@ mod common;
 
 use common::*;
 use cudalloc::driver::pattern;
-use cudalloc::{DevicePtr, Driver, ErrorKind, EventFlags, IpcEventHandle, IpcMemHandle};
+use cudalloc::{DeviceAddr, Driver, ErrorKind, EventFlags, IpcEventHandle, IpcMemHandle};
 
 const MIB: u64 = 1 << 20;
 
-fn write(d: &dyn Driver, dst: DevicePtr, bytes: &[u8]) {
+fn write(d: &dyn Driver, dst: DeviceAddr, bytes: &[u8]) {
     let s = d.default_stream(0).unwrap();
     d.copy_host_to_device(s, dst, bytes).unwrap();
 }
 
-fn read(d: &dyn Driver, src: DevicePtr, len: usize) -> Vec<u8> {
+fn read(d: &dyn Driver, src: DeviceAddr, len: usize) -> Vec<u8> {
     let s = d.default_stream(0).unwrap();
     let mut out = vec![0u8; len];
     d.copy_device_to_host(s, &mut out, src).unwrap();
@@ -422,7 +422,7 @@ fn misuse_is_a_typed_error() {
         };
         let s = d.default_stream(0).unwrap();
         let p = d.malloc(0, MIB).unwrap();
-        let foreign = DevicePtr(0x10);
+        let foreign = DeviceAddr(0x10);
         invalid(d.malloc(0, 0).map(|_| ()), "size 0");
         invalid(d.malloc(99, MIB).map(|_| ()), "unknown device");
         invalid(d.mem_info(99).map(|_| ()), "mem_info of unknown device");

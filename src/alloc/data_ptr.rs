@@ -16,7 +16,7 @@ use std::any::Any;
 use std::fmt;
 
 use super::shard::Shard;
-use crate::driver::{DevicePtr, StreamId};
+use crate::driver::{DeviceAddr, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::Arc;
 
@@ -79,7 +79,7 @@ pub(crate) enum Owner {
 
 /// An owning device pointer.
 pub struct DataPtr {
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     device: usize,
     owner: Owner,
 }
@@ -100,21 +100,21 @@ impl fmt::Debug for DataPtr {
 }
 
 impl DataPtr {
-    pub(crate) fn new(ptr: DevicePtr, device: usize, owner: Owner) -> Self {
+    pub(crate) fn new(ptr: DeviceAddr, device: usize, owner: Owner) -> Self {
         DataPtr { ptr, device, owner }
     }
 
     /// A null pointer owning nothing (the data of an empty storage).
     pub fn empty(device: usize) -> Self {
         DataPtr {
-            ptr: DevicePtr(0),
+            ptr: DeviceAddr(0),
             device,
             owner: Owner::None,
         }
     }
 
     /// The device address.
-    pub fn ptr(&self) -> DevicePtr {
+    pub fn ptr(&self) -> DeviceAddr {
         self.ptr
     }
 

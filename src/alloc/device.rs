@@ -327,7 +327,7 @@ impl DeviceCore {
     /// Returns segments to the driver (outside every shard lock).
     pub(super) fn free_segments(&self, stream: StreamId, segments: Vec<(u64, u64)>) {
         for (ptr, size) in segments {
-            if let Err(err) = self.driver.free(crate::driver::DevicePtr(ptr)) {
+            if let Err(err) = self.driver.free(crate::driver::DeviceAddr(ptr)) {
                 tracing::error!(%err, ptr, size, "driver free of a cached segment failed");
             }
             self.reserved.fetch_sub(size, Ordering::SeqCst);

@@ -47,7 +47,7 @@ use self::oom::Callbacks;
 use self::shard::Shard;
 use self::snapshot::Trace;
 use crate::config::{AllocatorConfig, DefaultStream};
-use crate::driver::{DevicePtr, Driver, StreamId};
+use crate::driver::{DeviceAddr, Driver, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex};
@@ -276,7 +276,7 @@ impl CachingAllocator {
         let a = shard.core.allocate(&shard, size)?;
         let device = shard.core.device;
         Ok(DataPtr::new(
-            DevicePtr(a.ptr),
+            DeviceAddr(a.ptr),
             device,
             Owner::Block(BlockOwner::new(shard, a.block)),
         ))

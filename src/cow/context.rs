@@ -3,7 +3,7 @@
 
 use super::cell::{CowCell, Materialized};
 use crate::alloc::{take_shared, CachingAllocator, DataPtr, Owner, SharedOwner};
-use crate::driver::{DevicePtr, Driver, EventFlags, EventId, StreamId};
+use crate::driver::{DeviceAddr, Driver, EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::{Arc, Mutex};
 
@@ -105,7 +105,7 @@ pub(crate) fn materialize(
     alloc: &CachingAllocator,
     data: &mut DataPtr,
     nbytes: u64,
-) -> Result<DevicePtr> {
+) -> Result<DeviceAddr> {
     let device = data.device();
     let shared_ptr = data.ptr();
     let stream = alloc.current_stream(device)?;

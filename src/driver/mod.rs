@@ -15,7 +15,7 @@
 //! Streams and events are opaque ids ([`StreamId`], [`EventId`]) that index the driver's own tables;
 //! they are never raw CUDA pointers, so an id the driver did not hand out (or already destroyed) is an
 //! [`Error::InvalidArgument`](crate::Error::InvalidArgument), not undefined behaviour. Device memory is
-//! a [`DevicePtr`]: an address in the device's space that the caller never dereferences; all access goes
+//! a [`DeviceAddr`]: an address in the device's space that the caller never dereferences; all access goes
 //! through the driver, which checks that the whole range lies in a segment it knows.
 //!
 //! # Ordering model
@@ -48,18 +48,18 @@ pub const IPC_HANDLE_SIZE: usize = 64;
 
 /// An address in a device's memory. Never dereferenced by the host; only passed to the driver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct DevicePtr(pub u64);
+pub struct DeviceAddr(pub u64);
 
-impl DevicePtr {
+impl DeviceAddr {
     /// The address `bytes` past this one, or an error if that overflows.
-    pub fn offset(self, bytes: u64) -> Result<DevicePtr> {
-        self.0.checked_add(bytes).map(DevicePtr).ok_or_else(|| {
+    pub fn offset(self, bytes: u64) -> Result<DeviceAddr> {
+        self.0.checked_add(bytes).map(DeviceAddr).ok_or_else(|| {
             crate::Error::invalid(format!("device pointer {:#x} + {bytes} overflows", self.0))
         })
     }
 }
 
-impl fmt::Display for DevicePtr {
+impl fmt::Display for DeviceAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:#x}", self.0)
     }
@@ -180,7 +180,7 @@ debug_as_hex!(IpcEventHandle);
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OpenedSegment {
     /// Base address of the whole segment in this process.
-    pub ptr: DevicePtr,
+    pub ptr: DeviceAddr,
     /// Size of the whole segment in bytes.
     pub size: u64,
 }
@@ -201,9 +201,9 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn mem_info(&self, device: usize) -> Result<MemInfo>;
 
     /// Allocates a whole segment of `size` bytes on `device` (aligned to at least 512 bytes).
-    fn malloc(&self, device: usize, size: u64) -> Result<DevicePtr>;
+    fn malloc(&self, device: usize, size: u64) -> Result<DeviceAddr>;
     /// Frees a segment returned by [`Driver::malloc`]; waits for all queued work first.
-    fn free(&self, ptr: DevicePtr) -> Result<()>;
+    fn free(&self, ptr: DeviceAddr) -> Result<()>;
 
     /// The device's default stream, never destroyed: CUDA's legacy NULL stream (what a library
     /// launching without a stream uses); the host backend's own stream of the device.
@@ -245,42 +245,42 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()>;
 
     /// Copies `src` into device memory at `dst`, in `stream` order; returns when done.
-    fn copy_host_to_device(&self, stream: StreamId, dst: DevicePtr, src: &[u8]) -> Result<()>;
+    fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()>;
     /// Copies device memory at `src` into `dst`, in `stream` order; returns when done.
-    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DevicePtr) -> Result<()>;
+    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()>;
     /// Enqueues a copy of `len` bytes from `src` to `dst` on `stream`.
     fn copy_device_to_device(
         &self,
         stream: StreamId,
-        dst: DevicePtr,
-        src: DevicePtr,
+        dst: DeviceAddr,
+        src: DeviceAddr,
         len: u64,
     ) -> Result<()>;
     /// Enqueues setting `len` bytes at `dst` to `value` on `stream`.
-    fn memset(&self, stream: StreamId, dst: DevicePtr, value: u8, len: u64) -> Result<()>;
+    fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()>;
 
     /// Enqueues the fill kernel: byte `i` of the range becomes [`pattern::byte`]`(seed, i)`.
-    fn fill_pattern(&self, stream: StreamId, dst: DevicePtr, len: u64, seed: u64) -> Result<()>;
+    fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()>;
     /// Runs the verify kernel on `stream` and returns how many bytes differ from the pattern.
     fn count_pattern_mismatches(
         &self,
         stream: StreamId,
-        src: DevicePtr,
+        src: DeviceAddr,
         len: u64,
         seed: u64,
     ) -> Result<u64>;
     /// Enqueues the poison kernel: byte `i` of the range becomes [`pattern::poison_byte`]`(i)`.
-    fn poison(&self, stream: StreamId, dst: DevicePtr, len: u64) -> Result<()>;
+    fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()>;
     /// Enqueues a kernel that keeps `stream` busy for `micros` microseconds (`torch.cuda._sleep`).
     fn sleep(&self, stream: StreamId, micros: u64) -> Result<()>;
 
     /// Exports the IPC handle of the segment whose base address is `ptr`.
-    fn ipc_export_memory(&self, ptr: DevicePtr) -> Result<IpcMemHandle>;
+    fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle>;
     /// Opens another process's segment on `device`. Opening in the exporting process, or opening the
     /// same handle twice without closing it, is an error (callers must cache).
     fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment>;
     /// Closes a segment opened with [`Driver::ipc_open_memory`]; waits for queued work first.
-    fn ipc_close_memory(&self, ptr: DevicePtr) -> Result<()>;
+    fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()>;
     /// Exports an interprocess event.
     fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle>;
     /// Opens another process's interprocess event; destroy it with [`Driver::event_destroy`].

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::driver::DevicePtr;
+use crate::driver::DeviceAddr;
 use crate::error::{Error, Result};
 
 /// Finds the segment (keyed by base address, sized by `size_of`) that contains `[ptr, ptr + len)`.
@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 pub(crate) fn containing<T>(
     segments: &BTreeMap<u64, T>,
     size_of: impl Fn(&T) -> u64,
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     len: u64,
 ) -> Result<(u64, &T)> {
     let unknown = || {
@@ -37,14 +37,14 @@ pub(crate) fn containing<T>(
 }
 
 /// The error for freeing a segment that was opened from another process's handle.
-pub(crate) fn opened_not_owned(ptr: DevicePtr) -> Error {
+pub(crate) fn opened_not_owned(ptr: DeviceAddr) -> Error {
     Error::invalid(format!(
         "segment {ptr} was opened from another process: close it, do not free it"
     ))
 }
 
 /// The error for a pointer that is not the base of a segment this driver allocated.
-pub(crate) fn not_a_segment_base(ptr: DevicePtr) -> Error {
+pub(crate) fn not_a_segment_base(ptr: DeviceAddr) -> Error {
     Error::invalid(format!(
         "pointer {ptr} is not the base of a segment allocated by this driver"
     ))
@@ -59,18 +59,18 @@ mod tests {
         let map: BTreeMap<u64, u64> = [(0x1000, 0x100), (0x2000, 0x10)].into();
         let size = |s: &u64| *s;
         assert_eq!(
-            containing(&map, size, DevicePtr(0x1000), 0x100).unwrap().0,
+            containing(&map, size, DeviceAddr(0x1000), 0x100).unwrap().0,
             0x1000
         );
         assert_eq!(
-            containing(&map, size, DevicePtr(0x10ff), 1).unwrap().0,
+            containing(&map, size, DeviceAddr(0x10ff), 1).unwrap().0,
             0x1000
         );
-        assert!(containing(&map, size, DevicePtr(0x10ff), 2).is_err());
-        assert!(containing(&map, size, DevicePtr(0x1100), 1).is_err());
-        assert!(containing(&map, size, DevicePtr(0x1100), 0).is_ok());
-        assert!(containing(&map, size, DevicePtr(0xfff), 1).is_err());
-        assert!(containing(&map, size, DevicePtr(0x2008), u64::MAX).is_err());
-        assert!(containing(&map, size, DevicePtr(0x5000), 1).is_err());
+        assert!(containing(&map, size, DeviceAddr(0x10ff), 2).is_err());
+        assert!(containing(&map, size, DeviceAddr(0x1100), 1).is_err());
+        assert!(containing(&map, size, DeviceAddr(0x1100), 0).is_ok());
+        assert!(containing(&map, size, DeviceAddr(0xfff), 1).is_err());
+        assert!(containing(&map, size, DeviceAddr(0x2008), u64::MAX).is_err());
+        assert!(containing(&map, size, DeviceAddr(0x5000), 1).is_err());
     }
 }

@@ -15,7 +15,7 @@ use super::limbo::SlotCounters;
 use super::refcount::{underflow, RefCounterFile};
 use super::wire::WireHandle;
 use crate::alloc::SharedOwner;
-use crate::driver::{DevicePtr, Driver, StreamId, IPC_HANDLE_SIZE};
+use crate::driver::{DeviceAddr, Driver, StreamId, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
 use crate::sync::os::{Arc, Mutex, OnceLock, Weak};
 
@@ -195,7 +195,7 @@ type MappingKey = (usize, [u8; IPC_HANDLE_SIZE]);
 
 #[derive(Debug)]
 struct MappingEntry {
-    base: DevicePtr,
+    base: DeviceAddr,
     size: u64,
     users: u64,
 }
@@ -210,7 +210,7 @@ fn driver_key(driver: &Arc<dyn Driver>) -> usize {
 pub(crate) struct Mapping {
     driver: Arc<dyn Driver>,
     key: MappingKey,
-    pub base: DevicePtr,
+    pub base: DeviceAddr,
 }
 
 impl Mapping {

@@ -75,7 +75,7 @@ impl IpcState {
         let (base, segment_size) = segment;
         let memory = match self
             .driver
-            .ipc_export_memory(crate::driver::DevicePtr(base))
+            .ipc_export_memory(crate::driver::DeviceAddr(base))
         {
             Ok(h) => h.0,
             Err(err) => return Err(Box::new((err, original))),

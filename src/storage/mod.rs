@@ -30,11 +30,13 @@
 
 mod registry;
 mod sharing;
+#[cfg(feature = "cudarc")]
+pub mod views;
 
 use std::fmt;
 
 use crate::alloc::DataPtr;
-use crate::driver::{DevicePtr, StreamId};
+use crate::driver::{DeviceAddr, StreamId};
 use crate::error::{Error, Result};
 use crate::ipc::IpcHandle;
 use crate::runtime::Runtime;
@@ -132,25 +134,25 @@ impl Storage {
 
     /// The address for reading. Never materializes.
     #[inline]
-    pub fn data_ptr(&self) -> DevicePtr {
-        DevicePtr(self.inner.word.load(Ordering::Acquire) & !COW_TAG)
+    pub fn data_ptr(&self) -> DeviceAddr {
+        DeviceAddr(self.inner.word.load(Ordering::Acquire) & !COW_TAG)
     }
 
     /// The address for writing. For a plain storage this is one atomic load; a COW storage is
     /// materialized first (see [`crate::cow`]): on error (out of memory for the copy) it stays a
     /// valid COW storage.
     #[inline]
-    pub fn mutable_data_ptr(&self) -> Result<DevicePtr> {
+    pub fn mutable_data_ptr(&self) -> Result<DeviceAddr> {
         let word = self.inner.word.load(Ordering::Acquire);
         if word & COW_TAG == 0 {
-            return Ok(DevicePtr(word));
+            return Ok(DeviceAddr(word));
         }
         self.with_data(|data| self.materialize_locked(data))
     }
 
     /// Materializes a COW storage with its lock held (`data` is its `DataPtr`) and publishes the
     /// new address; a storage that is not COW is left alone.
-    fn materialize_locked(&self, data: &mut DataPtr) -> Result<DevicePtr> {
+    fn materialize_locked(&self, data: &mut DataPtr) -> Result<DeviceAddr> {
         let ptr = crate::cow::materialize(self.allocator(), data, self.inner.nbytes)?;
         self.set_cow_word(ptr, false);
         Ok(ptr)
@@ -169,7 +171,7 @@ impl Storage {
 
     /// Sets or clears the COW tag; clearing also publishes the (possibly new) address. Called with
     /// the storage's data lock held, `ptr` being the new address.
-    fn set_cow_word(&self, ptr: DevicePtr, cow: bool) {
+    fn set_cow_word(&self, ptr: DeviceAddr, cow: bool) {
         let tag = if cow { COW_TAG } else { 0 };
         self.inner.word.store(ptr.0 | tag, Ordering::Release);
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use cudalloc::driver::host::HostDriver;
 use cudalloc::{
-    Backend, DevicePtr, Driver, Error, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
+    Backend, DeviceAddr, Driver, Error, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
     OpenedSegment, Result, StreamId,
 };
 
@@ -69,10 +69,10 @@ impl Driver for FaultyDriver {
     fn mem_info(&self, device: usize) -> Result<MemInfo> {
         self.inner.mem_info(device)
     }
-    fn malloc(&self, device: usize, size: u64) -> Result<DevicePtr> {
+    fn malloc(&self, device: usize, size: u64) -> Result<DeviceAddr> {
         self.inner.malloc(device, size)
     }
-    fn free(&self, ptr: DevicePtr) -> Result<()> {
+    fn free(&self, ptr: DeviceAddr) -> Result<()> {
         self.inner.free(ptr)
     }
     fn default_stream(&self, device: usize) -> Result<StreamId> {
@@ -119,50 +119,50 @@ impl Driver for FaultyDriver {
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
         self.inner.stream_wait_event(stream, event)
     }
-    fn copy_host_to_device(&self, stream: StreamId, dst: DevicePtr, src: &[u8]) -> Result<()> {
+    fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
         self.inner.copy_host_to_device(stream, dst, src)
     }
-    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
         self.inner.copy_device_to_host(stream, dst, src)
     }
     fn copy_device_to_device(
         &self,
         stream: StreamId,
-        dst: DevicePtr,
-        src: DevicePtr,
+        dst: DeviceAddr,
+        src: DeviceAddr,
         len: u64,
     ) -> Result<()> {
         check(&self.faults.device_copies, "copy_device_to_device")?;
         self.inner.copy_device_to_device(stream, dst, src, len)
     }
-    fn memset(&self, stream: StreamId, dst: DevicePtr, value: u8, len: u64) -> Result<()> {
+    fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
         self.inner.memset(stream, dst, value, len)
     }
-    fn fill_pattern(&self, stream: StreamId, dst: DevicePtr, len: u64, seed: u64) -> Result<()> {
+    fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
         self.inner.fill_pattern(stream, dst, len, seed)
     }
     fn count_pattern_mismatches(
         &self,
         stream: StreamId,
-        src: DevicePtr,
+        src: DeviceAddr,
         len: u64,
         seed: u64,
     ) -> Result<u64> {
         self.inner.count_pattern_mismatches(stream, src, len, seed)
     }
-    fn poison(&self, stream: StreamId, dst: DevicePtr, len: u64) -> Result<()> {
+    fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
         self.inner.poison(stream, dst, len)
     }
     fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
         self.inner.sleep(stream, micros)
     }
-    fn ipc_export_memory(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+    fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
         self.inner.ipc_export_memory(ptr)
     }
     fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
         self.inner.ipc_open_memory(device, handle)
     }
-    fn ipc_close_memory(&self, ptr: DevicePtr) -> Result<()> {
+    fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
         self.inner.ipc_close_memory(ptr)
     }
     fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {

@@ -7,8 +7,8 @@ use cudarc::driver::sys::{self, CUresult};
 
 use super::{check, CudaDriver, EventEntry, EventHandle, SegmentEntry, StreamEntry, StreamHandle};
 use crate::driver::{
-    ranges, Backend, DevicePtr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
-    OpenedSegment, StreamId, IPC_HANDLE_SIZE,
+    ranges, Backend, DeviceAddr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle,
+    MemInfo, OpenedSegment, StreamId, IPC_HANDLE_SIZE,
 };
 use crate::error::{Error, Result};
 
@@ -99,7 +99,7 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn malloc(&self, device: usize, size: u64) -> Result<DevicePtr> {
+    fn malloc(&self, device: usize, size: u64) -> Result<DeviceAddr> {
         self.bind(device)?;
         if size == 0 {
             return Err(Error::invalid("malloc of 0 bytes"));
@@ -127,10 +127,10 @@ impl Driver for CudaDriver {
                 exported_as: None,
             },
         );
-        Ok(DevicePtr(ptr))
+        Ok(DeviceAddr(ptr))
     }
 
-    fn free(&self, ptr: DevicePtr) -> Result<()> {
+    fn free(&self, ptr: DeviceAddr) -> Result<()> {
         let entry = {
             let mut segments = self.segments.write();
             match segments.get(&ptr.0) {
@@ -316,7 +316,7 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn copy_host_to_device(&self, stream: StreamId, dst: DevicePtr, src: &[u8]) -> Result<()> {
+    fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
         let (_held, _) = self.hold_ranges([(dst, src.len() as u64)])?;
         let s = self.stream(stream)?;
         if src.is_empty() {
@@ -333,7 +333,7 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
         let (_held, _) = self.hold_ranges([(src, dst.len() as u64)])?;
         let s = self.stream(stream)?;
         if dst.is_empty() {
@@ -353,8 +353,8 @@ impl Driver for CudaDriver {
     fn copy_device_to_device(
         &self,
         stream: StreamId,
-        dst: DevicePtr,
-        src: DevicePtr,
+        dst: DeviceAddr,
+        src: DeviceAddr,
         len: u64,
     ) -> Result<()> {
         let (_held, n) = self.hold_ranges([(dst, len), (src, len)])?;
@@ -368,7 +368,7 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn memset(&self, stream: StreamId, dst: DevicePtr, value: u8, len: u64) -> Result<()> {
+    fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
         let (_held, n) = self.hold_ranges([(dst, len)])?;
         let s = self.stream(stream)?;
         if n == 0 {
@@ -380,7 +380,7 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn fill_pattern(&self, stream: StreamId, dst: DevicePtr, len: u64, seed: u64) -> Result<()> {
+    fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
         let (_held, _) = self.hold_ranges([(dst, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.fill)?;
         let (mut p, mut n, mut sd) = (dst.0, len, seed);
@@ -395,7 +395,7 @@ impl Driver for CudaDriver {
     fn count_pattern_mismatches(
         &self,
         stream: StreamId,
-        src: DevicePtr,
+        src: DeviceAddr,
         len: u64,
         seed: u64,
     ) -> Result<u64> {
@@ -437,7 +437,7 @@ impl Driver for CudaDriver {
         freed.map(|()| count)
     }
 
-    fn poison(&self, stream: StreamId, dst: DevicePtr, len: u64) -> Result<()> {
+    fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
         let (_held, _) = self.hold_ranges([(dst, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.poison)?;
         let (mut p, mut n) = (dst.0, len);
@@ -455,7 +455,7 @@ impl Driver for CudaDriver {
         self.launch(f, s, 1, &mut args)
     }
 
-    fn ipc_export_memory(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+    fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
         let entry = self.segments.read().get(&ptr.0).copied().ok_or_else(|| {
             Error::invalid(format!("pointer {ptr} is not the base of a segment allocated by this driver (IPC handles name whole segments)"))
         })?;
@@ -527,7 +527,7 @@ impl Driver for CudaDriver {
                     },
                 );
                 Ok(OpenedSegment {
-                    ptr: DevicePtr(ptr),
+                    ptr: DeviceAddr(ptr),
                     size,
                 })
             }
@@ -538,7 +538,7 @@ impl Driver for CudaDriver {
         }
     }
 
-    fn ipc_close_memory(&self, ptr: DevicePtr) -> Result<()> {
+    fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
         let entry = {
             let mut segments = self.segments.write();
             match segments.get(&ptr.0).copied() {

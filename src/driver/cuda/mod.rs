@@ -31,7 +31,7 @@ use std::ffi::{c_void, CStr, CString};
 use cudarc::driver::sys::{self, CUresult};
 
 use crate::driver::registry::{IdCounter, Registry};
-use crate::driver::{ranges, DevicePtr, Driver, EventId, StreamId, IPC_HANDLE_SIZE};
+use crate::driver::{ranges, DeviceAddr, Driver, EventId, StreamId, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
 use crate::sync::os::{Mutex, OnceLock, RwLock, RwLockReadGuard};
 
@@ -257,7 +257,7 @@ impl CudaDriver {
     /// `cuMemFree`) cannot slip in between the check and the enqueue — the host backend's rule.
     fn hold_ranges<const N: usize>(
         &self,
-        ranges: [(DevicePtr, u64); N],
+        ranges: [(DeviceAddr, u64); N],
     ) -> Result<(RwLockReadGuard<'_, BTreeMap<u64, SegmentEntry>>, usize)> {
         let table = self.segments.read();
         for &(ptr, len) in &ranges {
@@ -368,7 +368,7 @@ impl Drop for CudaDriver {
             .map(|(p, _)| *p)
             .collect();
         for ptr in opened {
-            let _ = self.ipc_close_memory(DevicePtr(ptr));
+            let _ = self.ipc_close_memory(DeviceAddr(ptr));
         }
         let events = self.events.drain();
         for e in events {

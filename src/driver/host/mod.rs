@@ -38,7 +38,7 @@ use self::segments::{Origin, Segment, SegmentTable};
 use self::stream::HostStream;
 use crate::driver::registry::{IdCounter, Registry};
 use crate::driver::{
-    Backend, DevicePtr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
+    Backend, DeviceAddr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
     OpenedSegment, StreamId,
 };
 use crate::error::{Error, Result};
@@ -171,7 +171,7 @@ impl HostDriver {
     fn enqueue_on_ranges<const N: usize>(
         &self,
         stream: StreamId,
-        ranges: [(DevicePtr, u64); N],
+        ranges: [(DeviceAddr, u64); N],
         op: impl FnOnce([usize; N]) + Send + 'static,
     ) -> Result<u64> {
         let s = self.stream(stream)?;
@@ -267,7 +267,7 @@ impl Driver for HostDriver {
         })
     }
 
-    fn malloc(&self, device: usize, size: u64) -> Result<DevicePtr> {
+    fn malloc(&self, device: usize, size: u64) -> Result<DeviceAddr> {
         self.check_device(device)?;
         if size == 0 {
             return Err(Error::invalid("malloc of 0 bytes"));
@@ -316,7 +316,7 @@ impl Driver for HostDriver {
         }
     }
 
-    fn free(&self, ptr: DevicePtr) -> Result<()> {
+    fn free(&self, ptr: DeviceAddr) -> Result<()> {
         let segment = self.segments.remove_owned(ptr)?;
         let (device, size) = (segment.device, segment.shm.len());
         let result = self.release_segment(segment, self.config.poison_on_free);
@@ -453,7 +453,7 @@ impl Driver for HostDriver {
             .map(|_| ())
     }
 
-    fn copy_host_to_device(&self, stream: StreamId, dst: DevicePtr, src: &[u8]) -> Result<()> {
+    fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
         let data = src.to_vec();
         let len = data.len();
         let ticket = self.enqueue_on_ranges(stream, [(dst, len as u64)], move |[d]| {
@@ -464,7 +464,7 @@ impl Driver for HostDriver {
         self.wait_ticket(stream, ticket)
     }
 
-    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
         let len = dst.len();
         let out = Arc::new(Mutex::new(vec![0u8; len]));
         let for_op = Arc::clone(&out);
@@ -481,8 +481,8 @@ impl Driver for HostDriver {
     fn copy_device_to_device(
         &self,
         stream: StreamId,
-        dst: DevicePtr,
-        src: DevicePtr,
+        dst: DeviceAddr,
+        src: DeviceAddr,
         len: u64,
     ) -> Result<()> {
         let n = checked_len(len)?;
@@ -493,7 +493,7 @@ impl Driver for HostDriver {
         .map(|_| ())
     }
 
-    fn memset(&self, stream: StreamId, dst: DevicePtr, value: u8, len: u64) -> Result<()> {
+    fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
         let n = checked_len(len)?;
         self.enqueue_on_ranges(stream, [(dst, len)], move |[d]| {
             // SAFETY: the range was checked and stays mapped until every stream drains.
@@ -502,7 +502,7 @@ impl Driver for HostDriver {
         .map(|_| ())
     }
 
-    fn fill_pattern(&self, stream: StreamId, dst: DevicePtr, len: u64, seed: u64) -> Result<()> {
+    fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
         let n = checked_len(len)?;
         self.enqueue_on_ranges(stream, [(dst, len)], move |[d]| {
             // SAFETY: the range was checked and stays mapped until every stream drains.
@@ -514,7 +514,7 @@ impl Driver for HostDriver {
     fn count_pattern_mismatches(
         &self,
         stream: StreamId,
-        src: DevicePtr,
+        src: DeviceAddr,
         len: u64,
         seed: u64,
     ) -> Result<u64> {
@@ -530,7 +530,7 @@ impl Driver for HostDriver {
         Ok(result.load(Ordering::SeqCst))
     }
 
-    fn poison(&self, stream: StreamId, dst: DevicePtr, len: u64) -> Result<()> {
+    fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
         let n = checked_len(len)?;
         self.enqueue_on_ranges(stream, [(dst, len)], move |[d]| {
             // SAFETY: the range was checked and stays mapped until every stream drains.
@@ -547,7 +547,7 @@ impl Driver for HostDriver {
             .map(|_| ())
     }
 
-    fn ipc_export_memory(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+    fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
         let (device, object, size) = self.segments.view().owned_at(ptr)?;
         let device =
             u16::try_from(device).map_err(|_| Error::invalid("device ordinal too large"))?;
@@ -586,7 +586,7 @@ impl Driver for HostDriver {
         Ok(OpenedSegment { ptr, size })
     }
 
-    fn ipc_close_memory(&self, ptr: DevicePtr) -> Result<()> {
+    fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
         let segment = self.segments.remove_opened(ptr)?;
         self.release_segment(segment, false)
     }

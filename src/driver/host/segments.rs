@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use crate::driver::{ranges, DevicePtr};
+use crate::driver::{ranges, DeviceAddr};
 use crate::error::{Error, Result};
 use crate::shm::SharedMemory;
 use crate::sync::os::{RwLock, RwLockReadGuard};
@@ -66,13 +66,13 @@ pub(crate) struct SegmentsView<'a> {
 
 impl SegmentsView<'_> {
     /// Checks that `[ptr, ptr + len)` lies inside one segment; returns the address to access.
-    pub(crate) fn check(&self, ptr: DevicePtr, len: u64) -> Result<usize> {
+    pub(crate) fn check(&self, ptr: DeviceAddr, len: u64) -> Result<usize> {
         ranges::containing(&self.tables.by_base, |s| s.shm.len(), ptr, len)?;
         usize::try_from(ptr.0).map_err(|_| Error::invalid("pointer exceeds the address space"))
     }
 
     /// Device, number and size of the owned segment based at `ptr`.
-    pub(crate) fn owned_at(&self, ptr: DevicePtr) -> Result<(usize, u64, u64)> {
+    pub(crate) fn owned_at(&self, ptr: DeviceAddr) -> Result<(usize, u64, u64)> {
         match self.tables.by_base.get(&ptr.0) {
             Some(Segment {
                 device,
@@ -99,14 +99,14 @@ impl SegmentTable {
     }
 
     /// Adds a segment; returns its base address.
-    pub(crate) fn insert(&self, segment: Segment) -> DevicePtr {
+    pub(crate) fn insert(&self, segment: Segment) -> DeviceAddr {
         let base = segment.base();
         let mut t = self.inner.write();
         if let Origin::Opened { key } = segment.origin {
             t.opened.insert(key);
         }
         t.by_base.insert(base, segment);
-        DevicePtr(base)
+        DeviceAddr(base)
     }
 
     /// Whether a foreign segment is currently open.
@@ -115,7 +115,7 @@ impl SegmentTable {
     }
 
     /// Removes the owned segment based at `ptr` (it stays mapped until the returned value drops).
-    pub(crate) fn remove_owned(&self, ptr: DevicePtr) -> Result<Segment> {
+    pub(crate) fn remove_owned(&self, ptr: DeviceAddr) -> Result<Segment> {
         let mut t = self.inner.write();
         match t.by_base.get(&ptr.0) {
             Some(Segment {
@@ -131,7 +131,7 @@ impl SegmentTable {
     }
 
     /// Removes the opened segment based at `ptr`.
-    pub(crate) fn remove_opened(&self, ptr: DevicePtr) -> Result<Segment> {
+    pub(crate) fn remove_opened(&self, ptr: DeviceAddr) -> Result<Segment> {
         let mut t = self.inner.write();
         let key = match t.by_base.get(&ptr.0) {
             Some(Segment {

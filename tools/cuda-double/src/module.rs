@@ -38,6 +38,8 @@ pub struct Function {
     pub ctx: usize,
     /// The context's epoch when it was looked up.
     pub epoch: u64,
+    /// Its module's handle (unloading the module invalidates the function).
+    pub module: usize,
     /// Its signature.
     pub sig: KernelSig,
     /// The native implementation, if the double has one.
@@ -46,11 +48,12 @@ pub struct Function {
 
 impl Function {
     /// A function for `sig` (native implementation looked up by name).
-    pub fn new(handle: usize, ctx: usize, epoch: u64, sig: KernelSig) -> Function {
+    pub fn new(handle: usize, ctx: usize, epoch: u64, module: usize, sig: KernelSig) -> Function {
         Function {
             handle,
             ctx,
             epoch,
+            module,
             native: native(&sig.name),
             sig,
         }

@@ -338,6 +338,11 @@ impl Double {
         }
     }
 
+    /// This thread's current context handle (0: none).
+    pub fn current_handle(&self) -> usize {
+        CURRENT.with(Cell::get)
+    }
+
     /// Sets this thread's current context (0 unbinds).
     pub fn set_current(&self, handle: usize) {
         CURRENT.with(|c| c.set(handle));
@@ -409,6 +414,15 @@ impl Double {
         match self.lookup(handle, Kind::Function)? {
             Object::Function(f) => {
                 self.require_epoch(f.ctx, f.epoch, "function")?;
+                self.lookup(as_ptr(f.module), Kind::Module).map_err(|_| {
+                    Fail::violation(
+                        codes::INVALID_HANDLE,
+                        format!(
+                            "kernel {} belongs to a module that was unloaded",
+                            f.sig.name
+                        ),
+                    )
+                })?;
                 Ok(f)
             }
             _ => Err(Fail::violation(codes::INVALID_HANDLE, "not a function")),

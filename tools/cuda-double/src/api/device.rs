@@ -121,6 +121,59 @@ pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: c_i
     })
 }
 
+/// Device attributes the double models (what cudarc's context set-up and launch checks read);
+/// the limits match `check_config` in `api/module.rs`. Memory pools are not supported, so
+/// cudarc allocates with `cuMemAlloc`, as cudalloc does.
+const ATTRIBUTES: &[(u32, c_int)] = &[
+    (1, 1024),      // MAX_THREADS_PER_BLOCK
+    (2, 1024),      // MAX_BLOCK_DIM_X
+    (3, 1024),      // MAX_BLOCK_DIM_Y
+    (4, 64),        // MAX_BLOCK_DIM_Z
+    (5, i32::MAX),  // MAX_GRID_DIM_X
+    (6, 65535),     // MAX_GRID_DIM_Y
+    (7, 65535),     // MAX_GRID_DIM_Z
+    (8, 48 * 1024), // MAX_SHARED_MEMORY_PER_BLOCK
+    (10, 32),       // WARP_SIZE
+    (16, 1),        // MULTIPROCESSOR_COUNT
+    (41, 1),        // UNIFIED_ADDRESSING
+    (75, 5),        // COMPUTE_CAPABILITY_MAJOR (the PTX NVRTC makes by default: sm_52)
+    (76, 2),        // COMPUTE_CAPABILITY_MINOR
+    (115, 0),       // MEMORY_POOLS_SUPPORTED
+];
+
+/// `cuDeviceGetAttribute` for the attributes in `ATTRIBUTES`; any other is reported as
+/// something the double does not model (so a new query shows up in the verdict).
+///
+/// # Safety
+/// `pi` must be valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetAttribute(pi: *mut c_int, attrib: u32, dev: c_int) -> CuResult {
+    api(Entry::cuDeviceGetAttribute, || {
+        double()?.device(dev)?;
+        let Some((_, value)) = ATTRIBUTES.iter().find(|(a, _)| *a == attrib) else {
+            return Err(Fail::violation(
+                codes::NOT_SUPPORTED,
+                format!("device attribute {attrib} is not modelled by the double"),
+            ));
+        };
+        // SAFETY: caller's out-pointer.
+        unsafe { put(pi, *value, "pi") }
+    })
+}
+
+/// `cuCtxGetCurrent` (null when no context is current).
+///
+/// # Safety
+/// `pctx` must be valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut *mut c_void) -> CuResult {
+    api(Entry::cuCtxGetCurrent, || {
+        let handle = double()?.current_handle();
+        // SAFETY: caller's out-pointer.
+        unsafe { put(pctx, as_ptr(handle), "pctx") }
+    })
+}
+
 /// `cuDevicePrimaryCtxRetain`.
 ///
 /// # Safety

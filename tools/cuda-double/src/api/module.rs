@@ -79,10 +79,28 @@ pub unsafe extern "C" fn cuModuleGetFunction(
         };
         let ctx = d.context(crate::state::as_ptr(m.ctx))?;
         let epoch = ctx.epoch.load(Ordering::Acquire);
-        let handle =
-            d.insert(|h| Object::Function(Arc::new(Function::new(h, m.ctx, epoch, sig.clone()))));
+        let handle = d.insert(|h| {
+            Object::Function(Arc::new(Function::new(
+                h,
+                m.ctx,
+                epoch,
+                m.handle,
+                sig.clone(),
+            )))
+        });
         // SAFETY: caller's out-pointer.
         unsafe { put_handle(hfunc, handle, "hfunc") }
+    })
+}
+
+/// `cuModuleUnload`: its functions become invalid.
+#[no_mangle]
+pub extern "C" fn cuModuleUnload(hmod: *mut c_void) -> CuResult {
+    api(Entry::cuModuleUnload, || {
+        let d = double()?;
+        let m = d.module(hmod)?;
+        d.destroy(m.handle, crate::state::Kind::Module);
+        Ok(())
     })
 }
 

@@ -1,0 +1,247 @@
+//! Typed views of a [`Storage`] for cudarc launches (feature `cudarc`).
+//!
+//! A tensor library built on cudarc passes a view where it would pass a `CudaSlice`: as a kernel
+//! argument (`launch_builder(..).arg(&view)`), or to any cudarc API taking
+//! [`DevicePtr`]/[`DevicePtrMut`]. Views are made for a cudarc stream:
+//!
+//! | step | what happens |
+//! |------|--------------|
+//! | `storage.view::<T>(range, &stream)` | bounds and alignment checked; the stream is adopted by cudalloc (`import_stream`, once per stream) and *recorded* for the storage — its free waits for work queued on that stream, as `record_stream` does — with no event per view |
+//! | `storage.view_mut::<T>(..)` | the same, after the copy-on-write step (`mutable_data_ptr`), which can fail (out of memory) and then leaves the storage unchanged; when it made a private copy (on this thread's current stream), the view's stream waits for that copy |
+//! | `device_ptr(&other_stream)` | `other_stream` is recorded too |
+//!
+//! Ordering of the view's stream after the storage's allocation stream is the library's business,
+//! as with PyTorch's `record_stream` (a tensor used on a side stream waits for its producer).
+//!
+//! Stream lifetime: a recorded stream must outlive the storage's free. The stream a view was made
+//! for is kept alive for the life of the process (an `Arc` in a process-wide table, one per
+//! stream); a different stream passed to `device_ptr` must be kept alive by the library.
+//!
+//! Views need the CUDA backend: on the host backend there is no `CUdeviceptr` to launch with, and
+//! `view` returns an [`ErrorKind::InvalidArgument`](crate::ErrorKind) error saying so.
+
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::ops::Range;
+
+use cudarc::driver::{
+    sys, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg, SyncOnDrop,
+};
+
+use super::Storage;
+use crate::driver::{Backend, StreamId};
+use crate::error::{Error, Result};
+use crate::sync::os::{Arc, Mutex};
+
+/// Streams views were made for, by (runtime id, raw handle), with their cudalloc ids: kept alive
+/// (see the module docs).
+type Adopted = HashMap<(u64, u64), (Arc<CudaStream>, StreamId)>;
+static ADOPTED: Mutex<Option<Adopted>> = Mutex::new(None);
+
+/// The cudalloc id of `stream` for `storage`'s runtime, adopting it on first use.
+fn adopt(storage: &Storage, stream: &Arc<CudaStream>) -> Result<StreamId> {
+    let runtime = storage.runtime();
+    let raw = stream.cu_stream() as usize as u64;
+    let mut guard = ADOPTED.lock();
+    let table = guard.get_or_insert_with(HashMap::new);
+    if let Some((_, id)) = table.get(&(runtime.id(), raw)) {
+        return Ok(*id);
+    }
+    // SAFETY: `raw` is the live stream of `stream`, which the table keeps alive for the life of
+    // the process, so it outlives every use cudalloc makes of the id.
+    let id = unsafe { runtime.import_stream(storage.device(), raw) }?;
+    table.insert((runtime.id(), raw), (Arc::clone(stream), id));
+    Ok(id)
+}
+
+/// Records the stream of a `device_ptr` call (the view's own stream is recorded already).
+fn record_raw(storage: &Storage, stream: &CudaStream) {
+    let raw = stream.cu_stream() as usize as u64;
+    let runtime = storage.runtime();
+    let known = ADOPTED
+        .lock()
+        .as_ref()
+        .and_then(|t| t.get(&(runtime.id(), raw)).map(|(_, id)| *id));
+    // SAFETY: the caller of `device_ptr` keeps the stream alive while memory it used may be
+    // freed (module docs); `raw` is its live handle now.
+    let id = known.map_or_else(
+        || unsafe { runtime.import_stream(storage.device(), raw) },
+        Ok,
+    );
+    if let Err(err) = id.and_then(|id| storage.record_stream(id)) {
+        tracing::warn!(%err, "recording a view's stream for its storage failed");
+    }
+}
+
+/// Makes `stream` wait for the work queued so far on this thread's current stream of the
+/// storage's device.
+fn wait_for_current_stream(storage: &Storage, stream: StreamId) -> Result<()> {
+    let runtime = storage.runtime();
+    let current = runtime.current_stream(storage.device())?;
+    if current == stream {
+        return Ok(());
+    }
+    let driver = runtime.driver();
+    let event = driver.event_create(storage.device(), crate::driver::EventFlags::default())?;
+    let ordered = driver
+        .event_record(event, current)
+        .and_then(|()| driver.stream_wait_event(stream, event));
+    let destroyed = driver.event_destroy(event);
+    ordered.and(destroyed)
+}
+
+/// Checks `range` (in elements of `T`) against the storage and returns (byte address, length).
+fn locate<T>(storage: &Storage, base: u64, range: &Range<usize>) -> Result<(u64, usize)> {
+    if storage.runtime().driver().backend() != Backend::Cuda {
+        return Err(Error::invalid(
+            "views are for cudarc launches and need the CUDA backend (this storage is on the host backend)",
+        ));
+    }
+    let size = std::mem::size_of::<T>() as u64;
+    let (start, end) = (range.start as u64, range.end as u64);
+    let end_bytes = end
+        .checked_mul(size)
+        .filter(|&b| start <= end && b <= storage.nbytes())
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "view {range:?} of {} elements of {size} bytes is outside the storage's {} bytes",
+                end.saturating_sub(start),
+                storage.nbytes()
+            ))
+        })?;
+    let addr = base + start * size;
+    if addr % std::mem::align_of::<T>() as u64 != 0 {
+        return Err(Error::invalid(format!(
+            "view at {addr:#x} is not aligned for {}",
+            std::any::type_name::<T>()
+        )));
+    }
+    debug_assert!(end_bytes <= storage.nbytes());
+    Ok((addr, (end - start) as usize))
+}
+
+/// A read view of `len` elements of `T` in a storage, for launches on its stream.
+#[derive(Debug)]
+pub struct StorageView<'a, T> {
+    storage: &'a Storage,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    stream: Arc<CudaStream>,
+    _elements: PhantomData<*const T>,
+}
+
+/// A write view: as [`StorageView`], made after the copy-on-write step.
+#[derive(Debug)]
+pub struct StorageViewMut<'a, T> {
+    storage: &'a Storage,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    stream: Arc<CudaStream>,
+    _elements: PhantomData<*mut T>,
+}
+
+impl Storage {
+    /// A read view of elements `range` of `T`, for launches on `stream` (see the
+    /// [module docs](self)); `stream` is recorded for this storage.
+    pub fn view<T>(
+        &self,
+        range: Range<usize>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<StorageView<'_, T>> {
+        let (ptr, len) = locate::<T>(self, self.data_ptr().0, &range)?;
+        let id = adopt(self, stream)?;
+        self.record_stream(id)?;
+        Ok(StorageView {
+            storage: self,
+            ptr,
+            len,
+            stream: Arc::clone(stream),
+            _elements: PhantomData,
+        })
+    }
+
+    /// A write view: materializes a copy-on-write storage first (which can fail, leaving it
+    /// unchanged), then as [`Storage::view`].
+    pub fn view_mut<T>(
+        &self,
+        range: Range<usize>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<StorageViewMut<'_, T>> {
+        locate::<T>(self, self.data_ptr().0, &range)?;
+        let was_cow = self.is_cow();
+        let base = self.mutable_data_ptr()?;
+        let (ptr, len) = locate::<T>(self, base.0, &range)?;
+        let id = adopt(self, stream)?;
+        if was_cow {
+            // The private copy was queued on this thread's current stream: the view's stream
+            // must not write before it lands (found on the contract double: the copy landed
+            // after the kernel and overwrote its result).
+            wait_for_current_stream(self, id)?;
+        }
+        self.record_stream(id)?;
+        Ok(StorageViewMut {
+            storage: self,
+            ptr,
+            len,
+            stream: Arc::clone(stream),
+            _elements: PhantomData,
+        })
+    }
+}
+
+macro_rules! view_traits {
+    ($view:ident) => {
+        impl<T> DeviceSlice<T> for $view<'_, T> {
+            fn len(&self) -> usize {
+                self.len
+            }
+            fn stream(&self) -> &Arc<CudaStream> {
+                &self.stream
+            }
+        }
+
+        impl<T> DevicePtr<T> for $view<'_, T> {
+            fn device_ptr<'s>(
+                &'s self,
+                stream: &'s CudaStream,
+            ) -> (sys::CUdeviceptr, SyncOnDrop<'s>) {
+                if stream.cu_stream() != self.stream.cu_stream() {
+                    record_raw(self.storage, stream);
+                }
+                (self.ptr, SyncOnDrop::Sync(None))
+            }
+        }
+
+        // SAFETY: the pushed pointer is to `self.ptr`, a `CUdeviceptr` that lives as long as the
+        // borrow of the view, which outlives the launch arguments ('b: 'a).
+        unsafe impl<'a, 'b: 'a, 'c: 'b, T> PushKernelArg<&'b $view<'c, T>> for LaunchArgs<'a> {
+            #[inline(always)]
+            fn arg(&mut self, arg: &'b $view<'c, T>) -> &mut Self {
+                <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &arg.ptr)
+            }
+        }
+    };
+}
+
+view_traits!(StorageView);
+view_traits!(StorageViewMut);
+
+impl<T> DevicePtrMut<T> for StorageViewMut<'_, T> {
+    fn device_ptr_mut<'s>(
+        &'s mut self,
+        stream: &'s CudaStream,
+    ) -> (sys::CUdeviceptr, SyncOnDrop<'s>) {
+        if stream.cu_stream() != self.stream.cu_stream() {
+            record_raw(self.storage, stream);
+        }
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+// SAFETY: as for the shared form: a pointer to the view's `CUdeviceptr`, borrowed for the launch.
+unsafe impl<'a, 'b: 'a, 'c: 'b, T> PushKernelArg<&'b mut StorageViewMut<'c, T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut StorageViewMut<'c, T>) -> &mut Self {
+        <Self as PushKernelArg<&'b sys::CUdeviceptr>>::arg(self, &arg.ptr)
+    }
+}

@@ -1,0 +1,146 @@
+//! Storages as cudarc kernel arguments (feature `cudarc`): a tensor library's own context and
+//! stream, a kernel it loads and launches through cudarc on a view of a cudalloc storage, and the
+//! view's stream recorded for the storage. Runs on the CUDA backend (a GPU, or the contract double
+//! in `scripts/cuda-double.sh`); on a machine without CUDA the launch tests print their skip line.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use cudalloc::cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+use cudalloc::cudarc::nvrtc;
+use cudalloc::{CudaDriver, ErrorKind, Runtime, Storage};
+
+const MIB: u64 = 1 << 20;
+
+/// The library's context and stream, and a runtime over the CUDA backend — or `None` (skip line).
+fn library(
+    test: &str,
+) -> Option<(
+    Arc<CudaContext>,
+    Arc<cudalloc::cudarc::driver::CudaStream>,
+    Arc<Runtime>,
+)> {
+    let driver = match CudaDriver::new() {
+        Ok(d) => d,
+        Err(err) => {
+            println!("{test}: skipped: no CUDA driver ({err})");
+            return None;
+        }
+    };
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let runtime = Arc::new(Runtime::builder().build(Arc::new(driver)).unwrap());
+    Some((ctx, stream, runtime))
+}
+
+fn kernel(
+    ctx: &Arc<CudaContext>,
+    file: &str,
+    name: &str,
+) -> cudalloc::cudarc::driver::CudaFunction {
+    let source = cudalloc::driver::cuda::kernels::SOURCES
+        .iter()
+        .find(|(f, _)| *f == file)
+        .unwrap()
+        .1;
+    let ptx = nvrtc::compile_ptx(source).unwrap();
+    ctx.load_module(ptx).unwrap().load_function(name).unwrap()
+}
+
+#[test]
+fn a_kernel_launched_through_cudarc_on_a_view_writes_the_storage() {
+    let Some((ctx, stream, runtime)) = library("a_kernel_launched_through_cudarc_on_a_view") else {
+        return;
+    };
+    let fill = kernel(&ctx, "pattern.cu", "cudalloc_fill_pattern");
+    let s = Storage::new(&runtime, 0, 4 * MIB).unwrap();
+    let n = (4 * MIB) as usize;
+    let mut view = s.view_mut::<u8>(0..n, &stream).unwrap();
+    let (len, seed) = (n as u64, 7u64);
+    let mut launch = stream.launch_builder(&fill);
+    launch.arg(&mut view).arg(&len).arg(&seed);
+    // SAFETY: the kernel takes (u8*, u64, u64) and writes `len` bytes of the view.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(256 * 64)) }.unwrap();
+    stream.synchronize().unwrap();
+    drop(view);
+    assert_eq!(s.count_pattern_mismatches(7).unwrap(), 0);
+    // A read view of the second MiB as u64s: the kernel's argument is its first element.
+    let view = s.view::<u64>(131_072..262_144, &stream).unwrap();
+    assert_eq!(cudalloc::cudarc::driver::DeviceSlice::len(&view), 131_072);
+}
+
+#[test]
+fn a_view_mut_of_a_lazy_clone_writes_a_private_copy() {
+    let Some((ctx, stream, runtime)) = library("a_view_mut_of_a_lazy_clone") else {
+        return;
+    };
+    let fill = kernel(&ctx, "pattern.cu", "cudalloc_fill_pattern");
+    let original = Storage::new(&runtime, 0, MIB).unwrap();
+    original.fill_pattern(1).unwrap();
+    let clone = original.lazy_clone().unwrap();
+    let mut view = clone.view_mut::<u8>(0..MIB as usize, &stream).unwrap();
+    let (len, seed) = (MIB, 2u64);
+    let mut launch = stream.launch_builder(&fill);
+    launch.arg(&mut view).arg(&len).arg(&seed);
+    // SAFETY: as above.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(1024)) }.unwrap();
+    stream.synchronize().unwrap();
+    drop(view);
+    assert_eq!(clone.count_pattern_mismatches(2).unwrap(), 0);
+    assert_eq!(
+        original.count_pattern_mismatches(1).unwrap(),
+        0,
+        "the original is untouched"
+    );
+}
+
+#[test]
+fn a_storage_freed_while_its_view_stream_is_busy_is_not_reused_until_that_work_is_done() {
+    let Some((ctx, stream, runtime)) = library("a_storage_freed_while_its_view_stream_is_busy")
+    else {
+        return;
+    };
+    let sleep = kernel(&ctx, "sleep.cu", "cudalloc_sleep");
+    let s = Storage::new(&runtime, 0, 4 * MIB).unwrap();
+    let addr = s.data_ptr();
+    let view = s.view::<u8>(0..(4 * MIB) as usize, &stream).unwrap();
+    let nanos = 300_000_000u64;
+    let mut launch = stream.launch_builder(&sleep);
+    launch.arg(&nanos);
+    // SAFETY: the sleep kernel takes one u64.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(1)) }.unwrap();
+    drop(view);
+    drop(s);
+    // Without the view's stream recorded, this would be the same block at once.
+    let again = Storage::new(&runtime, 0, 4 * MIB).unwrap();
+    assert_ne!(
+        again.data_ptr(),
+        addr,
+        "memory still in use by the library's stream was reused"
+    );
+    stream.synchronize().unwrap();
+}
+
+#[test]
+fn views_check_bounds_alignment_and_backend() {
+    let host = Arc::new(Runtime::builder().build(Arc::new(host_driver())).unwrap());
+    let on_host = Storage::new(&host, 0, MIB).unwrap();
+    if let Some((_, stream, runtime)) = library("views_check_bounds_alignment_and_backend") {
+        let err = on_host.view::<u8>(0..16, &stream).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+        assert!(err.to_string().contains("CUDA backend"), "{err}");
+        let s = Storage::new(&runtime, 0, MIB).unwrap();
+        for err in [
+            s.view::<u32>(0..(MIB as usize / 4 + 1), &stream)
+                .unwrap_err(),
+            s.view::<u8>(8..4, &stream).unwrap_err(),
+        ] {
+            assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+        }
+        let offset = Storage::new(&runtime, 0, MIB).unwrap();
+        assert!(offset.view::<u64>(0..8, &stream).is_ok());
+    }
+}
