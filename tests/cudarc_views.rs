@@ -136,6 +136,7 @@ fn views_check_bounds_alignment_and_backend() {
         for err in [
             s.view::<u32>(0..(MIB as usize / 4 + 1), &stream)
                 .unwrap_err(),
+            #[allow(clippy::reversed_empty_ranges)]
             s.view::<u8>(8..4, &stream).unwrap_err(),
         ] {
             assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
