@@ -193,6 +193,10 @@ pub struct OpenedSegment {
 pub trait Driver: Send + Sync + fmt::Debug {
     /// Which implementation this is.
     fn backend(&self) -> Backend;
+    /// This driver as the host backend, for host-only facilities (`enqueue_host`, stream gates).
+    fn as_host(&self) -> Option<&HostDriver> {
+        None
+    }
     /// Number of devices.
     fn device_count(&self) -> usize;
     /// A human-readable device name.

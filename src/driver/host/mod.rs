@@ -22,6 +22,7 @@ mod config;
 mod event;
 mod handle;
 mod kernels;
+mod library_kernels;
 mod segments;
 mod stream;
 
@@ -30,6 +31,7 @@ use std::collections::HashMap;
 pub use config::{
     parse_byte_size, HostDriverBuilder, DEFAULT_DEVICES, DEFAULT_MEMORY, MAX_DEVICES,
 };
+pub use library_kernels::HostMemory;
 pub use stream::StreamGate;
 
 use self::event::{CellRef, EventPool};
@@ -174,6 +176,19 @@ impl HostDriver {
         ranges: [(DeviceAddr, u64); N],
         op: impl FnOnce([usize; N]) + Send + 'static,
     ) -> Result<u64> {
+        self.enqueue_fallible_on_ranges(stream, ranges, move |addrs| {
+            op(addrs);
+            Ok(())
+        })
+    }
+
+    /// As `enqueue_on_ranges`, for work that can fail its stream.
+    fn enqueue_fallible_on_ranges<const N: usize>(
+        &self,
+        stream: StreamId,
+        ranges: [(DeviceAddr, u64); N],
+        op: impl FnOnce([usize; N]) -> std::result::Result<(), String> + Send + 'static,
+    ) -> Result<u64> {
         let s = self.stream(stream)?;
         let view = self.segments.view();
         let mut addrs = [0usize; N];
@@ -181,7 +196,7 @@ impl HostDriver {
         for (addr, &(ptr, len)) in addrs.iter_mut().zip(&ranges) {
             *addr = view.check(ptr, len)?;
         }
-        let ticket = s.enqueue(Box::new(move || op(addrs)))?;
+        let ticket = s.enqueue_fallible(Box::new(move || op(addrs)))?;
         drop(view);
         Ok(ticket)
     }
@@ -241,6 +256,10 @@ fn event_owner_died(message: String) -> Error {
 }
 
 impl Driver for HostDriver {
+    fn as_host(&self) -> Option<&HostDriver> {
+        Some(self)
+    }
+
     fn backend(&self) -> Backend {
         Backend::Host
     }

@@ -1,0 +1,141 @@
+//! A tiny tensor type whose cross-stream copy must call `record_stream` — and a test that catches
+//! the bug when it does not, on a laptop, through the host backend's host kernels.
+//!
+//! The copy runs on a side stream; the source tensor is dropped right after the copy is queued.
+//! Without `record_stream`, the source's block goes back to the cache at once, the next tensor of
+//! the same size on the main stream gets it and writes it, and the copy — still queued on the side
+//! stream — reads the newcomer's bytes. With `record_stream`, the block waits for the side stream.
+//! The side stream is held at a gate (a host-backend test facility) while this happens, so the
+//! outcome is the same on every run: no sleeps, no timing.
+//!
+//! ```text
+//! cargo run --example record_stream     # shows both outcomes
+//! cargo test --examples                 # the tests below
+//! ```
+
+use std::sync::Arc;
+
+use cudalloc::driver::host::HostMemory;
+use cudalloc::{Error, EventFlags, HostDriver, Result, Runtime, Storage, StreamId};
+
+/// A one-dimensional tensor of bytes on one stream.
+struct Tensor {
+    storage: Storage,
+    stream: StreamId,
+}
+
+impl Tensor {
+    fn host(runtime: &Runtime) -> Result<&HostDriver> {
+        runtime.driver().as_host().ok_or_else(|| {
+            Error::InvalidArgument("these kernels are host kernels: run on the host backend".into())
+        })
+    }
+
+    /// A tensor of `len` bytes equal to `value`, written by a host kernel on `stream`.
+    fn full(runtime: &Arc<Runtime>, stream: StreamId, len: u64, value: u8) -> Result<Tensor> {
+        let storage = Storage::new(runtime, 0, len)?;
+        Self::host(runtime)?.enqueue_host(
+            stream,
+            [(storage.mutable_data_ptr()?, len)],
+            move |m: &mut HostMemory<1>| m.write(0, 0, &vec![value; m.len(0)]),
+        )?;
+        Ok(Tensor { storage, stream })
+    }
+
+    /// A copy made on `side` (which first waits for this tensor's producer). `record` says whether
+    /// the library remembers to call `record_stream` for the source.
+    fn copy_on(&self, side: StreamId, record: bool) -> Result<Tensor> {
+        let runtime = self.storage.runtime();
+        let driver = runtime.driver();
+        let ready = driver.event_create(0, EventFlags::default())?;
+        driver.event_record(ready, self.stream)?;
+        driver.stream_wait_event(side, ready)?;
+        driver.event_destroy(ready)?;
+        let len = self.storage.nbytes();
+        let out = {
+            let _on_side = runtime.set_current_stream(side)?;
+            Storage::new(runtime, 0, len)?
+        };
+        Self::host(runtime)?.enqueue_host(
+            side,
+            [
+                (self.storage.data_ptr(), len),
+                (out.mutable_data_ptr()?, len),
+            ],
+            |m: &mut HostMemory<2>| {
+                let bytes = m.to_vec(0)?;
+                m.write(1, 0, &bytes)
+            },
+        )?;
+        if record {
+            self.storage.record_stream(side)?;
+        }
+        Ok(Tensor {
+            storage: out,
+            stream: side,
+        })
+    }
+
+    fn to_vec(&self) -> Result<Vec<u8>> {
+        let runtime = self.storage.runtime();
+        runtime.driver().stream_synchronize(self.stream)?;
+        let mut out = vec![0; self.storage.nbytes() as usize];
+        let _on = runtime.set_current_stream(self.stream)?;
+        self.storage.copy_to_host(&mut out)?;
+        Ok(out)
+    }
+}
+
+/// Copies a tensor of 7s on a side stream, drops it, makes a tensor of 9s of the same size on the
+/// main stream, then lets the side stream run. Returns the bytes of the copy.
+fn copy_then_reuse(record: bool) -> Result<Vec<u8>> {
+    let host = Arc::new(HostDriver::builder().memory_per_device(64 << 20).build()?);
+    let runtime = Arc::new(Runtime::builder().build(host.clone())?);
+    let main = runtime.default_stream(0)?;
+    let side = runtime.create_stream(0)?;
+    let gate = host.gate_stream(side)?; // the side stream is busy for now
+    let source = Tensor::full(&runtime, main, 1 << 20, 7)?;
+    let copy = source.copy_on(side, record)?;
+    drop(source);
+    let newcomer = Tensor::full(&runtime, main, 1 << 20, 9)?;
+    runtime.driver().stream_synchronize(main)?;
+    drop(gate); // the side stream runs the copy now
+    let bytes = copy.to_vec()?;
+    drop(newcomer);
+    Ok(bytes)
+}
+
+fn main() -> Result<()> {
+    for record in [false, true] {
+        let bytes = copy_then_reuse(record)?;
+        let wrong = bytes.iter().filter(|&&b| b != 7).count();
+        println!(
+            "record_stream {}: the copy holds {wrong} wrong bytes of {}",
+            if record { "called    " } else { "forgotten " },
+            bytes.len()
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn forgetting_record_stream_is_caught() {
+        let bytes = copy_then_reuse(false).unwrap();
+        assert!(
+            bytes.iter().all(|&b| b == 9),
+            "the copy read the reused block: the newcomer's 9s"
+        );
+    }
+
+    #[test]
+    fn with_record_stream_the_copy_is_right() {
+        let bytes = copy_then_reuse(true).unwrap();
+        assert!(bytes.iter().all(|&b| b == 7));
+    }
+}

@@ -1,0 +1,99 @@
+//! Host kernels a tensor library brings: its own reference implementations, run in stream order.
+//!
+//! [`HostDriver::enqueue_host`] queues a closure on a stream's worker thread with the device
+//! memory it names, exactly where a CUDA kernel launch would run: after everything queued on that
+//! stream before it, concurrently with other streams. So the ordering bugs of GPU code — a free
+//! without `record_stream`, a read on a side stream that did not wait for its producer — show up in
+//! tests on a laptop: the reused memory holds another tensor's bytes (or the poison pattern of a
+//! freed segment) when the late kernel runs.
+//!
+//! The kernel sees the memory through [`HostMemory`], by copies, never as `&mut [u8]`: the bytes are
+//! shared with other streams and processes that may write them concurrently (as on a device, such
+//! bytes are then unspecified), which a Rust slice may not be. A kernel that returns an error fails
+//! its stream: the next synchronization on it reports the message.
+
+use super::HostDriver;
+use crate::driver::{DeviceAddr, StreamId};
+use crate::error::{Error, Result};
+
+/// The memory of a host kernel: `N` ranges of device memory, in the order they were named.
+#[derive(Debug)]
+pub struct HostMemory<const N: usize> {
+    addrs: [usize; N],
+    lens: [usize; N],
+}
+
+impl<const N: usize> HostMemory<N> {
+    /// Bytes of range `i`.
+    pub fn len(&self, i: usize) -> usize {
+        self.lens.get(i).copied().unwrap_or(0)
+    }
+
+    /// Whether range `i` is empty (or does not exist).
+    pub fn is_empty(&self, i: usize) -> bool {
+        self.len(i) == 0
+    }
+
+    /// The host address of `[offset, offset + n)` of range `i`, checked.
+    fn at(&self, i: usize, offset: usize, n: usize) -> Result<usize> {
+        let (addr, len) = self
+            .addrs
+            .get(i)
+            .zip(self.lens.get(i))
+            .ok_or_else(|| Error::invalid(format!("range {i} of {N} does not exist")))?;
+        match offset.checked_add(n) {
+            Some(end) if end <= *len => Ok(addr + offset),
+            _ => Err(Error::invalid(format!(
+                "{n} bytes at offset {offset} run past range {i} ({len} bytes)"
+            ))),
+        }
+    }
+
+    /// Copies bytes `[offset, offset + out.len())` of range `i` into `out`.
+    pub fn read(&self, i: usize, offset: usize, out: &mut [u8]) -> Result<()> {
+        let src = self.at(i, offset, out.len())?;
+        // SAFETY: checked inside range `i`, which the driver keeps mapped while the kernel runs
+        // (segments are unmapped only after every stream has drained); `out` is the caller's
+        // distinct buffer.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Range `i` as a vector.
+    pub fn to_vec(&self, i: usize) -> Result<Vec<u8>> {
+        let mut out = vec![0; self.len(i)];
+        self.read(i, 0, &mut out)?;
+        Ok(out)
+    }
+
+    /// Copies `data` into range `i` at `offset`.
+    pub fn write(&mut self, i: usize, offset: usize, data: &[u8]) -> Result<()> {
+        let dst = self.at(i, offset, data.len())?;
+        // SAFETY: as in `read`, with `dst` writable device memory.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len()) };
+        Ok(())
+    }
+}
+
+impl HostDriver {
+    /// Queues `kernel` on `stream` with the memory of `ranges` (each inside a live segment, checked
+    /// now), to run on the stream's worker after the work queued before it (see the
+    /// [module docs](self)). An error the kernel returns fails the stream.
+    pub fn enqueue_host<const N: usize>(
+        &self,
+        stream: StreamId,
+        ranges: [(DeviceAddr, u64); N],
+        kernel: impl FnOnce(&mut HostMemory<N>) -> Result<()> + Send + 'static,
+    ) -> Result<()> {
+        let mut lens = [0usize; N];
+        for (len, &(_, bytes)) in lens.iter_mut().zip(&ranges) {
+            *len = usize::try_from(bytes)
+                .map_err(|_| Error::invalid(format!("{bytes} bytes exceed the address space")))?;
+        }
+        self.enqueue_fallible_on_ranges(stream, ranges, move |addrs| {
+            let mut memory = HostMemory { addrs, lens };
+            kernel(&mut memory).map_err(|e| format!("a library host kernel failed: {e}"))
+        })
+        .map(|_| ())
+    }
+}
