@@ -16,7 +16,10 @@
 
 use std::collections::BTreeMap;
 
-use crate::alloc::{DataPtr, DeviceStats, FreeMemoryCallback, Snapshot, StreamGuard};
+use crate::alloc::{
+    DataPtr, DeviceStats, FreeMemoryCallback, OutOfMemoryObserver, SegmentObserver, Snapshot,
+    StreamGuard,
+};
 use crate::config::AllocatorConfig;
 use crate::driver::{Backend, BackendChoice, Driver, StreamId};
 use crate::error::{Error, Result};
@@ -189,6 +192,10 @@ impl Global {
         fn record_history(&self, enabled: bool, max_entries: usize) -> ();
         /// See [`CachingAllocator::register_free_memory_callback`](crate::CachingAllocator::register_free_memory_callback).
         fn register_free_memory_callback(&self, callback: FreeMemoryCallback) -> ();
+        /// See [`CachingAllocator::register_segment_observer`](crate::CachingAllocator::register_segment_observer).
+        fn register_segment_observer(&self, observer: SegmentObserver) -> ();
+        /// See [`CachingAllocator::register_out_of_memory_observer`](crate::CachingAllocator::register_out_of_memory_observer).
+        fn register_out_of_memory_observer(&self, observer: OutOfMemoryObserver) -> ();
         /// See [`Runtime::ipc_collect`].
         fn ipc_collect(&self) -> bool;
     }

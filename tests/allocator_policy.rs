@@ -323,3 +323,56 @@ fn the_default_stream_setting_chooses_legacy_dedicated_or_per_thread_streams() {
     }
     d.stream_synchronize(driver_default).unwrap();
 }
+
+#[test]
+fn segment_observers_see_maps_after_and_unmaps_before_the_driver_and_oom_observers_see_the_facts() {
+    use cudalloc::alloc::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
+    use std::sync::Mutex;
+    let (d, _) = host();
+    let a = checked_allocator(d, "");
+    let seen: Arc<Mutex<Vec<(SegmentEvent, u64)>>> = Arc::default();
+    let weak = Arc::downgrade(&a);
+    let log = seen.clone();
+    a.register_segment_observer(Arc::new(move |e: &SegmentEvent| {
+        // Reserved bytes as the observer runs: a map is counted already, an unmap not yet undone.
+        let reserved = weak
+            .upgrade()
+            .map_or(0, |a| a.reserved_bytes(e.device).unwrap());
+        log.lock().unwrap().push((*e, reserved));
+    }));
+    let ooms: Arc<Mutex<Vec<OutOfMemoryEvent>>> = Arc::default();
+    let log = ooms.clone();
+    a.register_out_of_memory_observer(Arc::new(move |e: &OutOfMemoryEvent| {
+        log.lock().unwrap().push(e.clone());
+    }));
+
+    let block = a.allocate(0, 11 * MIB).unwrap();
+    let segment = a.snapshot().segments[0].clone();
+    drop(block);
+    a.empty_cache();
+    let events = seen.lock().unwrap().clone();
+    assert_eq!(events.len(), 2, "{events:?}");
+    let (map, reserved_at_map) = events[0];
+    let (unmap, reserved_at_unmap) = events[1];
+    assert_eq!(map.change, SegmentChange::Map);
+    assert_eq!(
+        (map.base.0, map.size),
+        (segment.address, segment.total_size)
+    );
+    assert_eq!(reserved_at_map, 12 * MIB);
+    assert_eq!(unmap.change, SegmentChange::Unmap);
+    assert_eq!((unmap.base, unmap.size), (map.base, map.size));
+    assert_eq!(
+        reserved_at_unmap,
+        12 * MIB,
+        "told before the segment is returned"
+    );
+    assert_eq!(a.reserved_bytes(0).unwrap(), 0);
+
+    let err = a.allocate(0, 100 * MIB).unwrap_err();
+    let facts = ooms.lock().unwrap().clone();
+    assert_eq!(facts.len(), 1);
+    assert_eq!((facts[0].device, facts[0].requested), (0, 100 * MIB));
+    assert_eq!(facts[0].capacity, 64 * MIB);
+    assert!(err.to_string().contains("100.00 MiB"), "{err}");
+}

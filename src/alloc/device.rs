@@ -16,6 +16,7 @@
 use std::collections::HashMap;
 
 use super::block::BlockId;
+use super::observers::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
 use super::oom::{self, Callbacks, OomFacts};
 use super::shard::{ReleaseOrder, Shard, ShardState};
 use super::size::{self, PoolKind};
@@ -250,7 +251,7 @@ impl DeviceCore {
             .mem_info(self.device)
             .map(|m| m.free)
             .unwrap_or(0);
-        Err(oom::out_of_memory(OomFacts {
+        let facts = OomFacts {
             device: self.device,
             requested,
             capacity: self.capacity,
@@ -259,7 +260,18 @@ impl DeviceCore {
             reserved: stats.reserved_bytes[0].current as u64,
             fraction: self.fraction(),
             cause,
-        }))
+        };
+        self.callbacks.observers.out_of_memory(&OutOfMemoryEvent {
+            device: facts.device,
+            requested: facts.requested,
+            capacity: facts.capacity,
+            free: facts.free,
+            allocated: facts.allocated,
+            reserved: facts.reserved,
+            fraction: facts.fraction,
+            cause: facts.cause.clone(),
+        });
+        Err(oom::out_of_memory(facts))
     }
 
     /// Gets a segment from the driver (within the memory fraction) and allocates from it.
@@ -304,6 +316,13 @@ impl DeviceCore {
         let id = st.allocate(head, rounded, requested, &self.config);
         self.verify(&st);
         drop(st);
+        self.callbacks.observers.segment(SegmentEvent {
+            change: SegmentChange::Map,
+            device: self.device,
+            base: ptr,
+            size: seg,
+            stream: shard.stream,
+        });
         self.trace.record(
             TraceAction::SegmentAlloc,
             self.device,
@@ -327,6 +346,13 @@ impl DeviceCore {
     /// Returns segments to the driver (outside every shard lock).
     pub(super) fn free_segments(&self, stream: StreamId, segments: Vec<(u64, u64)>) {
         for (ptr, size) in segments {
+            self.callbacks.observers.segment(SegmentEvent {
+                change: SegmentChange::Unmap,
+                device: self.device,
+                base: crate::driver::DeviceAddr(ptr),
+                size,
+                stream,
+            });
             if let Err(err) = self.driver.free(crate::driver::DeviceAddr(ptr)) {
                 tracing::error!(%err, ptr, size, "driver free of a cached segment failed");
             }

@@ -22,6 +22,7 @@ mod block;
 mod data_ptr;
 mod device;
 mod invariants;
+pub mod observers;
 mod oom;
 mod pool;
 mod shard;
@@ -33,6 +34,9 @@ mod thread;
 
 use std::collections::BTreeMap;
 
+pub use observers::{
+    OutOfMemoryEvent, OutOfMemoryObserver, SegmentChange, SegmentEvent, SegmentObserver,
+};
 pub use oom::{format_size, FreeMemoryCallback};
 pub use snapshot::{
     Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment, TraceAction, TraceEntry,
@@ -306,6 +310,18 @@ impl CachingAllocator {
             self.record_stream(src, stream)?;
         }
         Ok(out)
+    }
+
+    /// Calls `observer` on every segment this allocator maps from its driver (after) and returns
+    /// to it (before); see [`observers`](crate::alloc::observers).
+    pub fn register_segment_observer(&self, observer: SegmentObserver) {
+        self.callbacks.observers.add_segment(observer);
+    }
+
+    /// Calls `observer` with the facts of every allocation that fails for lack of memory, before
+    /// its error returns.
+    pub fn register_out_of_memory_observer(&self, observer: OutOfMemoryObserver) {
+        self.callbacks.observers.add_out_of_memory(observer);
     }
 
     /// Registers a callback run on a cache miss before asking the driver for memory; it returns

@@ -17,6 +17,8 @@ pub type FreeMemoryCallback = Arc<dyn Fn() -> bool + Send + Sync>;
 #[derive(Default)]
 pub(crate) struct Callbacks {
     list: RwLock<Vec<FreeMemoryCallback>>,
+    /// Segment and out-of-memory observers (`observers.rs`).
+    pub observers: super::observers::Observers,
 }
 
 impl std::fmt::Debug for Callbacks {

@@ -1,0 +1,111 @@
+//! Observers: how the rest of an ecosystem follows the allocator without patching it.
+//!
+//! * **Segment observers** see every segment the allocator maps from the driver and every one it
+//!   returns — the hook NCCL/UCX buffer registration needs (PyTorch's allocator trace tracker).
+//!   A map is reported after the segment exists; an unmap *before* the driver frees it, so a
+//!   registration can be dropped while the memory is still valid.
+//! * **Out-of-memory observers** see the facts of a failed allocation before its error returns
+//!   (to log, to dump a snapshot, to page someone).
+//!
+//! Observers run on the thread that caused the event, with no allocator lock held; they may read
+//! stats or take a snapshot, but must not allocate or free through the same allocator (an
+//! observer that does would recurse into the path that called it). A panicking observer is a bug
+//! in the observer and unwinds into the caller.
+
+use crate::driver::{DeviceAddr, StreamId};
+use crate::sync::os::{Arc, RwLock};
+
+/// Whether a segment appeared or is about to go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SegmentChange {
+    /// Mapped from the driver (reported after).
+    Map,
+    /// About to be returned to the driver (reported before).
+    Unmap,
+}
+
+/// A segment mapped or unmapped by the allocator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SegmentEvent {
+    /// Map or unmap.
+    pub change: SegmentChange,
+    /// The device.
+    pub device: usize,
+    /// The segment's base address.
+    pub base: DeviceAddr,
+    /// Its size in bytes.
+    pub size: u64,
+    /// The stream whose shard owns it.
+    pub stream: StreamId,
+}
+
+/// The facts of an allocation that failed for lack of memory (what the error message says).
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct OutOfMemoryEvent {
+    /// The device.
+    pub device: usize,
+    /// Bytes requested.
+    pub requested: u64,
+    /// The device's capacity.
+    pub capacity: u64,
+    /// The device's free memory as the driver reports it.
+    pub free: u64,
+    /// Bytes allocated by this allocator on the device.
+    pub allocated: u64,
+    /// Bytes reserved (segments held) by this allocator on the device.
+    pub reserved: u64,
+    /// The per-process cap in force, if any: (fraction, bytes).
+    pub fraction: Option<(f64, u64)>,
+    /// What the driver said when it refused the last segment.
+    pub cause: Option<String>,
+}
+
+/// A segment observer.
+pub type SegmentObserver = Arc<dyn Fn(&SegmentEvent) + Send + Sync>;
+/// An out-of-memory observer.
+pub type OutOfMemoryObserver = Arc<dyn Fn(&OutOfMemoryEvent) + Send + Sync>;
+
+/// The observers of one allocator.
+#[derive(Default)]
+pub(crate) struct Observers {
+    segments: RwLock<Vec<SegmentObserver>>,
+    out_of_memory: RwLock<Vec<OutOfMemoryObserver>>,
+}
+
+impl std::fmt::Debug for Observers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Observers")
+            .field("segments", &self.segments.read().len())
+            .field("out_of_memory", &self.out_of_memory.read().len())
+            .finish()
+    }
+}
+
+impl Observers {
+    pub fn add_segment(&self, observer: SegmentObserver) {
+        self.segments.write().push(observer);
+    }
+
+    pub fn add_out_of_memory(&self, observer: OutOfMemoryObserver) {
+        self.out_of_memory.write().push(observer);
+    }
+
+    /// Tells every segment observer (a copy of the list: an observer may register another).
+    pub fn segment(&self, event: SegmentEvent) {
+        let list: Vec<_> = self.segments.read().clone();
+        for observer in list {
+            observer(&event);
+        }
+    }
+
+    /// Tells every out-of-memory observer.
+    pub fn out_of_memory(&self, event: &OutOfMemoryEvent) {
+        let list: Vec<_> = self.out_of_memory.read().clone();
+        for observer in list {
+            observer(event);
+        }
+    }
+}
