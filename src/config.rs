@@ -171,6 +171,62 @@ fn split_top_level(text: &str) -> Vec<&str> {
     parts
 }
 
+/// One `key: value` line per setting, in `CUDALLOC_CONF`'s terms (what `cudalloc info` prints).
+impl std::fmt::Display for AllocatorConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let or_off = |on: bool, value: String| if on { value } else { "off".to_owned() };
+        let split = if self.max_split_size == u64::MAX {
+            "unlimited".to_owned()
+        } else {
+            format!("{}", self.max_split_size / MIB)
+        };
+        let divisions: Vec<String> = self
+            .roundup_power2_divisions
+            .iter()
+            .map(u64::to_string)
+            .collect();
+        let rounding = self.roundup_power2_divisions.iter().any(|&d| d > 1);
+        let default_stream = match self.default_stream {
+            DefaultStream::Legacy => "legacy",
+            DefaultStream::PerThread => "per_thread",
+            DefaultStream::Dedicated => "dedicated",
+        };
+        writeln!(f, "max_split_size_mb: {split}")?;
+        writeln!(
+            f,
+            "garbage_collection_threshold: {}",
+            or_off(
+                self.garbage_collection_threshold > 0.0,
+                self.garbage_collection_threshold.to_string()
+            )
+        )?;
+        writeln!(
+            f,
+            "roundup_power2_divisions: {}",
+            or_off(rounding, format!("[{}]", divisions.join(",")))
+        )?;
+        writeln!(
+            f,
+            "release_lock_on_cudamalloc: {}",
+            self.release_lock_on_cudamalloc
+        )?;
+        writeln!(
+            f,
+            "per_process_memory_fraction: {}",
+            self.per_process_memory_fraction
+        )?;
+        writeln!(
+            f,
+            "ipc_handle_ttl_s: {}",
+            or_off(
+                self.ipc_handle_ttl_ms > 0,
+                format!("{}", self.ipc_handle_ttl_ms as f64 / 1000.0)
+            )
+        )?;
+        write!(f, "default_stream: {default_stream}")
+    }
+}
+
 impl AllocatorConfig {
     /// Parses a `PYTORCH_CUDA_ALLOC_CONF`-style string.
     pub fn parse(text: &str) -> Result<Self> {

@@ -17,6 +17,7 @@ use std::fmt;
 
 /// What went wrong, coarsely: what a caller can do about it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ErrorKind {
     /// The device (or a configured limit) has no room for the request.
     OutOfMemory,
@@ -34,6 +35,7 @@ pub enum ErrorKind {
 
 /// The error of every fallible cudalloc operation.
 #[derive(Clone, Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// Not enough device memory (or a configured cap was reached). Retrying after freeing memory may
     /// succeed.

@@ -145,6 +145,17 @@ impl Global {
         Ok(self.ready()?.fallback_reason.clone())
     }
 
+    /// Adopts a library's stream by its raw handle; see
+    /// [`CachingAllocator::import_stream`](crate::CachingAllocator::import_stream).
+    ///
+    /// # Safety
+    /// As for [`CachingAllocator::import_stream`](crate::CachingAllocator::import_stream).
+    pub unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
+        let runtime = self.get()?;
+        // SAFETY: forwarded; the caller upholds the contract.
+        unsafe { runtime.import_stream(device, raw) }
+    }
+
     /// A new storage of `nbytes` on `device`'s current stream.
     pub fn storage(&self, device: usize, nbytes: u64) -> Result<Storage> {
         Storage::new(self.get()?, device, nbytes)
@@ -179,6 +190,8 @@ impl Global {
         fn set_per_process_memory_fraction(&self, fraction: f64, device: usize) -> ();
         /// See [`CachingAllocator::reserved_bytes`](crate::CachingAllocator::reserved_bytes).
         fn reserved_bytes(&self, device: usize) -> u64;
+        /// See [`CachingAllocator::raw_stream`](crate::CachingAllocator::raw_stream).
+        fn raw_stream(&self, stream: StreamId) -> u64;
     }
 
     forward_infallible! {

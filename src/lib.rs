@@ -22,12 +22,12 @@ mod codec;
 pub mod config;
 pub mod cow;
 pub mod driver;
-mod error;
-mod global;
+pub mod error;
+pub mod global;
 pub mod ipc;
-mod runtime;
+pub mod runtime;
 mod shm;
-mod storage;
+pub mod storage;
 mod sync;
 
 pub use alloc::{
@@ -52,3 +52,8 @@ pub use storage::Storage;
 /// views' traits are the ones your cudarc implements.
 #[cfg(feature = "cudarc")]
 pub use cudarc;
+
+/// The README's examples, run as doctests (on the host backend when no GPU is present).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -12,7 +12,7 @@ mod cli;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use cudalloc::{BackendChoice, Driver};
 
 #[derive(Parser, Debug)]
@@ -25,33 +25,40 @@ struct Cli {
     /// Backend: auto (CUDA when present, else host), cuda, or host. Overrides CUDALLOC_BACKEND.
     #[arg(long, global = true)]
     backend: Option<String>,
+    /// The demo's options (when no command is given, `demo` runs).
+    #[command(flatten)]
+    demo: DemoArgs,
     #[command(subcommand)]
     command: Option<Command>,
+}
+
+/// Options of the demo.
+#[derive(Args, Debug, Clone)]
+struct DemoArgs {
+    /// Consumer processes (at least 1).
+    #[arg(long, default_value_t = 2)]
+    consumers: usize,
+    /// Storages the producer allocates (a lazy clone of every third is added).
+    #[arg(long, default_value_t = 48)]
+    storages: usize,
+    /// Largest storage: bytes or a size such as 64MiB.
+    #[arg(long, default_value = "64MiB")]
+    max_size: String,
+    /// Seed of sizes and patterns.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Seconds a consumer process may take to start and connect.
+    #[arg(long, default_value_t = 30.0)]
+    connect_timeout_s: f64,
+    /// The consumer program (default: this executable).
+    #[arg(long, hide = true)]
+    consumer_exe: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Producer/consumer demonstration over IPC with lazy clones (the default job).
-    Demo {
-        /// Consumer processes.
-        #[arg(long, default_value_t = 2)]
-        consumers: usize,
-        /// Storages the producer allocates (lazy clones of every third are added).
-        #[arg(long, default_value_t = 48)]
-        storages: usize,
-        /// Largest storage: bytes or a size such as 64MiB.
-        #[arg(long, default_value = "64MiB")]
-        max_size: String,
-        /// Seed of sizes and patterns.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Seconds a consumer process may take to start and connect.
-        #[arg(long, default_value_t = 30.0)]
-        connect_timeout_s: f64,
-        /// The consumer program (default: this executable).
-        #[arg(long, hide = true)]
-        consumer_exe: Option<PathBuf>,
-    },
+    Demo(DemoArgs),
     /// Print the backend, its devices and capacities, and the configuration.
     Info,
     /// Remove shared-memory objects left in /dev/shm by dead cudalloc processes (never those of a
@@ -66,7 +73,11 @@ enum Command {
     },
 }
 
-fn info(driver: &dyn Driver, fallback_reason: Option<&str>) -> cudalloc::Result<()> {
+fn info(
+    driver: &dyn Driver,
+    fallback_reason: Option<&str>,
+    config: &cudalloc::AllocatorConfig,
+) -> cudalloc::Result<()> {
     println!("cudalloc {}", env!("CARGO_PKG_VERSION"));
     match fallback_reason {
         Some(why) => println!("backend: {} (CUDA not used: {why})", driver.backend()),
@@ -91,9 +102,9 @@ fn info(driver: &dyn Driver, fallback_reason: Option<&str>) -> cudalloc::Result<
             Err(err) => println!("  /dev/shm free space unknown ({err})"),
         }
     }
-    match cudalloc::AllocatorConfig::from_env() {
-        Ok(config) => println!("allocator configuration: {config:?}"),
-        Err(err) => println!("allocator configuration: invalid ({err})"),
+    println!("allocator configuration (CUDALLOC_CONF):");
+    for line in config.to_string().lines() {
+        println!("  {line}");
     }
     println!("environment:");
     for var in [
@@ -131,20 +142,16 @@ fn run(cli: Cli) -> Result<(), (u8, String)> {
         Some(name) => name.parse().map_err(usage)?,
         None => BackendChoice::from_env().map_err(usage)?,
     };
-    let command = cli.command.unwrap_or(Command::Demo {
-        consumers: 2,
-        storages: 48,
-        max_size: "64MiB".into(),
-        seed: 1,
-        connect_timeout_s: 30.0,
-        consumer_exe: None,
-    });
+    // A bad CUDALLOC_CONF is a usage error for every command that allocates or reports it.
+    let config = cudalloc::AllocatorConfig::from_env().map_err(usage)?;
+    let command = cli.command.unwrap_or(Command::Demo(cli.demo));
     match command {
         Command::Info => {
             let selected = choice.open().map_err(|e| exit_code(&e))?;
             info(
                 selected.driver.as_ref(),
                 selected.fallback_reason.as_deref(),
+                &config,
             )
             .map_err(|e| exit_code(&e))
         }
@@ -156,14 +163,20 @@ fn run(cli: Cli) -> Result<(), (u8, String)> {
             println!("{} orphaned object(s) removed", removed.len());
             Ok(())
         }
-        Command::Demo {
+        Command::Demo(DemoArgs {
             consumers,
             storages,
             max_size,
             seed,
             connect_timeout_s,
             consumer_exe,
-        } => {
+        }) => {
+            if consumers == 0 {
+                return Err((
+                    2,
+                    "--consumers 0: the demo needs at least 1 consumer".into(),
+                ));
+            }
             let max_size = cudalloc::driver::host::parse_byte_size(&max_size)
                 .map_err(|why| (2, format!("--max-size {max_size:?}: {why}")))?;
             let connect_timeout = std::time::Duration::try_from_secs_f64(connect_timeout_s)
@@ -208,8 +221,33 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("CUDALLOC_LOG"))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    // The demo's options also work without `demo`; given with another command they are a mistake.
+    let demo_flags = [
+        "consumers",
+        "storages",
+        "max_size",
+        "seed",
+        "connect_timeout_s",
+    ];
+    if let Some((name, _)) = matches.subcommand().filter(|(name, _)| *name != "demo") {
+        if let Some(flag) = demo_flags
+            .iter()
+            .find(|id| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
+        {
+            eprintln!(
+                "cudalloc: --{} is a demo option, not one of `{name}`",
+                flag.replace('_', "-")
+            );
+            return ExitCode::from(2);
+        }
+    }
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(err) => err.exit(),
+    };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err((code, message)) => {

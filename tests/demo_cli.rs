@@ -35,9 +35,14 @@ fn demo_passes_its_own_verification() {
     );
     assert!(stdout.contains("verdict: ok"), "{stdout}");
     assert!(
-        stdout.contains("16 storages shared with 2 consumer(s)"),
+        stdout.contains("12 storages plus a lazy clone of every third (16 to share)"),
+        "the header counts what is shared: {stdout}"
+    );
+    assert!(
+        stdout.contains("16 storages (12 + 4 lazy clones) shared with 2 consumer(s)"),
         "{stdout}"
     );
+    assert!(!stdout.contains('\x1b'), "no escape codes on a pipe");
     assert!(
         stdout.contains("Allocated memory"),
         "the memory summary is printed: {stdout}"
@@ -51,6 +56,11 @@ fn bad_flags_and_environment_exit_with_code_2() {
         (vec!["demo", "--consumers", "many"], None),
         (vec!["info"], Some(("CUDALLOC_HOST_MEMORY", "lots"))),
         (vec!["info"], Some(("CUDALLOC_BACKEND", "quantum"))),
+        (vec!["info"], Some(("CUDALLOC_CONF", "foo:1"))),
+        (vec!["demo"], Some(("CUDALLOC_CONF", "foo:1"))),
+        (vec!["--consumers", "0"], None),
+        (vec!["info", "--storages", "3"], None),
+        (vec!["--backend", "gpu", "info"], None),
     ] {
         let mut c = cudalloc();
         c.args(&args);
@@ -64,8 +74,44 @@ fn bad_flags_and_environment_exit_with_code_2() {
             "{args:?} {env:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        assert!(!out.stderr.is_empty());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // One line saying what is wrong (clap adds its pointer to --help after it).
+        let first = stderr.lines().next().unwrap_or_default();
+        assert!(!first.trim().is_empty(), "{args:?}: {stderr}");
+        if args.contains(&"gpu") {
+            assert!(
+                !stderr.contains("CUDALLOC_BACKEND"),
+                "the flag was wrong, not the variable: {stderr}"
+            );
+        }
     }
+}
+
+#[test]
+fn demo_options_work_without_the_demo_command_and_info_prints_settings_not_debug_output() {
+    let out = cudalloc()
+        .args(["--consumers", "1", "--storages", "3", "--max-size", "64KiB"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("1 consumer(s)"), "{stdout}");
+    let out = cudalloc()
+        .arg("info")
+        .env(
+            "CUDALLOC_CONF",
+            "max_split_size_mb:64,default_stream:dedicated",
+        )
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("  max_split_size_mb: 64\n"), "{stdout}");
+    assert!(stdout.contains("  default_stream: dedicated"), "{stdout}");
+    assert!(!stdout.contains("AllocatorConfig {"), "{stdout}");
 }
 
 #[test]

@@ -313,7 +313,7 @@ impl CachingAllocator {
     }
 
     /// Calls `observer` on every segment this allocator maps from its driver (after) and returns
-    /// to it (before); see [`observers`](crate::alloc::observers).
+    /// to it (before); see [`observers`].
     pub fn register_segment_observer(&self, observer: SegmentObserver) {
         self.callbacks.observers.add_segment(observer);
     }

@@ -30,6 +30,7 @@ pub const MAX_REQUEST: u64 = 1 << 60;
 
 /// Which pool a block lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
 pub enum PoolKind {
     /// Blocks of ≤ 1 MiB, carved from 2 MiB segments.
     Small,

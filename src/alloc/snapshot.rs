@@ -15,6 +15,7 @@ use crate::sync::os::Mutex;
 
 /// What a trace entry records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum TraceAction {
     /// A block was handed out.
     Alloc,
@@ -121,6 +122,7 @@ impl Trace {
 
 /// State of a block in a snapshot (PyTorch's names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SnapshotBlockState {
     /// Handed out.
     ActiveAllocated,

@@ -112,6 +112,7 @@ impl EventId {
 /// Which implementation a driver is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[non_exhaustive]
 pub enum Backend {
     /// [`HostDriver`].
     Host,
@@ -293,6 +294,7 @@ pub trait Driver: Send + Sync + fmt::Debug {
 
 /// Which backend to use, from `CUDALLOC_BACKEND` (`auto`, `cuda`, `host`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum BackendChoice {
     /// CUDA when a driver and a device are present, else host.
     #[default]
@@ -319,6 +321,15 @@ impl std::str::FromStr for BackendChoice {
 }
 
 impl BackendChoice {
+    /// `"auto"`, `"cuda"` or `"host"` (what `CUDALLOC_BACKEND` takes).
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendChoice::Auto => "auto",
+            BackendChoice::Cuda => "cuda",
+            BackendChoice::Host => "host",
+        }
+    }
+
     /// Reads `CUDALLOC_BACKEND` (unset means `auto`).
     pub fn from_env() -> Result<Self> {
         match std::env::var("CUDALLOC_BACKEND") {

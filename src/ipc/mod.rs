@@ -5,8 +5,8 @@
 //!   OFD locks); `state.rs` — the producer's files, limbo and drains; `producer.rs` — what a shared
 //!   storage owns; `consumer.rs` — claims, leases, mappings; `handle.rs` — [`IpcHandle`].
 //!
-//! This layer works on [`DataPtr`]s: [`share`] wraps a `DataPtr`'s block for sharing and makes a
-//! handle, [`open`] turns a handle into a `DataPtr` of another process's memory. Which `Storage`
+//! This layer works on [`DataPtr`]s: `share` wraps a `DataPtr`'s block for sharing and makes a
+//! handle, `open` turns a handle into a `DataPtr` of another process's memory. Which `Storage`
 //! a receipt returns (the original one in the producer's process, the already-open one in a
 //! consumer) is the storage layer's business (`storage/registry.rs`).
 //!

@@ -22,7 +22,7 @@ mod config;
 mod event;
 mod handle;
 mod kernels;
-mod library_kernels;
+pub mod library_kernels;
 mod segments;
 mod stream;
 
