@@ -14,7 +14,9 @@ bin_dir=target/gpu-bin
 
 prepare() {
   mkdir -p "$bin_dir"
-  { cargo test --release --no-run --message-format=json 2>/dev/null
+  # --features cudarc: the cudarc views' tests (a kernel launched through cudarc on a storage).
+  { cargo test --release --features cudarc --no-run --message-format=json 2>/dev/null
+    cargo build --release --features cudarc --examples --message-format=json 2>/dev/null
     cargo bench --no-run --message-format=json 2>/dev/null; } \
     | python3 -c '
 import json, sys, shutil, os
@@ -24,7 +26,7 @@ for line in sys.stdin:
     exe = msg.get("executable")
     if msg.get("reason") == "compiler-artifact" and exe and msg["target"]["kind"] != ["bin"]:
         kind = msg["target"]["kind"]
-        name = msg["target"]["name"] + ("-lib" if "lib" in kind else "") + ("-bench" if "bench" in kind else "")
+        name = msg["target"]["name"] + ("-lib" if "lib" in kind else "") + ("-bench" if "bench" in kind else "") + ("-example" if "example" in kind else "")
         shutil.copy(exe, os.path.join(sys.argv[1], name)); print("prepared", name)
 ' "$bin_dir"
 }
@@ -57,9 +59,14 @@ export CUDALLOC_BACKEND=cuda
 log=$(mktemp)
 status=0
 printf '\n%-58s %s\n' "test" "result"
+# The tensor-library example, on CUDA through cudarc (its host twin runs in CI).
+if [ -x "$bin_dir/tensor_library-example" ]; then
+  echo "== examples/tensor_library on CUDA"
+  if ! "$bin_dir/tensor_library-example"; then status=1; fi
+fi
 for exe in "$bin_dir"/*; do
   suite=$(basename "$exe")
-  case "$suite" in *-bench) continue ;; esac
+  case "$suite" in *-bench|*-example) continue ;; esac
   if ! "$exe" --test-threads=1 --nocapture >"$log" 2>&1; then status=1; fi
   grep -E '^test .* \.\.\. ' "$log" | sed -E 's/^test (.*) \.\.\. (.*)$/\1|\2/' \
     | while IFS='|' read -r name result; do printf '%-58s %s\n' "$suite::$name" "$result"; done
