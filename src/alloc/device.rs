@@ -17,7 +17,7 @@ use std::collections::HashMap;
 
 use super::block::BlockId;
 use super::observers::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
-use super::oom::{self, Callbacks, OomFacts};
+use super::oom::{self, Callbacks};
 use super::shard::{ReleaseOrder, Shard, ShardState};
 use super::size::{self, PoolKind};
 use super::snapshot::{self, SnapshotSegment, Trace, TraceAction};
@@ -251,7 +251,7 @@ impl DeviceCore {
             .mem_info(self.device)
             .map(|m| m.free)
             .unwrap_or(0);
-        let facts = OomFacts {
+        let facts = OutOfMemoryEvent {
             device: self.device,
             requested,
             capacity: self.capacity,
@@ -261,17 +261,8 @@ impl DeviceCore {
             fraction: self.fraction(),
             cause,
         };
-        self.callbacks.observers.out_of_memory(&OutOfMemoryEvent {
-            device: facts.device,
-            requested: facts.requested,
-            capacity: facts.capacity,
-            free: facts.free,
-            allocated: facts.allocated,
-            reserved: facts.reserved,
-            fraction: facts.fraction,
-            cause: facts.cause.clone(),
-        });
-        Err(oom::out_of_memory(facts))
+        self.callbacks.observers.out_of_memory(&facts);
+        Err(oom::out_of_memory(&facts))
     }
 
     /// Gets a segment from the driver (within the memory fraction) and allocates from it.

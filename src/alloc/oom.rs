@@ -7,6 +7,7 @@
 //! but unallocated memory is at least a quarter of what we reserve; it never suggests `expandable_segments`, which segments
 //! that must stay IPC-exportable cannot use.
 
+use super::observers::OutOfMemoryEvent;
 use crate::error::Error;
 use crate::sync::os::{Arc, RwLock};
 
@@ -54,22 +55,8 @@ pub fn format_size(bytes: u64) -> String {
     format!("{value:.2} {}", UNITS[unit])
 }
 
-/// What the message reports.
-#[derive(Debug, Clone)]
-pub(crate) struct OomFacts {
-    pub device: usize,
-    pub requested: u64,
-    pub capacity: u64,
-    pub free: u64,
-    pub allocated: u64,
-    pub reserved: u64,
-    pub fraction: Option<(f64, u64)>,
-    /// What the driver said when it refused the last segment (e.g. a full `/dev/shm`).
-    pub cause: Option<String>,
-}
-
 /// Builds the out-of-memory error.
-pub(crate) fn out_of_memory(f: OomFacts) -> Error {
+pub(crate) fn out_of_memory(f: &OutOfMemoryEvent) -> Error {
     let unallocated = f.reserved.saturating_sub(f.allocated);
     let mut message = format!(
         "tried to allocate {}. Device {} has a total capacity of {} of which {} is free. \
@@ -109,7 +96,7 @@ mod tests {
 
     #[test]
     fn message_names_the_requested_size_and_never_expandable_segments() {
-        let e = out_of_memory(OomFacts {
+        let e = out_of_memory(&OutOfMemoryEvent {
             device: 1,
             requested: 3 << 30,
             capacity: 8 << 30,

@@ -266,6 +266,28 @@ impl Double {
         handle
     }
 
+    /// Registers a new event of context `ctx` (made or opened now) and returns its handle.
+    pub fn insert_event(
+        &self,
+        ctx: &Context,
+        flags: u32,
+        imported: bool,
+        store: crate::event::CellStore,
+    ) -> usize {
+        let epoch = ctx.epoch.load(Ordering::Acquire);
+        self.insert(|handle| {
+            Object::Event(Arc::new(Event {
+                handle,
+                ctx: ctx.handle,
+                device: ctx.device,
+                epoch,
+                flags,
+                imported,
+                store,
+            }))
+        })
+    }
+
     /// Looks up `handle`, which must be of `kind`.
     pub fn lookup(&self, handle: *mut c_void, kind: Kind) -> Checked<Object> {
         let key = handle as usize;

@@ -17,18 +17,17 @@
 //! | `cuIpcCloseMemHandle` only closes what `cuIpcOpenMemHandle` opened | `INVALID_VALUE`     |
 
 use std::ffi::{c_char, c_uint, c_void};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::memory::SEGMENT_MAGIC;
 use super::stream::{put_handle, EVENT_DISABLE_TIMING, EVENT_INTERPROCESS, EVENT_MAGIC};
 use super::{api, put};
 use crate::codes::{self, CuResult};
-use crate::event::{CellStore, Event};
+use crate::event::CellStore;
 use crate::memory::{Allocation, Origin};
 use crate::region::{Header, Region};
 use crate::report::{Checked, Entry, Fail};
-use crate::state::{double, Object};
+use crate::state::double;
 
 /// `CUipcMemHandle` / `CUipcEventHandle`: 64 opaque bytes, passed by value.
 #[repr(C)]
@@ -246,18 +245,12 @@ pub unsafe extern "C" fn cuIpcOpenEventHandle(
             ));
         }
         let region = Region::open(header.pid, fd, header)?;
-        let epoch = ctx.epoch.load(Ordering::Acquire);
-        let handle = d.insert(|handle| {
-            Object::Event(Arc::new(Event {
-                handle,
-                ctx: ctx.handle,
-                device: ctx.device,
-                epoch,
-                flags: EVENT_INTERPROCESS | EVENT_DISABLE_TIMING,
-                imported: true,
-                store: CellStore::Shared(region),
-            }))
-        });
+        let handle = d.insert_event(
+            &ctx,
+            EVENT_INTERPROCESS | EVENT_DISABLE_TIMING,
+            true,
+            CellStore::Shared(region),
+        );
         // SAFETY: caller's out-pointer.
         unsafe { put_handle(ph_event, handle, "phEvent") }
     })

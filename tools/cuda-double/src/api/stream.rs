@@ -1,12 +1,12 @@
 //! Streams and events (`stream.rs` and `event.rs` hold their state machines).
 
 use std::ffi::{c_uint, c_void};
-use std::sync::atomic::Ordering;
+
 use std::sync::Arc;
 
 use super::{api, put};
 use crate::codes::{self, CuResult};
-use crate::event::{CellStore, Event};
+use crate::event::CellStore;
 use crate::region::{Header, Region};
 use crate::report::{Entry, Fail};
 use crate::state::{as_ptr, double, Kind, Object};
@@ -175,18 +175,7 @@ pub unsafe extern "C" fn cuEventCreate(ph_event: *mut *mut c_void, flags: c_uint
         } else {
             CellStore::Local(Box::default())
         };
-        let epoch = ctx.epoch.load(Ordering::Acquire);
-        let handle = d.insert(|handle| {
-            Object::Event(Arc::new(Event {
-                handle,
-                ctx: ctx.handle,
-                device: ctx.device,
-                epoch,
-                flags,
-                imported: false,
-                store,
-            }))
-        });
+        let handle = d.insert_event(&ctx, flags, false, store);
         // SAFETY: checked non-null; caller's out-pointer.
         unsafe { ph_event.write(as_ptr(handle)) };
         Ok(())
