@@ -1,10 +1,9 @@
-//! # cudalloc
+#![doc = include_str!("../README.md")]
 //!
-//! A CUDA caching allocator with cross-process IPC sharing and copy-on-write lazy clones, meant to
-//! be the global GPU allocator of a Rust tensor library. Everything runs and is tested without a GPU
-//! on a real host backend ([`HostDriver`]); the CUDA backend ([`CudaDriver`]) is loaded at run time.
+//! ## Layers of the crate
 //!
-//! Layers, bottom up (a module never imports a layer above it; `tests/layering.rs` checks it):
+//! Everything runs and is tested without a GPU on a real host backend ([`HostDriver`]); the CUDA
+//! backend ([`CudaDriver`]) is loaded at run time. Layers, bottom up (a module never imports a layer above it; `tests/layering.rs` checks it):
 //!
 //! ```text
 //! cli        the `cudalloc` command (src/main.rs, src/cli/)
@@ -52,8 +51,3 @@ pub use storage::Storage;
 /// views' traits are the ones your cudarc implements.
 #[cfg(feature = "cudarc")]
 pub use cudarc;
-
-/// The README's examples, run as doctests (on the host backend when no GPU is present).
-#[cfg(doctest)]
-#[doc = include_str!("../README.md")]
-pub struct ReadmeDoctests;

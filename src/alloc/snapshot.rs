@@ -16,6 +16,11 @@ use crate::sync::os::Mutex;
 /// What a trace entry records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(rename_all = "snake_case")
+)]
 pub enum TraceAction {
     /// A block was handed out.
     Alloc,
@@ -56,6 +61,7 @@ impl fmt::Display for TraceAction {
 
 /// One trace entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct TraceEntry {
     /// What happened.
     pub action: TraceAction,
@@ -123,6 +129,11 @@ impl Trace {
 /// State of a block in a snapshot (PyTorch's names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(rename_all = "snake_case")
+)]
 pub enum SnapshotBlockState {
     /// Handed out.
     ActiveAllocated,
@@ -145,6 +156,7 @@ impl SnapshotBlockState {
 
 /// One block of a snapshot segment.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct SnapshotBlock {
     /// Address.
     pub addr: u64,
@@ -158,6 +170,7 @@ pub struct SnapshotBlock {
 
 /// One segment of a snapshot.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct SnapshotSegment {
     /// Device ordinal.
     pub device: usize,
@@ -179,6 +192,7 @@ pub struct SnapshotSegment {
 
 /// A whole-allocator snapshot.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Snapshot {
     /// Every segment of every device and stream, by device then address.
     pub segments: Vec<SnapshotSegment>,

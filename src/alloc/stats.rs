@@ -17,6 +17,7 @@ use super::size::PoolKind;
 
 /// One statistic.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct Stat {
     /// Value now.
     pub current: i64,
@@ -92,6 +93,7 @@ pub fn decrease(array: &mut StatArray, pool: PoolKind, n: u64) {
 
 /// All statistics of one device (or one shard).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 pub struct DeviceStats {
     /// Live allocations handed out.
     pub allocation: StatArray,
