@@ -34,9 +34,9 @@ pub use alloc::{
 };
 pub use config::AllocatorConfig;
 pub use driver::{
-    Backend, BackendChoice, CudaDriver, DeviceAddr, Driver, EventFlags, EventId, HostDriver,
-    HostDriverBuilder, IpcEventHandle, IpcMemHandle, MemInfo, OpenedSegment, SelectedBackend,
-    StreamId,
+    Backend, BackendChoice, ChunkId, CudaDriver, DeviceAddr, Driver, EventFlags, EventId,
+    HostDriver, HostDriverBuilder, IpcEventHandle, IpcMemHandle, MemInfo, OpenedSegment,
+    SelectedBackend, StreamId,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use global::{Global, GLOBAL};

@@ -633,3 +633,111 @@ fn cross_process_child() {
     d.event_destroy(parent_event).unwrap();
     d.event_destroy(mine).unwrap();
 }
+
+#[test]
+fn virtual_memory_maps_chunks_into_reservations_and_shares_them_by_descriptor() {
+    for b in backends("virtual_memory_maps_chunks_into_reservations") {
+        let d = b.driver.as_ref();
+        let s = d.default_stream(0).unwrap();
+        let g = d.vm_granularity(0).unwrap();
+        assert!(g > 0 && g.is_power_of_two(), "{}: granularity {g}", b.name);
+        let base = d.vm_reserve(0, 4 * g).unwrap();
+        let (c1, c2) = (
+            d.vm_create_chunk(0, g).unwrap(),
+            d.vm_create_chunk(0, g).unwrap(),
+        );
+        d.vm_map(base, c1).unwrap();
+        d.vm_map(base.offset(g).unwrap(), c2).unwrap();
+        // A range across the two chunks is one range.
+        let across = base.offset(g / 2).unwrap();
+        d.fill_pattern(s, across, g, 5).unwrap();
+        assert_eq!(
+            d.count_pattern_mismatches(s, across, g, 5).unwrap(),
+            0,
+            "{}",
+            b.name
+        );
+        // Not mapped, misaligned, overlapping, partial: refused.
+        let hole = base.offset(2 * g).unwrap();
+        for err in [
+            d.memset(s, hole, 0, 16).unwrap_err(),
+            d.memset(s, base.offset(2 * g - 8).unwrap(), 0, 16)
+                .unwrap_err(),
+            d.vm_map(base.offset(g / 2).unwrap(), c1).unwrap_err(),
+            d.vm_map(base, c2).unwrap_err(),
+            d.vm_unmap(base, g / 2).unwrap_err(),
+            d.vm_free_reservation(base).unwrap_err(),
+            d.vm_create_chunk(0, g + 1).unwrap_err(),
+            d.vm_reserve(0, g / 2).unwrap_err(),
+        ] {
+            assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{}: {err}", b.name);
+        }
+        // A chunk's descriptor, imported, is the same memory: write through one mapping, read
+        // through the other.
+        let fd = d.vm_export_chunk(c1).unwrap();
+        let c3 = d.vm_import_chunk(0, fd, g).unwrap();
+        d.vm_map(hole, c3).unwrap();
+        d.fill_pattern(s, base, g, 6).unwrap();
+        assert_eq!(
+            d.count_pattern_mismatches(s, hole, g, 6).unwrap(),
+            0,
+            "{}",
+            b.name
+        );
+        // Released while mapped: still usable until unmapped.
+        d.vm_release_chunk(c1).unwrap();
+        assert_eq!(
+            d.count_pattern_mismatches(s, base, g, 6).unwrap(),
+            0,
+            "{}",
+            b.name
+        );
+        d.vm_unmap(base, 2 * g).unwrap();
+        assert_eq!(
+            d.memset(s, base, 0, 1).unwrap_err().kind(),
+            ErrorKind::InvalidArgument
+        );
+        if b.name == "host" {
+            // Poison-on-free: the chunk's last local mapping is gone and it was released, so
+            // another holder of its memory (here the import) now reads the poison pattern.
+            let wrong = d.count_pattern_mismatches(s, hole, g, 6).unwrap();
+            assert!(
+                wrong > g - g / 64,
+                "host: only {wrong} of {g} bytes poisoned"
+            );
+        }
+        d.vm_unmap(hole, g).unwrap();
+        for chunk in [c2, c3] {
+            d.vm_release_chunk(chunk).unwrap();
+        }
+        assert!(
+            d.vm_release_chunk(c2).is_err(),
+            "{}: released twice",
+            b.name
+        );
+        d.vm_free_reservation(base).unwrap();
+    }
+}
+
+#[test]
+fn chunks_count_against_capacity_and_out_of_memory_is_typed() {
+    for b in backends("chunks_count_against_capacity") {
+        let d = b.driver.as_ref();
+        let g = d.vm_granularity(0).unwrap();
+        let size = (d.mem_info(0).unwrap().total / 3 / g).max(1) * g;
+        let mut chunks = Vec::new();
+        let err = loop {
+            match d.vm_create_chunk(0, size) {
+                Ok(c) => chunks.push(c),
+                Err(e) => break e,
+            }
+            assert!(chunks.len() <= 8, "{}: too many chunks fit", b.name);
+        };
+        assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{}: {err}", b.name);
+        for c in chunks {
+            d.vm_release_chunk(c).unwrap();
+        }
+        d.vm_release_chunk(d.vm_create_chunk(0, size).unwrap())
+            .unwrap();
+    }
+}

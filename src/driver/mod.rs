@@ -35,6 +35,7 @@ pub mod host;
 pub mod pattern;
 mod ranges;
 pub(crate) mod registry;
+pub(crate) mod vm_space;
 
 use std::fmt;
 
@@ -64,6 +65,11 @@ impl fmt::Display for DeviceAddr {
         write!(f, "{:#x}", self.0)
     }
 }
+
+/// A chunk of physical device memory made or imported through a driver's virtual-memory API
+/// (expandable segments).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ChunkId(pub(crate) u64);
 
 /// An opaque stream id handed out by a [`Driver`]. It carries its device (bits 48..64) so the
 /// allocator finds a stream's device without asking the driver.
@@ -290,6 +296,35 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle>;
     /// Opens another process's interprocess event; destroy it with [`Driver::event_destroy`].
     fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId>;
+
+    // Virtual memory (expandable segments). Sizes and offsets are multiples of the granularity.
+    // Memory operations accept any range mapped throughout, across adjacent chunks.
+
+    /// The granularity of reservations, chunks and mappings on `device` (CUDA: the minimum of
+    /// `cuMemGetAllocationGranularity`, 2 MiB on current GPUs; host: 2 MiB as well).
+    fn vm_granularity(&self, device: usize) -> Result<u64>;
+    /// Reserves `size` bytes of address space on `device` (no memory).
+    fn vm_reserve(&self, device: usize, size: u64) -> Result<DeviceAddr>;
+    /// Frees a reservation; nothing may be mapped in it.
+    fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()>;
+    /// Creates a chunk of `size` bytes of physical memory on `device`, exportable as a file
+    /// descriptor. Counts against the device's capacity: none left is out of memory.
+    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<ChunkId>;
+    /// Releases a chunk; its memory goes when its last mapping is unmapped.
+    fn vm_release_chunk(&self, chunk: ChunkId) -> Result<()>;
+    /// Maps `chunk` read-write at `addr` inside a reservation of the chunk's device.
+    fn vm_map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()>;
+    /// Unmaps whole chunks covering `[addr, addr + size)`, after queued work finishes.
+    fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()>;
+    /// A file descriptor of `chunk` for another process (to send with `SCM_RIGHTS`).
+    fn vm_export_chunk(&self, chunk: ChunkId) -> Result<std::os::fd::OwnedFd>;
+    /// A chunk from another process's descriptor, which must hold `size` bytes.
+    fn vm_import_chunk(
+        &self,
+        device: usize,
+        fd: std::os::fd::OwnedFd,
+        size: u64,
+    ) -> Result<ChunkId>;
 }
 
 /// Which backend to use, from `CUDALLOC_BACKEND` (`auto`, `cuda`, `host`).

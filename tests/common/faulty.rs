@@ -171,4 +171,36 @@ impl Driver for FaultyDriver {
     fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
         self.inner.ipc_open_event(device, handle)
     }
+    fn vm_granularity(&self, device: usize) -> Result<u64> {
+        self.inner.vm_granularity(device)
+    }
+    fn vm_reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
+        self.inner.vm_reserve(device, size)
+    }
+    fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()> {
+        self.inner.vm_free_reservation(base)
+    }
+    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<cudalloc::driver::ChunkId> {
+        self.inner.vm_create_chunk(device, size)
+    }
+    fn vm_release_chunk(&self, chunk: cudalloc::driver::ChunkId) -> Result<()> {
+        self.inner.vm_release_chunk(chunk)
+    }
+    fn vm_map(&self, addr: DeviceAddr, chunk: cudalloc::driver::ChunkId) -> Result<()> {
+        self.inner.vm_map(addr, chunk)
+    }
+    fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
+        self.inner.vm_unmap(addr, size)
+    }
+    fn vm_export_chunk(&self, chunk: cudalloc::driver::ChunkId) -> Result<std::os::fd::OwnedFd> {
+        self.inner.vm_export_chunk(chunk)
+    }
+    fn vm_import_chunk(
+        &self,
+        device: usize,
+        fd: std::os::fd::OwnedFd,
+        size: u64,
+    ) -> Result<cudalloc::driver::ChunkId> {
+        self.inner.vm_import_chunk(device, fd, size)
+    }
 }

@@ -24,6 +24,7 @@
 
 pub mod kernels;
 mod process_ipc;
+mod vm;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{c_void, CStr, CString};
@@ -31,7 +32,8 @@ use std::ffi::{c_void, CStr, CString};
 use cudarc::driver::sys::{self, CUresult};
 
 use crate::driver::registry::{IdCounter, Registry};
-use crate::driver::{ranges, DeviceAddr, Driver, EventId, StreamId, IPC_HANDLE_SIZE};
+use crate::driver::vm_space::VmSpace;
+use crate::driver::{ranges, ChunkId, DeviceAddr, Driver, EventId, StreamId, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
 use crate::sync::os::{Mutex, OnceLock, RwLock, RwLockReadGuard};
 
@@ -146,6 +148,15 @@ pub struct CudaDriver {
     events: Registry<EventEntry>,
     segments: RwLock<BTreeMap<u64, SegmentEntry>>,
     opened_handles: Mutex<HashSet<[u8; IPC_HANDLE_SIZE]>>,
+    /// Reservations and mapped chunks (expandable segments); locked after `segments`.
+    vm: RwLock<VmSpace<ChunkId>>,
+    chunks: Registry<vm::CudaChunk>,
+}
+
+/// The read locks that keep checked ranges valid until their work is enqueued.
+struct HeldRanges<'a> {
+    _segments: RwLockReadGuard<'a, BTreeMap<u64, SegmentEntry>>,
+    _vm: RwLockReadGuard<'a, VmSpace<ChunkId>>,
 }
 
 /// Whether `libcuda` can be loaded on this machine.
@@ -182,6 +193,8 @@ impl CudaDriver {
             events: Registry::new("event"),
             segments: RwLock::new(BTreeMap::new()),
             opened_handles: Mutex::new(HashSet::new()),
+            vm: RwLock::new(VmSpace::default()),
+            chunks: Registry::new("chunk"),
         };
         for ordinal in 0..count {
             let mut dev = 0;
@@ -258,15 +271,26 @@ impl CudaDriver {
     fn hold_ranges<const N: usize>(
         &self,
         ranges: [(DeviceAddr, u64); N],
-    ) -> Result<(RwLockReadGuard<'_, BTreeMap<u64, SegmentEntry>>, usize)> {
+    ) -> Result<(HeldRanges<'_>, usize)> {
         let table = self.segments.read();
+        let vm = self.vm.read();
         for &(ptr, len) in &ranges {
-            ranges::containing(&table, |s| s.size, ptr, len)?;
+            if vm.contains(ptr.0) {
+                vm.covered(ptr, len)?;
+            } else {
+                ranges::containing(&table, |s| s.size, ptr, len)?;
+            }
         }
         let first = ranges.first().map_or(0, |r| r.1);
         let n = usize::try_from(first)
             .map_err(|_| Error::invalid(format!("length {first} exceeds the address space")))?;
-        Ok((table, n))
+        Ok((
+            HeldRanges {
+                _segments: table,
+                _vm: vm,
+            },
+            n,
+        ))
     }
 
     fn kernels(&self, device: usize) -> Result<Kernels> {

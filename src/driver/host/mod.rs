@@ -25,6 +25,7 @@ mod kernels;
 pub mod library_kernels;
 mod segments;
 mod stream;
+mod vm;
 
 use std::collections::HashMap;
 
@@ -40,8 +41,8 @@ use self::segments::{Origin, Segment, SegmentTable};
 use self::stream::HostStream;
 use crate::driver::registry::{IdCounter, Registry};
 use crate::driver::{
-    Backend, DeviceAddr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
-    OpenedSegment, StreamId,
+    Backend, ChunkId, DeviceAddr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle,
+    MemInfo, OpenedSegment, StreamId,
 };
 use crate::error::{Error, Result};
 use crate::shm::{self, SharedMemory};
@@ -68,6 +69,7 @@ pub struct HostDriver {
     ids: IdCounter,
     segments: SegmentTable,
     streams: Registry<Arc<HostStream>>,
+    chunks: Registry<Arc<segments::HostChunk>>,
     default_streams: Vec<StreamId>,
     events: Registry<Arc<HostEvent>>,
     event_pool: Mutex<EventPool>,
@@ -105,6 +107,7 @@ impl HostDriver {
             ids: IdCounter::default(),
             segments: SegmentTable::default(),
             streams: Registry::new("stream"),
+            chunks: Registry::new("chunk"),
             default_streams: Vec::new(),
             events: Registry::new("event"),
             event_pool: Mutex::new(EventPool::default()),
@@ -672,5 +675,46 @@ impl Driver for HostDriver {
         };
         self.events.insert(id, Arc::new(e));
         Ok(EventId(id))
+    }
+
+    fn vm_granularity(&self, device: usize) -> Result<u64> {
+        self.granularity(device)
+    }
+
+    fn vm_reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
+        self.reserve(device, size)
+    }
+
+    fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()> {
+        self.free_reservation(base)
+    }
+
+    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<ChunkId> {
+        self.create_chunk(device, size)
+    }
+
+    fn vm_release_chunk(&self, chunk: ChunkId) -> Result<()> {
+        self.release_chunk(chunk)
+    }
+
+    fn vm_map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()> {
+        self.map(addr, chunk)
+    }
+
+    fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
+        self.unmap(addr, size)
+    }
+
+    fn vm_export_chunk(&self, chunk: ChunkId) -> Result<std::os::fd::OwnedFd> {
+        self.export_chunk(chunk)
+    }
+
+    fn vm_import_chunk(
+        &self,
+        device: usize,
+        fd: std::os::fd::OwnedFd,
+        size: u64,
+    ) -> Result<ChunkId> {
+        self.import_chunk(device, fd, size)
     }
 }

@@ -16,10 +16,12 @@
 
 use std::collections::{BTreeMap, HashSet};
 
+use crate::driver::vm_space::VmSpace;
 use crate::driver::{ranges, DeviceAddr};
 use crate::error::{Error, Result};
+use crate::shm::vm::{Chunk, Reservation};
 use crate::shm::SharedMemory;
-use crate::sync::os::{RwLock, RwLockReadGuard};
+use crate::sync::os::{Arc, RwLock, RwLockReadGuard};
 
 /// Identity of an opened foreign segment: (exporting pid, its driver nonce, segment number).
 pub(crate) type ForeignKey = (u32, u64, u64);
@@ -47,10 +49,27 @@ impl Segment {
     }
 }
 
+/// A chunk of the host backend's virtual memory (see `vm.rs`).
+#[derive(Debug)]
+pub(crate) struct HostChunk {
+    pub device: usize,
+    pub chunk: Chunk,
+    /// Bytes charged to the device's capacity (0 for an imported chunk).
+    pub charged: u64,
+}
+
+/// Reservations and what is mapped in them.
+#[derive(Debug, Default)]
+pub(crate) struct VmTables {
+    pub space: VmSpace<Arc<HostChunk>>,
+    pub reservations: BTreeMap<u64, Arc<Reservation>>,
+}
+
 #[derive(Debug, Default)]
 struct Tables {
     by_base: BTreeMap<u64, Segment>,
     opened: HashSet<ForeignKey>,
+    vm: VmTables,
 }
 
 /// All segments mapped by one host driver.
@@ -65,9 +84,14 @@ pub(crate) struct SegmentsView<'a> {
 }
 
 impl SegmentsView<'_> {
-    /// Checks that `[ptr, ptr + len)` lies inside one segment; returns the address to access.
+    /// Checks that `[ptr, ptr + len)` lies inside one segment, or is mapped throughout inside a
+    /// reservation; returns the address to access.
     pub(crate) fn check(&self, ptr: DeviceAddr, len: u64) -> Result<usize> {
-        ranges::containing(&self.tables.by_base, |s| s.shm.len(), ptr, len)?;
+        if self.tables.vm.space.contains(ptr.0) {
+            self.tables.vm.space.covered(ptr, len)?;
+        } else {
+            ranges::containing(&self.tables.by_base, |s| s.shm.len(), ptr, len)?;
+        }
         usize::try_from(ptr.0).map_err(|_| Error::invalid("pointer exceeds the address space"))
     }
 
@@ -150,10 +174,17 @@ impl SegmentTable {
             .ok_or_else(|| Error::invalid("segment vanished"))
     }
 
+    /// Runs `f` on the virtual-memory tables with the table's write lock held.
+    pub(crate) fn with_vm<R>(&self, f: impl FnOnce(&mut VmTables) -> R) -> R {
+        f(&mut self.inner.write().vm)
+    }
+
     /// Removes everything (driver teardown).
     pub(crate) fn drain(&self) -> Vec<Segment> {
         let mut t = self.inner.write();
         t.opened.clear();
+        t.vm.space.drain();
+        t.vm.reservations.clear();
         std::mem::take(&mut t.by_base).into_values().collect()
     }
 }

@@ -45,5 +45,6 @@ pub mod region;
 pub mod report;
 pub mod state;
 pub mod stream;
+pub mod vm;
 
 pub mod api;

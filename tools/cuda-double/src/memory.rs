@@ -26,6 +26,8 @@ const GRANULE: u64 = 2 << 20;
 /// Where an allocation came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Origin {
+    /// `cuMemAddressReserve` in this process.
+    Reserved,
     /// `cuMemAlloc` in this process; `id` names it in IPC handles.
     Owned {
         /// The number in the region header.
@@ -53,8 +55,10 @@ pub struct Allocation {
     pub ctx: usize,
     /// Where it came from.
     pub origin: Origin,
-    /// The memory.
-    pub region: Region,
+    /// The memory of a `cuMemAlloc` or IPC allocation.
+    pub region: Option<Region>,
+    /// The reservation this is (`cuMemAddressReserve`): memory only where chunks are mapped.
+    pub vm: Option<Arc<crate::vm::VmRange>>,
     /// Set by free/close: queued work that reaches it faults.
     pub released: AtomicBool,
 }
@@ -62,8 +66,12 @@ pub struct Allocation {
 impl Allocation {
     /// A host pointer to byte `offset` (queued work checks `released` first).
     pub fn at(&self, offset: u64) -> *mut u8 {
-        // SAFETY: callers pass offsets from `Memory::resolve`, inside the payload.
-        unsafe { self.region.payload().add(offset as usize) }
+        match (&self.region, &self.vm) {
+            // SAFETY: callers pass offsets from `Memory::resolve`, inside the payload.
+            (Some(region), _) => unsafe { region.payload().add(offset as usize) },
+            (None, Some(vm)) => vm.at(offset),
+            (None, None) => std::ptr::null_mut(),
+        }
     }
 
     /// The fault of device work reaching this allocation after it was released.
@@ -90,6 +98,9 @@ pub struct Memory {
     next_id: AtomicU64,
     /// `(exporter pid, id, device)` → base, of allocations opened and not yet closed.
     pub opened: Mutex<HashMap<(u32, u64, usize), u64>>,
+    /// Physical chunks by handle (`cuMemCreate`, `cuMemImportFromShareableHandle`); a released
+    /// handle maps to `None`.
+    pub chunks: Mutex<HashMap<u64, Option<Arc<crate::vm::PhysChunk>>>>,
 }
 
 impl Memory {
@@ -103,6 +114,7 @@ impl Memory {
                 .collect(),
             next_id: AtomicU64::new(1),
             opened: Mutex::new(HashMap::new()),
+            chunks: Mutex::new(HashMap::new()),
         }
     }
 
@@ -160,6 +172,23 @@ impl Memory {
         Ok(allocation)
     }
 
+    /// As [`Memory::resolve`], for the virtual-memory calls themselves: a reservation's range need
+    /// not be mapped.
+    pub fn resolve_reserved(&self, ptr: u64, len: u64) -> Checked<(Arc<Allocation>, u64)> {
+        let live = self.live.read().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, a)) = live.range(..=ptr).next_back() {
+            let offset = ptr - a.base;
+            if a.vm.is_some()
+                && offset.checked_add(len).is_some_and(|e| e <= a.size)
+                && offset < a.size
+            {
+                return Ok((a.clone(), offset));
+            }
+        }
+        drop(live);
+        Err(self.unknown(ptr, "is not inside a reservation"))
+    }
+
     /// The allocation holding `[ptr, ptr + len)` and the offset of `ptr` in it.
     pub fn resolve(&self, ptr: u64, len: u64) -> Checked<(Arc<Allocation>, u64)> {
         let live = self.live.read().unwrap_or_else(|p| p.into_inner());
@@ -176,6 +205,9 @@ impl Memory {
                             a.base, a.size
                         ),
                     ));
+                }
+                if let Some(vm) = &a.vm {
+                    vm.check_covered(ptr, offset, len)?;
                 }
                 return Ok((a.clone(), offset));
             }

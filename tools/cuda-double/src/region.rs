@@ -121,6 +121,36 @@ impl Region {
         Ok(region)
     }
 
+    /// A region from a descriptor received from another process (`cuMemImportFromShareableHandle`):
+    /// its size and header (magic, size) must agree; anything else is refused input.
+    pub fn adopt(fd: std::os::fd::OwnedFd, magic: [u8; 8]) -> Checked<Region> {
+        use std::os::fd::IntoRawFd;
+        let raw = fd.into_raw_fd();
+        let refuse = |why: String| {
+            // SAFETY: `raw` is ours (taken from the OwnedFd above) and not yet handed on.
+            unsafe { libc::close(raw) };
+            Fail::rejected(codes::INVALID_VALUE, why)
+        };
+        // SAFETY: `stat` is plain data; fstat fills it for an open descriptor.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `raw` is open; `st` a valid out-pointer.
+        if unsafe { libc::fstat(raw, &mut st) } != 0 || (st.st_size as u64) < HEADER as u64 {
+            return Err(refuse(
+                "the descriptor is not a chunk of this driver".into(),
+            ));
+        }
+        let map_len = st.st_size as usize;
+        let region = Self::map(raw, map_len)?;
+        let h = region.header();
+        if h.magic != magic || h.size.checked_add(HEADER as u64) != Some(map_len as u64) {
+            return Err(Fail::rejected(
+                codes::INVALID_VALUE,
+                format!("the descriptor does not hold a chunk of this driver ({h:?})"),
+            ));
+        }
+        Ok(region)
+    }
+
     fn map(fd: libc::c_int, map_len: usize) -> Checked<Region> {
         // SAFETY: maps `map_len` bytes of a file that has that size; checked for MAP_FAILED.
         let map = unsafe {

@@ -81,6 +81,16 @@ entries!(
     cuIpcCloseMemHandle,
     cuIpcGetEventHandle,
     cuIpcOpenEventHandle,
+    cuMemGetAllocationGranularity,
+    cuMemAddressReserve,
+    cuMemAddressFree,
+    cuMemCreate,
+    cuMemRelease,
+    cuMemMap,
+    cuMemSetAccess,
+    cuMemUnmap,
+    cuMemExportToShareableHandle,
+    cuMemImportFromShareableHandle,
 );
 
 /// How a failed call is classified.

@@ -16,6 +16,7 @@ use cuda_double::api::ipc::*;
 use cuda_double::api::memory::*;
 use cuda_double::api::module::*;
 use cuda_double::api::stream::*;
+use cuda_double::api::vm::*;
 use cuda_double::codes::{self, CuResult};
 use cuda_double::report::report;
 
@@ -313,6 +314,83 @@ fn every_rule_is_enforced_and_outcomes_are_not_violations() {
             codes::INVALID_VALUE,
             "use after free",
         );
+
+        // Virtual memory: every property field checked; unmap before free; access before use.
+        let mut prop = cuda_double::vm::AllocationProp {
+            type_: 1,
+            requested_handle_types: 1,
+            location: cuda_double::vm::MemLocation { type_: 1, id: 0 },
+            win32_handle_meta_data: null_mut(),
+            alloc_flags: [0; 8],
+        };
+        let mut granularity = 0usize;
+        clean(
+            cuMemGetAllocationGranularity(&mut granularity, &prop, 0),
+            codes::SUCCESS,
+        );
+        let g = granularity;
+        prop.alloc_flags[4] = 1;
+        violates(
+            cuMemGetAllocationGranularity(&mut granularity, &prop, 0),
+            codes::INVALID_VALUE,
+            "reserved bytes",
+        );
+        prop.alloc_flags[4] = 0;
+        prop.location.id = 7;
+        let mut chunk = 0u64;
+        violates(
+            cuMemCreate(&mut chunk, g, &prop, 0),
+            codes::INVALID_VALUE,
+            "not a device",
+        );
+        prop.location.id = 0;
+        violates(
+            cuMemCreate(&mut chunk, g + 1, &prop, 0),
+            codes::INVALID_VALUE,
+            "granularity",
+        );
+        clean(cuMemCreate(&mut chunk, g, &prop, 0), codes::SUCCESS);
+        let mut base = 0u64;
+        clean(
+            cuMemAddressReserve(&mut base, 2 * g, 0, 0, 0),
+            codes::SUCCESS,
+        );
+        clean(cuMemMap(base, g, 0, chunk, 0), codes::SUCCESS);
+        violates(
+            cuMemsetD8Async(base, 0, 16, stream),
+            codes::ILLEGAL_ADDRESS,
+            "access was not set",
+        );
+        let access = cuda_double::vm::AccessDesc {
+            location: cuda_double::vm::MemLocation { type_: 1, id: 0 },
+            flags: 3,
+        };
+        clean(cuMemSetAccess(base, g, &access, 1), codes::SUCCESS);
+        clean(cuMemsetD8Async(base, 7, 16, stream), codes::SUCCESS);
+        clean(cuStreamSynchronize(stream), codes::SUCCESS);
+        violates(
+            cuMemsetD8Async(base + g as u64, 0, 16, stream),
+            codes::ILLEGAL_ADDRESS,
+            "not mapped",
+        );
+        violates(
+            cuMemAddressFree(base, 2 * g),
+            codes::INVALID_VALUE,
+            "unmap before free",
+        );
+        violates(
+            cuMemUnmap(base, 2 * g),
+            codes::INVALID_VALUE,
+            "whole mapped range",
+        );
+        clean(cuMemUnmap(base, g), codes::SUCCESS);
+        clean(cuMemRelease(chunk), codes::SUCCESS);
+        violates(
+            cuMemRelease(chunk),
+            codes::INVALID_VALUE,
+            "already released",
+        );
+        clean(cuMemAddressFree(base, 2 * g), codes::SUCCESS);
 
         // The last release tears the context down: its streams and events are gone.
         clean(cuDevicePrimaryCtxRelease_v2(0), codes::SUCCESS);

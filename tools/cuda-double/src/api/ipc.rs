@@ -88,14 +88,23 @@ fn decode(magic: [u8; 8], handle: &IpcHandle) -> Checked<(Header, i32)> {
 pub unsafe extern "C" fn cuIpcGetMemHandle(p_handle: *mut IpcHandle, dptr: u64) -> CuResult {
     api(Entry::cuIpcGetMemHandle, || {
         let (a, _) = double()?.memory.resolve(dptr, 0)?;
-        if !matches!(a.origin, Origin::Owned { .. }) {
-            return Err(Fail::violation(
-                codes::INVALID_VALUE,
-                format!("{dptr:#x} was opened from another process; only its owner exports it"),
-            ));
-        }
+        let region = match (&a.origin, &a.region) {
+            (Origin::Owned { .. }, Some(region)) => region,
+            (Origin::Reserved, _) => {
+                return Err(Fail::violation(
+                    codes::INVALID_VALUE,
+                    format!("{dptr:#x} is virtual memory (cuMemMap): share its chunks with cuMemExportToShareableHandle, not cuIpcGetMemHandle"),
+                ))
+            }
+            _ => {
+                return Err(Fail::violation(
+                    codes::INVALID_VALUE,
+                    format!("{dptr:#x} was opened from another process; only its owner exports it"),
+                ))
+            }
+        };
         // SAFETY: caller's out-pointer.
-        unsafe { put(p_handle, encode(SEGMENT_MAGIC, &a.region), "pHandle") }
+        unsafe { put(p_handle, encode(SEGMENT_MAGIC, region), "pHandle") }
     })
 }
 
@@ -149,7 +158,8 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
                 pid: header.pid,
                 id: header.id,
             },
-            region,
+            region: Some(region),
+            vm: None,
             released: false.into(),
         }));
         opened.insert(key, base);
@@ -166,7 +176,7 @@ pub extern "C" fn cuIpcCloseMemHandle(dptr: u64) -> CuResult {
         let d = double()?;
         let removed = d.memory.remove(dptr, |a| match a.origin {
             Origin::Opened { .. } => Ok(()),
-            Origin::Owned { .. } => Err(Fail::violation(
+            Origin::Owned { .. } | Origin::Reserved => Err(Fail::violation(
                 codes::INVALID_VALUE,
                 format!(
                     "cuIpcCloseMemHandle of {dptr:#x}, which this process allocated (cuMemFree it)"

@@ -80,7 +80,8 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, bytesize: usize) -> CuRes
                 device: ctx.device,
                 ctx: ctx.handle,
                 origin: Origin::Owned { id },
-                region,
+                region: Some(region),
+                vm: None,
                 released: false.into(),
             }))
         });
@@ -110,6 +111,10 @@ pub extern "C" fn cuMemFree_v2(dptr: u64) -> CuResult {
         }
         let removed = d.memory.remove(dptr, |a| match a.origin {
             Origin::Owned { .. } => Ok(()),
+            Origin::Reserved => Err(Fail::violation(
+                codes::INVALID_VALUE,
+                format!("cuMemFree of {dptr:#x}, a cuMemAddressReserve range: free it with cuMemAddressFree"),
+            )),
             Origin::Opened { .. } => Err(Fail::violation(
                 codes::INVALID_VALUE,
                 format!("cuMemFree of {dptr:#x}, opened from another process: close it with cuIpcCloseMemHandle"),

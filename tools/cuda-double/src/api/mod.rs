@@ -7,6 +7,7 @@ pub mod ipc;
 pub mod memory;
 pub mod module;
 pub mod stream;
+pub mod vm;
 
 use crate::codes::{self, CuResult};
 use crate::report::{report, Checked, Entry, Fail};
