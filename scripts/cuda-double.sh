@@ -28,11 +28,14 @@ export CUDALLOC_BACKEND=cuda
 export CUDA_DOUBLE_REPORT="$root/report"
 
 suites=(driver_conformance allocator_pytorch allocator_policy allocator_properties allocator_stress cow
-        ipc_multiprocess ipc_interplay global_and_storage cuda_contract)
+        ipc_multiprocess ipc_interplay global_and_storage cuda_contract expandable)
 args=()
 for s in "${suites[@]}"; do args+=(--test "$s"); done
 echo "== CUDA backend on the contract double: ${suites[*]}"
 cargo test --no-fail-fast "${args[@]}"
+echo "== the allocator suites again with expandable segments (the driver's virtual memory)"
+CUDALLOC_TEST_EXPANDABLE=1 cargo test --no-fail-fast --test allocator_pytorch --test allocator_policy \
+  --test allocator_properties --test allocator_stress --test cow --test expandable
 echo "== cudarc views: a library's own context, stream and kernels on cudalloc storages"
 cargo test --features cudarc --test cudarc_views
 

@@ -10,7 +10,7 @@
 //! | `max_split_size_mb` | integer > 20 (MiB); blocks at least this large are never split | unlimited |
 //! | `garbage_collection_threshold` | 0.0 < t < 1.0: reclaim cached blocks above t × allowed memory | off |
 //! | `roundup_power2_divisions` | power of two ≤ 64, or `[256:1,512:2,>:4]` per size interval | off |
-//! | `expandable_segments` | `True`/`False` (only `False`: segments must be whole `cuMemAlloc` allocations to be IPC-exportable) | `False` |
+//! | `expandable_segments` | `True`/`False`: one segment per stream and pool that grows and shrinks in pages on the driver's virtual memory (storages in it cannot be shared between processes yet) | `False` |
 //! | `release_lock_on_cudamalloc` | `True`/`False`: call the driver's malloc without holding the shard lock | `False` |
 //! | `per_process_memory_fraction` | 0.0 ≤ f ≤ 1.0 of each device's total memory | 1.0 |
 //! | `default_stream` | `legacy`: the device's default stream (CUDA's legacy NULL stream, what PyTorch and candle launch on); `per_thread`: one stream per thread and device, made by cudalloc on first use and kept for the allocator's life; `dedicated`: one non-blocking stream per device made by cudalloc (cudalloc's own key) | `legacy` |
@@ -50,6 +50,9 @@ pub struct AllocatorConfig {
     pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
     /// Call the driver's malloc without holding the shard lock.
     pub release_lock_on_cudamalloc: bool,
+    /// Expandable segments: one growing segment per stream and pool on the driver's virtual
+    /// memory, mapped and unmapped in pages (`alloc/expandable.rs`).
+    pub expandable_segments: bool,
     /// Fraction of each device's memory this process may reserve.
     pub per_process_memory_fraction: f64,
     /// Time-to-live of IPC handles in milliseconds (0: handles never expire).
@@ -65,6 +68,7 @@ impl Default for AllocatorConfig {
             garbage_collection_threshold: 0.0,
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
             release_lock_on_cudamalloc: false,
+            expandable_segments: false,
             per_process_memory_fraction: 1.0,
             ipc_handle_ttl_ms: 0,
             default_stream: DefaultStream::Legacy,
@@ -210,6 +214,7 @@ impl std::fmt::Display for AllocatorConfig {
             "release_lock_on_cudamalloc: {}",
             self.release_lock_on_cudamalloc
         )?;
+        writeln!(f, "expandable_segments: {}", self.expandable_segments)?;
         writeln!(
             f,
             "per_process_memory_fraction: {}",
@@ -253,15 +258,7 @@ impl AllocatorConfig {
                     config.garbage_collection_threshold = parse_fraction(key, value, true, true)?;
                 }
                 "roundup_power2_divisions" => config.roundup_power2_divisions = parse_divisions(value)?,
-                "expandable_segments" => {
-                    if parse_bool(key, value)? {
-                        return Err(Error::Config(
-                            "expandable_segments:True is not supported: cudalloc segments are whole \
-                             cuMemAlloc allocations so they can be shared through CUDA IPC; use False"
-                                .into(),
-                        ));
-                    }
-                }
+                "expandable_segments" => config.expandable_segments = parse_bool(key, value)?,
                 "release_lock_on_cudamalloc" => config.release_lock_on_cudamalloc = parse_bool(key, value)?,
                 "per_process_memory_fraction" => {
                     config.per_process_memory_fraction = parse_fraction(key, value, false, false)?;
@@ -385,7 +382,7 @@ mod tests {
                 "roundup_power2_divisions:[64:8,>:3]",
                 "roundup_power2_divisions",
             ),
-            ("expandable_segments:True", "expandable_segments"),
+            ("expandable_segments:maybe", "expandable_segments"),
             (
                 "per_process_memory_fraction:1.5",
                 "per_process_memory_fraction",

@@ -86,10 +86,11 @@ fn test_memory_stats() {
         assert_eq!(stat(&a, "allocated_bytes.all.allocated"), 0);
         assert_eq!(stat(&a, "num_device_alloc"), 0);
         drop(y);
-        // The freed large block is an inactive split (3 MiB carved from a 20 MiB segment).
+        // The freed large block merged back into one block. In an expandable segment it lies
+        // beside unmapped address space, which makes it a split block (as PyTorch counts it).
         assert_eq!(
             stat(&a, "inactive_split.large_pool.current"),
-            0,
+            i64::from(expandable_run()),
             "merged back into one block"
         );
         let summary = a.memory_summary(0).unwrap();
@@ -139,9 +140,22 @@ fn test_out_of_memory_retry() {
     drop(y);
     assert_eq!(stat(&a, "reserved_bytes.all.current"), (50 * MIB) as i64);
     let z = a.allocate(0, 40 * MIB).unwrap();
-    assert_eq!(stat(&a, "num_alloc_retries"), 1);
-    assert_eq!(stat(&a, "num_sync_all_streams"), 1);
-    assert_eq!(stat(&a, "reserved_bytes.all.current"), (40 * MIB) as i64);
+    if expandable_run() {
+        // One expandable segment: the two freed blocks merged into 50 MiB that hold 40 MiB
+        // without asking the driver — no retry, nothing released.
+        assert_eq!(stat(&a, "num_alloc_retries"), 0);
+        assert_eq!(stat(&a, "reserved_bytes.all.current"), (50 * MIB) as i64);
+        a.empty_cache();
+        assert_eq!(
+            stat(&a, "reserved_bytes.all.current"),
+            (40 * MIB) as i64,
+            "free pages unmapped"
+        );
+    } else {
+        assert_eq!(stat(&a, "num_alloc_retries"), 1);
+        assert_eq!(stat(&a, "num_sync_all_streams"), 1);
+        assert_eq!(stat(&a, "reserved_bytes.all.current"), (40 * MIB) as i64);
+    }
     drop(z);
 }
 

@@ -40,7 +40,8 @@ fn four_threads_on_shared_and_private_streams() {
                 .unwrap(),
         )
     };
-    let a = Arc::new(Runtime::new(driver.clone(), Default::default()).unwrap());
+    let config = cudalloc::AllocatorConfig::parse(&common::with_test_settings("")).unwrap();
+    let a = Arc::new(Runtime::new(driver.clone(), config).unwrap());
     let shared = a.create_stream(0).unwrap();
     let live = Arc::new(Mutex::new(BTreeMap::new()));
     let barrier = Arc::new(Barrier::new(THREADS));

@@ -7,6 +7,7 @@
 //! | `Free`         | yes                    | `inactive_split` if its segment is split | `Allocated` (best fit, maybe split), released with its segment |
 //! | `Allocated`    | no                     | `allocation`, `active`, `allocated_bytes` | `Free`, or `PendingFree` if used by other streams |
 //! | `PendingFree`  | no                     | `active` (waiting for stream events)     | `Free` when its last event completes |
+//! | `Unmapped`     | no                     | nothing (expandable segments only)       | `Free` when pages are mapped over it (`expandable.rs`) |
 //!
 //! Invariants (checked by the scanner in `shard.rs`): blocks tile their segment exactly; no two
 //! neighbouring blocks are both `Free` (they merge); a block is in a free set iff it is `Free`.
@@ -24,6 +25,8 @@ pub(crate) enum BlockState {
     Free,
     Allocated,
     PendingFree,
+    /// Address space of an expandable segment with no memory mapped (`expandable.rs`).
+    Unmapped,
 }
 
 /// One block.

@@ -45,6 +45,11 @@ impl BlockOwner {
     pub(crate) fn segment(&self) -> (u64, u64) {
         self.shard.segment_of(self.block)
     }
+
+    /// Whether the block lies in an expandable segment.
+    pub(crate) fn in_expandable_segment(&self) -> bool {
+        self.shard.in_expandable(self.block)
+    }
 }
 
 impl Drop for BlockOwner {
@@ -156,6 +161,12 @@ impl DataPtr {
     /// Base and size of the allocator segment holding this memory.
     pub(crate) fn segment(&self) -> Option<(u64, u64)> {
         self.block_owner().map(BlockOwner::segment)
+    }
+
+    /// Whether the memory lies in an expandable segment of its allocator.
+    pub(crate) fn in_expandable_segment(&self) -> bool {
+        self.block_owner()
+            .is_some_and(BlockOwner::in_expandable_segment)
     }
 
     /// The stream the memory was allocated on, when it came from a caching allocator.

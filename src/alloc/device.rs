@@ -41,7 +41,7 @@ pub(crate) struct DeviceCore {
     fraction_bits: AtomicU64,
     fraction_set: AtomicBool,
     /// Bytes of live segments on this device (all shards).
-    reserved: AtomicU64,
+    pub(super) reserved: AtomicU64,
     shards: RwLock<HashMap<StreamId, Arc<Shard>>>,
     events: Mutex<Vec<EventId>>,
     alloc_retries: AtomicU64,
@@ -120,7 +120,7 @@ impl DeviceCore {
         Ok(Arc::clone(shard))
     }
 
-    fn all_shards(&self) -> Vec<Arc<Shard>> {
+    pub(super) fn all_shards(&self) -> Vec<Arc<Shard>> {
         self.shards.read().values().cloned().collect()
     }
 
@@ -137,7 +137,7 @@ impl DeviceCore {
         Ok(())
     }
 
-    fn fraction(&self) -> Option<(f64, u64)> {
+    pub(super) fn fraction(&self) -> Option<(f64, u64)> {
         if !self.fraction_set.load(Ordering::Relaxed) {
             return None;
         }
@@ -157,7 +157,7 @@ impl DeviceCore {
         }
     }
 
-    fn poll_events(&self, shard: &Shard, state: &mut ShardState) {
+    pub(super) fn poll_events(&self, shard: &Shard, state: &mut ShardState) {
         if !state.has_pending() {
             return;
         }
@@ -220,15 +220,11 @@ impl DeviceCore {
         self.garbage_collect();
         let seg = size::segment_size(rounded);
         let mut cause = None;
-        if let Some(hit) =
-            self.allocate_segment(shard, pool, seg, rounded, requested, &mut cause)?
-        {
+        if let Some(hit) = self.new_memory(shard, pool, seg, rounded, requested, &mut cause)? {
             return Ok(hit);
         }
         if self.release_oversize(rounded) {
-            if let Some(hit) =
-                self.allocate_segment(shard, pool, seg, rounded, requested, &mut cause)?
-            {
+            if let Some(hit) = self.new_memory(shard, pool, seg, rounded, requested, &mut cause)? {
                 return Ok(hit);
             }
         }
@@ -237,9 +233,7 @@ impl DeviceCore {
         if let Some(hit) = self.try_fit(shard, pool, rounded, requested) {
             return Ok(hit);
         }
-        if let Some(hit) =
-            self.allocate_segment(shard, pool, seg, rounded, requested, &mut cause)?
-        {
+        if let Some(hit) = self.new_memory(shard, pool, seg, rounded, requested, &mut cause)? {
             return Ok(hit);
         }
         self.ooms.fetch_add(1, Ordering::Relaxed);
@@ -263,6 +257,24 @@ impl DeviceCore {
         };
         self.callbacks.observers.out_of_memory(&facts);
         Err(oom::out_of_memory(&facts))
+    }
+
+    /// New memory for a miss: a new segment, or with `expandable_segments` more pages of the
+    /// shard's expandable segment (`expandable.rs`).
+    fn new_memory(
+        &self,
+        shard: &Shard,
+        pool: PoolKind,
+        seg: u64,
+        rounded: u64,
+        requested: u64,
+        cause: &mut Option<String>,
+    ) -> Result<Option<Allocated>> {
+        if self.config.expandable_segments {
+            self.grow_expandable(shard, pool, rounded, requested, cause)
+        } else {
+            self.allocate_segment(shard, pool, seg, rounded, requested, cause)
+        }
     }
 
     /// Gets a segment from the driver (within the memory fraction) and allocates from it.
@@ -437,6 +449,7 @@ impl DeviceCore {
             };
             any |= !taken.is_empty();
             self.free_segments(shard.stream, taken);
+            any |= self.release_pages(&shard, |_| false) > 0;
         }
         any
     }
@@ -466,6 +479,8 @@ impl DeviceCore {
                 .iter()
                 .map(|s| s.1)
                 .sum::<u64>();
+            let so_far = freed;
+            freed += self.release_pages(&shard, |f| f + so_far >= target);
             if freed >= target {
                 break;
             }

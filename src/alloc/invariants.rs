@@ -45,6 +45,8 @@ impl ShardState {
             let mut expect_ptr = base;
             let mut prev = None;
             let mut prev_free = false;
+            let mut prev_unmapped = false;
+            let mut mapped = 0u64;
             while let Some(id) = at {
                 let b = self
                     .blocks
@@ -57,11 +59,21 @@ impl ShardState {
                     ));
                 }
                 let free = b.state == BlockState::Free;
-                if free && prev_free {
+                let unmapped = b.state == BlockState::Unmapped;
+                if (free && prev_free) || (unmapped && prev_unmapped) {
                     return Err(format!(
-                        "segment {base:#x}: neighbouring free blocks were not merged at {id}"
+                        "segment {base:#x}: neighbouring free (or unmapped) blocks were not merged at {id}"
                     ));
                 }
+                if unmapped && !self.expandable.contains_key(&base) {
+                    return Err(format!(
+                        "segment {base:#x}: unmapped block {id} in a whole segment"
+                    ));
+                }
+                if !unmapped {
+                    mapped += b.size;
+                }
+                prev_unmapped = unmapped;
                 recount.block(b.state, b.pool, b.size, b.requested, b.is_split());
                 if b.state == BlockState::PendingFree && b.pending_events == 0 {
                     return Err(format!("block {id} pending with no events"));
@@ -81,7 +93,7 @@ impl ShardState {
                 ));
             }
             bump(&mut recount.segment, seg.pool, 1);
-            bump(&mut recount.reserved_bytes, seg.pool, seg.size);
+            bump(&mut recount.reserved_bytes, seg.pool, mapped);
         }
         if visited != self.blocks.len() {
             return Err(format!(
@@ -159,6 +171,7 @@ impl Recount {
                     bump(&mut self.inactive_split_bytes, pool, size);
                 }
             }
+            BlockState::Unmapped => {}
         }
     }
 

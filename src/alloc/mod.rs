@@ -21,6 +21,7 @@
 mod block;
 mod data_ptr;
 mod device;
+mod expandable;
 mod invariants;
 pub mod observers;
 mod oom;

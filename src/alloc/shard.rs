@@ -47,6 +47,10 @@ pub(crate) struct ShardState {
     pub stats: DeviceStats,
     /// Allocations served so far (age clock of garbage collection).
     pub tick: u64,
+    /// The pages of each expandable segment, by base (`expandable.rs`).
+    pub expandable: HashMap<u64, super::expandable::ExpandablePages>,
+    /// The expandable segment of each pool (small, large), once made.
+    pub expandable_bases: [Option<u64>; 2],
 }
 
 /// The order in which [`ShardState::take_free_segments`] visits candidate segments.
@@ -89,7 +93,7 @@ impl ShardState {
         }
     }
 
-    fn insert_free(&mut self, id: BlockId) {
+    pub(super) fn insert_free(&mut self, id: BlockId) {
         let (pool, key) = {
             let b = &self.blocks[id];
             (b.pool, (b.size, b.ptr, id))
@@ -98,7 +102,7 @@ impl ShardState {
         self.account_inactive(id, true);
     }
 
-    fn remove_free(&mut self, id: BlockId) {
+    pub(super) fn remove_free(&mut self, id: BlockId) {
         self.account_inactive(id, false);
         let (pool, key) = {
             let b = &self.blocks[id];
@@ -264,7 +268,6 @@ impl ShardState {
 
     /// Makes block `id` free: merges it with free neighbours and returns it to its pool.
     fn finish_free(&mut self, id: BlockId) {
-        let mut id = id;
         {
             let b = &mut self.blocks[id];
             let (pool, size) = (b.pool, b.size);
@@ -275,6 +278,13 @@ impl ShardState {
             stats::decrease(&mut self.stats.active, pool, 1);
             stats::decrease(&mut self.stats.active_bytes, pool, size);
         }
+        self.merge_free(id);
+    }
+
+    /// Merges free block `id` (not yet in a pool) with free neighbours and puts the result in its
+    /// pool.
+    pub(super) fn merge_free(&mut self, id: BlockId) {
+        let mut id = id;
         if let Some(prev) = self.blocks[id]
             .prev
             .filter(|&p| self.blocks[p].state == BlockState::Free)
@@ -364,7 +374,11 @@ impl ShardState {
             .iter()
             .chain(self.free_large.iter())
             .map(|&(_, _, id)| id)
-            .filter(|&id| !self.blocks[id].is_split() && select(&self.blocks[id]))
+            .filter(|&id| {
+                let b = &self.blocks[id];
+                // Expandable segments give back pages, never the whole segment (`expandable.rs`).
+                !b.is_split() && !self.expandable.contains_key(&b.segment) && select(b)
+            })
             .collect();
         match order {
             ReleaseOrder::Oldest => candidates.sort_by_key(|&id| self.blocks[id].freed_at),
@@ -459,6 +473,12 @@ impl Shard {
         (base, st.segments.get(&base).map_or(0, |s| s.size))
     }
 
+    /// Whether block `id` lies in an expandable segment.
+    pub fn in_expandable(&self, id: BlockId) -> bool {
+        let st = self.state.lock();
+        st.expandable.contains_key(&st.blocks[id].segment)
+    }
+
     /// Marks block `id` as used by `stream` (`record_stream`).
     pub fn record_use(&self, id: BlockId, stream: StreamId) -> Result<()> {
         if stream == self.stream {
@@ -492,5 +512,16 @@ impl Drop for Shard {
             |_| false,
         );
         self.core.free_segments(self.stream, taken);
+        let pages = st.take_free_pages(|_| true, |_| false);
+        self.core.free_pages(self.stream, pages);
+        for base in st.take_empty_expandable() {
+            if let Err(err) = self
+                .core
+                .driver
+                .vm_free_reservation(crate::driver::DeviceAddr(base))
+            {
+                tracing::error!(%err, base, "freeing an expandable segment's reservation failed");
+            }
+        }
     }
 }

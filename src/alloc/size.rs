@@ -117,6 +117,11 @@ pub fn should_split(
     config: &AllocatorConfig,
 ) -> bool {
     let remaining = block_size - rounded;
+    if config.expandable_segments {
+        // As PyTorch: a remainder in an expandable segment is worth keeping, whatever its size —
+        // its pages can be unmapped or grown into.
+        return remaining >= MIN_BLOCK_SIZE;
+    }
     match pool {
         PoolKind::Small => remaining >= MIN_BLOCK_SIZE,
         PoolKind::Large => rounded < config.max_split_size && remaining > SMALL_SIZE,

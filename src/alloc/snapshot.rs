@@ -186,6 +186,8 @@ pub struct SnapshotSegment {
     pub active_size: u64,
     /// `small` or `large`.
     pub segment_type: &'static str,
+    /// An expandable segment (its `total_size` is what is mapped now).
+    pub is_expandable: bool,
     /// Blocks in address order.
     pub blocks: Vec<SnapshotBlock>,
 }
@@ -210,14 +212,20 @@ pub(crate) fn shard_segments(
     for (&address, seg) in &state.segments {
         let mut blocks = Vec::new();
         let mut at = Some(seg.head);
-        let (mut allocated_size, mut active_size) = (0, 0);
+        let (mut allocated_size, mut active_size, mut mapped) = (0, 0, 0);
         while let Some(id) = at {
             let b = &state.blocks[id];
             let st = match b.state {
                 BlockState::Allocated => SnapshotBlockState::ActiveAllocated,
                 BlockState::PendingFree => SnapshotBlockState::ActivePendingFree,
                 BlockState::Free => SnapshotBlockState::Inactive,
+                // Address space without memory is not part of the segment's blocks.
+                BlockState::Unmapped => {
+                    at = b.next;
+                    continue;
+                }
             };
+            mapped += b.size;
             if st == SnapshotBlockState::ActiveAllocated {
                 allocated_size += b.size;
             }
@@ -232,17 +240,22 @@ pub(crate) fn shard_segments(
             });
             at = b.next;
         }
+        if mapped == 0 {
+            // An expandable segment with nothing mapped holds no memory.
+            continue;
+        }
         out.push(SnapshotSegment {
             device,
             stream: stream.raw(),
             address,
-            total_size: seg.size,
+            total_size: mapped,
             allocated_size,
             active_size,
             segment_type: match seg.pool {
                 super::size::PoolKind::Small => "small",
                 super::size::PoolKind::Large => "large",
             },
+            is_expandable: state.expandable.contains_key(&address),
             blocks,
         });
     }

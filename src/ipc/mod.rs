@@ -79,6 +79,12 @@ pub(crate) fn share(
     }
     let mut first_share = None;
     if let Owner::Block(_) = data.owner() {
+        if data.in_expandable_segment() {
+            return Err(Error::invalid(
+                "memory of an expandable segment cannot be shared between processes yet; \
+                 allocate storages you share from a runtime without expandable_segments",
+            ));
+        }
         let segment = data.segment().ok_or_else(|| Error::invalid("no segment"))?;
         let original = std::mem::replace(data, DataPtr::empty(device));
         let ptr = original.ptr();

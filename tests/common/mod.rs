@@ -292,7 +292,7 @@ pub fn shm_names_with_prefix(prefix: &str) -> Vec<String> {
 
 /// A caching allocator with the invariant scanner on, over `driver`.
 pub fn checked_allocator(driver: Arc<dyn Driver>, conf: &str) -> Arc<cudalloc::Runtime> {
-    let config = cudalloc::AllocatorConfig::parse(conf).unwrap();
+    let config = cudalloc::AllocatorConfig::parse(&with_test_settings(conf)).unwrap();
     Arc::new(
         cudalloc::Runtime::builder()
             .config(config)
@@ -300,6 +300,21 @@ pub fn checked_allocator(driver: Arc<dyn Driver>, conf: &str) -> Arc<cudalloc::R
             .build(driver)
             .unwrap(),
     )
+}
+
+/// Whether this run of the suites uses expandable segments (`CUDALLOC_TEST_EXPANDABLE=1`): the
+/// allocator suites run a second time with them, as PyTorch's own suite does.
+pub fn expandable_run() -> bool {
+    std::env::var("CUDALLOC_TEST_EXPANDABLE").is_ok_and(|v| v == "1")
+}
+
+/// `conf` with the settings of this run added (`expandable_segments:True` in an expandable run).
+pub fn with_test_settings(conf: &str) -> String {
+    match (expandable_run(), conf.is_empty()) {
+        (false, _) => conf.to_owned(),
+        (true, true) => "expandable_segments:True".to_owned(),
+        (true, false) => format!("{conf},expandable_segments:True"),
+    }
 }
 
 /// Holds `stream` busy: a gate on the host backend (deterministic), a 300 ms sleep kernel on CUDA.

@@ -32,6 +32,22 @@ pub struct Native {
     pub params: &'static [usize],
     /// Builds the work from the parameter values (each zero-extended to u64).
     pub build: fn(&Memory, &[u64]) -> Checked<Work>,
+    /// The device ranges the kernel touches, from the same values.
+    pub ranges: fn(&[u64]) -> Vec<(u64, u64)>,
+}
+
+fn first_range(args: &[u64]) -> Vec<(u64, u64)> {
+    match args {
+        [ptr, len, ..] => vec![(*ptr, *len)],
+        _ => Vec::new(),
+    }
+}
+
+fn count_ranges(args: &[u64]) -> Vec<(u64, u64)> {
+    match args {
+        [src, len, _, counter] => vec![(*src, *len), (*counter, 8)],
+        _ => Vec::new(),
+    }
 }
 
 const NATIVES: &[Native] = &[
@@ -39,21 +55,25 @@ const NATIVES: &[Native] = &[
         name: "cudalloc_fill_pattern",
         params: &[8, 8, 8],
         build: fill_pattern,
+        ranges: first_range,
     },
     Native {
         name: "cudalloc_count_mismatches",
         params: &[8, 8, 8, 8],
         build: count_mismatches,
+        ranges: count_ranges,
     },
     Native {
         name: "cudalloc_poison",
         params: &[8, 8],
         build: poison,
+        ranges: first_range,
     },
     Native {
         name: "cudalloc_sleep",
         params: &[8],
         build: sleep,
+        ranges: |_| Vec::new(),
     },
 ];
 

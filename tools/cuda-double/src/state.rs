@@ -457,6 +457,7 @@ impl Double {
         &self,
         stream: &Arc<Stream>,
         entry: crate::report::Entry,
+        ranges: Vec<(u64, u64)>,
         make: impl FnOnce() -> Box<dyn FnOnce() -> Checked<()> + Send>,
     ) -> Checked<()> {
         let ctx = self.context(as_ptr(stream.ctx))?;
@@ -477,7 +478,7 @@ impl Double {
         } else {
             Vec::new()
         };
-        stream.submit_with(entry, || {
+        stream.submit_with(entry, ranges, || {
             let run = make();
             if barriers.is_empty() {
                 return run;

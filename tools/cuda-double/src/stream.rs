@@ -21,10 +21,13 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::report::{report, Checked, Entry, Fail};
 
-/// Device work: what it is (the entry point that queued it) and what it does when it runs.
+/// Device work: what it is (the entry point that queued it), the device memory it touches, and
+/// what it does when it runs.
 pub struct Op {
     /// The entry point that queued the work (for the report).
     pub entry: Entry,
+    /// Device ranges `(address, length)` the work reads or writes.
+    pub ranges: Vec<(u64, u64)>,
     /// The work.
     pub run: Box<dyn FnOnce() -> Checked<()> + Send>,
 }
@@ -42,6 +45,8 @@ struct Queue {
     completed: u64,
     fault: Option<Fail>,
     closing: bool,
+    /// The ranges of the operation running now.
+    running: Vec<(u64, u64)>,
 }
 
 /// A stream.
@@ -95,6 +100,7 @@ impl Stream {
                 let mut q = self.lock();
                 loop {
                     if let Some(op) = q.ops.pop_front() {
+                        q.running = op.ranges.clone();
                         break op;
                     }
                     if q.closing {
@@ -112,6 +118,7 @@ impl Stream {
                     ))
                 });
             let mut q = self.lock();
+            q.running.clear();
             q.completed += 1;
             if let Err(fail) = result {
                 report().record(entry, &fail);
@@ -135,7 +142,7 @@ impl Stream {
 
     /// Queues `op`.
     pub fn submit(&self, op: Op) -> Checked<()> {
-        self.submit_with(op.entry, || op.run)
+        self.submit_with(op.entry, op.ranges, || op.run)
     }
 
     /// Queues the work `make` builds, building it only once the stream accepts work (so an
@@ -143,6 +150,7 @@ impl Stream {
     pub fn submit_with(
         &self,
         entry: Entry,
+        ranges: Vec<(u64, u64)>,
         make: impl FnOnce() -> Box<dyn FnOnce() -> Checked<()> + Send>,
     ) -> Checked<()> {
         let mut q = self.lock();
@@ -154,7 +162,11 @@ impl Stream {
             ));
         }
         q.submitted += 1;
-        q.ops.push_back(Op { entry, run: make() });
+        q.ops.push_back(Op {
+            entry,
+            ranges,
+            run: make(),
+        });
         self.changed.notify_all();
         Ok(())
     }
@@ -167,6 +179,14 @@ impl Stream {
             q = self.changed.wait(q).unwrap_or_else(|p| p.into_inner());
         }
         Self::sticky(&q)
+    }
+
+    /// Whether work queued or running on this stream touches `[ptr, ptr + len)`.
+    pub fn touches(&self, ptr: u64, len: u64) -> bool {
+        let q = self.lock();
+        let hit =
+            |&(at, n): &(u64, u64)| at < ptr.saturating_add(len) && ptr < at.saturating_add(n);
+        q.running.iter().any(hit) || q.ops.iter().any(|op| op.ranges.iter().any(hit))
     }
 
     /// Operations submitted so far.

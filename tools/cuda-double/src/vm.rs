@@ -9,7 +9,7 @@
 //! |-------------------------------|---------------------------------------|------------------------|
 //! | not mapped                    | violation (illegal address)           | violation              |
 //! | mapped, access not set        | violation ("cuMemSetAccess first")    | ok (whole mapping)     |
-//! | mapped, `PROT_READWRITE`      | ok                                    | ok (whole mapping, no work pending) |
+//! | mapped, `PROT_READWRITE`      | ok                                    | ok (whole mapping no queued work uses) |
 //!
 //! Rules (each breach a violation): sizes and addresses are multiples of the granularity; every
 //! field of `CUmemAllocationProp` and `CUmemAccessDesc` is valid (pinned device memory, a real

@@ -176,14 +176,19 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
         }
         // SAFETY: the caller's buffer holds `count` readable bytes; staged now (pageable).
         let staged = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), count) }.to_vec();
-        d.enqueue(&s, Entry::cuMemcpyHtoDAsync_v2, || {
-            Box::new(move || {
-                a.check_live("cuMemcpyHtoDAsync")?;
-                // SAFETY: `[offset, offset + count)` is inside the live allocation.
-                unsafe { std::ptr::copy_nonoverlapping(staged.as_ptr(), a.at(offset), count) };
-                Ok(())
-            })
-        })
+        d.enqueue(
+            &s,
+            Entry::cuMemcpyHtoDAsync_v2,
+            vec![(dst, count as u64)],
+            || {
+                Box::new(move || {
+                    a.check_live("cuMemcpyHtoDAsync")?;
+                    // SAFETY: `[offset, offset + count)` is inside the live allocation.
+                    unsafe { std::ptr::copy_nonoverlapping(staged.as_ptr(), a.at(offset), count) };
+                    Ok(())
+                })
+            },
+        )
     })
 }
 
@@ -213,15 +218,20 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
             ));
         }
         let host = dst as usize;
-        d.enqueue(&s, Entry::cuMemcpyDtoHAsync_v2, || {
-            Box::new(move || {
-                a.check_live("cuMemcpyDtoHAsync")?;
-                // SAFETY: the source is inside the live allocation; the caller keeps `dst` valid
-                // until the stream reaches this copy (the async copy contract).
-                unsafe { std::ptr::copy_nonoverlapping(a.at(offset), host as *mut u8, count) };
-                Ok(())
-            })
-        })
+        d.enqueue(
+            &s,
+            Entry::cuMemcpyDtoHAsync_v2,
+            vec![(src, count as u64)],
+            || {
+                Box::new(move || {
+                    a.check_live("cuMemcpyDtoHAsync")?;
+                    // SAFETY: the source is inside the live allocation; the caller keeps `dst` valid
+                    // until the stream reaches this copy (the async copy contract).
+                    unsafe { std::ptr::copy_nonoverlapping(a.at(offset), host as *mut u8, count) };
+                    Ok(())
+                })
+            },
+        )
     })
 }
 
@@ -249,16 +259,21 @@ pub extern "C" fn cuMemcpyDtoDAsync_v2(
         if n == 0 {
             return Ok(());
         }
-        d.enqueue(&s, Entry::cuMemcpyDtoDAsync_v2, || {
-            Box::new(move || {
-                to.check_live("cuMemcpyDtoDAsync (destination)")?;
-                from.check_live("cuMemcpyDtoDAsync (source)")?;
-                // SAFETY: both ranges are inside live allocations; `copy` tolerates the same
-                // mapping appearing twice (overlap was refused above).
-                unsafe { std::ptr::copy(from.at(from_offset), to.at(to_offset), count) };
-                Ok(())
-            })
-        })
+        d.enqueue(
+            &s,
+            Entry::cuMemcpyDtoDAsync_v2,
+            vec![(dst, n), (src, n)],
+            || {
+                Box::new(move || {
+                    to.check_live("cuMemcpyDtoDAsync (destination)")?;
+                    from.check_live("cuMemcpyDtoDAsync (source)")?;
+                    // SAFETY: both ranges are inside live allocations; `copy` tolerates the same
+                    // mapping appearing twice (overlap was refused above).
+                    unsafe { std::ptr::copy(from.at(from_offset), to.at(to_offset), count) };
+                    Ok(())
+                })
+            },
+        )
     })
 }
 
@@ -278,13 +293,18 @@ pub extern "C" fn cuMemsetD8Async(
         if count == 0 {
             return Ok(());
         }
-        d.enqueue(&s, Entry::cuMemsetD8Async, || {
-            Box::new(move || {
-                a.check_live("cuMemsetD8Async")?;
-                // SAFETY: the range is inside the live allocation.
-                unsafe { std::ptr::write_bytes(a.at(offset), value, count) };
-                Ok(())
-            })
-        })
+        d.enqueue(
+            &s,
+            Entry::cuMemsetD8Async,
+            vec![(dst, count as u64)],
+            || {
+                Box::new(move || {
+                    a.check_live("cuMemsetD8Async")?;
+                    // SAFETY: the range is inside the live allocation.
+                    unsafe { std::ptr::write_bytes(a.at(offset), value, count) };
+                    Ok(())
+                })
+            },
+        )
     })
 }

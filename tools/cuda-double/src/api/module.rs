@@ -218,6 +218,6 @@ pub unsafe extern "C" fn cuLaunchKernel(
             args.push(u64::from_le_bytes(word));
         }
         let work = (native.build)(&d.memory, &args)?;
-        d.enqueue(&s, Entry::cuLaunchKernel, || work)
+        d.enqueue(&s, Entry::cuLaunchKernel, (native.ranges)(&args), || work)
     })
 }

@@ -133,7 +133,7 @@ pub extern "C" fn cuStreamWaitEvent(
         }
         let s = d.stream(stream)?;
         let e = d.event(event)?;
-        d.enqueue(&s, Entry::cuStreamWaitEvent, || {
+        d.enqueue(&s, Entry::cuStreamWaitEvent, Vec::new(), || {
             let target = e.cell().target();
             Box::new(move || {
                 e.cell().wait(target);
@@ -209,7 +209,7 @@ pub extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) -> CuRe
                 ),
             ));
         }
-        d.enqueue(&s, Entry::cuEventRecord, || {
+        d.enqueue(&s, Entry::cuEventRecord, Vec::new(), || {
             let n = e.cell().record();
             Box::new(move || {
                 e.cell().complete(n);

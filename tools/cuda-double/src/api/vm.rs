@@ -315,17 +315,21 @@ pub unsafe extern "C" fn cuMemSetAccess(
     })
 }
 
-/// `cuMemUnmap`: one whole mapping, with no device work pending on the context.
+/// `cuMemUnmap`: one whole mapping that no queued or running device work uses.
 #[no_mangle]
 pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CuResult {
     api(Entry::cuMemUnmap, || {
         let d = double()?;
-        let (a, vm, at) = reservation(d, ptr, 0)?;
-        let streams = d.devices[a.device].context.all_streams();
-        if streams.iter().any(|s| !s.idle().unwrap_or(true)) {
+        let (_, vm, at) = reservation(d, ptr, 0)?;
+        let busy = d
+            .devices
+            .iter()
+            .flat_map(|dev| dev.context.all_streams())
+            .any(|s| s.touches(ptr, size as u64));
+        if busy {
             return Err(Fail::violation(
                 codes::INVALID_VALUE,
-                format!("cuMemUnmap of {ptr:#x} while device work is pending: the memory must not be in use"),
+                format!("cuMemUnmap of {ptr:#x} while queued device work uses it: the memory must not be in use"),
             ));
         }
         vm.unmap(at, size as u64)

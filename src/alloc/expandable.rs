@@ -1,0 +1,492 @@
+//! Expandable segments (`expandable_segments:True`): one segment per (shard, pool) that grows by
+//! mapping pages of physical memory into a reserved address range, and shrinks by unmapping whole
+//! free pages — so freed memory goes back to the device without the stranded remainders that
+//! whole-allocation segments leave (PyTorch's answer to fragmentation, on the driver's
+//! virtual-memory API).
+//!
+//! The segment spans the whole reservation; its tiling gains a fourth block state:
+//!
+//! | state      | backed by memory | in a free pool | becomes                                      |
+//! |------------|------------------|----------------|----------------------------------------------|
+//! | `Unmapped` | no               | no             | `Free` when a miss maps pages over it (merged with a free block before it) |
+//! | `Free`     | yes              | yes            | `Allocated`; its whole pages `Unmapped` on the release paths |
+//!
+//! Growth (the miss path, before a new whole segment would be allocated): the lowest unmapped block
+//! that, together with a free block right before it, can hold the request gets just enough pages
+//! mapped at its start. Release (`empty_cache`, the out-of-memory path, garbage collection): every
+//! free block gives back the pages that lie wholly inside it. Neighbouring unmapped blocks merge, as
+//! free ones do. `reserved_bytes` counts mapped bytes only; the segment counts once.
+//!
+//! Pages are the driver's granularity (2 MiB on CUDA; PyTorch maps 20 MiB steps in the large
+//! pool, which strands up to 18 MiB per segment); each page is one chunk, so a page is mapped and
+//! unmapped on its own.
+
+use std::collections::BTreeMap;
+
+use super::block::{Block, BlockId, BlockState, SegmentInfo};
+use super::device::{Allocated, DeviceCore};
+use super::observers::{SegmentChange, SegmentEvent};
+use super::shard::{Shard, ShardState};
+use super::size::PoolKind;
+use super::snapshot::TraceAction;
+use super::stats;
+use crate::driver::{ChunkId, DeviceAddr, StreamId};
+use crate::error::{Error, Result};
+use crate::sync::os::atomic::Ordering;
+
+/// The pages of one expandable segment.
+#[derive(Debug, Default)]
+pub(crate) struct ExpandablePages {
+    /// Bytes per page.
+    pub page: u64,
+    /// Mapped pages: address → chunk.
+    pub chunks: BTreeMap<u64, ChunkId>,
+}
+
+/// Pages to unmap: (address, length, the chunk of each page in it).
+pub(crate) type PageRelease = (u64, u64, Vec<(u64, ChunkId)>);
+
+fn pool_index(pool: PoolKind) -> usize {
+    match pool {
+        PoolKind::Small => 0,
+        PoolKind::Large => 1,
+    }
+}
+
+impl ShardState {
+    /// The base of this shard's expandable segment of `pool`, if made.
+    pub fn expandable_base(&self, pool: PoolKind) -> Option<u64> {
+        self.expandable_bases[pool_index(pool)]
+    }
+
+    /// Registers a new expandable segment over the reservation `[base, base + reserved)`: one
+    /// unmapped block.
+    pub fn add_expandable(&mut self, base: u64, reserved: u64, pool: PoolKind, page: u64) {
+        let id = self.blocks.insert(Block {
+            ptr: base,
+            size: reserved,
+            requested: 0,
+            pool,
+            state: BlockState::Unmapped,
+            prev: None,
+            next: None,
+            segment: base,
+            stream_uses: Vec::new(),
+            pending_events: 0,
+            freed_at: self.tick,
+        });
+        self.segments.insert(
+            base,
+            SegmentInfo {
+                size: reserved,
+                pool,
+                head: id,
+            },
+        );
+        self.expandable.insert(
+            base,
+            ExpandablePages {
+                page,
+                chunks: BTreeMap::new(),
+            },
+        );
+        self.expandable_bases[pool_index(pool)] = Some(base);
+        stats::increase(&mut self.stats.segment, pool, 1);
+    }
+
+    /// Where to map pages so that a request of `rounded` bytes fits: (address, length) — at the
+    /// start of the lowest unmapped block that can hold it with the free block before it.
+    pub fn growth_plan(&self, pool: PoolKind, rounded: u64) -> Option<(u64, u64)> {
+        let base = self.expandable_base(pool)?;
+        let page = self.expandable.get(&base)?.page;
+        let mut at = Some(self.segments.get(&base)?.head);
+        while let Some(id) = at {
+            let b = &self.blocks[id];
+            if b.state == BlockState::Unmapped {
+                let before = b
+                    .prev
+                    .map(|p| &self.blocks[p])
+                    .filter(|p| p.state == BlockState::Free)
+                    .map_or(0, |p| p.size);
+                let need = rounded.saturating_sub(before);
+                let len = need.div_ceil(page).max(1) * page;
+                if len <= b.size {
+                    return Some((b.ptr, len));
+                }
+            }
+            at = b.next;
+        }
+        None
+    }
+
+    /// Records pages mapped at `[addr, addr + len)` (planned by [`Self::growth_plan`]): the
+    /// start of that unmapped block becomes free memory (merged with a free block before it).
+    pub fn commit_growth(&mut self, addr: u64, len: u64, chunks: Vec<(u64, ChunkId)>) {
+        let Some(id) = self.block_at(addr) else {
+            return;
+        };
+        let segment = self.blocks[id].segment;
+        if let Some(pages) = self.expandable.get_mut(&segment) {
+            pages.chunks.extend(chunks);
+        }
+        let pool = self.blocks[id].pool;
+        if self.blocks[id].size > len {
+            self.split_off(id, len, BlockState::Unmapped);
+        }
+        let s = &mut self.stats;
+        stats::increase(&mut s.reserved_bytes, pool, len);
+        s.num_device_alloc += 1;
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Free;
+        b.freed_at = self.tick;
+        self.merge_free(id);
+    }
+
+    /// Unmaps the whole pages inside free blocks of expandable segments that satisfy `select`,
+    /// until `enough(bytes)`; returns the pages for the caller to give back to the driver.
+    pub fn take_free_pages(
+        &mut self,
+        select: impl Fn(&Block) -> bool,
+        enough: impl Fn(u64) -> bool,
+    ) -> Vec<PageRelease> {
+        let candidates: Vec<BlockId> = self
+            .free_small
+            .iter()
+            .chain(self.free_large.iter())
+            .map(|&(_, _, id)| id)
+            .filter(|&id| {
+                let b = &self.blocks[id];
+                self.expandable.contains_key(&b.segment) && select(b)
+            })
+            .collect();
+        let mut released = Vec::new();
+        let mut freed = 0u64;
+        for id in candidates {
+            if enough(freed) {
+                break;
+            }
+            let (ptr, size, segment) = {
+                let b = &self.blocks[id];
+                (b.ptr, b.size, b.segment)
+            };
+            let Some(page) = self.expandable.get(&segment).map(|p| p.page) else {
+                continue;
+            };
+            let first = segment + (ptr - segment).div_ceil(page) * page;
+            let last = segment + (ptr + size - segment) / page * page;
+            if first >= last {
+                continue;
+            }
+            self.remove_free(id);
+            // [ptr, first) stays free; [first, last) is unmapped; [last, end) stays free.
+            let mut middle = id;
+            if first > ptr {
+                middle = self.split_off(id, first - ptr, BlockState::Free);
+                self.insert_free(id);
+            }
+            if last < ptr + size {
+                let tail = self.split_off(middle, last - first, BlockState::Free);
+                self.insert_free(tail);
+            }
+            let pool = self.blocks[middle].pool;
+            self.blocks[middle].state = BlockState::Unmapped;
+            self.merge_unmapped(middle);
+            let chunks: Vec<(u64, ChunkId)> = match self.expandable.get_mut(&segment) {
+                Some(pages) => {
+                    let keys: Vec<u64> = pages.chunks.range(first..last).map(|(&a, _)| a).collect();
+                    keys.into_iter()
+                        .filter_map(|a| pages.chunks.remove(&a).map(|c| (a, c)))
+                        .collect()
+                }
+                None => Vec::new(),
+            };
+            let s = &mut self.stats;
+            stats::decrease(&mut s.reserved_bytes, pool, last - first);
+            s.num_device_free += 1;
+            freed += last - first;
+            released.push((first, last - first, chunks));
+        }
+        released
+    }
+
+    /// Removes the expandable segments that are wholly unmapped (shard teardown); returns their
+    /// bases for the caller to free the reservations.
+    pub fn take_empty_expandable(&mut self) -> Vec<u64> {
+        let empty: Vec<u64> = self
+            .expandable
+            .keys()
+            .copied()
+            .filter(|base| {
+                self.segments.get(base).is_some_and(|seg| {
+                    let head = &self.blocks[seg.head];
+                    head.state == BlockState::Unmapped && head.next.is_none()
+                })
+            })
+            .collect();
+        for base in &empty {
+            if let Some(seg) = self.segments.remove(base) {
+                self.blocks.remove(seg.head);
+                stats::decrease(&mut self.stats.segment, seg.pool, 1);
+                self.expandable_bases[pool_index(seg.pool)] = None;
+            }
+            self.expandable.remove(base);
+        }
+        empty
+    }
+
+    /// The free block holding `addr` after a growth, cut to exactly `rounded` bytes from its start
+    /// (the rest stays free), ready for `allocate`.
+    pub fn grown_block(&mut self, addr: u64, rounded: u64) -> Option<BlockId> {
+        let (&base, seg) = self.segments.range(..=addr).next_back()?;
+        let mut at = Some(seg.head);
+        while let Some(id) = at {
+            let b = &self.blocks[id];
+            if b.segment == base && b.ptr <= addr && addr < b.ptr + b.size {
+                if b.state != BlockState::Free || b.size < rounded {
+                    return None;
+                }
+                if b.size > rounded {
+                    self.remove_free(id);
+                    let rest = self.split_off(id, rounded, BlockState::Free);
+                    self.insert_free(rest);
+                    self.insert_free(id);
+                }
+                return Some(id);
+            }
+            at = b.next;
+        }
+        None
+    }
+
+    /// The block starting at `addr`, if any.
+    fn block_at(&self, addr: u64) -> Option<BlockId> {
+        let (&base, seg) = self.segments.range(..=addr).next_back()?;
+        let mut at = Some(seg.head);
+        while let Some(id) = at {
+            let b = &self.blocks[id];
+            if b.ptr == addr && b.segment == base {
+                return Some(id);
+            }
+            at = b.next;
+        }
+        None
+    }
+
+    /// Splits `len` bytes off the front of block `id`; the rest becomes a new block in `state`
+    /// (not put in any pool), returned.
+    fn split_off(&mut self, id: BlockId, len: u64, state: BlockState) -> BlockId {
+        let b = &self.blocks[id];
+        let rest = Block {
+            ptr: b.ptr + len,
+            size: b.size - len,
+            requested: 0,
+            pool: b.pool,
+            state,
+            prev: Some(id),
+            next: b.next,
+            segment: b.segment,
+            stream_uses: Vec::new(),
+            pending_events: 0,
+            freed_at: b.freed_at,
+        };
+        let rest_id = self.blocks.insert(rest);
+        if let Some(next) = self.blocks[rest_id].next {
+            self.blocks[next].prev = Some(rest_id);
+        }
+        let b = &mut self.blocks[id];
+        b.next = Some(rest_id);
+        b.size = len;
+        rest_id
+    }
+
+    /// Merges unmapped block `id` with unmapped neighbours.
+    fn merge_unmapped(&mut self, id: BlockId) {
+        let mut id = id;
+        if let Some(prev) = self.blocks[id]
+            .prev
+            .filter(|&p| self.blocks[p].state == BlockState::Unmapped)
+        {
+            self.absorb_next(prev);
+            id = prev;
+        }
+        if self.blocks[id]
+            .next
+            .is_some_and(|n| self.blocks[n].state == BlockState::Unmapped)
+        {
+            self.absorb_next(id);
+        }
+    }
+
+    /// Block `id` takes over the block after it.
+    pub(super) fn absorb_next(&mut self, id: BlockId) {
+        let Some(next) = self.blocks[id].next else {
+            return;
+        };
+        let n = self.blocks.remove(next);
+        let b = &mut self.blocks[id];
+        b.size += n.size;
+        b.next = n.next;
+        if let Some(after) = n.next {
+            self.blocks[after].prev = Some(id);
+        }
+    }
+}
+
+/// Page size of expandable segments: the driver's granularity (2 MiB on CUDA). PyTorch maps in
+/// its segment sizes (2 MiB small, 20 MiB large); mapping in the smallest unit the driver allows
+/// keeps reserved memory within a page of what is allocated, which is the point of the feature.
+fn page_size(granularity: u64) -> u64 {
+    granularity.max(1)
+}
+
+impl DeviceCore {
+    /// The expandable miss path: maps just enough pages of the shard's expandable segment of
+    /// `pool` (made on first use) for `rounded` bytes, then allocates from it. `Ok(None)` when the
+    /// device (or the memory fraction, or the reservation) has no room.
+    pub(super) fn grow_expandable(
+        &self,
+        shard: &Shard,
+        pool: PoolKind,
+        rounded: u64,
+        requested: u64,
+        cause: &mut Option<String>,
+    ) -> Result<Option<Allocated>> {
+        let mut st = shard.state.lock();
+        if st.expandable_base(pool).is_none() {
+            let granularity = self.driver.vm_granularity(self.device)?;
+            let page = page_size(granularity);
+            let reserved = self.capacity.div_ceil(page).max(1) * page;
+            let base = self.driver.vm_reserve(self.device, reserved)?;
+            st.add_expandable(base.0, reserved, pool, page);
+        }
+        let Some((addr, len)) = st.growth_plan(pool, rounded) else {
+            *cause =
+                Some("no room left in the address range reserved for this stream's memory".into());
+            return Ok(None);
+        };
+        let limit = self.fraction().map_or(u64::MAX, |(_, allowed)| allowed);
+        if self
+            .reserved
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
+                r.checked_add(len).filter(|&n| n <= limit)
+            })
+            .is_err()
+        {
+            return Ok(None);
+        }
+        let page = st
+            .expandable_base(pool)
+            .and_then(|b| st.expandable.get(&b))
+            .map_or(len, |p| p.page);
+        let mut mapped: Vec<(u64, ChunkId)> = Vec::new();
+        let mut failure = None;
+        for at in (addr..addr + len).step_by(page as usize) {
+            let step = self
+                .driver
+                .vm_create_chunk(self.device, page)
+                .and_then(|chunk| match self.driver.vm_map(DeviceAddr(at), chunk) {
+                    Ok(()) => Ok(chunk),
+                    Err(err) => {
+                        let _ = self.driver.vm_release_chunk(chunk);
+                        Err(err)
+                    }
+                });
+            match step {
+                Ok(chunk) => mapped.push((at, chunk)),
+                Err(err) => {
+                    failure = Some(err);
+                    break;
+                }
+            }
+        }
+        if let Some(err) = failure {
+            // Give back what was mapped of this step; the request fails as out of memory (or
+            // with the driver's error).
+            for &(at, chunk) in &mapped {
+                let _ = self.driver.vm_unmap(DeviceAddr(at), page);
+                let _ = self.driver.vm_release_chunk(chunk);
+            }
+            self.reserved.fetch_sub(len, Ordering::SeqCst);
+            return match err {
+                Error::OutOfMemory { message, .. } => {
+                    *cause = Some(message);
+                    Ok(None)
+                }
+                other => Err(other),
+            };
+        }
+        st.commit_growth(addr, len, mapped);
+        // The grown free block was made for this request: take it even where best fit's oversize
+        // rules would refuse it (its remainder can be unmapped again, so splitting is harmless).
+        let id = match st.find_fit(pool, rounded, &self.config) {
+            Some(id) => id,
+            None => st.grown_block(addr, rounded).ok_or_else(|| {
+                Error::invalid("an expandable segment grew but holds no free block for the request")
+            })?,
+        };
+        let id = st.allocate(id, rounded, requested, &self.config);
+        let ptr = st.blocks[id].ptr;
+        self.verify(&st);
+        drop(st);
+        self.callbacks.observers.segment(SegmentEvent {
+            change: SegmentChange::Map,
+            device: self.device,
+            base: DeviceAddr(addr),
+            size: len,
+            stream: shard.stream,
+        });
+        self.trace.record(
+            TraceAction::SegmentAlloc,
+            self.device,
+            addr,
+            len,
+            shard.stream,
+        );
+        self.trace
+            .record(TraceAction::Alloc, self.device, ptr, rounded, shard.stream);
+        Ok(Some(Allocated { block: id, ptr }))
+    }
+
+    /// Unmaps pages taken by [`ShardState::take_free_pages`] (outside every shard lock).
+    pub(super) fn free_pages(&self, stream: StreamId, pages: Vec<PageRelease>) {
+        for (addr, len, chunks) in pages {
+            self.callbacks.observers.segment(SegmentEvent {
+                change: SegmentChange::Unmap,
+                device: self.device,
+                base: DeviceAddr(addr),
+                size: len,
+                stream,
+            });
+            let page = if chunks.is_empty() {
+                len
+            } else {
+                len / chunks.len() as u64
+            };
+            for (at, chunk) in chunks {
+                if let Err(err) = self
+                    .driver
+                    .vm_unmap(DeviceAddr(at), page)
+                    .and_then(|()| self.driver.vm_release_chunk(chunk))
+                {
+                    tracing::error!(%err, at, "unmapping a page of an expandable segment failed");
+                }
+            }
+            self.reserved.fetch_sub(len, Ordering::SeqCst);
+            self.trace
+                .record(TraceAction::SegmentFree, self.device, addr, len, stream);
+        }
+    }
+
+    /// Gives back every free page of `shard`'s expandable segments (the release paths).
+    pub(super) fn release_pages(&self, shard: &Shard, enough: impl Fn(u64) -> bool) -> u64 {
+        let pages = {
+            let mut st = shard.state.lock();
+            let pages = st.take_free_pages(|_| true, enough);
+            self.verify(&st);
+            pages
+        };
+        let freed = pages.iter().map(|p| p.1).sum();
+        self.free_pages(shard.stream, pages);
+        freed
+    }
+}

@@ -1,0 +1,150 @@
+//! Expandable segments (`expandable_segments:True`): growth in pages, whole free pages given back,
+//! the snapshot and the observers, on every backend present (the CUDA backend uses the driver's
+//! virtual memory: on a GPU, or on the contract double in CI).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use cudalloc::alloc::{SegmentChange, SegmentEvent};
+
+const MIB: u64 = 1 << 20;
+
+/// A checked runtime with exactly `conf` (whatever the run's test settings are).
+fn runtime(driver: Arc<dyn cudalloc::Driver>, conf: &str) -> Arc<cudalloc::Runtime> {
+    Arc::new(
+        cudalloc::Runtime::builder()
+            .config(cudalloc::AllocatorConfig::parse(conf).unwrap())
+            .check_invariants(true)
+            .build(driver)
+            .unwrap(),
+    )
+}
+
+fn reserved(a: &cudalloc::Runtime) -> u64 {
+    a.reserved_bytes(0).unwrap()
+}
+
+#[test]
+fn grows_in_pages_and_gives_whole_free_pages_back() {
+    for b in backends("grows_in_pages_and_gives_whole_free_pages_back") {
+        let a = runtime(b.driver.clone(), "expandable_segments:True");
+        let page = b.driver.vm_granularity(0).unwrap();
+        assert_eq!(page, 2 * MIB, "{}", b.name);
+        let maps: Arc<Mutex<Vec<SegmentEvent>>> = Arc::default();
+        let log = maps.clone();
+        a.register_segment_observer(Arc::new(move |e: &SegmentEvent| {
+            log.lock().unwrap().push(*e)
+        }));
+
+        let x = a.allocate(0, 3 * MIB).unwrap();
+        assert_eq!(reserved(&a), 4 * MIB, "{}: two pages", b.name);
+        // The 1 MiB left free is grown into: 4 more MiB make room for 5 MiB after it.
+        let y = a.allocate(0, 5 * MIB).unwrap();
+        assert_eq!(reserved(&a), 8 * MIB, "{}", b.name);
+        assert_eq!(
+            y.ptr().0,
+            x.ptr().0 + 3 * MIB,
+            "{}: contiguous in one segment",
+            b.name
+        );
+        // Data across page boundaries works like any memory.
+        let s = a.default_stream(0).unwrap();
+        b.driver.fill_pattern(s, y.ptr(), 5 * MIB, 9).unwrap();
+        assert_eq!(
+            b.driver
+                .count_pattern_mismatches(s, y.ptr(), 5 * MIB, 9)
+                .unwrap(),
+            0
+        );
+        let snap = a.snapshot();
+        assert_eq!(snap.segments.len(), 1, "{}", b.name);
+        assert!(snap.segments[0].is_expandable);
+        assert_eq!(snap.segments[0].total_size, 8 * MIB);
+
+        drop(x);
+        a.empty_cache();
+        // [0, 3 MiB) is free: its one whole page goes back; the rest of it stays mapped.
+        assert_eq!(reserved(&a), 6 * MIB, "{}", b.name);
+        drop(y);
+        a.empty_cache();
+        assert_eq!(reserved(&a), 0, "{}: every page back", b.name);
+        assert!(a.snapshot().segments.is_empty(), "{}", b.name);
+        let events = maps.lock().unwrap().clone();
+        let mapped: u64 = events
+            .iter()
+            .filter(|e| e.change == SegmentChange::Map)
+            .map(|e| e.size)
+            .sum();
+        let unmapped: u64 = events
+            .iter()
+            .filter(|e| e.change == SegmentChange::Unmap)
+            .map(|e| e.size)
+            .sum();
+        assert_eq!(
+            (mapped, unmapped),
+            (8 * MIB, 8 * MIB),
+            "{}: {events:?}",
+            b.name
+        );
+        a.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn fragmentation_that_strands_whole_segments_costs_expandable_segments_less_than_a_page_per_hole() {
+    // Free every other 3 MiB block, then ask for 5 MiB blocks: whole segments keep the holes
+    // (each 3 MiB hole is too small) and allocate more; an expandable segment maps only what
+    // the new blocks need beyond the holes it can merge.
+    for b in backends("fragmentation_that_strands_whole_segments") {
+        let run = |conf: &str| {
+            let a = runtime(b.driver.clone(), conf);
+            let mut keep = Vec::new();
+            let mut drop_later = Vec::new();
+            for i in 0..8 {
+                let block = a.allocate(0, 3 * MIB).unwrap();
+                if i % 2 == 0 {
+                    keep.push(block)
+                } else {
+                    drop_later.push(block)
+                }
+            }
+            drop(drop_later);
+            let big: Vec<_> = (0..4).map(|_| a.allocate(0, 5 * MIB).unwrap()).collect();
+            a.empty_cache();
+            let allocated = a.memory_stats(0).unwrap().allocated_bytes[0].current as u64;
+            let held = reserved(&a);
+            drop((keep, big));
+            (allocated, held)
+        };
+        let (allocated, whole) = run("");
+        let (allocated_e, expandable) = run("expandable_segments:True");
+        assert_eq!(allocated, allocated_e);
+        println!("{}: allocated {allocated}, reserved with whole segments {whole}, expandable {expandable}", b.name);
+        // Four 3 MiB holes stay (too small for 5 MiB); each keeps at most one partial page mapped.
+        assert!(
+            expandable < allocated + 4 * 2 * MIB,
+            "{}: {expandable} reserved for {allocated}",
+            b.name
+        );
+        assert!(
+            expandable < whole,
+            "{}: expandable {expandable} vs whole {whole}",
+            b.name
+        );
+    }
+}
+
+#[test]
+fn sharing_expandable_memory_is_refused_clearly_for_now() {
+    let a = runtime(test_driver(), "expandable_segments:True");
+    let s = cudalloc::Storage::new(&a, 0, MIB).unwrap();
+    let err = s.share_ipc().unwrap_err();
+    assert_eq!(err.kind(), cudalloc::ErrorKind::InvalidArgument);
+    assert!(err.to_string().contains("expandable"), "{err}");
+    // The storage is untouched and usable.
+    s.fill_pattern(1).unwrap();
+    assert_eq!(s.count_pattern_mismatches(1).unwrap(), 0);
+}
