@@ -17,7 +17,6 @@ mod common;
 mod cubecl_peer;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
-use cudalloc::driver::pattern;
 use cudalloc::{DataPtr, DeviceAddr, Driver, Runtime};
 
 const MIB: u64 = 1 << 20;
@@ -68,30 +67,6 @@ fn pair(c: &mut Criterion) {
     g.finish();
 }
 
-/// One step of the RMM trace: `Some(size)` to allocate, `None` to free the live allocation at
-/// `victim % live`.
-fn trace(max: u64, n: usize) -> Vec<(Option<u64>, u64)> {
-    let mut out = Vec::with_capacity(n);
-    let mut live_bytes = Vec::new();
-    let mut total = 0u64;
-    for i in 0..n as u64 {
-        let r = pattern::word(0x5EED, i);
-        let size = 1 + pattern::word(0xB17E, i) % max;
-        let allocate = (r % 100) < 73 || live_bytes.is_empty();
-        if allocate && total + size <= 1 << 30 {
-            live_bytes.push(size);
-            total += size;
-            out.push((Some(size), 0));
-        } else if !live_bytes.is_empty() {
-            let victim = pattern::word(0xF4EE, i);
-            let idx = (victim % live_bytes.len() as u64) as usize;
-            total -= live_bytes.swap_remove(idx);
-            out.push((None, victim));
-        }
-    }
-    out
-}
-
 fn replay<T>(
     steps: &[(Option<u64>, u64)],
     mut alloc: impl FnMut(u64) -> T,
@@ -123,7 +98,7 @@ fn random_trace(c: &mut Criterion) {
         (4 * MIB, 100_000),
         (64 * MIB, 100_000),
     ] {
-        let steps = trace(max, n);
+        let steps = common::rmm_trace(max, n);
         let id = format!("{}MiB-{n}", max / MIB);
         let mut peak_reserved = 0;
         g.bench_function(BenchmarkId::new("cudalloc", &id), |b| {

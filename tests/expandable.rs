@@ -148,3 +148,64 @@ fn sharing_expandable_memory_is_refused_clearly_for_now() {
     s.fill_pattern(1).unwrap();
     assert_eq!(s.count_pattern_mismatches(1).unwrap(), 0);
 }
+
+#[test]
+fn threads_growing_freeing_and_emptying_the_cache_at_once_keep_every_byte() {
+    // Four threads allocate, write, verify and free on one stream (one shard, one expandable
+    // segment) while a fifth empties the cache: pages are given back and grown into concurrently.
+    for b in backends("threads_growing_freeing_and_emptying_the_cache_at_once") {
+        let a = runtime(b.driver.clone(), "expandable_segments:True");
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let emptier = {
+            let (a, stop) = (a.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    a.empty_cache();
+                    std::thread::yield_now();
+                }
+            })
+        };
+        let workers: Vec<_> = (0..4u64)
+            .map(|t| {
+                let a = a.clone();
+                std::thread::spawn(move || {
+                    let s = a.default_stream(0).unwrap();
+                    let d = a.driver().clone();
+                    let mut held = Vec::new();
+                    for i in 0..60u64 {
+                        // At most 5 held blocks of at most 2 MiB per thread: within the 64 MiB.
+                        let size = 1 + cudalloc::driver::pattern::word(t, i) % (2 * MIB);
+                        let block = a.allocate(0, size).unwrap();
+                        let seed = t * 1000 + i;
+                        d.fill_pattern(s, block.ptr(), size, seed).unwrap();
+                        held.push((block, size, seed));
+                        if held.len() > 4 {
+                            let (block, size, seed) = held.remove((i % 4) as usize);
+                            assert_eq!(
+                                d.count_pattern_mismatches(s, block.ptr(), size, seed)
+                                    .unwrap(),
+                                0
+                            );
+                            drop(block);
+                        }
+                    }
+                    for (block, size, seed) in held {
+                        assert_eq!(
+                            d.count_pattern_mismatches(s, block.ptr(), size, seed)
+                                .unwrap(),
+                            0
+                        );
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        emptier.join().unwrap();
+        a.empty_cache();
+        assert_eq!(reserved(&a), 0, "{}", b.name);
+        a.check_invariants().unwrap();
+    }
+}

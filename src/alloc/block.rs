@@ -7,6 +7,7 @@
 //! | `Free`         | yes                    | `inactive_split` if its segment is split | `Allocated` (best fit, maybe split), released with its segment |
 //! | `Allocated`    | no                     | `allocation`, `active`, `allocated_bytes` | `Free`, or `PendingFree` if used by other streams |
 //! | `PendingFree`  | no                     | `active` (waiting for stream events)     | `Free` when its last event completes |
+//! | `Releasing`    | no                     | nothing (expandable segments only)       | `Unmapped` once the driver unmapped its pages |
 //! | `Unmapped`     | no                     | nothing (expandable segments only)       | `Free` when pages are mapped over it (`expandable.rs`) |
 //!
 //! Invariants (checked by the scanner in `shard.rs`): blocks tile their segment exactly; no two
@@ -25,6 +26,9 @@ pub(crate) enum BlockState {
     Free,
     Allocated,
     PendingFree,
+    /// Whole free pages of an expandable segment on their way back to the driver: neither
+    /// allocated from nor mapped over until the unmap is done (`expandable.rs`).
+    Releasing,
     /// Address space of an expandable segment with no memory mapped (`expandable.rs`).
     Unmapped,
 }

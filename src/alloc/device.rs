@@ -449,7 +449,7 @@ impl DeviceCore {
             };
             any |= !taken.is_empty();
             self.free_segments(shard.stream, taken);
-            any |= self.release_pages(&shard, |_| false) > 0;
+            any |= self.release_pages(&shard, |_| true, |_| false) > 0;
         }
         any
     }
@@ -480,7 +480,7 @@ impl DeviceCore {
                 .map(|s| s.1)
                 .sum::<u64>();
             let so_far = freed;
-            freed += self.release_pages(&shard, |f| f + so_far >= target);
+            freed += self.release_pages(&shard, |_| true, |f| f + so_far >= target);
             if freed >= target {
                 break;
             }

@@ -189,8 +189,9 @@ impl ShardState {
                 self.insert_free(tail);
             }
             let pool = self.blocks[middle].pool;
-            self.blocks[middle].state = BlockState::Unmapped;
-            self.merge_unmapped(middle);
+            // Unmapped only once the driver has unmapped the pages (`finish_release`): until
+            // then nothing may allocate from them or map over them.
+            self.blocks[middle].state = BlockState::Releasing;
             let chunks: Vec<(u64, ChunkId)> = match self.expandable.get_mut(&segment) {
                 Some(pages) => {
                     let keys: Vec<u64> = pages.chunks.range(first..last).map(|(&a, _)| a).collect();
@@ -207,6 +208,16 @@ impl ShardState {
             released.push((first, last - first, chunks));
         }
         released
+    }
+
+    /// The pages at `[addr, addr + len)` (taken by [`Self::take_free_pages`]) are unmapped now.
+    pub fn finish_release(&mut self, addr: u64) {
+        if let Some(id) = self.block_at(addr) {
+            if self.blocks[id].state == BlockState::Releasing {
+                self.blocks[id].state = BlockState::Unmapped;
+                self.merge_unmapped(id);
+            }
+        }
     }
 
     /// Removes the expandable segments that are wholly unmapped (shard teardown); returns their
@@ -256,6 +267,13 @@ impl ShardState {
             at = b.next;
         }
         None
+    }
+
+    /// The address of the free block right before the unmapped block starting at `addr`.
+    pub fn block_before_unmapped(&self, addr: u64) -> Option<u64> {
+        let id = self.block_at(addr)?;
+        let prev = self.blocks[id].prev?;
+        (self.blocks[prev].state == BlockState::Free).then_some(self.blocks[prev].ptr)
     }
 
     /// The block starting at `addr`, if any.
@@ -355,13 +373,30 @@ impl DeviceCore {
         if st.expandable_base(pool).is_none() {
             let granularity = self.driver.vm_granularity(self.device)?;
             let page = page_size(granularity);
-            let reserved = self.capacity.div_ceil(page).max(1) * page;
+            // Twice the device's memory: address space is cheap, and the slack keeps holes in the
+            // range from exhausting it before the memory itself runs out.
+            let reserved = self.capacity.saturating_mul(2).div_ceil(page).max(1) * page;
             let base = self.driver.vm_reserve(self.device, reserved)?;
             st.add_expandable(base.0, reserved, pool, page);
         }
+        let full = "no room left in the address range reserved for this stream's memory";
         let Some((addr, len)) = st.growth_plan(pool, rounded) else {
-            *cause =
-                Some("no room left in the address range reserved for this stream's memory".into());
+            *cause = Some(full.into());
+            return Ok(None);
+        };
+        // Beyond PyTorch: before mapping new pages, give back the whole free pages the segment
+        // holds elsewhere (holes no request has filled), so reserved memory tracks what is in
+        // use. Only on this miss path, never per free. The free block the plan grows from stays.
+        let keep = st.block_before_unmapped(addr);
+        drop(st);
+        self.release_pages(
+            shard,
+            |b| Some(b.ptr) != keep && b.pool == pool,
+            |f| f >= len,
+        );
+        let mut st = shard.state.lock();
+        let Some((addr, len)) = st.growth_plan(pool, rounded) else {
+            *cause = Some(full.into());
             return Ok(None);
         };
         let limit = self.fraction().map_or(u64::MAX, |(_, allowed)| allowed);
@@ -477,16 +512,32 @@ impl DeviceCore {
         }
     }
 
-    /// Gives back every free page of `shard`'s expandable segments (the release paths).
-    pub(super) fn release_pages(&self, shard: &Shard, enough: impl Fn(u64) -> bool) -> u64 {
+    /// Gives back the free pages of `shard`'s expandable segments that `select` picks, until
+    /// `enough`: taken under the shard's lock (marked releasing), unmapped without it (observers
+    /// told first), then marked unmapped under the lock again.
+    pub(super) fn release_pages(
+        &self,
+        shard: &Shard,
+        select: impl Fn(&super::block::Block) -> bool,
+        enough: impl Fn(u64) -> bool,
+    ) -> u64 {
         let pages = {
             let mut st = shard.state.lock();
-            let pages = st.take_free_pages(|_| true, enough);
+            let pages = st.take_free_pages(select, enough);
             self.verify(&st);
             pages
         };
+        if pages.is_empty() {
+            return 0;
+        }
         let freed = pages.iter().map(|p| p.1).sum();
+        let starts: Vec<u64> = pages.iter().map(|p| p.0).collect();
         self.free_pages(shard.stream, pages);
+        let mut st = shard.state.lock();
+        for addr in starts {
+            st.finish_release(addr);
+        }
+        self.verify(&st);
         freed
     }
 }

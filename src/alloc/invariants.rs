@@ -60,17 +60,18 @@ impl ShardState {
                 }
                 let free = b.state == BlockState::Free;
                 let unmapped = b.state == BlockState::Unmapped;
+                let releasing = b.state == BlockState::Releasing;
                 if (free && prev_free) || (unmapped && prev_unmapped) {
                     return Err(format!(
                         "segment {base:#x}: neighbouring free (or unmapped) blocks were not merged at {id}"
                     ));
                 }
-                if unmapped && !self.expandable.contains_key(&base) {
+                if (unmapped || releasing) && !self.expandable.contains_key(&base) {
                     return Err(format!(
                         "segment {base:#x}: unmapped block {id} in a whole segment"
                     ));
                 }
-                if !unmapped {
+                if !unmapped && !releasing {
                     mapped += b.size;
                 }
                 prev_unmapped = unmapped;
@@ -171,7 +172,7 @@ impl Recount {
                     bump(&mut self.inactive_split_bytes, pool, size);
                 }
             }
-            BlockState::Unmapped => {}
+            BlockState::Unmapped | BlockState::Releasing => {}
         }
     }
 

@@ -513,7 +513,11 @@ impl Drop for Shard {
         );
         self.core.free_segments(self.stream, taken);
         let pages = st.take_free_pages(|_| true, |_| false);
+        let starts: Vec<u64> = pages.iter().map(|p| p.0).collect();
         self.core.free_pages(self.stream, pages);
+        for addr in starts {
+            st.finish_release(addr);
+        }
         for base in st.take_empty_expandable() {
             if let Err(err) = self
                 .core

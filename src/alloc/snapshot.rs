@@ -220,7 +220,7 @@ pub(crate) fn shard_segments(
                 BlockState::PendingFree => SnapshotBlockState::ActivePendingFree,
                 BlockState::Free => SnapshotBlockState::Inactive,
                 // Address space without memory is not part of the segment's blocks.
-                BlockState::Unmapped => {
+                BlockState::Unmapped | BlockState::Releasing => {
                     at = b.next;
                     continue;
                 }
