@@ -43,12 +43,25 @@ fn glibc_free(p: *mut libc::c_void) {
 fn pair(c: &mut Criterion) {
     let d = driver();
     let a = allocator(&d);
+    let expandable = Arc::new(
+        Runtime::new(
+            d.clone(),
+            cudalloc::AllocatorConfig::parse("expandable_segments:True").unwrap(),
+        )
+        .unwrap(),
+    );
     let mut g = c.benchmark_group("pair");
     for size in [512u64, 64 << 10, MIB, 16 * MIB, 64 * MIB] {
         drop(a.allocate(0, size).unwrap()); // warm the cache
+        drop(expandable.allocate(0, size).unwrap());
         g.bench_with_input(BenchmarkId::new("cudalloc", size), &size, |b, &s| {
             b.iter(|| black_box(a.allocate(0, s).unwrap()))
         });
+        g.bench_with_input(
+            BenchmarkId::new("cudalloc-expandable", size),
+            &size,
+            |b, &s| b.iter(|| black_box(expandable.allocate(0, s).unwrap())),
+        );
         g.bench_with_input(BenchmarkId::new("glibc", size), &size, |b, &s| {
             b.iter(|| glibc_free(black_box(glibc_malloc(s))))
         });
