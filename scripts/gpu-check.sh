@@ -75,6 +75,13 @@ for exe in "$bin_dir"/*; do
   fi
   grep -E 'panicked|FAILED|test result' "$log" | sed 's/^/  /'
 done
+# The allocator suites again with expandable segments (the GPU's virtual-memory API).
+for suite in allocator_pytorch allocator_policy allocator_properties allocator_stress cow expandable; do
+  exe="$bin_dir/$suite"
+  [ -x "$exe" ] || continue
+  if ! CUDALLOC_TEST_EXPANDABLE=1 "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi
+  grep -E 'test result' "$log" | sed "s/^/  $suite (expandable): /"
+done
 rm -f "$log"
 # PyTorch side: torch's caching allocator pair and CUDA IPC round trip beside ours, same run.
 median_ns() { # criterion's "time: [lo median hi]" line -> median in ns
