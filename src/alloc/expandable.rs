@@ -290,33 +290,6 @@ impl ShardState {
         None
     }
 
-    /// Splits `len` bytes off the front of block `id`; the rest becomes a new block in `state`
-    /// (not put in any pool), returned.
-    fn split_off(&mut self, id: BlockId, len: u64, state: BlockState) -> BlockId {
-        let b = &self.blocks[id];
-        let rest = Block {
-            ptr: b.ptr + len,
-            size: b.size - len,
-            requested: 0,
-            pool: b.pool,
-            state,
-            prev: Some(id),
-            next: b.next,
-            segment: b.segment,
-            stream_uses: Vec::new(),
-            pending_events: 0,
-            freed_at: b.freed_at,
-        };
-        let rest_id = self.blocks.insert(rest);
-        if let Some(next) = self.blocks[rest_id].next {
-            self.blocks[next].prev = Some(rest_id);
-        }
-        let b = &mut self.blocks[id];
-        b.next = Some(rest_id);
-        b.size = len;
-        rest_id
-    }
-
     /// Merges unmapped block `id` with unmapped neighbours.
     fn merge_unmapped(&mut self, id: BlockId) {
         let mut id = id;

@@ -179,28 +179,9 @@ impl ShardState {
         self.remove_free(id);
         let (pool, block_size) = (self.blocks[id].pool, self.blocks[id].size);
         if size::should_split(pool, block_size, rounded, config) {
-            let b = &self.blocks[id];
-            let rest = Block {
-                ptr: b.ptr + rounded,
-                size: block_size - rounded,
-                requested: 0,
-                pool,
-                state: BlockState::Free,
-                prev: Some(id),
-                next: b.next,
-                segment: b.segment,
-                stream_uses: Vec::new(),
-                pending_events: 0,
-                freed_at: self.tick,
-            };
-            let rest_id = self.blocks.insert(rest);
-            if let Some(next) = self.blocks[rest_id].next {
-                self.blocks[next].prev = Some(rest_id);
-            }
-            let b = &mut self.blocks[id];
-            b.next = Some(rest_id);
-            b.size = rounded;
-            self.insert_free(rest_id);
+            let rest = self.split_off(id, rounded, BlockState::Free);
+            self.blocks[rest].freed_at = self.tick;
+            self.insert_free(rest);
         }
         self.tick += 1;
         let b = &mut self.blocks[id];
@@ -264,6 +245,33 @@ impl ShardState {
         if self.blocks[id].pending_events == 0 {
             self.finish_free(id);
         }
+    }
+
+    /// Splits `len` bytes off the front of block `id`; the rest becomes a new block in `state`
+    /// (not put in any pool), returned.
+    pub(super) fn split_off(&mut self, id: BlockId, len: u64, state: BlockState) -> BlockId {
+        let b = &self.blocks[id];
+        let rest = Block {
+            ptr: b.ptr + len,
+            size: b.size - len,
+            requested: 0,
+            pool: b.pool,
+            state,
+            prev: Some(id),
+            next: b.next,
+            segment: b.segment,
+            stream_uses: Vec::new(),
+            pending_events: 0,
+            freed_at: b.freed_at,
+        };
+        let rest_id = self.blocks.insert(rest);
+        if let Some(next) = self.blocks[rest_id].next {
+            self.blocks[next].prev = Some(rest_id);
+        }
+        let b = &mut self.blocks[id];
+        b.next = Some(rest_id);
+        b.size = len;
+        rest_id
     }
 
     /// Makes block `id` free: merges it with free neighbours and returns it to its pool.

@@ -327,6 +327,77 @@ pub trait Driver: Send + Sync + fmt::Debug {
     ) -> Result<ChunkId>;
 }
 
+/// The virtual-memory methods of [`Driver`], forwarded to a backend's inherent methods of the
+/// same meaning (`granularity`, `reserve`, `free_reservation`, `create_chunk`, `release_chunk`,
+/// `map`, `unmap`, `export_chunk`, `import_chunk`) — both backends implement them that way.
+macro_rules! forward_vm_methods {
+    () => {
+        fn vm_granularity(&self, device: usize) -> $crate::error::Result<u64> {
+            self.granularity(device)
+        }
+
+        fn vm_reserve(
+            &self,
+            device: usize,
+            size: u64,
+        ) -> $crate::error::Result<$crate::driver::DeviceAddr> {
+            self.reserve(device, size)
+        }
+
+        fn vm_free_reservation(
+            &self,
+            base: $crate::driver::DeviceAddr,
+        ) -> $crate::error::Result<()> {
+            self.free_reservation(base)
+        }
+
+        fn vm_create_chunk(
+            &self,
+            device: usize,
+            size: u64,
+        ) -> $crate::error::Result<$crate::driver::ChunkId> {
+            self.create_chunk(device, size)
+        }
+
+        fn vm_release_chunk(&self, chunk: $crate::driver::ChunkId) -> $crate::error::Result<()> {
+            self.release_chunk(chunk)
+        }
+
+        fn vm_map(
+            &self,
+            addr: $crate::driver::DeviceAddr,
+            chunk: $crate::driver::ChunkId,
+        ) -> $crate::error::Result<()> {
+            self.map(addr, chunk)
+        }
+
+        fn vm_unmap(
+            &self,
+            addr: $crate::driver::DeviceAddr,
+            size: u64,
+        ) -> $crate::error::Result<()> {
+            self.unmap(addr, size)
+        }
+
+        fn vm_export_chunk(
+            &self,
+            chunk: $crate::driver::ChunkId,
+        ) -> $crate::error::Result<std::os::fd::OwnedFd> {
+            self.export_chunk(chunk)
+        }
+
+        fn vm_import_chunk(
+            &self,
+            device: usize,
+            fd: std::os::fd::OwnedFd,
+            size: u64,
+        ) -> $crate::error::Result<$crate::driver::ChunkId> {
+            self.import_chunk(device, fd, size)
+        }
+    };
+}
+pub(crate) use forward_vm_methods;
+
 /// Which backend to use, from `CUDALLOC_BACKEND` (`auto`, `cuda`, `host`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]

@@ -7,8 +7,8 @@ use cudarc::driver::sys::{self, CUresult};
 
 use super::{check, CudaDriver, EventEntry, EventHandle, SegmentEntry, StreamEntry, StreamHandle};
 use crate::driver::{
-    ranges, Backend, ChunkId, DeviceAddr, Driver, EventFlags, EventId, IpcEventHandle,
-    IpcMemHandle, MemInfo, OpenedSegment, StreamId, IPC_HANDLE_SIZE,
+    ranges, Backend, DeviceAddr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle,
+    MemInfo, OpenedSegment, StreamId, IPC_HANDLE_SIZE,
 };
 use crate::error::{Error, Result};
 
@@ -614,44 +614,5 @@ impl Driver for CudaDriver {
         Ok(EventId(id))
     }
 
-    fn vm_granularity(&self, device: usize) -> Result<u64> {
-        self.granularity(device)
-    }
-
-    fn vm_reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
-        self.reserve(device, size)
-    }
-
-    fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()> {
-        self.free_reservation(base)
-    }
-
-    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<ChunkId> {
-        self.create_chunk(device, size)
-    }
-
-    fn vm_release_chunk(&self, chunk: ChunkId) -> Result<()> {
-        self.release_chunk(chunk)
-    }
-
-    fn vm_map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()> {
-        self.map(addr, chunk)
-    }
-
-    fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
-        self.unmap(addr, size)
-    }
-
-    fn vm_export_chunk(&self, chunk: ChunkId) -> Result<std::os::fd::OwnedFd> {
-        self.export_chunk(chunk)
-    }
-
-    fn vm_import_chunk(
-        &self,
-        device: usize,
-        fd: std::os::fd::OwnedFd,
-        size: u64,
-    ) -> Result<ChunkId> {
-        self.import_chunk(device, fd, size)
-    }
+    crate::driver::forward_vm_methods!();
 }
