@@ -42,7 +42,8 @@ fn clean(code: CuResult, expected: CuResult) {
 const PTX: &str = ".version 8.8\n.target sm_52\n.address_size 64\n\
     .visible .entry cudalloc_poison(\n.param .u64 p0,\n.param .u32 p1\n)\n{ ret; }\n\
     .visible .entry cudalloc_fill_pattern(\n.param .u64 a,\n.param .u64 b,\n.param .u64 c\n)\n{ ret; }\n\
-    .visible .entry mystery(\n.param .u64 a\n)\n{ ret; }\n\0";
+    .visible .entry mystery(\n.param .u64 a\n)\n{ ret; }\n\
+    .visible .entry cudalloc_sleep(\n.param .u64 n\n)\n{ ret; }\n\0";
 
 #[test]
 fn every_rule_is_enforced_and_outcomes_are_not_violations() {
@@ -383,6 +384,38 @@ fn every_rule_is_enforced_and_outcomes_are_not_violations() {
             codes::INVALID_VALUE,
             "whole mapped range",
         );
+        // Unmapping memory that queued work still uses: the stream is kept busy (the sleep
+        // kernel, as torch.cuda._sleep) so the memset behind it is still queued at the unmap.
+        let mut sleeper = null_mut();
+        clean(
+            cuModuleGetFunction(&mut sleeper, module, c"cudalloc_sleep".as_ptr()),
+            codes::SUCCESS,
+        );
+        let mut nanos = 300_000_000u64;
+        let mut sleep_args = [(&mut nanos as *mut u64).cast::<c_void>()];
+        clean(
+            cuLaunchKernel(
+                sleeper,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                stream,
+                sleep_args.as_mut_ptr(),
+                null_mut(),
+            ),
+            codes::SUCCESS,
+        );
+        clean(cuMemsetD8Async(base, 1, 16, stream), codes::SUCCESS);
+        violates(
+            cuMemUnmap(base, g),
+            codes::INVALID_VALUE,
+            "queued device work uses it",
+        );
+        clean(cuStreamSynchronize(stream), codes::SUCCESS);
         clean(cuMemUnmap(base, g), codes::SUCCESS);
         clean(cuMemRelease(chunk), codes::SUCCESS);
         violates(
