@@ -46,17 +46,14 @@ pub(crate) struct ExpandablePages {
 /// Pages to unmap: (address, length, the chunk of each page in it).
 pub(crate) type PageRelease = (u64, u64, Vec<(u64, ChunkId)>);
 
-fn pool_index(pool: PoolKind) -> usize {
-    match pool {
-        PoolKind::Small => 0,
-        PoolKind::Large => 1,
-    }
-}
-
 impl ShardState {
     /// The base of this shard's expandable segment of `pool`, if made.
     pub fn expandable_base(&self, pool: PoolKind) -> Option<u64> {
-        self.expandable_bases[pool_index(pool)]
+        // At most two expandable segments per shard (one per pool): a scan is the lookup.
+        self.expandable
+            .keys()
+            .copied()
+            .find(|base| self.segments.get(base).is_some_and(|s| s.pool == pool))
     }
 
     /// Registers a new expandable segment over the reservation `[base, base + reserved)`: one
@@ -90,7 +87,6 @@ impl ShardState {
                 chunks: BTreeMap::new(),
             },
         );
-        self.expandable_bases[pool_index(pool)] = Some(base);
         stats::increase(&mut self.stats.segment, pool, 1);
     }
 
@@ -150,10 +146,7 @@ impl ShardState {
         enough: impl Fn(u64) -> bool,
     ) -> Vec<PageRelease> {
         let candidates: Vec<BlockId> = self
-            .free_small
-            .iter()
-            .chain(self.free_large.iter())
-            .map(|&(_, _, id)| id)
+            .free_blocks()
             .filter(|&id| {
                 let b = &self.blocks[id];
                 self.expandable.contains_key(&b.segment) && select(b)
@@ -238,7 +231,6 @@ impl ShardState {
             if let Some(seg) = self.segments.remove(base) {
                 self.blocks.remove(seg.head);
                 stats::decrease(&mut self.stats.segment, seg.pool, 1);
-                self.expandable_bases[pool_index(seg.pool)] = None;
             }
             self.expandable.remove(base);
         }

@@ -47,10 +47,8 @@ pub(crate) struct ShardState {
     pub stats: DeviceStats,
     /// Allocations served so far (age clock of garbage collection).
     pub tick: u64,
-    /// The pages of each expandable segment, by base (`expandable.rs`).
+    /// The pages of each expandable segment (at most one per pool), by base (`expandable.rs`).
     pub expandable: HashMap<u64, super::expandable::ExpandablePages>,
-    /// The expandable segment of each pool (small, large), once made.
-    pub expandable_bases: [Option<u64>; 2],
 }
 
 /// The order in which [`ShardState::take_free_segments`] visits candidate segments.
@@ -91,6 +89,14 @@ impl ShardState {
                 stats::decrease(&mut s.inactive_split_bytes, pool, size);
             }
         }
+    }
+
+    /// Every free block, small pool first.
+    pub(super) fn free_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.free_small
+            .iter()
+            .chain(self.free_large.iter())
+            .map(|&(_, _, id)| id)
     }
 
     pub(super) fn insert_free(&mut self, id: BlockId) {
@@ -378,10 +384,7 @@ impl ShardState {
         enough: impl Fn(u64) -> bool,
     ) -> Vec<(u64, u64)> {
         let mut candidates: Vec<BlockId> = self
-            .free_small
-            .iter()
-            .chain(self.free_large.iter())
-            .map(|&(_, _, id)| id)
+            .free_blocks()
             .filter(|&id| {
                 let b = &self.blocks[id];
                 // Expandable segments give back pages, never the whole segment (`expandable.rs`).

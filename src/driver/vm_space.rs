@@ -80,6 +80,11 @@ impl<C> VmSpace<C> {
         Ok((base, r))
     }
 
+    /// The device of the reservation holding `addr`.
+    pub(crate) fn device_of(&self, addr: u64) -> Result<usize> {
+        Ok(self.holding(addr, 0)?.1.device)
+    }
+
     /// Whether `addr` lies in any reservation (range checks then use [`VmSpace::covered`]).
     pub(crate) fn contains(&self, addr: u64) -> bool {
         self.holding(addr, 0).is_ok()

@@ -99,16 +99,14 @@ fn locate<T>(storage: &Storage, base: u64, range: &Range<usize>) -> Result<(u64,
     }
     let size = std::mem::size_of::<T>() as u64;
     let (start, end) = (range.start as u64, range.end as u64);
-    let end_bytes = end
-        .checked_mul(size)
-        .filter(|&b| start <= end && b <= storage.nbytes())
-        .ok_or_else(|| {
-            Error::invalid(format!(
-                "view {range:?} of {} elements of {size} bytes is outside the storage's {} bytes",
-                end.saturating_sub(start),
-                storage.nbytes()
-            ))
-        })?;
+    let in_bounds = start <= end && end.checked_mul(size).is_some_and(|b| b <= storage.nbytes());
+    if !in_bounds {
+        return Err(Error::invalid(format!(
+            "view {range:?} of {} elements of {size} bytes is outside the storage's {} bytes",
+            end.saturating_sub(start),
+            storage.nbytes()
+        )));
+    }
     let addr = base + start * size;
     if addr % std::mem::align_of::<T>() as u64 != 0 {
         return Err(Error::invalid(format!(
@@ -116,7 +114,6 @@ fn locate<T>(storage: &Storage, base: u64, range: &Range<usize>) -> Result<(u64,
             std::any::type_name::<T>()
         )));
     }
-    debug_assert!(end_bytes <= storage.nbytes());
     Ok((addr, (end - start) as usize))
 }
 

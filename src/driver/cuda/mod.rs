@@ -104,6 +104,8 @@ struct Device {
     context: CtxHandle,
     default_stream: StreamId,
     kernels: OnceLock<std::result::Result<Kernels, String>>,
+    /// Virtual-memory granularity, asked once (`vm.rs`).
+    granularity: OnceLock<u64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -212,6 +214,7 @@ impl CudaDriver {
                 context: CtxHandle(ctx),
                 default_stream: StreamId(0),
                 kernels: OnceLock::new(),
+                granularity: OnceLock::new(),
             });
         }
         // The default stream is the legacy NULL stream (a null CUstream), as for PyTorch and candle:

@@ -56,8 +56,20 @@ impl CudaDriver {
         self.chunks.get(chunk.0)
     }
 
+    /// A new chunk id for `chunk`.
+    fn register_chunk(&self, chunk: CudaChunk) -> ChunkId {
+        let id = self.fresh_id();
+        self.chunks.insert(id, chunk);
+        ChunkId(id)
+    }
+
+    /// The device's granularity, asked of the driver once (every create and map checks it).
     pub(super) fn granularity(&self, device: usize) -> Result<u64> {
-        let ordinal = self.device(device)?.ordinal;
+        let dev = self.device(device)?;
+        if let Some(&g) = dev.granularity.get() {
+            return Ok(g);
+        }
+        let ordinal = dev.ordinal;
         self.bind(device)?;
         let prop = properties(ordinal);
         let mut granularity = 0usize;
@@ -69,7 +81,7 @@ impl CudaDriver {
                 sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
             )
         })?;
-        Ok(granularity as u64)
+        Ok(*dev.granularity.get_or_init(|| granularity as u64))
     }
 
     fn check_granular(&self, device: usize, what: &str, size: u64) -> Result<u64> {
@@ -84,6 +96,7 @@ impl CudaDriver {
 
     pub(super) fn reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
         self.check_granular(device, "a reservation", size)?;
+        self.bind(device)?;
         let mut base = 0;
         // SAFETY: out-pointer valid; no fixed address, default alignment, flags 0.
         check("cuMemAddressReserve", unsafe {
@@ -105,6 +118,7 @@ impl CudaDriver {
 
     pub(super) fn create_chunk(&self, device: usize, size: u64) -> Result<ChunkId> {
         self.check_granular(device, "a chunk", size)?;
+        self.bind(device)?;
         let prop = properties(self.device(device)?.ordinal);
         let mut handle = 0;
         // SAFETY: out-pointer valid; `prop` fully initialized; flags 0.
@@ -117,17 +131,12 @@ impl CudaDriver {
             });
         }
         check("cuMemCreate", rc)?;
-        let id = self.fresh_id();
-        self.chunks.insert(
-            id,
-            CudaChunk {
-                device,
-                handle,
-                size,
-                imported: false,
-            },
-        );
-        Ok(ChunkId(id))
+        Ok(self.register_chunk(CudaChunk {
+            device,
+            handle,
+            size,
+            imported: false,
+        }))
     }
 
     pub(super) fn release_chunk(&self, chunk: ChunkId) -> Result<()> {
@@ -141,6 +150,7 @@ impl CudaDriver {
     pub(super) fn map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()> {
         let c = self.chunk(chunk)?;
         let granularity = self.granularity(c.device)?;
+        self.bind(c.device)?;
         let mut vm = self.vm.write();
         let device = vm.check_map(addr.0, c.size, granularity)?;
         if device != c.device {
@@ -172,9 +182,13 @@ impl CudaDriver {
     }
 
     pub(super) fn unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
-        let taken = self.vm.write().take_mappings(addr.0, size)?;
+        let (device, taken) = {
+            let mut vm = self.vm.write();
+            let device = vm.device_of(addr.0)?;
+            (device, vm.take_mappings(addr.0, size)?)
+        };
         // Nothing new can name the range; let what was queued on it finish first.
-        let mut result = self.synchronize_all();
+        let mut result = self.synchronize_all().and_then(|()| self.bind(device));
         for (at, len, _) in &taken {
             // SAFETY: each range is exactly one mapped chunk, taken out of the table, and no
             // queued work uses it any more (drained above).
@@ -218,6 +232,7 @@ impl CudaDriver {
 
     pub(super) fn import_chunk(&self, device: usize, fd: OwnedFd, size: u64) -> Result<ChunkId> {
         self.check_granular(device, "an imported chunk", size)?;
+        self.bind(device)?;
         let mut handle = 0;
         // SAFETY: for POSIX file-descriptor handles the OS handle is the descriptor's value cast
         // to a pointer; the descriptor stays open for the call (CUDA does not take it over; it is
@@ -236,16 +251,11 @@ impl CudaDriver {
             )),
             other => other,
         })?;
-        let id = self.fresh_id();
-        self.chunks.insert(
-            id,
-            CudaChunk {
-                device,
-                handle,
-                size,
-                imported: true,
-            },
-        );
-        Ok(ChunkId(id))
+        Ok(self.register_chunk(CudaChunk {
+            device,
+            handle,
+            size,
+            imported: true,
+        }))
     }
 }

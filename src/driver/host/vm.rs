@@ -57,6 +57,20 @@ impl HostDriver {
         }
     }
 
+    /// A new chunk id for `chunk` (`charged`: bytes counted against capacity, 0 if imported).
+    fn register_chunk(&self, device: usize, chunk: Chunk, charged: u64) -> ChunkId {
+        let id = self.fresh_id();
+        self.chunks.insert(
+            id,
+            Arc::new(HostChunk {
+                device,
+                chunk,
+                charged,
+            }),
+        );
+        ChunkId(id)
+    }
+
     pub(super) fn granularity(&self, device: usize) -> Result<u64> {
         self.check_device(device)?;
         Ok(GRANULARITY)
@@ -108,16 +122,7 @@ impl HostDriver {
                 err
             }
         })?;
-        let id = self.fresh_id();
-        self.chunks.insert(
-            id,
-            Arc::new(HostChunk {
-                device,
-                chunk,
-                charged: size,
-            }),
-        );
-        Ok(ChunkId(id))
+        Ok(self.register_chunk(device, chunk, size))
     }
 
     pub(super) fn release_chunk(&self, chunk: ChunkId) -> Result<()> {
@@ -185,15 +190,6 @@ impl HostDriver {
         self.check_device(device)?;
         check_granular("an imported chunk", size)?;
         let chunk = Chunk::import(fd, size)?;
-        let id = self.fresh_id();
-        self.chunks.insert(
-            id,
-            Arc::new(HostChunk {
-                device,
-                chunk,
-                charged: 0,
-            }),
-        );
-        Ok(ChunkId(id))
+        Ok(self.register_chunk(device, chunk, 0))
     }
 }
