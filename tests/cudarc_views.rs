@@ -145,3 +145,30 @@ fn views_check_bounds_alignment_and_backend() {
         assert!(offset.view::<u64>(0..8, &stream).is_ok());
     }
 }
+
+#[test]
+fn a_view_of_expandable_memory_spans_its_pages() {
+    let Some((ctx, stream, _)) = library("a_view_of_expandable_memory_spans_its_pages") else {
+        return;
+    };
+    let runtime = Arc::new(
+        Runtime::builder()
+            .config(cudalloc::AllocatorConfig::parse("expandable_segments:True").unwrap())
+            .build(Arc::new(CudaDriver::new().unwrap()))
+            .unwrap(),
+    );
+    let fill = kernel(&ctx, "pattern.cu", "cudalloc_fill_pattern");
+    // 1 MiB first, so the 5 MiB storage starts inside a page and crosses three page boundaries.
+    let _before = Storage::new(&runtime, 0, MIB).unwrap();
+    let s = Storage::new(&runtime, 0, 5 * MIB).unwrap();
+    let n = (5 * MIB) as usize;
+    let mut view = s.view_mut::<u8>(0..n, &stream).unwrap();
+    let (len, seed) = (n as u64, 11u64);
+    let mut launch = stream.launch_builder(&fill);
+    launch.arg(&mut view).arg(&len).arg(&seed);
+    // SAFETY: the kernel takes (u8*, u64, u64) and writes `len` bytes of the view.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(256 * 64)) }.unwrap();
+    stream.synchronize().unwrap();
+    drop(view);
+    assert_eq!(s.count_pattern_mismatches(11).unwrap(), 0);
+}

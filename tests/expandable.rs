@@ -12,6 +12,14 @@ use cudalloc::alloc::{SegmentChange, SegmentEvent};
 
 const MIB: u64 = 1 << 20;
 
+/// The tests of this file take the device one at a time: on the CUDA backend the device memory is
+/// shared by the whole process, and some tests measure it.
+static DEVICE: Mutex<()> = Mutex::new(());
+
+fn exclusive_device() -> std::sync::MutexGuard<'static, ()> {
+    DEVICE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// A checked runtime with exactly `conf` (whatever the run's test settings are).
 fn runtime(driver: Arc<dyn cudalloc::Driver>, conf: &str) -> Arc<cudalloc::Runtime> {
     Arc::new(
@@ -29,6 +37,7 @@ fn reserved(a: &cudalloc::Runtime) -> u64 {
 
 #[test]
 fn grows_in_pages_and_gives_whole_free_pages_back() {
+    let _device = exclusive_device();
     for b in backends("grows_in_pages_and_gives_whole_free_pages_back") {
         let a = runtime(b.driver.clone(), "expandable_segments:True");
         let page = b.driver.vm_granularity(0).unwrap();
@@ -95,6 +104,7 @@ fn grows_in_pages_and_gives_whole_free_pages_back() {
 
 #[test]
 fn fragmentation_that_strands_whole_segments_costs_expandable_segments_less_than_a_page_per_hole() {
+    let _device = exclusive_device();
     // Free every other 3 MiB block, then ask for 5 MiB blocks: whole segments keep the holes
     // (each 3 MiB hole is too small) and allocate more; an expandable segment maps only what
     // the new blocks need beyond the holes it can merge.
@@ -139,6 +149,7 @@ fn fragmentation_that_strands_whole_segments_costs_expandable_segments_less_than
 
 #[test]
 fn sharing_expandable_memory_is_refused_clearly_for_now() {
+    let _device = exclusive_device();
     let a = runtime(test_driver(), "expandable_segments:True");
     let s = cudalloc::Storage::new(&a, 0, MIB).unwrap();
     let err = s.share_ipc().unwrap_err();
@@ -151,6 +162,7 @@ fn sharing_expandable_memory_is_refused_clearly_for_now() {
 
 #[test]
 fn threads_growing_freeing_and_emptying_the_cache_at_once_keep_every_byte() {
+    let _device = exclusive_device();
     // Four threads allocate, write, verify and free on one stream (one shard, one expandable
     // segment) while a fifth empties the cache: pages are given back and grown into concurrently.
     for b in backends("threads_growing_freeing_and_emptying_the_cache_at_once") {
@@ -207,5 +219,43 @@ fn threads_growing_freeing_and_emptying_the_cache_at_once_keep_every_byte() {
         a.empty_cache();
         assert_eq!(reserved(&a), 0, "{}", b.name);
         a.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn a_growth_that_runs_out_of_memory_half_way_gives_its_pages_back() {
+    let _device = exclusive_device();
+    // The device has room for 3 more pages; a request needs 5. The 3 mapped for it must be
+    // unmapped and released again (capacity and reserved bytes as before), the error is
+    // out-of-memory, and what fits afterwards is still served.
+    for b in backends("a_growth_that_runs_out_of_memory_half_way") {
+        let d = b.driver.clone();
+        let a = runtime(d.clone(), "expandable_segments:True");
+        let page = d.vm_granularity(0).unwrap();
+        let room = d.mem_info(0).unwrap().free / page * page;
+        let big = a.allocate(0, room - 3 * page).unwrap();
+        let free_before = d.mem_info(0).unwrap().free;
+        assert_eq!(free_before, 3 * page, "{}", b.name);
+        let err = a.allocate(0, 5 * page).unwrap_err();
+        assert_eq!(
+            err.kind(),
+            cudalloc::ErrorKind::OutOfMemory,
+            "{}: {err}",
+            b.name
+        );
+        assert_eq!(
+            d.mem_info(0).unwrap().free,
+            free_before,
+            "{}: chunks released",
+            b.name
+        );
+        assert_eq!(reserved(&a), room - 3 * page, "{}", b.name);
+        a.check_invariants().unwrap();
+        let fits = a.allocate(0, 3 * page).unwrap();
+        assert_eq!(d.mem_info(0).unwrap().free, 0, "{}", b.name);
+        drop((big, fits));
+        a.empty_cache();
+        assert_eq!(reserved(&a), 0, "{}", b.name);
+        assert_eq!(d.mem_info(0).unwrap().free, room, "{}", b.name);
     }
 }
