@@ -42,6 +42,25 @@ pub enum Origin {
     },
 }
 
+/// The memory behind an allocation.
+#[derive(Debug)]
+pub enum Backing {
+    /// A region of its own (`cuMemAlloc`, or another process's opened through IPC).
+    Region(Region),
+    /// A reservation (`cuMemAddressReserve`): memory only where chunks are mapped.
+    Reserved(Arc<crate::vm::VmRange>),
+}
+
+impl Allocation {
+    /// The reservation this allocation is, if it is one.
+    pub fn reserved(&self) -> Option<&Arc<crate::vm::VmRange>> {
+        match &self.backing {
+            Backing::Reserved(vm) => Some(vm),
+            Backing::Region(_) => None,
+        }
+    }
+}
+
 /// A device allocation.
 #[derive(Debug)]
 pub struct Allocation {
@@ -55,10 +74,8 @@ pub struct Allocation {
     pub ctx: usize,
     /// Where it came from.
     pub origin: Origin,
-    /// The memory of a `cuMemAlloc` or IPC allocation.
-    pub region: Option<Region>,
-    /// The reservation this is (`cuMemAddressReserve`): memory only where chunks are mapped.
-    pub vm: Option<Arc<crate::vm::VmRange>>,
+    /// The memory.
+    pub backing: Backing,
     /// Set by free/close: queued work that reaches it faults.
     pub released: AtomicBool,
 }
@@ -66,11 +83,10 @@ pub struct Allocation {
 impl Allocation {
     /// A host pointer to byte `offset` (queued work checks `released` first).
     pub fn at(&self, offset: u64) -> *mut u8 {
-        match (&self.region, &self.vm) {
+        match &self.backing {
             // SAFETY: callers pass offsets from `Memory::resolve`, inside the payload.
-            (Some(region), _) => unsafe { region.payload().add(offset as usize) },
-            (None, Some(vm)) => vm.at(offset),
-            (None, None) => std::ptr::null_mut(),
+            Backing::Region(region) => unsafe { region.payload().add(offset as usize) },
+            Backing::Reserved(vm) => vm.at(offset),
         }
     }
 
@@ -178,7 +194,7 @@ impl Memory {
         let live = self.live.read().unwrap_or_else(|p| p.into_inner());
         if let Some((_, a)) = live.range(..=ptr).next_back() {
             let offset = ptr - a.base;
-            if a.vm.is_some()
+            if a.reserved().is_some()
                 && offset.checked_add(len).is_some_and(|e| e <= a.size)
                 && offset < a.size
             {
@@ -206,7 +222,7 @@ impl Memory {
                         ),
                     ));
                 }
-                if let Some(vm) = &a.vm {
+                if let Some(vm) = a.reserved() {
                     vm.check_covered(ptr, offset, len)?;
                 }
                 return Ok((a.clone(), offset));

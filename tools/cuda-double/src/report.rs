@@ -9,7 +9,7 @@
 //! | `rejected.log`   | one line per input refused as corrupt (IPC handle bytes not made by the double): an expected outcome for untrusted input, not a violation |
 //!
 //! Lines are appended with one `write` on an `O_APPEND` descriptor, so lines of concurrent
-//! processes never interleave. Without the variable, counts stay in the process and violations go
+//! processes never interleave. Without the variable nothing is counted and violations go
 //! to standard error. `cuda-double-report` reads the folder and fails on any violation or on any
 //! entry point the CUDA backend uses that was never called.
 
@@ -165,7 +165,6 @@ fn fingerprint() -> [u8; 8] {
 #[derive(Debug)]
 pub struct Report {
     shared: Option<SharedCounts>,
-    local: Vec<AtomicU64>,
     dir: Option<std::path::PathBuf>,
     violations: AtomicU64,
     recent: Mutex<Vec<String>>,
@@ -257,7 +256,6 @@ pub fn report() -> &'static Report {
         });
         Report {
             shared,
-            local: ENTRIES.iter().map(|_| AtomicU64::new(0)).collect(),
             dir,
             violations: AtomicU64::new(0),
             recent: Mutex::new(Vec::new()),
@@ -268,7 +266,6 @@ pub fn report() -> &'static Report {
 impl Report {
     /// Counts one call of `entry`.
     pub fn count(&self, entry: Entry) {
-        self.local[entry as usize].fetch_add(1, Ordering::Relaxed);
         if let Some(shared) = &self.shared {
             shared
                 .counter(entry as usize)
@@ -283,11 +280,6 @@ impl Report {
                 .counter(ENTRIES.len() + entry as usize)
                 .fetch_add(1, Ordering::Relaxed);
         }
-    }
-
-    /// Calls of `entry` made by this process.
-    pub fn calls(&self, entry: Entry) -> u64 {
-        self.local[entry as usize].load(Ordering::Relaxed)
     }
 
     /// Violations recorded by this process.

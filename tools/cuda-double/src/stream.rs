@@ -140,11 +140,6 @@ impl Stream {
         }
     }
 
-    /// Queues `op`.
-    pub fn submit(&self, op: Op) -> Checked<()> {
-        self.submit_with(op.entry, op.ranges, || op.run)
-    }
-
     /// Queues the work `make` builds, building it only once the stream accepts work (so an
     /// event record is not started for a stream that refuses it).
     pub fn submit_with(

@@ -24,7 +24,7 @@ use super::stream::{put_handle, EVENT_DISABLE_TIMING, EVENT_INTERPROCESS, EVENT_
 use super::{api, put};
 use crate::codes::{self, CuResult};
 use crate::event::CellStore;
-use crate::memory::{Allocation, Origin};
+use crate::memory::{Allocation, Backing, Origin};
 use crate::region::{Header, Region};
 use crate::report::{Checked, Entry, Fail};
 use crate::state::double;
@@ -88,8 +88,8 @@ fn decode(magic: [u8; 8], handle: &IpcHandle) -> Checked<(Header, i32)> {
 pub unsafe extern "C" fn cuIpcGetMemHandle(p_handle: *mut IpcHandle, dptr: u64) -> CuResult {
     api(Entry::cuIpcGetMemHandle, || {
         let (a, _) = double()?.memory.resolve(dptr, 0)?;
-        let region = match (&a.origin, &a.region) {
-            (Origin::Owned { .. }, Some(region)) => region,
+        let region = match (&a.origin, &a.backing) {
+            (Origin::Owned { .. }, Backing::Region(region)) => region,
             (Origin::Reserved, _) => {
                 return Err(Fail::violation(
                     codes::INVALID_VALUE,
@@ -158,8 +158,7 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
                 pid: header.pid,
                 id: header.id,
             },
-            region: Some(region),
-            vm: None,
+            backing: Backing::Region(region),
             released: false.into(),
         }));
         opened.insert(key, base);

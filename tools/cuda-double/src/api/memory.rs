@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use super::{api, put};
 use crate::codes::{self, CuResult};
-use crate::memory::{Allocation, Origin};
+use crate::memory::{Allocation, Backing, Origin};
 use crate::region::{Header, Region};
 use crate::report::{Entry, Fail};
 use crate::state::double;
@@ -80,8 +80,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, bytesize: usize) -> CuRes
                 device: ctx.device,
                 ctx: ctx.handle,
                 origin: Origin::Owned { id },
-                region: Some(region),
-                vm: None,
+                backing: Backing::Region(region),
                 released: false.into(),
             }))
         });

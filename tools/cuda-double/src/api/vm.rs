@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::{api, put};
 use crate::codes::{self, CuResult};
-use crate::memory::{Allocation, Origin};
+use crate::memory::{Allocation, Backing, Origin};
 use crate::region::{Header, Region};
 use crate::report::{Checked, Entry, Fail};
 use crate::state::{double, Double};
@@ -31,7 +31,7 @@ fn granular(what: &str, size: u64) -> Checked<()> {
 /// The reservation holding `[ptr, ptr + len)` and the offset of `ptr` in it.
 fn reservation(d: &Double, ptr: u64, len: u64) -> Checked<(Arc<Allocation>, Arc<VmRange>, u64)> {
     let (a, offset) = d.memory.resolve_reserved(ptr, len)?;
-    let vm = a.vm.clone().ok_or_else(|| {
+    let vm = a.reserved().cloned().ok_or_else(|| {
         Fail::violation(
             codes::INVALID_VALUE,
             format!("{ptr:#x} is not in a range reserved with cuMemAddressReserve"),
@@ -130,8 +130,7 @@ pub unsafe extern "C" fn cuMemAddressReserve(
             device: ctx.device,
             ctx: ctx.handle,
             origin: Origin::Reserved,
-            region: None,
-            vm: Some(range),
+            backing: Backing::Reserved(range),
             released: false.into(),
         }));
         // SAFETY: checked non-null; caller's out-pointer.
@@ -145,7 +144,7 @@ pub unsafe extern "C" fn cuMemAddressReserve(
 pub extern "C" fn cuMemAddressFree(ptr: u64, size: usize) -> CuResult {
     api(Entry::cuMemAddressFree, || {
         let d = double()?;
-        d.memory.remove(ptr, |a| match &a.vm {
+        d.memory.remove(ptr, |a| match a.reserved() {
             Some(vm) if a.size == size as u64 && vm.is_empty() => Ok(()),
             Some(_) if a.size != size as u64 => Err(Fail::violation(
                 codes::INVALID_VALUE,
