@@ -106,7 +106,13 @@ impl Driver for CudaDriver {
         }
         let bytes = usize::try_from(size)
             .map_err(|_| Error::invalid(format!("size {size} exceeds the address space")))?;
-        let total = self.mem_info(device)?.total;
+        let total = match self.device(device)?.total.get() {
+            Some(&t) => t,
+            None => {
+                let t = self.mem_info(device)?.total;
+                *self.device(device)?.total.get_or_init(|| t)
+            }
+        };
         if size > total {
             // CUDA answers absurd sizes with CUDA_ERROR_INVALID_VALUE; it is out of memory.
             return Err(Error::OutOfMemory {

@@ -106,6 +106,8 @@ struct Device {
     kernels: OnceLock<std::result::Result<Kernels, String>>,
     /// Virtual-memory granularity, asked once (`vm.rs`).
     granularity: OnceLock<u64>,
+    /// Total memory, asked once (`malloc` compares every request with it).
+    total: OnceLock<u64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -215,6 +217,7 @@ impl CudaDriver {
                 default_stream: StreamId(0),
                 kernels: OnceLock::new(),
                 granularity: OnceLock::new(),
+                total: OnceLock::new(),
             });
         }
         // The default stream is the legacy NULL stream (a null CUstream), as for PyTorch and candle:
