@@ -166,10 +166,19 @@ impl Runtime {
         self.ipc.limbo_size()
     }
 
-    /// Segments of other processes open through this runtime's driver (each opened once, however
-    /// many storages live in it).
+    /// Memory of other processes mapped through this runtime's driver: whole segments (each opened
+    /// once, however many storages live in it) and page spans of expandable segments (each mapped
+    /// once, however many storages live on exactly those pages).
     pub fn ipc_open_segments(&self) -> usize {
         crate::ipc::open_segments(self.allocator.driver())
+    }
+
+    /// Bytes of address space this runtime's driver holds for memory received from other
+    /// processes: whole segments opened through driver IPC handles, and the page spans mapped for
+    /// storages of expandable segments (only the pages under each storage, never the producer's
+    /// whole range).
+    pub fn ipc_imported_address_space(&self) -> u64 {
+        crate::ipc::imported_address_space(self.allocator.driver())
     }
 }
 

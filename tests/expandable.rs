@@ -148,19 +148,6 @@ fn fragmentation_that_strands_whole_segments_costs_expandable_segments_less_than
 }
 
 #[test]
-fn sharing_expandable_memory_is_refused_clearly_for_now() {
-    let _device = exclusive_device();
-    let a = runtime(test_driver(), "expandable_segments:True");
-    let s = cudalloc::Storage::new(&a, 0, MIB).unwrap();
-    let err = s.share_ipc().unwrap_err();
-    assert_eq!(err.kind(), cudalloc::ErrorKind::InvalidArgument);
-    assert!(err.to_string().contains("expandable"), "{err}");
-    // The storage is untouched and usable.
-    s.fill_pattern(1).unwrap();
-    assert_eq!(s.count_pattern_mismatches(1).unwrap(), 0);
-}
-
-#[test]
 fn threads_growing_freeing_and_emptying_the_cache_at_once_keep_every_byte() {
     let _device = exclusive_device();
     // Four threads allocate, write, verify and free on one stream (one shard, one expandable

@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{cuda_suite, hex, test_driver, unhex};
+use common::{cuda_suite, hex, test_config, test_driver, unhex};
 use cudalloc::driver::pattern;
 use cudalloc::{IpcHandle, Runtime, Storage, StreamId};
 
@@ -559,6 +559,7 @@ fn main() {
     let allocators = [0, 1].map(|_| {
         Arc::new(
             Runtime::builder()
+                .config(test_config(""))
                 .ipc_slots_per_file(32)
                 .check_invariants(true)
                 .build(if cuda_suite() {

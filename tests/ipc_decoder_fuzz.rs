@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use cudalloc::driver::pattern;
-use cudalloc::ipc::{WireHandle, WIRE_SIZE};
+use cudalloc::ipc::{WireHandle, WirePages, WIRE_SIZE};
 use cudalloc::{Backend, ErrorKind, HostDriver, IpcHandle, Runtime, Storage};
 
 fn rng(seed: u64) -> impl FnMut() -> u64 {
@@ -31,15 +31,32 @@ fn valid() -> WireHandle {
         event: Some([1; 64]),
         generation: 9,
         expires_ms: 0,
+        pages: None,
+    }
+}
+
+/// A valid handle of memory in an expandable segment (pages instead of a memory handle).
+fn valid_expandable() -> WireHandle {
+    WireHandle {
+        memory: [0; 64],
+        segment_size: 4 << 21,
+        offset: (1 << 21) + 512,
+        pages: Some(WirePages {
+            page: 2 << 20,
+            first: 0x7e00_0000_0000,
+            count: 4,
+        }),
+        ..valid()
     }
 }
 
 #[test]
 fn a_million_random_and_mutated_inputs_never_panic() {
     let mut next = rng(0xF022);
-    let base = valid().encode();
+    let bases = [valid().encode(), valid_expandable().encode()];
     let mut rejected = 0u64;
     for round in 0..1_100_000u64 {
+        let base = &bases[(round / 4 % 2) as usize];
         let input: Vec<u8> = match round % 4 {
             // Pure noise of random length.
             0 => (0..next() % 300).map(|_| next() as u8).collect(),
@@ -67,7 +84,7 @@ fn a_million_random_and_mutated_inputs_never_panic() {
         };
         if WireHandle::parse(&input).is_err() {
             rejected += 1;
-        } else if input != base {
+        } else if &input != base {
             // (Two changes of one byte can cancel out: then the handle is the valid one.)
             assert!(
                 round % 4 != 2 && round % 4 != 3,

@@ -15,6 +15,7 @@ const CHILD: &str = "interplay_child";
 fn allocator(driver: Arc<dyn Driver>) -> Arc<Runtime> {
     Arc::new(
         Runtime::builder()
+            .config(test_config(""))
             .ipc_slots_per_file(64)
             .check_invariants(true)
             .build(driver)
@@ -507,7 +508,7 @@ fn wait_past(expires_ms: u64) {
 
 #[test]
 fn handles_lost_in_flight_expire_and_are_reclaimed() {
-    let config = cudalloc::AllocatorConfig::parse("ipc_handle_ttl_s:0.2").unwrap();
+    let config = test_config("ipc_handle_ttl_s:0.2");
     let a = Arc::new(
         Runtime::builder()
             .config(config)

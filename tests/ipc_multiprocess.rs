@@ -27,7 +27,11 @@ fn producer_on(backend: &str) -> (Arc<Runtime>, String) {
             (driver, prefix)
         }
     };
-    let a = Runtime::builder().ipc_slots_per_file(64).build(d).unwrap();
+    let a = Runtime::builder()
+        .config(test_config(""))
+        .ipc_slots_per_file(64)
+        .build(d)
+        .unwrap();
     (Arc::new(a), prefix)
 }
 
@@ -85,7 +89,13 @@ fn test_cuda_simple() {
         let s = Storage::new(&a, 0, 1 << 20).unwrap();
         s.fill_pattern(11).unwrap();
         let mut child = ChildProcess::spawn(CHILD, "simple", backend);
-        child.send(&send(s.share_ipc().unwrap()));
+        let handle = s.share_ipc().unwrap();
+        assert_eq!(
+            handle.wire().pages.is_some(),
+            expandable_run(),
+            "an expandable run shares pages, a plain run whole segments"
+        );
+        child.send(&send(handle));
         assert_eq!(child.recv(), "verified mismatches=0");
         child.send("done");
         child.finish();

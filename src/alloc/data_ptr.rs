@@ -46,9 +46,9 @@ impl BlockOwner {
         self.shard.segment_of(self.block)
     }
 
-    /// Whether the block lies in an expandable segment.
-    pub(crate) fn in_expandable_segment(&self) -> bool {
-        self.shard.in_expandable(self.block)
+    /// The pages under the block's first `len` bytes when it lies in an expandable segment.
+    pub(crate) fn pages_under(&self, len: u64) -> Result<Option<super::PagesUnder>> {
+        self.shard.pages_under(self.block, len)
     }
 }
 
@@ -163,10 +163,13 @@ impl DataPtr {
         self.block_owner().map(BlockOwner::segment)
     }
 
-    /// Whether the memory lies in an expandable segment of its allocator.
-    pub(crate) fn in_expandable_segment(&self) -> bool {
-        self.block_owner()
-            .is_some_and(BlockOwner::in_expandable_segment)
+    /// The pages under the first `len` bytes when the memory lies in an expandable segment of its
+    /// allocator (`None` otherwise).
+    pub(crate) fn pages_under(&self, len: u64) -> Result<Option<super::PagesUnder>> {
+        match self.block_owner() {
+            Some(b) => b.pages_under(len),
+            None => Ok(None),
+        }
     }
 
     /// The stream the memory was allocated on, when it came from a caching allocator.

@@ -46,6 +46,54 @@ pub(crate) struct ExpandablePages {
 /// Pages to unmap: (address, length, the chunk of each page in it).
 pub(crate) type PageRelease = (u64, u64, Vec<(u64, ChunkId)>);
 
+/// The pages under an allocated range of an expandable segment (what sharing it across processes
+/// hands out): they stay mapped, with the same chunks, while the block is allocated — release
+/// paths unmap only pages wholly inside free blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PagesUnder {
+    /// Bytes per page.
+    pub page: u64,
+    /// Address of the first page.
+    pub first: u64,
+    /// The chunk of each page, in address order.
+    pub chunks: Vec<ChunkId>,
+}
+
+impl Shard {
+    /// The pages under `[ptr of block id, + len)` when the block lies in an expandable segment
+    /// (`None` for a whole segment). Every page must be mapped: an unmapped one is an error (it
+    /// would be a bug of the release paths).
+    pub fn pages_under(&self, id: BlockId, len: u64) -> Result<Option<PagesUnder>> {
+        let st = self.state.lock();
+        let block = &st.blocks[id];
+        let Some(pages) = st.expandable.get(&block.segment) else {
+            return Ok(None);
+        };
+        let page = pages.page;
+        let end = block
+            .ptr
+            .checked_add(len.max(1))
+            .ok_or_else(|| Error::invalid("range overflows the address space"))?;
+        let first = block.segment + (block.ptr - block.segment) / page * page;
+        let mut chunks = Vec::new();
+        let mut at = first;
+        while at < end {
+            let chunk = pages.chunks.get(&at).copied().ok_or_else(|| {
+                Error::invalid(format!(
+                    "page {at:#x} under an allocated block is not mapped (allocator bug)"
+                ))
+            })?;
+            chunks.push(chunk);
+            at += page;
+        }
+        Ok(Some(PagesUnder {
+            page,
+            first,
+            chunks,
+        }))
+    }
+}
+
 impl ShardState {
     /// The base of this shard's expandable segment of `pool`, if made.
     pub fn expandable_base(&self, pool: PoolKind) -> Option<u64> {

@@ -46,6 +46,7 @@ pub use stats::{DeviceStats, Stat, StatArray, POOL_NAMES};
 
 pub use data_ptr::DataPtr;
 pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
+pub(crate) use expandable::PagesUnder;
 
 use self::device::DeviceCore;
 use self::oom::Callbacks;

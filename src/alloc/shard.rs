@@ -484,12 +484,6 @@ impl Shard {
         (base, st.segments.get(&base).map_or(0, |s| s.size))
     }
 
-    /// Whether block `id` lies in an expandable segment.
-    pub fn in_expandable(&self, id: BlockId) -> bool {
-        let st = self.state.lock();
-        st.expandable.contains_key(&st.blocks[id].segment)
-    }
-
     /// Marks block `id` as used by `stream` (`record_stream`).
     pub fn record_use(&self, id: BlockId, stream: StreamId) -> Result<()> {
         if stream == self.stream {

@@ -259,6 +259,17 @@ impl Mapping {
             .as_ref()
             .map_or(0, |maps| maps.keys().filter(|k| k.0 == key).count())
     }
+
+    /// Bytes of the segments open through `driver` now.
+    pub fn open_bytes(driver: &Arc<dyn Driver>) -> u64 {
+        let key = driver_key(driver);
+        MAPPINGS.lock().as_ref().map_or(0, |maps| {
+            maps.iter()
+                .filter(|(k, _)| k.0 == key)
+                .map(|(_, e)| e.size)
+                .sum()
+        })
+    }
 }
 
 impl Drop for Mapping {
@@ -279,7 +290,30 @@ impl Drop for Mapping {
     }
 }
 
+/// How a received storage's memory is mapped here.
+#[derive(Debug)]
+pub(crate) enum ReceivedMapping {
+    /// The producer's whole segment (a driver IPC handle).
+    Segment(Mapping),
+    /// The pages under the storage, from an expandable segment (`page_mappings.rs`).
+    Pages(super::page_mappings::PageMapping),
+}
+
+impl ReceivedMapping {
+    /// Where the mapped segment (or first page) starts here.
+    pub fn base(&self) -> DeviceAddr {
+        match self {
+            ReceivedMapping::Segment(m) => m.base,
+            ReceivedMapping::Pages(m) => m.base,
+        }
+    }
+}
+
 /// The owner of a received storage's `DataPtr`.
+///
+/// Dropping it: the streams that used the memory are synchronized, then the mapping is dropped,
+/// then the lease — so the process never holds memory the producer may already have freed (page
+/// sharing relies on it, `page_mappings.rs`).
 #[derive(Debug)]
 pub(crate) struct ReceivedOwner {
     pub wire: WireHandle,
@@ -287,8 +321,8 @@ pub(crate) struct ReceivedOwner {
     pub streams: Mutex<Vec<StreamId>>,
     pub driver: Arc<dyn Driver>,
     pub lease: Option<Lease>,
-    /// Keeps the segment open while the storage lives (dropped after the lease).
-    pub _mapping: Mapping,
+    /// Keeps the memory mapped while the storage lives (dropped before the lease).
+    pub mapping: Option<ReceivedMapping>,
 }
 
 impl SharedOwner for ReceivedOwner {
@@ -313,6 +347,7 @@ impl Drop for ReceivedOwner {
                 tracing::warn!(%err, "synchronizing a consumer stream before release failed");
             }
         }
+        drop(self.mapping.take());
         drop(self.lease.take());
     }
 }

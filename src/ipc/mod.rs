@@ -24,6 +24,9 @@ mod handle;
 pub mod lease_table;
 #[doc(hidden)]
 pub mod limbo;
+mod page_mappings;
+mod page_protocol;
+mod page_server;
 mod producer;
 pub(crate) mod refcount;
 pub(crate) mod state;
@@ -32,9 +35,10 @@ pub mod wire;
 pub use handle::IpcHandle;
 pub(crate) use state::IpcState;
 pub use state::{Drained, DEFAULT_EVENT_BUDGET};
-pub use wire::{WireHandle, WIRE_SIZE};
+pub use wire::{WireHandle, WirePages, WIRE_SIZE};
 
-use self::consumer::{Mapping, ReceivedOwner};
+use self::consumer::{Mapping, ReceivedMapping, ReceivedOwner};
+use self::page_mappings::PageMapping;
 use self::producer::SentOwner;
 use crate::alloc::{CachingAllocator, DataPtr, Owner};
 use crate::driver::StreamId;
@@ -79,16 +83,11 @@ pub(crate) fn share(
     }
     let mut first_share = None;
     if let Owner::Block(_) = data.owner() {
-        if data.in_expandable_segment() {
-            return Err(Error::invalid(
-                "memory of an expandable segment cannot be shared between processes yet; \
-                 allocate storages you share from a runtime without expandable_segments",
-            ));
-        }
         let segment = data.segment().ok_or_else(|| Error::invalid("no segment"))?;
+        let pages = data.pages_under(nbytes)?;
         let original = std::mem::replace(data, DataPtr::empty(device));
         let ptr = original.ptr();
-        match ipc.wrap(original, segment, nbytes) {
+        match ipc.wrap(original, segment, nbytes, pages) {
             Ok(sent) => {
                 first_share = sent.data.as_ref().map(|d| {
                     (
@@ -139,6 +138,7 @@ pub(crate) fn share(
                 event,
                 generation: d.slot.generation,
                 expires_ms,
+                pages: d.pages,
             },
         )
     } else if let Some(recv) = data.shared_owner::<ReceivedOwner>() {
@@ -188,7 +188,12 @@ pub(crate) fn open(
     }
     let (wire, claim) = handle.into_parts();
     let claim = claim.ok_or_else(|| Error::bad_handle("handle carries no count"))?;
-    let mapping = Mapping::open(&ipc.driver, &wire)?;
+    let mapping = match wire.pages {
+        Some(pages) => {
+            ReceivedMapping::Pages(PageMapping::open(&ipc.driver, &wire, pages, device)?)
+        }
+        None => ReceivedMapping::Segment(Mapping::open(&ipc.driver, &wire)?),
+    };
     let lease = claim.into_lease()?;
     let stream = alloc.current_stream(device)?;
     if let Some(event) = &wire.event {
@@ -208,13 +213,13 @@ pub(crate) fn open(
         let destroyed = ipc.driver.event_destroy(e);
         waited.and(destroyed)?;
     }
-    let ptr = mapping.base.offset(wire.offset)?;
+    let ptr = mapping.base().offset(wire.offset)?;
     let owner = ReceivedOwner {
         wire,
         streams: Mutex::new(vec![stream]),
         driver: Arc::clone(&ipc.driver),
         lease: Some(lease),
-        _mapping: mapping,
+        mapping: Some(mapping),
     };
     Ok(DataPtr::new(ptr, device, Owner::Shared(Box::new(owner))))
 }
@@ -224,7 +229,13 @@ pub(crate) fn is_received(data: &DataPtr) -> bool {
     data.shared_owner::<ReceivedOwner>().is_some()
 }
 
-/// Segments of other processes open through `driver` now.
+/// Memory of other processes mapped through `driver` now: whole segments and page spans.
 pub(crate) fn open_segments(driver: &Arc<dyn crate::Driver>) -> usize {
-    Mapping::open_count(driver)
+    Mapping::open_count(driver) + PageMapping::mapped(driver).0
+}
+
+/// Bytes of address space that `driver` holds for memory of other processes: the sizes of the
+/// whole segments opened and of the page spans mapped.
+pub(crate) fn imported_address_space(driver: &Arc<dyn crate::Driver>) -> u64 {
+    Mapping::open_bytes(driver) + PageMapping::mapped(driver).1
 }

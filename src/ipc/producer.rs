@@ -11,8 +11,10 @@
 //! | dropped          | 0 / 0       | freed at once (event, slot, block)            |
 //! | dropped          | not 0       | limbo: freed by a drain once consumers release |
 
+use super::page_server::SpanRegistration;
 use super::state::{IpcState, SlotRef};
-use crate::alloc::{BlockOwner, DataPtr, SharedOwner};
+use super::wire::WirePages;
+use crate::alloc::{BlockOwner, DataPtr, PagesUnder, SharedOwner};
 use crate::driver::StreamId;
 use crate::driver::{EventFlags, EventId, IPC_HANDLE_SIZE};
 use crate::error::Result;
@@ -22,6 +24,9 @@ use crate::sync::os::Arc;
 /// Everything a shared storage keeps while consumers may count on it.
 #[derive(Debug)]
 pub(crate) struct SentData {
+    /// Memory of an expandable segment: its pages are served to consumers while this lives.
+    /// Declared first, so it is dropped (unregistered) before `original` frees the block.
+    pub _served_pages: Option<SpanRegistration>,
     /// The original owner: keeps the block allocated.
     pub original: DataPtr,
     pub slot: SlotRef,
@@ -30,6 +35,8 @@ pub(crate) struct SentData {
     pub segment_size: u64,
     pub offset: u64,
     pub nbytes: u64,
+    /// The pages under the storage, for memory of an expandable segment.
+    pub pages: Option<WirePages>,
 }
 
 /// The owner of a shared storage's `DataPtr`.
@@ -64,25 +71,53 @@ impl Drop for SentOwner {
 }
 
 impl IpcState {
-    /// Wraps `original` for sharing: a slot, the segment's memory handle and (within the budget)
-    /// an interprocess event.
+    /// Wraps `original` for sharing: a slot, the segment's memory handle — or, in an expandable
+    /// segment, the pages under the storage, registered with the page server — and (within the
+    /// budget) an interprocess event.
     pub(crate) fn wrap(
         self: &Arc<Self>,
         original: DataPtr,
         segment: (u64, u64),
         nbytes: u64,
+        pages: Option<PagesUnder>,
     ) -> Result<SentOwner, Box<(crate::Error, DataPtr)>> {
         let (base, segment_size) = segment;
-        let memory = match self
-            .driver
-            .ipc_export_memory(crate::driver::DeviceAddr(base))
-        {
-            Ok(h) => h.0,
-            Err(err) => return Err(Box::new((err, original))),
+        let memory = match &pages {
+            Some(_) => [0; IPC_HANDLE_SIZE],
+            None => match self
+                .driver
+                .ipc_export_memory(crate::driver::DeviceAddr(base))
+            {
+                Ok(h) => h.0,
+                Err(err) => return Err(Box::new((err, original))),
+            },
         };
         let slot = match self.take_slot() {
             Ok(s) => s,
             Err(err) => return Err(Box::new((err, original))),
+        };
+        let (wire_pages, served_pages, segment_start, segment_size) = match pages {
+            None => (None, None, base, segment_size),
+            Some(pages) => {
+                let wire = WirePages {
+                    page: pages.page,
+                    first: pages.first,
+                    count: pages.chunks.len() as u64,
+                };
+                let key = (slot.file.name().to_owned(), slot.slot, slot.generation);
+                match self.serve_pages(key, pages) {
+                    Ok(registration) => (
+                        Some(wire),
+                        Some(registration),
+                        wire.first,
+                        wire.count * wire.page,
+                    ),
+                    Err(err) => {
+                        self.give_back_slot(&slot);
+                        return Err(Box::new((err, original)));
+                    }
+                }
+            }
         };
         let event = if self.live_events.load(Ordering::Relaxed) < self.event_budget as u64 {
             match self
@@ -101,10 +136,11 @@ impl IpcState {
         } else {
             None
         };
-        let offset = original.ptr().0 - base;
+        let offset = original.ptr().0 - segment_start;
         Ok(SentOwner {
             state: Arc::clone(self),
             data: Some(SentData {
+                _served_pages: served_pages,
                 original,
                 slot,
                 event,
@@ -112,6 +148,7 @@ impl IpcState {
                 segment_size,
                 offset,
                 nbytes,
+                pages: wire_pages,
             }),
         })
     }

@@ -8,8 +8,12 @@
 //! (`pending == 0`, `held > 0`, no OFD lock) and reclaims them with a warning.
 
 use super::limbo::{Limbo, SlotCounters};
+use super::page_protocol;
+use super::page_server::{PageServer, SpanRegistration};
 use super::producer::SentData;
 use super::refcount::RefCounterFile;
+use super::SharedKey;
+use crate::alloc::PagesUnder;
 use crate::driver::{Backend, Driver};
 use crate::error::Result;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
@@ -67,6 +71,8 @@ pub(crate) struct IpcState {
     pub live_events: AtomicU64,
     files: Mutex<Files>,
     limbo: Limbo<(u64, u32), SentData>,
+    /// Serves the pages of shared expandable memory; started by the first such share.
+    page_server: Mutex<Option<PageServer>>,
 }
 
 impl std::fmt::Debug for IpcState {
@@ -95,6 +101,7 @@ impl IpcState {
             live_events: AtomicU64::new(0),
             files: Mutex::new(Files::default()),
             limbo: Limbo::default(),
+            page_server: Mutex::new(None),
         }
     }
 
@@ -104,6 +111,20 @@ impl IpcState {
             0
         } else {
             super::refcount::now_ms().saturating_add(self.handle_ttl_ms)
+        }
+    }
+
+    /// Serves `pages` of the storage `key` to consumers until the registration drops (starting
+    /// this allocator's page server on first use).
+    pub fn serve_pages(&self, key: SharedKey, pages: PagesUnder) -> Result<SpanRegistration> {
+        let mut server = self.page_server.lock();
+        if server.is_none() {
+            let name = crate::shm::object_name(self.pid, self.nonce, page_protocol::SOCKET_TAG, 0);
+            *server = Some(PageServer::start(Arc::clone(&self.driver), &name)?);
+        }
+        match server.as_ref() {
+            Some(s) => s.register(key, pages),
+            None => Err(crate::Error::invalid("page server missing")),
         }
     }
 
@@ -313,6 +334,10 @@ impl IpcState {
             let entries = self.limbo.drain_all();
             for data in entries {
                 std::mem::forget(data);
+            }
+            // Consumers may still open handles of those storages: their pages stay served.
+            if let Some(server) = self.page_server.lock().take() {
+                server.serve_until_exit();
             }
         }
     }

@@ -5,11 +5,11 @@
 //! | 0..8      | magic `cdalIPC1`                                          |
 //! | 8..10     | layout version (2), little endian                         |
 //! | 10        | backend: 1 host, 2 cuda                                   |
-//! | 11        | flags: bit 0 = carries an event, bit 1 = empty storage    |
+//! | 11        | flags: bit 0 = carries an event, bit 1 = empty storage, bit 2 = expandable pages |
 //! | 12..16    | device ordinal                                            |
 //! | 16..20    | producer pid                                              |
 //! | 20..24    | slot in the ref-counter file                              |
-//! | 24..88    | the segment's 64-byte memory handle                       |
+//! | 24..88    | the segment's 64-byte memory handle; with bit 2: the pages (below) |
 //! | 88..96    | segment size                                              |
 //! | 96..104   | byte offset of the storage in the segment                 |
 //! | 104..112  | storage size in bytes                                     |
@@ -19,6 +19,12 @@
 //! | 244..248  | zero                                                      |
 //! | 248..256  | expiry, unix time in ms (0: no time-to-live)              |
 //! | 256..264  | checksum of bytes 0..256                                  |
+//!
+//! Memory of an expandable segment is not one driver allocation but pages (chunks of physical
+//! memory), so bytes 24..88 name the pages under the storage instead: magic `cdalPGS1`, page size,
+//! address of the first page in the producer, page count (then zero). The segment is those pages
+//! (`segment size = count × page`, `offset` from the first page); the consumer fetches their
+//! descriptors from the producer's chunk socket (`chunk_server.rs`).
 //!
 //! [`WireHandle::parse`] trusts nothing and never panics: every field is checked (magic,
 //! version, backend, flags, pid, name pattern, `offset + nbytes <= segment size` without overflow,
@@ -35,6 +41,11 @@ pub const WIRE_SIZE: usize = 264;
 const MAGIC: [u8; 8] = *b"cdalIPC1";
 const VERSION: u16 = 2;
 const SUMMED: usize = 256;
+const PAGES_MAGIC: [u8; 8] = *b"cdalPGS1";
+/// Largest page size a handle may name (1 GiB): larger is no driver's granularity.
+const MAX_PAGE: u64 = 1 << 30;
+/// Smallest page size a handle may name (4 KiB).
+const MIN_PAGE: u64 = 4096;
 const NAME_BYTES: usize = 64;
 /// Suffix pattern of ref-counter file names: `cudalloc-<pid>-<nonce>-ref<n>`.
 pub(crate) use crate::shm::REF_FILE_TAG;
@@ -72,6 +83,69 @@ pub struct WireHandle {
     pub generation: u32,
     /// Unix time (ms) after which the handle is refused and its count reclaimed (0: never).
     pub expires_ms: u64,
+    /// For memory of an expandable segment: the pages under the storage (`memory` is then zero).
+    pub pages: Option<WirePages>,
+}
+
+/// The pages of a producer's expandable segment under a shared storage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct WirePages {
+    /// Bytes per page (a power of two, 4 KiB to 1 GiB).
+    pub page: u64,
+    /// Address of the first page in the producer's address space (a multiple of `page`).
+    pub first: u64,
+    /// Number of pages (at least one); `count × page` is the handle's segment size.
+    pub count: u64,
+}
+
+impl WirePages {
+    fn encode(&self) -> [u8; IPC_HANDLE_SIZE] {
+        let mut b = [0u8; IPC_HANDLE_SIZE];
+        codec::put(&mut b, 0, &PAGES_MAGIC);
+        codec::put(&mut b, 8, &self.page.to_le_bytes());
+        codec::put(&mut b, 16, &self.first.to_le_bytes());
+        codec::put(&mut b, 24, &self.count.to_le_bytes());
+        b
+    }
+
+    /// Decodes and checks the pages of a handle whose segment has `segment_size` bytes.
+    fn parse(b: &[u8], segment_size: u64) -> Result<Self> {
+        if b.len() != IPC_HANDLE_SIZE || b[0..8] != PAGES_MAGIC {
+            return Err(bad("expandable handle without its page description"));
+        }
+        if b[32..].iter().any(|&c| c != 0) {
+            return Err(bad("reserved page-description bytes are not zero"));
+        }
+        let pages = WirePages {
+            page: codec::u64_at(b, 8),
+            first: codec::u64_at(b, 16),
+            count: codec::u64_at(b, 24),
+        };
+        if !pages.page.is_power_of_two() || !(MIN_PAGE..=MAX_PAGE).contains(&pages.page) {
+            return Err(bad(format!(
+                "page size {} is not a power of two from {MIN_PAGE} to {MAX_PAGE}",
+                pages.page
+            )));
+        }
+        if pages.first % pages.page != 0 || pages.first == 0 {
+            return Err(bad(format!(
+                "first page {:#x} is not a page address",
+                pages.first
+            )));
+        }
+        let bytes = pages.count.checked_mul(pages.page);
+        if pages.count == 0
+            || bytes != Some(segment_size)
+            || pages.first.checked_add(segment_size).is_none()
+        {
+            return Err(bad(format!(
+                "{} pages of {} bytes at {:#x} do not make the handle's {segment_size}-byte segment",
+                pages.count, pages.page, pages.first
+            )));
+        }
+        Ok(pages)
+    }
 }
 
 /// serde for 64-byte handles (serde derives arrays only up to 32 elements).
@@ -166,6 +240,7 @@ impl WireHandle {
             event: None,
             generation: 0,
             expires_ms: 0,
+            pages: None,
         }
     }
 
@@ -183,11 +258,16 @@ impl WireHandle {
             Backend::Host => 1,
             Backend::Cuda => 2,
         };
-        b[11] = u8::from(self.event.is_some()) | (u8::from(self.is_empty()) << 1);
+        b[11] = u8::from(self.event.is_some())
+            | (u8::from(self.is_empty()) << 1)
+            | (u8::from(self.pages.is_some()) << 2);
         codec::put(&mut b, 12, &self.device.to_le_bytes());
         codec::put(&mut b, 16, &self.producer_pid.to_le_bytes());
         codec::put(&mut b, 20, &self.slot.to_le_bytes());
-        codec::put(&mut b, 24, &self.memory);
+        match &self.pages {
+            Some(pages) => codec::put(&mut b, 24, &pages.encode()),
+            None => codec::put(&mut b, 24, &self.memory),
+        }
         codec::put(&mut b, 88, &self.segment_size.to_le_bytes());
         codec::put(&mut b, 96, &self.offset.to_le_bytes());
         codec::put(&mut b, 104, &self.nbytes.to_le_bytes());
@@ -243,11 +323,13 @@ impl WireHandle {
             2 => Backend::Cuda,
             other => return Err(bad(format!("unknown backend code {other}"))),
         };
-        if bytes[11] & !0b11 != 0 || bytes[11] == 0b11 {
-            return Err(bad(format!("unknown flags {:#x}", bytes[11])));
+        let flags = bytes[11];
+        let has_event = flags & 1 != 0;
+        let empty = flags & 2 != 0;
+        let expandable = flags & 4 != 0;
+        if flags & !0b111 != 0 || (empty && (has_event || expandable)) {
+            return Err(bad(format!("unknown flags {flags:#x}")));
         }
-        let has_event = bytes[11] & 1 != 0;
-        let empty = bytes[11] & 2 != 0;
         let producer_pid = u32_at(16);
         if producer_pid == 0 || producer_pid > i32::MAX as u32 {
             return Err(bad(format!(
@@ -290,7 +372,12 @@ impl WireHandle {
             return Err(bad("reserved handle bytes are not zero"));
         }
         let mut memory = [0u8; IPC_HANDLE_SIZE];
-        memory.copy_from_slice(&bytes[24..88]);
+        let pages = if expandable {
+            Some(WirePages::parse(&bytes[24..88], segment_size)?)
+        } else {
+            memory.copy_from_slice(&bytes[24..88]);
+            None
+        };
         let event = if has_event {
             let mut e = [0u8; IPC_HANDLE_SIZE];
             e.copy_from_slice(&bytes[176..240]);
@@ -314,6 +401,7 @@ impl WireHandle {
             event,
             generation: u32_at(240),
             expires_ms: u64_at(248),
+            pages,
         })
     }
 }
@@ -336,6 +424,22 @@ mod tests {
             event: Some([9; 64]),
             generation: 5,
             expires_ms: 1_700_000_000_000,
+            pages: None,
+        }
+    }
+
+    fn expandable() -> WireHandle {
+        WireHandle {
+            memory: [0; 64],
+            segment_size: 3 << 21,
+            offset: (2 << 21) + 4096,
+            nbytes: 1 << 20,
+            pages: Some(WirePages {
+                page: 2 << 20,
+                first: 0x7f00_0000_0000,
+                count: 3,
+            }),
+            ..sample()
         }
     }
 
@@ -350,6 +454,52 @@ mod tests {
         assert_eq!(WireHandle::parse(&plain.encode()).unwrap(), plain);
         let empty = WireHandle::empty(Backend::Host, 0, 77);
         assert_eq!(WireHandle::parse(&empty.encode()).unwrap(), empty);
+        let pages = expandable();
+        assert_eq!(WireHandle::parse(&pages.encode()).unwrap(), pages);
+    }
+
+    #[test]
+    fn rejects_page_descriptions_that_do_not_add_up() {
+        let with = |page: u64, first: u64, count: u64| {
+            let h = WireHandle {
+                pages: Some(WirePages { page, first, count }),
+                ..expandable()
+            };
+            WireHandle::parse(&h.encode())
+        };
+        let page = 2 << 20;
+        assert!(with(page, 0x7f00_0000_0000, 3).is_ok());
+        for (what, result) in [
+            (
+                "count does not match the segment",
+                with(page, 0x7f00_0000_0000, 2),
+            ),
+            ("no pages", with(page, 0x7f00_0000_0000, 0)),
+            (
+                "count × page overflows",
+                with(page, 0x7f00_0000_0000, u64::MAX / 2),
+            ),
+            (
+                "page not a power of two",
+                with(3 << 20, 0x7f00_0000_0000, 2),
+            ),
+            ("page too small", with(512, 0x7f00_0000_0000, 12288)),
+            ("unaligned first page", with(page, 0x7f00_0000_1000, 3)),
+            ("null first page", with(page, 0, 3)),
+            ("range wraps", with(page, u64::MAX - page + 1, 3)),
+        ] {
+            assert!(result.is_err(), "{what}");
+        }
+        let mut bytes = expandable().encode();
+        bytes[24] ^= 1; // magic of the page description
+        let sum = checksum(&bytes[0..SUMMED]);
+        bytes[SUMMED..].copy_from_slice(&sum.to_le_bytes());
+        assert!(WireHandle::parse(&bytes).is_err());
+        let mut flags = expandable().encode();
+        flags[11] = 0b110; // expandable and empty
+        let sum = checksum(&flags[0..SUMMED]);
+        flags[SUMMED..].copy_from_slice(&sum.to_le_bytes());
+        assert!(WireHandle::parse(&flags).is_err());
     }
 
     #[test]

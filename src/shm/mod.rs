@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use memmap2::MmapRaw;
 
 mod names;
+pub(crate) mod socket;
 pub(crate) mod vm;
 
 pub use names::sweep_orphans;

@@ -21,7 +21,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 
 use super::{path_of, NAME_PREFIX, SHM_DIR};
 use crate::error::{Error, Result};
@@ -190,9 +190,9 @@ pub fn sweep_orphans() -> Result<Vec<String>> {
         let Some(pid) = creator_of(&name) else {
             continue;
         };
-        let ours = entry
-            .metadata()
-            .is_ok_and(|m| m.file_type().is_file() && m.uid() == euid);
+        let ours = entry.metadata().is_ok_and(|m| {
+            (m.file_type().is_file() || m.file_type().is_socket()) && m.uid() == euid
+        });
         if pid != me && ours && super::validate_name(&name).is_ok() {
             by_creator.entry(pid).or_default().push(name);
         }

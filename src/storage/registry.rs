@@ -4,8 +4,10 @@
 //!   slot, generation), whichever runtime shared them: a receipt in the producer's own process
 //!   returns the original storage — through any runtime of the process. The generation makes a
 //!   handle of an earlier storage in a reused slot miss.
-//! * **Received storages**, per runtime, by (memory handle, offset): a second receipt of a live
-//!   storage returns the same `Storage`. The lock of this table is held across a whole receipt, so
+//! * **Received storages**, per runtime, by the same key as shared ones (ref-counter file, slot,
+//!   generation): a second receipt of a live storage returns the same `Storage`. (Keyed once by
+//!   (memory handle, offset): memory of expandable segments has no memory handle — it is named by
+//!   its pages — so two storages at the same offset of their pages were taken for one.) The lock of this table is held across a whole receipt, so
 //!   two threads opening one storage get one `Storage` (check and insert are one step).
 //!
 //! Entries are weak; dead ones are pruned whenever an entry is added.
@@ -13,14 +15,13 @@
 use std::collections::HashMap;
 
 use super::{Storage, WeakStorage};
-use crate::driver::IPC_HANDLE_SIZE;
 use crate::ipc::SharedKey;
 use crate::sync::os::{Mutex, MutexGuard};
 
 static SHARED: Mutex<Option<HashMap<SharedKey, WeakStorage>>> = Mutex::new(None);
 
-/// (runtime id, memory handle, offset).
-pub(super) type ReceivedKey = (u64, [u8; IPC_HANDLE_SIZE], u64);
+/// (runtime id, the shared storage's key).
+pub(super) type ReceivedKey = (u64, SharedKey);
 
 /// Received storages of every runtime of the process.
 pub(super) type Received = HashMap<ReceivedKey, WeakStorage>;

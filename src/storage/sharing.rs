@@ -89,7 +89,7 @@ pub(super) fn receive(runtime: &Arc<Runtime>, handle: IpcHandle) -> Result<Stora
         }
         return original;
     }
-    let key = (runtime.id(), wire.memory, wire.offset);
+    let key = (runtime.id(), crate::ipc::shared_key(wire));
     let nbytes = wire.nbytes;
     // Held across the whole receipt: check and insert are one step.
     let mut guard = registry::received();

@@ -292,7 +292,7 @@ pub fn shm_names_with_prefix(prefix: &str) -> Vec<String> {
 
 /// A caching allocator with the invariant scanner on, over `driver`.
 pub fn checked_allocator(driver: Arc<dyn Driver>, conf: &str) -> Arc<cudalloc::Runtime> {
-    let config = cudalloc::AllocatorConfig::parse(&with_test_settings(conf)).unwrap();
+    let config = test_config(conf);
     Arc::new(
         cudalloc::Runtime::builder()
             .config(config)
@@ -306,6 +306,12 @@ pub fn checked_allocator(driver: Arc<dyn Driver>, conf: &str) -> Arc<cudalloc::R
 /// allocator suites run a second time with them, as PyTorch's own suite does.
 pub fn expandable_run() -> bool {
     std::env::var("CUDALLOC_TEST_EXPANDABLE").is_ok_and(|v| v == "1")
+}
+
+/// The allocator configuration `conf` with the settings of this run added (see
+/// [`with_test_settings`]).
+pub fn test_config(conf: &str) -> cudalloc::AllocatorConfig {
+    cudalloc::AllocatorConfig::parse(&with_test_settings(conf)).unwrap()
 }
 
 /// `conf` with the settings of this run added (`expandable_segments:True` in an expandable run).

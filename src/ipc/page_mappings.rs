@@ -1,0 +1,253 @@
+//! Consumer side of sharing expandable memory: fetching the chunks under a received storage from the
+//! producer's page socket and mapping them — only those pages, into a reservation of their size —
+//! with a cache so storages on the same pages share one mapping.
+//!
+//! A received storage of an expandable segment names its pages (`WirePages`: page size, first page
+//! in the producer, count). Opening it maps exactly those pages here, contiguous, and the storage is
+//! at `offset` in them: a consumer of 1,000 storages of 1 MiB from one 4 GiB segment reserves the
+//! pages under them, never the producer's whole range (PyTorch's expandable-segment sharing
+//! reserves the whole segment per import and pulls descriptors with `pidfd_getfd`).
+//!
+//! **Cache.** Mappings are shared per (driver, producer socket, device, page size, first page,
+//! count) — the *exact* span, not any span that contains it. Why exact is safe: a span's pages are
+//! the pages under its first storage's block, so every user's block touches every page of the
+//! span; a user holds its count (`pending` while opening, its lease after) until after it leaves the
+//! span (its mapping drops before its lease, `consumer.rs`); a page touched by an allocated block is
+//! never unmapped by the producer. So from a span's creation until its last user leaves, every one
+//! of its pages stays mapped in the producer with the same chunk, and a storage joining it sees the
+//! same memory. A span merely *containing* the new storage's pages would not have that guarantee:
+//! pages outside the remaining users' blocks may have been unmapped and remapped with new chunks.
+//!
+//! | span users | opening a storage on the same pages  | last user dropped                        |
+//! |------------|--------------------------------------|------------------------------------------|
+//! | none       | fetch, reserve, import + map each page, release the chunk handles | —        |
+//! | n ≥ 1      | joins (n + 1)                         | unmap (after queued work), free the reservation |
+
+use std::collections::HashMap;
+
+use super::page_protocol::{self, PageRequest, ReplyHeader, BATCH, REPLY_SIZE};
+use super::wire::{WireHandle, WirePages};
+use crate::driver::{DeviceAddr, Driver};
+use crate::error::{Error, Result};
+use crate::shm::socket;
+use crate::sync::os::{Arc, Mutex};
+
+/// (driver address, page socket name, device, pages).
+type SpanKey = (usize, String, usize, WirePages);
+
+#[derive(Debug)]
+struct SpanEntry {
+    base: DeviceAddr,
+    users: u64,
+}
+
+/// Page spans of other processes mapped in this process.
+static SPANS: Mutex<Option<HashMap<SpanKey, SpanEntry>>> = Mutex::new(None);
+
+fn driver_key(driver: &Arc<dyn Driver>) -> usize {
+    Arc::as_ptr(driver) as *const () as usize
+}
+
+/// One user of a mapped page span; the span is unmapped when the last user drops.
+#[derive(Debug)]
+pub(crate) struct PageMapping {
+    driver: Arc<dyn Driver>,
+    key: SpanKey,
+    /// Where the first page is mapped here.
+    pub base: DeviceAddr,
+}
+
+impl PageMapping {
+    /// Maps the pages `wire` names on `device` (or joins the mapping of the same pages).
+    pub fn open(
+        driver: &Arc<dyn Driver>,
+        wire: &WireHandle,
+        pages: WirePages,
+        device: usize,
+    ) -> Result<PageMapping> {
+        let socket_name = page_protocol::socket_name(&wire.ref_file)?;
+        let key = (driver_key(driver), socket_name, device, pages);
+        if let Some(joined) = Self::join(driver, &key) {
+            return Ok(joined);
+        }
+        // Fetch and map without the table's lock (a slow producer must not stall other opens);
+        // if another thread mapped the same span meanwhile, join it and drop ours.
+        let base = fetch_and_map(driver.as_ref(), wire, &key.1, pages, device)?;
+        let size = pages.count * pages.page;
+        let mut table = SPANS.lock();
+        let spans = table.get_or_insert_with(HashMap::new);
+        if let Some(entry) = spans.get_mut(&key) {
+            entry.users += 1;
+            let joined = entry.base;
+            drop(table);
+            unmap(driver.as_ref(), base, size);
+            return Ok(PageMapping {
+                driver: Arc::clone(driver),
+                key,
+                base: joined,
+            });
+        }
+        spans.insert(key.clone(), SpanEntry { base, users: 1 });
+        Ok(PageMapping {
+            driver: Arc::clone(driver),
+            key,
+            base,
+        })
+    }
+
+    fn join(driver: &Arc<dyn Driver>, key: &SpanKey) -> Option<PageMapping> {
+        let mut table = SPANS.lock();
+        let entry = table.as_mut()?.get_mut(key)?;
+        entry.users += 1;
+        Some(PageMapping {
+            driver: Arc::clone(driver),
+            key: key.clone(),
+            base: entry.base,
+        })
+    }
+
+    /// Page spans mapped through `driver` now, and their bytes of address space.
+    pub fn mapped(driver: &Arc<dyn Driver>) -> (usize, u64) {
+        let key = driver_key(driver);
+        SPANS.lock().as_ref().map_or((0, 0), |spans| {
+            spans
+                .keys()
+                .filter(|k| k.0 == key)
+                .fold((0, 0), |(n, bytes), k| {
+                    (n + 1, bytes + k.3.count * k.3.page)
+                })
+        })
+    }
+}
+
+impl Drop for PageMapping {
+    fn drop(&mut self) {
+        let mut table = SPANS.lock();
+        let Some(entry) = table.as_mut().and_then(|spans| spans.get_mut(&self.key)) else {
+            return;
+        };
+        entry.users = entry.users.saturating_sub(1);
+        if entry.users > 0 {
+            return;
+        }
+        if let Some(spans) = table.as_mut() {
+            spans.remove(&self.key);
+        }
+        drop(table);
+        let pages = self.key.3;
+        unmap(self.driver.as_ref(), self.base, pages.count * pages.page);
+    }
+}
+
+/// Unmaps a span and frees its reservation (errors are logged: nothing else can be done at drop).
+fn unmap(driver: &dyn Driver, base: DeviceAddr, size: u64) {
+    let done = driver
+        .vm_unmap(base, size)
+        .and_then(|()| driver.vm_free_reservation(base));
+    if let Err(err) = done {
+        tracing::warn!(%err, "unmapping another process's pages failed");
+    }
+}
+
+/// A reservation with the pages mapped so far; dropped before completion, it unmaps them and frees
+/// the reservation.
+struct PartialSpan<'a> {
+    driver: &'a dyn Driver,
+    base: DeviceAddr,
+    page: u64,
+    mapped: u64,
+    done: bool,
+}
+
+impl Drop for PartialSpan<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let unmapped = if self.mapped > 0 {
+            self.driver.vm_unmap(self.base, self.mapped * self.page)
+        } else {
+            Ok(())
+        };
+        if let Err(err) = unmapped.and_then(|()| self.driver.vm_free_reservation(self.base)) {
+            tracing::warn!(%err, "undoing a partial page mapping failed");
+        }
+    }
+}
+
+/// Asks the producer for the chunks of `pages`, reserves their size here and maps each one.
+fn fetch_and_map(
+    driver: &dyn Driver,
+    wire: &WireHandle,
+    socket_name: &str,
+    pages: WirePages,
+    device: usize,
+) -> Result<DeviceAddr> {
+    let granularity = driver.vm_granularity(device)?;
+    if granularity == 0 || pages.page % granularity != 0 {
+        return Err(Error::bad_handle(format!(
+            "the producer's pages of {} bytes are not a multiple of this device's granularity \
+             ({granularity} bytes)",
+            pages.page
+        )));
+    }
+    let size = pages
+        .count
+        .checked_mul(pages.page)
+        .ok_or_else(|| Error::bad_handle("page span overflows"))?;
+    let pid = wire.producer_pid;
+    let stream = socket::connect(socket_name, page_protocol::TIMEOUT).map_err(|err| {
+        Error::bad_handle(if crate::shm::process_alive(pid) {
+            format!("cannot open expandable memory: the page socket of process {pid} did not answer ({err})")
+        } else {
+            format!("cannot open expandable memory: the producer (pid {pid}) exited before its pages were fetched ({err})")
+        })
+    })?;
+    let request = PageRequest {
+        ref_file: wire.ref_file.clone(),
+        slot: wire.slot,
+        generation: wire.generation,
+        pages,
+    };
+    std::io::Write::write_all(&mut &stream, &request.encode())
+        .map_err(|e| Error::host_os("sending a page request", e))?;
+    let mut span = PartialSpan {
+        driver,
+        base: driver.vm_reserve(device, size)?,
+        page: pages.page,
+        mapped: 0,
+        done: false,
+    };
+    let batches = pages.count.div_ceil(BATCH as u64);
+    for batch in 0..batches {
+        let batch = u32::try_from(batch).map_err(|_| Error::bad_handle("too many pages"))?;
+        let mut raw = [0u8; REPLY_SIZE];
+        let (len, fds) = socket::recv_fds(&stream, &mut raw, BATCH)?;
+        if len != REPLY_SIZE {
+            return Err(Error::bad_handle(format!(
+                "the page socket sent {len} bytes where a {REPLY_SIZE}-byte header belongs \
+                 (the producer closed the connection?)"
+            )));
+        }
+        let header = ReplyHeader::parse(&raw, batch, pages.count)?;
+        if fds.len() as u64 != header.in_batch {
+            return Err(Error::bad_handle(format!(
+                "the page socket announced {} descriptors and sent {}",
+                header.in_batch,
+                fds.len()
+            )));
+        }
+        for fd in fds {
+            let chunk = driver.vm_import_chunk(device, fd, pages.page)?;
+            let at = DeviceAddr(span.base.0 + span.mapped * pages.page);
+            let mapped = driver.vm_map(at, chunk);
+            // The mapping keeps the memory; the imported handle is not needed any more.
+            let released = driver.vm_release_chunk(chunk);
+            mapped?;
+            span.mapped += 1;
+            released?;
+        }
+    }
+    span.done = true;
+    Ok(span.base)
+}
