@@ -28,19 +28,21 @@ export CUDALLOC_BACKEND=cuda
 export CUDA_DOUBLE_REPORT="$root/report"
 
 suites=(driver_conformance allocator_pytorch allocator_policy allocator_properties allocator_stress cow
-        ipc_multiprocess ipc_interplay global_and_storage cuda_contract expandable)
+        ipc_multiprocess ipc_interplay ipc_expandable global_and_storage cuda_contract expandable)
 args=()
 for s in "${suites[@]}"; do args+=(--test "$s"); done
 echo "== CUDA backend on the contract double: ${suites[*]}"
 cargo test --no-fail-fast "${args[@]}"
-echo "== the allocator suites again with expandable segments (the driver's virtual memory)"
+echo "== the allocator and IPC suites again with expandable segments (the driver's virtual memory)"
 CUDALLOC_TEST_EXPANDABLE=1 cargo test --no-fail-fast --test allocator_pytorch --test allocator_policy \
-  --test allocator_properties --test allocator_stress --test cow --test expandable
+  --test allocator_properties --test allocator_stress --test cow --test expandable \
+  --test ipc_multiprocess --test ipc_interplay
 echo "== cudarc views: a library's own context, stream and kernels on cudalloc storages"
 cargo test --features cudarc --test cudarc_views
 
-echo "== the interplay test on the double (30 s, fresh seed; killed consumers included)"
-cargo test --test interplay -- --seconds 30
+echo "== the interplay test on the double (fresh seeds; killed consumers included): 20 s, then 20 s with expandable segments"
+cargo test --test interplay -- --seconds 20
+CUDALLOC_TEST_EXPANDABLE=1 cargo test --test interplay -- --seconds 20
 
 echo "== the double's verdict"
 target/release/cuda-double-report "$CUDA_DOUBLE_REPORT" src/driver/cuda

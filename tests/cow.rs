@@ -114,14 +114,6 @@ fn lazy_clone_of_a_shared_storage_is_an_eager_copy() {
     let a = allocator();
     let s = Storage::new(&a, 0, 4096).unwrap();
     s.fill_pattern(3).unwrap();
-    if expandable_run() {
-        // Sharing expandable memory between processes is not built yet: a clear refusal.
-        let err = s.share_ipc().unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::InvalidArgument);
-        assert!(err.to_string().contains("expandable"), "{err}");
-        println!("lazy_clone_of_a_shared_storage_is_an_eager_copy: skipped: expandable memory is not shared yet");
-        return;
-    }
     let handle = s.share_ipc().unwrap();
     let c = s.lazy_clone().unwrap();
     assert!(!c.is_cow() && !s.is_cow());

@@ -72,6 +72,7 @@ pub(crate) fn share(
     nbytes: u64,
     stream: StreamId,
 ) -> Result<Shared> {
+    ipc.check_process()?;
     let device = data.device();
     let pid = std::process::id();
     let device32 = u32::try_from(device).map_err(|_| Error::invalid("device ordinal too large"))?;
@@ -188,28 +189,23 @@ pub(crate) fn open(
     }
     let (wire, claim) = handle.into_parts();
     let claim = claim.ok_or_else(|| Error::bad_handle("handle carries no count"))?;
+    let pid = wire.producer_pid;
     let mapping = match wire.pages {
         Some(pages) => {
-            ReceivedMapping::Pages(PageMapping::open(&ipc.driver, &wire, pages, device)?)
+            PageMapping::open(&ipc.driver, &wire, pages, device).map(ReceivedMapping::Pages)
         }
-        None => ReceivedMapping::Segment(Mapping::open(&ipc.driver, &wire)?),
-    };
+        None => Mapping::open(&ipc.driver, &wire).map(ReceivedMapping::Segment),
+    }
+    .map_err(|err| producer_gone(pid, "its memory was opened", err))?;
     let lease = claim.into_lease()?;
     let stream = alloc.current_stream(device)?;
     if let Some(event) = &wire.event {
+        let not_ready = |err| producer_gone(pid, "its writes completed", err);
         let e = ipc
             .driver
-            .ipc_open_event(device, &crate::driver::IpcEventHandle(*event))?;
-        let waited = ipc.driver.stream_wait_event(stream, e).map_err(|err| {
-            if crate::shm::process_alive(wire.producer_pid) {
-                return err;
-            }
-            Error::bad_handle(format!(
-                "the data of this handle is not ready and cannot become ready: the producer \
-                 (pid {}) exited before its writes completed ({err})",
-                wire.producer_pid
-            ))
-        });
+            .ipc_open_event(device, &crate::driver::IpcEventHandle(*event))
+            .map_err(not_ready)?;
+        let waited = ipc.driver.stream_wait_event(stream, e).map_err(not_ready);
         let destroyed = ipc.driver.event_destroy(e);
         waited.and(destroyed)?;
     }
@@ -222,6 +218,17 @@ pub(crate) fn open(
         mapping: Some(mapping),
     };
     Ok(DataPtr::new(ptr, device, Owner::Shared(Box::new(owner))))
+}
+
+/// `err` of opening a handle — or, when its producer is dead, an error that says so: its objects
+/// may already be swept, its page socket gone, its event never to complete.
+fn producer_gone(pid: u32, before: &str, err: Error) -> Error {
+    if crate::shm::process_alive(pid) {
+        return err;
+    }
+    Error::bad_handle(format!(
+        "this handle cannot be opened: its producer (pid {pid}) exited before {before} ({err})"
+    ))
 }
 
 /// Whether `data` is memory received from another process.

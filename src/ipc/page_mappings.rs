@@ -197,11 +197,9 @@ fn fetch_and_map(
         .ok_or_else(|| Error::bad_handle("page span overflows"))?;
     let pid = wire.producer_pid;
     let stream = socket::connect(socket_name, page_protocol::TIMEOUT).map_err(|err| {
-        Error::bad_handle(if crate::shm::process_alive(pid) {
-            format!("cannot open expandable memory: the page socket of process {pid} did not answer ({err})")
-        } else {
-            format!("cannot open expandable memory: the producer (pid {pid}) exited before its pages were fetched ({err})")
-        })
+        Error::bad_handle(format!(
+            "cannot reach the page socket of process {pid} ({err})"
+        ))
     })?;
     let request = PageRequest {
         ref_file: wire.ref_file.clone(),

@@ -18,7 +18,7 @@
 //! own user. It stops (and its socket is unlinked) when the allocator's IPC state drops; when
 //! storages stay in limbo at teardown it keeps serving them until the process exits, as their
 //! memory stays allocated until then. A forked child inherits neither thread nor socket: sharing
-//! expandable memory there is refused (the socket answers for the parent).
+//! through its parent's runtime is refused (`IpcState::check_process`).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -83,18 +83,12 @@ impl PageServer {
     }
 
     /// Serves `pages` for the storage `key` until the returned registration drops.
-    pub(crate) fn register(&self, key: SharedKey, pages: PagesUnder) -> Result<SpanRegistration> {
-        if self.pid != std::process::id() {
-            return Err(Error::invalid(
-                "memory of an expandable segment cannot be shared from a forked child through its \
-                 parent's allocator (the page socket serves the parent); make a runtime in the child",
-            ));
-        }
+    pub(crate) fn register(&self, key: SharedKey, pages: PagesUnder) -> SpanRegistration {
         self.registry.spans.lock().insert(key.clone(), pages);
-        Ok(SpanRegistration {
+        SpanRegistration {
             registry: Arc::clone(&self.registry),
             key,
-        })
+        }
     }
 
     /// Lets the thread serve until the process exits (storages stayed in limbo at teardown).

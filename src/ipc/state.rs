@@ -105,6 +105,21 @@ impl IpcState {
         }
     }
 
+    /// Refuses use by a forked child: the ref-counter files, slots, events and page socket are the
+    /// parent's (a child's share would count in the parent's slots; its pages would be served by
+    /// the parent's socket, which knows nothing of them).
+    pub fn check_process(&self) -> Result<()> {
+        let me = std::process::id();
+        if me != self.pid {
+            return Err(crate::Error::invalid(format!(
+                "this runtime was created by process {} and cannot share from process {me} (a forked \
+                 child): make a runtime in the child",
+                self.pid
+            )));
+        }
+        Ok(())
+    }
+
     /// The expiry of a handle made now (0 without a time-to-live).
     pub fn handle_expiry(&self) -> u64 {
         if self.handle_ttl_ms == 0 {
@@ -123,7 +138,7 @@ impl IpcState {
             *server = Some(PageServer::start(Arc::clone(&self.driver), &name)?);
         }
         match server.as_ref() {
-            Some(s) => s.register(key, pages),
+            Some(s) => Ok(s.register(key, pages)),
             None => Err(crate::Error::invalid("page server missing")),
         }
     }
