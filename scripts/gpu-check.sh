@@ -75,8 +75,10 @@ for exe in "$bin_dir"/*; do
   fi
   grep -E 'panicked|FAILED|test result' "$log" | sed 's/^/  /'
 done
-# The allocator suites again with expandable segments (the GPU's virtual-memory API).
-for suite in allocator_pytorch allocator_policy allocator_properties allocator_stress cow expandable; do
+# The allocator and IPC suites again with expandable segments (the GPU's virtual-memory API;
+# sharing by page: cuMemExportToShareableHandle / cuMemImportFromShareableHandle across processes).
+for suite in allocator_pytorch allocator_policy allocator_properties allocator_stress cow expandable \
+             ipc_multiprocess ipc_interplay; do
   exe="$bin_dir/$suite"
   [ -x "$exe" ] || continue
   if ! CUDALLOC_TEST_EXPANDABLE=1 "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi

@@ -26,6 +26,7 @@ fn scribble(name: &str, offset: u64, bytes: &[u8]) {
 fn allocator() -> Arc<Runtime> {
     Arc::new(
         Runtime::builder()
+            .config(test_config(""))
             .ipc_slots_per_file(16)
             .build(Arc::new(host_driver()))
             .unwrap(),

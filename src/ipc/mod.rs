@@ -4,6 +4,17 @@
 //! * `wire.rs` — the handle's byte format; `refcount.rs` — ref-counter files (slots, release ring,
 //!   OFD locks); `state.rs` — the producer's files, limbo and drains; `producer.rs` — what a shared
 //!   storage owns; `consumer.rs` — claims, leases, mappings; `handle.rs` — [`IpcHandle`].
+//! * Memory of expandable segments is not one driver allocation but pages: `page_protocol.rs` —
+//!   the request/answer messages; `page_server.rs` — the producer's registry of shared pages and
+//!   the thread serving their chunk descriptors over a Unix socket (`SCM_RIGHTS`);
+//!   `page_mappings.rs` — the consumer's mappings of exactly the pages under a storage.
+//!
+//! Why a socket and not PyTorch's `pidfd_getfd`: that call needs ptrace permission over the
+//! producer, which unprivileged containers (and Yama's default scope) deny; a socket in `/dev/shm`
+//! works wherever the ref-counter files do, and the producer decides what it hands out (only pages
+//! of storages it shares, to peers of its own user). Why only the storage's pages: PyTorch's consumer
+//! reserves the producer's whole segment range per imported segment and maps all of it; mapping the
+//! pages under the storage bounds the consumer's address space by what it uses.
 //!
 //! This layer works on [`DataPtr`]s: `share` wraps a `DataPtr`'s block for sharing and makes a
 //! handle, `open` turns a handle into a `DataPtr` of another process's memory. Which `Storage`
