@@ -10,9 +10,10 @@
 //! global     GLOBAL: the process-wide runtime
 //! storage    Storage: the unit of aliasing; its state table; which Storage a receipt returns
 //! runtime    Runtime: a CachingAllocator and the IPC state side by side (ipc_collect, drains)
+//! replay     traces replayed through a CachingAllocator on the simulated device (feature `replay`)
 //! cow | ipc  copy-on-write contexts | sharing across processes — both on DataPtrs
 //! alloc      CachingAllocator, DataPtr and its owners (upper layers attach trait objects)
-//! driver     the Driver trait: HostDriver, CudaDriver
+//! driver     the Driver trait: HostDriver, CudaDriver, SimDriver
 //! ground     error, sync, config, shm, codec
 //! ```
 
@@ -24,6 +25,8 @@ pub mod driver;
 pub mod error;
 pub mod global;
 pub mod ipc;
+#[cfg(feature = "replay")]
+pub mod replay;
 pub mod runtime;
 mod shm;
 pub mod storage;
@@ -36,7 +39,7 @@ pub use config::AllocatorConfig;
 pub use driver::{
     Backend, BackendChoice, ChunkId, CudaDriver, DeviceAddr, Driver, EventFlags, EventId,
     HostDriver, HostDriverBuilder, IpcEventHandle, IpcMemHandle, MemInfo, OpenedSegment,
-    SelectedBackend, StreamId,
+    SelectedBackend, SimDriver, StreamId,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use global::{Global, GLOBAL};

@@ -4,6 +4,8 @@
 //! * `cudalloc info` — backend, devices and capacities, configuration, version.
 //! * `cudalloc clean` — removes shared-memory objects that dead cudalloc processes left in
 //!   `/dev/shm` (never those of a live process, nor those a consumer still holds) and prints them.
+//! * `cudalloc replay FILE` — replays an allocation trace on the simulated device under one or
+//!   more configurations: a table and an SVG plot (see `cli/replay.rs`).
 //!
 //! Bad flags or environment values print one clear line and exit with code 2.
 
@@ -64,6 +66,23 @@ enum Command {
     /// Remove shared-memory objects left in /dev/shm by dead cudalloc processes (never those of a
     /// live process, nor those a consumer still holds) and print what was removed.
     Clean,
+    /// Replay an allocation trace (cudalloc JSON lines, PyTorch snapshot pickle, torch.profiler
+    /// Chrome trace or RMM CSV log, possibly gzip'd) through the allocator on a simulated device:
+    /// peaks, their ratio, segments, the first out-of-memory, time per op, and an SVG plot.
+    Replay {
+        /// The trace file.
+        file: PathBuf,
+        /// A configuration in PYTORCH_CUDA_ALLOC_CONF's grammar; repeat to compare several
+        /// (default: PyTorch's default and "expandable_segments:True").
+        #[arg(long = "conf")]
+        confs: Vec<String>,
+        /// Capacity of each simulated device (e.g. 80GiB).
+        #[arg(long, default_value = "80GiB")]
+        capacity: String,
+        /// Where to write the plot (default: <trace name>.replay.svg here).
+        #[arg(long)]
+        svg: Option<PathBuf>,
+    },
     /// A demo consumer (started by `demo`).
     #[command(hide = true)]
     DemoConsumer {
@@ -202,6 +221,27 @@ fn run(cli: Cli) -> Result<(), (u8, String)> {
             let verdict =
                 cli::demo::run(&opts).map_err(|why| (1, format!("demo failed: {why}")))?;
             println!("{verdict}");
+            Ok(())
+        }
+        Command::Replay {
+            file,
+            confs,
+            capacity,
+            svg,
+        } => {
+            let capacity = cudalloc::driver::host::parse_byte_size(&capacity)
+                .map_err(|why| (2, format!("--capacity {capacity:?}: {why}")))?;
+            if capacity == 0 {
+                return Err((2, "--capacity 0: the device needs room".into()));
+            }
+            let args = cli::replay::ReplayArgs {
+                file,
+                confs,
+                capacity,
+                svg,
+            };
+            let text = cli::replay::run(&args).map_err(|e| exit_code(&e))?;
+            println!("{text}");
             Ok(())
         }
         Command::DemoConsumer { socket } => {

@@ -61,6 +61,13 @@ fn bad_flags_and_environment_exit_with_code_2() {
         (vec!["--consumers", "0"], None),
         (vec!["info", "--storages", "3"], None),
         (vec!["--backend", "gpu", "info"], None),
+        (vec!["replay", "--capacity", "lots", "x.json"], None),
+        (vec!["replay", "/nonexistent/trace.json"], None),
+        (vec!["replay", "Cargo.toml"], None),
+        (
+            vec!["replay", "--conf", "foo:1", "tests/data/tiny_trace.jsonl"],
+            None,
+        ),
     ] {
         let mut c = cudalloc();
         c.args(&args);
@@ -138,4 +145,55 @@ fn a_consumer_that_fails_to_start_or_connect_is_a_clear_error_and_cleans_up() {
         assert!(!dir.exists(), "the socket folder {} is left", dir.display());
     }
     std::fs::remove_file(&script).unwrap();
+}
+
+#[test]
+fn replay_prints_a_row_per_configuration_and_writes_the_plot() {
+    // The real ResNet-50 trace when the shared folder is there, else a small trace of ours.
+    let shared = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/traces/resnet50_training_v100.kineto.json.gz");
+    let trace = if shared.exists() {
+        shared
+    } else {
+        println!("replay on the ResNet-50 trace: skipped (../shared/traces/ is not here); a small trace instead");
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny_trace.jsonl")
+    };
+    let svg = std::env::temp_dir().join(format!("cudalloc-replay-{}.svg", std::process::id()));
+    let out = cudalloc()
+        .args([
+            "replay",
+            "--conf",
+            "",
+            "--conf",
+            "expandable_segments:True",
+            "--capacity",
+            "32GiB",
+            "--svg",
+        ])
+        .arg(&svg)
+        .arg(&trace)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("default (PyTorch's policy)")),
+        "{stdout}"
+    );
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("expandable_segments:True")),
+        "{stdout}"
+    );
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(plot.starts_with("<svg") && plot.contains("reserved: expandable_segments:True"));
+    std::fs::remove_file(&svg).unwrap();
 }

@@ -9,7 +9,7 @@
 //! | 1    | driver   | `driver`                        |
 //! | 2    | alloc    | `alloc`                         |
 //! | 3    | cow, ipc | `cow`, `ipc` (not each other)   |
-//! | 4    | runtime  | `runtime`                       |
+//! | 4    | runtime, replay | `runtime`, `replay` (not each other) |
 //! | 5    | storage  | `storage`                       |
 //! | 6    | global   | `global`                        |
 //! | 7    | command  | `main.rs`, `cli/` (use the public API only) |
@@ -24,7 +24,7 @@ fn rank(module: &str) -> Option<u32> {
         "driver" => 1,
         "alloc" => 2,
         "cow" | "ipc" => 3,
-        "runtime" => 4,
+        "runtime" | "replay" => 4,
         "storage" => 5,
         "global" => 6,
         "cli" | "main" => 7,

@@ -40,7 +40,8 @@ pub use observers::{
 };
 pub use oom::{format_size, FreeMemoryCallback};
 pub use snapshot::{
-    Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment, TraceAction, TraceEntry,
+    trace_json_lines, Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment, TraceAction,
+    TraceEntry,
 };
 pub use stats::{DeviceStats, Stat, StatArray, POOL_NAMES};
 

@@ -73,6 +73,42 @@ pub struct TraceEntry {
     pub size: u64,
     /// Raw id of the stream.
     pub stream: u64,
+    /// When it happened: microseconds since the Unix epoch (PyTorch's `time_us`).
+    pub time_us: u64,
+}
+
+impl TraceEntry {
+    /// The entry as one line of cudalloc's JSON-lines trace format (what `cudalloc replay`
+    /// reads): `{"action":"alloc","device":0,"addr":…,"size":…,"stream":…,"time_us":…}`.
+    pub fn to_json_line(&self) -> String {
+        format!(
+            "{{\"action\":\"{}\",\"device\":{},\"addr\":{},\"size\":{},\"stream\":{},\"time_us\":{}}}",
+            self.action.name(),
+            self.device,
+            self.addr,
+            self.size,
+            self.stream,
+            self.time_us
+        )
+    }
+}
+
+/// `entries` in cudalloc's JSON-lines trace format, one line each (see
+/// [`TraceEntry::to_json_line`]).
+pub fn trace_json_lines(entries: &[TraceEntry]) -> String {
+    let mut out = String::new();
+    for e in entries {
+        out.push_str(&e.to_json_line());
+        out.push('\n');
+    }
+    out
+}
+
+/// Microseconds since the Unix epoch.
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// The bounded trace ring of one allocator.
@@ -106,6 +142,7 @@ impl Trace {
         if !self.enabled.load(Ordering::Relaxed) {
             return;
         }
+        let time_us = now_us();
         let mut ring = self.ring.lock();
         let cap = ring.0;
         while ring.1.len() >= cap {
@@ -117,6 +154,7 @@ impl Trace {
             addr,
             size,
             stream: stream.raw(),
+            time_us,
         });
     }
 

@@ -171,7 +171,7 @@ pub fn run(opts: &DemoOptions) -> Result<String, String> {
     );
 
     // Phase 1: allocate and fill a realistic mix on two streams.
-    let progress = labelled_progress(opts.storages as u64, "allocating and filling");
+    let progress = super::labelled_progress(opts.storages as u64, "allocating and filling");
     let mut items = Vec::new();
     let (lo, hi) = (9f64, (opts.max_size.max(512) as f64).log2());
     for i in 0..opts.storages as u64 {
@@ -246,7 +246,7 @@ pub fn run(opts: &DemoOptions) -> Result<String, String> {
             stream: BufReader::new(stream),
         });
     }
-    let progress = labelled_progress(items.len() as u64, "sharing and verifying");
+    let progress = super::labelled_progress(items.len() as u64, "sharing and verifying");
     let mut verified_bytes = 0u64;
     for (k, item) in items.iter().enumerate() {
         let handle = item
@@ -326,17 +326,6 @@ pub fn run(opts: &DemoOptions) -> Result<String, String> {
         cudalloc::alloc::format_size(verified_bytes),
         start.elapsed().as_secs_f64()
     ))
-}
-
-/// A progress bar that says what it counts, drawn only on a terminal (indicatif hides itself when
-/// standard error is not one, so pipes get no escape codes).
-fn labelled_progress(len: u64, what: &'static str) -> indicatif::ProgressBar {
-    let bar = indicatif::ProgressBar::new(len);
-    if let Ok(style) = indicatif::ProgressStyle::with_template("{msg:>24} [{bar:40}] {pos}/{len}") {
-        bar.set_style(style);
-    }
-    bar.set_message(what);
-    bar
 }
 
 fn backend_name(b: BackendChoice) -> &'static str {

@@ -35,12 +35,14 @@ pub mod host;
 pub mod pattern;
 mod ranges;
 pub(crate) mod registry;
+pub mod sim;
 pub(crate) mod vm_space;
 
 use std::fmt;
 
 pub use cuda::CudaDriver;
 pub use host::{HostDriver, HostDriverBuilder};
+pub use sim::SimDriver;
 
 use crate::error::Result;
 
@@ -124,14 +126,17 @@ pub enum Backend {
     Host,
     /// [`CudaDriver`].
     Cuda,
+    /// [`SimDriver`]: a simulated device that backs nothing (replays).
+    Simulated,
 }
 
 impl Backend {
-    /// `"host"` or `"cuda"`.
+    /// `"host"`, `"cuda"` or `"simulated"`.
     pub fn name(self) -> &'static str {
         match self {
             Backend::Host => "host",
             Backend::Cuda => "cuda",
+            Backend::Simulated => "simulated",
         }
     }
 }

@@ -4,7 +4,7 @@
 //! |-----------|-----------------------------------------------------------|
 //! | 0..8      | magic `cdalIPC1`                                          |
 //! | 8..10     | layout version (2), little endian                         |
-//! | 10        | backend: 1 host, 2 cuda                                   |
+//! | 10        | backend: 1 host, 2 cuda, 3 simulated (which cannot share: only empty handles) |
 //! | 11        | flags: bit 0 = carries an event, bit 1 = empty storage, bit 2 = expandable pages |
 //! | 12..16    | device ordinal                                            |
 //! | 16..20    | producer pid                                              |
@@ -257,6 +257,7 @@ impl WireHandle {
         b[10] = match self.backend {
             Backend::Host => 1,
             Backend::Cuda => 2,
+            Backend::Simulated => 3,
         };
         b[11] = u8::from(self.event.is_some())
             | (u8::from(self.is_empty()) << 1)
@@ -321,6 +322,7 @@ impl WireHandle {
         let backend = match bytes[10] {
             1 => Backend::Host,
             2 => Backend::Cuda,
+            3 => Backend::Simulated,
             other => return Err(bad(format!("unknown backend code {other}"))),
         };
         let flags = bytes[11];

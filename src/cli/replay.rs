@@ -1,0 +1,138 @@
+//! `cudalloc replay FILE`: replays an allocation trace through the real allocator on the simulated
+//! device under one or more configurations, prints a table per configuration and writes a plot.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use cudalloc::alloc::format_size;
+use cudalloc::replay::{self, ReplayOptions, ReplayReport, Trace};
+
+/// What the command was asked.
+#[derive(Debug)]
+pub struct ReplayArgs {
+    /// The trace file.
+    pub file: PathBuf,
+    /// Configurations (`PYTORCH_CUDA_ALLOC_CONF` grammar); empty: PyTorch's default and
+    /// expandable segments.
+    pub confs: Vec<String>,
+    /// Capacity of the simulated device(s).
+    pub capacity: u64,
+    /// Where the plot goes (`None`: beside the trace's name in the current directory).
+    pub svg: Option<PathBuf>,
+}
+
+fn default_svg(file: &Path) -> PathBuf {
+    let stem = file
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "trace".into());
+    let stem = stem
+        .trim_end_matches(".gz")
+        .trim_end_matches(".json")
+        .trim_end_matches(".pickle");
+    PathBuf::from(format!("{stem}.replay.svg"))
+}
+
+/// The table of `reports` (one row per configuration).
+pub fn table(trace: &Trace, reports: &[ReplayReport], capacity: u64) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{}: {} operations ({} allocations, {} unmatched frees skipped), {} device(s) of {}",
+        trace.format.name(),
+        trace.ops.len(),
+        trace.allocations(),
+        trace.unmatched_frees,
+        trace.devices,
+        format_size(capacity)
+    );
+    let names: Vec<&str> = reports
+        .iter()
+        .map(|r| {
+            if r.conf.is_empty() {
+                "default (PyTorch's policy)"
+            } else {
+                r.conf.as_str()
+            }
+        })
+        .collect();
+    let w = names.iter().map(|n| n.len()).max().unwrap_or(0).max(13);
+    let _ = writeln!(
+        out,
+        "{:<w$} {:>12} {:>12} {:>7} {:>9} {:>15} {:>10}  first out-of-memory",
+        "configuration", "peak alloc", "peak reserv", "ratio", "segments", "mallocs/frees", "ns/op"
+    );
+    for (r, name) in reports.iter().zip(names) {
+        let oom = match r.first_oom {
+            Some(at) => format!(
+                "op {} ({} with {} reserved; {} in all)",
+                at.op,
+                format_size(at.size),
+                format_size(at.reserved),
+                r.ooms
+            ),
+            None => "none".into(),
+        };
+        let _ = writeln!(
+            out,
+            "{:<w$} {:>12} {:>12} {:>7.3} {:>9} {:>15} {:>10.0}  {oom}",
+            name,
+            format_size(r.peak_allocated),
+            format_size(r.peak_reserved),
+            r.ratio(),
+            r.peak_segments,
+            format!("{}/{}", r.device_mallocs, r.device_frees),
+            r.ns_per_op()
+        );
+    }
+    out
+}
+
+/// Runs the command; returns the text to print.
+pub fn run(args: &ReplayArgs) -> cudalloc::Result<String> {
+    let trace = replay::load(&args.file)?;
+    let confs = if args.confs.is_empty() {
+        vec![String::new(), "expandable_segments:True".to_owned()]
+    } else {
+        args.confs.clone()
+    };
+    let mut reports = Vec::new();
+    for conf in &confs {
+        let bar = super::labelled_progress(trace.ops.len() as u64, "replaying");
+        bar.set_message(if conf.is_empty() {
+            "default".to_owned()
+        } else {
+            conf.clone()
+        });
+        let options = ReplayOptions {
+            conf: conf.clone(),
+            capacity: args.capacity,
+        };
+        let report =
+            replay::replay(&trace, &options, &mut |done| bar.set_position(done)).map_err(|e| {
+                match e {
+                    cudalloc::Error::Config(why) => {
+                        cudalloc::Error::Config(format!("--conf {conf:?}: {why}"))
+                    }
+                    other => other,
+                }
+            })?;
+        bar.finish_and_clear();
+        reports.push(report);
+    }
+    let mut out = table(&trace, &reports, args.capacity);
+    let svg_path = args.svg.clone().unwrap_or_else(|| default_svg(&args.file));
+    let title = format!(
+        "{} — allocated and reserved",
+        args.file
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    );
+    let svg = replay::plot_svg(&reports, &title)?;
+    std::fs::write(&svg_path, svg).map_err(|e| {
+        cudalloc::Error::InvalidArgument(format!("cannot write {}: {e}", svg_path.display()))
+    })?;
+    let _ = write!(out, "plot: {}", svg_path.display());
+    Ok(out)
+}
