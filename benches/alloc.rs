@@ -197,9 +197,35 @@ fn threads(c: &mut Criterion) {
     g.finish();
 }
 
+/// The cached pair's cost with the memory history off, alloc-only, all, and all with stacks (the
+/// ring full, so every record also drops the oldest entry).
+fn history(c: &mut Criterion) {
+    use cudalloc::alloc::{HistoryMode, HistoryOptions};
+    let d = driver();
+    let mut g = c.benchmark_group("history");
+    for (name, mode, stacks) in [
+        ("off", HistoryMode::Off, false),
+        ("alloc_only", HistoryMode::AllocOnly, false),
+        ("all", HistoryMode::All, false),
+        ("all_stacks", HistoryMode::All, true),
+    ] {
+        let a = allocator(&d);
+        a.allocator().record_memory_history(HistoryOptions {
+            mode,
+            max_entries: 10_000,
+            stacks,
+        });
+        drop(a.allocate(0, 4096).unwrap());
+        g.bench_function(BenchmarkId::new("pair-4096", name), |b| {
+            b.iter(|| black_box(a.allocate(0, 4096).unwrap()))
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
-    targets = pair, random_trace, threads
+    targets = pair, random_trace, threads, history
 }
 criterion_main!(benches);

@@ -10,11 +10,12 @@
 //! | `max_split_size_mb` | integer > 20 (MiB); blocks at least this large are never split | unlimited |
 //! | `garbage_collection_threshold` | 0.0 < t < 1.0: reclaim cached blocks above t × allowed memory | off |
 //! | `roundup_power2_divisions` | power of two ≤ 64, or `[256:1,512:2,>:4]` per size interval | off |
-//! | `expandable_segments` | `True`/`False`: one segment per stream and pool that grows and shrinks in pages on the driver's virtual memory (storages in it cannot be shared between processes yet) | `False` |
+//! | `expandable_segments` | `True`/`False`: one segment per stream and pool that grows and shrinks in pages on the driver's virtual memory (shared between processes by page) | `False` |
 //! | `release_lock_on_cudamalloc` | `True`/`False`: call the driver's malloc without holding the shard lock | `False` |
 //! | `per_process_memory_fraction` | 0.0 ≤ f ≤ 1.0 of each device's total memory | 1.0 |
 //! | `default_stream` | `legacy`: the device's default stream (CUDA's legacy NULL stream, what PyTorch and candle launch on); `per_thread`: one stream per thread and device, made by cudalloc on first use and kept for the allocator's life; `dedicated`: one non-blocking stream per device made by cudalloc (cudalloc's own key) | `legacy` |
 //! | `ipc_handle_ttl_s` | seconds > 0 (cudalloc's own key): an IPC handle not opened within this time is refused by consumers and its count reclaimed by `ipc_collect()` | off |
+//! | `oom_snapshot_path` | a file (cudalloc's own key; feature `pickle`): when an allocation runs out of memory, a snapshot in PyTorch's pickled layout is written there before the error returns (with history on, it holds the trace). No commas or whitespace in the path | off |
 //! | `pinned_use_cuda_host_register`, `pinned_num_register_threads`, `pinned_use_background_threads` | PyTorch's pinned host-memory keys: validated, then ignored (cudalloc has no pinned host allocator) | — |
 
 use crate::error::{Error, Result};
@@ -59,6 +60,8 @@ pub struct AllocatorConfig {
     pub ipc_handle_ttl_ms: u64,
     /// What a thread's current stream is until it sets one.
     pub default_stream: DefaultStream,
+    /// Where a snapshot is written when an allocation runs out of memory (feature `pickle`).
+    pub oom_snapshot_path: Option<String>,
 }
 
 impl Default for AllocatorConfig {
@@ -72,6 +75,7 @@ impl Default for AllocatorConfig {
             per_process_memory_fraction: 1.0,
             ipc_handle_ttl_ms: 0,
             default_stream: DefaultStream::Legacy,
+            oom_snapshot_path: None,
         }
     }
 }
@@ -228,7 +232,12 @@ impl std::fmt::Display for AllocatorConfig {
                 format!("{}", self.ipc_handle_ttl_ms as f64 / 1000.0)
             )
         )?;
-        write!(f, "default_stream: {default_stream}")
+        writeln!(f, "default_stream: {default_stream}")?;
+        write!(
+            f,
+            "oom_snapshot_path: {}",
+            self.oom_snapshot_path.as_deref().unwrap_or("off")
+        )
     }
 }
 
@@ -279,6 +288,17 @@ impl AllocatorConfig {
                         .ok_or_else(|| bad(key, value, "a number of seconds > 0"))?;
                     config.ipc_handle_ttl_ms = ((seconds * 1000.0).ceil() as u64).max(1);
                 }
+                "oom_snapshot_path" => {
+                    if value.is_empty() {
+                        return Err(bad(key, value, "a file path"));
+                    }
+                    if !cfg!(feature = "pickle") {
+                        return Err(Error::Config(format!(
+                            "{key} needs cudalloc built with the `pickle` feature (PyTorch's snapshot layout)"
+                        )));
+                    }
+                    config.oom_snapshot_path = Some(value.to_owned());
+                }
                 "pinned_use_cuda_host_register" | "pinned_use_background_threads" => {
                     parse_bool(key, value)?;
                 }
@@ -289,7 +309,7 @@ impl AllocatorConfig {
                     return Err(Error::Config(format!(
                         "unknown key {key:?}; valid keys: max_split_size_mb, garbage_collection_threshold, \
                          roundup_power2_divisions, expandable_segments, release_lock_on_cudamalloc, \
-                         per_process_memory_fraction, ipc_handle_ttl_s, default_stream, pinned_use_cuda_host_register, \
+                         per_process_memory_fraction, ipc_handle_ttl_s, default_stream, oom_snapshot_path, pinned_use_cuda_host_register, \
                          pinned_num_register_threads, pinned_use_background_threads"
                     )))
                 }

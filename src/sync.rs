@@ -17,7 +17,7 @@ pub(crate) mod os {
 
     /// Real atomics. Also the only atomics that may be placed in shared memory mapped from a file.
     pub(crate) mod atomic {
-        pub(crate) use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+        pub(crate) use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
     }
 }
 

@@ -246,14 +246,20 @@ fn history_records_the_trace() {
     drop(x);
     a.empty_cache();
     let actions: Vec<TraceAction> = a.snapshot().trace.iter().map(|e| e.action).collect();
+    // Expandable segments map and unmap pages where whole segments are allocated and freed.
+    let (get, give) = if expandable_run() {
+        (TraceAction::SegmentMap, TraceAction::SegmentUnmap)
+    } else {
+        (TraceAction::SegmentAlloc, TraceAction::SegmentFree)
+    };
     assert_eq!(
         actions,
         [
-            TraceAction::SegmentAlloc,
+            get,
             TraceAction::Alloc,
             TraceAction::FreeRequested,
             TraceAction::FreeCompleted,
-            TraceAction::SegmentFree,
+            give,
             TraceAction::Snapshot
         ]
     );

@@ -16,11 +16,12 @@
 use std::collections::HashMap;
 
 use super::block::BlockId;
+use super::history::{Trace, TraceAction};
 use super::observers::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
 use super::oom::{self, Callbacks};
 use super::shard::{ReleaseOrder, Shard, ShardState};
 use super::size::{self, PoolKind};
-use super::snapshot::{self, SnapshotSegment, Trace, TraceAction};
+use super::snapshot::{self, SnapshotSegment};
 use super::stats::DeviceStats;
 use crate::config::AllocatorConfig;
 use crate::driver::{Driver, EventFlags, EventId, StreamId};
@@ -237,14 +238,14 @@ impl DeviceCore {
             return Ok(hit);
         }
         self.ooms.fetch_add(1, Ordering::Relaxed);
-        self.trace
-            .record(TraceAction::Oom, self.device, 0, requested, shard.stream);
         let stats = self.stats();
         let free = self
             .driver
             .mem_info(self.device)
             .map(|m| m.free)
             .unwrap_or(0);
+        self.trace
+            .record_oom(self.device, requested, shard.stream, free);
         let facts = OutOfMemoryEvent {
             device: self.device,
             requested,

@@ -25,10 +25,10 @@ use std::collections::BTreeMap;
 
 use super::block::{Block, BlockId, BlockState, SegmentInfo};
 use super::device::{Allocated, DeviceCore};
+use super::history::TraceAction;
 use super::observers::{SegmentChange, SegmentEvent};
 use super::shard::{Shard, ShardState};
 use super::size::PoolKind;
-use super::snapshot::TraceAction;
 use super::stats;
 use crate::driver::{ChunkId, DeviceAddr, StreamId};
 use crate::error::{Error, Result};
@@ -484,7 +484,7 @@ impl DeviceCore {
             stream: shard.stream,
         });
         self.trace.record(
-            TraceAction::SegmentAlloc,
+            TraceAction::SegmentMap,
             self.device,
             addr,
             len,
@@ -521,7 +521,7 @@ impl DeviceCore {
             }
             self.reserved.fetch_sub(len, Ordering::SeqCst);
             self.trace
-                .record(TraceAction::SegmentFree, self.device, addr, len, stream);
+                .record(TraceAction::SegmentUnmap, self.device, addr, len, stream);
         }
     }
 

@@ -22,27 +22,29 @@ mod block;
 mod data_ptr;
 mod device;
 mod expandable;
+mod history;
 mod invariants;
 pub mod observers;
 mod oom;
 mod pool;
+#[cfg(feature = "pickle")]
+mod pytorch_pickle;
 mod shard;
 pub mod size;
 mod snapshot;
+mod stacks;
 mod stats;
 mod summary;
 mod thread;
 
 use std::collections::BTreeMap;
 
+pub use history::{trace_json_lines, Frame, HistoryMode, HistoryOptions, TraceAction, TraceEntry};
 pub use observers::{
     OutOfMemoryEvent, OutOfMemoryObserver, SegmentChange, SegmentEvent, SegmentObserver,
 };
 pub use oom::{format_size, FreeMemoryCallback};
-pub use snapshot::{
-    trace_json_lines, Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment, TraceAction,
-    TraceEntry,
-};
+pub use snapshot::{Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment};
 pub use stats::{DeviceStats, Stat, StatArray, POOL_NAMES};
 
 pub use data_ptr::DataPtr;
@@ -50,9 +52,9 @@ pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
 pub(crate) use expandable::PagesUnder;
 
 use self::device::DeviceCore;
+use self::history::Trace;
 use self::oom::Callbacks;
 use self::shard::Shard;
-use self::snapshot::Trace;
 use crate::config::{AllocatorConfig, DefaultStream};
 use crate::driver::{DeviceAddr, Driver, StreamId};
 use crate::error::{Error, Result};
@@ -120,6 +122,8 @@ impl CachingAllocatorBuilder {
             devices,
             callbacks,
             trace,
+            #[cfg(feature = "pickle")]
+            oom_dump: Mutex::new(()),
         })
     }
 }
@@ -134,6 +138,9 @@ pub struct CachingAllocator {
     devices: Vec<Arc<DeviceCore>>,
     callbacks: Arc<Callbacks>,
     trace: Arc<Trace>,
+    /// Serializes the snapshots written on out-of-memory (`oom_snapshot_path`).
+    #[cfg(feature = "pickle")]
+    oom_dump: Mutex<()>,
 }
 
 impl std::fmt::Debug for CachingAllocator {
@@ -280,13 +287,46 @@ impl CachingAllocator {
             return Ok(DataPtr::empty(self.driver.stream_device(stream)?));
         }
         let shard = self.shard_of(stream)?;
-        let a = shard.core.allocate(&shard, size)?;
+        let a = match shard.core.allocate(&shard, size) {
+            Ok(a) => a,
+            Err(err) => {
+                if matches!(err, Error::OutOfMemory { .. }) {
+                    self.dump_snapshot_on_oom();
+                }
+                return Err(err);
+            }
+        };
         let device = shard.core.device;
         Ok(DataPtr::new(
             DeviceAddr(a.ptr),
             device,
             Owner::Block(BlockOwner::new(shard, a.block)),
         ))
+    }
+
+    /// With `oom_snapshot_path` set: writes a snapshot in PyTorch's layout there (no shard lock is
+    /// held here; concurrent out-of-memory errors write one after the other). A failure to write is
+    /// logged, never hides the out-of-memory error.
+    fn dump_snapshot_on_oom(&self) {
+        #[cfg(feature = "pickle")]
+        if let Some(path) = &self.config.oom_snapshot_path {
+            let _one_at_a_time = self.oom_dump.lock();
+            let written = self
+                .snapshot()
+                .to_pytorch_pickle(&self.config)
+                .and_then(|bytes| {
+                    let tmp = format!("{path}.tmp{}", std::process::id());
+                    std::fs::write(&tmp, bytes)
+                        .and_then(|()| std::fs::rename(&tmp, path))
+                        .map_err(|e| Error::invalid(format!("writing {path}: {e}")))
+                });
+            match written {
+                Ok(()) => tracing::warn!(path = %path, "out of memory: snapshot written"),
+                Err(err) => {
+                    tracing::warn!(%err, "out of memory: the snapshot could not be written")
+                }
+            }
+        }
     }
 
     /// Marks `data` as used on `stream`: its free will wait for the work queued there so far.
@@ -372,9 +412,25 @@ impl CachingAllocator {
         ))
     }
 
-    /// Turns the allocation trace on (keeping the last `max_entries`) or off.
+    /// Turns the history on (every event, keeping the last `max_entries`, no stacks) or off.
+    /// [`CachingAllocator::record_memory_history`] chooses what is recorded.
     pub fn record_history(&self, enabled: bool, max_entries: usize) {
-        self.trace.configure(enabled, max_entries);
+        self.record_memory_history(HistoryOptions {
+            mode: if enabled {
+                HistoryMode::All
+            } else {
+                HistoryMode::Off
+            },
+            max_entries,
+            stacks: false,
+        });
+    }
+
+    /// PyTorch's `_record_memory_history`: what the history records, how many entries it keeps,
+    /// and whether allocations carry their Rust stack (see `alloc/history.rs`). Turning it off
+    /// clears what was recorded.
+    pub fn record_memory_history(&self, options: HistoryOptions) {
+        self.trace.configure(options);
     }
 
     /// Every segment with its blocks, and the trace when history is on.
@@ -392,9 +448,22 @@ impl CachingAllocator {
             self.trace
                 .record(TraceAction::Snapshot, first.device, 0, 0, stream);
         }
+        let (trace, live) = self.trace.entries_and_live_frames();
+        if !live.is_empty() {
+            for seg in &mut segments {
+                for block in &mut seg.blocks {
+                    if block.state != SnapshotBlockState::Inactive {
+                        if let Some(frames) = live.get(&(seg.device, block.addr)) {
+                            block.frames.clone_from(frames);
+                        }
+                    }
+                }
+            }
+        }
         Snapshot {
             segments,
-            trace: self.trace.entries(),
+            trace,
+            device_count: self.devices.len(),
         }
     }
 

@@ -15,9 +15,9 @@ use slab::Slab;
 
 use super::block::{Block, BlockId, BlockState, SegmentInfo};
 use super::device::DeviceCore;
+use super::history::TraceAction;
 use super::pool::FreePool;
 use super::size::{self, PoolKind};
-use super::snapshot::TraceAction;
 use super::stats::{self, DeviceStats};
 use crate::config::AllocatorConfig;
 use crate::driver::{EventId, StreamId};

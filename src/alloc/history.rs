@@ -1,0 +1,355 @@
+//! Memory history: PyTorch's `_record_memory_history` — a bounded ring of timestamped events, and
+//! optionally the Rust stack of each allocation (captured as return addresses, symbolized only when
+//! a snapshot is taken, each address once).
+//!
+//! | mode ([`HistoryMode`]) | ring records                                                   | stacks (with `stacks: true`)           |
+//! |------------------------|----------------------------------------------------------------|----------------------------------------|
+//! | `Off`                  | nothing (recording costs one relaxed atomic load)              | none                                   |
+//! | `AllocOnly`            | `alloc`, `free_requested`, `free_completed`                    | of allocations (PyTorch's `context="alloc"`) |
+//! | `All`                  | those, `segment_alloc`/`segment_free`, `segment_map`/`segment_unmap` (expandable segments), `oom`, `snapshot` | of allocations and free requests (`context="all"`) |
+//!
+//! Blocks in a snapshot carry the stack of their allocation while it is live (PyTorch's
+//! `context="state"`): the ring keeps a table of live allocations' stacks by address.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+
+use crate::driver::StreamId;
+use crate::sync::os::atomic::{AtomicU8, Ordering};
+use crate::sync::os::{Arc, Mutex};
+
+/// What a trace entry records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize),
+    serde(rename_all = "snake_case")
+)]
+pub enum TraceAction {
+    /// A block was handed out.
+    Alloc,
+    /// The owner dropped a block (it may still wait for other streams).
+    FreeRequested,
+    /// The block became free for reuse.
+    FreeCompleted,
+    /// A segment was obtained from the driver.
+    SegmentAlloc,
+    /// A segment was returned to the driver.
+    SegmentFree,
+    /// Pages were mapped into an expandable segment.
+    SegmentMap,
+    /// Pages of an expandable segment were unmapped.
+    SegmentUnmap,
+    /// An allocation failed with out-of-memory.
+    Oom,
+    /// A snapshot was taken.
+    Snapshot,
+}
+
+impl TraceAction {
+    /// PyTorch's name of the action.
+    pub fn name(self) -> &'static str {
+        match self {
+            TraceAction::Alloc => "alloc",
+            TraceAction::FreeRequested => "free_requested",
+            TraceAction::FreeCompleted => "free_completed",
+            TraceAction::SegmentAlloc => "segment_alloc",
+            TraceAction::SegmentFree => "segment_free",
+            TraceAction::SegmentMap => "segment_map",
+            TraceAction::SegmentUnmap => "segment_unmap",
+            TraceAction::Oom => "oom",
+            TraceAction::Snapshot => "snapshot",
+        }
+    }
+
+    /// An event of a block (what `AllocOnly` records).
+    fn of_block(self) -> bool {
+        matches!(
+            self,
+            TraceAction::Alloc | TraceAction::FreeRequested | TraceAction::FreeCompleted
+        )
+    }
+}
+
+impl fmt::Display for TraceAction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One frame of a recorded stack (PyTorch's `{filename, line, name}`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct Frame {
+    /// Source file ("??" when the binary has no debug information for it).
+    pub filename: String,
+    /// Line (0 when unknown).
+    pub line: u32,
+    /// Function, demangled.
+    pub name: String,
+}
+
+/// One trace entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct TraceEntry {
+    /// What happened.
+    pub action: TraceAction,
+    /// Device ordinal.
+    pub device: usize,
+    /// Address of the block or segment (0 for `oom`/`snapshot`).
+    pub addr: u64,
+    /// Bytes involved (the request for `oom`).
+    pub size: u64,
+    /// Raw id of the stream.
+    pub stream: u64,
+    /// When it happened: microseconds since the Unix epoch (PyTorch's `time_us`).
+    pub time_us: u64,
+    /// For `oom`: bytes the driver reported free on the device (PyTorch's `device_free`).
+    pub device_free: u64,
+    /// The Rust stack of the event, innermost first (with stacks on; else empty).
+    pub frames: Vec<Frame>,
+}
+
+impl TraceEntry {
+    /// The entry as one line of cudalloc's JSON-lines trace format (what `cudalloc replay`
+    /// reads): `{"action":"alloc","device":0,"addr":…,"size":…,"stream":…,"time_us":…}`.
+    pub fn to_json_line(&self) -> String {
+        format!(
+            "{{\"action\":\"{}\",\"device\":{},\"addr\":{},\"size\":{},\"stream\":{},\"time_us\":{}}}",
+            self.action.name(),
+            self.device,
+            self.addr,
+            self.size,
+            self.stream,
+            self.time_us
+        )
+    }
+}
+
+/// `entries` in cudalloc's JSON-lines trace format, one line each (see
+/// [`TraceEntry::to_json_line`]).
+pub fn trace_json_lines(entries: &[TraceEntry]) -> String {
+    let mut out = String::new();
+    for e in entries {
+        out.push_str(&e.to_json_line());
+        out.push('\n');
+    }
+    out
+}
+
+/// What the history records: `AllocOnly` — `alloc`, `free_requested`, `free_completed` (stacks
+/// of allocations); `All` — every event (stacks of allocations and free requests).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HistoryMode {
+    /// Nothing.
+    #[default]
+    Off,
+    /// Allocations and frees.
+    AllocOnly,
+    /// Every event.
+    All,
+}
+
+/// How [`CachingAllocator::record_memory_history`](super::CachingAllocator::record_memory_history)
+/// records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HistoryOptions {
+    /// What is recorded.
+    pub mode: HistoryMode,
+    /// Entries kept (the oldest go first; PyTorch's `max_entries`).
+    pub max_entries: usize,
+    /// Capture the Rust stack of allocations (and, with `All`, of free requests).
+    pub stacks: bool,
+}
+
+impl Default for HistoryOptions {
+    fn default() -> Self {
+        HistoryOptions {
+            mode: HistoryMode::All,
+            max_entries: 100_000,
+            stacks: false,
+        }
+    }
+}
+
+/// Microseconds since the Unix epoch.
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// A captured stack: return addresses, not yet symbolized.
+type Stack = Arc<[usize]>;
+
+/// (device, address) of a live allocation.
+type BlockKey = (usize, u64);
+
+/// Symbolized stacks of live allocations.
+pub(crate) type LiveFrames = HashMap<BlockKey, Vec<Frame>>;
+
+/// An entry as recorded (its stack unresolved).
+#[derive(Debug)]
+struct Recorded {
+    entry: TraceEntry,
+    stack: Option<Stack>,
+}
+
+#[derive(Debug, Default)]
+struct Ring {
+    capacity: usize,
+    entries: VecDeque<Recorded>,
+    /// Stacks of live allocations by (device, address), for snapshot blocks.
+    live: HashMap<BlockKey, Stack>,
+}
+
+const OFF: u8 = 0;
+const ALLOC_ONLY: u8 = 1;
+const ALL: u8 = 2;
+/// Added to the mode when stacks are captured.
+const STACKS: u8 = 4;
+
+/// The history of one allocator.
+#[derive(Debug, Default)]
+pub(crate) struct Trace {
+    /// `OFF`, `ALLOC_ONLY` or `ALL`, plus `STACKS`.
+    mode: AtomicU8,
+    ring: Mutex<Ring>,
+}
+
+impl Trace {
+    /// Applies `options` (turning history off clears what was recorded).
+    pub fn configure(&self, options: HistoryOptions) {
+        let mut ring = self.ring.lock();
+        ring.capacity = options.max_entries.max(1);
+        let mode = match options.mode {
+            HistoryMode::Off => OFF,
+            HistoryMode::AllocOnly => ALLOC_ONLY,
+            HistoryMode::All => ALL,
+        };
+        if mode == OFF {
+            ring.entries.clear();
+            ring.live.clear();
+        }
+        while ring.entries.len() > ring.capacity {
+            ring.entries.pop_front();
+        }
+        let stacks = if options.stacks && mode != OFF {
+            STACKS
+        } else {
+            0
+        };
+        self.mode.store(mode | stacks, Ordering::Relaxed);
+    }
+
+    /// Records one event (when the mode asks for it).
+    #[inline]
+    pub fn record(
+        &self,
+        action: TraceAction,
+        device: usize,
+        addr: u64,
+        size: u64,
+        stream: StreamId,
+    ) {
+        let mode = self.mode.load(Ordering::Relaxed);
+        if mode == OFF {
+            return;
+        }
+        self.record_slow(mode, action, device, addr, size, stream, 0);
+    }
+
+    /// Records an out-of-memory with the device's free bytes.
+    pub fn record_oom(&self, device: usize, size: u64, stream: StreamId, device_free: u64) {
+        let mode = self.mode.load(Ordering::Relaxed);
+        if mode == OFF {
+            return;
+        }
+        self.record_slow(mode, TraceAction::Oom, device, 0, size, stream, device_free);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[cold]
+    fn record_slow(
+        &self,
+        mode: u8,
+        action: TraceAction,
+        device: usize,
+        addr: u64,
+        size: u64,
+        stream: StreamId,
+        device_free: u64,
+    ) {
+        let all = mode & !STACKS == ALL;
+        if !all && !action.of_block() {
+            return;
+        }
+        let wants_stack = mode & STACKS != 0
+            && (action == TraceAction::Alloc || (all && action == TraceAction::FreeRequested));
+        let stack: Option<Stack> = wants_stack.then(|| super::stacks::capture().into());
+        let time_us = now_us();
+        let mut ring = self.ring.lock();
+        match action {
+            TraceAction::Alloc => {
+                if let Some(s) = &stack {
+                    ring.live.insert((device, addr), Arc::clone(s));
+                }
+            }
+            TraceAction::FreeCompleted => {
+                ring.live.remove(&(device, addr));
+            }
+            _ => {}
+        }
+        while ring.entries.len() >= ring.capacity.max(1) {
+            ring.entries.pop_front();
+        }
+        ring.entries.push_back(Recorded {
+            entry: TraceEntry {
+                action,
+                device,
+                addr,
+                size,
+                stream: stream.raw(),
+                time_us,
+                device_free,
+                frames: Vec::new(),
+            },
+            stack,
+        });
+    }
+
+    /// The entries recorded so far, oldest first, stacks symbolized; and the symbolized stacks of
+    /// live allocations by (device, address).
+    pub fn entries_and_live_frames(&self) -> (Vec<TraceEntry>, LiveFrames) {
+        type Copied = (Vec<(TraceEntry, Option<Stack>)>, Vec<(BlockKey, Stack)>);
+        let (recorded, live): Copied = {
+            let ring = self.ring.lock();
+            (
+                ring.entries
+                    .iter()
+                    .map(|r| (r.entry.clone(), r.stack.clone()))
+                    .collect(),
+                ring.live.iter().map(|(k, s)| (*k, Arc::clone(s))).collect(),
+            )
+        };
+        // Symbolized outside the lock, each address once.
+        let mut symbols = super::stacks::Symbolizer::default();
+        let entries = recorded
+            .into_iter()
+            .map(|(mut entry, stack)| {
+                if let Some(stack) = stack {
+                    entry.frames = symbols.frames(&stack);
+                }
+                entry
+            })
+            .collect();
+        let live = live
+            .into_iter()
+            .map(|(k, stack)| (k, symbols.frames(&stack)))
+            .collect();
+        (entries, live)
+    }
+}

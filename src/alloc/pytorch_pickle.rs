@@ -1,0 +1,163 @@
+//! Snapshots in PyTorch's layout (feature `pickle`): what `torch.cuda.memory._snapshot()` returns,
+//! pickled, so `python -m torch.cuda._memory_viz stats|trace|segments FILE` and the memory_viz web
+//! page open it.
+//!
+//! ```text
+//! {"segments": [{"device", "address", "total_size", "allocated_size", "active_size",
+//!                "requested_size", "stream", "segment_type": "small"|"large",
+//!                "segment_pool_id": (0, 0), "is_expandable", "frames": [],
+//!                "blocks": [{"address", "size", "requested_size", "state", "frames"}]}],
+//!  "device_traces": [[{"action", "addr", "size", "stream", "time_us", "frames",
+//!                      "device_free" (oom only)}], … one list per device],
+//!  "allocator_settings": {…}}
+//! ```
+//! Frames are `{"filename", "line", "name"}`. Block sizes add up to their segment's `total_size`
+//! (what `_memory_viz.segsum` asserts); states and actions are PyTorch's strings.
+
+use std::collections::BTreeMap;
+
+use serde_pickle::{HashableValue as H, Value as V};
+
+use super::history::{Frame, TraceAction, TraceEntry};
+use super::snapshot::{Snapshot, SnapshotBlockState};
+use crate::config::AllocatorConfig;
+use crate::error::{Error, Result};
+
+fn int(v: u64) -> V {
+    match i64::try_from(v) {
+        Ok(i) => V::I64(i),
+        Err(_) => V::Int(v.into()),
+    }
+}
+
+fn string(s: &str) -> V {
+    V::String(s.to_owned())
+}
+
+fn dict(items: Vec<(&str, V)>) -> V {
+    V::Dict(
+        items
+            .into_iter()
+            .map(|(k, v)| (H::String(k.to_owned()), v))
+            .collect::<BTreeMap<_, _>>(),
+    )
+}
+
+fn frames(frames: &[Frame]) -> V {
+    V::List(
+        frames
+            .iter()
+            .map(|f| {
+                dict(vec![
+                    ("filename", string(&f.filename)),
+                    ("line", int(u64::from(f.line))),
+                    ("name", string(&f.name)),
+                ])
+            })
+            .collect(),
+    )
+}
+
+fn trace_entry(e: &TraceEntry) -> V {
+    let mut items = vec![
+        ("action", string(e.action.name())),
+        ("addr", int(e.addr)),
+        ("size", int(e.size)),
+        ("stream", int(e.stream)),
+        ("time_us", int(e.time_us)),
+        ("frames", frames(&e.frames)),
+    ];
+    if e.action == TraceAction::Oom {
+        items.push(("device_free", int(e.device_free)));
+    }
+    dict(items)
+}
+
+impl Snapshot {
+    /// The snapshot in PyTorch's layout, pickled (protocol 3); `config` fills
+    /// `allocator_settings`.
+    pub fn to_pytorch_pickle(&self, config: &AllocatorConfig) -> Result<Vec<u8>> {
+        let segments = self
+            .segments
+            .iter()
+            .map(|s| {
+                let blocks = s
+                    .blocks
+                    .iter()
+                    .map(|b| {
+                        dict(vec![
+                            ("address", int(b.addr)),
+                            ("size", int(b.size)),
+                            ("requested_size", int(b.requested_size)),
+                            ("state", string(b.state.name())),
+                            ("frames", frames(&b.frames)),
+                        ])
+                    })
+                    .collect();
+                let requested: u64 = s
+                    .blocks
+                    .iter()
+                    .filter(|b| b.state != SnapshotBlockState::Inactive)
+                    .map(|b| b.requested_size)
+                    .sum();
+                dict(vec![
+                    ("device", int(s.device as u64)),
+                    ("address", int(s.address)),
+                    ("total_size", int(s.total_size)),
+                    ("allocated_size", int(s.allocated_size)),
+                    ("active_size", int(s.active_size)),
+                    ("requested_size", int(requested)),
+                    ("stream", int(s.stream)),
+                    ("segment_type", string(s.segment_type)),
+                    ("segment_pool_id", V::Tuple(vec![int(0), int(0)])),
+                    ("is_expandable", V::Bool(s.is_expandable)),
+                    ("frames", V::List(Vec::new())),
+                    ("blocks", V::List(blocks)),
+                ])
+            })
+            .collect();
+        let devices = self
+            .device_count
+            .max(self.trace.iter().map(|e| e.device + 1).max().unwrap_or(0))
+            .max(
+                self.segments
+                    .iter()
+                    .map(|s| s.device + 1)
+                    .max()
+                    .unwrap_or(0),
+            );
+        let mut traces = vec![Vec::new(); devices];
+        for e in &self.trace {
+            traces[e.device].push(trace_entry(e));
+        }
+        let settings = dict(vec![
+            (
+                "max_split_size",
+                int(if config.max_split_size == u64::MAX {
+                    0
+                } else {
+                    config.max_split_size
+                }),
+            ),
+            (
+                "garbage_collection_threshold",
+                V::F64(config.garbage_collection_threshold),
+            ),
+            ("expandable_segments", V::Bool(config.expandable_segments)),
+            (
+                "release_lock_on_malloc",
+                V::Bool(config.release_lock_on_cudamalloc),
+            ),
+        ]);
+        let top = dict(vec![
+            ("segments", V::List(segments)),
+            (
+                "device_traces",
+                V::List(traces.into_iter().map(V::List).collect()),
+            ),
+            ("allocator_settings", settings),
+        ]);
+        serde_pickle::value_to_vec(&top, serde_pickle::SerOptions::new())
+            .map_err(|e| Error::invalid(format!("pickling the snapshot failed: {e}")))
+    }
+}

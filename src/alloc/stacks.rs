@@ -1,0 +1,72 @@
+//! Rust stacks for the memory history: captured as return addresses (an unwind, no symbol lookup),
+//! symbolized later — when a snapshot is taken — with a cache so each address is looked up once.
+//! Frames of the capture itself and of the allocator's internals (`cudalloc::alloc::…`) are left
+//! out: a stack starts at the caller's entry into cudalloc.
+
+use std::collections::HashMap;
+
+use super::history::Frame;
+
+/// The most frames kept per stack.
+const MAX_FRAMES: usize = 48;
+
+/// The return addresses of the current thread's stack, innermost first.
+pub(crate) fn capture() -> Vec<usize> {
+    let mut ips = Vec::with_capacity(MAX_FRAMES);
+    backtrace::trace(|frame| {
+        ips.push(frame.ip() as usize);
+        ips.len() < MAX_FRAMES
+    });
+    ips
+}
+
+/// Symbolizes stacks, each address once.
+#[derive(Default)]
+pub(crate) struct Symbolizer {
+    cache: HashMap<usize, Vec<Frame>>,
+}
+
+fn internal(name: &str) -> bool {
+    name.starts_with("backtrace::")
+        || name.starts_with("cudalloc::alloc::")
+        || name.starts_with("<cudalloc::alloc::")
+}
+
+impl Symbolizer {
+    /// The frames of `stack` (inlined functions expanded), without the leading internal ones.
+    pub(crate) fn frames(&mut self, stack: &[usize]) -> Vec<Frame> {
+        let mut out = Vec::new();
+        for (i, &ip) in stack.iter().enumerate() {
+            // A return address points after the call; the call's line is at the byte before.
+            let at = if i == 0 { ip } else { ip.saturating_sub(1) };
+            let frames = self.cache.entry(at).or_insert_with(|| resolve(at));
+            out.extend(frames.iter().cloned());
+        }
+        let skip = out.iter().take_while(|f| internal(&f.name)).count();
+        out.drain(..skip);
+        out
+    }
+}
+
+fn resolve(addr: usize) -> Vec<Frame> {
+    let mut frames = Vec::new();
+    backtrace::resolve(addr as *mut std::ffi::c_void, |symbol| {
+        frames.push(Frame {
+            filename: symbol
+                .filename()
+                .map_or_else(|| "??".to_owned(), |p| p.display().to_string()),
+            line: symbol.lineno().unwrap_or(0),
+            name: symbol
+                .name()
+                .map_or_else(|| format!("{addr:#x}"), |n| format!("{n:#}")),
+        });
+    });
+    if frames.is_empty() {
+        frames.push(Frame {
+            filename: "??".to_owned(),
+            line: 0,
+            name: format!("{addr:#x}"),
+        });
+    }
+    frames
+}
