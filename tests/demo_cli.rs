@@ -11,28 +11,31 @@ fn cudalloc() -> Command {
     c
 }
 
-#[test]
-fn demo_passes_its_own_verification() {
-    let out = cudalloc()
-        .args([
-            "demo",
-            "--consumers",
-            "2",
-            "--storages",
-            "12",
-            "--max-size",
-            "4MiB",
-            "--seed",
-            "7",
-        ])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+/// Runs `c`, asserts it succeeded (printing both outputs if not) and returns its stdout.
+fn succeed(c: &mut Command) -> String {
+    let out = c.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    stdout
+}
+
+#[test]
+fn demo_passes_its_own_verification() {
+    let stdout = succeed(cudalloc().args([
+        "demo",
+        "--consumers",
+        "2",
+        "--storages",
+        "12",
+        "--max-size",
+        "4MiB",
+        "--seed",
+        "7",
+    ]));
     assert!(stdout.contains("verdict: ok"), "{stdout}");
     assert!(
         stdout.contains("12 storages plus a lazy clone of every third (16 to share)"),
@@ -159,26 +162,20 @@ fn replay_prints_a_row_per_configuration_and_writes_the_plot() {
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny_trace.jsonl")
     };
     let svg = std::env::temp_dir().join(format!("cudalloc-replay-{}.svg", std::process::id()));
-    let out = cudalloc()
-        .args([
-            "replay",
-            "--conf",
-            "",
-            "--conf",
-            "expandable_segments:True",
-            "--capacity",
-            "32GiB",
-            "--svg",
-        ])
-        .arg(&svg)
-        .arg(&trace)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = succeed(
+        cudalloc()
+            .args([
+                "replay",
+                "--conf",
+                "",
+                "--conf",
+                "expandable_segments:True",
+                "--capacity",
+                "32GiB",
+                "--svg",
+            ])
+            .arg(&svg)
+            .arg(&trace),
     );
     println!("{stdout}");
     assert!(

@@ -172,12 +172,12 @@ impl SimDriver {
         ranges::containing(&st.segments, |s| s.1, ptr, len).map(|_| ())
     }
 
-    fn vm_granularity_of(&self, device: usize) -> Result<u64> {
+    fn granularity(&self, device: usize) -> Result<u64> {
         self.check_device(device)?;
         Ok(GRANULARITY)
     }
 
-    fn vm_reserve_range(&self, device: usize, size: u64) -> Result<DeviceAddr> {
+    fn reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
         self.check_device(device)?;
         Self::check_granular("a reservation", size)?;
         let mut st = self.state.lock();
@@ -186,11 +186,11 @@ impl SimDriver {
         Ok(DeviceAddr(base))
     }
 
-    fn vm_free_range(&self, base: DeviceAddr) -> Result<()> {
+    fn free_reservation(&self, base: DeviceAddr) -> Result<()> {
         self.state.lock().vm.remove(base.0).map(|_| ())
     }
 
-    fn vm_create(&self, device: usize, size: u64) -> Result<ChunkId> {
+    fn create_chunk(&self, device: usize, size: u64) -> Result<ChunkId> {
         self.check_device(device)?;
         Self::check_granular("a chunk", size)?;
         let mut st = self.state.lock();
@@ -200,7 +200,7 @@ impl SimDriver {
         Ok(ChunkId(id))
     }
 
-    fn vm_release(&self, chunk: ChunkId) -> Result<()> {
+    fn release_chunk(&self, chunk: ChunkId) -> Result<()> {
         let mut st = self.state.lock();
         let (device, size) = st
             .chunks
@@ -214,7 +214,7 @@ impl SimDriver {
         Ok(())
     }
 
-    fn vm_map_chunk(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()> {
+    fn map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()> {
         let mut st = self.state.lock();
         let (device, size) = *st
             .chunks
@@ -231,7 +231,15 @@ impl SimDriver {
         Ok(())
     }
 
-    fn vm_unmap_range(&self, addr: DeviceAddr, size: u64) -> Result<()> {
+    fn export_chunk(&self, _chunk: ChunkId) -> Result<OwnedFd> {
+        Err(no_ipc())
+    }
+
+    fn import_chunk(&self, _device: usize, _fd: OwnedFd, _size: u64) -> Result<ChunkId> {
+        Err(no_ipc())
+    }
+
+    fn unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
         let mut st = self.state.lock();
         let taken = st.vm.take_mappings(addr.0, size)?;
         st.vm.finish_unmap(addr.0, size);
@@ -459,39 +467,5 @@ impl Driver for SimDriver {
         Err(no_ipc())
     }
 
-    fn vm_granularity(&self, device: usize) -> Result<u64> {
-        self.vm_granularity_of(device)
-    }
-
-    fn vm_reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
-        self.vm_reserve_range(device, size)
-    }
-
-    fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()> {
-        self.vm_free_range(base)
-    }
-
-    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<ChunkId> {
-        self.vm_create(device, size)
-    }
-
-    fn vm_release_chunk(&self, chunk: ChunkId) -> Result<()> {
-        self.vm_release(chunk)
-    }
-
-    fn vm_map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()> {
-        self.vm_map_chunk(addr, chunk)
-    }
-
-    fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
-        self.vm_unmap_range(addr, size)
-    }
-
-    fn vm_export_chunk(&self, _chunk: ChunkId) -> Result<OwnedFd> {
-        Err(no_ipc())
-    }
-
-    fn vm_import_chunk(&self, _device: usize, _fd: OwnedFd, _size: u64) -> Result<ChunkId> {
-        Err(no_ipc())
-    }
+    super::forward_vm_methods!();
 }

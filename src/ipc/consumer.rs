@@ -200,7 +200,8 @@ struct MappingEntry {
     users: u64,
 }
 
-fn driver_key(driver: &Arc<dyn Driver>) -> usize {
+/// A driver's identity in the mapping tables (its address: stable while a mapping holds it).
+pub(super) fn driver_key(driver: &Arc<dyn Driver>) -> usize {
     Arc::as_ptr(driver) as *const () as usize
 }
 

@@ -25,6 +25,7 @@
 
 use std::collections::HashMap;
 
+use super::consumer::driver_key;
 use super::page_protocol::{self, PageRequest, ReplyHeader, BATCH, REPLY_SIZE};
 use super::wire::{WireHandle, WirePages};
 use crate::driver::{DeviceAddr, Driver};
@@ -43,10 +44,6 @@ struct SpanEntry {
 
 /// Page spans of other processes mapped in this process.
 static SPANS: Mutex<Option<HashMap<SpanKey, SpanEntry>>> = Mutex::new(None);
-
-fn driver_key(driver: &Arc<dyn Driver>) -> usize {
-    Arc::as_ptr(driver) as *const () as usize
-}
 
 /// One user of a mapped page span; the span is unmapped when the last user drops.
 #[derive(Debug)]
