@@ -72,6 +72,26 @@ fn the_simulated_device_enforces_its_capacity_and_backs_nothing() {
     assert!(SimDriver::new(0, 1).is_err() && SimDriver::new(1, 0).is_err());
 }
 
+#[test]
+fn sharing_memory_of_the_simulated_device_is_refused_and_leaves_the_storage_alone() {
+    for conf in ["", "expandable_segments:True"] {
+        let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 1 << 30).unwrap());
+        let rt = Arc::new(
+            cudalloc::Runtime::new(driver, AllocatorConfig::parse(conf).unwrap()).unwrap(),
+        );
+        let s = cudalloc::Storage::new(&rt, 0, 3 << 20).unwrap();
+        let err = s.share_ipc().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{conf:?}: {err}");
+        assert!(err.to_string().contains("simulated"), "{err}");
+        s.fill_pattern(1).unwrap();
+        assert_eq!(rt.ipc_limbo(), (0, 0));
+        let c = s.lazy_clone().unwrap();
+        drop(s);
+        drop(c);
+        assert_eq!(rt.memory_stats(0).unwrap().allocated_bytes[0].current, 0);
+    }
+}
+
 /// Replays an RMM-style random trace directly on `driver`: the memory stats at the end.
 fn random_run(driver: Arc<dyn Driver>, conf: &str) -> BTreeMap<String, i64> {
     let a = CachingAllocator::new(driver, AllocatorConfig::parse(conf).unwrap()).unwrap();
