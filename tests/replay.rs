@@ -160,6 +160,42 @@ fn a_cudalloc_trace_replays_to_the_peaks_the_allocator_recorded() {
 }
 
 #[test]
+fn a_pytorch_snapshot_written_by_cudalloc_replays_to_the_same_peaks() {
+    // Both features at once: the history written as PyTorch's pickle, read back by the replay.
+    let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 4 << 30).unwrap());
+    let a = CachingAllocator::new(driver, AllocatorConfig::default()).unwrap();
+    a.record_history(true, 100_000);
+    let side = a.create_stream(0).unwrap();
+    let mut live = Vec::new();
+    // The exact device-wide peak, read as the run goes (currents add up exactly across streams).
+    let mut exact_peak = 0;
+    let mut observe = |a: &CachingAllocator| {
+        exact_peak = exact_peak.max(a.memory_stats(0).unwrap().allocated_bytes[0].current);
+    };
+    for i in 0..300u64 {
+        let on = if i % 2 == 0 {
+            a.default_stream(0).unwrap()
+        } else {
+            side
+        };
+        live.push(a.allocate_on(on, (i % 13 + 1) * 700_000).unwrap());
+        observe(&a);
+        if i % 4 == 3 {
+            live.swap_remove((i as usize * 7) % live.len());
+        }
+    }
+    drop(live);
+    let bytes = a.snapshot().to_pytorch_pickle(a.config()).unwrap();
+    let trace = replay::parse(&bytes).unwrap();
+    assert_eq!(trace.format, TraceFormat::PytorchSnapshot);
+    assert_eq!(trace.allocations(), 300);
+    assert_eq!(trace.unmatched_frees, 0);
+    let r = replay::replay(&trace, &options("", 4 << 30), &mut no_progress).unwrap();
+    assert_eq!(r.peak_allocated as i64, exact_peak);
+    assert_eq!(r.samples.last().unwrap().allocated, 0);
+}
+
+#[test]
 fn peaks_are_exact_across_streams() {
     // 512 bytes on stream 0, freed, then 512 on stream 1: PyTorch's peak is 512 (a sum of
     // per-stream peaks would say 1024).
