@@ -363,6 +363,20 @@ mod tests {
     }
 
     #[test]
+    fn the_oom_snapshot_path_needs_a_path_and_the_pickle_feature() {
+        let parsed = AllocatorConfig::parse("oom_snapshot_path:/tmp/oom.pickle");
+        if cfg!(feature = "pickle") {
+            assert_eq!(
+                parsed.ok().and_then(|c| c.oom_snapshot_path).as_deref(),
+                Some("/tmp/oom.pickle")
+            );
+        } else {
+            assert!(parsed.is_err_and(|e| e.to_string().contains("pickle")));
+        }
+        assert!(AllocatorConfig::parse("oom_snapshot_path:").is_err());
+    }
+
+    #[test]
     fn pytorch_rejected_strings_are_errors_naming_the_key() {
         for (text, key) in [
             ("foo:1,bar:2", "foo"),
