@@ -70,6 +70,7 @@ fn the_simulated_device_enforces_its_capacity_and_backs_nothing() {
     assert_eq!(d.mem_info(0).unwrap().free, 64 * MIB);
     d.vm_free_reservation(base).unwrap();
     assert!(SimDriver::new(0, 1).is_err() && SimDriver::new(1, 0).is_err());
+    assert!(SimDriver::new(1 << 30, 1).is_err(), "no billion devices");
 }
 
 #[test]
@@ -339,6 +340,7 @@ fn gzip_and_bad_input() {
         b"Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,zz,5,0\n",
         b"{\"traceEvents\": [{\"name\": \"[memory]\", \"ts\": 1, \"args\": {\"Device Type\": 1, \"Bytes\": \"big\"}}]}",
         b"hello",
+        b"{\"action\":\"alloc\",\"device\":1000000000,\"addr\":1,\"size\":512}\n",
     ] {
         let err = replay::parse(bad).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");

@@ -29,6 +29,8 @@ use crate::sync::os::Mutex;
 const GRANULARITY: u64 = 2 << 20;
 /// Where addresses start.
 const FIRST_ADDRESS: u64 = 1 << 40;
+/// The most simulated devices (a trace naming device 10⁹ is corrupt, not a machine).
+pub const MAX_SIM_DEVICES: usize = 1024;
 
 #[derive(Debug, Default)]
 struct State {
@@ -70,10 +72,11 @@ fn no_ipc() -> Error {
 impl SimDriver {
     /// `devices` simulated devices of `capacity` bytes each.
     pub fn new(devices: usize, capacity: u64) -> Result<Self> {
-        if devices == 0 || capacity == 0 {
-            return Err(Error::invalid(
-                "a simulated device needs at least one device and a capacity",
-            ));
+        if devices == 0 || capacity == 0 || devices > MAX_SIM_DEVICES {
+            return Err(Error::invalid(format!(
+                "a simulated driver needs 1 to {MAX_SIM_DEVICES} devices and a capacity \
+                 ({devices} devices of {capacity} bytes asked)"
+            )));
         }
         // Ids 1..=devices are the default streams; fresh ids come after them.
         let streams = (0..devices).map(|d| (d as u64 + 1, d)).collect();

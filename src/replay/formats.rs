@@ -155,6 +155,13 @@ impl Builder {
     }
 
     fn finish(self, format: TraceFormat) -> Result<Trace> {
+        if self.devices > crate::driver::sim::MAX_SIM_DEVICES {
+            return Err(bad(format!(
+                "device ordinal {} is not plausible (at most {} devices)",
+                self.devices - 1,
+                crate::driver::sim::MAX_SIM_DEVICES
+            )));
+        }
         if self.ops.is_empty() {
             return Err(bad(format!(
                 "no allocations found in this {}",
