@@ -15,7 +15,7 @@
 //!
 //! The server is one thread per producer allocator, started with its first expandable share; it
 //! answers one connection at a time, each bounded by the protocol's timeout, and only peers of our
-//! own user. It stops (and its socket is unlinked) when the allocator's IPC state drops; when
+//! own user (so teardown waits at most one timeout for a request in progress). It stops (and its socket is unlinked) when the allocator's IPC state drops; when
 //! storages stay in limbo at teardown it keeps serving them until the process exits, as their
 //! memory stays allocated until then. A forked child inherits neither thread nor socket: sharing
 //! through its parent's runtime is refused (`IpcState::check_process`).
@@ -139,6 +139,14 @@ fn serve(listener: &ShmListener, wake: &OwnedFd, registry: &Registry, driver: &d
         }
         if fds[1].revents != 0 {
             return; // the stop pipe closed
+        }
+        if fds[0].revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+            // A broken listener never becomes readable again: stop rather than spin.
+            tracing::error!(
+                socket = listener.name(),
+                "page server: the socket failed; stopping"
+            );
+            return;
         }
         if fds[0].revents & libc::POLLIN == 0 {
             continue;
