@@ -48,6 +48,8 @@ pub(crate) struct DeviceCore {
     alloc_retries: AtomicU64,
     ooms: AtomicU64,
     sync_all: AtomicU64,
+    /// The recorded device-wide peaks (`peaks.rs`).
+    pub(super) peaks: Mutex<super::peaks::PeakBook>,
 }
 
 impl std::fmt::Debug for DeviceCore {
@@ -92,6 +94,7 @@ impl DeviceCore {
             alloc_retries: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
             sync_all: AtomicU64::new(0),
+            peaks: Mutex::new(Default::default()),
             config,
         })
     }
@@ -189,7 +192,11 @@ impl DeviceCore {
         let id = st.allocate(id, rounded, requested, &self.config);
         let ptr = st.blocks[id].ptr;
         self.verify(&st);
+        let over = st.take_over_budget();
         drop(st);
+        if over {
+            self.reconcile_peaks();
+        }
         self.trace
             .record(TraceAction::Alloc, self.device, ptr, rounded, shard.stream);
         Some(Allocated { block: id, ptr })
@@ -319,7 +326,11 @@ impl DeviceCore {
         let head = st.add_segment(ptr.0, seg, pool, &self.config);
         let id = st.allocate(head, rounded, requested, &self.config);
         self.verify(&st);
+        let over = st.take_over_budget();
         drop(st);
+        if over {
+            self.reconcile_peaks();
+        }
         self.callbacks.observers.segment(SegmentEvent {
             change: SegmentChange::Map,
             device: self.device,
@@ -506,10 +517,7 @@ impl DeviceCore {
 
     /// The device's stats: the sum of its shards' plus device-wide counters.
     pub fn stats(&self) -> DeviceStats {
-        let mut total = DeviceStats::default();
-        for shard in self.all_shards() {
-            total.accumulate(&shard.state.lock().stats);
-        }
+        let mut total = self.exact_stats(false);
         total.num_alloc_retries += self.alloc_retries.load(Ordering::Relaxed);
         total.num_ooms += self.ooms.load(Ordering::Relaxed);
         total.num_sync_all_streams += self.sync_all.load(Ordering::Relaxed);
@@ -519,6 +527,10 @@ impl DeviceCore {
 
     /// Resets peaks (`peaks`) or accumulated counts (`!peaks`) in every shard.
     pub fn reset_stats(&self, peaks: bool) {
+        if peaks {
+            self.exact_stats(true);
+            return;
+        }
         for shard in self.all_shards() {
             let mut st = shard.state.lock();
             if peaks {

@@ -135,7 +135,7 @@ impl ShardState {
                 chunks: BTreeMap::new(),
             },
         );
-        stats::increase(&mut self.stats.segment, pool, 1);
+        self.over_budget |= stats::increase(&mut self.stats.segment, pool, 1);
     }
 
     /// Where to map pages so that a request of `rounded` bytes fits: (address, length) — at the
@@ -178,7 +178,7 @@ impl ShardState {
             self.split_off(id, len, BlockState::Unmapped);
         }
         let s = &mut self.stats;
-        stats::increase(&mut s.reserved_bytes, pool, len);
+        self.over_budget |= stats::increase(&mut s.reserved_bytes, pool, len);
         s.num_device_alloc += 1;
         let b = &mut self.blocks[id];
         b.state = BlockState::Free;
@@ -475,7 +475,11 @@ impl DeviceCore {
         let id = st.allocate(id, rounded, requested, &self.config);
         let ptr = st.blocks[id].ptr;
         self.verify(&st);
+        let over = st.take_over_budget();
         drop(st);
+        if over {
+            self.reconcile_peaks();
+        }
         self.callbacks.observers.segment(SegmentEvent {
             change: SegmentChange::Map,
             device: self.device,

@@ -26,6 +26,7 @@ mod history;
 mod invariants;
 pub mod observers;
 mod oom;
+mod peaks;
 mod pool;
 #[cfg(feature = "pickle")]
 mod pytorch_pickle;

@@ -49,6 +49,8 @@ pub(crate) struct ShardState {
     pub tick: u64,
     /// The pages of each expandable segment (at most one per pool), by base (`expandable.rs`).
     pub expandable: HashMap<u64, super::expandable::ExpandablePages>,
+    /// A statistic went past its limit since the flag was last taken (`peaks.rs`).
+    pub over_budget: bool,
 }
 
 /// The order in which [`ShardState::take_free_segments`] visits candidate segments.
@@ -82,8 +84,8 @@ impl ShardState {
             let (pool, size) = (b.pool, b.size);
             let s = &mut self.stats;
             if add {
-                stats::increase(&mut s.inactive_split, pool, 1);
-                stats::increase(&mut s.inactive_split_bytes, pool, size);
+                self.over_budget |= stats::increase(&mut s.inactive_split, pool, 1);
+                self.over_budget |= stats::increase(&mut s.inactive_split_bytes, pool, size);
             } else {
                 stats::decrease(&mut s.inactive_split, pool, 1);
                 stats::decrease(&mut s.inactive_split_bytes, pool, size);
@@ -163,11 +165,11 @@ impl ShardState {
             },
         );
         let s = &mut self.stats;
-        stats::increase(&mut s.segment, pool, 1);
-        stats::increase(&mut s.reserved_bytes, pool, seg_size);
+        self.over_budget |= stats::increase(&mut s.segment, pool, 1);
+        self.over_budget |= stats::increase(&mut s.reserved_bytes, pool, seg_size);
         s.num_device_alloc += 1;
         if oversize(seg_size, config) {
-            s.oversize_segments.increase(1);
+            self.over_budget |= s.oversize_segments.increase(1);
         }
         self.insert_free(id);
         id
@@ -195,13 +197,13 @@ impl ShardState {
         b.requested = requested;
         let (size, pool) = (b.size, b.pool);
         let s = &mut self.stats;
-        stats::increase(&mut s.allocation, pool, 1);
-        stats::increase(&mut s.allocated_bytes, pool, size);
-        stats::increase(&mut s.active, pool, 1);
-        stats::increase(&mut s.active_bytes, pool, size);
-        stats::increase(&mut s.requested_bytes, pool, requested);
+        self.over_budget |= stats::increase(&mut s.allocation, pool, 1);
+        self.over_budget |= stats::increase(&mut s.allocated_bytes, pool, size);
+        self.over_budget |= stats::increase(&mut s.active, pool, 1);
+        self.over_budget |= stats::increase(&mut s.active_bytes, pool, size);
+        self.over_budget |= stats::increase(&mut s.requested_bytes, pool, requested);
         if oversize(size, config) {
-            s.oversize_allocations.increase(1);
+            self.over_budget |= s.oversize_allocations.increase(1);
         }
         id
     }
@@ -475,6 +477,12 @@ impl Shard {
             st.finish_pending_without_events(id);
         }
         core.verify(&st);
+        // A free can grow statistics too (inactive split blocks).
+        let over = st.take_over_budget();
+        drop(st);
+        if over {
+            core.reconcile_peaks();
+        }
     }
 
     /// Base address and size of the segment holding block `id`.

@@ -6,10 +6,9 @@
 //! `allocation.small_pool.peak`, `num_alloc_retries`, …).
 //!
 //! Stats live in each shard (one per stream), updated under the shard's lock — no shared cache line
-//! on the hot path. A device's stats are the sum of its shards'. `current`, `allocated` and `freed`
-//! add exactly; `peak` is exact while a device uses one stream, and with several streams is the sum
-//! of each stream's peak — an upper bound of PyTorch's device-wide peak (deliberate: an exact global
-//! peak needs one contended counter per update, which is what sharding removes).
+//! on the hot path. A device's stats are the sum of its shards': `current`, `allocated` and `freed`
+//! add exactly; device-wide peaks are exact too, kept by per-shard budgets (`peaks.rs`) — within a
+//! shard, `peak` is its high-water mark since the last reconcile.
 
 use std::collections::BTreeMap;
 
@@ -27,15 +26,20 @@ pub struct Stat {
     pub allocated: i64,
     /// Sum of decreases since the last accumulated reset.
     pub freed: i64,
+    /// How far `current` may grow before the device's peaks are reconciled (per shard,
+    /// `peaks.rs`; 0 in device totals).
+    #[cfg_attr(feature = "serde", serde(skip))]
+    pub(crate) limit: i64,
 }
 
 impl Stat {
-    /// Adds `n` (updates `peak` and `allocated`).
+    /// Adds `n` (updates `peak` and `allocated`); returns whether `current` went past its limit.
     #[inline]
-    pub fn increase(&mut self, n: i64) {
+    pub fn increase(&mut self, n: i64) -> bool {
         self.current += n;
         self.allocated += n;
         self.peak = self.peak.max(self.current);
+        self.current > self.limit
     }
 
     /// Subtracts `n` (updates `freed`).
@@ -62,6 +66,9 @@ impl Stat {
     }
 }
 
+/// Statistics with a peak: 9 arrays of 3 pools, and the two oversize counts.
+pub(crate) const PEAK_STATS: usize = 29;
+
 /// A [`Stat`] per pool: `[all, small_pool, large_pool]`.
 pub type StatArray = [Stat; 3];
 
@@ -75,12 +82,11 @@ fn pool_index(pool: PoolKind) -> usize {
     }
 }
 
-/// Increases the `all` entry and the pool's entry.
+/// Increases the `all` entry and the pool's entry; returns whether either went past its limit.
 #[inline]
-pub fn increase(array: &mut StatArray, pool: PoolKind, n: u64) {
+pub fn increase(array: &mut StatArray, pool: PoolKind, n: u64) -> bool {
     let n = n as i64;
-    array[0].increase(n);
-    array[pool_index(pool)].increase(n);
+    array[0].increase(n) | array[pool_index(pool)].increase(n)
 }
 
 /// Decreases the `all` entry and the pool's entry.
@@ -158,6 +164,39 @@ impl DeviceStats {
             ("inactive_split_bytes", &self.inactive_split_bytes),
             ("requested_bytes", &self.requested_bytes),
         ]
+    }
+
+    /// Calls `f` with each statistic that has a peak and its index (`0..PEAK_STATS`, a fixed order).
+    pub(crate) fn for_each_peak_stat(&self, mut f: impl FnMut(usize, &Stat)) {
+        let arrays = self.arrays();
+        let stats = arrays
+            .iter()
+            .flat_map(|(_, a)| a.iter())
+            .chain([&self.oversize_allocations, &self.oversize_segments]);
+        for (k, s) in stats.enumerate() {
+            f(k, s);
+        }
+    }
+
+    /// [`Self::for_each_peak_stat`], mutably.
+    pub(crate) fn for_each_peak_stat_mut(&mut self, mut f: impl FnMut(usize, &mut Stat)) {
+        let DeviceStats {
+            oversize_allocations,
+            oversize_segments,
+            ..
+        } = self;
+        let (mut oa, mut os) = (*oversize_allocations, *oversize_segments);
+        let mut k = 0;
+        for array in self.arrays_mut() {
+            for s in array.iter_mut() {
+                f(k, s);
+                k += 1;
+            }
+        }
+        f(k, &mut oa);
+        f(k + 1, &mut os);
+        self.oversize_allocations = oa;
+        self.oversize_segments = os;
     }
 
     /// Adds another shard's stats into these (counters too).
@@ -245,7 +284,8 @@ mod tests {
                 current: 8,
                 peak: 10,
                 allocated: 12,
-                freed: 4
+                freed: 4,
+                limit: 0,
             }
         );
         s.reset_peak();
