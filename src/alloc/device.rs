@@ -149,6 +149,28 @@ impl DeviceCore {
         Some((f, (self.capacity as f64 * f) as u64))
     }
 
+    /// Ends a change of a shard's state: checks the invariants (when asked), releases the lock,
+    /// and reconciles the device's peaks if a statistic went past its budget (`peaks.rs`).
+    pub(super) fn settle(&self, mut state: MutexGuard<'_, ShardState>) {
+        self.verify(&state);
+        let over = state.take_over_budget();
+        drop(state);
+        if over {
+            self.reconcile_peaks();
+        }
+    }
+
+    /// Counts `len` more bytes as reserved on the device, unless that passes the per-process
+    /// memory fraction (then `false`, nothing counted).
+    pub(super) fn try_reserve(&self, len: u64) -> bool {
+        let limit = self.fraction().map_or(u64::MAX, |(_, allowed)| allowed);
+        self.reserved
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
+                r.checked_add(len).filter(|&n| n <= limit)
+            })
+            .is_ok()
+    }
+
     pub(super) fn verify(&self, state: &ShardState) {
         if self.check_invariants && !std::thread::panicking() {
             if let Err(broken) = state.check_invariants() {
@@ -191,12 +213,7 @@ impl DeviceCore {
         let id = st.find_fit(pool, rounded, &self.config)?;
         let id = st.allocate(id, rounded, requested, &self.config);
         let ptr = st.blocks[id].ptr;
-        self.verify(&st);
-        let over = st.take_over_budget();
-        drop(st);
-        if over {
-            self.reconcile_peaks();
-        }
+        self.settle(st);
         self.trace
             .record(TraceAction::Alloc, self.device, ptr, rounded, shard.stream);
         Some(Allocated { block: id, ptr })
@@ -299,14 +316,7 @@ impl DeviceCore {
     ) -> Result<Option<Allocated>> {
         let held: Option<MutexGuard<'_, ShardState>> =
             (!self.config.release_lock_on_cudamalloc).then(|| shard.state.lock());
-        let limit = self.fraction().map_or(u64::MAX, |(_, allowed)| allowed);
-        if self
-            .reserved
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
-                r.checked_add(seg).filter(|&n| n <= limit)
-            })
-            .is_err()
-        {
+        if !self.try_reserve(seg) {
             return Ok(None);
         }
         let ptr = match self.driver.malloc(self.device, seg) {
@@ -325,12 +335,7 @@ impl DeviceCore {
         let mut st = held.unwrap_or_else(|| shard.state.lock());
         let head = st.add_segment(ptr.0, seg, pool, &self.config);
         let id = st.allocate(head, rounded, requested, &self.config);
-        self.verify(&st);
-        let over = st.take_over_budget();
-        drop(st);
-        if over {
-            self.reconcile_peaks();
-        }
+        self.settle(st);
         self.callbacks.observers.segment(SegmentEvent {
             change: SegmentChange::Map,
             device: self.device,

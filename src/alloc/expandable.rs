@@ -347,20 +347,6 @@ impl ShardState {
             self.absorb_next(id);
         }
     }
-
-    /// Block `id` takes over the block after it.
-    pub(super) fn absorb_next(&mut self, id: BlockId) {
-        let Some(next) = self.blocks[id].next else {
-            return;
-        };
-        let n = self.blocks.remove(next);
-        let b = &mut self.blocks[id];
-        b.size += n.size;
-        b.next = n.next;
-        if let Some(after) = n.next {
-            self.blocks[after].prev = Some(id);
-        }
-    }
 }
 
 /// Page size of expandable segments: the driver's granularity (2 MiB on CUDA). PyTorch maps in
@@ -412,14 +398,7 @@ impl DeviceCore {
             *cause = Some(full.into());
             return Ok(None);
         };
-        let limit = self.fraction().map_or(u64::MAX, |(_, allowed)| allowed);
-        if self
-            .reserved
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
-                r.checked_add(len).filter(|&n| n <= limit)
-            })
-            .is_err()
-        {
+        if !self.try_reserve(len) {
             return Ok(None);
         }
         let page = st
@@ -474,12 +453,7 @@ impl DeviceCore {
         };
         let id = st.allocate(id, rounded, requested, &self.config);
         let ptr = st.blocks[id].ptr;
-        self.verify(&st);
-        let over = st.take_over_budget();
-        drop(st);
-        if over {
-            self.reconcile_peaks();
-        }
+        self.settle(st);
         self.callbacks.observers.segment(SegmentEvent {
             change: SegmentChange::Map,
             device: self.device,

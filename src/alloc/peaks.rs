@@ -96,14 +96,8 @@ impl DeviceCore {
             let mut st = shard.state.lock();
             st.stats
                 .for_each_peak_stat_mut(|k, s| s.limit = read[k].0 + grant[k]);
-            // Grown past the new limit since the revoke: its own reconcile is on its way.
-            let over = {
-                let mut over = false;
-                st.stats
-                    .for_each_peak_stat(|_, s| over |= s.current > s.limit);
-                over
-            };
-            st.over_budget |= over;
+            // A shard that grew past its revoked limit meanwhile was told so by its own increase
+            // and reconciles next; the grant does not hide that.
         }
         let peaks = book.peaks;
         total.for_each_peak_stat_mut(|k, s| s.peak = peaks[k].max(s.current));

@@ -306,14 +306,9 @@ impl ShardState {
             .filter(|&p| self.blocks[p].state == BlockState::Free)
         {
             self.remove_free(prev);
-            let b = self.blocks.remove(id);
-            let p = &mut self.blocks[prev];
-            p.size += b.size;
-            p.next = b.next;
-            p.freed_at = b.freed_at;
-            if let Some(next) = b.next {
-                self.blocks[next].prev = Some(prev);
-            }
+            let freed_at = self.blocks[id].freed_at;
+            self.absorb_next(prev);
+            self.blocks[prev].freed_at = freed_at;
             id = prev;
         }
         if let Some(next) = self.blocks[id]
@@ -321,15 +316,23 @@ impl ShardState {
             .filter(|&n| self.blocks[n].state == BlockState::Free)
         {
             self.remove_free(next);
-            let n = self.blocks.remove(next);
-            let b = &mut self.blocks[id];
-            b.size += n.size;
-            b.next = n.next;
-            if let Some(after) = n.next {
-                self.blocks[after].prev = Some(id);
-            }
+            self.absorb_next(id);
         }
         self.insert_free(id);
+    }
+
+    /// Block `id` takes over the block after it.
+    pub(super) fn absorb_next(&mut self, id: BlockId) {
+        let Some(next) = self.blocks[id].next else {
+            return;
+        };
+        let n = self.blocks.remove(next);
+        let b = &mut self.blocks[id];
+        b.size += n.size;
+        b.next = n.next;
+        if let Some(after) = n.next {
+            self.blocks[after].prev = Some(id);
+        }
     }
 
     /// Polls the pending events of every using stream in order; frees blocks whose last event
@@ -476,13 +479,8 @@ impl Shard {
             }
             st.finish_pending_without_events(id);
         }
-        core.verify(&st);
-        // A free can grow statistics too (inactive split blocks).
-        let over = st.take_over_budget();
-        drop(st);
-        if over {
-            core.reconcile_peaks();
-        }
+        // A free can grow statistics too (inactive split blocks): settle checks the budget.
+        core.settle(st);
     }
 
     /// Base address and size of the segment holding block `id`.

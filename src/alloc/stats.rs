@@ -180,12 +180,6 @@ impl DeviceStats {
 
     /// [`Self::for_each_peak_stat`], mutably.
     pub(crate) fn for_each_peak_stat_mut(&mut self, mut f: impl FnMut(usize, &mut Stat)) {
-        let DeviceStats {
-            oversize_allocations,
-            oversize_segments,
-            ..
-        } = self;
-        let (mut oa, mut os) = (*oversize_allocations, *oversize_segments);
         let mut k = 0;
         for array in self.arrays_mut() {
             for s in array.iter_mut() {
@@ -193,10 +187,8 @@ impl DeviceStats {
                 k += 1;
             }
         }
-        f(k, &mut oa);
-        f(k + 1, &mut os);
-        self.oversize_allocations = oa;
-        self.oversize_segments = os;
+        f(k, &mut self.oversize_allocations);
+        f(k + 1, &mut self.oversize_segments);
     }
 
     /// Adds another shard's stats into these (counters too).

@@ -99,6 +99,18 @@ impl IpcState {
         let (wire_pages, served_pages, segment_start, segment_size) = match pages {
             None => (None, None, base, segment_size),
             Some(pages) => {
+                // Whether the driver can hand these chunks to another process at all (the
+                // simulated device cannot): asked once, before a slot and the page server serve
+                // a handle nobody could open.
+                let probe = pages
+                    .chunks
+                    .first()
+                    .ok_or_else(|| crate::Error::invalid("a shared range with no pages"))
+                    .and_then(|&chunk| self.driver.vm_export_chunk(chunk));
+                if let Err(err) = probe {
+                    self.give_back_slot(&slot);
+                    return Err(Box::new((err, original)));
+                }
                 let wire = WirePages {
                     page: pages.page,
                     first: pages.first,
