@@ -14,47 +14,80 @@
 
 use std::any::Any;
 use std::fmt;
+use std::ptr::NonNull;
 
 use super::shard::Shard;
 use crate::driver::{DeviceAddr, StreamId};
 use crate::error::{Error, Result};
-use crate::sync::os::Arc;
 
 /// A caching-allocator block owned by a [`DataPtr`]: dropping it frees the block into its shard.
+///
+/// It points at its shard without a reference count: the shard counts its handed-out blocks
+/// under its own lock (`ShardState::owners`) and stays alive while any is out — in its device's
+/// map while the allocator lives, then as an orphan released by the last free (`shard.rs`). So an
+/// allocate + free pair touches no atomic outside the shard's lock.
 pub(crate) struct BlockOwner {
-    shard: Arc<Shard>,
+    shard: NonNull<Shard>,
     block: usize,
 }
 
+// SAFETY: `Shard` is `Sync` (its state is behind a lock) and the pointer stays valid while the
+// owner lives (the shard counts this owner in `owners`); the owner may be used and dropped on
+// any thread.
+unsafe impl Send for BlockOwner {}
+// SAFETY: as for `Send`: shared access only reaches the shard through `&Shard`.
+unsafe impl Sync for BlockOwner {}
+
 impl BlockOwner {
-    pub(crate) fn new(shard: Arc<Shard>, block: usize) -> Self {
-        BlockOwner { shard, block }
+    /// The owner of `block`, just handed out by `shard`.
+    ///
+    /// # Safety
+    /// `block` must have been handed out by `shard` (counted in its `owners` by
+    /// `ShardState::allocate`) and not be owned by any other `BlockOwner`.
+    pub(crate) unsafe fn new(shard: &Shard, block: usize) -> Self {
+        BlockOwner {
+            shard: NonNull::from(shard),
+            block,
+        }
+    }
+
+    fn shard(&self) -> &Shard {
+        // SAFETY: the shard counts this owner among its `owners`, so it is neither dropped nor
+        // moved before `Drop for BlockOwner` below has released the block.
+        unsafe { self.shard.as_ref() }
     }
 
     /// Its free waits for the work queued on `stream` so far.
     pub(crate) fn record_use(&self, stream: StreamId) -> Result<()> {
-        self.shard.record_use(self.block, stream)
+        self.shard().record_use(self.block, stream)
     }
 
     /// The stream the block was allocated on.
     pub(crate) fn stream(&self) -> StreamId {
-        self.shard.stream
+        self.shard().stream
     }
 
     /// Base and size of the block's segment.
     pub(crate) fn segment(&self) -> (u64, u64) {
-        self.shard.segment_of(self.block)
+        self.shard().segment_of(self.block)
     }
 
     /// The pages under the block's first `len` bytes when it lies in an expandable segment.
     pub(crate) fn pages_under(&self, len: u64) -> Result<Option<super::PagesUnder>> {
-        self.shard.pages_under(self.block, len)
+        self.shard().pages_under(self.block, len)
     }
 }
 
 impl Drop for BlockOwner {
     fn drop(&mut self) {
-        self.shard.free(self.block);
+        let orphan_released = self.shard().free(self.block);
+        if orphan_released {
+            // SAFETY: the allocator is gone and this was the shard's last handed-out block:
+            // `free` reported (once, under the shard's lock) that the reference the allocator
+            // leaked for its orphaned shards (`Arc::into_raw` in `DeviceCore::shutdown`) is ours
+            // to release. No reference to the shard is used after this.
+            unsafe { Shard::release_orphan(self.shard) };
+        }
     }
 }
 

@@ -116,7 +116,6 @@ impl DeviceCore {
         let shard = shards.entry(stream).or_insert_with(|| {
             Arc::new(Shard {
                 stream,
-                alive: AtomicBool::new(true),
                 state: Mutex::new(ShardState::default()),
                 core: Arc::clone(self),
             })
@@ -578,8 +577,9 @@ impl DeviceCore {
         for e in events {
             let _ = self.driver.event_destroy(e);
         }
-        for (_, shard) in self.shards.write().drain() {
-            shard.alive.store(false, Ordering::Release);
+        let shards: Vec<_> = self.shards.write().drain().map(|(_, s)| s).collect();
+        for shard in shards {
+            Shard::orphan(shard);
         }
     }
 }

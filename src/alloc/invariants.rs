@@ -106,7 +106,7 @@ impl ShardState {
             (PoolKind::Small, &self.free_small),
             (PoolKind::Large, &self.free_large),
         ] {
-            for &(size, ptr, id) in set.iter() {
+            for (size, ptr, id) in set.iter() {
                 let b = self
                     .blocks
                     .get(id)

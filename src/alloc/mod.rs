@@ -244,13 +244,19 @@ impl CachingAllocator {
 
     /// The shard of `stream`: from this thread's cache, else from its device (and cached).
     #[inline]
-    fn shard_of(&self, stream: StreamId) -> Result<Arc<Shard>> {
-        if let Some(shard) = thread::cached_shard(self.id, stream) {
-            return Ok(shard);
-        }
-        let shard = self.device(stream.device())?.shard(stream)?;
-        thread::cache_shard(self.id, stream, &shard);
-        Ok(shard)
+    fn shard_of(&self, stream: StreamId) -> Result<&Shard> {
+        let shard = match thread::cached_shard(self.id, stream) {
+            Some(shard) => shard,
+            None => {
+                let shard = Arc::as_ptr(&self.device(stream.device())?.shard(stream)?);
+                thread::cache_shard(self.id, stream, shard);
+                shard
+            }
+        };
+        // SAFETY: `shard` is a shard of this allocator (cached under its never-reused id, or just
+        // taken from its device). Its device's map holds it until this allocator's `Drop`, which
+        // cannot run while `&self` is borrowed, so it lives at least as long as the result.
+        Ok(unsafe { &*shard })
     }
 
     /// Creates a new stream on `device`.
@@ -288,7 +294,7 @@ impl CachingAllocator {
             return Ok(DataPtr::empty(self.driver.stream_device(stream)?));
         }
         let shard = self.shard_of(stream)?;
-        let a = match shard.core.allocate(&shard, size) {
+        let a = match shard.core.allocate(shard, size) {
             Ok(a) => a,
             Err(err) => {
                 if matches!(err, Error::OutOfMemory { .. }) {
@@ -301,7 +307,9 @@ impl CachingAllocator {
         Ok(DataPtr::new(
             DeviceAddr(a.ptr),
             device,
-            Owner::Block(BlockOwner::new(shard, a.block)),
+            // SAFETY: the shard just handed `a.block` out (counted in its owners); this is its
+            // only owner.
+            Owner::Block(unsafe { BlockOwner::new(shard, a.block) }),
         ))
     }
 

@@ -22,15 +22,15 @@ use super::stats::{self, DeviceStats};
 use crate::config::AllocatorConfig;
 use crate::driver::{EventId, StreamId};
 use crate::error::{Error, Result};
-use crate::sync::os::atomic::{AtomicBool, Ordering};
 use crate::sync::os::{Arc, Mutex};
 
-/// One (device, stream) shard.
+/// One (device, stream) shard. Aligned to 128 bytes (two cache lines: the adjacent-line
+/// prefetcher pairs them) so that two shards' locks and hot state never share a line, wherever the
+/// heap puts them.
 #[derive(Debug)]
+#[repr(align(128))]
 pub(crate) struct Shard {
     pub stream: StreamId,
-    /// False once the allocator shut down (thread caches then drop their reference).
-    pub(super) alive: AtomicBool,
     pub state: Mutex<ShardState>,
     pub core: Arc<DeviceCore>,
 }
@@ -51,6 +51,10 @@ pub(crate) struct ShardState {
     pub expandable: HashMap<u64, super::expandable::ExpandablePages>,
     /// A statistic went past its limit since the flag was last taken (`peaks.rs`).
     pub over_budget: bool,
+    /// Blocks handed out and not yet released: each has a `BlockOwner` pointing at this shard.
+    pub owners: u64,
+    /// The allocator is gone while blocks were out: the last release drops the shard.
+    pub orphaned: bool,
 }
 
 /// The order in which [`ShardState::take_free_segments`] visits candidate segments.
@@ -98,25 +102,21 @@ impl ShardState {
         self.free_small
             .iter()
             .chain(self.free_large.iter())
-            .map(|&(_, _, id)| id)
+            .map(|(_, _, id)| id)
     }
 
     pub(super) fn insert_free(&mut self, id: BlockId) {
-        let (pool, key) = {
-            let b = &self.blocks[id];
-            (b.pool, (b.size, b.ptr, id))
-        };
-        self.free_set(pool).insert(key);
+        let b = &self.blocks[id];
+        let (pool, size, ptr) = (b.pool, b.size, b.ptr);
+        self.free_set(pool).insert(size, ptr, id);
         self.account_inactive(id, true);
     }
 
     pub(super) fn remove_free(&mut self, id: BlockId) {
         self.account_inactive(id, false);
-        let (pool, key) = {
-            let b = &self.blocks[id];
-            (b.pool, (b.size, b.ptr, id))
-        };
-        let removed = self.free_set(pool).remove(&key);
+        let b = &self.blocks[id];
+        let (pool, size, ptr) = (b.pool, b.size, b.ptr);
+        let removed = self.free_set(pool).remove(size, ptr);
         debug_assert!(removed, "free block {id} missing from its pool");
     }
 
@@ -192,6 +192,7 @@ impl ShardState {
             self.insert_free(rest);
         }
         self.tick += 1;
+        self.owners += 1;
         let b = &mut self.blocks[id];
         b.state = BlockState::Allocated;
         b.requested = requested;
@@ -223,6 +224,7 @@ impl ShardState {
         debug_assert_eq!(b.state, BlockState::Allocated);
         let (size, pool, requested) = (b.size, b.pool, b.requested);
         let uses = std::mem::take(&mut b.stream_uses);
+        self.owners -= 1;
         let s = &mut self.stats;
         stats::decrease(&mut s.allocation, pool, 1);
         stats::decrease(&mut s.allocated_bytes, pool, size);
@@ -438,14 +440,9 @@ impl ShardState {
 }
 
 impl Shard {
-    /// Whether the shard's allocator is still running.
-    #[inline]
-    pub fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::Acquire)
-    }
-
-    /// The owner dropped block `id` (the `DataPtr` free path).
-    pub fn free(&self, id: BlockId) {
+    /// The owner dropped block `id` (the `DataPtr` free path). Returns true when this released
+    /// the last block of an orphaned shard: the caller then calls [`Shard::release_orphan`].
+    pub fn free(&self, id: BlockId) -> bool {
         let core = &self.core;
         let mut st = self.state.lock();
         let (ptr, size) = (st.blocks[id].ptr, st.blocks[id].size);
@@ -479,8 +476,36 @@ impl Shard {
             }
             st.finish_pending_without_events(id);
         }
+        let orphan_released = st.orphaned && st.owners == 0;
+        st.orphaned &= !orphan_released;
         // A free can grow statistics too (inactive split blocks): settle checks the budget.
         core.settle(st);
+        orphan_released
+    }
+
+    /// Leaves `shard` to its handed-out blocks (allocator teardown): dropped now when none is out,
+    /// else kept alive by one leaked reference that the last block's release gives back.
+    pub fn orphan(shard: Arc<Shard>) {
+        let mut st = shard.state.lock();
+        if st.owners == 0 {
+            drop(st);
+            return;
+        }
+        st.orphaned = true;
+        drop(st);
+        // Reclaimed by `release_orphan`, called once by the owner whose `free` cleared the flag.
+        let _ = Arc::into_raw(shard);
+    }
+
+    /// Gives back the reference [`Shard::orphan`] leaked (which may drop the shard).
+    ///
+    /// # Safety
+    /// `shard` must come from a `BlockOwner` whose [`Shard::free`] just returned true, and nothing
+    /// may use the shard through that owner afterwards.
+    pub unsafe fn release_orphan(shard: std::ptr::NonNull<Shard>) {
+        // SAFETY: `orphan` leaked exactly one `Arc` of this shard and set `orphaned`; the one
+        // `free` that found `orphaned` with no owner left cleared it, so this runs once per leak.
+        drop(unsafe { Arc::from_raw(shard.as_ptr().cast_const()) });
     }
 
     /// Base address and size of the segment holding block `id`.

@@ -1,19 +1,40 @@
 //! Per-thread state of every allocator: the current stream per device and a small cache of the
-//! shards this thread used last, so the hot path finds its shard with one thread-local access and
-//! one reference-count increment — no shared map, no lock.
+//! shards this thread used last, so the hot path finds its shard with one thread-local access — no
+//! shared map, no lock, no atomic.
 //!
-//! Cached shards are weak references: a thread cache never keeps an allocator's shards (and with
-//! them its driver) alive after the allocator is dropped. Upgrading costs the same one atomic
-//! read-modify-write as cloning a strong reference would.
+//! The cache holds plain pointers keyed by (allocator id, stream). That is sound without any
+//! reference count because of two facts the allocator guarantees:
+//!
+//! * a shard stays in its device's map (which holds it) for the allocator's whole life — only the
+//!   allocator's `Drop` removes shards;
+//! * allocator ids come from a process-wide counter and are never reused.
+//!
+//! So an entry is only ever read by a call on the allocator that cached it (`&self` proves that
+//! allocator alive, hence the shard), and entries of dropped allocators can never match again;
+//! they are overwritten as the cache rotates. The cache has no destructor and a constant
+//! initializer, so reaching it is a plain thread-local access.
 
 use std::cell::RefCell;
 
 use super::shard::Shard;
 use crate::driver::StreamId;
-use crate::sync::os::{Arc, Weak};
 
 /// Entries of the shard cache.
-const SHARD_SLOTS: usize = 4;
+const SHARD_SLOTS: usize = 8;
+
+/// One cached shard (a null pointer marks an empty slot).
+#[derive(Clone, Copy)]
+struct ShardSlot {
+    alloc: u64,
+    stream: StreamId,
+    shard: *const Shard,
+}
+
+const EMPTY_SLOT: ShardSlot = ShardSlot {
+    alloc: 0,
+    stream: StreamId(0),
+    shard: std::ptr::null(),
+};
 
 #[derive(Default)]
 struct ThreadState {
@@ -21,12 +42,13 @@ struct ThreadState {
     current: Vec<((u64, usize), StreamId)>,
     /// ((allocator id, device), this thread's default stream) with `default_stream:per_thread`.
     per_thread: Vec<((u64, usize), StreamId)>,
-    /// ((allocator id, stream), shard), most recent last.
-    shards: Vec<((u64, StreamId), Weak<Shard>)>,
 }
 
 thread_local! {
     static STATE: RefCell<ThreadState> = RefCell::new(ThreadState::default());
+    /// The shard cache; slot `next` is overwritten next.
+    static SHARDS: RefCell<([ShardSlot; SHARD_SLOTS], usize)> =
+        const { RefCell::new(([EMPTY_SLOT; SHARD_SLOTS], 0)) };
 }
 
 /// This thread's current stream of `device` for allocator `alloc`, if one was set.
@@ -74,31 +96,29 @@ pub(crate) fn set_per_thread_stream(alloc: u64, device: usize, stream: StreamId)
     STATE.with(|s| s.borrow_mut().per_thread.push(((alloc, device), stream)));
 }
 
-/// The cached shard of (`alloc`, `stream`), if this thread has a live one.
+/// The shard this thread cached for (`alloc`, `stream`), if any. The pointer is valid while
+/// allocator `alloc` lives (see the module docs); only that allocator may dereference it.
 #[inline]
-pub(crate) fn cached_shard(alloc: u64, stream: StreamId) -> Option<Arc<Shard>> {
-    STATE.with(|s| {
-        let mut s = s.borrow_mut();
-        let at = s.shards.iter().rposition(|(k, _)| *k == (alloc, stream))?;
-        match s.shards[at].1.upgrade().filter(|shard| shard.is_alive()) {
-            Some(shard) => Some(shard),
-            None => {
-                s.shards.remove(at);
-                None
-            }
-        }
+pub(crate) fn cached_shard(alloc: u64, stream: StreamId) -> Option<*const Shard> {
+    SHARDS.with(|cache| {
+        cache
+            .borrow()
+            .0
+            .iter()
+            .find(|slot| slot.alloc == alloc && slot.stream == stream && !slot.shard.is_null())
+            .map(|slot| slot.shard)
     })
 }
 
-/// Remembers `shard` as this thread's shard of (`alloc`, `stream`).
-pub(crate) fn cache_shard(alloc: u64, stream: StreamId, shard: &Arc<Shard>) {
-    STATE.with(|s| {
-        let mut s = s.borrow_mut();
-        s.shards
-            .retain(|(k, sh)| *k != (alloc, stream) && sh.strong_count() > 0);
-        if s.shards.len() >= SHARD_SLOTS {
-            s.shards.remove(0);
-        }
-        s.shards.push(((alloc, stream), Arc::downgrade(shard)));
+/// Remembers `shard` as this thread's shard of (`alloc`, `stream`), replacing the oldest entry.
+pub(crate) fn cache_shard(alloc: u64, stream: StreamId, shard: *const Shard) {
+    SHARDS.with(|cache| {
+        let (slots, next) = &mut *cache.borrow_mut();
+        slots[*next % SHARD_SLOTS] = ShardSlot {
+            alloc,
+            stream,
+            shard,
+        };
+        *next = (*next + 1) % SHARD_SLOTS;
     })
 }
