@@ -34,7 +34,8 @@ fn memory_outlives_its_allocator_and_goes_back_with_its_last_pointer() {
     let elsewhere = a.allocate_on(other, 4096).unwrap();
     let stream = d.default_stream(0).unwrap();
     let pattern: Vec<u8> = (0..512u32).map(|i| (i * 7 + 3) as u8).collect();
-    d.copy_host_to_device(stream, small.ptr(), &pattern).unwrap();
+    d.copy_host_to_device(stream, small.ptr(), &pattern)
+        .unwrap();
     d.stream_synchronize(stream).unwrap();
     drop(a);
 
@@ -43,12 +44,18 @@ fn memory_outlives_its_allocator_and_goes_back_with_its_last_pointer() {
     d.copy_device_to_host(stream, &mut back, small.ptr())
         .unwrap();
     d.stream_synchronize(stream).unwrap();
-    assert_eq!(back, pattern, "memory changed after its allocator was dropped");
+    assert_eq!(
+        back, pattern,
+        "memory changed after its allocator was dropped"
+    );
     assert_eq!(large.allocation_stream(), Some(stream));
     assert!(used(&d) > 0);
 
     drop(small);
-    assert!(used(&d) > 0, "a segment went back while a block in it was live");
+    assert!(
+        used(&d) > 0,
+        "a segment went back while a block in it was live"
+    );
     drop(large);
     drop(elsewhere);
     assert_eq!(
@@ -126,7 +133,9 @@ fn more_streams_than_the_thread_cache_holds_each_get_their_own_shard() {
     let mut live = Vec::new();
     for round in 0..5 {
         for (i, &s) in streams.iter().enumerate() {
-            let p = a.allocate_on(s, 512 * (1 + (i + round) as u64 % 3)).unwrap();
+            let p = a
+                .allocate_on(s, 512 * (1 + (i + round) as u64 % 3))
+                .unwrap();
             assert_eq!(p.allocation_stream(), Some(s));
             live.push(p);
         }

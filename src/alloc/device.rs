@@ -182,10 +182,15 @@ impl DeviceCore {
         }
     }
 
+    #[inline]
     pub(super) fn poll_events(&self, shard: &Shard, state: &mut ShardState) {
-        if !state.has_pending() {
-            return;
+        if state.has_pending() {
+            self.complete_pending(shard, state);
         }
+    }
+
+    #[cold]
+    fn complete_pending(&self, shard: &Shard, state: &mut ShardState) {
         let (events, freed) = state.complete_events(|e| self.driver.event_query(e));
         self.events.lock().extend(events);
         for (addr, size) in freed {
@@ -209,8 +214,7 @@ impl DeviceCore {
     ) -> Option<Allocated> {
         let mut st = shard.state.lock();
         self.poll_events(shard, &mut st);
-        let id = st.find_fit(pool, rounded, &self.config)?;
-        let id = st.allocate(id, rounded, requested, &self.config);
+        let id = st.allocate_best_fit(pool, rounded, requested, &self.config)?;
         let ptr = st.blocks[id].ptr;
         self.settle(st);
         self.trace

@@ -284,8 +284,20 @@ impl CachingAllocator {
 
     /// Allocates `size` bytes on `device`'s current stream. Size 0 gives an empty pointer.
     pub fn allocate(&self, device: usize, size: u64) -> Result<DataPtr> {
-        let stream = self.current_stream(device)?;
-        self.allocate_on(stream, size)
+        if size == 0 {
+            self.device(device)?;
+            return Ok(DataPtr::empty(device));
+        }
+        let shard = match thread::current_shard(self.id, device) {
+            // SAFETY: as in `shard_of`: a shard of this allocator, alive while `&self` is.
+            Some(shard) => unsafe { &*shard },
+            None => {
+                let shard = self.shard_of(self.current_stream(device)?)?;
+                thread::cache_current_shard(self.id, device, shard);
+                shard
+            }
+        };
+        self.allocate_in(shard, size)
     }
 
     /// Allocates `size` bytes for use on `stream`.
@@ -293,7 +305,12 @@ impl CachingAllocator {
         if size == 0 {
             return Ok(DataPtr::empty(self.driver.stream_device(stream)?));
         }
-        let shard = self.shard_of(stream)?;
+        self.allocate_in(self.shard_of(stream)?, size)
+    }
+
+    /// Allocates `size` (> 0) bytes from `shard`.
+    #[inline]
+    fn allocate_in(&self, shard: &Shard, size: u64) -> Result<DataPtr> {
         let a = match shard.core.allocate(shard, size) {
             Ok(a) => a,
             Err(err) => {

@@ -125,6 +125,40 @@ impl FreePool {
         }
     }
 
+    /// Takes the best fit for `size` out of the pool if `accept` (given the block's size) agrees:
+    /// [`Self::best_fit`] and [`Self::remove`] with one search.
+    #[inline]
+    pub fn take_best_fit(
+        &mut self,
+        size: u64,
+        accept: impl FnOnce(u64) -> bool,
+    ) -> Option<FreeKey> {
+        let key = pack(size, 0);
+        match &mut self.repr {
+            Repr::Sorted(v) => {
+                let at = lower_bound(v, key);
+                let (found, id) = *v.get(at)?;
+                let found = unpack(found, id);
+                if !accept(found.0) {
+                    return None;
+                }
+                for i in at..v.len() - 1 {
+                    v[i] = v[i + 1];
+                }
+                v.pop();
+                Some(found)
+            }
+            Repr::Tree(_) => {
+                let found = self.best_fit(size)?;
+                if !accept(found.0) {
+                    return None;
+                }
+                self.remove(found.0, found.1);
+                Some(found)
+            }
+        }
+    }
+
     /// Every free block, smallest first.
     pub fn iter(&self) -> Box<dyn Iterator<Item = FreeKey> + '_> {
         match &self.repr {

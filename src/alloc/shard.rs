@@ -175,6 +175,23 @@ impl ShardState {
         id
     }
 
+    /// Takes the best fit for a rounded request out of `pool` (under the oversize rules) and hands
+    /// it out: [`Self::find_fit`] then [`Self::allocate`] with one search of the pool.
+    #[inline]
+    pub fn allocate_best_fit(
+        &mut self,
+        pool: PoolKind,
+        rounded: u64,
+        requested: u64,
+        config: &AllocatorConfig,
+    ) -> Option<BlockId> {
+        let (_, _, id) = self.free_set(pool).take_best_fit(rounded, |found| {
+            size::fits_oversize_rules(found, rounded, config)
+        })?;
+        self.account_inactive(id, false);
+        Some(self.hand_out(id, rounded, requested, config))
+    }
+
     /// Hands out free block `id` for a request (splitting off the remainder when the policy says
     /// so); returns the allocated block (the same id).
     pub fn allocate(
@@ -185,6 +202,18 @@ impl ShardState {
         config: &AllocatorConfig,
     ) -> BlockId {
         self.remove_free(id);
+        self.hand_out(id, rounded, requested, config)
+    }
+
+    /// [`Self::allocate`] of a block already taken out of its pool.
+    #[inline]
+    fn hand_out(
+        &mut self,
+        id: BlockId,
+        rounded: u64,
+        requested: u64,
+        config: &AllocatorConfig,
+    ) -> BlockId {
         let (pool, block_size) = (self.blocks[id].pool, self.blocks[id].size);
         if size::should_split(pool, block_size, rounded, config) {
             let rest = self.split_off(id, rounded, BlockState::Free);

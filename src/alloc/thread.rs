@@ -22,21 +22,29 @@ use crate::driver::StreamId;
 /// Entries of the shard cache.
 const SHARD_SLOTS: usize = 8;
 
+/// What a cached shard is the shard of.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SlotKey {
+    /// A stream.
+    Stream(StreamId),
+    /// This thread's current stream of a device (dropped when the current stream changes).
+    Current(usize),
+}
+
 /// One cached shard (a null pointer marks an empty slot).
 #[derive(Clone, Copy)]
 struct ShardSlot {
     alloc: u64,
-    stream: StreamId,
+    key: SlotKey,
     shard: *const Shard,
 }
 
 const EMPTY_SLOT: ShardSlot = ShardSlot {
     alloc: 0,
-    stream: StreamId(0),
+    key: SlotKey::Current(usize::MAX),
     shard: std::ptr::null(),
 };
 
-#[derive(Default)]
 struct ThreadState {
     /// ((allocator id, device), current stream)
     current: Vec<((u64, usize), StreamId)>,
@@ -45,13 +53,19 @@ struct ThreadState {
 }
 
 thread_local! {
-    static STATE: RefCell<ThreadState> = RefCell::new(ThreadState::default());
+    static STATE: RefCell<ThreadState> = const {
+        RefCell::new(ThreadState {
+            current: Vec::new(),
+            per_thread: Vec::new(),
+        })
+    };
     /// The shard cache; slot `next` is overwritten next.
     static SHARDS: RefCell<([ShardSlot; SHARD_SLOTS], usize)> =
         const { RefCell::new(([EMPTY_SLOT; SHARD_SLOTS], 0)) };
 }
 
 /// This thread's current stream of `device` for allocator `alloc`, if one was set.
+#[inline]
 pub(crate) fn current_stream(alloc: u64, device: usize) -> Option<StreamId> {
     STATE.with(|s| {
         s.borrow()
@@ -71,6 +85,7 @@ pub(crate) fn set_current_stream(
     STATE.with(|s| {
         let mut s = s.borrow_mut();
         let key = (alloc, device);
+        forget_shard(alloc, SlotKey::Current(device));
         let previous = s.current.iter().find(|(k, _)| *k == key).map(|(_, st)| *st);
         s.current.retain(|(k, _)| *k != key);
         if let Some(stream) = stream {
@@ -100,25 +115,54 @@ pub(crate) fn set_per_thread_stream(alloc: u64, device: usize, stream: StreamId)
 /// allocator `alloc` lives (see the module docs); only that allocator may dereference it.
 #[inline]
 pub(crate) fn cached_shard(alloc: u64, stream: StreamId) -> Option<*const Shard> {
+    lookup(alloc, SlotKey::Stream(stream))
+}
+
+/// Remembers `shard` as this thread's shard of (`alloc`, `stream`).
+pub(crate) fn cache_shard(alloc: u64, stream: StreamId, shard: *const Shard) {
+    remember(alloc, SlotKey::Stream(stream), shard)
+}
+
+/// The shard of this thread's current stream of `device` for allocator `alloc`, if cached since
+/// the current stream last changed (same validity as [`cached_shard`]).
+#[inline]
+pub(crate) fn current_shard(alloc: u64, device: usize) -> Option<*const Shard> {
+    lookup(alloc, SlotKey::Current(device))
+}
+
+/// Remembers `shard` as the shard of this thread's current stream of (`alloc`, `device`).
+pub(crate) fn cache_current_shard(alloc: u64, device: usize, shard: *const Shard) {
+    remember(alloc, SlotKey::Current(device), shard)
+}
+
+#[inline]
+fn lookup(alloc: u64, key: SlotKey) -> Option<*const Shard> {
     SHARDS.with(|cache| {
         cache
             .borrow()
             .0
             .iter()
-            .find(|slot| slot.alloc == alloc && slot.stream == stream && !slot.shard.is_null())
+            .find(|slot| slot.alloc == alloc && slot.key == key && !slot.shard.is_null())
             .map(|slot| slot.shard)
     })
 }
 
-/// Remembers `shard` as this thread's shard of (`alloc`, `stream`), replacing the oldest entry.
-pub(crate) fn cache_shard(alloc: u64, stream: StreamId, shard: *const Shard) {
+/// Stores an entry, replacing the oldest.
+fn remember(alloc: u64, key: SlotKey, shard: *const Shard) {
+    forget_shard(alloc, key);
     SHARDS.with(|cache| {
         let (slots, next) = &mut *cache.borrow_mut();
-        slots[*next % SHARD_SLOTS] = ShardSlot {
-            alloc,
-            stream,
-            shard,
-        };
+        slots[*next % SHARD_SLOTS] = ShardSlot { alloc, key, shard };
         *next = (*next + 1) % SHARD_SLOTS;
+    })
+}
+
+fn forget_shard(alloc: u64, key: SlotKey) {
+    SHARDS.with(|cache| {
+        for slot in cache.borrow_mut().0.iter_mut() {
+            if slot.alloc == alloc && slot.key == key {
+                *slot = EMPTY_SLOT;
+            }
+        }
     })
 }
