@@ -16,6 +16,7 @@
 //! | `default_stream` | `legacy`: the device's default stream (CUDA's legacy NULL stream, what PyTorch and candle launch on); `per_thread`: one stream per thread and device, made by cudalloc on first use and kept for the allocator's life; `dedicated`: one non-blocking stream per device made by cudalloc (cudalloc's own key) | `legacy` |
 //! | `ipc_handle_ttl_s` | seconds > 0 (cudalloc's own key): an IPC handle not opened within this time is refused by consumers and its count reclaimed by `ipc_collect()` | off |
 //! | `oom_snapshot_path` | a file (cudalloc's own key; feature `pickle`): when an allocation runs out of memory, a snapshot in PyTorch's pickled layout is written there before the error returns (with history on, it holds the trace). No commas or whitespace in the path | off |
+//! | `thread_cache_mb` | integer ≥ 0 (MiB; cudalloc's own key): each thread keeps up to this many bytes (and 32 blocks) of the blocks it freed, per stream, and hands them back to its own allocations of the same size without the stream's lock — two threads on one stream then scale; **changes PyTorch's reuse order** (see `alloc/front.rs`) | 0 (off: PyTorch's exact order) |
 //! | `pinned_use_cuda_host_register`, `pinned_num_register_threads`, `pinned_use_background_threads` | PyTorch's pinned host-memory keys: validated, then ignored (cudalloc has no pinned host allocator) | — |
 
 use crate::error::{Error, Result};
@@ -24,6 +25,8 @@ use crate::error::{Error, Result};
 const MIB: u64 = 1 << 20;
 /// Number of size intervals of `roundup_power2_divisions` (1 MiB, 2 MiB, … 32 GiB and above).
 pub const ROUNDUP_INTERVALS: usize = 16;
+/// Largest `thread_cache_mb` (1 TiB): more is a typo, not a cache.
+const MAX_THREAD_CACHE_MB: u64 = 1 << 20;
 /// `max_split_size_mb` must exceed this (PyTorch's large-buffer size, 20 MiB).
 const MIN_MAX_SPLIT_MB: u64 = 20;
 
@@ -62,6 +65,9 @@ pub struct AllocatorConfig {
     pub default_stream: DefaultStream,
     /// Where a snapshot is written when an allocation runs out of memory (feature `pickle`).
     pub oom_snapshot_path: Option<String>,
+    /// Bytes of its own freed blocks a thread may keep per stream for reuse without the stream's
+    /// lock (0: off, PyTorch's exact reuse order; `alloc/front.rs`).
+    pub thread_cache: u64,
 }
 
 impl Default for AllocatorConfig {
@@ -76,6 +82,7 @@ impl Default for AllocatorConfig {
             ipc_handle_ttl_ms: 0,
             default_stream: DefaultStream::Legacy,
             oom_snapshot_path: None,
+            thread_cache: 0,
         }
     }
 }
@@ -233,6 +240,11 @@ impl std::fmt::Display for AllocatorConfig {
             )
         )?;
         writeln!(f, "default_stream: {default_stream}")?;
+        writeln!(
+            f,
+            "thread_cache_mb: {}",
+            or_off(self.thread_cache > 0, (self.thread_cache / MIB).to_string())
+        )?;
         write!(
             f,
             "oom_snapshot_path: {}",
@@ -299,6 +311,16 @@ impl AllocatorConfig {
                     }
                     config.oom_snapshot_path = Some(value.to_owned());
                 }
+                "thread_cache_mb" => {
+                    let mb: u64 = value
+                        .parse()
+                        .ok()
+                        .filter(|&mb| mb <= MAX_THREAD_CACHE_MB)
+                        .ok_or_else(|| {
+                            bad(key, value, &format!("an integer number of MiB ≤ {MAX_THREAD_CACHE_MB}"))
+                        })?;
+                    config.thread_cache = mb * MIB;
+                }
                 "pinned_use_cuda_host_register" | "pinned_use_background_threads" => {
                     parse_bool(key, value)?;
                 }
@@ -309,7 +331,7 @@ impl AllocatorConfig {
                     return Err(Error::Config(format!(
                         "unknown key {key:?}; valid keys: max_split_size_mb, garbage_collection_threshold, \
                          roundup_power2_divisions, expandable_segments, release_lock_on_cudamalloc, \
-                         per_process_memory_fraction, ipc_handle_ttl_s, default_stream, oom_snapshot_path, pinned_use_cuda_host_register, \
+                         per_process_memory_fraction, ipc_handle_ttl_s, default_stream, oom_snapshot_path, thread_cache_mb, pinned_use_cuda_host_register, \
                          pinned_num_register_threads, pinned_use_background_threads"
                     )))
                 }

@@ -16,19 +16,32 @@ use std::any::Any;
 use std::fmt;
 use std::ptr::NonNull;
 
+use super::block::BlockId;
+use super::device::Allocated;
+use super::front::FrontEntry;
+use super::size::PoolKind;
+
 use super::shard::Shard;
 use crate::driver::{DeviceAddr, StreamId};
 use crate::error::{Error, Result};
+use crate::sync::os::atomic::{AtomicBool, Ordering};
 
 /// A caching-allocator block owned by a [`DataPtr`]: dropping it frees the block into its shard.
 ///
 /// It points at its shard without a reference count: the shard counts its handed-out blocks
 /// under its own lock (`ShardState::owners`) and stays alive while any is out — in its device's
 /// map while the allocator lives, then as an orphan released by the last free (`shard.rs`). So an
-/// allocate + free pair touches no atomic outside the shard's lock.
+/// allocate + free pair touches no atomic outside the shard's lock. It also remembers the block's
+/// size, pool and requested bytes, so a thread front cache can take the block over without the
+/// shard (`front.rs`).
 pub(crate) struct BlockOwner {
     shard: NonNull<Shard>,
-    block: usize,
+    block: BlockId,
+    size: u64,
+    requested: u64,
+    pool: PoolKind,
+    /// Another stream was recorded (`record_stream`): the free must go through the shard's events.
+    other_streams: AtomicBool,
 }
 
 // SAFETY: `Shard` is `Sync` (its state is behind a lock) and the pointer stays valid while the
@@ -39,15 +52,19 @@ unsafe impl Send for BlockOwner {}
 unsafe impl Sync for BlockOwner {}
 
 impl BlockOwner {
-    /// The owner of `block`, just handed out by `shard`.
+    /// The owner of a block just handed out by `shard` (from its pools or a front cache).
     ///
     /// # Safety
     /// `block` must have been handed out by `shard` (counted in its `owners` by
-    /// `ShardState::allocate`) and not be owned by any other `BlockOwner`.
-    pub(crate) unsafe fn new(shard: &Shard, block: usize) -> Self {
+    /// `ShardState::allocate`) and not be owned by any other `BlockOwner` or front cache.
+    pub(crate) unsafe fn new(shard: &Shard, block: &Allocated) -> Self {
         BlockOwner {
             shard: NonNull::from(shard),
-            block,
+            block: block.block,
+            size: block.size,
+            requested: block.requested,
+            pool: block.pool,
+            other_streams: AtomicBool::new(false),
         }
     }
 
@@ -59,7 +76,11 @@ impl BlockOwner {
 
     /// Its free waits for the work queued on `stream` so far.
     pub(crate) fn record_use(&self, stream: StreamId) -> Result<()> {
-        self.shard().record_use(self.block, stream)
+        let shard = self.shard();
+        if stream != shard.stream {
+            self.other_streams.store(true, Ordering::Relaxed);
+        }
+        shard.record_use(self.block, stream)
     }
 
     /// The stream the block was allocated on.
@@ -76,18 +97,35 @@ impl BlockOwner {
     pub(crate) fn pages_under(&self, len: u64) -> Result<Option<super::PagesUnder>> {
         self.shard().pages_under(self.block, len)
     }
+
+    /// Hands the block at `ptr` to this thread's front cache of its shard, if the allocator keeps
+    /// one and it has room; gives the owner back otherwise.
+    #[inline]
+    fn keep_in_front(mut self, ptr: u64) -> Option<Self> {
+        let limit = self.shard().core.config.thread_cache;
+        if limit == 0 || *self.other_streams.get_mut() {
+            return Some(self);
+        }
+        let entry = FrontEntry {
+            block: self.block,
+            ptr,
+            size: self.size,
+            requested: self.requested,
+            pool: self.pool,
+        };
+        if super::thread::keep_in_front(self.shard(), entry, limit) {
+            // The front cache owns the block now (it is still counted among the shard's owners).
+            std::mem::forget(self);
+            return None;
+        }
+        Some(self)
+    }
 }
 
 impl Drop for BlockOwner {
     fn drop(&mut self) {
-        let orphan_released = self.shard().free(self.block);
-        if orphan_released {
-            // SAFETY: the allocator is gone and this was the shard's last handed-out block:
-            // `free` reported (once, under the shard's lock) that the reference the allocator
-            // leaked for its orphaned shards (`Arc::into_raw` in `DeviceCore::shutdown`) is ours
-            // to release. No reference to the shard is used after this.
-            unsafe { Shard::release_orphan(self.shard) };
-        }
+        // SAFETY: this owner's block is handed out by the shard and given up here, once.
+        unsafe { Shard::free_and_release(self.shard, self.block) };
     }
 }
 
@@ -175,8 +213,8 @@ impl DataPtr {
         }
     }
 
-    pub(crate) fn into_owner(self) -> Owner {
-        self.owner
+    pub(crate) fn into_owner(mut self) -> Owner {
+        std::mem::replace(&mut self.owner, Owner::None)
     }
 
     pub(crate) fn owner(&self) -> &Owner {
@@ -219,6 +257,19 @@ impl DataPtr {
             Owner::None => Err(Error::invalid(
                 "record_stream: this pointer was not allocated by a caching allocator",
             )),
+        }
+    }
+}
+
+impl Drop for DataPtr {
+    #[inline]
+    fn drop(&mut self) {
+        // A plain block may go to this thread's front cache (`front.rs`) instead of its shard;
+        // every other owner is dropped as it is.
+        if matches!(self.owner, Owner::Block(_)) {
+            if let Owner::Block(block) = std::mem::replace(&mut self.owner, Owner::None) {
+                drop(block.keep_in_front(self.ptr.0));
+            }
         }
     }
 }

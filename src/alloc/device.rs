@@ -62,10 +62,16 @@ impl std::fmt::Debug for DeviceCore {
     }
 }
 
-/// A block handed out by a shard, and its address.
+/// A block handed out by a shard: what its `BlockOwner` remembers.
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Allocated {
     pub block: BlockId,
     pub ptr: u64,
+    /// The block's size (the rounded request, or a little more where it was not split).
+    pub size: u64,
+    /// Bytes the shard counts as requested for it.
+    pub requested: u64,
+    pub pool: PoolKind,
 }
 
 impl DeviceCore {
@@ -118,6 +124,7 @@ impl DeviceCore {
                 stream,
                 state: Mutex::new(ShardState::default()),
                 core: Arc::clone(self),
+                fronts: Mutex::new(Default::default()),
             })
         });
         Ok(Arc::clone(shard))
@@ -215,11 +222,40 @@ impl DeviceCore {
         let mut st = shard.state.lock();
         self.poll_events(shard, &mut st);
         let id = st.allocate_best_fit(pool, rounded, requested, &self.config)?;
-        let ptr = st.blocks[id].ptr;
+        let out = st.allocated(id);
         self.settle(st);
-        self.trace
-            .record(TraceAction::Alloc, self.device, ptr, rounded, shard.stream);
-        Some(Allocated { block: id, ptr })
+        self.trace.record(
+            TraceAction::Alloc,
+            self.device,
+            out.ptr,
+            rounded,
+            shard.stream,
+        );
+        Some(out)
+    }
+
+    /// A block for `requested` bytes from this thread's front cache of `shard` (`front.rs`).
+    #[inline]
+    pub fn take_from_front(&self, shard: &Shard, requested: u64) -> Option<Allocated> {
+        if requested > size::MAX_REQUEST {
+            return None;
+        }
+        let rounded = size::round_size(requested, &self.config);
+        let e = super::thread::take_from_front(shard, rounded, PoolKind::for_size(rounded))?;
+        self.trace.record(
+            TraceAction::Alloc,
+            self.device,
+            e.ptr,
+            rounded,
+            shard.stream,
+        );
+        Some(Allocated {
+            block: e.block,
+            ptr: e.ptr,
+            size: e.size,
+            requested: e.requested,
+            pool: e.pool,
+        })
     }
 
     /// Allocates `requested` bytes on `shard`'s stream.
@@ -338,6 +374,7 @@ impl DeviceCore {
         let mut st = held.unwrap_or_else(|| shard.state.lock());
         let head = st.add_segment(ptr.0, seg, pool, &self.config);
         let id = st.allocate(head, rounded, requested, &self.config);
+        let out = st.allocated(id);
         self.settle(st);
         self.callbacks.observers.segment(SegmentEvent {
             change: SegmentChange::Map,
@@ -360,10 +397,7 @@ impl DeviceCore {
             rounded,
             shard.stream,
         );
-        Ok(Some(Allocated {
-            block: id,
-            ptr: ptr.0,
-        }))
+        Ok(Some(out))
     }
 
     /// Returns segments to the driver (outside every shard lock).
@@ -452,6 +486,7 @@ impl DeviceCore {
         }
         let mut any = false;
         for shard in self.all_shards() {
+            super::front::flush_all(&shard);
             let taken = {
                 let mut st = shard.state.lock();
                 if sync {
@@ -526,6 +561,9 @@ impl DeviceCore {
     /// The device's stats: the sum of its shards' plus device-wide counters.
     pub fn stats(&self) -> DeviceStats {
         let mut total = self.exact_stats(false);
+        for shard in self.all_shards() {
+            super::front::hide_all(&shard, &mut total, self.config.max_split_size);
+        }
         total.num_alloc_retries += self.alloc_retries.load(Ordering::Relaxed);
         total.num_ooms += self.ooms.load(Ordering::Relaxed);
         total.num_sync_all_streams += self.sync_all.load(Ordering::Relaxed);
@@ -576,6 +614,9 @@ impl DeviceCore {
     /// Empties the cache and detaches the shards (allocator teardown). Live blocks keep their shard
     /// alive; their segments are returned when the shard drops.
     pub fn shutdown(&self) {
+        for shard in self.all_shards() {
+            super::front::retire_all(&shard);
+        }
         self.release_cached(true);
         let events: Vec<_> = std::mem::take(&mut *self.events.lock());
         for e in events {

@@ -452,7 +452,7 @@ impl DeviceCore {
             })?,
         };
         let id = st.allocate(id, rounded, requested, &self.config);
-        let ptr = st.blocks[id].ptr;
+        let out = st.allocated(id);
         self.settle(st);
         self.callbacks.observers.segment(SegmentEvent {
             change: SegmentChange::Map,
@@ -468,9 +468,14 @@ impl DeviceCore {
             len,
             shard.stream,
         );
-        self.trace
-            .record(TraceAction::Alloc, self.device, ptr, rounded, shard.stream);
-        Ok(Some(Allocated { block: id, ptr }))
+        self.trace.record(
+            TraceAction::Alloc,
+            self.device,
+            out.ptr,
+            rounded,
+            shard.stream,
+        );
+        Ok(Some(out))
     }
 
     /// Unmaps pages taken by [`ShardState::take_free_pages`] (outside every shard lock).

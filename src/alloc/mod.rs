@@ -22,6 +22,7 @@ mod block;
 mod data_ptr;
 mod device;
 mod expandable;
+mod front;
 mod history;
 mod invariants;
 pub mod observers;
@@ -52,7 +53,7 @@ pub use data_ptr::DataPtr;
 pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
 pub(crate) use expandable::PagesUnder;
 
-use self::device::DeviceCore;
+use self::device::{Allocated, DeviceCore};
 use self::history::Trace;
 use self::oom::Callbacks;
 use self::shard::Shard;
@@ -311,6 +312,11 @@ impl CachingAllocator {
     /// Allocates `size` (> 0) bytes from `shard`.
     #[inline]
     fn allocate_in(&self, shard: &Shard, size: u64) -> Result<DataPtr> {
+        if self.config.thread_cache > 0 {
+            if let Some(hit) = shard.core.take_from_front(shard, size) {
+                return Ok(self.data_ptr(shard, &hit));
+            }
+        }
         let a = match shard.core.allocate(shard, size) {
             Ok(a) => a,
             Err(err) => {
@@ -320,14 +326,20 @@ impl CachingAllocator {
                 return Err(err);
             }
         };
-        let device = shard.core.device;
-        Ok(DataPtr::new(
+        Ok(self.data_ptr(shard, &a))
+    }
+
+    /// The pointer owning block `a`, just handed out by `shard` (from its pools or this thread's
+    /// front cache).
+    #[inline]
+    fn data_ptr(&self, shard: &Shard, a: &Allocated) -> DataPtr {
+        DataPtr::new(
             DeviceAddr(a.ptr),
-            device,
-            // SAFETY: the shard just handed `a.block` out (counted in its owners); this is its
-            // only owner.
-            Owner::Block(unsafe { BlockOwner::new(shard, a.block) }),
-        ))
+            shard.core.device,
+            // SAFETY: the shard (or a front cache of it) just handed `a.block` out, counted in its
+            // owners; this is its only owner.
+            Owner::Block(unsafe { BlockOwner::new(shard, a) }),
+        )
     }
 
     /// With `oom_snapshot_path` set: writes a snapshot in PyTorch's layout there (no shard lock is

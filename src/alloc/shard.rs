@@ -33,6 +33,8 @@ pub(crate) struct Shard {
     pub stream: StreamId,
     pub state: Mutex<ShardState>,
     pub core: Arc<DeviceCore>,
+    /// Every thread's front cache of this shard (`front.rs`; empty unless `thread_cache_mb`).
+    pub fronts: Mutex<super::front::FrontRegistry>,
 }
 
 /// The mutable state of one shard.
@@ -236,6 +238,19 @@ impl ShardState {
             self.over_budget |= s.oversize_allocations.increase(1);
         }
         id
+    }
+
+    /// What the owner of allocated block `id` remembers about it.
+    #[inline]
+    pub fn allocated(&self, id: BlockId) -> super::device::Allocated {
+        let b = &self.blocks[id];
+        super::device::Allocated {
+            block: id,
+            ptr: b.ptr,
+            size: b.size,
+            requested: b.requested,
+            pool: b.pool,
+        }
     }
 
     /// Records that `stream` (not the shard's own) used allocated block `id`.
@@ -526,12 +541,28 @@ impl Shard {
         let _ = Arc::into_raw(shard);
     }
 
+    /// Frees handed-out block `id` of `shard` and, if that was the last block of an orphaned
+    /// shard, releases the shard.
+    ///
+    /// # Safety
+    /// `block` must be handed out by `shard` and owned by the caller, who gives it up here (it is
+    /// counted among the shard's owners, which keeps the pointer valid until this call).
+    pub unsafe fn free_and_release(shard: std::ptr::NonNull<Shard>, block: BlockId) {
+        // SAFETY: the caller's block keeps the shard alive until `free` has released it.
+        let orphan_released = unsafe { shard.as_ref() }.free(block);
+        if orphan_released {
+            // SAFETY: `free` just reported (once, under the shard's lock) that the allocator's
+            // leaked reference is ours to give back; nothing uses the shard after this.
+            unsafe { Shard::release_orphan(shard) };
+        }
+    }
+
     /// Gives back the reference [`Shard::orphan`] leaked (which may drop the shard).
     ///
     /// # Safety
     /// `shard` must come from a `BlockOwner` whose [`Shard::free`] just returned true, and nothing
     /// may use the shard through that owner afterwards.
-    pub unsafe fn release_orphan(shard: std::ptr::NonNull<Shard>) {
+    unsafe fn release_orphan(shard: std::ptr::NonNull<Shard>) {
         // SAFETY: `orphan` leaked exactly one `Arc` of this shard and set `orphaned`; the one
         // `free` that found `orphaned` with no owner left cleared it, so this runs once per leak.
         drop(unsafe { Arc::from_raw(shard.as_ptr().cast_const()) });

@@ -97,6 +97,14 @@ pub fn decrease(array: &mut StatArray, pool: PoolKind, n: u64) {
     array[pool_index(pool)].decrease(n);
 }
 
+/// Takes `n` off the `all` entry's and the pool's `current` only (a front cache's blocks, hidden
+/// from a device's totals; `alloc/front.rs`).
+pub(crate) fn hide(array: &mut StatArray, pool: PoolKind, n: u64) {
+    let n = n as i64;
+    array[0].current -= n;
+    array[pool_index(pool)].current -= n;
+}
+
 /// All statistics of one device (or one shard).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]

@@ -16,8 +16,11 @@
 
 use std::cell::RefCell;
 
+use super::front::{FrontCache, FrontEntry};
 use super::shard::Shard;
+use super::size::PoolKind;
 use crate::driver::StreamId;
+use crate::sync::os::Arc;
 
 /// Entries of the shard cache.
 const SHARD_SLOTS: usize = 8;
@@ -31,19 +34,41 @@ enum SlotKey {
     Current(usize),
 }
 
-/// One cached shard (a null pointer marks an empty slot).
+/// One cached shard (a null pointer marks an empty slot), with this thread's front cache of it
+/// when one was made (`front.rs`; null otherwise).
 #[derive(Clone, Copy)]
 struct ShardSlot {
     alloc: u64,
     key: SlotKey,
     shard: *const Shard,
+    front: *const FrontCache,
 }
 
 const EMPTY_SLOT: ShardSlot = ShardSlot {
     alloc: 0,
     key: SlotKey::Current(usize::MAX),
     shard: std::ptr::null(),
+    front: std::ptr::null(),
 };
+
+/// This thread's front caches. They are also registered with their shards (which flush, retire
+/// and read them); this list keeps them for the thread and retires them when it exits.
+struct ThreadFronts(Vec<Arc<FrontCache>>);
+
+impl Drop for ThreadFronts {
+    fn drop(&mut self) {
+        // Forget the slots' pointers first: frees during the rest of this thread's teardown go
+        // straight to their shards.
+        let _ = SHARDS.try_with(|cache| {
+            for slot in cache.borrow_mut().0.iter_mut() {
+                slot.front = std::ptr::null();
+            }
+        });
+        for front in self.0.drain(..) {
+            front.flush(true);
+        }
+    }
+}
 
 struct ThreadState {
     /// ((allocator id, device), current stream)
@@ -62,6 +87,7 @@ thread_local! {
     /// The shard cache; slot `next` is overwritten next.
     static SHARDS: RefCell<([ShardSlot; SHARD_SLOTS], usize)> =
         const { RefCell::new(([EMPTY_SLOT; SHARD_SLOTS], 0)) };
+    static FRONTS: RefCell<ThreadFronts> = const { RefCell::new(ThreadFronts(Vec::new())) };
 }
 
 /// This thread's current stream of `device` for allocator `alloc`, if one was set.
@@ -147,14 +173,109 @@ fn lookup(alloc: u64, key: SlotKey) -> Option<*const Shard> {
     })
 }
 
-/// Stores an entry, replacing the oldest.
+/// Stores an entry, replacing the oldest (with the front cache of the shard if the thread has one).
 fn remember(alloc: u64, key: SlotKey, shard: *const Shard) {
     forget_shard(alloc, key);
+    let front = FRONTS
+        .try_with(|fronts| {
+            fronts
+                .borrow()
+                .0
+                .iter()
+                // SAFETY: `shard` was just taken from a live allocator (see the module docs).
+                .find(|f| f.serves(unsafe { &*shard }))
+                .map_or(std::ptr::null(), Arc::as_ptr)
+        })
+        .unwrap_or(std::ptr::null());
     SHARDS.with(|cache| {
         let (slots, next) = &mut *cache.borrow_mut();
-        slots[*next % SHARD_SLOTS] = ShardSlot { alloc, key, shard };
+        slots[*next % SHARD_SLOTS] = ShardSlot {
+            alloc,
+            key,
+            shard,
+            front,
+        };
         *next = (*next + 1) % SHARD_SLOTS;
     })
+}
+
+/// This thread's front cache of `shard`, as the slots know it.
+#[inline]
+fn known_front(shard: &Shard) -> Option<*const FrontCache> {
+    SHARDS
+        .try_with(|cache| {
+            cache
+                .borrow()
+                .0
+                .iter()
+                .find(|slot| std::ptr::eq(slot.shard, shard) && !slot.front.is_null())
+                .map(|slot| slot.front)
+        })
+        .ok()
+        .flatten()
+}
+
+/// Takes a block of exactly `size` bytes from `pool` out of this thread's front cache of `shard`.
+#[inline]
+pub(crate) fn take_from_front(shard: &Shard, size: u64, pool: PoolKind) -> Option<FrontEntry> {
+    let front = known_front(shard)?;
+    // SAFETY: slot pointers to front caches are cleared before `FRONTS` drops its references
+    // (`ThreadFronts::drop`) and are only set from entries of `FRONTS`, which never removes one
+    // while the thread runs; so the cache is alive.
+    unsafe { &*front }.take(size, pool)
+}
+
+/// Hands `entry` (a block of `shard`) to this thread's front cache of `shard`, making the cache on
+/// first use; false when the thread or the allocator is going away or the cache is full.
+pub(crate) fn keep_in_front(shard: &Shard, entry: FrontEntry, limit: u64) -> bool {
+    let front = match known_front(shard) {
+        Some(front) => front,
+        None => match start_front(shard) {
+            Some(front) => front,
+            None => return false,
+        },
+    };
+    // SAFETY: as in `take_from_front`.
+    unsafe { &*front }.keep(entry, limit)
+}
+
+/// This thread's front cache of `shard`: found in `FRONTS` or made and registered, and noted in
+/// every slot of the shard. `None` while the thread's storage is being torn down or the
+/// allocator is closing.
+#[cold]
+fn start_front(shard: &Shard) -> Option<*const FrontCache> {
+    let front = FRONTS
+        .try_with(|fronts| {
+            let mut fronts = fronts.borrow_mut();
+            if let Some(found) = fronts.0.iter().find(|f| f.serves(shard) && !f.is_retired()) {
+                return Some(Arc::as_ptr(found));
+            }
+            let made = super::front::register(shard)?;
+            let ptr = Arc::as_ptr(&made);
+            // Retired caches (of allocators dropped since) are forgotten here, and with them any
+            // slot pointer to them.
+            let before = fronts.0.len();
+            fronts.0.retain(|f| !f.is_retired());
+            if fronts.0.len() != before {
+                let _ = SHARDS.try_with(|cache| {
+                    for slot in cache.borrow_mut().0.iter_mut() {
+                        slot.front = std::ptr::null();
+                    }
+                });
+            }
+            fronts.0.push(made);
+            Some(ptr)
+        })
+        .ok()
+        .flatten()?;
+    let _ = SHARDS.try_with(|cache| {
+        for slot in cache.borrow_mut().0.iter_mut() {
+            if std::ptr::eq(slot.shard, shard) {
+                slot.front = front;
+            }
+        }
+    });
+    Some(front)
 }
 
 fn forget_shard(alloc: u64, key: SlotKey) {

@@ -1,0 +1,211 @@
+//! Thread front caches (`thread_cache_mb`; off by default): a thread keeps blocks it freed, per
+//! (allocator, stream), and gives them back to its own next allocations of the same size without
+//! taking the stream's lock.
+//!
+//! **Why.** A stream's blocks, pools and statistics live under one lock (`shard.rs`). Threads on
+//! their own streams never meet, but two threads on one stream — a library that launches
+//! everything on the default stream — pass that lock's cache line back and forth on every
+//! allocation and free: two threads did 0.6–0.75× the work of one. PyTorch's exact reuse order
+//! (the smallest free block that fits, lowest address first, over all of the stream's free blocks)
+//! needs that one shared view, so it cannot scale; a per-thread cache can.
+//!
+//! **The deviation (why it is a setting).** A block in a thread's front cache is seen by no one
+//! else: another thread's allocation of that size on that stream takes a block from the stream's
+//! pools (or new memory) instead, and the block does not merge with its free neighbours until the
+//! cache gives it back. Memory held this way is bounded — `thread_cache_mb` bytes and
+//! [`FRONT_BLOCKS`] blocks per thread and stream — and given back whenever memory is short (the
+//! out-of-memory sequence's "free every cached segment" step), on `empty_cache`, when the thread
+//! exits, and when the allocator is dropped.
+//!
+//! **Statistics.** For the shard a cached block is still handed out (its lock never saw the free);
+//! the reported statistics subtract what front caches hold, so `allocated_bytes`, `allocation`,
+//! `active`, `active_bytes` and `requested_bytes` currents are what the program holds. Peaks are
+//! the shard's, which counted cached blocks as allocated: with the cache on they are upper bounds.
+//! A block reused from a front cache keeps the requested size of the allocation that took it from
+//! the shard (the same rounded size; it differs from the new request by less than the rounding).
+//! `allocated`/`freed` totals count trips to the shard, not front-cache hits.
+//!
+//! | event | front cache (under its own lock) | the stream's shard |
+//! |---|---|---|
+//! | free of an eligible block (no other stream recorded, cache not retired, room left) | entry pushed | nothing: the block stays handed out, its owner still counted |
+//! | allocation of the same rounded size and pool on this thread and stream | newest such entry popped | nothing |
+//! | flush: out of memory, `empty_cache` | every entry taken | each block freed as usual (merges, stats) |
+//! | retire: thread exit, allocator drop | every entry taken; no entry accepted again | each block freed as usual |
+//! | statistics read | entries read | their sizes subtracted from the shard's currents |
+//!
+//! The cache's lock is taken by its own thread on the hot path (uncontended: its cache line stays
+//! in that core) and by other threads only to flush, retire or read statistics — the lock makes
+//! those safe against a concurrent push, so a retired cache can never strand a block.
+
+use std::ptr::NonNull;
+
+use super::block::BlockId;
+use super::shard::Shard;
+use super::size::PoolKind;
+use super::stats::{self, DeviceStats};
+use crate::sync::os::{Arc, Mutex};
+
+/// Most blocks a front cache holds.
+pub(crate) const FRONT_BLOCKS: usize = 32;
+
+/// A block held by a front cache: everything needed to hand it out again without the shard.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FrontEntry {
+    pub block: BlockId,
+    pub ptr: u64,
+    pub size: u64,
+    pub requested: u64,
+    pub pool: PoolKind,
+}
+
+#[derive(Debug, Default)]
+struct FrontState {
+    /// Oldest first; a hit takes the newest entry of its size.
+    entries: Vec<FrontEntry>,
+    bytes: u64,
+    retired: bool,
+}
+
+/// One thread's front cache for one shard.
+#[derive(Debug)]
+pub(crate) struct FrontCache {
+    shard: NonNull<Shard>,
+    state: Mutex<FrontState>,
+}
+
+// SAFETY: the shard pointer is only dereferenced to free the blocks this cache holds, which keep
+// the shard alive (they are counted among its owners); the state is behind a lock.
+unsafe impl Send for FrontCache {}
+// SAFETY: as for `Send`; every access to the entries takes the lock.
+unsafe impl Sync for FrontCache {}
+
+impl FrontCache {
+    /// An empty cache for `shard`.
+    pub fn new(shard: &Shard) -> Self {
+        FrontCache {
+            shard: NonNull::from(shard),
+            state: Mutex::new(FrontState {
+                entries: Vec::with_capacity(FRONT_BLOCKS),
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// Whether this is the cache of `shard`.
+    pub fn serves(&self, shard: &Shard) -> bool {
+        std::ptr::eq(self.shard.as_ptr(), shard)
+    }
+
+    /// Takes the newest block of exactly `size` bytes from `pool`.
+    #[inline]
+    pub fn take(&self, size: u64, pool: PoolKind) -> Option<FrontEntry> {
+        let mut st = self.state.lock();
+        let at = st
+            .entries
+            .iter()
+            .rposition(|e| e.size == size && e.pool == pool)?;
+        let entry = st.entries.remove(at);
+        st.bytes -= entry.size;
+        Some(entry)
+    }
+
+    /// Keeps `entry` if the cache is open and has room within `limit` bytes.
+    #[inline]
+    pub fn keep(&self, entry: FrontEntry, limit: u64) -> bool {
+        let mut st = self.state.lock();
+        let room = st.entries.len() < FRONT_BLOCKS
+            && st.bytes.checked_add(entry.size).is_some_and(|b| b <= limit);
+        if st.retired || !room {
+            return false;
+        }
+        st.bytes += entry.size;
+        st.entries.push(entry);
+        true
+    }
+
+    /// Gives every held block back to the shard (`retire`: and accepts none again).
+    pub fn flush(&self, retire: bool) {
+        let entries = {
+            let mut st = self.state.lock();
+            st.retired |= retire;
+            st.bytes = 0;
+            std::mem::take(&mut st.entries)
+        };
+        for e in entries {
+            // SAFETY: the block was handed out by this shard and is still counted among its
+            // owners (the cache took it over from its `BlockOwner`), so the shard is alive, and
+            // the block is freed exactly once: it was just taken out of the cache.
+            unsafe { Shard::free_and_release(self.shard, e.block) };
+        }
+    }
+
+    /// Whether the cache was retired and holds nothing (safe to forget).
+    pub fn is_retired(&self) -> bool {
+        let st = self.state.lock();
+        st.retired && st.entries.is_empty()
+    }
+
+    /// Subtracts the blocks held here from `stats` (see the module docs).
+    pub fn hide_from(&self, stats: &mut DeviceStats, max_split_size: u64) {
+        let st = self.state.lock();
+        for e in &st.entries {
+            stats::hide(&mut stats.allocation, e.pool, 1);
+            stats::hide(&mut stats.allocated_bytes, e.pool, e.size);
+            stats::hide(&mut stats.active, e.pool, 1);
+            stats::hide(&mut stats.active_bytes, e.pool, e.size);
+            stats::hide(&mut stats.requested_bytes, e.pool, e.requested);
+            if e.size >= max_split_size {
+                stats.oversize_allocations.current -= 1;
+            }
+        }
+    }
+}
+
+/// A shard's front caches, one per thread that freed into it.
+#[derive(Debug, Default)]
+pub(crate) struct FrontRegistry {
+    caches: Vec<Arc<FrontCache>>,
+    /// The allocator is going away: no new cache may start.
+    closed: bool,
+}
+
+/// A new front cache for the calling thread on `shard`, registered with it; `None` once the
+/// allocator is shutting down (checked under the registry's lock, which `retire_all` takes too, so
+/// no cache can start after the last retire).
+pub(crate) fn register(shard: &Shard) -> Option<Arc<FrontCache>> {
+    let mut registry = shard.fronts.lock();
+    if registry.closed {
+        return None;
+    }
+    registry.caches.retain(|c| !c.is_retired());
+    let cache = Arc::new(FrontCache::new(shard));
+    registry.caches.push(Arc::clone(&cache));
+    Some(cache)
+}
+
+/// Flushes every front cache of `shard` (out of memory, `empty_cache`).
+pub(crate) fn flush_all(shard: &Shard) {
+    let caches = shard.fronts.lock().caches.clone();
+    for cache in caches {
+        cache.flush(false);
+    }
+}
+
+/// Closes `shard` to new front caches and retires every one it has (allocator drop).
+pub(crate) fn retire_all(shard: &Shard) {
+    let caches = {
+        let mut registry = shard.fronts.lock();
+        registry.closed = true;
+        std::mem::take(&mut registry.caches)
+    };
+    for cache in caches {
+        cache.flush(true);
+    }
+}
+
+/// Subtracts what `shard`'s front caches hold from `stats`.
+pub(crate) fn hide_all(shard: &Shard, stats: &mut DeviceStats, max_split_size: u64) {
+    for cache in &shard.fronts.lock().caches {
+        cache.hide_from(stats, max_split_size);
+    }
+}
