@@ -556,10 +556,13 @@ fn main() {
         .map(|s| s.parse().expect("--seconds takes a number"))
         .unwrap_or(10.0);
     println!("interplay: seed {seed}, budget {seconds} s (replay: cargo test --test interplay -- --seed {seed})");
-    let allocators = [0, 1].map(|_| {
+    // The second allocator keeps thread front caches (`thread_cache_mb`, issue 14): its freed
+    // blocks may be reused by this thread without its shards' locks, and must still never be
+    // handed out twice, shared after reuse or lost.
+    let allocators = [0, 1].map(|i| {
         Arc::new(
             Runtime::builder()
-                .config(test_config(""))
+                .config(test_config(if i == 1 { "thread_cache_mb:16" } else { "" }))
                 .ipc_slots_per_file(32)
                 .check_invariants(true)
                 .build(if cuda_suite() {
