@@ -98,14 +98,19 @@ impl BlockOwner {
         self.shard().pages_under(self.block, len)
     }
 
-    /// Hands the block at `ptr` to this thread's front cache of its shard, if the allocator keeps
-    /// one and it has room; gives the owner back otherwise.
+    /// Bytes a thread may keep in its front cache of this block's shard (0: no front caches).
     #[inline]
-    fn keep_in_front(mut self, ptr: u64) -> Option<Self> {
-        let limit = self.shard().core.config.thread_cache;
-        if limit == 0 || *self.other_streams.get_mut() {
-            return Some(self);
+    fn front_limit(&mut self) -> u64 {
+        if *self.other_streams.get_mut() {
+            return 0;
         }
+        self.shard().front_limit
+    }
+
+    /// Hands the block at `ptr` to this thread's front cache of its shard, if it has room; gives
+    /// the owner back otherwise.
+    fn keep_in_front(mut self, ptr: u64) -> Option<Self> {
+        let limit = self.front_limit();
         let entry = FrontEntry {
             block: self.block,
             ptr,
@@ -266,9 +271,11 @@ impl Drop for DataPtr {
     fn drop(&mut self) {
         // A plain block may go to this thread's front cache (`front.rs`) instead of its shard;
         // every other owner is dropped as it is.
-        if matches!(self.owner, Owner::Block(_)) {
-            if let Owner::Block(block) = std::mem::replace(&mut self.owner, Owner::None) {
-                drop(block.keep_in_front(self.ptr.0));
+        if let Owner::Block(block) = &mut self.owner {
+            if block.front_limit() > 0 {
+                if let Owner::Block(block) = std::mem::replace(&mut self.owner, Owner::None) {
+                    drop(block.keep_in_front(self.ptr.0));
+                }
             }
         }
     }

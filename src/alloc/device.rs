@@ -122,6 +122,7 @@ impl DeviceCore {
         let shard = shards.entry(stream).or_insert_with(|| {
             Arc::new(Shard {
                 stream,
+                front_limit: self.config.thread_cache,
                 state: Mutex::new(ShardState::default()),
                 core: Arc::clone(self),
                 fronts: Mutex::new(Default::default()),

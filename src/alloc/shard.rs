@@ -31,6 +31,8 @@ use crate::sync::os::{Arc, Mutex};
 #[repr(align(128))]
 pub(crate) struct Shard {
     pub stream: StreamId,
+    /// `thread_cache_mb` in bytes (0: no front caches), next to the lock the free path takes.
+    pub front_limit: u64,
     pub state: Mutex<ShardState>,
     pub core: Arc<DeviceCore>,
     /// Every thread's front cache of this shard (`front.rs`; empty unless `thread_cache_mb`).
@@ -83,11 +85,10 @@ impl ShardState {
         }
     }
 
-    /// Adds (`sign` = true) or removes a free block's contribution to the inactive-split stats.
-    fn account_inactive(&mut self, id: BlockId, add: bool) {
-        let b = &self.blocks[id];
-        if b.state == BlockState::Free && b.is_split() {
-            let (pool, size) = (b.pool, b.size);
+    /// Adds (`add`) or removes a free block's contribution to the inactive-split stats.
+    #[inline]
+    fn account_inactive(&mut self, split: bool, pool: PoolKind, size: u64, add: bool) {
+        if split {
             let s = &mut self.stats;
             if add {
                 self.over_budget |= stats::increase(&mut s.inactive_split, pool, 1);
@@ -107,17 +108,21 @@ impl ShardState {
             .map(|(_, _, id)| id)
     }
 
+    /// Puts free block `id` in its pool (and counts it as inactive if its segment is split).
     pub(super) fn insert_free(&mut self, id: BlockId) {
         let b = &self.blocks[id];
-        let (pool, size, ptr) = (b.pool, b.size, b.ptr);
+        debug_assert_eq!(b.state, BlockState::Free);
+        let (pool, size, ptr, split) = (b.pool, b.size, b.ptr, b.is_split());
         self.free_set(pool).insert(size, ptr, id);
-        self.account_inactive(id, true);
+        self.account_inactive(split, pool, size, true);
     }
 
+    /// Takes free block `id` out of its pool.
     pub(super) fn remove_free(&mut self, id: BlockId) {
-        self.account_inactive(id, false);
         let b = &self.blocks[id];
-        let (pool, size, ptr) = (b.pool, b.size, b.ptr);
+        debug_assert_eq!(b.state, BlockState::Free);
+        let (pool, size, ptr, split) = (b.pool, b.size, b.ptr, b.is_split());
+        self.account_inactive(split, pool, size, false);
         let removed = self.free_set(pool).remove(size, ptr);
         debug_assert!(removed, "free block {id} missing from its pool");
     }
@@ -187,10 +192,11 @@ impl ShardState {
         requested: u64,
         config: &AllocatorConfig,
     ) -> Option<BlockId> {
-        let (_, _, id) = self.free_set(pool).take_best_fit(rounded, |found| {
+        let (found, _, id) = self.free_set(pool).take_best_fit(rounded, |found| {
             size::fits_oversize_rules(found, rounded, config)
         })?;
-        self.account_inactive(id, false);
+        let split = self.blocks[id].is_split();
+        self.account_inactive(split, pool, found, false);
         Some(self.hand_out(id, rounded, requested, config))
     }
 

@@ -164,12 +164,16 @@ pub(crate) fn cache_current_shard(alloc: u64, device: usize, shard: *const Shard
 #[inline]
 fn lookup(alloc: u64, key: SlotKey) -> Option<*const Shard> {
     SHARDS.with(|cache| {
-        cache
-            .borrow()
-            .0
-            .iter()
-            .find(|slot| slot.alloc == alloc && slot.key == key && !slot.shard.is_null())
-            .map(|slot| slot.shard)
+        let cache = cache.borrow();
+        let hit = |slot: &ShardSlot| slot.alloc == alloc && slot.key == key;
+        // The slot written last is the usual hit (one allocator, one stream): try it first.
+        let newest = &cache.0[(cache.1 + SHARD_SLOTS - 1) % SHARD_SLOTS];
+        let slot = if hit(newest) {
+            newest
+        } else {
+            cache.0.iter().find(|slot| hit(slot))?
+        };
+        (!slot.shard.is_null()).then_some(slot.shard)
     })
 }
 
