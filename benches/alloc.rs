@@ -4,8 +4,10 @@
 //! * `random_trace/<impl>/<max>-<n>` — RMM's `random_allocations`: fixed seed, allocate with
 //!   probability 0.73 (if the live total stays under 1 GiB) else free a random live allocation, sizes
 //!   uniform in [1 B, max];
-//! * `threads/<n>` — n threads, each on its own stream, doing the same number of pairs each
-//!   (started together by a barrier): 2 threads finishing in the time of 1 means 2× throughput.
+//! * `threads/<n>`, `threads_same_stream/<n>` — n threads on their own streams / on one stream,
+//!   doing the same number of pairs each (started together by a barrier; 2 threads finishing in
+//!   the time of 1 means 2× throughput), each sample on a fresh allocator; `exact` is PyTorch's
+//!   policy, `thread-cache` adds `thread_cache_mb:64`. `pair/cudalloc-thread-cache` is the pair with thread front caches.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::sync::{Arc, Barrier};
@@ -50,13 +52,26 @@ fn pair(c: &mut Criterion) {
         )
         .unwrap(),
     );
+    let thread_cached = Arc::new(
+        Runtime::new(
+            d.clone(),
+            cudalloc::AllocatorConfig::parse("thread_cache_mb:128").unwrap(),
+        )
+        .unwrap(),
+    );
     let mut g = c.benchmark_group("pair");
     for size in [512u64, 64 << 10, MIB, 16 * MIB, 64 * MIB] {
         drop(a.allocate(0, size).unwrap()); // warm the cache
         drop(expandable.allocate(0, size).unwrap());
+        drop(thread_cached.allocate(0, size).unwrap());
         g.bench_with_input(BenchmarkId::new("cudalloc", size), &size, |b, &s| {
             b.iter(|| black_box(a.allocate(0, s).unwrap()))
         });
+        g.bench_with_input(
+            BenchmarkId::new("cudalloc-thread-cache", size),
+            &size,
+            |b, &s| b.iter(|| black_box(thread_cached.allocate(0, s).unwrap())),
+        );
         g.bench_with_input(
             BenchmarkId::new("cudalloc-expandable", size),
             &size,
@@ -160,41 +175,60 @@ fn random_trace(c: &mut Criterion) {
     g.finish();
 }
 
+/// `threads/<n>` (each thread on its own stream) and `threads_same_stream/<n>` (all on one
+/// stream), for PyTorch's exact policy and with thread front caches (`thread_cache_mb:64`). Every
+/// sample runs on a **fresh allocator** (built outside the timing), so the medians are over
+/// allocators, not over one lucky heap layout; the threads time themselves, from the first start
+/// to the last end (the main thread may not run while the workers hold both cores).
+/// `benches/scaling.rs` prints the per-allocator ratios with their minimum and median.
 fn threads(c: &mut Criterion) {
-    let d = driver();
-    let a = allocator(&d);
-    let mut g = c.benchmark_group("threads");
     const PAIRS: u64 = 20_000;
-    for n in [1usize, 2] {
-        let streams: Vec<_> = (0..n).map(|_| a.create_stream(0).unwrap()).collect();
-        for &s in &streams {
-            drop(a.allocate_on(s, 4096).unwrap());
-        }
-        g.bench_function(BenchmarkId::new("pairs-per-thread-20000", n), |b| {
-            b.iter_custom(|iters| {
-                let barrier = Arc::new(Barrier::new(n + 1));
-                let handles: Vec<_> = streams
-                    .iter()
-                    .map(|&s| {
-                        let (a, barrier) = (a.clone(), barrier.clone());
-                        std::thread::spawn(move || {
-                            barrier.wait();
-                            for _ in 0..iters * PAIRS {
-                                black_box(a.allocate_on(s, 4096).unwrap());
-                            }
-                        })
+    for (kind, same_stream) in [("threads", false), ("threads_same_stream", true)] {
+        let mut g = c.benchmark_group(kind);
+        for (config_name, conf) in [("exact", ""), ("thread-cache", "thread_cache_mb:64")] {
+            for n in [1usize, 2] {
+                let id = BenchmarkId::new(config_name, n);
+                g.bench_function(id, |b| {
+                    b.iter_custom(|iters| {
+                        let config = cudalloc::AllocatorConfig::parse(conf).unwrap();
+                        let a = Arc::new(Runtime::new(driver(), config).unwrap());
+                        let first = a.create_stream(0).unwrap();
+                        let streams: Vec<_> = (0..n)
+                            .map(|i| {
+                                if same_stream || i == 0 {
+                                    first
+                                } else {
+                                    a.create_stream(0).unwrap()
+                                }
+                            })
+                            .collect();
+                        let barrier = Arc::new(Barrier::new(n));
+                        let handles: Vec<_> = streams
+                            .iter()
+                            .map(|&s| {
+                                let (a, barrier) = (a.clone(), barrier.clone());
+                                std::thread::spawn(move || {
+                                    drop(a.allocate_on(s, 4096).unwrap());
+                                    barrier.wait();
+                                    let start = Instant::now();
+                                    for _ in 0..iters * PAIRS {
+                                        black_box(a.allocate_on(s, 4096).unwrap());
+                                    }
+                                    (start, Instant::now())
+                                })
+                            })
+                            .collect();
+                        let spans: Vec<_> =
+                            handles.into_iter().map(|h| h.join().unwrap()).collect();
+                        let start = spans.iter().map(|s| s.0).min().unwrap();
+                        let end = spans.iter().map(|s| s.1).max().unwrap();
+                        end - start
                     })
-                    .collect();
-                barrier.wait();
-                let start = Instant::now();
-                for h in handles {
-                    h.join().unwrap();
-                }
-                start.elapsed()
-            })
-        });
+                });
+            }
+        }
+        g.finish();
     }
-    g.finish();
 }
 
 /// The cached pair's cost with the memory history off, alloc-only, all, and all with stacks (the

@@ -18,7 +18,8 @@ fn driver() -> Arc<HostDriver> {
 }
 
 fn cached(d: &Arc<HostDriver>, mb: u64) -> Arc<CachingAllocator> {
-    let config = AllocatorConfig::parse(&format!("thread_cache_mb:{mb}")).unwrap();
+    // With the run's settings (expandable segments in CI's second pass).
+    let config = common::test_config(&format!("thread_cache_mb:{mb}"));
     Arc::new(
         CachingAllocator::builder()
             .config(config)

@@ -62,16 +62,12 @@ impl std::fmt::Debug for DeviceCore {
     }
 }
 
-/// A block handed out by a shard: what its `BlockOwner` remembers.
+/// A block handed out by a shard, its address and the rounded size of the request it serves.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Allocated {
     pub block: BlockId,
     pub ptr: u64,
-    /// The block's size (the rounded request, or a little more where it was not split).
-    pub size: u64,
-    /// Bytes the shard counts as requested for it.
-    pub requested: u64,
-    pub pool: PoolKind,
+    pub rounded: u64,
 }
 
 impl DeviceCore {
@@ -223,7 +219,7 @@ impl DeviceCore {
         let mut st = shard.state.lock();
         self.poll_events(shard, &mut st);
         let id = st.allocate_best_fit(pool, rounded, requested, &self.config)?;
-        let out = st.allocated(id);
+        let out = st.allocated(id, rounded);
         self.settle(st);
         self.trace.record(
             TraceAction::Alloc,
@@ -242,20 +238,13 @@ impl DeviceCore {
             return None;
         }
         let rounded = size::round_size(requested, &self.config);
-        let e = super::thread::take_from_front(shard, rounded, PoolKind::for_size(rounded))?;
-        self.trace.record(
-            TraceAction::Alloc,
-            self.device,
-            e.ptr,
-            rounded,
-            shard.stream,
-        );
+        let (block, ptr) = super::thread::take_from_front(shard, super::front::class_of(rounded)?)?;
+        self.trace
+            .record(TraceAction::Alloc, self.device, ptr, rounded, shard.stream);
         Some(Allocated {
-            block: e.block,
-            ptr: e.ptr,
-            size: e.size,
-            requested: e.requested,
-            pool: e.pool,
+            block,
+            ptr,
+            rounded,
         })
     }
 
@@ -375,7 +364,7 @@ impl DeviceCore {
         let mut st = held.unwrap_or_else(|| shard.state.lock());
         let head = st.add_segment(ptr.0, seg, pool, &self.config);
         let id = st.allocate(head, rounded, requested, &self.config);
-        let out = st.allocated(id);
+        let out = st.allocated(id, rounded);
         self.settle(st);
         self.callbacks.observers.segment(SegmentEvent {
             change: SegmentChange::Map,

@@ -452,7 +452,7 @@ impl DeviceCore {
             })?,
         };
         let id = st.allocate(id, rounded, requested, &self.config);
-        let out = st.allocated(id);
+        let out = st.allocated(id, rounded);
         self.settle(st);
         self.callbacks.observers.segment(SegmentEvent {
             change: SegmentChange::Map,

@@ -37,25 +37,43 @@
 //! in that core) and by other threads only to flush, retire or read statistics — the lock makes
 //! those safe against a concurrent push, so a retired cache can never strand a block.
 
+use std::num::NonZeroU32;
 use std::ptr::NonNull;
 
 use super::block::BlockId;
 use super::shard::Shard;
-use super::size::PoolKind;
 use super::stats::{self, DeviceStats};
 use crate::sync::os::{Arc, Mutex};
 
 /// Most blocks a front cache holds.
 pub(crate) const FRONT_BLOCKS: usize = 32;
 
-/// A block held by a front cache: everything needed to hand it out again without the shard.
+/// Granule of size classes: every rounded size is a multiple of it.
+const CLASS_BYTES: u64 = super::size::MIN_BLOCK_SIZE;
+
+/// The size class of a rounded request: its size in 512-byte units, when that fits in 32 bits
+/// (requests up to 2 TiB); larger requests never use front caches.
+#[inline]
+pub(crate) fn class_of(rounded: u64) -> Option<NonZeroU32> {
+    u32::try_from(rounded / CLASS_BYTES)
+        .ok()
+        .and_then(NonZeroU32::new)
+}
+
+/// A block held by a front cache: enough to hand it out again without the shard. Its size and
+/// requested bytes stay in the shard (read under the shard's lock when statistics are taken).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct FrontEntry {
     pub block: BlockId,
     pub ptr: u64,
-    pub size: u64,
-    pub requested: u64,
-    pub pool: PoolKind,
+    /// Size class of the request the block was handed out for ([`class_of`]).
+    pub class: NonZeroU32,
+}
+
+impl FrontEntry {
+    fn bytes(&self) -> u64 {
+        u64::from(self.class.get()) * CLASS_BYTES
+    }
 }
 
 #[derive(Debug, Default)]
@@ -96,29 +114,30 @@ impl FrontCache {
         std::ptr::eq(self.shard.as_ptr(), shard)
     }
 
-    /// Takes the newest block of exactly `size` bytes from `pool`.
+    /// Takes the newest block held for requests of size class `class`.
     #[inline]
-    pub fn take(&self, size: u64, pool: PoolKind) -> Option<FrontEntry> {
+    pub fn take(&self, class: NonZeroU32) -> Option<FrontEntry> {
         let mut st = self.state.lock();
-        let at = st
-            .entries
-            .iter()
-            .rposition(|e| e.size == size && e.pool == pool)?;
+        let at = st.entries.iter().rposition(|e| e.class == class)?;
         let entry = st.entries.remove(at);
-        st.bytes -= entry.size;
+        st.bytes -= entry.bytes();
         Some(entry)
     }
 
-    /// Keeps `entry` if the cache is open and has room within `limit` bytes.
+    /// Keeps `entry` if the cache is open and has room within `limit` bytes (counted by the
+    /// rounded sizes of the requests the blocks served).
     #[inline]
     pub fn keep(&self, entry: FrontEntry, limit: u64) -> bool {
         let mut st = self.state.lock();
         let room = st.entries.len() < FRONT_BLOCKS
-            && st.bytes.checked_add(entry.size).is_some_and(|b| b <= limit);
+            && st
+                .bytes
+                .checked_add(entry.bytes())
+                .is_some_and(|b| b <= limit);
         if st.retired || !room {
             return false;
         }
-        st.bytes += entry.size;
+        st.bytes += entry.bytes();
         st.entries.push(entry);
         true
     }
@@ -145,16 +164,26 @@ impl FrontCache {
         st.retired && st.entries.is_empty()
     }
 
-    /// Subtracts the blocks held here from `stats` (see the module docs).
+    /// Subtracts the blocks held here from `stats` (see the module docs). Takes the shard's lock
+    /// inside this cache's (the only place both are held, always in this order).
     pub fn hide_from(&self, stats: &mut DeviceStats, max_split_size: u64) {
         let st = self.state.lock();
+        if st.entries.is_empty() {
+            return;
+        }
+        // SAFETY: the held blocks are counted among the shard's owners, so it is alive.
+        let shard = unsafe { self.shard.as_ref() };
+        let blocks = &shard.state.lock().blocks;
         for e in &st.entries {
-            stats::hide(&mut stats.allocation, e.pool, 1);
-            stats::hide(&mut stats.allocated_bytes, e.pool, e.size);
-            stats::hide(&mut stats.active, e.pool, 1);
-            stats::hide(&mut stats.active_bytes, e.pool, e.size);
-            stats::hide(&mut stats.requested_bytes, e.pool, e.requested);
-            if e.size >= max_split_size {
+            let Some(b) = blocks.get(e.block) else {
+                continue;
+            };
+            stats::hide(&mut stats.allocation, b.pool, 1);
+            stats::hide(&mut stats.allocated_bytes, b.pool, b.size);
+            stats::hide(&mut stats.active, b.pool, 1);
+            stats::hide(&mut stats.active_bytes, b.pool, b.size);
+            stats::hide(&mut stats.requested_bytes, b.pool, b.requested);
+            if b.size >= max_split_size {
                 stats.oversize_allocations.current -= 1;
             }
         }

@@ -8,6 +8,10 @@
 //!   and the allocation trace. `oom.rs` — callbacks and the out-of-memory message.
 //! * `invariants.rs` — the scanner that tests run after every mutation.
 //! * `data_ptr.rs` — [`DataPtr`] and its owners; upper layers attach theirs as trait objects.
+//! * `thread.rs` — per-thread state: current streams and a cache of shard pointers (no lock, no
+//!   atomic on the hot path). `front.rs` — thread front caches (`thread_cache_mb`, off by default):
+//!   a thread's freed blocks reused by its own allocations without the stream's lock, the one
+//!   deviation from PyTorch's reuse order, opt-in.
 //!
 //! The allocator knows nothing of sharing or copy-on-write: it hands out and takes back
 //! `DataPtr`s. IPC administration (ref-counter files, limbo, `ipc_collect`) lives in
@@ -314,7 +318,7 @@ impl CachingAllocator {
     fn allocate_in(&self, shard: &Shard, size: u64) -> Result<DataPtr> {
         if self.config.thread_cache > 0 {
             if let Some(hit) = shard.core.take_from_front(shard, size) {
-                return Ok(self.data_ptr(shard, &hit));
+                return self.data_ptr(shard, &hit);
             }
         }
         let a = match shard.core.allocate(shard, size) {
@@ -326,20 +330,23 @@ impl CachingAllocator {
                 return Err(err);
             }
         };
-        Ok(self.data_ptr(shard, &a))
+        self.data_ptr(shard, &a)
     }
 
     /// The pointer owning block `a`, just handed out by `shard` (from its pools or this thread's
     /// front cache).
     #[inline]
-    fn data_ptr(&self, shard: &Shard, a: &Allocated) -> DataPtr {
-        DataPtr::new(
-            DeviceAddr(a.ptr),
-            shard.core.device,
-            // SAFETY: the shard (or a front cache of it) just handed `a.block` out, counted in its
-            // owners; this is its only owner.
-            Owner::Block(unsafe { BlockOwner::new(shard, a) }),
-        )
+    fn data_ptr(&self, shard: &Shard, a: &Allocated) -> Result<DataPtr> {
+        // SAFETY: the shard (or a front cache of it) just handed `a.block` out, counted in its
+        // owners; this is its only owner.
+        match unsafe { BlockOwner::new(shard, a) } {
+            Some(owner) => Ok(DataPtr::new(
+                DeviceAddr(a.ptr),
+                shard.core.device,
+                Owner::Block(owner),
+            )),
+            None => Err(shard.refuse_block(a.block)),
+        }
     }
 
     /// With `oom_snapshot_path` set: writes a snapshot in PyTorch's layout there (no shard lock is

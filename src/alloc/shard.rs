@@ -8,6 +8,18 @@
 //! and one event per using stream is recorded; the events queue per using stream, in order. They
 //! are polled lazily ([`ShardState::complete_events`]) before each allocation of the shard, and
 //! waited for in `empty_cache` and the last out-of-memory step.
+//!
+//! **Lifetime without reference counts on the hot path** (issue 14). A `BlockOwner` (inside a
+//! `DataPtr`) points at its shard with a plain pointer; the shard counts its handed-out blocks in
+//! `ShardState::owners`, under the lock that allocation and free take anyway. Thread caches of
+//! shard pointers are keyed by never-reused allocator ids (`thread.rs`). Shards are 128-byte
+//! aligned, so two shards' locks and hot state never share a cache line.
+//!
+//! | shard state | kept alive by | next |
+//! |---|---|---|
+//! | live | its device's map (one `Arc`), for the allocator's whole life | allocator drop: front caches retired, cache emptied, then [`Shard::orphan`] |
+//! | dropped at once | — | when `owners == 0` at the allocator's drop |
+//! | orphaned | one leaked `Arc` (`orphaned = true`) | the free that brings `owners` to 0 clears the flag (under the lock, so exactly once) and gives the reference back ([`Shard::free_and_release`]); `Drop` returns the segments |
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -246,16 +258,13 @@ impl ShardState {
         id
     }
 
-    /// What the owner of allocated block `id` remembers about it.
+    /// Allocated block `id`, handed out for a request of `rounded` bytes.
     #[inline]
-    pub fn allocated(&self, id: BlockId) -> super::device::Allocated {
-        let b = &self.blocks[id];
+    pub fn allocated(&self, id: BlockId, rounded: u64) -> super::device::Allocated {
         super::device::Allocated {
             block: id,
-            ptr: b.ptr,
-            size: b.size,
-            requested: b.requested,
-            pool: b.pool,
+            ptr: self.blocks[id].ptr,
+            rounded,
         }
     }
 
@@ -572,6 +581,26 @@ impl Shard {
         // SAFETY: `orphan` leaked exactly one `Arc` of this shard and set `orphaned`; the one
         // `free` that found `orphaned` with no owner left cleared it, so this runs once per leak.
         drop(unsafe { Arc::from_raw(shard.as_ptr().cast_const()) });
+    }
+
+    /// Gives back block `id`, just handed out, that no owner can name (its index does not fit
+    /// 32 bits): the error the allocation returns instead.
+    #[cold]
+    pub fn refuse_block(&self, id: BlockId) -> Error {
+        let orphan_released = self.free(id);
+        debug_assert!(
+            !orphan_released,
+            "a live allocator's shard is never orphaned"
+        );
+        Error::OutOfMemory {
+            device: self.core.device,
+            requested: 0,
+            message: format!(
+                "stream {} has more than {} blocks; free some memory first",
+                self.stream.raw(),
+                u32::MAX
+            ),
+        }
     }
 
     /// Base address and size of the segment holding block `id`.

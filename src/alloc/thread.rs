@@ -15,10 +15,11 @@
 //! initializer, so reaching it is a plain thread-local access.
 
 use std::cell::RefCell;
+use std::num::NonZeroU32;
 
+use super::block::BlockId;
 use super::front::{FrontCache, FrontEntry};
 use super::shard::Shard;
-use super::size::PoolKind;
 use crate::driver::StreamId;
 use crate::sync::os::Arc;
 
@@ -219,14 +220,16 @@ fn known_front(shard: &Shard) -> Option<*const FrontCache> {
         .flatten()
 }
 
-/// Takes a block of exactly `size` bytes from `pool` out of this thread's front cache of `shard`.
+/// Takes a block held for size class `class` out of this thread's front cache of `shard`: its
+/// index and address.
 #[inline]
-pub(crate) fn take_from_front(shard: &Shard, size: u64, pool: PoolKind) -> Option<FrontEntry> {
+pub(crate) fn take_from_front(shard: &Shard, class: NonZeroU32) -> Option<(BlockId, u64)> {
     let front = known_front(shard)?;
     // SAFETY: slot pointers to front caches are cleared before `FRONTS` drops its references
     // (`ThreadFronts::drop`) and are only set from entries of `FRONTS`, which never removes one
     // while the thread runs; so the cache is alive.
-    unsafe { &*front }.take(size, pool)
+    let entry = unsafe { &*front }.take(class)?;
+    Some((entry.block, entry.ptr))
 }
 
 /// Hands `entry` (a block of `shard`) to this thread's front cache of `shard`, making the cache on
