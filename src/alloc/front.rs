@@ -40,6 +40,8 @@
 use std::num::NonZeroU32;
 use std::ptr::NonNull;
 
+use arrayvec::ArrayVec;
+
 use super::block::BlockId;
 use super::shard::Shard;
 use super::stats::{self, DeviceStats};
@@ -76,16 +78,19 @@ impl FrontEntry {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct FrontState {
-    /// Oldest first; a hit takes the newest entry of its size.
-    entries: Vec<FrontEntry>,
+    /// Oldest first; a hit takes the newest entry of its class. Inline (not a heap buffer), so
+    /// that two threads' caches never share a cache line.
+    entries: ArrayVec<FrontEntry, FRONT_BLOCKS>,
     bytes: u64,
     retired: bool,
 }
 
-/// One thread's front cache for one shard.
+/// One thread's front cache for one shard. Aligned to 128 bytes like shards: its owner thread
+/// writes it on every hit, so no other thread's data may share its lines.
 #[derive(Debug)]
+#[repr(align(128))]
 pub(crate) struct FrontCache {
     shard: NonNull<Shard>,
     state: Mutex<FrontState>,
@@ -103,8 +108,9 @@ impl FrontCache {
         FrontCache {
             shard: NonNull::from(shard),
             state: Mutex::new(FrontState {
-                entries: Vec::with_capacity(FRONT_BLOCKS),
-                ..Default::default()
+                entries: ArrayVec::new(),
+                bytes: 0,
+                retired: false,
             }),
         }
     }
@@ -137,8 +143,10 @@ impl FrontCache {
         if st.retired || !room {
             return false;
         }
+        if st.entries.try_push(entry).is_err() {
+            return false;
+        }
         st.bytes += entry.bytes();
-        st.entries.push(entry);
         true
     }
 

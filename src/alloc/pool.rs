@@ -5,18 +5,22 @@
 //! address on ties (PyTorch's order). The pair is packed into one `u128` (size in the high half), so
 //! every comparison is one 128-bit compare; the block id rides along.
 //!
-//! Representation: a sorted `Vec` while the pool is small (the common case: a handful of cached
-//! blocks per stream), a `BTreeMap` once it grows past [`TO_TREE`] entries, and back below
-//! [`TO_VEC`]. Inserting and removing shift the tail by hand: for a few entries that is a handful
-//! of moves where a `memmove` call costs more than the move (profiled: the pool's insert and remove
-//! were ~30 % of the cached pair's instructions before). The tree keeps fragmented pools
-//! (thousands of blocks) logarithmic.
+//! Representation: a sorted array held inline while the pool is small (the common case: a handful
+//! of cached blocks per stream), a `BTreeMap` once it would grow past [`TO_TREE`] entries, and back
+//! below [`TO_VEC`]. Inline, because the pool is written on every allocation and free: a heap
+//! buffer could share a cache line with another shard's (wherever the heap put them), the
+//! shard's own 128-byte alignment does not reach it. Inserting and removing shift the tail by
+//! hand: for a few entries that is a handful of moves where a `memmove` call costs more than the
+//! move. The tree keeps fragmented pools (thousands of blocks) logarithmic; its nodes are only
+//! reached by pools that large.
 
 use std::collections::BTreeMap;
 
+use arrayvec::ArrayVec;
+
 use super::block::{BlockId, FreeKey};
 
-/// Grow into a tree above this many entries.
+/// Grow into a tree beyond this many entries.
 const TO_TREE: usize = 64;
 /// Shrink back into a vector below this many entries (hysteresis).
 const TO_VEC: usize = 16;
@@ -32,9 +36,11 @@ fn unpack(key: u128, id: BlockId) -> FreeKey {
     ((key >> 64) as u64, key as u64, id)
 }
 
+// The inline array is the point (see the module docs): boxing it would put it back on the heap.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum Repr {
-    Sorted(Vec<(u128, BlockId)>),
+    Sorted(ArrayVec<(u128, BlockId), TO_TREE>),
     Tree(BTreeMap<u128, BlockId>),
 }
 
@@ -47,7 +53,7 @@ pub(crate) struct FreePool {
 impl Default for FreePool {
     fn default() -> Self {
         FreePool {
-            repr: Repr::Sorted(Vec::with_capacity(8)),
+            repr: Repr::Sorted(ArrayVec::new()),
         }
     }
 }
@@ -69,6 +75,12 @@ impl FreePool {
                 if v.get(at).is_some_and(|e| e.0 == key) {
                     return;
                 }
+                if v.is_full() {
+                    let mut tree: BTreeMap<u128, BlockId> = v.drain(..).collect();
+                    tree.insert(key, id);
+                    self.repr = Repr::Tree(tree);
+                    return;
+                }
                 // Shift the tail up by one by hand (see the module docs).
                 v.push((key, id));
                 let mut i = v.len() - 1;
@@ -77,9 +89,6 @@ impl FreePool {
                     i -= 1;
                 }
                 v[at] = (key, id);
-                if v.len() > TO_TREE {
-                    self.repr = Repr::Tree(v.drain(..).collect());
-                }
             }
             Repr::Tree(t) => {
                 t.insert(key, id);
@@ -106,9 +115,7 @@ impl FreePool {
             Repr::Tree(t) => {
                 let removed = t.remove(&key).is_some();
                 if t.len() < TO_VEC {
-                    let mut v = Vec::with_capacity(TO_TREE + 1);
-                    v.extend(t.iter().map(|(&k, &id)| (k, id)));
-                    self.repr = Repr::Sorted(v);
+                    self.repr = Repr::Sorted(t.iter().map(|(&k, &id)| (k, id)).collect());
                 }
                 removed
             }
