@@ -7,24 +7,26 @@
 //! * `threads_same_stream/2` — two threads on one stream (one shard, the common case of a library
 //!   that launches everything on the default stream).
 //!
-//! Each time is the best of five interleaved repetitions on the round's allocator, and the ratio
-//! is against one thread of the same round. On this 2-vCPU VM a reading sometimes drops by a
-//! third for a second or two; measured: such a drop does not repeat on the same allocator (it is
-//! the machine, not where the heap put the allocator's state), so the best repetition is the
-//! allocator's figure, while a layout that made an allocator slow would be slow in all five.
-//! It prints each round's ratio, then the minimum and the median over the rounds — the figures
+//! All allocators are built first; then five passes go over the whole fleet, and each allocator's
+//! time per case is its best pass, the ratio against its own one-thread time. On this 2-vCPU VM a
+//! reading sometimes drops by a third for several seconds; measured: such a drop does not repeat on
+//! the same allocator later (it is the machine, not where the heap put the allocator's state), so
+//! a spell of the machine lands on one pass of a few allocators, while a layout that made an
+//! allocator slow would show in all of its passes.
+//! It prints each allocator's ratio, then the minimum and the median over the allocators — the figures
 //! `docs/benchmarks.md` quotes — for PyTorch's exact policy (the default) and with thread front
 //! caches (`thread_cache_mb:64`). Not criterion: a ratio per fresh allocator is the measurement.
 //!
 //! ```text
-//! cargo bench --bench scaling              # 15 rounds of 1,000,000 pairs per thread
+//! cargo bench --bench scaling              # 15 allocators, 5 passes, 1,000,000 pairs per thread
 //! ```
-//! Under `cargo test --benches` (CI's smoke run) one short round runs.
+//! Under `cargo test --benches` (CI's smoke run) one allocator runs short passes.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 mod common;
 
-use std::sync::{Arc, Barrier};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use cudalloc::{Runtime, StreamId};
@@ -33,14 +35,20 @@ use cudalloc::{Runtime, StreamId};
 /// the first thread's start to the last one's end, as the threads themselves saw them (the main
 /// thread may not even be scheduled while two workers hold both cores, so it cannot time them).
 fn run(a: &Arc<Runtime>, streams: &[StreamId], pairs: u64) -> f64 {
-    let barrier = Arc::new(Barrier::new(streams.len()));
+    // A spinning start line: a sleeping barrier wakes its threads milliseconds apart on this VM,
+    // which a 30 ms run would count as lost scaling.
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let n = streams.len();
     let handles: Vec<_> = streams
         .iter()
         .map(|&s| {
-            let (a, barrier) = (a.clone(), barrier.clone());
+            let (a, arrived) = (a.clone(), arrived.clone());
             std::thread::spawn(move || {
                 drop(a.allocate_on(s, 4096).unwrap()); // warm this thread's path
-                barrier.wait();
+                arrived.fetch_add(1, Ordering::SeqCst);
+                while arrived.load(Ordering::SeqCst) < n {
+                    std::hint::spin_loop();
+                }
                 let start = Instant::now();
                 for _ in 0..pairs {
                     std::hint::black_box(a.allocate_on(s, 4096).unwrap());
@@ -70,40 +78,57 @@ fn summary(name: &str, ratios: &mut [f64]) {
     );
 }
 
-/// Repetitions per allocator and case (interleaved; the best counts).
-const REPEATS: usize = 5;
+/// Passes over the fleet of allocators (the best time per allocator and case counts).
+const PASSES: usize = 5;
+
+/// One fresh allocator of the fleet, its two streams and its best times so far.
+struct Member {
+    a: Arc<Runtime>,
+    s1: StreamId,
+    s2: StreamId,
+    one: f64,
+    two_own: f64,
+    two_same: f64,
+}
 
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
-    let (rounds, pairs) = if full { (15, 1_000_000) } else { (1, 2_000) };
+    let (allocators, pairs) = if full { (15, 1_000_000) } else { (1, 2_000) };
     for (name, conf) in [("exact", ""), ("thread_cache", "thread_cache_mb:64")] {
-        let mut own = Vec::new();
-        let mut same = Vec::new();
-        let mut one_ns = Vec::new();
-        for _ in 0..rounds {
-            // A fresh driver and allocator each round: fresh shards wherever the heap puts them.
-            let config = cudalloc::AllocatorConfig::parse(conf).unwrap();
-            let a = Arc::new(Runtime::new(common::bench_driver(1 << 30), config).unwrap());
-            let s1 = a.create_stream(0).unwrap();
-            let s2 = a.create_stream(0).unwrap();
-            // Five interleaved repetitions, best of each: a slow moment of the machine lands on
-            // one repetition, a slow allocator on all of them.
-            let (mut one, mut two_own, mut two_same) =
-                (f64::INFINITY, f64::INFINITY, f64::INFINITY);
-            for _ in 0..REPEATS {
-                one = one.min(run(&a, &[s1], pairs));
-                two_own = two_own.min(run(&a, &[s1, s2], pairs));
-                two_same = two_same.min(run(&a, &[s1, s1], pairs));
+        // A fleet of fresh drivers and allocators, built up front: fresh shards wherever the heap
+        // puts them.
+        let mut fleet: Vec<Member> = (0..allocators)
+            .map(|_| {
+                let config = cudalloc::AllocatorConfig::parse(conf).unwrap();
+                let a = Arc::new(Runtime::new(common::bench_driver(1 << 30), config).unwrap());
+                let (s1, s2) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
+                Member {
+                    a,
+                    s1,
+                    s2,
+                    one: f64::INFINITY,
+                    two_own: f64::INFINITY,
+                    two_same: f64::INFINITY,
+                }
+            })
+            .collect();
+        // Passes over the whole fleet, best time per allocator and case: a slow spell of the
+        // machine lands on a pass, a slow allocator on every pass.
+        for _ in 0..PASSES {
+            for m in &mut fleet {
+                m.one = m.one.min(run(&m.a, &[m.s1], pairs));
+                m.two_own = m.two_own.min(run(&m.a, &[m.s1, m.s2], pairs));
+                m.two_same = m.two_same.min(run(&m.a, &[m.s1, m.s1], pairs));
             }
-            // Throughput ratio: twice the pairs in `two` seconds against the pairs in `one`.
-            own.push(2.0 * one / two_own);
-            same.push(2.0 * one / two_same);
-            one_ns.push(one * 1e9 / pairs as f64);
         }
+        // Throughput ratio: twice the pairs in `two` seconds against the pairs in `one`.
+        let mut own: Vec<f64> = fleet.iter().map(|m| 2.0 * m.one / m.two_own).collect();
+        let mut same: Vec<f64> = fleet.iter().map(|m| 2.0 * m.one / m.two_same).collect();
+        let mut one_ns: Vec<f64> = fleet.iter().map(|m| m.one * 1e9 / pairs as f64).collect();
         one_ns.sort_by(f64::total_cmp);
         println!(
-            "{name}: cached 4 KiB pair, {pairs} per thread, {rounds} fresh allocators; one thread \
-             median {:.1} ns per pair; throughput vs 1 thread:",
+            "{name}: cached 4 KiB pair, {pairs} per thread, {allocators} fresh allocators, best of \
+             {PASSES} passes; one thread median {:.1} ns per pair; throughput vs 1 thread:",
             one_ns[one_ns.len() / 2]
         );
         summary("  threads/2", &mut own);
