@@ -7,8 +7,9 @@
 //! * `threads_same_stream/2` — two threads on one stream (one shard, the common case of a library
 //!   that launches everything on the default stream).
 //!
-//! All allocators are built first; then five passes go over the whole fleet, and each allocator's
-//! time per case is its best pass, the ratio against its own one-thread time. On this 2-vCPU VM a
+//! All allocators are built first; then passes go over the whole fleet (at least five, and at least
+//! 40 s of them), and each allocator's time per case is its best pass, the ratio against its own
+//! one-thread time. On this 2-vCPU VM a
 //! reading sometimes drops by a third for several seconds; measured: such a drop does not repeat on
 //! the same allocator later (it is the machine, not where the heap put the allocator's state), so
 //! a spell of the machine lands on one pass of a few allocators, while a layout that made an
@@ -18,7 +19,7 @@
 //! caches (`thread_cache_mb:64`). Not criterion: a ratio per fresh allocator is the measurement.
 //!
 //! ```text
-//! cargo bench --bench scaling              # 15 allocators, 5 passes, 1,000,000 pairs per thread
+//! cargo bench --bench scaling              # 15 allocators, ≥ 5 passes and ≥ 40 s, 1,000,000 pairs per thread
 //! ```
 //! Under `cargo test --benches` (CI's smoke run) one allocator runs short passes.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
@@ -78,8 +79,11 @@ fn summary(name: &str, ratios: &mut [f64]) {
     );
 }
 
-/// Passes over the fleet of allocators (the best time per allocator and case counts).
+/// Passes over the fleet of allocators, at least (the best time per allocator and case counts).
 const PASSES: usize = 5;
+/// ...and at least this long in all: the machine's slow spells last seconds, and a fast
+/// configuration's five passes would fit in one.
+const MIN_SECONDS: f64 = 40.0;
 
 /// One fresh allocator of the fleet, its two streams and its best times so far.
 struct Member {
@@ -114,7 +118,10 @@ fn main() {
             .collect();
         // Passes over the whole fleet, best time per allocator and case: a slow spell of the
         // machine lands on a pass, a slow allocator on every pass.
-        for _ in 0..PASSES {
+        let began = Instant::now();
+        let mut passes = 0;
+        while passes < PASSES || (full && began.elapsed().as_secs_f64() < MIN_SECONDS) {
+            passes += 1;
             for m in &mut fleet {
                 m.one = m.one.min(run(&m.a, &[m.s1], pairs));
                 m.two_own = m.two_own.min(run(&m.a, &[m.s1, m.s2], pairs));
@@ -128,7 +135,7 @@ fn main() {
         one_ns.sort_by(f64::total_cmp);
         println!(
             "{name}: cached 4 KiB pair, {pairs} per thread, {allocators} fresh allocators, best of \
-             {PASSES} passes; one thread median {:.1} ns per pair; throughput vs 1 thread:",
+             {passes} passes; one thread median {:.1} ns per pair; throughput vs 1 thread:",
             one_ns[one_ns.len() / 2]
         );
         summary("  threads/2", &mut own);
