@@ -12,7 +12,14 @@
 //! So an entry is only ever read by a call on the allocator that cached it (`&self` proves that
 //! allocator alive, hence the shard), and entries of dropped allocators can never match again;
 //! they are overwritten as the cache rotates. The cache has no destructor and a constant
-//! initializer, so reaching it is a plain thread-local access.
+//! initializer, so reaching it is a plain thread-local access. Keys are (allocator, stream) and
+//! (allocator, "current stream of device d"); the latter is dropped whenever the thread's current
+//! stream changes.
+//!
+//! With `thread_cache_mb`, each slot also notes this thread's front cache of its shard
+//! (`front.rs`). The thread keeps its front caches in `FRONTS`, whose destructor (thread exit)
+//! clears every slot's front pointer first and then retires the caches, so a pointer in a slot is
+//! always to a live cache of this thread.
 
 use std::cell::RefCell;
 use std::num::NonZeroU32;
