@@ -281,3 +281,35 @@ fn off_by_default_the_freed_block_goes_back_to_the_shard_at_once() {
     drop(p);
     assert_eq!(block_state(&a, addr.0), Some(SnapshotBlockState::Inactive));
 }
+
+#[test]
+fn the_history_sees_front_cache_frees_and_reuses_as_frees_and_allocations() {
+    use cudalloc::alloc::TraceAction;
+    let d = driver();
+    let a = cached(&d, 8);
+    a.record_history(true, 1000);
+    let p = a.allocate(0, 4096).unwrap();
+    let addr = p.ptr().0;
+    drop(p); // kept by this thread's front cache
+    let again = a.allocate(0, 4096).unwrap(); // from the front cache
+    assert_eq!(again.ptr().0, addr);
+    drop(again);
+    let actions: Vec<TraceAction> = a
+        .snapshot()
+        .trace
+        .iter()
+        .filter(|e| e.addr == addr)
+        .map(|e| e.action)
+        .filter(|a| !matches!(a, TraceAction::SegmentAlloc | TraceAction::SegmentMap))
+        .collect();
+    let (alloc, req, done) = (
+        TraceAction::Alloc,
+        TraceAction::FreeRequested,
+        TraceAction::FreeCompleted,
+    );
+    assert_eq!(
+        actions,
+        [alloc, req, done, alloc, req, done],
+        "every hand-out and free, through the front cache or not, is in the history"
+    );
+}

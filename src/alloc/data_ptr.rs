@@ -123,6 +123,10 @@ impl BlockOwner {
             class,
         };
         if super::thread::keep_in_front(self.shard(), entry, limit) {
+            // For the history the program freed the block (its next hand-out records an alloc).
+            self.shard()
+                .core
+                .record_front_free(self.shard(), ptr, entry.bytes());
             // The front cache owns the block now (it is still counted among the shard's owners).
             std::mem::forget(self);
             return None;

@@ -221,14 +221,24 @@ impl DeviceCore {
         let id = st.allocate_best_fit(pool, rounded, requested, &self.config)?;
         let out = st.allocated(id, rounded);
         self.settle(st);
-        self.trace.record(
-            TraceAction::Alloc,
-            self.device,
-            out.ptr,
-            rounded,
-            shard.stream,
-        );
+        self.record_alloc(shard, out.ptr, rounded);
         Some(out)
+    }
+
+    /// Records an allocation of `rounded` bytes at `ptr` in the history (when it is on).
+    #[inline]
+    pub(super) fn record_alloc(&self, shard: &Shard, ptr: u64, rounded: u64) {
+        self.trace
+            .record(TraceAction::Alloc, self.device, ptr, rounded, shard.stream);
+    }
+
+    /// Records the free of `rounded` bytes at `ptr` that a front cache took (requested and
+    /// completed at once, as a free with no other stream is).
+    pub(super) fn record_front_free(&self, shard: &Shard, ptr: u64, rounded: u64) {
+        for action in [TraceAction::FreeRequested, TraceAction::FreeCompleted] {
+            self.trace
+                .record(action, self.device, ptr, rounded, shard.stream);
+        }
     }
 
     /// A block for `requested` bytes from this thread's front cache of `shard` (`front.rs`).
@@ -239,8 +249,7 @@ impl DeviceCore {
         }
         let rounded = size::round_size(requested, &self.config);
         let (block, ptr) = super::thread::take_from_front(shard, super::front::class_of(rounded)?)?;
-        self.trace
-            .record(TraceAction::Alloc, self.device, ptr, rounded, shard.stream);
+        self.record_alloc(shard, ptr, rounded);
         Some(Allocated {
             block,
             ptr,
@@ -380,13 +389,7 @@ impl DeviceCore {
             seg,
             shard.stream,
         );
-        self.trace.record(
-            TraceAction::Alloc,
-            self.device,
-            ptr.0,
-            rounded,
-            shard.stream,
-        );
+        self.record_alloc(shard, ptr.0, rounded);
         Ok(Some(out))
     }
 

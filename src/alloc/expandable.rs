@@ -468,13 +468,7 @@ impl DeviceCore {
             len,
             shard.stream,
         );
-        self.trace.record(
-            TraceAction::Alloc,
-            self.device,
-            out.ptr,
-            rounded,
-            shard.stream,
-        );
+        self.record_alloc(shard, out.ptr, rounded);
         Ok(Some(out))
     }
 

@@ -81,7 +81,8 @@ pub(crate) struct FrontEntry {
 }
 
 impl FrontEntry {
-    fn bytes(&self) -> u64 {
+    /// The rounded size of the request the block served.
+    pub fn bytes(&self) -> u64 {
         u64::from(self.class.get()) * CLASS_BYTES
     }
 }
