@@ -29,8 +29,13 @@ fn register(live: &Mutex<BTreeMap<u64, u64>>, ptr: u64, len: u64) {
     map.insert(ptr, len);
 }
 
+/// The two configurations run one after the other: on the CUDA backend both tests share the
+/// process's device, and each ends by checking that every byte of it went back.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
 #[test]
 fn four_threads_on_shared_and_private_streams() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     stress("");
 }
 
@@ -38,6 +43,7 @@ fn four_threads_on_shared_and_private_streams() {
 /// out twice, and every one is back in its shard once the threads have exited.
 #[test]
 fn four_threads_on_shared_and_private_streams_with_thread_caches() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     stress("thread_cache_mb:8");
 }
 

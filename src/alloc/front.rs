@@ -255,3 +255,31 @@ pub(crate) fn hide_all(shard: &Shard, stats: &mut DeviceStats, max_split_size: u
         cache.hide_from(stats, max_split_size);
     }
 }
+
+#[cfg(test)]
+mod layout_tests {
+    //! The cache-line isolation and the 40-byte `DataPtr` that issue 14's figures rest on: a
+    //! change that breaks either fails here, not in a noisy benchmark.
+    use super::*;
+    use crate::alloc::block::Block;
+    use crate::alloc::{BlockOwner, DataPtr};
+
+    #[test]
+    fn hot_state_owns_its_cache_lines_and_a_data_ptr_stays_small() {
+        assert!(std::mem::align_of::<Shard>() >= 128);
+        assert!(std::mem::align_of::<FrontCache>() >= 128);
+        assert_eq!(std::mem::align_of::<Block>(), 128);
+        assert_eq!(std::mem::size_of::<Block>() % 128, 0);
+        assert_eq!(std::mem::size_of::<BlockOwner>(), 16);
+        assert_eq!(std::mem::size_of::<DataPtr>(), 40);
+    }
+
+    #[test]
+    fn size_classes_cover_requests_up_to_two_tebibytes() {
+        assert_eq!(class_of(512).map(NonZeroU32::get), Some(1));
+        assert_eq!(class_of(64 << 20).map(NonZeroU32::get), Some(131_072));
+        assert!(class_of((1 << 41) - 512).is_some());
+        assert!(class_of(1 << 41).is_none());
+        assert!(class_of(0).is_none());
+    }
+}
