@@ -313,3 +313,22 @@ fn the_history_sees_front_cache_frees_and_reuses_as_frees_and_allocations() {
         "every hand-out and free, through the front cache or not, is in the history"
     );
 }
+
+#[test]
+fn allocators_built_one_after_another_on_a_thread_each_get_a_working_cache() {
+    // A dropped allocator's shard memory is often reused by the next one's shard: the thread's
+    // retired cache of the old shard must not be taken for the new shard's.
+    let d = driver();
+    for round in 0..6 {
+        let a = cached(&d, 8);
+        let p = a.allocate(0, 4096).unwrap();
+        let addr = p.ptr();
+        drop(p);
+        assert_eq!(
+            block_state(&a, addr.0),
+            Some(SnapshotBlockState::ActiveAllocated),
+            "round {round}: the freed block was not kept by this thread's cache"
+        );
+        assert_eq!(a.allocate(0, 4096).unwrap().ptr(), addr);
+    }
+}

@@ -195,7 +195,9 @@ fn remember(alloc: u64, key: SlotKey, shard: *const Shard) {
                 .0
                 .iter()
                 // SAFETY: `shard` was just taken from a live allocator (see the module docs).
-                .find(|f| f.serves(unsafe { &*shard }))
+                // A retired cache serving the same address belonged to a dropped allocator whose
+                // shard's memory was reused: not this shard's.
+                .find(|f| f.serves(unsafe { &*shard }) && !f.is_retired())
                 .map_or(std::ptr::null(), Arc::as_ptr)
         })
         .unwrap_or(std::ptr::null());
