@@ -319,7 +319,7 @@ fn allocators_built_one_after_another_on_a_thread_each_get_a_working_cache() {
     // A dropped allocator's shard memory is often reused by the next one's shard: the thread's
     // retired cache of the old shard must not be taken for the new shard's.
     let d = driver();
-    for round in 0..6 {
+    for round in 0..50 {
         let a = cached(&d, 8);
         let p = a.allocate(0, 4096).unwrap();
         let addr = p.ptr();

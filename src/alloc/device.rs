@@ -29,6 +29,9 @@ use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex, MutexGuard, RwLock};
 
+/// Serials of shards (`Shard::serial`).
+static NEXT_SHARD_SERIAL: AtomicU64 = AtomicU64::new(1);
+
 /// Everything an allocator keeps per device.
 pub(crate) struct DeviceCore {
     pub device: usize,
@@ -118,6 +121,7 @@ impl DeviceCore {
         let shard = shards.entry(stream).or_insert_with(|| {
             Arc::new(Shard {
                 stream,
+                serial: NEXT_SHARD_SERIAL.fetch_add(1, Ordering::Relaxed),
                 front_limit: self.config.thread_cache,
                 state: Mutex::new(ShardState::default()),
                 core: Arc::clone(self),

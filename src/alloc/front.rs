@@ -102,6 +102,8 @@ struct FrontState {
 #[repr(align(128))]
 pub(crate) struct FrontCache {
     shard: NonNull<Shard>,
+    /// The shard's serial: a later shard at the same address is not this cache's.
+    serial: u64,
     state: Mutex<FrontState>,
 }
 
@@ -116,6 +118,7 @@ impl FrontCache {
     pub fn new(shard: &Shard) -> Self {
         FrontCache {
             shard: NonNull::from(shard),
+            serial: shard.serial,
             state: Mutex::new(FrontState {
                 entries: ArrayVec::new(),
                 bytes: 0,
@@ -126,7 +129,7 @@ impl FrontCache {
 
     /// Whether this is the cache of `shard`.
     pub fn serves(&self, shard: &Shard) -> bool {
-        std::ptr::eq(self.shard.as_ptr(), shard)
+        std::ptr::eq(self.shard.as_ptr(), shard) && self.serial == shard.serial
     }
 
     /// Takes the newest block held for requests of size class `class`.

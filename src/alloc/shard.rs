@@ -43,6 +43,9 @@ use crate::sync::os::{Arc, Mutex};
 #[repr(align(128))]
 pub(crate) struct Shard {
     pub stream: StreamId,
+    /// Unique in the process, never reused: tells this shard from a later one at the same address
+    /// (thread-local caches compare it; `thread.rs`).
+    pub serial: u64,
     /// `thread_cache_mb` in bytes (0: no front caches), next to the lock the free path takes.
     pub front_limit: u64,
     pub state: Mutex<ShardState>,

@@ -16,6 +16,12 @@
 //! (allocator, "current stream of device d"); the latter is dropped whenever the thread's current
 //! stream changes.
 //!
+//! The free path finds a slot by its shard (it does not know the allocator); a dropped
+//! allocator's shard memory is often reused by the next allocator's shard, so slots and front
+//! caches also compare the shard's never-reused serial (`Shard::serial`) — without it a thread's
+//! retired cache of the old shard was taken for the new one's and the new allocator's frees were
+//! never cached on that thread (`tests/thread_cache.rs`, failed at the fourth allocator).
+//!
 //! With `thread_cache_mb`, each slot also notes this thread's front cache of its shard
 //! (`front.rs`). The thread keeps its front caches in `FRONTS`, whose destructor (thread exit)
 //! clears every slot's front pointer first and then retires the caches, so a pointer in a slot is
@@ -49,6 +55,8 @@ struct ShardSlot {
     alloc: u64,
     key: SlotKey,
     shard: *const Shard,
+    /// The shard's serial when cached (a later shard may reuse a dropped one's address).
+    serial: u64,
     front: *const FrontCache,
 }
 
@@ -56,6 +64,7 @@ const EMPTY_SLOT: ShardSlot = ShardSlot {
     alloc: 0,
     key: SlotKey::Current(usize::MAX),
     shard: std::ptr::null(),
+    serial: 0,
     front: std::ptr::null(),
 };
 
@@ -188,16 +197,15 @@ fn lookup(alloc: u64, key: SlotKey) -> Option<*const Shard> {
 /// Stores an entry, replacing the oldest (with the front cache of the shard if the thread has one).
 fn remember(alloc: u64, key: SlotKey, shard: *const Shard) {
     forget_shard(alloc, key);
+    // SAFETY: `shard` was just taken from a live allocator (see the module docs).
+    let live = unsafe { &*shard };
     let front = FRONTS
         .try_with(|fronts| {
             fronts
                 .borrow()
                 .0
                 .iter()
-                // SAFETY: `shard` was just taken from a live allocator (see the module docs).
-                // A retired cache serving the same address belonged to a dropped allocator whose
-                // shard's memory was reused: not this shard's.
-                .find(|f| f.serves(unsafe { &*shard }) && !f.is_retired())
+                .find(|f| f.serves(live) && !f.is_retired())
                 .map_or(std::ptr::null(), Arc::as_ptr)
         })
         .unwrap_or(std::ptr::null());
@@ -207,6 +215,7 @@ fn remember(alloc: u64, key: SlotKey, shard: *const Shard) {
             alloc,
             key,
             shard,
+            serial: live.serial,
             front,
         };
         *next = (*next + 1) % SHARD_SLOTS;
@@ -222,7 +231,11 @@ fn known_front(shard: &Shard) -> Option<*const FrontCache> {
                 .borrow()
                 .0
                 .iter()
-                .find(|slot| std::ptr::eq(slot.shard, shard) && !slot.front.is_null())
+                .find(|slot| {
+                    std::ptr::eq(slot.shard, shard)
+                        && slot.serial == shard.serial
+                        && !slot.front.is_null()
+                })
                 .map(|slot| slot.front)
         })
         .ok()
@@ -286,7 +299,7 @@ fn start_front(shard: &Shard) -> Option<*const FrontCache> {
         .flatten()?;
     let _ = SHARDS.try_with(|cache| {
         for slot in cache.borrow_mut().0.iter_mut() {
-            if std::ptr::eq(slot.shard, shard) {
+            if std::ptr::eq(slot.shard, shard) && slot.serial == shard.serial {
                 slot.front = front;
             }
         }
