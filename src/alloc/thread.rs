@@ -17,8 +17,8 @@
 //! stream changes.
 //!
 //! The free path finds a slot by its shard (it does not know the allocator); a dropped
-//! allocator's shard memory is often reused by the next allocator's shard, so the front cache a
-//! slot names is checked against the shard's never-reused serial (`Shard::serial`) — without it a thread's
+//! allocator's shard memory is often reused by the next allocator's shard, so slots and front
+//! caches also compare the shard's never-reused serial (`Shard::serial`) — without it a thread's
 //! retired cache of the old shard was taken for the new one's and the new allocator's frees were
 //! never cached on that thread (`tests/thread_cache.rs`, failed at the fourth allocator).
 //!
@@ -55,6 +55,8 @@ struct ShardSlot {
     alloc: u64,
     key: SlotKey,
     shard: *const Shard,
+    /// The shard's serial when cached (a later shard may reuse a dropped one's address).
+    serial: u64,
     front: *const FrontCache,
 }
 
@@ -62,6 +64,7 @@ const EMPTY_SLOT: ShardSlot = ShardSlot {
     alloc: 0,
     key: SlotKey::Current(usize::MAX),
     shard: std::ptr::null(),
+    serial: 0,
     front: std::ptr::null(),
 };
 
@@ -212,6 +215,7 @@ fn remember(alloc: u64, key: SlotKey, shard: *const Shard) {
             alloc,
             key,
             shard,
+            serial: live.serial,
             front,
         };
         *next = (*next + 1) % SHARD_SLOTS;
@@ -227,14 +231,15 @@ fn known_front(shard: &Shard) -> Option<*const FrontCache> {
                 .borrow()
                 .0
                 .iter()
-                .find(|slot| std::ptr::eq(slot.shard, shard) && !slot.front.is_null())
+                .find(|slot| {
+                    std::ptr::eq(slot.shard, shard)
+                        && slot.serial == shard.serial
+                        && !slot.front.is_null()
+                })
                 .map(|slot| slot.front)
         })
         .ok()
         .flatten()
-        // SAFETY: as in `take_from_front`: a slot's front pointer is to a live cache.
-        // A cache of a dropped shard that had this address is not this shard's.
-        .filter(|&front| unsafe { &*front }.serves(shard))
 }
 
 /// Takes a block held for size class `class` out of this thread's front cache of `shard`: its
@@ -294,7 +299,7 @@ fn start_front(shard: &Shard) -> Option<*const FrontCache> {
         .flatten()?;
     let _ = SHARDS.try_with(|cache| {
         for slot in cache.borrow_mut().0.iter_mut() {
-            if std::ptr::eq(slot.shard, shard) {
+            if std::ptr::eq(slot.shard, shard) && slot.serial == shard.serial {
                 slot.front = front;
             }
         }
