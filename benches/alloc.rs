@@ -5,13 +5,13 @@
 //!   probability 0.73 (if the live total stays under 1 GiB) else free a random live allocation, sizes
 //!   uniform in [1 B, max];
 //! * `threads/<n>`, `threads_same_stream/<n>` — n threads on their own streams / on one stream,
-//!   doing the same number of pairs each (started together by a barrier; 2 threads finishing in
+//!   doing the same number of pairs each (started together on a spinning line; 2 threads finishing in
 //!   the time of 1 means 2× throughput), each sample on a fresh allocator; `exact` is PyTorch's
 //!   policy, `thread-cache` adds `thread_cache_mb:64`. `pair/cudalloc-thread-cache` is the pair with thread front caches.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 mod common;
 #[cfg(feature = "bench-peers")]
@@ -178,8 +178,8 @@ fn random_trace(c: &mut Criterion) {
 /// `threads/<n>` (each thread on its own stream) and `threads_same_stream/<n>` (all on one
 /// stream), for PyTorch's exact policy and with thread front caches (`thread_cache_mb:64`). Every
 /// sample runs on a **fresh allocator** (built outside the timing), so the medians are over
-/// allocators, not over one lucky heap layout; the threads time themselves, from the first start
-/// to the last end (the main thread may not run while the workers hold both cores).
+/// allocators, not over one lucky heap layout; the threads time themselves
+/// ([`common::time_threads`]).
 /// `benches/scaling.rs` prints the per-allocator ratios with their minimum and median.
 fn threads(c: &mut Criterion) {
     const PAIRS: u64 = 20_000;
@@ -202,27 +202,7 @@ fn threads(c: &mut Criterion) {
                                 }
                             })
                             .collect();
-                        let barrier = Arc::new(Barrier::new(n));
-                        let handles: Vec<_> = streams
-                            .iter()
-                            .map(|&s| {
-                                let (a, barrier) = (a.clone(), barrier.clone());
-                                std::thread::spawn(move || {
-                                    drop(a.allocate_on(s, 4096).unwrap());
-                                    barrier.wait();
-                                    let start = Instant::now();
-                                    for _ in 0..iters * PAIRS {
-                                        black_box(a.allocate_on(s, 4096).unwrap());
-                                    }
-                                    (start, Instant::now())
-                                })
-                            })
-                            .collect();
-                        let spans: Vec<_> =
-                            handles.into_iter().map(|h| h.join().unwrap()).collect();
-                        let start = spans.iter().map(|s| s.0).min().unwrap();
-                        let end = spans.iter().map(|s| s.1).max().unwrap();
-                        end - start
+                        common::time_threads(&a, &streams, iters * PAIRS)
                     })
                 });
             }

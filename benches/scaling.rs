@@ -26,42 +26,14 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use cudalloc::{Runtime, StreamId};
 
-/// Time for `threads` threads (streams given per thread) to do `pairs` cached pairs each: from
-/// the first thread's start to the last one's end, as the threads themselves saw them (the main
-/// thread may not even be scheduled while two workers hold both cores, so it cannot time them).
+/// Seconds for one thread per stream to do `pairs` cached pairs each ([`common::time_threads`]).
 fn run(a: &Arc<Runtime>, streams: &[StreamId], pairs: u64) -> f64 {
-    // A spinning start line: a sleeping barrier wakes its threads milliseconds apart on this VM,
-    // which a 30 ms run would count as lost scaling.
-    let arrived = Arc::new(AtomicUsize::new(0));
-    let n = streams.len();
-    let handles: Vec<_> = streams
-        .iter()
-        .map(|&s| {
-            let (a, arrived) = (a.clone(), arrived.clone());
-            std::thread::spawn(move || {
-                drop(a.allocate_on(s, 4096).unwrap()); // warm this thread's path
-                arrived.fetch_add(1, Ordering::SeqCst);
-                while arrived.load(Ordering::SeqCst) < n {
-                    std::hint::spin_loop();
-                }
-                let start = Instant::now();
-                for _ in 0..pairs {
-                    std::hint::black_box(a.allocate_on(s, 4096).unwrap());
-                }
-                (start, Instant::now())
-            })
-        })
-        .collect();
-    let spans: Vec<(Instant, Instant)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-    let first = spans.iter().map(|s| s.0).min().unwrap();
-    let last = spans.iter().map(|s| s.1).max().unwrap();
-    (last - first).as_secs_f64()
+    common::time_threads(a, streams, pairs).as_secs_f64()
 }
 
 fn summary(name: &str, ratios: &mut [f64]) {

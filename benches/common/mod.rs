@@ -1,9 +1,11 @@
 //! Helpers shared by the benchmarks.
 #![allow(dead_code, clippy::unwrap_used)]
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use cudalloc::{CudaDriver, Driver, HostDriver, Runtime};
+use cudalloc::{CudaDriver, Driver, HostDriver, Runtime, StreamId};
 
 /// The driver the benchmarks run on: a host driver of `capacity` bytes that does not poison freed
 /// segments (memory is only committed when touched; the benchmarks measure the allocator, not
@@ -23,6 +25,38 @@ pub fn bench_driver(capacity: u64) -> Arc<dyn Driver> {
 /// A caching allocator over [`bench_driver`].
 pub fn host_allocator(capacity: u64) -> Arc<Runtime> {
     Arc::new(Runtime::new(bench_driver(capacity), Default::default()).unwrap())
+}
+
+/// Time for one thread per entry of `streams` (on that stream) to do `pairs` cached 4 KiB pairs
+/// each: from the first thread's start to the last one's end, as the threads saw them. The main
+/// thread may not even be scheduled while two workers hold both cores of a small machine, so it
+/// cannot time them; and the threads start on a spinning line, because a sleeping barrier wakes
+/// them milliseconds apart there, which a 30 ms run would count as lost scaling.
+pub fn time_threads(a: &Arc<Runtime>, streams: &[StreamId], pairs: u64) -> Duration {
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let n = streams.len();
+    let handles: Vec<_> = streams
+        .iter()
+        .map(|&s| {
+            let (a, arrived) = (a.clone(), arrived.clone());
+            std::thread::spawn(move || {
+                drop(a.allocate_on(s, 4096).unwrap()); // warm this thread's path
+                arrived.fetch_add(1, Ordering::SeqCst);
+                while arrived.load(Ordering::SeqCst) < n {
+                    std::hint::spin_loop();
+                }
+                let start = Instant::now();
+                for _ in 0..pairs {
+                    std::hint::black_box(a.allocate_on(s, 4096).unwrap());
+                }
+                (start, Instant::now())
+            })
+        })
+        .collect();
+    let spans: Vec<(Instant, Instant)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let first = spans.iter().map(|s| s.0).min().unwrap();
+    let last = spans.iter().map(|s| s.1).max().unwrap();
+    last - first
 }
 
 /// Lower-case hex of `bytes`.

@@ -110,10 +110,9 @@ impl BlockOwner {
         self.shard().front_limit
     }
 
-    /// Hands the block at `ptr` to this thread's front cache of its shard, if it has room; gives
-    /// the owner back otherwise.
-    fn keep_in_front(mut self, ptr: u64) -> Option<Self> {
-        let limit = self.front_limit();
+    /// Hands the block at `ptr` to this thread's front cache of its shard, if it has room within
+    /// `limit` bytes ([`Self::front_limit`]); gives the owner back otherwise.
+    fn keep_in_front(mut self, ptr: u64, limit: u64) -> Option<Self> {
         let Some(class) = NonZeroU32::new(*self.class.get_mut()) else {
             return Some(self);
         };
@@ -280,9 +279,10 @@ impl Drop for DataPtr {
         // A plain block may go to this thread's front cache (`front.rs`) instead of its shard;
         // every other owner is dropped as it is.
         if let Owner::Block(block) = &mut self.owner {
-            if block.front_limit() > 0 {
+            let limit = block.front_limit();
+            if limit > 0 {
                 if let Owner::Block(block) = std::mem::replace(&mut self.owner, Owner::None) {
-                    drop(block.keep_in_front(self.ptr.0));
+                    drop(block.keep_in_front(self.ptr.0, limit));
                 }
             }
         }

@@ -571,21 +571,15 @@ impl DeviceCore {
     /// Resets peaks (`peaks`) or accumulated counts (`!peaks`) in every shard.
     pub fn reset_stats(&self, peaks: bool) {
         if peaks {
+            // Peaks are the device's (`peaks.rs`): they restart from the currents there.
             self.exact_stats(true);
             return;
         }
         for shard in self.all_shards() {
-            let mut st = shard.state.lock();
-            if peaks {
-                st.stats.reset_peaks();
-            } else {
-                st.stats.reset_accumulated();
-            }
+            shard.state.lock().stats.reset_accumulated();
         }
-        if !peaks {
-            for counter in [&self.alloc_retries, &self.ooms, &self.sync_all] {
-                counter.store(0, Ordering::Relaxed);
-            }
+        for counter in [&self.alloc_retries, &self.ooms, &self.sync_all] {
+            counter.store(0, Ordering::Relaxed);
         }
     }
 

@@ -316,7 +316,7 @@ impl CachingAllocator {
     /// Allocates `size` (> 0) bytes from `shard`.
     #[inline]
     fn allocate_in(&self, shard: &Shard, size: u64) -> Result<DataPtr> {
-        if self.config.thread_cache > 0 {
+        if shard.front_limit > 0 {
             if let Some(hit) = shard.core.take_from_front(shard, size) {
                 return self.data_ptr(shard, &hit);
             }
