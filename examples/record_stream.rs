@@ -8,6 +8,10 @@
 //! The side stream is held at a gate (a host-backend test facility) while this happens, so the
 //! outcome is the same on every run: no sleeps, no timing.
 //!
+//! Under the stream sanitizer the bug needs no gate and no reuse to show: the hand-out of the
+//! source's block to the newcomer, while the side stream's copy was not ordered before the free,
+//! is reported as a use after free at once (`copy_then_reuse(false, true)`).
+//!
 //! ```text
 //! cargo run --example record_stream     # shows both outcomes
 //! cargo test --examples                 # the tests below
@@ -15,8 +19,11 @@
 
 use std::sync::Arc;
 
-use cudalloc::driver::host::HostMemory;
-use cudalloc::{Error, EventFlags, HostDriver, Result, Runtime, Storage, StreamId};
+use cudalloc::driver::host::{HostMemory, HostRange};
+use cudalloc::{
+    Error, ErrorKind, EventFlags, HostDriver, Result, Runtime, Sanitize, SanitizeOptions, Storage,
+    StreamId,
+};
 
 /// A one-dimensional tensor of bytes on one stream.
 struct Tensor {
@@ -33,10 +40,10 @@ impl Tensor {
 
     /// A tensor of `len` bytes equal to `value`, written by a host kernel on `stream`.
     fn full(runtime: &Arc<Runtime>, stream: StreamId, len: u64, value: u8) -> Result<Tensor> {
-        let storage = Storage::new(runtime, 0, len)?;
+        let storage = Storage::new_on(runtime, stream, len)?;
         Self::host(runtime)?.enqueue_host(
             stream,
-            [(storage.mutable_data_ptr()?, len)],
+            [HostRange::write(storage.mutable_data_ptr_on(stream)?, len)],
             move |m: &mut HostMemory<1>| m.write(0, 0, &vec![value; m.len(0)]),
         )?;
         Ok(Tensor { storage, stream })
@@ -52,15 +59,12 @@ impl Tensor {
         driver.stream_wait_event(side, ready)?;
         driver.event_destroy(ready)?;
         let len = self.storage.nbytes();
-        let out = {
-            let _on_side = runtime.set_current_stream(side)?;
-            Storage::new(runtime, 0, len)?
-        };
+        let out = Storage::new_on(runtime, side, len)?;
         Self::host(runtime)?.enqueue_host(
             side,
             [
-                (self.storage.data_ptr(), len),
-                (out.mutable_data_ptr()?, len),
+                HostRange::read(self.storage.data_ptr(), len),
+                HostRange::write(out.mutable_data_ptr_on(side)?, len),
             ],
             |m: &mut HostMemory<2>| {
                 let bytes = m.to_vec(0)?;
@@ -78,7 +82,6 @@ impl Tensor {
 
     fn to_vec(&self) -> Result<Vec<u8>> {
         let runtime = self.storage.runtime();
-        runtime.driver().stream_synchronize(self.stream)?;
         let mut out = vec![0; self.storage.nbytes() as usize];
         let _on = runtime.set_current_stream(self.stream)?;
         self.storage.copy_to_host(&mut out)?;
@@ -87,10 +90,16 @@ impl Tensor {
 }
 
 /// Copies a tensor of 7s on a side stream, drops it, makes a tensor of 9s of the same size on the
-/// main stream, then lets the side stream run. Returns the bytes of the copy.
-fn copy_then_reuse(record: bool) -> Result<Vec<u8>> {
+/// main stream, then lets the side stream run. Returns the bytes of the copy. With `sanitize`,
+/// the stream sanitizer checks every step (and reports the forgotten `record_stream`).
+fn copy_then_reuse(record: bool, sanitize: bool) -> Result<Vec<u8>> {
     let host = Arc::new(HostDriver::builder().memory_per_device(64 << 20).build()?);
-    let runtime = Arc::new(Runtime::builder().build(host.clone())?);
+    let checked = if sanitize {
+        Sanitize::On(SanitizeOptions::default())
+    } else {
+        Sanitize::Off
+    };
+    let runtime = Arc::new(Runtime::builder().sanitize(checked).build(host.clone())?);
     let main = runtime.default_stream(0)?;
     let side = runtime.create_stream(0)?;
     let gate = host.gate_stream(side)?; // the side stream is busy for now
@@ -107,7 +116,7 @@ fn copy_then_reuse(record: bool) -> Result<Vec<u8>> {
 
 fn main() -> Result<()> {
     for record in [false, true] {
-        let bytes = copy_then_reuse(record)?;
+        let bytes = copy_then_reuse(record, false)?;
         let wrong = bytes.iter().filter(|&&b| b != 7).count();
         println!(
             "record_stream {}: the copy holds {wrong} wrong bytes of {}",
@@ -115,6 +124,18 @@ fn main() -> Result<()> {
             bytes.len()
         );
     }
+    match copy_then_reuse(false, true) {
+        Err(err) if err.kind() == ErrorKind::StreamRace => {
+            println!("record_stream forgotten, sanitizer on: reported —\n{err}")
+        }
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "the sanitizer missed the forgotten record_stream: {other:?}"
+            )))
+        }
+    }
+    copy_then_reuse(true, true)?;
+    println!("record_stream called, sanitizer on: nothing reported");
     Ok(())
 }
 
@@ -126,7 +147,7 @@ mod tests {
 
     #[test]
     fn forgetting_record_stream_is_caught() {
-        let bytes = copy_then_reuse(false).unwrap();
+        let bytes = copy_then_reuse(false, false).unwrap();
         assert!(
             bytes.iter().all(|&b| b == 9),
             "the copy read the reused block: the newcomer's 9s"
@@ -135,7 +156,15 @@ mod tests {
 
     #[test]
     fn with_record_stream_the_copy_is_right() {
-        let bytes = copy_then_reuse(true).unwrap();
+        let bytes = copy_then_reuse(true, false).unwrap();
         assert!(bytes.iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    fn the_sanitizer_reports_the_forgotten_record_stream_and_only_that() {
+        let err = copy_then_reuse(false, true).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
+        assert!(err.to_string().contains("use after free"), "{err}");
+        copy_then_reuse(true, true).unwrap();
     }
 }

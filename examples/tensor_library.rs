@@ -1,9 +1,12 @@
 //! A tensor library adopting cudalloc, written the way a small cudarc-based library would be:
 //!
 //! 1. configures `GLOBAL` from code (`GLOBAL.init`), before anything allocates;
-//! 2. hands cudalloc the stream it already has (`import_stream`), and runs its kernels on it —
-//!    on CUDA through cudarc on typed views (feature `cudarc`), on the host backend as host kernels
-//!    (`enqueue_host`), so the same library code is tested on a laptop;
+//! 2. hands cudalloc the stream it already has (`import_stream`), makes it the default stream of
+//!    its device (`set_default_stream`: allocation, copies, copy-on-write copies and IPC receipts
+//!    use it on every thread, with no guard anywhere), and runs its kernels on it — on CUDA
+//!    through cudarc on typed views (feature `cudarc`), on the host backend as host kernels
+//!    (`enqueue_host`), so the same library code is tested on a laptop — and under the stream
+//!    sanitizer (`CUDALLOC_SANITIZE=1`, what CI runs a second time);
 //! 3. shares a tensor with a child process (which adds to it and sends it back) and reads stats.
 //!
 //! ```text
@@ -14,7 +17,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 
-use cudalloc::driver::host::HostMemory;
+use cudalloc::driver::host::{HostMemory, HostRange};
 use cudalloc::{
     AllocatorConfig, BackendChoice, Error, IpcHandle, Result, Runtime, Storage, StreamId, GLOBAL,
 };
@@ -28,11 +31,7 @@ struct Tensor {
 
 impl Tensor {
     fn zeros(len: usize, stream: StreamId) -> Result<Tensor> {
-        let runtime = GLOBAL.get()?;
-        let storage = {
-            let _on = runtime.set_current_stream(stream)?;
-            Storage::new(runtime, 0, (len * 4) as u64)?
-        };
+        let storage = GLOBAL.storage_on(stream, (len * 4) as u64)?;
         let t = Tensor {
             storage,
             len,
@@ -48,7 +47,10 @@ impl Tensor {
         match runtime.driver().as_host() {
             Some(host) => host.enqueue_host(
                 self.stream,
-                [(self.storage.mutable_data_ptr()?, (self.len * 4) as u64)],
+                [HostRange::write(
+                    self.storage.mutable_data_ptr_on(self.stream)?,
+                    (self.len * 4) as u64,
+                )],
                 move |m: &mut HostMemory<1>| {
                     let bytes = m.to_vec(0)?;
                     let out: Vec<u8> = bytes
@@ -96,10 +98,8 @@ impl Tensor {
     }
 
     fn to_vec(&self) -> Result<Vec<f32>> {
-        let runtime = GLOBAL.get()?;
-        runtime.driver().stream_synchronize(self.stream)?;
+        // On the default stream (the library's): in stream order, returns when it is done.
         let mut bytes = vec![0u8; self.len * 4];
-        let _on = runtime.set_current_stream(self.stream)?;
         self.storage.copy_to_host(&mut bytes)?;
         Ok(bytes
             .chunks_exact(4)
@@ -108,13 +108,16 @@ impl Tensor {
     }
 }
 
-/// The library's own stream, as it would have made it before adopting cudalloc.
+/// The library's own stream, as it would have made it before adopting cudalloc, imported and
+/// made the device's default: every allocation, copy and receipt is ordered on it.
 fn library_stream() -> Result<StreamId> {
     let runtime = GLOBAL.get()?;
     let driver = runtime.driver();
     let raw = driver.raw_stream(driver.stream_create(0)?)?;
     // SAFETY: `raw` names a live stream of device 0 that this program never destroys.
-    unsafe { GLOBAL.import_stream(0, raw) }
+    let stream = unsafe { GLOBAL.import_stream(0, raw) }?;
+    GLOBAL.set_default_stream(stream)?;
+    Ok(stream)
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -140,8 +143,9 @@ fn child() -> Result<()> {
         .read_line(&mut line)
         .map_err(|e| Error::InvalidArgument(e.to_string()))?;
     let handle = IpcHandle::from_bytes(&unhex(line.trim())?)?;
-    let storage = Storage::from_ipc(GLOBAL.get()?, handle)?;
+    // The library's stream first: the receipt waits for the producer's event on it.
     let stream = library_stream()?;
+    let storage = Storage::from_ipc(GLOBAL.get()?, handle)?;
     let tensor = Tensor {
         len: (storage.nbytes() / 4) as usize,
         storage,

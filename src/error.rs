@@ -12,6 +12,7 @@
 //! | [`ErrorKind::Config`]       | no: fix the environment variable or option           |
 //! | [`ErrorKind::NoCudaDriver`] | no: use the host backend instead                     |
 //! | [`ErrorKind::Driver`]       | maybe: the device or the operating system failed     |
+//! | [`ErrorKind::StreamRace`]   | no: the program's stream order is wrong (the sanitizer found two unordered accesses); sticky on the stream |
 
 use std::fmt;
 
@@ -31,6 +32,8 @@ pub enum ErrorKind {
     NoCudaDriver,
     /// The driver or the operating system reported a failure.
     Driver,
+    /// The stream sanitizer found a race or a use after free (see `driver::sanitizer`).
+    StreamRace,
 }
 
 /// The error of every fallible cudalloc operation.
@@ -70,6 +73,10 @@ pub enum Error {
         /// What the driver or operating system said.
         message: String,
     },
+    /// The stream sanitizer found two accesses that stream order does not order (a race, or a use
+    /// after free); the message names both. Sticky on the stream, like a CUDA error.
+    #[error("{0}")]
+    StreamRace(String),
 }
 
 impl Error {
@@ -82,6 +89,7 @@ impl Error {
             Error::Config(_) => ErrorKind::Config,
             Error::NoCudaDriver(_) => ErrorKind::NoCudaDriver,
             Error::Driver { .. } => ErrorKind::Driver,
+            Error::StreamRace(_) => ErrorKind::StreamRace,
         }
     }
 

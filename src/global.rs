@@ -161,6 +161,11 @@ impl Global {
         Storage::new(self.get()?, device, nbytes)
     }
 
+    /// A new storage of `nbytes` for use on `stream` (no guard needed); see [`Storage::new_on`].
+    pub fn storage_on(&self, stream: StreamId, nbytes: u64) -> Result<Storage> {
+        Storage::new_on(self.get()?, stream, nbytes)
+    }
+
     forward! {
         /// See [`CachingAllocator::allocate`](crate::CachingAllocator::allocate).
         fn allocate(&self, device: usize, size: u64) -> DataPtr;
@@ -192,6 +197,10 @@ impl Global {
         fn reserved_bytes(&self, device: usize) -> u64;
         /// See [`CachingAllocator::raw_stream`](crate::CachingAllocator::raw_stream).
         fn raw_stream(&self, stream: StreamId) -> u64;
+        /// See [`CachingAllocator::set_default_stream`](crate::CachingAllocator::set_default_stream).
+        fn set_default_stream(&self, stream: StreamId) -> ();
+        /// See [`CachingAllocator::clear_default_stream`](crate::CachingAllocator::clear_default_stream).
+        fn clear_default_stream(&self, device: usize) -> ();
     }
 
     forward_infallible! {

@@ -33,13 +33,14 @@ pub mod storage;
 mod sync;
 
 pub use alloc::{
-    CachingAllocator, CachingAllocatorBuilder, DataPtr, DeviceStats, Snapshot, StreamGuard,
+    CachingAllocator, CachingAllocatorBuilder, DataPtr, DeviceStats, Sanitize, Snapshot,
+    StreamGuard,
 };
 pub use config::AllocatorConfig;
 pub use driver::{
     Backend, BackendChoice, ChunkId, CudaDriver, DeviceAddr, Driver, EventFlags, EventId,
     HostDriver, HostDriverBuilder, IpcEventHandle, IpcMemHandle, MemInfo, OpenedSegment,
-    SelectedBackend, SimDriver, StreamId,
+    SanitizeOptions, SanitizedDriver, Sanitizer, SelectedBackend, SimDriver, StreamId,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use global::{Global, GLOBAL};

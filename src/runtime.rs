@@ -53,6 +53,12 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Checks the driver with the stream sanitizer (default: as `CUDALLOC_SANITIZE` says).
+    pub fn sanitize(mut self, sanitize: crate::alloc::Sanitize) -> Self {
+        self.allocator = self.allocator.sanitize(sanitize);
+        self
+    }
+
     /// Slots per IPC ref-counter file (default 10,000).
     pub fn ipc_slots_per_file(mut self, slots: u32) -> Self {
         self.ipc_slots_per_file = slots;
@@ -72,8 +78,11 @@ impl RuntimeBuilder {
             tracing::debug!(%err, "sweeping orphaned shared-memory objects failed");
         }
         let allocator = Arc::new(self.allocator.build(Arc::clone(&driver))?);
+        // The allocator's driver: sanitized when the allocator is (the IPC layer's events and
+        // copies are checked too).
+        drop(driver);
         let ipc = Arc::new(IpcState::new(
-            driver,
+            Arc::clone(allocator.driver()),
             self.ipc_slots_per_file,
             self.ipc_event_budget,
             allocator.config().ipc_handle_ttl_ms,

@@ -122,6 +122,9 @@ impl BlockOwner {
             class,
         };
         if super::thread::keep_in_front(self.shard(), entry, limit) {
+            if let Some(sanitizer) = &self.shard().core.sanitizer {
+                sanitizer.free(ptr, entry.bytes(), self.shard().stream, &[]);
+            }
             // For the history the program freed the block (its next hand-out records an alloc).
             self.shard()
                 .core

@@ -40,6 +40,8 @@ pub(crate) struct DeviceCore {
     pub callbacks: Arc<Callbacks>,
     pub trace: Arc<Trace>,
     pub check_invariants: bool,
+    /// The stream sanitizer, when the driver is sanitized: told of every hand-out and free.
+    pub sanitizer: Option<Arc<crate::driver::Sanitizer>>,
     pub capacity: u64,
     /// `f64` bits of the per-process memory fraction; `fraction_set` says whether one was chosen.
     fraction_bits: AtomicU64,
@@ -86,6 +88,7 @@ impl DeviceCore {
         let fraction = config.per_process_memory_fraction;
         Ok(DeviceCore {
             device,
+            sanitizer: driver.sanitizer(),
             driver,
             callbacks,
             trace,

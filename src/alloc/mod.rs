@@ -62,18 +62,36 @@ use self::history::Trace;
 use self::oom::Callbacks;
 use self::shard::Shard;
 use crate::config::{AllocatorConfig, DefaultStream};
-use crate::driver::{DeviceAddr, Driver, StreamId};
+use crate::driver::{DeviceAddr, Driver, SanitizeOptions, SanitizedDriver, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex};
 
 static NEXT_ALLOCATOR_ID: AtomicU64 = AtomicU64::new(1);
 
+/// No library default stream set (`CachingAllocator::library_defaults`).
+const NO_STREAM: u64 = u64::MAX;
+
 /// Options of a [`CachingAllocator`].
 #[derive(Clone, Debug, Default)]
 pub struct CachingAllocatorBuilder {
     config: AllocatorConfig,
     check_invariants: bool,
+    sanitize: Sanitize,
+}
+
+/// Whether an allocator's driver is checked by the stream sanitizer
+/// ([`crate::driver::sanitizer`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Sanitize {
+    /// As `CUDALLOC_SANITIZE` says (unset: off).
+    #[default]
+    FromEnv,
+    /// Off, whatever the environment says.
+    Off,
+    /// On with these options, whatever the environment says.
+    On(SanitizeOptions),
 }
 
 impl CachingAllocatorBuilder {
@@ -89,8 +107,23 @@ impl CachingAllocatorBuilder {
         self
     }
 
-    /// Builds the allocator over `driver`.
+    /// Checks the driver with the stream sanitizer (default: as `CUDALLOC_SANITIZE` says).
+    pub fn sanitize(mut self, sanitize: Sanitize) -> Self {
+        self.sanitize = sanitize;
+        self
+    }
+
+    /// Builds the allocator over `driver` (wrapped in a [`SanitizedDriver`] when sanitizing).
     pub fn build(self, driver: Arc<dyn Driver>) -> Result<CachingAllocator> {
+        let options = match self.sanitize {
+            Sanitize::FromEnv => SanitizeOptions::from_env()?,
+            Sanitize::Off => None,
+            Sanitize::On(options) => Some(options),
+        };
+        let driver = match options {
+            Some(options) => SanitizedDriver::wrap(driver, options),
+            None => driver,
+        };
         let config = Arc::new(self.config);
         let callbacks = Arc::new(Callbacks::default());
         let trace = Arc::new(Trace::default());
@@ -121,6 +154,10 @@ impl CachingAllocatorBuilder {
             .collect::<Result<Vec<_>>>()?;
         Ok(CachingAllocator {
             id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
+            library_defaults: (0..driver.device_count())
+                .map(|_| AtomicU64::new(NO_STREAM))
+                .collect(),
+            default_generation: AtomicU64::new(0),
             default_streams,
             owned_streams,
             driver,
@@ -137,6 +174,12 @@ impl CachingAllocatorBuilder {
 /// A caching allocator over any [`Driver`], for all its devices.
 pub struct CachingAllocator {
     id: u64,
+    /// A library's default stream per device (raw id; `NO_STREAM`: none), set with
+    /// [`CachingAllocator::set_default_stream`]; it overrides the `default_stream` setting.
+    library_defaults: Vec<AtomicU64>,
+    /// Bumped whenever a library default changes: threads' cached current shards of an older
+    /// generation miss.
+    default_generation: AtomicU64,
     default_streams: Vec<StreamId>,
     owned_streams: Mutex<Vec<StreamId>>,
     driver: Arc<dyn Driver>,
@@ -160,10 +203,17 @@ impl std::fmt::Debug for CachingAllocator {
 }
 
 /// Restores the previous current stream when dropped (see [`CachingAllocator::set_current_stream`]).
+///
+/// Hold it for as long as the stream should be current: `let _on = …set_current_stream(s)?;`
+/// (`let _ = …` or a bare statement drops it at once, and the stream was current for nothing).
+/// It cannot move to another thread: the current stream is the setting thread's.
 #[derive(Debug)]
+#[must_use = "the stream is current only while the guard lives: bind it (`let _on = ...`)"]
 pub struct StreamGuard {
     key: (u64, usize),
     previous: Option<StreamId>,
+    /// `!Send`: dropped on another thread, it would restore that thread's stream, not ours.
+    _this_thread: std::marker::PhantomData<*const ()>,
 }
 
 impl Drop for StreamGuard {
@@ -183,9 +233,14 @@ impl CachingAllocator {
         Self::builder().config(config).build(driver)
     }
 
-    /// The driver underneath.
+    /// The driver underneath (a [`SanitizedDriver`] when the sanitizer is on).
     pub fn driver(&self) -> &Arc<dyn Driver> {
         &self.driver
+    }
+
+    /// The stream sanitizer checking this allocator's driver, when on.
+    pub fn sanitizer(&self) -> Option<Arc<crate::driver::Sanitizer>> {
+        self.driver.sanitizer()
     }
 
     /// The configuration in force.
@@ -207,10 +262,17 @@ impl CachingAllocator {
         })
     }
 
-    /// The device's default stream for this thread, as the `default_stream` setting chooses:
-    /// the driver's default stream (CUDA's legacy NULL stream), this thread's own stream, or the
-    /// allocator's dedicated stream.
+    /// The device's default stream for this thread: the library's
+    /// ([`CachingAllocator::set_default_stream`]) when one is set, else as the `default_stream`
+    /// setting chooses — the driver's default stream (CUDA's legacy NULL stream), this thread's
+    /// own stream, or the allocator's dedicated stream.
     pub fn default_stream(&self, device: usize) -> Result<StreamId> {
+        if let Some(library) = self.library_defaults.get(device) {
+            let raw = library.load(Ordering::Acquire);
+            if raw != NO_STREAM {
+                return Ok(StreamId(raw));
+            }
+        }
         let shared = self.default_streams.get(device).copied().ok_or_else(|| {
             Error::invalid(format!(
                 "device {device} does not exist ({} device(s))",
@@ -227,6 +289,35 @@ impl CachingAllocator {
         self.owned_streams.lock().push(stream);
         thread::set_per_thread_stream(self.id, device, stream);
         Ok(stream)
+    }
+
+    /// Makes `stream` (one the library made or imported) the default stream of its device on
+    /// every thread: allocation, copies and copy-on-write copies use it wherever no
+    /// [`StreamGuard`] made another stream current — the way a library that keeps one stream
+    /// per device works, with no guard anywhere. It overrides the `default_stream` setting until
+    /// [`CachingAllocator::clear_default_stream`]. The stream must outlive its use as default.
+    pub fn set_default_stream(&self, stream: StreamId) -> Result<()> {
+        let device = self.driver.stream_device(stream)?;
+        let slot = self.library_defaults.get(device).ok_or_else(|| {
+            Error::invalid(format!("stream {} is on unknown device {device}", stream.raw()))
+        })?;
+        if stream.raw() == NO_STREAM {
+            return Err(Error::invalid("stream id reserved"));
+        }
+        slot.store(stream.raw(), Ordering::Release);
+        self.default_generation.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Gives `device` back its configured default stream (undoes
+    /// [`CachingAllocator::set_default_stream`]).
+    pub fn clear_default_stream(&self, device: usize) -> Result<()> {
+        self.device(device)?;
+        if let Some(slot) = self.library_defaults.get(device) {
+            slot.store(NO_STREAM, Ordering::Release);
+        }
+        self.default_generation.fetch_add(1, Ordering::AcqRel);
+        Ok(())
     }
 
     /// Adopts a stream the caller made (a tensor library's own stream) by its raw handle; see
@@ -284,6 +375,7 @@ impl CachingAllocator {
         Ok(StreamGuard {
             key: (self.id, device),
             previous,
+            _this_thread: std::marker::PhantomData,
         })
     }
 
@@ -293,12 +385,13 @@ impl CachingAllocator {
             self.device(device)?;
             return Ok(DataPtr::empty(device));
         }
-        let shard = match thread::current_shard(self.id, device) {
+        let generation = self.default_generation.load(Ordering::Acquire);
+        let shard = match thread::current_shard(self.id, device, generation) {
             // SAFETY: as in `shard_of`: a shard of this allocator, alive while `&self` is.
             Some(shard) => unsafe { &*shard },
             None => {
                 let shard = self.shard_of(self.current_stream(device)?)?;
-                thread::cache_current_shard(self.id, device, shard);
+                thread::cache_current_shard(self.id, device, generation, shard);
                 shard
             }
         };
@@ -337,6 +430,9 @@ impl CachingAllocator {
     /// front cache).
     #[inline]
     fn data_ptr(&self, shard: &Shard, a: &Allocated) -> Result<DataPtr> {
+        if let Some(sanitizer) = &shard.core.sanitizer {
+            sanitizer.hand_out(a.ptr, a.rounded, shard.stream);
+        }
         // SAFETY: the shard (or a front cache of it) just handed `a.block` out, counted in its
         // owners; this is its only owner.
         match unsafe { BlockOwner::new(shard, a) } {
@@ -475,6 +571,12 @@ impl CachingAllocator {
     /// and whether allocations carry their Rust stack (see `alloc/history.rs`). Turning it off
     /// clears what was recorded.
     pub fn record_memory_history(&self, options: HistoryOptions) {
+        if let Some(sanitizer) = self.driver.sanitizer() {
+            // Reports name the stacks of both accesses while the history records stacks.
+            sanitizer.set_stacks(
+                sanitizer.options().stacks || (options.stacks && options.mode != HistoryMode::Off),
+            );
+        }
         self.trace.configure(options);
     }
 

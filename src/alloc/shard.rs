@@ -516,6 +516,9 @@ impl Shard {
             self.stream,
         );
         let uses = st.release(id, &core.config);
+        if let Some(sanitizer) = &core.sanitizer {
+            sanitizer.free(ptr, size, self.stream, &uses);
+        }
         if uses.is_empty() {
             core.trace.record(
                 TraceAction::FreeCompleted,

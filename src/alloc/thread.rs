@@ -44,8 +44,9 @@ const SHARD_SLOTS: usize = 8;
 enum SlotKey {
     /// A stream.
     Stream(StreamId),
-    /// This thread's current stream of a device (dropped when the current stream changes).
-    Current(usize),
+    /// This thread's current stream of a device (dropped when the current stream changes), as of
+    /// a generation of the allocator's library default streams (a new default misses it).
+    Current(usize, u64),
 }
 
 /// One cached shard (a null pointer marks an empty slot), with this thread's front cache of it
@@ -62,7 +63,7 @@ struct ShardSlot {
 
 const EMPTY_SLOT: ShardSlot = ShardSlot {
     alloc: 0,
-    key: SlotKey::Current(usize::MAX),
+    key: SlotKey::Current(usize::MAX, u64::MAX),
     shard: std::ptr::null(),
     serial: 0,
     front: std::ptr::null(),
@@ -128,7 +129,7 @@ pub(crate) fn set_current_stream(
     STATE.with(|s| {
         let mut s = s.borrow_mut();
         let key = (alloc, device);
-        forget_shard(alloc, SlotKey::Current(device));
+        forget_current_shards(alloc, device);
         let previous = s.current.iter().find(|(k, _)| *k == key).map(|(_, st)| *st);
         s.current.retain(|(k, _)| *k != key);
         if let Some(stream) = stream {
@@ -167,15 +168,21 @@ pub(crate) fn cache_shard(alloc: u64, stream: StreamId, shard: *const Shard) {
 }
 
 /// The shard of this thread's current stream of `device` for allocator `alloc`, if cached since
-/// the current stream last changed (same validity as [`cached_shard`]).
+/// the current stream last changed and at default-stream generation `generation` (same validity
+/// as [`cached_shard`]).
 #[inline]
-pub(crate) fn current_shard(alloc: u64, device: usize) -> Option<*const Shard> {
-    lookup(alloc, SlotKey::Current(device))
+pub(crate) fn current_shard(alloc: u64, device: usize, generation: u64) -> Option<*const Shard> {
+    lookup(alloc, SlotKey::Current(device, generation))
 }
 
 /// Remembers `shard` as the shard of this thread's current stream of (`alloc`, `device`).
-pub(crate) fn cache_current_shard(alloc: u64, device: usize, shard: *const Shard) {
-    remember(alloc, SlotKey::Current(device), shard)
+pub(crate) fn cache_current_shard(
+    alloc: u64,
+    device: usize,
+    generation: u64,
+    shard: *const Shard,
+) {
+    remember(alloc, SlotKey::Current(device, generation), shard)
 }
 
 #[inline]
@@ -305,6 +312,17 @@ fn start_front(shard: &Shard) -> Option<*const FrontCache> {
         }
     });
     Some(front)
+}
+
+/// Forgets this thread's cached shards of `device`'s current stream, of every generation.
+fn forget_current_shards(alloc: u64, device: usize) {
+    SHARDS.with(|cache| {
+        for slot in cache.borrow_mut().0.iter_mut() {
+            if slot.alloc == alloc && matches!(slot.key, SlotKey::Current(d, _) if d == device) {
+                *slot = EMPTY_SLOT;
+            }
+        }
+    })
 }
 
 fn forget_shard(alloc: u64, key: SlotKey) {

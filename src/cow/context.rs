@@ -99,16 +99,18 @@ fn cow_owner(ctx: &Arc<CowContext>) -> Owner {
 }
 
 /// Materializes the COW view `data` (a storage's `DataPtr` of `nbytes`, its lock held) for
-/// writing on the current stream; returns the address to write. Memory that is not a COW view is
-/// left alone. On error `data` is still a valid COW view (the reference was not given up).
+/// writing on `stream`: the copy (or the steal's waits) is enqueued there, so work queued on
+/// `stream` afterwards is ordered after it. Returns the address to write. Memory that is not a
+/// COW view is left alone. On error `data` is still a valid COW view (the reference was not
+/// given up).
 pub(crate) fn materialize(
     alloc: &CachingAllocator,
     data: &mut DataPtr,
     nbytes: u64,
+    stream: StreamId,
 ) -> Result<DeviceAddr> {
     let device = data.device();
     let shared_ptr = data.ptr();
-    let stream = alloc.current_stream(device)?;
     let driver = alloc.driver();
     // Take the owner out (no refcount traffic); every early return puts it back.
     let mut owner =

@@ -35,6 +35,7 @@ pub mod host;
 pub mod pattern;
 mod ranges;
 pub(crate) mod registry;
+pub mod sanitizer;
 pub mod sim;
 pub(crate) mod vm_space;
 
@@ -42,6 +43,7 @@ use std::fmt;
 
 pub use cuda::CudaDriver;
 pub use host::{HostDriver, HostDriverBuilder};
+pub use sanitizer::{SanitizeOptions, SanitizedDriver, Sanitizer};
 pub use sim::SimDriver;
 
 use crate::error::Result;
@@ -207,6 +209,10 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn backend(&self) -> Backend;
     /// This driver as the host backend, for host-only facilities (`enqueue_host`, stream gates).
     fn as_host(&self) -> Option<&HostDriver> {
+        None
+    }
+    /// The stream sanitizer checking this driver, when it is a [`SanitizedDriver`].
+    fn sanitizer(&self) -> Option<crate::sync::os::Arc<Sanitizer>> {
         None
     }
     /// Number of devices.

@@ -72,6 +72,23 @@ impl<T: Clone> Registry<T> {
             .ok_or_else(|| self.unknown(id))
     }
 
+    /// The id of the entry `matches` accepts, or `make()`'s new entry under a fresh id `fresh()`
+    /// (one step: two callers never both insert).
+    pub(crate) fn find_or_insert(
+        &self,
+        matches: impl Fn(&T) -> bool,
+        fresh: impl FnOnce() -> Result<u64>,
+        make: impl FnOnce() -> T,
+    ) -> Result<u64> {
+        let mut entries = self.entries.write();
+        if let Some((&id, _)) = entries.iter().find(|(_, v)| matches(v)) {
+            return Ok(id);
+        }
+        let id = fresh()?;
+        entries.insert(id, make());
+        Ok(id)
+    }
+
     /// Every entry (a snapshot).
     pub(crate) fn values(&self) -> Vec<T> {
         self.entries.read().values().cloned().collect()

@@ -99,6 +99,14 @@ impl Storage {
         Ok(Self::from_data_ptr(runtime, data, nbytes))
     }
 
+    /// Allocates `nbytes` for use on `stream` (its device), whatever stream is current — no
+    /// [`StreamGuard`](crate::StreamGuard) needed. The memory is ordered for `stream`: work
+    /// queued there may use it at once; another stream must wait for `stream` first.
+    pub fn new_on(runtime: &Arc<Runtime>, stream: StreamId, nbytes: u64) -> Result<Self> {
+        let data = runtime.allocate_on(stream, nbytes)?;
+        Ok(Self::from_data_ptr(runtime, data, nbytes))
+    }
+
     /// Wraps memory already owned by `data` (of at least `nbytes`).
     pub fn from_data_ptr(runtime: &Arc<Runtime>, data: DataPtr, nbytes: u64) -> Self {
         Storage {
@@ -138,22 +146,41 @@ impl Storage {
         DeviceAddr(self.inner.word.load(Ordering::Acquire) & !COW_TAG)
     }
 
-    /// The address for writing. For a plain storage this is one atomic load; a COW storage is
-    /// materialized first (see [`crate::cow`]): on error (out of memory for the copy) it stays a
-    /// valid COW storage.
+    /// The address for writing, safe to write from any stream. For a plain storage this is one
+    /// atomic load. A COW storage is materialized first (see [`crate::cow`]) on the current
+    /// stream, and that copy is *complete* when this returns — so a kernel on any stream may
+    /// write at once (the first write of a lazy clone blocks once for its copy). Library code
+    /// that knows its stream uses [`Storage::mutable_data_ptr_on`] instead, which does not
+    /// block. On error (out of memory for the copy) the storage stays a valid COW storage.
     #[inline]
     pub fn mutable_data_ptr(&self) -> Result<DeviceAddr> {
         let word = self.inner.word.load(Ordering::Acquire);
         if word & COW_TAG == 0 {
             return Ok(DeviceAddr(word));
         }
-        self.with_data(|data| self.materialize_locked(data))
+        let stream = self.stream()?;
+        let ptr = self.with_data(|data| self.materialize_locked(data, stream))?;
+        self.runtime().driver().stream_synchronize(stream)?;
+        Ok(ptr)
     }
 
-    /// Materializes a COW storage with its lock held (`data` is its `DataPtr`) and publishes the
-    /// new address; a storage that is not COW is left alone.
-    fn materialize_locked(&self, data: &mut DataPtr) -> Result<DeviceAddr> {
-        let ptr = crate::cow::materialize(self.allocator(), data, self.inner.nbytes)?;
+    /// The address for writing on `stream`: a COW storage's copy (or its steal's waits) is
+    /// enqueued on `stream`, so work queued there afterwards sees the private copy, without
+    /// blocking; another stream must wait for `stream` before writing. One atomic load when the
+    /// storage is not COW.
+    #[inline]
+    pub fn mutable_data_ptr_on(&self, stream: StreamId) -> Result<DeviceAddr> {
+        let word = self.inner.word.load(Ordering::Acquire);
+        if word & COW_TAG == 0 {
+            return Ok(DeviceAddr(word));
+        }
+        self.with_data(|data| self.materialize_locked(data, stream))
+    }
+
+    /// Materializes a COW storage with its lock held (`data` is its `DataPtr`) on `stream` and
+    /// publishes the new address; a storage that is not COW is left alone.
+    fn materialize_locked(&self, data: &mut DataPtr, stream: StreamId) -> Result<DeviceAddr> {
+        let ptr = crate::cow::materialize(self.allocator(), data, self.inner.nbytes, stream)?;
         self.set_cow_word(ptr, false);
         Ok(ptr)
     }
@@ -234,11 +261,12 @@ impl Storage {
         if src.is_empty() {
             return Ok(());
         }
-        let dst = self.mutable_data_ptr()?;
+        let stream = self.stream()?;
+        let dst = self.mutable_data_ptr_on(stream)?;
         self.inner
             .runtime
             .driver()
-            .copy_host_to_device(self.stream()?, dst, src)
+            .copy_host_to_device(stream, dst, src)
     }
 
     /// Copies the start of the storage into `dst` on the current stream (returns when done).
@@ -258,11 +286,12 @@ impl Storage {
         if self.inner.nbytes == 0 {
             return Ok(());
         }
-        let dst = self.mutable_data_ptr()?;
+        let stream = self.stream()?;
+        let dst = self.mutable_data_ptr_on(stream)?;
         self.inner
             .runtime
             .driver()
-            .fill_pattern(self.stream()?, dst, self.inner.nbytes, seed)
+            .fill_pattern(stream, dst, self.inner.nbytes, seed)
     }
 
     /// Runs the verify kernel over the whole storage on the current stream.

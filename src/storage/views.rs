@@ -7,8 +7,11 @@
 //! | step | what happens |
 //! |------|--------------|
 //! | `storage.view::<T>(range, &stream)` | bounds and alignment checked; the stream is adopted by cudalloc (`import_stream`, once per stream) and *recorded* for the storage — its free waits for work queued on that stream, as `record_stream` does — with no event per view |
-//! | `storage.view_mut::<T>(..)` | the same, after the copy-on-write step (`mutable_data_ptr`), which can fail (out of memory) and then leaves the storage unchanged; when it made a private copy (on this thread's current stream), the view's stream waits for that copy |
-//! | `device_ptr(&other_stream)` | `other_stream` is recorded too |
+//! | `storage.view_mut::<T>(..)` | the same, after the copy-on-write step (`mutable_data_ptr_on` the view's stream: a private copy is queued there, before the kernel), which can fail (out of memory) and then leaves the storage unchanged |
+//! | `device_ptr(&other_stream)` | `other_stream` waits for the view's stream (an event, as cudarc's own slices order their streams) and is recorded too |
+//!
+//! With the stream sanitizer on, a view is an access on its stream (read for `view`, write for
+//! `view_mut`) taken when the view is made: make views right before the launch, after any waits.
 //!
 //! Ordering of the view's stream after the storage's allocation stream is the library's business,
 //! as with PyTorch's `record_stream` (a tensor used on a side stream waits for its producer).
@@ -54,9 +57,17 @@ fn adopt(storage: &Storage, stream: &Arc<CudaStream>) -> Result<StreamId> {
     Ok(id)
 }
 
-/// Records the stream of a `device_ptr` call (the view's own stream is recorded already).
-fn record_raw(storage: &Storage, stream: &CudaStream) {
-    let raw = stream.cu_stream() as usize as u64;
+/// A `device_ptr(&other)` call on a view of `storage` made for stream `own`, with `bytes` at
+/// `ptr`: as cudarc's own slices do, `other` is ordered after the view's stream (an event), and
+/// recorded for the storage (its free waits for `other` too). Failures are logged: the trait
+/// cannot return them.
+fn order_other_stream(
+    storage: &Storage,
+    own: StreamId,
+    other: &CudaStream,
+    touch: crate::driver::sanitizer::Touch,
+) {
+    let raw = other.cu_stream() as usize as u64;
     let runtime = storage.runtime();
     let known = ADOPTED
         .lock()
@@ -68,26 +79,40 @@ fn record_raw(storage: &Storage, stream: &CudaStream) {
         || unsafe { runtime.import_stream(storage.device(), raw) },
         Ok,
     );
-    if let Err(err) = id.and_then(|id| storage.record_stream(id)) {
-        tracing::warn!(%err, "recording a view's stream for its storage failed");
+    let ordered = id.and_then(|id| {
+        wait_for(storage, own, id)?;
+        storage.record_stream(id)?;
+        note_access(storage, id, touch)
+    });
+    if let Err(err) = ordered {
+        tracing::warn!(%err, "ordering a view's other stream failed");
     }
 }
 
-/// Makes `stream` wait for the work queued so far on this thread's current stream of the
-/// storage's device.
-fn wait_for_current_stream(storage: &Storage, stream: StreamId) -> Result<()> {
-    let runtime = storage.runtime();
-    let current = runtime.current_stream(storage.device())?;
-    if current == stream {
+/// Makes `waiter` wait for the work queued so far on `waited`.
+fn wait_for(storage: &Storage, waited: StreamId, waiter: StreamId) -> Result<()> {
+    if waited == waiter {
         return Ok(());
     }
-    let driver = runtime.driver();
+    let driver = storage.runtime().driver();
     let event = driver.event_create(storage.device(), crate::driver::EventFlags::default())?;
     let ordered = driver
-        .event_record(event, current)
-        .and_then(|()| driver.stream_wait_event(stream, event));
+        .event_record(event, waited)
+        .and_then(|()| driver.stream_wait_event(waiter, event));
     let destroyed = driver.event_destroy(event);
     ordered.and(destroyed)
+}
+
+/// Tells the stream sanitizer (when on) that a launch on `stream` will touch the view's bytes.
+fn note_access(
+    storage: &Storage,
+    stream: StreamId,
+    touch: crate::driver::sanitizer::Touch,
+) -> Result<()> {
+    match storage.runtime().driver().sanitizer() {
+        Some(sanitizer) => sanitizer.enqueue(stream, "a cudarc view", &[touch], || Ok(())),
+        None => Ok(()),
+    }
 }
 
 /// Checks `range` (in elements of `T`) against the storage and returns (byte address, length).
@@ -124,6 +149,7 @@ pub struct StorageView<'a, T> {
     ptr: sys::CUdeviceptr,
     len: usize,
     stream: Arc<CudaStream>,
+    id: StreamId,
     _elements: PhantomData<*const T>,
 }
 
@@ -134,6 +160,7 @@ pub struct StorageViewMut<'a, T> {
     ptr: sys::CUdeviceptr,
     len: usize,
     stream: Arc<CudaStream>,
+    id: StreamId,
     _elements: PhantomData<*mut T>,
 }
 
@@ -148,46 +175,56 @@ impl Storage {
         let (ptr, len) = locate::<T>(self, self.data_ptr().0, &range)?;
         let id = adopt(self, stream)?;
         self.record_stream(id)?;
+        note_access(self, id, touch_of::<T>(ptr, len, false))?;
         Ok(StorageView {
             storage: self,
             ptr,
             len,
             stream: Arc::clone(stream),
+            id,
             _elements: PhantomData,
         })
     }
 
-    /// A write view: materializes a copy-on-write storage first (which can fail, leaving it
-    /// unchanged), then as [`Storage::view`].
+    /// A write view: materializes a copy-on-write storage first, on `stream` (which can fail,
+    /// leaving it unchanged), then as [`Storage::view`].
     pub fn view_mut<T>(
         &self,
         range: Range<usize>,
         stream: &Arc<CudaStream>,
     ) -> Result<StorageViewMut<'_, T>> {
         locate::<T>(self, self.data_ptr().0, &range)?;
-        let was_cow = self.is_cow();
-        let base = self.mutable_data_ptr()?;
-        let (ptr, len) = locate::<T>(self, base.0, &range)?;
         let id = adopt(self, stream)?;
-        if was_cow {
-            // The private copy was queued on this thread's current stream: the view's stream
-            // must not write before it lands (found on the contract double: the copy landed
-            // after the kernel and overwrote its result).
-            wait_for_current_stream(self, id)?;
-        }
+        // The private copy is queued on the view's own stream, so the kernel is ordered after
+        // it (found on the contract double when it was queued on the current stream: the copy
+        // landed after the kernel and overwrote its result).
+        let base = self.mutable_data_ptr_on(id)?;
+        let (ptr, len) = locate::<T>(self, base.0, &range)?;
         self.record_stream(id)?;
+        note_access(self, id, touch_of::<T>(ptr, len, true))?;
         Ok(StorageViewMut {
             storage: self,
             ptr,
             len,
             stream: Arc::clone(stream),
+            id,
             _elements: PhantomData,
         })
     }
 }
 
+/// The sanitizer's access of a view of `len` elements of `T` at `ptr`.
+fn touch_of<T>(ptr: u64, len: usize, write: bool) -> crate::driver::sanitizer::Touch {
+    let bytes = (len as u64).saturating_mul(std::mem::size_of::<T>() as u64);
+    if write {
+        crate::driver::sanitizer::Touch::write(ptr, bytes)
+    } else {
+        crate::driver::sanitizer::Touch::read(ptr, bytes)
+    }
+}
+
 macro_rules! view_traits {
-    ($view:ident) => {
+    ($view:ident, $write:expr) => {
         impl<T> DeviceSlice<T> for $view<'_, T> {
             fn len(&self) -> usize {
                 self.len
@@ -203,7 +240,8 @@ macro_rules! view_traits {
                 stream: &'s CudaStream,
             ) -> (sys::CUdeviceptr, SyncOnDrop<'s>) {
                 if stream.cu_stream() != self.stream.cu_stream() {
-                    record_raw(self.storage, stream);
+                    let touch = touch_of::<T>(self.ptr, self.len, $write);
+                    order_other_stream(self.storage, self.id, stream, touch);
                 }
                 (self.ptr, SyncOnDrop::Sync(None))
             }
@@ -220,8 +258,8 @@ macro_rules! view_traits {
     };
 }
 
-view_traits!(StorageView);
-view_traits!(StorageViewMut);
+view_traits!(StorageView, false);
+view_traits!(StorageViewMut, true);
 
 impl<T> DevicePtrMut<T> for StorageViewMut<'_, T> {
     fn device_ptr_mut<'s>(
@@ -229,7 +267,8 @@ impl<T> DevicePtrMut<T> for StorageViewMut<'_, T> {
         stream: &'s CudaStream,
     ) -> (sys::CUdeviceptr, SyncOnDrop<'s>) {
         if stream.cu_stream() != self.stream.cu_stream() {
-            record_raw(self.storage, stream);
+            let touch = touch_of::<T>(self.ptr, self.len, true);
+            order_other_stream(self.storage, self.id, stream, touch);
         }
         (self.ptr, SyncOnDrop::Sync(None))
     }

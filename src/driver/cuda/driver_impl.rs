@@ -199,16 +199,18 @@ impl Driver for CudaDriver {
                 )));
             }
         }
-        let id = StreamId::new(device, self.fresh_id())?;
-        self.streams.insert(
-            id.0,
-            StreamEntry {
+        // One id per raw stream, however often it is imported (and the id of a stream this
+        // driver made, when that is what `raw` names): one shard, one sanitizer clock.
+        let id = self.streams.find_or_insert(
+            |entry| entry.device == device && entry.raw.0 == handle,
+            || Ok(StreamId::new(device, self.fresh_id())?.0),
+            || StreamEntry {
                 device,
                 raw: StreamHandle(handle),
                 borrowed: true,
             },
-        );
-        Ok(id)
+        )?;
+        Ok(StreamId(id))
     }
 
     fn raw_stream(&self, stream: StreamId) -> Result<u64> {

@@ -11,16 +11,52 @@
 //! shared with other streams and processes that may write them concurrently (as on a device, such
 //! bytes are then unspecified), which a Rust slice may not be. A kernel that returns an error fails
 //! its stream: the next synchronization on it reports the message.
+//!
+//! Each range says whether the kernel reads it or writes it ([`HostRange::read`],
+//! [`HostRange::write`]); writing a range named for reading is an error of the kernel. With the
+//! stream sanitizer on (`CUDALLOC_SANITIZE`, `driver::sanitizer`), the kernel's ranges are checked
+//! against every other stream's work when it is enqueued: a kernel that reads what another stream
+//! writes without a wait is reported, deterministically, before it runs.
 
 use super::HostDriver;
+use crate::driver::sanitizer::{AccessKind, Touch};
 use crate::driver::{DeviceAddr, StreamId};
 use crate::error::{Error, Result};
+
+/// A range of device memory a host kernel reads or writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostRange {
+    addr: DeviceAddr,
+    len: u64,
+    kind: AccessKind,
+}
+
+impl HostRange {
+    /// `len` bytes at `addr` that the kernel only reads.
+    pub fn read(addr: DeviceAddr, len: u64) -> Self {
+        HostRange {
+            addr,
+            len,
+            kind: AccessKind::Read,
+        }
+    }
+
+    /// `len` bytes at `addr` that the kernel writes (and may read).
+    pub fn write(addr: DeviceAddr, len: u64) -> Self {
+        HostRange {
+            addr,
+            len,
+            kind: AccessKind::Write,
+        }
+    }
+}
 
 /// The memory of a host kernel: `N` ranges of device memory, in the order they were named.
 #[derive(Debug)]
 pub struct HostMemory<const N: usize> {
     addrs: [usize; N],
     lens: [usize; N],
+    writable: [bool; N],
 }
 
 impl<const N: usize> HostMemory<N> {
@@ -66,8 +102,13 @@ impl<const N: usize> HostMemory<N> {
         Ok(out)
     }
 
-    /// Copies `data` into range `i` at `offset`.
+    /// Copies `data` into range `i` at `offset` (a range named with [`HostRange::write`]).
     pub fn write(&mut self, i: usize, offset: usize, data: &[u8]) -> Result<()> {
+        if !self.writable.get(i).copied().unwrap_or(false) {
+            return Err(Error::invalid(format!(
+                "range {i} was named for reading (HostRange::read): the kernel may not write it"
+            )));
+        }
         let dst = self.at(i, offset, data.len())?;
         // SAFETY: as in `read`, with `dst` writable device memory.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len()) };
@@ -82,18 +123,39 @@ impl HostDriver {
     pub fn enqueue_host<const N: usize>(
         &self,
         stream: StreamId,
-        ranges: [(DeviceAddr, u64); N],
+        ranges: [HostRange; N],
         kernel: impl FnOnce(&mut HostMemory<N>) -> Result<()> + Send + 'static,
     ) -> Result<()> {
         let mut lens = [0usize; N];
-        for (len, &(_, bytes)) in lens.iter_mut().zip(&ranges) {
-            *len = usize::try_from(bytes)
-                .map_err(|_| Error::invalid(format!("{bytes} bytes exceed the address space")))?;
+        let mut writable = [false; N];
+        for ((len, w), r) in lens.iter_mut().zip(&mut writable).zip(&ranges) {
+            *len = usize::try_from(r.len).map_err(|_| {
+                Error::invalid(format!("{} bytes exceed the address space", r.len))
+            })?;
+            *w = r.kind == AccessKind::Write;
         }
-        self.enqueue_fallible_on_ranges(stream, ranges, move |addrs| {
-            let mut memory = HostMemory { addrs, lens };
-            kernel(&mut memory).map_err(|e| format!("a library host kernel failed: {e}"))
-        })
-        .map(|_| ())
+        let spans = ranges.map(|r| (r.addr, r.len));
+        let enqueue = || {
+            self.enqueue_fallible_on_ranges(stream, spans, move |addrs| {
+                let mut memory = HostMemory {
+                    addrs,
+                    lens,
+                    writable,
+                };
+                kernel(&mut memory).map_err(|e| format!("a library host kernel failed: {e}"))
+            })
+            .map(|_| ())
+        };
+        match self.attached_sanitizer() {
+            Some(sanitizer) => {
+                let touches = ranges.map(|r| Touch {
+                    start: r.addr.0,
+                    len: r.len,
+                    kind: r.kind,
+                });
+                sanitizer.enqueue(stream, "a host kernel", &touches, enqueue)
+            }
+            None => enqueue(),
+        }
     }
 }

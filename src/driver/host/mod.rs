@@ -32,7 +32,7 @@ use std::collections::HashMap;
 pub use config::{
     parse_byte_size, HostDriverBuilder, DEFAULT_DEVICES, DEFAULT_MEMORY, MAX_DEVICES,
 };
-pub use library_kernels::HostMemory;
+pub use library_kernels::{HostMemory, HostRange};
 pub use stream::StreamGate;
 
 use self::event::{CellRef, EventPool};
@@ -47,7 +47,7 @@ use crate::driver::{
 use crate::error::{Error, Result};
 use crate::shm::{self, SharedMemory};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex, Weak};
+use crate::sync::os::{Arc, Mutex, OnceLock, Weak};
 
 const PAGE: u64 = 4096;
 
@@ -74,6 +74,9 @@ pub struct HostDriver {
     events: Registry<Arc<HostEvent>>,
     event_pool: Mutex<EventPool>,
     foreign_chunks: Mutex<HashMap<String, Weak<SharedMemory>>>,
+    /// The stream sanitizer of the [`SanitizedDriver`](crate::driver::SanitizedDriver)s over
+    /// this driver (one for all of them): library kernels report their accesses to it.
+    sanitizer: OnceLock<Arc<crate::driver::Sanitizer>>,
 }
 
 impl std::fmt::Debug for HostDriver {
@@ -112,6 +115,7 @@ impl HostDriver {
             events: Registry::new("event"),
             event_pool: Mutex::new(EventPool::default()),
             foreign_chunks: Mutex::new(HashMap::new()),
+            sanitizer: OnceLock::new(),
             config,
         };
         for device in 0..driver.config.devices {
@@ -119,6 +123,22 @@ impl HostDriver {
             driver.default_streams.push(id);
         }
         Ok(driver)
+    }
+
+    /// The sanitizer of this driver's sanitized wrappers, made with `options` by the first.
+    pub(crate) fn attach_sanitizer(
+        &self,
+        options: crate::driver::SanitizeOptions,
+    ) -> Arc<crate::driver::Sanitizer> {
+        Arc::clone(
+            self.sanitizer
+                .get_or_init(|| Arc::new(crate::driver::Sanitizer::new(options))),
+        )
+    }
+
+    /// The sanitizer attached by a sanitized wrapper, if any.
+    pub(crate) fn attached_sanitizer(&self) -> Option<&Arc<crate::driver::Sanitizer>> {
+        self.sanitizer.get()
     }
 
     /// Capacity of each virtual device in bytes.

@@ -1,0 +1,671 @@
+//! The stream sanitizer: a happens-before checker of everything enqueued on a driver's streams.
+//!
+//! Off by default; on with `CUDALLOC_SANITIZE=1` (or `panic`, which panics at the first hazard —
+//! for test suites; add `,stacks` to capture the Rust stack of every access), or from code with
+//! [`CachingAllocatorBuilder::sanitize`](crate::CachingAllocatorBuilder::sanitize). The allocator
+//! wraps its driver in a [`SanitizedDriver`], so both backends (and the simulated one) feed the
+//! same checker; the host backend's library kernels ([`HostDriver::enqueue_host`](crate::HostDriver::enqueue_host))
+//! and cudarc views report their accesses to it too, and the allocator reports its hand-outs and
+//! frees.
+//!
+//! # The model (a vector-clock race detector, per byte range)
+//!
+//! Every stream is an actor with a vector clock; so is the host. Another process's writes before
+//! its IPC event are an actor too (one per opened event).
+//!
+//! | call | effect on the clocks |
+//! |---|---|
+//! | any work enqueued on stream `s` (copy, memset, kernel, host kernel, view) | `C[s] ⊔= H`; `C[s][s] += 1`: the work's epoch |
+//! | `event_record(e, s)` | `E[e] := C[s] ⊔ H` |
+//! | `stream_wait_event(s, e)` | `C[s] ⊔= E[e]` |
+//! | `stream_synchronize(s)`, a blocking copy or verify on `s` | `H ⊔= C[s]` (as of the call) |
+//! | `event_synchronize(e)` | `H ⊔= E[e]` |
+//! | `free`, `ipc_close_memory`, `vm_unmap` (they wait for every stream) | `H ⊔=` every stream's clock |
+//! | `ipc_open_event(h)` | `E[e] := {producer actor of e: 1}` |
+//! | `stream_query`, `event_query` | nothing: a query observes timing, and verdicts must not depend on timing |
+//!
+//! An access `(s, epoch)` is *ordered before* whatever carries a clock `K` when `K[s] ≥ epoch`.
+//! Each byte range remembers its last write and the reads since (`shadow.rs`). A new access on
+//! stream `t` with clock `K` is a **race** when an earlier access to overlapping bytes on another
+//! actor is not ordered before `K` and one of the two writes. The check runs when the work is
+//! enqueued, on the calling thread, so a hazard is reported whatever the timing of the streams.
+//!
+//! The allocator's part:
+//!
+//! | allocator step | sanitizer |
+//! |---|---|
+//! | free of a block (its own stream `o`, recorded streams `r…`) | the bytes are *freed* with `F = C[o] ⊔ C[r…] ⊔ H`: what the allocator's events guarantee before reuse |
+//! | hand-out of bytes | every access to them on an actor other than `o` must be ordered before `F`, else a **use after free** (reported even without `record_stream`); those accesses are then dropped (the allocator waited for them), accesses on `o` stay (a later access on another stream must still be ordered after them) |
+//! | a COW copy, an IPC event, a free event | ordinary driver calls, checked as above |
+//!
+//! A receipt of another process's storage marks its bytes as written by the producer's event
+//! actor: a consumer stream that did not wait for the event (the current stream at receipt does)
+//! races with it.
+//!
+//! # Reports
+//!
+//! A hazard is an [`Error::StreamRace`] naming both accesses (stream, operation, byte range,
+//! allocation, and the stacks when on), logged with `tracing::error!`, kept in
+//! [`Sanitizer::reports`], and *sticky* on the stream of the later access, like a CUDA error:
+//! the call that found it and every later call on that stream return it. In panic mode the call
+//! panics instead. Off, the allocator pays one predictable branch per allocation and free.
+//!
+//! Host threads are one actor: the sanitizer cannot see how threads synchronize with each other,
+//! so it assumes they do (it may miss a race between threads, never invent one).
+
+mod clock;
+mod report;
+mod shadow;
+mod wrapper;
+
+use std::collections::{BTreeMap, HashMap};
+
+pub use report::{AccessReport, HazardKind, HazardReport};
+pub use shadow::AccessKind;
+pub use wrapper::SanitizedDriver;
+
+use self::clock::VectorClock;
+use self::report::Stack;
+use self::shadow::{Access, Free, Shadow};
+use crate::driver::{EventId, StreamId};
+use crate::error::{Error, Result};
+use crate::sync::os::atomic::{AtomicBool, Ordering};
+use crate::sync::os::{Arc, Mutex, MutexGuard};
+
+/// The most reports kept (later ones are counted and logged, not kept).
+const MAX_KEPT_REPORTS: usize = 1000;
+
+/// How the sanitizer reports hazards.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SanitizeOptions {
+    /// Panic at the first hazard (test suites) instead of returning the error.
+    pub panic: bool,
+    /// Capture the Rust stack of every access (named in reports; costs a stack walk each).
+    pub stacks: bool,
+}
+
+impl SanitizeOptions {
+    /// Parses a `CUDALLOC_SANITIZE` value: `0`/`off`/empty (off, `None`), `1`/`on`/`report`, or
+    /// `panic`, optionally followed by `,stacks`.
+    pub fn parse(value: &str) -> Result<Option<SanitizeOptions>> {
+        let mut parts = value.split(',').map(str::trim);
+        let mut options = match parts.next().unwrap_or("") {
+            "" | "0" | "off" | "false" => return Ok(None),
+            "1" | "on" | "true" | "report" => SanitizeOptions::default(),
+            "panic" => SanitizeOptions {
+                panic: true,
+                stacks: false,
+            },
+            other => {
+                return Err(Error::Config(format!(
+                    "CUDALLOC_SANITIZE: {other:?} is not a mode; valid: 0, 1 (report), panic, each optionally with ,stacks"
+                )))
+            }
+        };
+        for part in parts {
+            match part {
+                "stacks" => options.stacks = true,
+                other => {
+                    return Err(Error::Config(format!(
+                        "CUDALLOC_SANITIZE: {other:?} is not an option; valid: stacks"
+                    )))
+                }
+            }
+        }
+        Ok(Some(options))
+    }
+
+    /// Reads `CUDALLOC_SANITIZE` (unset: off).
+    pub fn from_env() -> Result<Option<SanitizeOptions>> {
+        match std::env::var("CUDALLOC_SANITIZE") {
+            Ok(value) => Self::parse(&value),
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Err(std::env::VarError::NotUnicode(_)) => Err(Error::Config(
+                "CUDALLOC_SANITIZE is not valid UTF-8".into(),
+            )),
+        }
+    }
+}
+
+/// An actor: a stream, or another process's writes before one of its events.
+#[derive(Debug)]
+struct Actor {
+    clock: VectorClock,
+    name: String,
+    /// The hazard that failed this stream (sticky).
+    sticky: Option<Error>,
+}
+
+/// A live hand-out of the allocator, for naming the allocation of an access.
+#[derive(Debug)]
+struct Allocation {
+    end: u64,
+    id: u64,
+    stream: String,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    streams: HashMap<StreamId, usize>,
+    actors: Vec<Actor>,
+    host: VectorClock,
+    events: HashMap<EventId, VectorClock>,
+    /// Opened IPC events: the producer actor each stands for.
+    remote: HashMap<EventId, usize>,
+    shadow: Shadow,
+    allocations: BTreeMap<u64, Allocation>,
+    next_allocation: u64,
+    /// Memory the driver mapped (segments, opened segments): base → size, forgotten on free.
+    segments: HashMap<u64, u64>,
+    reports: Vec<HazardReport>,
+    hazards: u64,
+}
+
+impl State {
+    fn slot(&mut self, stream: StreamId) -> usize {
+        if let Some(&slot) = self.streams.get(&stream) {
+            return slot;
+        }
+        let slot = self.actors.len();
+        let serial = stream.raw() & ((1 << 48) - 1);
+        self.actors.push(Actor {
+            clock: VectorClock::default(),
+            name: format!("stream {serial} of device {}", stream.device()),
+            sticky: None,
+        });
+        self.streams.insert(stream, slot);
+        slot
+    }
+
+    fn sticky(&mut self, stream: StreamId) -> Result<usize> {
+        let slot = self.slot(stream);
+        match &self.actors[slot].sticky {
+            Some(err) => Err(err.clone()),
+            None => Ok(slot),
+        }
+    }
+
+    /// The clock work enqueued on `slot` now carries (the stream's, joined with the host's).
+    fn knowledge(&self, slot: usize) -> VectorClock {
+        let mut k = self.actors[slot].clock.clone();
+        k.join(&self.host);
+        k
+    }
+
+    fn allocation_at(&self, addr: u64) -> Option<String> {
+        let (start, a) = self.allocations.range(..=addr).next_back()?;
+        (addr < a.end).then(|| {
+            format!(
+                "allocation #{} ({:#x}, {} bytes, allocated on {})",
+                a.id,
+                start,
+                a.end - start,
+                a.stream
+            )
+        })
+    }
+
+    /// The first earlier access to `[start, end)` that an access of `kind` by `slot` carrying
+    /// `k` is not ordered after.
+    fn conflict(
+        &mut self,
+        start: u64,
+        end: u64,
+        slot: usize,
+        k: &VectorClock,
+        kind: AccessKind,
+    ) -> Option<Arc<Access>> {
+        for (_, cell) in self.shadow.existing(start, end) {
+            let unordered = |a: &&Arc<Access>| a.slot != slot && !k.knows(a.slot, a.epoch);
+            if let Some(w) = cell.write.as_ref().filter(unordered) {
+                return Some(Arc::clone(w));
+            }
+            if kind == AccessKind::Write {
+                if let Some(r) = cell.reads.iter().find(unordered) {
+                    return Some(Arc::clone(r));
+                }
+            }
+        }
+        None
+    }
+
+    fn record(&mut self, access: Arc<Access>) {
+        let (start, end) = (access.start, access.start + access.len);
+        for (_, cell) in self.shadow.covering(start, end) {
+            match access.kind {
+                AccessKind::Write => {
+                    cell.write = Some(Arc::clone(&access));
+                    cell.reads.clear();
+                }
+                AccessKind::Read => {
+                    cell.reads.retain(|r| r.slot != access.slot);
+                    cell.reads.push(Arc::clone(&access));
+                }
+            }
+        }
+        self.shadow.tidy(start, end);
+    }
+}
+
+/// One access of an enqueued operation: bytes `[start, start + len)`, read or written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Touch {
+    /// First byte address.
+    pub start: u64,
+    /// Bytes (0: nothing).
+    pub len: u64,
+    /// Read or write.
+    pub kind: AccessKind,
+}
+
+impl Touch {
+    /// Reads `len` bytes at `start`.
+    pub fn read(start: u64, len: u64) -> Self {
+        Touch {
+            start,
+            len,
+            kind: AccessKind::Read,
+        }
+    }
+
+    /// Writes `len` bytes at `start`.
+    pub fn write(start: u64, len: u64) -> Self {
+        Touch {
+            start,
+            len,
+            kind: AccessKind::Write,
+        }
+    }
+}
+
+/// The checker; one per driver (see the [module docs](self)).
+#[derive(Debug)]
+pub struct Sanitizer {
+    options: SanitizeOptions,
+    stacks: AtomicBool,
+    state: Mutex<State>,
+}
+
+impl Sanitizer {
+    /// A checker with `options`.
+    pub fn new(options: SanitizeOptions) -> Self {
+        Sanitizer {
+            options,
+            stacks: AtomicBool::new(options.stacks),
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    /// The options it was made with.
+    pub fn options(&self) -> SanitizeOptions {
+        self.options
+    }
+
+    /// Turns stack capture on or off (the allocator turns it on with history stacks).
+    pub fn set_stacks(&self, on: bool) {
+        self.stacks.store(on, Ordering::Relaxed);
+    }
+
+    /// The hazards found so far (at most the first 1000).
+    pub fn reports(&self) -> Vec<HazardReport> {
+        self.state.lock().reports.clone()
+    }
+
+    /// Takes the hazards found so far, leaving none.
+    pub fn take_reports(&self) -> Vec<HazardReport> {
+        std::mem::take(&mut self.state.lock().reports)
+    }
+
+    /// How many hazards were found (kept or not).
+    pub fn hazard_count(&self) -> u64 {
+        self.state.lock().hazards
+    }
+
+    /// Checks and records work on `stream` touching `touches`, running `enqueue` (the real
+    /// enqueue) under the checker's lock so that its order is the streams' real order. A hazard
+    /// fails the stream (sticky) and nothing is enqueued.
+    pub fn enqueue<T>(
+        &self,
+        stream: StreamId,
+        what: &str,
+        touches: &[Touch],
+        enqueue: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        let mut st = self.state.lock();
+        let (slot, k) = self.check(&mut st, stream, what, touches)?;
+        let out = enqueue()?;
+        self.commit(&mut st, slot, k, what, touches);
+        Ok(out)
+    }
+
+    /// As [`Sanitizer::enqueue`] for work that returns when it is done (a blocking copy): checked
+    /// and recorded first, run without the lock, then the host knows the stream up to it.
+    pub fn blocking<T>(
+        &self,
+        stream: StreamId,
+        what: &str,
+        touches: &[Touch],
+        run: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        let k = {
+            let mut st = self.state.lock();
+            let (slot, k) = self.check(&mut st, stream, what, touches)?;
+            self.commit(&mut st, slot, k.clone(), what, touches);
+            k
+        };
+        let out = run()?;
+        self.state.lock().host.join(&k);
+        Ok(out)
+    }
+
+    fn check(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        stream: StreamId,
+        what: &str,
+        touches: &[Touch],
+    ) -> Result<(usize, VectorClock)> {
+        let slot = st.sticky(stream)?;
+        let mut k = st.knowledge(slot);
+        k.tick(slot);
+        for t in touches.iter().filter(|t| t.len > 0) {
+            let end = t.start.saturating_add(t.len);
+            if let Some(earlier) = st.conflict(t.start, end, slot, &k, t.kind) {
+                let later = AccessReport {
+                    kind: t.kind.name(),
+                    what: format!("{what} on {}", st.actors[slot].name),
+                    start: t.start,
+                    len: t.len,
+                    allocation: st.allocation_at(t.start),
+                    stack: self.stack().as_ref().map(|s| s.render_now()),
+                };
+                let report = HazardReport {
+                    kind: HazardKind::Race,
+                    earlier: AccessReport::of(&earlier),
+                    later,
+                    free: None,
+                };
+                return Err(self.fail(st, slot, report));
+            }
+        }
+        Ok((slot, k))
+    }
+
+    fn commit(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        slot: usize,
+        k: VectorClock,
+        what: &str,
+        touches: &[Touch],
+    ) {
+        let epoch = k.get(slot);
+        st.actors[slot].clock = k;
+        let stack = touches
+            .iter()
+            .any(|t| t.len > 0)
+            .then(|| self.stack())
+            .flatten();
+        for t in touches.iter().filter(|t| t.len > 0) {
+            let access = Access {
+                slot,
+                epoch,
+                kind: t.kind,
+                what: format!("{what} on {}", st.actors[slot].name),
+                start: t.start,
+                len: t.len.min(u64::MAX - t.start),
+                allocation: st.allocation_at(t.start),
+                stack: stack.clone(),
+            };
+            st.record(Arc::new(access));
+        }
+    }
+
+    fn stack(&self) -> Option<Stack> {
+        self.stacks.load(Ordering::Relaxed).then(Stack::capture)
+    }
+
+    /// Records a hazard: kept, logged, sticky on `slot`'s stream; the error to return (panics in
+    /// panic mode, after releasing the lock).
+    fn fail(&self, st: &mut MutexGuard<'_, State>, slot: usize, report: HazardReport) -> Error {
+        let text = report.to_string();
+        let err = Error::StreamRace(text.clone());
+        st.hazards += 1;
+        if st.reports.len() < MAX_KEPT_REPORTS {
+            st.reports.push(report);
+        }
+        st.actors[slot].sticky = Some(Error::StreamRace(format!(
+            "{} failed earlier (sticky, like a CUDA error): {text}",
+            st.actors[slot].name
+        )));
+        tracing::error!(target: "cudalloc::sanitizer", "{text}");
+        if self.options.panic {
+            MutexGuard::unlocked(st, || panic!("cudalloc sanitizer: {text}"));
+        }
+        err
+    }
+
+    /// `event_record(event, stream)`, run by `record` under the lock.
+    pub fn event_record(
+        &self,
+        event: EventId,
+        stream: StreamId,
+        record: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let mut st = self.state.lock();
+        let slot = st.sticky(stream)?;
+        let k = st.knowledge(slot);
+        record()?;
+        st.actors[slot].clock = k.clone();
+        st.events.insert(event, k);
+        Ok(())
+    }
+
+    /// `stream_wait_event(stream, event)`, run by `wait` under the lock.
+    pub fn stream_wait_event(
+        &self,
+        stream: StreamId,
+        event: EventId,
+        wait: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let mut st = self.state.lock();
+        let slot = st.sticky(stream)?;
+        wait()?;
+        if let Some(e) = st.events.get(&event).cloned() {
+            st.actors[slot].clock.join(&e);
+        }
+        Ok(())
+    }
+
+    /// The host waits for `stream` (`run` is the blocking call): afterwards it knows everything
+    /// enqueued there before the call. Returns the stream's sticky hazard, as CUDA would.
+    pub fn host_waits_stream(&self, stream: StreamId, run: impl FnOnce() -> Result<()>) -> Result<()> {
+        let clock = {
+            let mut st = self.state.lock();
+            let slot = st.slot(stream);
+            st.knowledge(slot)
+        };
+        run()?;
+        let mut st = self.state.lock();
+        st.host.join(&clock);
+        let slot = st.slot(stream);
+        match &st.actors[slot].sticky {
+            Some(err) => Err(err.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// The host waits for `event`'s latest record.
+    pub fn host_waits_event(&self, event: EventId, run: impl FnOnce() -> Result<()>) -> Result<()> {
+        let clock = self.state.lock().events.get(&event).cloned();
+        run()?;
+        if let Some(clock) = clock {
+            self.state.lock().host.join(&clock);
+        }
+        Ok(())
+    }
+
+    /// The host waits for every stream (`run` drains them: a segment free, an unmap).
+    pub fn host_waits_all<T>(&self, run: impl FnOnce() -> Result<T>) -> Result<T> {
+        let mut all = VectorClock::default();
+        for actor in &self.state.lock().actors {
+            all.join(&actor.clock);
+        }
+        let out = run()?;
+        self.state.lock().host.join(&all);
+        Ok(out)
+    }
+
+    /// An event is gone: forget its clock.
+    pub(crate) fn event_destroyed(&self, event: EventId) {
+        let mut st = self.state.lock();
+        st.events.remove(&event);
+        st.remote.remove(&event);
+    }
+
+    /// The driver mapped `[base, base + size)` (a segment, an opened segment): nothing is known
+    /// of it yet.
+    pub(crate) fn mapped(&self, base: u64, size: u64) {
+        let mut st = self.state.lock();
+        st.shadow.forget(base, base.saturating_add(size));
+        st.segments.insert(base, size);
+    }
+
+    /// The driver's memory at `base` (a segment mapped before) is gone.
+    pub(crate) fn unmapped_segment(&self, base: u64) {
+        let mut st = self.state.lock();
+        if let Some(size) = st.segments.remove(&base) {
+            Self::forget_locked(&mut st, base, size);
+        }
+    }
+
+    /// `[start, start + len)` is gone (unmapped pages).
+    pub(crate) fn forget(&self, start: u64, len: u64) {
+        Self::forget_locked(&mut self.state.lock(), start, len);
+    }
+
+    fn forget_locked(st: &mut State, start: u64, len: u64) {
+        let end = start.saturating_add(len);
+        st.shadow.forget(start, end);
+        let doomed: Vec<u64> = st.allocations.range(start..end).map(|(&s, _)| s).collect();
+        for s in doomed {
+            st.allocations.remove(&s);
+        }
+    }
+
+    /// An IPC event of another process was opened as `event`: it stands for the producer's writes
+    /// before it (an actor of its own), `what` says whose.
+    pub(crate) fn remote_event(&self, event: EventId, what: String) {
+        let mut st = self.state.lock();
+        let slot = st.actors.len();
+        st.actors.push(Actor {
+            clock: VectorClock::default(),
+            name: what,
+            sticky: None,
+        });
+        let mut clock = VectorClock::default();
+        clock.raise(slot, 1);
+        st.events.insert(event, clock);
+        st.remote.insert(event, slot);
+    }
+
+    /// Bytes of a received storage were written by the producer before `event` (opened with
+    /// [`Sanitizer::remote_event`]): a stream that uses them must wait for it first.
+    pub fn remote_write(&self, start: u64, len: u64, event: EventId) {
+        let mut st = self.state.lock();
+        let Some(&slot) = st.remote.get(&event) else {
+            return;
+        };
+        let access = Access {
+            slot,
+            epoch: 1,
+            kind: AccessKind::Write,
+            what: st.actors[slot].name.clone(),
+            start,
+            len: len.min(u64::MAX - start),
+            allocation: Some("a storage received from another process".into()),
+            stack: None,
+        };
+        st.record(Arc::new(access));
+    }
+
+    /// The allocator freed the block `[start, start + len)` of `stream`, whose reuse waits for
+    /// the work `used_by` had queued (record_stream).
+    pub fn free(&self, start: u64, len: u64, stream: StreamId, used_by: &[StreamId]) {
+        let mut st = self.state.lock();
+        let owner = st.slot(stream);
+        let mut clock = st.knowledge(owner);
+        for &s in used_by {
+            let slot = st.slot(s);
+            clock.join(&st.actors[slot].clock);
+        }
+        let what = format!(
+            "the free of {} (bytes [{start:#x}, {:#x}))",
+            st.allocation_at(start)
+                .unwrap_or_else(|| "an allocation".into()),
+            start.saturating_add(len)
+        );
+        let free = Arc::new(Free {
+            clock,
+            owner_slot: owner,
+            what,
+        });
+        let end = start.saturating_add(len);
+        for (_, cell) in st.shadow.existing(start, end) {
+            cell.freed = Some(Arc::clone(&free));
+        }
+        st.allocations.remove(&start);
+    }
+
+    /// The allocator hands `[start, start + len)` out on `stream`: every access to it on another
+    /// actor must be ordered before its free, else a use after free (sticky on `stream`).
+    pub fn hand_out(&self, start: u64, len: u64, stream: StreamId) {
+        let mut st = self.state.lock();
+        let owner = st.slot(stream);
+        let end = start.saturating_add(len);
+        let mut hazard: Option<(Arc<Access>, String)> = None;
+        for (_, cell) in st.shadow.existing(start, end) {
+            let Some(free) = cell.freed.take() else {
+                continue;
+            };
+            if hazard.is_none() {
+                hazard = cell
+                    .accesses()
+                    .find(|a| a.slot != free.owner_slot && !free.clock.knows(a.slot, a.epoch))
+                    .map(|a| (Arc::clone(a), free.what.clone()));
+            }
+            // The allocator waited for the other streams' work: only the block's own stream's
+            // accesses still order what comes next.
+            cell.write = cell.write.take().filter(|w| w.slot == free.owner_slot);
+            cell.reads.retain(|r| r.slot == free.owner_slot);
+        }
+        st.shadow.tidy(start, end);
+        let id = st.next_allocation;
+        st.next_allocation += 1;
+        let stream_name = st.actors[owner].name.clone();
+        st.allocations.insert(
+            start,
+            Allocation {
+                end,
+                id,
+                stream: stream_name.clone(),
+            },
+        );
+        if let Some((earlier, free)) = hazard {
+            let report = HazardReport {
+                kind: HazardKind::UseAfterFree,
+                earlier: AccessReport::of(&earlier),
+                later: AccessReport {
+                    kind: "hand-out",
+                    what: format!("the allocator on {stream_name}"),
+                    start,
+                    len,
+                    allocation: st.allocation_at(start),
+                    stack: self.stack().as_ref().map(|s| s.render_now()),
+                },
+                free: Some(free),
+            };
+            let _sticky = self.fail(&mut st, owner, report);
+        }
+    }
+}

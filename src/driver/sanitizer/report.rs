@@ -1,0 +1,165 @@
+//! What the sanitizer reports: two accesses that are not ordered, named so a reader can find both.
+
+use std::fmt;
+
+use super::shadow::Access;
+
+/// A Rust stack captured when an access was enqueued (sanitizer stacks on), symbolized only when
+/// a report names it.
+#[derive(Clone)]
+pub(crate) struct Stack(backtrace::Backtrace);
+
+impl fmt::Debug for Stack {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Stack(..)")
+    }
+}
+
+impl Stack {
+    /// The current thread's stack, unresolved.
+    pub fn capture() -> Self {
+        Stack(backtrace::Backtrace::new_unresolved())
+    }
+
+    /// The frames from the caller's entry into cudalloc outwards, one `name (file:line)` a line.
+    pub(crate) fn render_now(&self) -> String {
+        let mut trace = self.0.clone();
+        trace.resolve();
+        let mut lines = Vec::new();
+        for frame in trace.frames() {
+            for symbol in frame.symbols() {
+                let name = symbol
+                    .name()
+                    .map_or_else(|| "??".to_owned(), |n| format!("{n:#}"));
+                let at = match (symbol.filename(), symbol.lineno()) {
+                    (Some(file), Some(line)) => format!(" ({}:{line})", file.display()),
+                    _ => String::new(),
+                };
+                lines.push(format!("{name}{at}"));
+            }
+        }
+        // Leave out the capture and cudalloc's own frames above the caller.
+        let skip = lines
+            .iter()
+            .take_while(|l| {
+                l.starts_with("backtrace::")
+                    || l.starts_with("cudalloc::")
+                    || l.starts_with("<cudalloc::")
+            })
+            .count();
+        lines
+            .into_iter()
+            .skip(skip)
+            .take(24)
+            .map(|l| format!("      {l}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+/// What kind of hazard a report is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum HazardKind {
+    /// Two accesses to overlapping bytes on different streams, at least one a write, with no
+    /// event, synchronization or wait ordering the first before the second.
+    Race,
+    /// Memory handed out again while an access to it (on a stream other than the block's own)
+    /// was not ordered before its free — a forgotten `record_stream`, or a free while another
+    /// stream still reads or writes.
+    UseAfterFree,
+}
+
+impl HazardKind {
+    /// `"race"` or `"use after free"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            HazardKind::Race => "race",
+            HazardKind::UseAfterFree => "use after free",
+        }
+    }
+}
+
+/// One side of a report, as text (the access, its bytes, its allocation, its stack).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AccessReport {
+    /// `"read"` or `"write"` (or `"hand-out"` for the allocator's).
+    pub kind: &'static str,
+    /// What did it and on which stream, e.g. `"memset on stream 2 of device 0"`.
+    pub what: String,
+    /// First byte address.
+    pub start: u64,
+    /// Bytes.
+    pub len: u64,
+    /// The allocation the bytes belonged to, when known.
+    pub allocation: Option<String>,
+    /// The Rust stack that enqueued it, when sanitizer stacks are on.
+    pub stack: Option<String>,
+}
+
+impl AccessReport {
+    pub(crate) fn of(access: &Access) -> Self {
+        AccessReport {
+            kind: access.kind.name(),
+            what: access.what.clone(),
+            start: access.start,
+            len: access.len,
+            allocation: access.allocation.clone(),
+            stack: access.stack.as_ref().map(Stack::render_now),
+        }
+    }
+}
+
+impl fmt::Display for AccessReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} by {}, bytes [{:#x}, {:#x}) ({} bytes)",
+            self.kind,
+            self.what,
+            self.start,
+            self.start.saturating_add(self.len),
+            self.len
+        )?;
+        if let Some(a) = &self.allocation {
+            write!(f, " of {a}")?;
+        }
+        if let Some(stack) = &self.stack {
+            write!(f, "\n    enqueued at:\n{stack}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A hazard the sanitizer found: the earlier access, and the later one that is not ordered after
+/// it (for a use after free, the free and the hand-out follow).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HazardReport {
+    /// Race or use after free.
+    pub kind: HazardKind,
+    /// The access that came first.
+    pub earlier: AccessReport,
+    /// The access (or hand-out) not ordered after it.
+    pub later: AccessReport,
+    /// For a use after free: the free that did not wait for `earlier`.
+    pub free: Option<String>,
+}
+
+impl fmt::Display for HazardReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            HazardKind::Race => write!(
+                f,
+                "stream race: {}\n  is not ordered after the earlier {}\n  (no event, wait or synchronization orders them)",
+                self.later, self.earlier
+            ),
+            HazardKind::UseAfterFree => write!(
+                f,
+                "use after free: {}\n  while the earlier {}\n  was not ordered before {} (record_stream or a wait was missing)",
+                self.later,
+                self.earlier,
+                self.free.as_deref().unwrap_or("its free")
+            ),
+        }
+    }
+}

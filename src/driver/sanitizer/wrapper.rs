@@ -1,0 +1,248 @@
+//! [`SanitizedDriver`]: any [`Driver`] with every stream operation checked by a [`Sanitizer`].
+
+use std::os::fd::OwnedFd;
+
+use super::{SanitizeOptions, Sanitizer, Touch};
+use crate::driver::{
+    Backend, ChunkId, DeviceAddr, Driver, EventFlags, EventId, HostDriver, IpcEventHandle,
+    IpcMemHandle, MemInfo, OpenedSegment, StreamId,
+};
+use crate::error::Result;
+use crate::sync::os::Arc;
+
+/// A driver whose streams, events and memory operations feed a [`Sanitizer`] (see the
+/// [module docs](super)); everything else is forwarded unchanged.
+#[derive(Debug)]
+pub struct SanitizedDriver {
+    inner: Arc<dyn Driver>,
+    sanitizer: Arc<Sanitizer>,
+}
+
+impl SanitizedDriver {
+    /// `inner` checked by a sanitizer with `options`; a driver that is sanitized already is
+    /// returned as it is. A host backend keeps one sanitizer for all its wrappers (its library
+    /// kernels report to it).
+    pub fn wrap(inner: Arc<dyn Driver>, options: SanitizeOptions) -> Arc<dyn Driver> {
+        if inner.sanitizer().is_some() {
+            return inner;
+        }
+        let sanitizer = match inner.as_host() {
+            Some(host) => host.attach_sanitizer(options),
+            None => Arc::new(Sanitizer::new(options)),
+        };
+        Arc::new(SanitizedDriver { inner, sanitizer })
+    }
+
+    /// The driver underneath.
+    pub fn inner(&self) -> &Arc<dyn Driver> {
+        &self.inner
+    }
+}
+
+impl Driver for SanitizedDriver {
+    fn backend(&self) -> Backend {
+        self.inner.backend()
+    }
+    fn as_host(&self) -> Option<&HostDriver> {
+        self.inner.as_host()
+    }
+    fn sanitizer(&self) -> Option<Arc<Sanitizer>> {
+        Some(Arc::clone(&self.sanitizer))
+    }
+    fn device_count(&self) -> usize {
+        self.inner.device_count()
+    }
+    fn device_name(&self, device: usize) -> Result<String> {
+        self.inner.device_name(device)
+    }
+    fn mem_info(&self, device: usize) -> Result<MemInfo> {
+        self.inner.mem_info(device)
+    }
+
+    fn malloc(&self, device: usize, size: u64) -> Result<DeviceAddr> {
+        let ptr = self.inner.malloc(device, size)?;
+        self.sanitizer.mapped(ptr.0, size);
+        Ok(ptr)
+    }
+    fn free(&self, ptr: DeviceAddr) -> Result<()> {
+        self.sanitizer.host_waits_all(|| self.inner.free(ptr))?;
+        self.sanitizer.unmapped_segment(ptr.0);
+        Ok(())
+    }
+
+    fn default_stream(&self, device: usize) -> Result<StreamId> {
+        self.inner.default_stream(device)
+    }
+    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
+        // SAFETY: forwarded; the caller upholds the contract.
+        unsafe { self.inner.import_stream(device, raw) }
+    }
+    fn raw_stream(&self, stream: StreamId) -> Result<u64> {
+        self.inner.raw_stream(stream)
+    }
+    fn stream_create(&self, device: usize) -> Result<StreamId> {
+        self.inner.stream_create(device)
+    }
+    fn stream_destroy(&self, stream: StreamId) -> Result<()> {
+        self.inner.stream_destroy(stream)
+    }
+    fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
+        self.sanitizer
+            .host_waits_stream(stream, || self.inner.stream_synchronize(stream))
+    }
+    fn stream_query(&self, stream: StreamId) -> Result<bool> {
+        self.inner.stream_query(stream)
+    }
+    fn stream_device(&self, stream: StreamId) -> Result<usize> {
+        self.inner.stream_device(stream)
+    }
+
+    fn event_create(&self, device: usize, flags: EventFlags) -> Result<EventId> {
+        self.inner.event_create(device, flags)
+    }
+    fn event_destroy(&self, event: EventId) -> Result<()> {
+        self.inner.event_destroy(event)?;
+        self.sanitizer.event_destroyed(event);
+        Ok(())
+    }
+    fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
+        self.sanitizer
+            .event_record(event, stream, || self.inner.event_record(event, stream))
+    }
+    fn event_query(&self, event: EventId) -> Result<bool> {
+        self.inner.event_query(event)
+    }
+    fn event_synchronize(&self, event: EventId) -> Result<()> {
+        self.sanitizer
+            .host_waits_event(event, || self.inner.event_synchronize(event))
+    }
+    fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
+        self.sanitizer.stream_wait_event(stream, event, || {
+            self.inner.stream_wait_event(stream, event)
+        })
+    }
+
+    fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
+        let touch = [Touch::write(dst.0, src.len() as u64)];
+        self.sanitizer
+            .blocking(stream, "copy_host_to_device", &touch, || {
+                self.inner.copy_host_to_device(stream, dst, src)
+            })
+    }
+    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
+        let touch = [Touch::read(src.0, dst.len() as u64)];
+        self.sanitizer
+            .blocking(stream, "copy_device_to_host", &touch, || {
+                self.inner.copy_device_to_host(stream, dst, src)
+            })
+    }
+    fn copy_device_to_device(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        src: DeviceAddr,
+        len: u64,
+    ) -> Result<()> {
+        let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
+        self.sanitizer
+            .enqueue(stream, "copy_device_to_device", &touches, || {
+                self.inner.copy_device_to_device(stream, dst, src, len)
+            })
+    }
+    fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
+        self.sanitizer
+            .enqueue(stream, "memset", &[Touch::write(dst.0, len)], || {
+                self.inner.memset(stream, dst, value, len)
+            })
+    }
+
+    fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
+        self.sanitizer
+            .enqueue(stream, "fill_pattern", &[Touch::write(dst.0, len)], || {
+                self.inner.fill_pattern(stream, dst, len, seed)
+            })
+    }
+    fn count_pattern_mismatches(
+        &self,
+        stream: StreamId,
+        src: DeviceAddr,
+        len: u64,
+        seed: u64,
+    ) -> Result<u64> {
+        let touch = [Touch::read(src.0, len)];
+        self.sanitizer
+            .blocking(stream, "count_pattern_mismatches", &touch, || {
+                self.inner.count_pattern_mismatches(stream, src, len, seed)
+            })
+    }
+    fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
+        self.sanitizer
+            .enqueue(stream, "poison", &[Touch::write(dst.0, len)], || {
+                self.inner.poison(stream, dst, len)
+            })
+    }
+    fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
+        self.sanitizer
+            .enqueue(stream, "sleep", &[], || self.inner.sleep(stream, micros))
+    }
+
+    fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
+        self.inner.ipc_export_memory(ptr)
+    }
+    fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
+        let opened = self.inner.ipc_open_memory(device, handle)?;
+        self.sanitizer.mapped(opened.ptr.0, opened.size);
+        Ok(opened)
+    }
+    fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
+        self.sanitizer
+            .host_waits_all(|| self.inner.ipc_close_memory(ptr))?;
+        self.sanitizer.unmapped_segment(ptr.0);
+        Ok(())
+    }
+    fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {
+        self.inner.ipc_export_event(event)
+    }
+    fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
+        let event = self.inner.ipc_open_event(device, handle)?;
+        self.sanitizer.remote_event(
+            event,
+            format!(
+                "the producer process's writes before its IPC event (opened as event {})",
+                event.raw()
+            ),
+        );
+        Ok(event)
+    }
+
+    fn vm_granularity(&self, device: usize) -> Result<u64> {
+        self.inner.vm_granularity(device)
+    }
+    fn vm_reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
+        self.inner.vm_reserve(device, size)
+    }
+    fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()> {
+        self.inner.vm_free_reservation(base)
+    }
+    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<ChunkId> {
+        self.inner.vm_create_chunk(device, size)
+    }
+    fn vm_release_chunk(&self, chunk: ChunkId) -> Result<()> {
+        self.inner.vm_release_chunk(chunk)
+    }
+    fn vm_map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()> {
+        self.inner.vm_map(addr, chunk)
+    }
+    fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
+        self.sanitizer
+            .host_waits_all(|| self.inner.vm_unmap(addr, size))?;
+        self.sanitizer.forget(addr.0, size);
+        Ok(())
+    }
+    fn vm_export_chunk(&self, chunk: ChunkId) -> Result<OwnedFd> {
+        self.inner.vm_export_chunk(chunk)
+    }
+    fn vm_import_chunk(&self, device: usize, fd: OwnedFd, size: u64) -> Result<ChunkId> {
+        self.inner.vm_import_chunk(device, fd, size)
+    }
+}
