@@ -207,16 +207,12 @@ fn a_slow_copier_still_sees_the_original_when_the_stealer_writes_on_another_stre
     s.fill_pattern(1).unwrap();
     let c = s.lazy_clone().unwrap();
     let gate = driver.gate_stream(sa).unwrap();
-    {
-        let _on_a = a.set_current_stream(sa).unwrap();
-        c.mutable_data_ptr().unwrap(); // copy enqueued behind the gate
-    }
-    {
-        let _on_b = a.set_current_stream(sb).unwrap();
-        let addr = s.mutable_data_ptr().unwrap(); // last reference: steal
-        d.fill_pattern(sb, addr, MIB, 2).unwrap(); // write at once on B
-        assert!(!d.stream_query(sb).unwrap(), "B waits for the gated copy");
-    }
+    // Stream-ordered first writes (`mutable_data_ptr_on`): `mutable_data_ptr()` would wait for
+    // the copy, which the gate holds.
+    c.mutable_data_ptr_on(sa).unwrap(); // copy enqueued behind the gate
+    let addr = s.mutable_data_ptr_on(sb).unwrap(); // last reference: steal
+    d.fill_pattern(sb, addr, MIB, 2).unwrap(); // write at once on B
+    assert!(!d.stream_query(sb).unwrap(), "B waits for the gated copy");
     gate.open();
     d.stream_synchronize(sb).unwrap();
     d.stream_synchronize(sa).unwrap();

@@ -120,6 +120,12 @@ impl Storage {
         }
     }
 
+    /// The stream the memory was allocated on (`None` for memory not from this process's
+    /// allocator: received from another process, or empty).
+    pub fn allocation_stream(&self) -> Option<StreamId> {
+        self.with_data(|d| d.allocation_stream())
+    }
+
     /// Size in bytes.
     pub fn nbytes(&self) -> u64 {
         self.inner.nbytes
