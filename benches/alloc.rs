@@ -8,6 +8,8 @@
 //!   doing the same number of pairs each (started together on a spinning line; 2 threads finishing in
 //!   the time of 1 means 2× throughput), each sample on a fresh allocator; `exact` is PyTorch's
 //!   policy, `thread-cache` adds `thread_cache_mb:64`. `pair/cudalloc-thread-cache` is the pair with thread front caches.
+//! * `pair/cudalloc-sanitized` — the pair with the stream sanitizer on (`Sanitize::On`); the plain
+//!   `pair/cudalloc` has it off (its cost there: one branch on the allocation and the free).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::sync::Arc;
@@ -59,8 +61,20 @@ fn pair(c: &mut Criterion) {
         )
         .unwrap(),
     );
+    let sanitized = Arc::new(
+        Runtime::builder()
+            .sanitize(cudalloc::Sanitize::On(Default::default()))
+            .build(d.clone())
+            .unwrap(),
+    );
     let mut g = c.benchmark_group("pair");
     for size in [512u64, 64 << 10, MIB, 16 * MIB, 64 * MIB] {
+        drop(sanitized.allocate(0, size).unwrap());
+        g.bench_with_input(
+            BenchmarkId::new("cudalloc-sanitized", size),
+            &size,
+            |b, &s| b.iter(|| black_box(sanitized.allocate(0, s).unwrap())),
+        );
         drop(a.allocate(0, size).unwrap()); // warm the cache
         drop(expandable.allocate(0, size).unwrap());
         drop(thread_cached.allocate(0, size).unwrap());

@@ -200,7 +200,7 @@ fn a_slow_copier_still_sees_the_original_when_the_stealer_writes_on_another_stre
     // The copier's copy is queued behind a gate on stream A; the last reference then steals on
     // stream B and writes at once. The stealer's stream must wait for the copier's event.
     let driver = Arc::new(host_driver());
-    let d: Arc<dyn Driver> = driver.clone();
+    let d: Arc<dyn Driver> = common::sanitized(driver.clone());
     let a = checked_allocator(d.clone(), "");
     let (sa, sb) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
     let s = Storage::new(&a, 0, MIB).unwrap();

@@ -172,3 +172,64 @@ fn a_view_of_expandable_memory_spans_its_pages() {
     drop(view);
     assert_eq!(s.count_pattern_mismatches(11).unwrap(), 0);
 }
+
+#[test]
+fn importing_one_raw_stream_twice_gives_one_stream_id() {
+    let Some((_ctx, stream, runtime)) = library("importing_one_raw_stream_twice") else {
+        return;
+    };
+    let raw = stream.cu_stream() as usize as u64;
+    // SAFETY: `stream` is a live stream of device 0's primary context, kept alive below.
+    let (a, b) = unsafe {
+        (
+            runtime.import_stream(0, raw).unwrap(),
+            runtime.import_stream(0, raw).unwrap(),
+        )
+    };
+    assert_eq!(
+        a, b,
+        "one raw stream, one id (one shard, one sanitizer clock)"
+    );
+    // The legacy stream imported by its raw handle (null) is the driver's default stream.
+    // SAFETY: the null stream is always valid.
+    let legacy = unsafe { runtime.import_stream(0, 0) }.unwrap();
+    assert_eq!(legacy, runtime.driver().default_stream(0).unwrap());
+    drop(stream);
+}
+
+#[test]
+fn device_ptr_on_another_stream_orders_it_after_the_views_stream() {
+    let Some((ctx, stream, _)) = library("device_ptr_on_another_stream") else {
+        return;
+    };
+    use cudalloc::cudarc::driver::DevicePtr;
+    let runtime = Arc::new(
+        Runtime::builder()
+            .sanitize(cudalloc::Sanitize::On(cudalloc::SanitizeOptions::default()))
+            .build(Arc::new(CudaDriver::new().unwrap()))
+            .unwrap(),
+    );
+    let fill = kernel(&ctx, "pattern.cu", "cudalloc_fill_pattern");
+    let other = ctx.new_stream().unwrap();
+    let s = Storage::new(&runtime, 0, MIB).unwrap();
+    let n = MIB as usize;
+    let mut view = s.view_mut::<u8>(0..n, &stream).unwrap();
+    let (len, seed) = (MIB, 11u64);
+    let mut launch = stream.launch_builder(&fill);
+    launch.arg(&mut view).arg(&len).arg(&seed);
+    // SAFETY: the kernel takes (u8*, u64, u64) and writes `len` bytes of the view.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(1024)) }.unwrap();
+    drop(view);
+    // A read on `other` through device_ptr: `other` waits for the view's stream first.
+    let view = s.view::<u8>(0..n, &stream).unwrap();
+    let (ptr, _sync) = view.device_ptr(&other);
+    // SAFETY: `other` is live and kept alive until the end of the test.
+    let other_id = unsafe { runtime.import_stream(0, other.cu_stream() as usize as u64) }.unwrap();
+    let bad = runtime
+        .driver()
+        .count_pattern_mismatches(other_id, cudalloc::DeviceAddr(ptr), MIB, seed)
+        .unwrap();
+    assert_eq!(bad, 0, "the read on the other stream saw the fill");
+    let reports = runtime.sanitizer().unwrap().take_reports();
+    assert!(reports.is_empty(), "{reports:#?}");
+}

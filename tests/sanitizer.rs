@@ -17,8 +17,7 @@ use common::{host_driver, ChildProcess, ParentLink, ROLE_VAR};
 use cudalloc::driver::host::{HostMemory, HostRange};
 use cudalloc::driver::sanitizer::HazardKind;
 use cudalloc::{
-    ErrorKind, EventFlags, IpcHandle, Runtime, Sanitize, SanitizeOptions, Storage,
-    StreamId,
+    ErrorKind, EventFlags, IpcHandle, Runtime, Sanitize, SanitizeOptions, Storage, StreamId,
 };
 
 const MIB: u64 = 1 << 20;
@@ -58,7 +57,10 @@ fn one_report(rt: &Runtime, kind: HazardKind) -> cudalloc::driver::sanitizer::Ha
 
 fn no_report(rt: &Runtime) {
     let reports = rt.sanitizer().unwrap().take_reports();
-    assert!(reports.is_empty(), "correct code was reported: {reports:#?}");
+    assert!(
+        reports.is_empty(),
+        "correct code was reported: {reports:#?}"
+    );
 }
 
 fn two_streams(rt: &Runtime) -> (StreamId, StreamId) {
@@ -82,17 +84,32 @@ fn forgotten_record_stream_is_a_use_after_free_every_time() {
         wait(&rt, side, main);
         let dst = Storage::new_on(&rt, side, MIB).unwrap();
         rt.driver()
-            .copy_device_to_device(side, dst.mutable_data_ptr_on(side).unwrap(), src.data_ptr(), MIB)
+            .copy_device_to_device(
+                side,
+                dst.mutable_data_ptr_on(side).unwrap(),
+                src.data_ptr(),
+                MIB,
+            )
             .unwrap();
         let freed = src.data_ptr();
         drop(src); // record_stream(side) forgotten
         let newcomer = Storage::new_on(&rt, main, MIB).unwrap();
-        assert_eq!(newcomer.data_ptr(), freed, "best fit hands the block out again");
+        assert_eq!(
+            newcomer.data_ptr(),
+            freed,
+            "best fit hands the block out again"
+        );
         let report = one_report(&rt, HazardKind::UseAfterFree);
-        assert!(report.earlier.what.starts_with("copy_device_to_device"), "{report}");
+        assert!(
+            report.earlier.what.starts_with("copy_device_to_device"),
+            "{report}"
+        );
         assert_eq!(report.earlier.kind, "read");
         // Sticky on the hand-out's stream, like a CUDA error; the other stream goes on.
-        let err = rt.driver().memset(main, newcomer.data_ptr(), 0, 1).unwrap_err();
+        let err = rt
+            .driver()
+            .memset(main, newcomer.data_ptr(), 0, 1)
+            .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace);
         assert!(rt.driver().stream_synchronize(main).is_err());
         rt.driver().stream_synchronize(side).unwrap();
@@ -110,7 +127,12 @@ fn with_record_stream_the_same_program_is_never_reported() {
         wait(&rt, side, main);
         let dst = Storage::new_on(&rt, side, MIB).unwrap();
         rt.driver()
-            .copy_device_to_device(side, dst.mutable_data_ptr_on(side).unwrap(), src.data_ptr(), MIB)
+            .copy_device_to_device(
+                side,
+                dst.mutable_data_ptr_on(side).unwrap(),
+                src.data_ptr(),
+                MIB,
+            )
             .unwrap();
         src.record_stream(side).unwrap();
         drop(src);
@@ -146,7 +168,10 @@ fn a_free_while_another_stream_reads_is_a_use_after_free_every_time() {
         let _newcomer = Storage::new_on(&rt, main, 4 * MIB).unwrap();
         let report = one_report(&rt, HazardKind::UseAfterFree);
         assert!(report.earlier.what.starts_with("a host kernel"), "{report}");
-        assert!(report.to_string().contains("the free of allocation"), "{report}");
+        assert!(
+            report.to_string().contains("the free of allocation"),
+            "{report}"
+        );
         rt.empty_cache();
     }
 }
@@ -162,15 +187,24 @@ fn a_write_and_an_unwaited_read_on_another_stream_race_every_time() {
         rt.driver().sleep(writer, 1_000).unwrap();
         let err = rt
             .driver()
-            .copy_device_to_device(reader, out.mutable_data_ptr_on(reader).unwrap(), s.data_ptr(), MIB)
+            .copy_device_to_device(
+                reader,
+                out.mutable_data_ptr_on(reader).unwrap(),
+                s.data_ptr(),
+                MIB,
+            )
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace);
         let report = one_report(&rt, HazardKind::Race);
         assert_eq!(report.earlier.what.split(' ').next(), Some("fill_pattern"));
         assert_eq!(report.later.kind, "read");
-        assert_eq!((report.later.start, report.later.len), (s.data_ptr().0, MIB));
+        assert_eq!(
+            (report.later.start, report.later.len),
+            (s.data_ptr().0, MIB)
+        );
         assert!(
-            err.to_string().contains("fill_pattern") && err.to_string().contains("copy_device_to_device"),
+            err.to_string().contains("fill_pattern")
+                && err.to_string().contains("copy_device_to_device"),
             "the error names both accesses: {err}"
         );
         rt.driver().stream_synchronize(writer).unwrap();
@@ -186,7 +220,12 @@ fn a_wait_orders_the_read_and_nothing_is_reported() {
         let out = Storage::new_on(&rt, reader, MIB).unwrap();
         wait(&rt, reader, writer);
         rt.driver()
-            .copy_device_to_device(reader, out.mutable_data_ptr_on(reader).unwrap(), s.data_ptr(), MIB)
+            .copy_device_to_device(
+                reader,
+                out.mutable_data_ptr_on(reader).unwrap(),
+                s.data_ptr(),
+                MIB,
+            )
             .unwrap();
         // A host synchronization orders too.
         rt.driver().stream_synchronize(reader).unwrap();
@@ -239,7 +278,10 @@ fn a_cow_copy_raced_by_a_kernel_is_reported_every_time() {
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace);
         let report = one_report(&rt, HazardKind::Race);
-        assert!(report.earlier.what.starts_with("copy_device_to_device"), "{report}");
+        assert!(
+            report.earlier.what.starts_with("copy_device_to_device"),
+            "{report}"
+        );
         assert_eq!(report.earlier.kind, "write");
         c.record_stream(copier).unwrap();
         rt.driver().stream_synchronize(copier).unwrap();
@@ -256,15 +298,19 @@ fn the_cow_copy_is_ordered_for_its_stream_and_complete_for_any_other() {
         let (c1, c2) = (s.lazy_clone().unwrap(), s.lazy_clone().unwrap());
         // Stream-ordered first write, then a kernel on the same stream.
         let p1 = c1.mutable_data_ptr_on(copier).unwrap();
-        host.enqueue_host(copier, [HostRange::write(p1, MIB)], |m: &mut HostMemory<1>| {
-            m.write(0, 0, &[1; 16])
-        })
+        host.enqueue_host(
+            copier,
+            [HostRange::write(p1, MIB)],
+            |m: &mut HostMemory<1>| m.write(0, 0, &[1; 16]),
+        )
         .unwrap();
         // First write complete on return: any stream may write at once.
         let p2 = c2.mutable_data_ptr().unwrap();
-        host.enqueue_host(other, [HostRange::write(p2, MIB)], |m: &mut HostMemory<1>| {
-            m.write(0, 0, &[2; 16])
-        })
+        host.enqueue_host(
+            other,
+            [HostRange::write(p2, MIB)],
+            |m: &mut HostMemory<1>| m.write(0, 0, &[2; 16]),
+        )
         .unwrap();
         c1.record_stream(copier).unwrap();
         c2.record_stream(other).unwrap();
@@ -284,14 +330,18 @@ fn panic_mode_panics_at_the_hazard() {
     let s = filled(&rt, a, 4096, 1);
     let d = Arc::clone(rt.driver());
     let ptr = s.data_ptr();
-    let caught =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || d.memset(b, ptr, 0, 4096)));
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        d.memset(b, ptr, 0, 4096)
+    }));
     let message = caught.unwrap_err();
     let text = message
         .downcast_ref::<String>()
         .cloned()
         .unwrap_or_default();
-    assert!(text.contains("stream race") && text.contains("memset"), "{text}");
+    assert!(
+        text.contains("stream race") && text.contains("memset"),
+        "{text}"
+    );
     rt.driver().stream_synchronize(a).unwrap();
 }
 
@@ -320,9 +370,11 @@ fn host_kernels_may_not_write_ranges_named_for_reading() {
     rt.driver()
         .as_host()
         .unwrap()
-        .enqueue_host(stream, [HostRange::read(s.data_ptr(), 4096)], |m: &mut HostMemory<1>| {
-            m.write(0, 0, &[1])
-        })
+        .enqueue_host(
+            stream,
+            [HostRange::read(s.data_ptr(), 4096)],
+            |m: &mut HostMemory<1>| m.write(0, 0, &[1]),
+        )
         .unwrap();
     let err = rt.driver().stream_synchronize(stream).unwrap_err();
     assert!(err.to_string().contains("named for reading"), "{err}");
@@ -361,7 +413,10 @@ fn a_library_default_stream_serves_every_thread_without_a_guard() {
         .unwrap();
     no_report(&rt);
     rt.clear_default_stream(0).unwrap();
-    assert_eq!(rt.current_stream(0).unwrap(), rt.driver().default_stream(0).unwrap());
+    assert_eq!(
+        rt.current_stream(0).unwrap(),
+        rt.driver().default_stream(0).unwrap()
+    );
 }
 
 #[test]
@@ -392,12 +447,16 @@ fn a_lazy_clones_first_write_is_complete_for_a_kernel_on_another_stream() {
     let s = Storage::new(&rt, 0, 4 * MIB).unwrap();
     s.fill_pattern(5).unwrap();
     let c = s.lazy_clone().unwrap();
-    rt.driver().sleep(rt.current_stream(0).unwrap(), 20_000).unwrap();
+    rt.driver()
+        .sleep(rt.current_stream(0).unwrap(), 20_000)
+        .unwrap();
     let ptr = c.mutable_data_ptr().unwrap();
     rt.driver().fill_pattern(own, ptr, 4 * MIB, 6).unwrap();
     c.record_stream(own).unwrap();
     assert_eq!(
-        rt.driver().count_pattern_mismatches(own, ptr, 4 * MIB, 6).unwrap(),
+        rt.driver()
+            .count_pattern_mismatches(own, ptr, 4 * MIB, 6)
+            .unwrap(),
         0
     );
 }

@@ -299,7 +299,10 @@ impl CachingAllocator {
     pub fn set_default_stream(&self, stream: StreamId) -> Result<()> {
         let device = self.driver.stream_device(stream)?;
         let slot = self.library_defaults.get(device).ok_or_else(|| {
-            Error::invalid(format!("stream {} is on unknown device {device}", stream.raw()))
+            Error::invalid(format!(
+                "stream {} is on unknown device {device}",
+                stream.raw()
+            ))
         })?;
         if stream.raw() == NO_STREAM {
             return Err(Error::invalid("stream id reserved"));

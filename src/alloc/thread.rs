@@ -176,12 +176,7 @@ pub(crate) fn current_shard(alloc: u64, device: usize, generation: u64) -> Optio
 }
 
 /// Remembers `shard` as the shard of this thread's current stream of (`alloc`, `device`).
-pub(crate) fn cache_current_shard(
-    alloc: u64,
-    device: usize,
-    generation: u64,
-    shard: *const Shard,
-) {
+pub(crate) fn cache_current_shard(alloc: u64, device: usize, generation: u64, shard: *const Shard) {
     remember(alloc, SlotKey::Current(device, generation), shard)
 }
 

@@ -26,6 +26,15 @@ pub fn host_driver() -> HostDriver {
         .unwrap()
 }
 
+/// `driver` checked by the stream sanitizer when `CUDALLOC_SANITIZE` asks for it (the suites'
+/// own driver calls are then checked as well as the allocator's).
+pub fn sanitized(driver: Arc<dyn Driver>) -> Arc<dyn Driver> {
+    match cudalloc::SanitizeOptions::from_env().unwrap() {
+        Some(options) => cudalloc::SanitizedDriver::wrap(driver, options),
+        None => driver,
+    }
+}
+
 /// A backend under test.
 pub struct TestBackend {
     /// `"host"` or `"cuda"`.
@@ -46,13 +55,13 @@ pub fn cuda_suite() -> bool {
 /// host backend ([`host_driver`]). A CUDA run without a usable driver is a failure, not a skip:
 /// it was asked for explicitly.
 pub fn test_driver() -> Arc<dyn Driver> {
-    if cuda_suite() {
+    sanitized(if cuda_suite() {
         Arc::new(CudaDriver::new().unwrap_or_else(|e| {
             panic!("CUDALLOC_BACKEND=cuda but the CUDA backend cannot start: {e}")
         }))
     } else {
         Arc::new(host_driver())
-    }
+    })
 }
 
 /// The backend name [`test_driver`] uses (`"cuda"` or `"host"`).
@@ -98,13 +107,13 @@ pub fn backends(test: &str) -> Vec<TestBackend> {
     let host = Arc::new(host_driver());
     let mut out = vec![TestBackend {
         name: "host",
-        driver: host.clone(),
+        driver: sanitized(host.clone()),
         host: Some(host),
     }];
     match CudaDriver::new() {
         Ok(cuda) => out.push(TestBackend {
             name: "cuda",
-            driver: Arc::new(cuda),
+            driver: sanitized(Arc::new(cuda)),
             host: None,
         }),
         Err(err) => println!("{test} [cuda]: skipped: no CUDA driver ({err})"),
@@ -125,10 +134,10 @@ pub fn cuda_present(test: &str) -> bool {
 
 /// The driver a child process uses for `backend`.
 pub fn child_driver(backend: &str) -> Arc<dyn Driver> {
-    match backend {
+    sanitized(match backend {
         "cuda" => Arc::new(CudaDriver::new().unwrap()),
         _ => Arc::new(host_driver()),
-    }
+    })
 }
 
 /// The driver of a child process, on the backend its parent named ([`ChildProcess::spawn`]).

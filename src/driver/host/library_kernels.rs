@@ -129,9 +129,8 @@ impl HostDriver {
         let mut lens = [0usize; N];
         let mut writable = [false; N];
         for ((len, w), r) in lens.iter_mut().zip(&mut writable).zip(&ranges) {
-            *len = usize::try_from(r.len).map_err(|_| {
-                Error::invalid(format!("{} bytes exceed the address space", r.len))
-            })?;
+            *len = usize::try_from(r.len)
+                .map_err(|_| Error::invalid(format!("{} bytes exceed the address space", r.len)))?;
             *w = r.kind == AccessKind::Write;
         }
         let spans = ranges.map(|r| (r.addr, r.len));

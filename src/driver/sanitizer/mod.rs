@@ -52,6 +52,18 @@
 //!
 //! Host threads are one actor: the sanitizer cannot see how threads synchronize with each other,
 //! so it assumes they do (it may miss a race between threads, never invent one).
+//!
+//! What it cannot see: work and synchronization made outside cudalloc — a kernel launched
+//! through cudarc without a view, `CudaStream::synchronize`, an event of cudarc's. Tell it with
+//! [`Sanitizer::host_synchronized`] and [`Sanitizer::stream_waited`], or go through the driver.
+//! CUDA's legacy default stream synchronizes implicitly with *blocking* streams; cudalloc makes
+//! non-blocking streams, and that implicit order is not modeled (a library relying on it is
+//! reported).
+//!
+//! Deviation from DESIGN §12: queries (`stream_query`, `event_query`) do not join the host's clock
+//! — the allocator polls them to decide reuse, and their answers depend on timing; a verdict that
+//! did would too. The allocator's own reuse is covered instead by the free's clock (the table
+//! above).
 
 mod clock;
 mod report;
@@ -120,9 +132,9 @@ impl SanitizeOptions {
         match std::env::var("CUDALLOC_SANITIZE") {
             Ok(value) => Self::parse(&value),
             Err(std::env::VarError::NotPresent) => Ok(None),
-            Err(std::env::VarError::NotUnicode(_)) => Err(Error::Config(
-                "CUDALLOC_SANITIZE is not valid UTF-8".into(),
-            )),
+            Err(std::env::VarError::NotUnicode(_)) => {
+                Err(Error::Config("CUDALLOC_SANITIZE is not valid UTF-8".into()))
+            }
         }
     }
 }
@@ -479,7 +491,11 @@ impl Sanitizer {
 
     /// The host waits for `stream` (`run` is the blocking call): afterwards it knows everything
     /// enqueued there before the call. Returns the stream's sticky hazard, as CUDA would.
-    pub fn host_waits_stream(&self, stream: StreamId, run: impl FnOnce() -> Result<()>) -> Result<()> {
+    pub fn host_waits_stream(
+        &self,
+        stream: StreamId,
+        run: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         let clock = {
             let mut st = self.state.lock();
             let slot = st.slot(stream);
@@ -514,6 +530,25 @@ impl Sanitizer {
         let out = run()?;
         self.state.lock().host.join(&all);
         Ok(out)
+    }
+
+    /// Tells the sanitizer that the host waited for `stream` outside cudalloc (for example
+    /// cudarc's `CudaStream::synchronize` on a stream cudalloc imported): the host now knows
+    /// everything enqueued there so far. Synchronization through the driver needs no such call.
+    pub fn host_synchronized(&self, stream: StreamId) {
+        let mut st = self.state.lock();
+        let slot = st.slot(stream);
+        let clock = st.knowledge(slot);
+        st.host.join(&clock);
+    }
+
+    /// Tells the sanitizer that `waiter` was made to wait for the work queued so far on `waited`
+    /// outside cudalloc (an event recorded and waited through cudarc, say).
+    pub fn stream_waited(&self, waiter: StreamId, waited: StreamId) {
+        let mut st = self.state.lock();
+        let (w, d) = (st.slot(waiter), st.slot(waited));
+        let clock = st.knowledge(d);
+        st.actors[w].clock.join(&clock);
     }
 
     /// An event is gone: forget its clock.
