@@ -122,7 +122,7 @@ impl BlockOwner {
             class,
         };
         if super::thread::keep_in_front(self.shard(), entry, limit) {
-            if let Some(sanitizer) = &self.shard().core.sanitizer {
+            if let Some(sanitizer) = &self.shard().sanitizer {
                 sanitizer.free(ptr, entry.bytes(), self.shard().stream, &[]);
             }
             // For the history the program freed the block (its next hand-out records an alloc).

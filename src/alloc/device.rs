@@ -126,6 +126,7 @@ impl DeviceCore {
                 stream,
                 serial: NEXT_SHARD_SERIAL.fetch_add(1, Ordering::Relaxed),
                 front_limit: self.config.thread_cache,
+                sanitizer: self.sanitizer.clone(),
                 state: Mutex::new(ShardState::default()),
                 core: Arc::clone(self),
                 fronts: Mutex::new(Default::default()),

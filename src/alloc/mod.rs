@@ -433,7 +433,7 @@ impl CachingAllocator {
     /// front cache).
     #[inline]
     fn data_ptr(&self, shard: &Shard, a: &Allocated) -> Result<DataPtr> {
-        if let Some(sanitizer) = &shard.core.sanitizer {
+        if let Some(sanitizer) = &shard.sanitizer {
             sanitizer.hand_out(a.ptr, a.rounded, shard.stream);
         }
         // SAFETY: the shard (or a front cache of it) just handed `a.block` out, counted in its

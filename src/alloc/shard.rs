@@ -48,6 +48,8 @@ pub(crate) struct Shard {
     pub serial: u64,
     /// `thread_cache_mb` in bytes (0: no front caches), next to the lock the free path takes.
     pub front_limit: u64,
+    /// The stream sanitizer (when on), next to the hot fields: told of hand-outs and frees.
+    pub sanitizer: Option<Arc<crate::driver::Sanitizer>>,
     pub state: Mutex<ShardState>,
     pub core: Arc<DeviceCore>,
     /// Every thread's front cache of this shard (`front.rs`; empty unless `thread_cache_mb`).
@@ -516,7 +518,7 @@ impl Shard {
             self.stream,
         );
         let uses = st.release(id, &core.config);
-        if let Some(sanitizer) = &core.sanitizer {
+        if let Some(sanitizer) = &self.sanitizer {
             sanitizer.free(ptr, size, self.stream, &uses);
         }
         if uses.is_empty() {
