@@ -517,3 +517,26 @@ fn sanitizer_child() {
         parent.send(&format!("{i} reported clean"));
     }
 }
+
+#[test]
+fn sharing_bytes_another_stream_wrote_without_a_wait_is_reported_every_time() {
+    // The demo's bug (phase 1 filled on a second stream, phase 3 shared from the default one):
+    // the consumer waits for the sharing stream's event only, so it could read before the fill.
+    let rt = sanitized();
+    for round in 0..ROUNDS {
+        let (writer, sharer) = two_streams(&rt);
+        let s = filled(&rt, writer, 64 * 1024, round as u64);
+        let _on = rt.set_current_stream(sharer).unwrap();
+        let err = s.share_ipc().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
+        let report = one_report(&rt, HazardKind::Race);
+        assert!(report.later.what.starts_with("sharing with another process"), "{report}");
+        // After a wait it is shared (on a stream of its own: `sharer` is failed now).
+        let fresh = rt.create_stream(0).unwrap();
+        wait(&rt, fresh, writer);
+        let _on = rt.set_current_stream(fresh).unwrap();
+        drop(s.share_ipc().unwrap());
+        no_report(&rt);
+    }
+    rt.ipc_collect();
+}

@@ -93,6 +93,14 @@ pub(crate) fn share(
             first_share: None,
         });
     }
+    if let Some(sanitizer) = ipc.driver.sanitizer() {
+        // The consumer reads these bytes after `stream`'s event (or the synchronization below):
+        // for stream order, sharing is a read on `stream`, so bytes another stream wrote that
+        // `stream` did not wait for are reported here, in the producer. (What the consumer
+        // writes is ordered by its release, which this process's streams cannot see.)
+        let touch = crate::driver::sanitizer::Touch::read(data.ptr().0, nbytes);
+        sanitizer.enqueue(stream, "sharing with another process", &[touch], || Ok(()))?;
+    }
     let mut first_share = None;
     if let Owner::Block(_) = data.owner() {
         let segment = data.segment().ok_or_else(|| Error::invalid("no segment"))?;

@@ -199,10 +199,11 @@ impl Driver for CudaDriver {
                 )));
             }
         }
-        // One id per raw stream, however often it is imported (and the id of a stream this
-        // driver made, when that is what `raw` names): one shard, one sanitizer clock.
+        // One id per raw stream, however often it is imported (the legacy stream's is the
+        // default stream's): one shard. A stream this driver made keeps its own id apart from an
+        // imported one, which `stream_destroy` only forgets.
         let id = self.streams.find_or_insert(
-            |entry| entry.device == device && entry.raw.0 == handle,
+            |entry| entry.borrowed && entry.device == device && entry.raw.0 == handle,
             || Ok(StreamId::new(device, self.fresh_id())?.0),
             || StreamEntry {
                 device,

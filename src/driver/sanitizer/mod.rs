@@ -551,6 +551,14 @@ impl Sanitizer {
         st.actors[w].clock.join(&clock);
     }
 
+    /// `alias` is another id of the queue `stream` names (one raw stream imported under a second
+    /// id): both are one actor.
+    pub(crate) fn alias_stream(&self, alias: StreamId, stream: StreamId) {
+        let mut st = self.state.lock();
+        let slot = st.slot(stream);
+        st.streams.insert(alias, slot);
+    }
+
     /// An event is gone: forget its clock.
     pub(crate) fn event_destroyed(&self, event: EventId) {
         let mut st = self.state.lock();

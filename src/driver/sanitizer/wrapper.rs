@@ -8,7 +8,9 @@ use crate::driver::{
     IpcMemHandle, MemInfo, OpenedSegment, StreamId,
 };
 use crate::error::Result;
-use crate::sync::os::Arc;
+use crate::sync::os::{Arc, Mutex};
+
+use std::collections::HashMap;
 
 /// A driver whose streams, events and memory operations feed a [`Sanitizer`] (see the
 /// [module docs](super)); everything else is forwarded unchanged.
@@ -16,6 +18,9 @@ use crate::sync::os::Arc;
 pub struct SanitizedDriver {
     inner: Arc<dyn Driver>,
     sanitizer: Arc<Sanitizer>,
+    /// The first id seen for each (device, raw stream): another id of the same queue (a stream
+    /// imported by the raw handle of one the driver made) is the same actor.
+    raws: Mutex<HashMap<(usize, u64), StreamId>>,
 }
 
 impl SanitizedDriver {
@@ -30,12 +35,32 @@ impl SanitizedDriver {
             Some(host) => host.attach_sanitizer(options),
             None => Arc::new(Sanitizer::new(options)),
         };
-        Arc::new(SanitizedDriver { inner, sanitizer })
+        Arc::new(SanitizedDriver {
+            inner,
+            sanitizer,
+            raws: Mutex::new(HashMap::new()),
+        })
     }
 
     /// The driver underneath.
     pub fn inner(&self) -> &Arc<dyn Driver> {
         &self.inner
+    }
+
+    /// Notes `stream` under its raw handle; a second id of the same raw stream becomes an alias
+    /// of the first in the sanitizer.
+    fn note_raw(&self, device: usize, stream: StreamId) {
+        let Ok(raw) = self.inner.raw_stream(stream) else {
+            return;
+        };
+        let mut raws = self.raws.lock();
+        match raws.get(&(device, raw)) {
+            Some(&first) if first != stream => self.sanitizer.alias_stream(stream, first),
+            Some(_) => {}
+            None => {
+                raws.insert((device, raw), stream);
+            }
+        }
     }
 }
 
@@ -71,20 +96,29 @@ impl Driver for SanitizedDriver {
     }
 
     fn default_stream(&self, device: usize) -> Result<StreamId> {
-        self.inner.default_stream(device)
+        let stream = self.inner.default_stream(device)?;
+        self.note_raw(device, stream);
+        Ok(stream)
     }
     unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
         // SAFETY: forwarded; the caller upholds the contract.
-        unsafe { self.inner.import_stream(device, raw) }
+        let stream = unsafe { self.inner.import_stream(device, raw) }?;
+        self.note_raw(device, stream);
+        Ok(stream)
     }
     fn raw_stream(&self, stream: StreamId) -> Result<u64> {
         self.inner.raw_stream(stream)
     }
     fn stream_create(&self, device: usize) -> Result<StreamId> {
-        self.inner.stream_create(device)
+        let stream = self.inner.stream_create(device)?;
+        self.note_raw(device, stream);
+        Ok(stream)
     }
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
-        self.inner.stream_destroy(stream)
+        self.inner.stream_destroy(stream)?;
+        // A later stream may get the same raw handle: it is a new actor.
+        self.raws.lock().retain(|_, s| *s != stream);
+        Ok(())
     }
     fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
         self.sanitizer
