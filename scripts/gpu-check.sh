@@ -84,6 +84,14 @@ for suite in allocator_pytorch allocator_policy allocator_properties allocator_s
   if ! CUDALLOC_TEST_EXPANDABLE=1 "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi
   grep -E 'test result' "$log" | sed "s/^/  $suite (expandable): /"
 done
+# The stream sanitizer on a real GPU: the suites that drive streams, once more with every stream
+# operation checked (a race or a use after free panics), and the sanitizer's own tests.
+for suite in driver_conformance cow global_and_storage ipc_multiprocess cudarc_views sanitizer; do
+  exe="$bin_dir/$suite"
+  [ -x "$exe" ] || continue
+  if ! CUDALLOC_SANITIZE=panic "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi
+  grep -E 'test result' "$log" | sed "s/^/  $suite (CUDALLOC_SANITIZE=panic): /"
+done
 rm -f "$log"
 # PyTorch side: torch's caching allocator pair and CUDA IPC round trip beside ours, same run.
 median_ns() { # criterion's "time: [lo median hi]" line -> median in ns

@@ -530,7 +530,13 @@ fn sharing_bytes_another_stream_wrote_without_a_wait_is_reported_every_time() {
         let err = s.share_ipc().unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
         let report = one_report(&rt, HazardKind::Race);
-        assert!(report.later.what.starts_with("sharing with another process"), "{report}");
+        assert!(
+            report
+                .later
+                .what
+                .starts_with("sharing with another process"),
+            "{report}"
+        );
         // After a wait it is shared (on a stream of its own: `sharer` is failed now).
         let fresh = rt.create_stream(0).unwrap();
         wait(&rt, fresh, writer);

@@ -95,11 +95,11 @@ pub(crate) fn share(
     }
     if let Some(sanitizer) = ipc.driver.sanitizer() {
         // The consumer reads these bytes after `stream`'s event (or the synchronization below):
-        // for stream order, sharing is a read on `stream`, so bytes another stream wrote that
-        // `stream` did not wait for are reported here, in the producer. (What the consumer
-        // writes is ordered by its release, which this process's streams cannot see.)
+        // bytes another stream wrote that `stream` did not wait for are reported here, in the
+        // producer. Only checked, not recorded: the consumer's accesses happen in its process,
+        // ordered by its release, which this process's streams cannot see.
         let touch = crate::driver::sanitizer::Touch::read(data.ptr().0, nbytes);
-        sanitizer.enqueue(stream, "sharing with another process", &[touch], || Ok(()))?;
+        sanitizer.check_ordered(stream, "sharing with another process", &[touch])?;
     }
     let mut first_share = None;
     if let Owner::Block(_) = data.owner() {

@@ -350,6 +350,14 @@ impl Sanitizer {
         Ok(out)
     }
 
+    /// Checks that `touches` would be ordered on `stream` now (a race is reported, sticky, as
+    /// for [`Sanitizer::enqueue`]) without recording an access: for steps whose real accesses
+    /// happen elsewhere after an event of `stream` (sharing with another process).
+    pub fn check_ordered(&self, stream: StreamId, what: &str, touches: &[Touch]) -> Result<()> {
+        let mut st = self.state.lock();
+        self.check(&mut st, stream, what, touches).map(drop)
+    }
+
     /// As [`Sanitizer::enqueue`] for work that returns when it is done (a blocking copy): checked
     /// and recorded first, run without the lock, then the host knows the stream up to it.
     pub fn blocking<T>(
