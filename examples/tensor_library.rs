@@ -86,7 +86,12 @@ impl Tensor {
         // SAFETY: add_scalar takes (float*, u64, float) and touches `n` floats of the view.
         unsafe { launch.launch(LaunchConfig::for_num_elems(self.len as u32)) }
             .map_err(|e| fail(&e))?;
-        stream.synchronize().map_err(|e| fail(&e))
+        // Waited through cudalloc's driver, which the stream sanitizer sees (cudarc's own
+        // `stream.synchronize()` is invisible to it).
+        let runtime = GLOBAL.get()?;
+        // SAFETY: `stream` is live until the end of this function.
+        let id = unsafe { runtime.import_stream(0, stream.cu_stream() as usize as u64) }?;
+        runtime.driver().stream_synchronize(id)
     }
 
     #[cfg(not(feature = "cudarc"))]

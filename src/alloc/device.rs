@@ -42,6 +42,10 @@ pub(crate) struct DeviceCore {
     pub check_invariants: bool,
     /// The stream sanitizer, when the driver is sanitized: told of every hand-out and free.
     pub sanitizer: Option<Arc<crate::driver::Sanitizer>>,
+    /// The driver for the events of pending frees: the unsanitized one under a sanitizer (the
+    /// allocator's polls and waits on them are its own, not the program's synchronization; the
+    /// sanitizer covers that reuse with the free's clock).
+    pub free_events: Arc<dyn Driver>,
     pub capacity: u64,
     /// `f64` bits of the per-process memory fraction; `fraction_set` says whether one was chosen.
     fraction_bits: AtomicU64,
@@ -89,6 +93,7 @@ impl DeviceCore {
         Ok(DeviceCore {
             device,
             sanitizer: driver.sanitizer(),
+            free_events: driver.unsanitized().unwrap_or_else(|| Arc::clone(&driver)),
             driver,
             callbacks,
             trace,
@@ -203,7 +208,7 @@ impl DeviceCore {
 
     #[cold]
     fn complete_pending(&self, shard: &Shard, state: &mut ShardState) {
-        let (events, freed) = state.complete_events(|e| self.driver.event_query(e));
+        let (events, freed) = state.complete_events(|e| self.free_events.event_query(e));
         self.events.lock().extend(events);
         for (addr, size) in freed {
             self.trace.record(
@@ -492,7 +497,7 @@ impl DeviceCore {
                 let mut st = shard.state.lock();
                 if sync {
                     for e in st.pending_events() {
-                        if let Err(err) = self.driver.event_synchronize(e) {
+                        if let Err(err) = self.free_events.event_synchronize(e) {
                             tracing::warn!(%err, "event synchronize failed while draining pending frees");
                         }
                     }
@@ -549,10 +554,10 @@ impl DeviceCore {
         let event = match pooled {
             Some(e) => e,
             None => self
-                .driver
+                .free_events
                 .event_create(self.device, EventFlags::default())?,
         };
-        if let Err(err) = self.driver.event_record(event, stream) {
+        if let Err(err) = self.free_events.event_record(event, stream) {
             self.events.lock().push(event);
             return Err(err);
         }
@@ -615,7 +620,7 @@ impl DeviceCore {
         self.release_cached(true);
         let events: Vec<_> = std::mem::take(&mut *self.events.lock());
         for e in events {
-            let _ = self.driver.event_destroy(e);
+            let _ = self.free_events.event_destroy(e);
         }
         let shards: Vec<_> = self.shards.write().drain().map(|(_, s)| s).collect();
         for shard in shards {

@@ -433,19 +433,17 @@ impl CachingAllocator {
     /// front cache).
     #[inline]
     fn data_ptr(&self, shard: &Shard, a: &Allocated) -> Result<DataPtr> {
-        if let Some(sanitizer) = &shard.sanitizer {
-            sanitizer.hand_out(a.ptr, a.rounded, shard.stream);
-        }
         // SAFETY: the shard (or a front cache of it) just handed `a.block` out, counted in its
         // owners; this is its only owner.
-        match unsafe { BlockOwner::new(shard, a) } {
-            Some(owner) => Ok(DataPtr::new(
-                DeviceAddr(a.ptr),
-                shard.core.device,
-                Owner::Block(owner),
-            )),
-            None => Err(shard.refuse_block(a.block)),
+        let data = match unsafe { BlockOwner::new(shard, a) } {
+            Some(owner) => DataPtr::new(DeviceAddr(a.ptr), shard.core.device, Owner::Block(owner)),
+            None => return Err(shard.refuse_block(a.block)),
+        };
+        if let Some(sanitizer) = &shard.sanitizer {
+            // After the pointer owns the block: in panic mode the unwinding frees it.
+            sanitizer.hand_out(a.ptr, a.rounded, shard.stream);
         }
+        Ok(data)
     }
 
     /// With `oom_snapshot_path` set: writes a snapshot in PyTorch's layout there (no shard lock is

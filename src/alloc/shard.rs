@@ -535,7 +535,7 @@ impl Shard {
                     Ok(event) => st.add_pending(id, stream, event),
                     Err(err) => {
                         tracing::warn!(%err, "could not record a free event; synchronizing the stream instead");
-                        if let Err(err) = core.driver.stream_synchronize(stream) {
+                        if let Err(err) = core.free_events.stream_synchronize(stream) {
                             tracing::error!(%err, "stream synchronize failed too; freeing anyway");
                         }
                     }
@@ -641,7 +641,7 @@ impl Drop for Shard {
         // Only reached after the allocator shut down and the last block of this shard was freed.
         let st = self.state.get_mut();
         for e in st.pending_events() {
-            let _ = self.core.driver.event_synchronize(e);
+            let _ = self.core.free_events.event_synchronize(e);
         }
         let _ = st.complete_events(|_| Ok(true));
         let taken = st.take_free_segments(

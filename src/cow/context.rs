@@ -124,13 +124,22 @@ pub(crate) fn materialize(
             }
         };
     let ctx = Arc::clone(&owner.ctx);
-    let outcome = (|| {
+    // The copy step runs before the reference is given up; should it panic (the stream
+    // sanitizer's panic mode), the storage gets its COW owner back before the panic goes on.
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         if stream != ctx.clone_stream {
             wait_for_stream(driver, ctx.device, ctx.clone_stream, stream)?;
         }
         ctx.cell
             .materialize(|original| copy_step(alloc, &ctx, original, nbytes, stream))
-    })();
+    }));
+    let outcome = match outcome {
+        Ok(outcome) => outcome,
+        Err(panic) => {
+            *data = DataPtr::new(shared_ptr, device, Owner::Shared(owner));
+            std::panic::resume_unwind(panic);
+        }
+    };
     let new_data = match outcome {
         Ok(Materialized::Stole(original)) => {
             // The reference is given up: from here nothing may fail. Our stream waits for

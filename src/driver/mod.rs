@@ -215,6 +215,11 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn sanitizer(&self) -> Option<crate::sync::os::Arc<Sanitizer>> {
         None
     }
+    /// The driver under a [`SanitizedDriver`]: for the allocator's own bookkeeping (the events
+    /// of pending frees), whose waits must not count as the program's synchronization.
+    fn unsanitized(&self) -> Option<crate::sync::os::Arc<dyn Driver>> {
+        None
+    }
     /// Number of devices.
     fn device_count(&self) -> usize;
     /// A human-readable device name.

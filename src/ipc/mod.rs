@@ -224,15 +224,17 @@ pub(crate) fn open(
             .driver
             .ipc_open_event(device, &crate::driver::IpcEventHandle(*event))
             .map_err(not_ready)?;
-        if let Some(sanitizer) = ipc.driver.sanitizer() {
-            // The producer wrote these bytes before its event: a stream that uses them must
-            // wait for it (the current stream does, just below).
-            let start = mapping.base().offset(wire.offset)?;
-            sanitizer.remote_write(start.0, wire.nbytes, e);
-        }
+        // The producer wrote these bytes before its event: a stream that uses them must wait
+        // for it (the current stream does, just below).
+        let sanitizer = ipc.driver.sanitizer();
+        let epoch = sanitizer.as_ref().map(|s| s.remote_event(e, pid));
         let waited = ipc.driver.stream_wait_event(stream, e).map_err(not_ready);
         let destroyed = ipc.driver.event_destroy(e);
         waited.and(destroyed)?;
+        if let (Some(sanitizer), Some(epoch)) = (sanitizer, epoch) {
+            let start = mapping.base().offset(wire.offset)?;
+            sanitizer.remote_write(start.0, wire.nbytes, pid, epoch);
+        }
     }
     let ptr = mapping.base().offset(wire.offset)?;
     let owner = ReceivedOwner {

@@ -157,7 +157,9 @@ impl Storage {
     /// stream, and that copy is *complete* when this returns — so a kernel on any stream may
     /// write at once (the first write of a lazy clone blocks once for its copy). Library code
     /// that knows its stream uses [`Storage::mutable_data_ptr_on`] instead, which does not
-    /// block. On error (out of memory for the copy) the storage stays a valid COW storage.
+    /// block. On error of the copy (out of memory) the storage stays a valid COW storage; an
+    /// error of the synchronization after it (a failed stream) is returned with the storage
+    /// already private.
     #[inline]
     pub fn mutable_data_ptr(&self) -> Result<DeviceAddr> {
         let word = self.inner.word.load(Ordering::Acquire);

@@ -20,8 +20,9 @@
 //! | `stream_wait_event(s, e)` | `C[s] ⊔= E[e]` |
 //! | `stream_synchronize(s)`, a blocking copy or verify on `s` | `H ⊔= C[s]` (as of the call) |
 //! | `event_synchronize(e)` | `H ⊔= E[e]` |
-//! | `free`, `ipc_close_memory`, `vm_unmap` (they wait for every stream) | `H ⊔=` every stream's clock |
-//! | `ipc_open_event(h)` | `E[e] := {producer actor of e: 1}` |
+//! | `free`, `ipc_close_memory`, `vm_unmap` (the allocator's and the IPC layer's own steps, when memory pressure says) | nothing: the bytes are forgotten (a race straddling them is still one) |
+//! | the allocator's pending-free events (recorded, polled, waited on the unsanitized driver) | nothing: the free's clock covers that reuse (below) |
+//! | receipt of a storage whose producer recorded IPC event `e` | `E[e] := {producer P: n}` (P's n-th opened event); the bytes are written by `(P, n)` once the receiving stream waited |
 //! | `stream_query`, `event_query` | nothing: a query observes timing, and verdicts must not depend on timing |
 //!
 //! An access `(s, epoch)` is *ordered before* whatever carries a clock `K` when `K[s] ≥ epoch`.
@@ -89,6 +90,7 @@ const MAX_KEPT_REPORTS: usize = 1000;
 
 /// How the sanitizer reports hazards.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SanitizeOptions {
     /// Panic at the first hazard (test suites) instead of returning the error.
     pub panic: bool,
@@ -97,6 +99,25 @@ pub struct SanitizeOptions {
 }
 
 impl SanitizeOptions {
+    /// Report mode: a hazard is an error (sticky on its stream) and a `tracing` error.
+    pub fn report() -> Self {
+        SanitizeOptions::default()
+    }
+
+    /// Panic mode: the call that finds a hazard panics (test suites).
+    pub fn panic() -> Self {
+        SanitizeOptions {
+            panic: true,
+            stacks: false,
+        }
+    }
+
+    /// The same, capturing the Rust stack of every access.
+    pub fn with_stacks(mut self) -> Self {
+        self.stacks = true;
+        self
+    }
+
     /// Parses a `CUDALLOC_SANITIZE` value: `0`/`off`/empty (off, `None`), `1`/`on`/`report`, or
     /// `panic`, optionally followed by `,stacks`.
     pub fn parse(value: &str) -> Result<Option<SanitizeOptions>> {
@@ -162,8 +183,8 @@ struct State {
     actors: Vec<Actor>,
     host: VectorClock,
     events: HashMap<EventId, VectorClock>,
-    /// Opened IPC events: the producer actor each stands for.
-    remote: HashMap<EventId, usize>,
+    /// The actor of each producer process whose IPC events were opened.
+    producers: HashMap<u32, usize>,
     shadow: Shadow,
     allocations: BTreeMap<u64, Allocation>,
     next_allocation: u64,
@@ -241,6 +262,13 @@ impl State {
         None
     }
 
+    /// The first byte of `[start, end)` the allocator holds as free, with that free.
+    fn freed_in(&mut self, start: u64, end: u64) -> Option<(u64, Arc<Free>)> {
+        self.shadow
+            .existing(start, end)
+            .find_map(|(&at, cell)| cell.freed.as_ref().map(|f| (at.max(start), Arc::clone(f))))
+    }
+
     fn record(&mut self, access: Arc<Access>) {
         let (start, end) = (access.start, access.start + access.len);
         for (_, cell) in self.shadow.covering(start, end) {
@@ -261,6 +289,7 @@ impl State {
 
 /// One access of an enqueued operation: bytes `[start, start + len)`, read or written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Touch {
     /// First byte address.
     pub start: u64,
@@ -335,7 +364,9 @@ impl Sanitizer {
 
     /// Checks and records work on `stream` touching `touches`, running `enqueue` (the real
     /// enqueue) under the checker's lock so that its order is the streams' real order. A hazard
-    /// fails the stream (sticky) and nothing is enqueued.
+    /// fails the stream (sticky) and nothing is enqueued. A library calls it for work cudalloc
+    /// does not see (a kernel launched through cudarc on raw pointers), with `enqueue` doing the
+    /// launch (or `|| Ok(())` right before it).
     pub fn enqueue<T>(
         &self,
         stream: StreamId,
@@ -353,14 +384,19 @@ impl Sanitizer {
     /// Checks that `touches` would be ordered on `stream` now (a race is reported, sticky, as
     /// for [`Sanitizer::enqueue`]) without recording an access: for steps whose real accesses
     /// happen elsewhere after an event of `stream` (sharing with another process).
-    pub fn check_ordered(&self, stream: StreamId, what: &str, touches: &[Touch]) -> Result<()> {
+    pub(crate) fn check_ordered(
+        &self,
+        stream: StreamId,
+        what: &str,
+        touches: &[Touch],
+    ) -> Result<()> {
         let mut st = self.state.lock();
         self.check(&mut st, stream, what, touches).map(drop)
     }
 
     /// As [`Sanitizer::enqueue`] for work that returns when it is done (a blocking copy): checked
     /// and recorded first, run without the lock, then the host knows the stream up to it.
-    pub fn blocking<T>(
+    pub(crate) fn blocking<T>(
         &self,
         stream: StreamId,
         what: &str,
@@ -390,6 +426,31 @@ impl Sanitizer {
         k.tick(slot);
         for t in touches.iter().filter(|t| t.len > 0) {
             let end = t.start.saturating_add(t.len);
+            if let Some((at, free)) = st.freed_in(t.start, end) {
+                // Work enqueued on memory the allocator holds as free: a use after free,
+                // whatever the stream (the block may be handed out to anyone next).
+                let report = HazardReport {
+                    kind: HazardKind::UseAfterFree,
+                    earlier: AccessReport {
+                        kind: "free",
+                        what: free.what.clone(),
+                        start: at,
+                        len: end.saturating_sub(at),
+                        allocation: None,
+                        stack: None,
+                    },
+                    later: AccessReport {
+                        kind: t.kind.name(),
+                        what: format!("{what} on {}", st.actors[slot].name),
+                        start: t.start,
+                        len: t.len,
+                        allocation: None,
+                        stack: self.stack().as_ref().map(|s| s.render_now()),
+                    },
+                    free: Some(free.what.clone()),
+                };
+                return Err(self.fail(st, slot, report));
+            }
             if let Some(earlier) = st.conflict(t.start, end, slot, &k, t.kind) {
                 let later = AccessReport {
                     kind: t.kind.name(),
@@ -466,7 +527,7 @@ impl Sanitizer {
     }
 
     /// `event_record(event, stream)`, run by `record` under the lock.
-    pub fn event_record(
+    pub(crate) fn event_record(
         &self,
         event: EventId,
         stream: StreamId,
@@ -482,7 +543,7 @@ impl Sanitizer {
     }
 
     /// `stream_wait_event(stream, event)`, run by `wait` under the lock.
-    pub fn stream_wait_event(
+    pub(crate) fn stream_wait_event(
         &self,
         stream: StreamId,
         event: EventId,
@@ -499,7 +560,7 @@ impl Sanitizer {
 
     /// The host waits for `stream` (`run` is the blocking call): afterwards it knows everything
     /// enqueued there before the call. Returns the stream's sticky hazard, as CUDA would.
-    pub fn host_waits_stream(
+    pub(crate) fn host_waits_stream(
         &self,
         stream: StreamId,
         run: impl FnOnce() -> Result<()>,
@@ -520,24 +581,17 @@ impl Sanitizer {
     }
 
     /// The host waits for `event`'s latest record.
-    pub fn host_waits_event(&self, event: EventId, run: impl FnOnce() -> Result<()>) -> Result<()> {
+    pub(crate) fn host_waits_event(
+        &self,
+        event: EventId,
+        run: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         let clock = self.state.lock().events.get(&event).cloned();
         run()?;
         if let Some(clock) = clock {
             self.state.lock().host.join(&clock);
         }
         Ok(())
-    }
-
-    /// The host waits for every stream (`run` drains them: a segment free, an unmap).
-    pub fn host_waits_all<T>(&self, run: impl FnOnce() -> Result<T>) -> Result<T> {
-        let mut all = VectorClock::default();
-        for actor in &self.state.lock().actors {
-            all.join(&actor.clock);
-        }
-        let out = run()?;
-        self.state.lock().host.join(&all);
-        Ok(out)
     }
 
     /// Tells the sanitizer that the host waited for `stream` outside cudalloc (for example
@@ -571,7 +625,6 @@ impl Sanitizer {
     pub(crate) fn event_destroyed(&self, event: EventId) {
         let mut st = self.state.lock();
         st.events.remove(&event);
-        st.remote.remove(&event);
     }
 
     /// The driver mapped `[base, base + size)` (a segment, an opened segment): nothing is known
@@ -604,32 +657,43 @@ impl Sanitizer {
         }
     }
 
-    /// An IPC event of another process was opened as `event`: it stands for the producer's writes
-    /// before it (an actor of its own), `what` says whose.
-    pub(crate) fn remote_event(&self, event: EventId, what: String) {
+    /// An IPC event of process `producer` was opened as `event`: it stands for the producer's
+    /// writes before it. Each producer process is one actor whose epoch rises with every event
+    /// opened (a wait on a later event of that process covers the earlier ones: the sanitizer
+    /// may miss a race there, never invent one); returns the epoch `event` stands for.
+    pub(crate) fn remote_event(&self, event: EventId, producer: u32) -> u64 {
         let mut st = self.state.lock();
-        let slot = st.actors.len();
-        st.actors.push(Actor {
-            clock: VectorClock::default(),
-            name: what,
-            sticky: None,
-        });
+        let slot = match st.producers.get(&producer) {
+            Some(&slot) => slot,
+            None => {
+                let slot = st.actors.len();
+                st.actors.push(Actor {
+                    clock: VectorClock::default(),
+                    name: format!("the writes of producer process {producer} before its IPC event"),
+                    sticky: None,
+                });
+                st.producers.insert(producer, slot);
+                slot
+            }
+        };
+        let epoch = st.actors[slot].clock.tick(slot);
         let mut clock = VectorClock::default();
-        clock.raise(slot, 1);
+        clock.raise(slot, epoch);
         st.events.insert(event, clock);
-        st.remote.insert(event, slot);
+        epoch
     }
 
-    /// Bytes of a received storage were written by the producer before `event` (opened with
-    /// [`Sanitizer::remote_event`]): a stream that uses them must wait for it first.
-    pub fn remote_write(&self, start: u64, len: u64, event: EventId) {
+    /// Bytes of a received storage were written by process `producer` before its event of
+    /// `epoch` ([`Sanitizer::remote_event`]), which the receiving stream waited for: any other
+    /// stream must wait for that one (or the event) before using them.
+    pub(crate) fn remote_write(&self, start: u64, len: u64, producer: u32, epoch: u64) {
         let mut st = self.state.lock();
-        let Some(&slot) = st.remote.get(&event) else {
+        let Some(&slot) = st.producers.get(&producer) else {
             return;
         };
         let access = Access {
             slot,
-            epoch: 1,
+            epoch,
             kind: AccessKind::Write,
             what: st.actors[slot].name.clone(),
             start,
@@ -642,7 +706,7 @@ impl Sanitizer {
 
     /// The allocator freed the block `[start, start + len)` of `stream`, whose reuse waits for
     /// the work `used_by` had queued (record_stream).
-    pub fn free(&self, start: u64, len: u64, stream: StreamId, used_by: &[StreamId]) {
+    pub(crate) fn free(&self, start: u64, len: u64, stream: StreamId, used_by: &[StreamId]) {
         let mut st = self.state.lock();
         let owner = st.slot(stream);
         let mut clock = st.knowledge(owner);
@@ -663,16 +727,23 @@ impl Sanitizer {
         });
         let end = start.saturating_add(len);
         for (_, cell) in st.shadow.existing(start, end) {
-            cell.freed = Some(Arc::clone(&free));
+            // Bytes of the block that the last hand-out did not cover (an unsplit remainder)
+            // are still waiting since an earlier free: that free's clock stays theirs.
+            if cell.freed.is_none() {
+                cell.freed = Some(Arc::clone(&free));
+            }
         }
         st.allocations.remove(&start);
     }
 
     /// The allocator hands `[start, start + len)` out on `stream`: every access to it on another
     /// actor must be ordered before its free, else a use after free (sticky on `stream`).
-    pub fn hand_out(&self, start: u64, len: u64, stream: StreamId) {
+    pub(crate) fn hand_out(&self, start: u64, len: u64, stream: StreamId) {
         let mut st = self.state.lock();
         let owner = st.slot(stream);
+        // What the block's stream knows now: an access the host or the stream waited for after
+        // the free is ordered before the reuse too.
+        let now = st.knowledge(owner);
         let end = start.saturating_add(len);
         let mut hazard: Option<(Arc<Access>, String)> = None;
         for (_, cell) in st.shadow.existing(start, end) {
@@ -682,7 +753,11 @@ impl Sanitizer {
             if hazard.is_none() {
                 hazard = cell
                     .accesses()
-                    .find(|a| a.slot != free.owner_slot && !free.clock.knows(a.slot, a.epoch))
+                    .find(|a| {
+                        a.slot != free.owner_slot
+                            && !free.clock.knows(a.slot, a.epoch)
+                            && !now.knows(a.slot, a.epoch)
+                    })
                     .map(|a| (Arc::clone(a), free.what.clone()));
             }
             // The allocator waited for the other streams' work: only the block's own stream's

@@ -82,8 +82,10 @@ impl HazardKind {
 
 /// One side of a report, as text (the access, its bytes, its allocation, its stack).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct AccessReport {
-    /// `"read"` or `"write"` (or `"hand-out"` for the allocator's).
+    /// `"read"` or `"write"` (`"hand-out"` for the allocator's, `"free"` for a free that later
+    /// work touched).
     pub kind: &'static str,
     /// What did it and on which stream, e.g. `"memset on stream 2 of device 0"`.
     pub what: String,
@@ -134,6 +136,7 @@ impl fmt::Display for AccessReport {
 /// A hazard the sanitizer found: the earlier access, and the later one that is not ordered after
 /// it (for a use after free, the free and the hand-out follow).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct HazardReport {
     /// Race or use after free.
     pub kind: HazardKind,
@@ -152,6 +155,12 @@ impl fmt::Display for HazardReport {
                 f,
                 "stream race: {}\n  is not ordered after the earlier {}\n  (no event, wait or synchronization orders them)",
                 self.later, self.earlier
+            ),
+            HazardKind::UseAfterFree if self.earlier.kind == "free" => write!(
+                f,
+                "use after free: {}\n  touches memory the allocator holds as free since {}",
+                self.later,
+                self.earlier.what
             ),
             HazardKind::UseAfterFree => write!(
                 f,

@@ -8,12 +8,17 @@ use crate::driver::{
     IpcMemHandle, MemInfo, OpenedSegment, StreamId,
 };
 use crate::error::Result;
-use crate::sync::os::{Arc, Mutex};
+use crate::sync::os::{Arc, Mutex, Weak};
 
 use std::collections::HashMap;
 
 /// A driver whose streams, events and memory operations feed a [`Sanitizer`] (see the
 /// [module docs](super)); everything else is forwarded unchanged.
+///
+/// [`Driver::as_host`] gives the host backend underneath, for its host-only facilities: its
+/// library kernels (`enqueue_host`) report to the same sanitizer, but stream operations called on
+/// it directly (`event_record`, `stream_synchronize`, copies) bypass the checker — call them on
+/// this driver (the runtime's `driver()`), or the sanitizer reports races they ordered.
 #[derive(Debug)]
 pub struct SanitizedDriver {
     inner: Arc<dyn Driver>,
@@ -27,13 +32,16 @@ impl SanitizedDriver {
     /// `inner` checked by a sanitizer with `options`; a driver that is sanitized already is
     /// returned as it is. A host backend keeps one sanitizer for all its wrappers (its library
     /// kernels report to it).
+    ///
+    /// Every wrapper of one driver shares one sanitizer (the first wrap's options hold): an event
+    /// recorded through one runtime and waited on through another is known to both.
     pub fn wrap(inner: Arc<dyn Driver>, options: SanitizeOptions) -> Arc<dyn Driver> {
         if inner.sanitizer().is_some() {
             return inner;
         }
         let sanitizer = match inner.as_host() {
             Some(host) => host.attach_sanitizer(options),
-            None => Arc::new(Sanitizer::new(options)),
+            None => shared_sanitizer(&inner, options),
         };
         Arc::new(SanitizedDriver {
             inner,
@@ -64,6 +72,27 @@ impl SanitizedDriver {
     }
 }
 
+/// The sanitizers of drivers that cannot hold one themselves (all but the host backend), by the
+/// driver they check.
+type Registry = Vec<(Weak<dyn Driver>, Weak<Sanitizer>)>;
+static SANITIZERS: Mutex<Registry> = Mutex::new(Vec::new());
+
+/// The sanitizer of `driver`: the one a wrapper of it already made, or a new one.
+fn shared_sanitizer(driver: &Arc<dyn Driver>, options: SanitizeOptions) -> Arc<Sanitizer> {
+    let mut registry = SANITIZERS.lock();
+    registry.retain(|(d, s)| d.strong_count() > 0 && s.strong_count() > 0);
+    let found = registry.iter().find_map(|(d, s)| {
+        d.upgrade()
+            .filter(|d| std::ptr::addr_eq(Arc::as_ptr(d), Arc::as_ptr(driver)))
+            .and_then(|_| s.upgrade())
+    });
+    found.unwrap_or_else(|| {
+        let made = Arc::new(Sanitizer::new(options));
+        registry.push((Arc::downgrade(driver), Arc::downgrade(&made)));
+        made
+    })
+}
+
 impl Driver for SanitizedDriver {
     fn backend(&self) -> Backend {
         self.inner.backend()
@@ -73,6 +102,9 @@ impl Driver for SanitizedDriver {
     }
     fn sanitizer(&self) -> Option<Arc<Sanitizer>> {
         Some(Arc::clone(&self.sanitizer))
+    }
+    fn unsanitized(&self) -> Option<Arc<dyn Driver>> {
+        Some(Arc::clone(&self.inner))
     }
     fn device_count(&self) -> usize {
         self.inner.device_count()
@@ -90,7 +122,10 @@ impl Driver for SanitizedDriver {
         Ok(ptr)
     }
     fn free(&self, ptr: DeviceAddr) -> Result<()> {
-        self.sanitizer.host_waits_all(|| self.inner.free(ptr))?;
+        // It drains every stream, but only the allocator frees segments (empty_cache, the
+        // out-of-memory path, garbage collection): when it happens depends on memory pressure,
+        // so it does not order the program's accesses (a race straddling it is still one).
+        self.inner.free(ptr)?;
         self.sanitizer.unmapped_segment(ptr.0);
         Ok(())
     }
@@ -229,8 +264,8 @@ impl Driver for SanitizedDriver {
         Ok(opened)
     }
     fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
-        self.sanitizer
-            .host_waits_all(|| self.inner.ipc_close_memory(ptr))?;
+        // As `free`: the IPC layer's own step, not the program's synchronization.
+        self.inner.ipc_close_memory(ptr)?;
         self.sanitizer.unmapped_segment(ptr.0);
         Ok(())
     }
@@ -238,15 +273,9 @@ impl Driver for SanitizedDriver {
         self.inner.ipc_export_event(event)
     }
     fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
-        let event = self.inner.ipc_open_event(device, handle)?;
-        self.sanitizer.remote_event(
-            event,
-            format!(
-                "the producer process's writes before its IPC event (opened as event {})",
-                event.raw()
-            ),
-        );
-        Ok(event)
+        // What the event stands for is told by the IPC layer, which knows its producer
+        // (`Sanitizer::remote_event`).
+        self.inner.ipc_open_event(device, handle)
     }
 
     fn vm_granularity(&self, device: usize) -> Result<u64> {
@@ -268,8 +297,8 @@ impl Driver for SanitizedDriver {
         self.inner.vm_map(addr, chunk)
     }
     fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
-        self.sanitizer
-            .host_waits_all(|| self.inner.vm_unmap(addr, size))?;
+        // As `free`: page release is the allocator's, not the program's synchronization.
+        self.inner.vm_unmap(addr, size)?;
         self.sanitizer.forget(addr.0, size);
         Ok(())
     }
