@@ -44,5 +44,9 @@ echo "== the interplay test on the double (fresh seeds; killed consumers include
 cargo test --test interplay -- --seconds 20
 CUDALLOC_TEST_EXPANDABLE=1 cargo test --test interplay -- --seconds 20
 
+echo "== the stream suites again under the stream sanitizer (CUDALLOC_SANITIZE=panic)"
+CUDALLOC_SANITIZE=panic cargo test --no-fail-fast --features cudarc --test driver_conformance \
+  --test cow --test global_and_storage --test ipc_interplay --test cudarc_views
+
 echo "== the double's verdict"
 target/release/cuda-double-report "$CUDA_DOUBLE_REPORT" src/driver/cuda

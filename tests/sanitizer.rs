@@ -148,23 +148,32 @@ fn with_record_stream_the_same_program_is_never_reported() {
     }
 }
 
-#[test]
-fn a_free_while_another_stream_reads_is_a_use_after_free_every_time() {
-    let rt = sanitized();
-    let host = rt.driver().as_host().unwrap();
-    for round in 0..ROUNDS {
-        let (main, side) = two_streams(&rt);
-        let src = filled(&rt, main, 4 * MIB, round as u64);
-        wait(&rt, side, main);
-        // A library kernel on the side stream reads the tensor...
-        host.enqueue_host(
+/// Fills 4 MiB on a new main stream, reads them in a host kernel on a new side stream (which
+/// waited for the fill), and frees the storage at once without `record_stream`.
+fn read_on_a_side_stream_then_free(rt: &Arc<Runtime>, round: usize) -> (StreamId, StreamId) {
+    let (main, side) = two_streams(rt);
+    let src = filled(rt, main, 4 * MIB, round as u64);
+    wait(rt, side, main);
+    rt.driver()
+        .as_host()
+        .unwrap()
+        .enqueue_host(
             side,
             [HostRange::read(src.data_ptr(), 4 * MIB)],
             |m: &mut HostMemory<1>| m.to_vec(0).map(drop),
         )
         .unwrap();
-        // ...which is freed at once and its memory handed out again on its own stream.
-        drop(src);
+    drop(src);
+    (main, side)
+}
+
+#[test]
+fn a_free_while_another_stream_reads_is_a_use_after_free_every_time() {
+    let rt = sanitized();
+    for round in 0..ROUNDS {
+        // A library kernel on the side stream reads a tensor, which is freed at once...
+        let (main, _side) = read_on_a_side_stream_then_free(&rt, round);
+        // ...and its memory handed out again on its own stream.
         let _newcomer = Storage::new_on(&rt, main, 4 * MIB).unwrap();
         let report = one_report(&rt, HazardKind::UseAfterFree);
         assert!(report.earlier.what.starts_with("a host kernel"), "{report}");
@@ -544,19 +553,9 @@ fn sharing_bytes_another_stream_wrote_without_a_wait_is_reported_every_time() {
 #[test]
 fn a_wait_after_the_free_but_before_the_reuse_is_enough() {
     let rt = sanitized();
-    let host = rt.driver().as_host().unwrap();
     for round in 0..ROUNDS {
-        let (main, side) = two_streams(&rt);
-        let src = filled(&rt, main, 4 * MIB, round as u64);
-        wait(&rt, side, main);
-        host.enqueue_host(
-            side,
-            [HostRange::read(src.data_ptr(), 4 * MIB)],
-            |m: &mut HostMemory<1>| m.to_vec(0).map(drop),
-        )
-        .unwrap();
-        drop(src); // no record_stream...
-                   // ...but the side stream's work is ordered before the reuse on `main`.
+        // No record_stream, but the side stream's work is ordered before the reuse on `main`.
+        let (main, side) = read_on_a_side_stream_then_free(&rt, round);
         if round % 2 == 0 {
             rt.driver().stream_synchronize(side).unwrap();
         } else {

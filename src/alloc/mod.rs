@@ -207,6 +207,28 @@ impl std::fmt::Debug for CachingAllocator {
 /// Hold it for as long as the stream should be current: `let _on = …set_current_stream(s)?;`
 /// (`let _ = …` or a bare statement drops it at once, and the stream was current for nothing).
 /// It cannot move to another thread: the current stream is the setting thread's.
+///
+/// Dropping it at once is a warning (an error here):
+///
+/// ```compile_fail
+/// #![deny(unused_must_use)]
+/// fn f() -> cudalloc::Result<()> {
+///     let side = cudalloc::GLOBAL.create_stream(0)?;
+///     cudalloc::GLOBAL.set_current_stream(side)?; // current for nothing
+///     Ok(())
+/// }
+/// ```
+///
+/// and sending it to another thread does not compile:
+///
+/// ```compile_fail
+/// fn f() -> cudalloc::Result<()> {
+///     let side = cudalloc::GLOBAL.create_stream(0)?;
+///     let on = cudalloc::GLOBAL.set_current_stream(side)?;
+///     std::thread::spawn(move || drop(on));
+///     Ok(())
+/// }
+/// ```
 #[derive(Debug)]
 #[must_use = "the stream is current only while the guard lives: bind it (`let _on = ...`)"]
 pub struct StreamGuard {
