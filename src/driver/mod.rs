@@ -10,6 +10,10 @@
 //!   construction fails with [`Error::NoCudaDriver`](crate::Error::NoCudaDriver) where `libcuda` is
 //!   absent, so no entry point can ever reach a missing library.
 //!
+//! [`SanitizedDriver`] wraps any of them (and [`SimDriver`]) for the stream sanitizer
+//! ([`sanitizer`]): every stream operation is checked against the happens-before order of the
+//! program's streams before it is enqueued.
+//!
 //! # Handles
 //!
 //! Streams and events are opaque ids ([`StreamId`], [`EventId`]) that index the driver's own tables;

@@ -55,8 +55,18 @@
 //! so it assumes they do (it may miss a race between threads, never invent one).
 //!
 //! What it cannot see: work and synchronization made outside cudalloc — a kernel launched
-//! through cudarc without a view, `CudaStream::synchronize`, an event of cudarc's. Tell it with
-//! [`Sanitizer::host_synchronized`] and [`Sanitizer::stream_waited`], or go through the driver.
+//! through cudarc without a view, `CudaStream::synchronize`, an event of cudarc's, stream calls
+//! made on the host backend reached through `as_host()`. Tell it with [`Sanitizer::enqueue`],
+//! [`Sanitizer::host_synchronized`] and [`Sanitizer::stream_waited`], or go through the
+//! runtime's driver. A cudarc view is one access, on the stream it was made for, when it is made:
+//! launching it again later, or on another stream through `launch_builder(&other)`, is not seen
+//! (pass `&other` to `device_ptr`, or make a view per launch).
+//!
+//! Costs and limits: one lock for the whole checker, held across each enqueue so the model's order
+//! is the streams' real order (only while the sanitizer is on); one actor per stream ever seen
+//! and per producer process whose storages were received, never reclaimed (clocks grow with
+//! them: a program that creates a stream per task should reuse streams under the sanitizer);
+//! an access to freed bytes is found where an earlier access touched them.
 //! CUDA's legacy default stream synchronizes implicitly with *blocking* streams; cudalloc makes
 //! non-blocking streams, and that implicit order is not modeled (a library relying on it is
 //! reported).
@@ -67,19 +77,21 @@
 //! above).
 
 mod clock;
+mod options;
 mod report;
 mod shadow;
+mod state;
 mod wrapper;
 
-use std::collections::{BTreeMap, HashMap};
-
+pub use options::SanitizeOptions;
 pub use report::{AccessReport, HazardKind, HazardReport};
 pub use shadow::AccessKind;
 pub use wrapper::SanitizedDriver;
 
 use self::clock::VectorClock;
 use self::report::Stack;
-use self::shadow::{Access, Free, Shadow};
+use self::shadow::{Access, Free};
+use self::state::{Actor, Allocation, State};
 use crate::driver::{EventId, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicBool, Ordering};
@@ -87,205 +99,6 @@ use crate::sync::os::{Arc, Mutex, MutexGuard};
 
 /// The most reports kept (later ones are counted and logged, not kept).
 const MAX_KEPT_REPORTS: usize = 1000;
-
-/// How the sanitizer reports hazards.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct SanitizeOptions {
-    /// Panic at the first hazard (test suites) instead of returning the error.
-    pub panic: bool,
-    /// Capture the Rust stack of every access (named in reports; costs a stack walk each).
-    pub stacks: bool,
-}
-
-impl SanitizeOptions {
-    /// Report mode: a hazard is an error (sticky on its stream) and a `tracing` error.
-    pub fn report() -> Self {
-        SanitizeOptions::default()
-    }
-
-    /// Panic mode: the call that finds a hazard panics (test suites).
-    pub fn panic() -> Self {
-        SanitizeOptions {
-            panic: true,
-            stacks: false,
-        }
-    }
-
-    /// The same, capturing the Rust stack of every access.
-    pub fn with_stacks(mut self) -> Self {
-        self.stacks = true;
-        self
-    }
-
-    /// Parses a `CUDALLOC_SANITIZE` value: `0`/`off`/empty (off, `None`), `1`/`on`/`report`, or
-    /// `panic`, optionally followed by `,stacks`.
-    pub fn parse(value: &str) -> Result<Option<SanitizeOptions>> {
-        let mut parts = value.split(',').map(str::trim);
-        let mut options = match parts.next().unwrap_or("") {
-            "" | "0" | "off" | "false" => return Ok(None),
-            "1" | "on" | "true" | "report" => SanitizeOptions::default(),
-            "panic" => SanitizeOptions {
-                panic: true,
-                stacks: false,
-            },
-            other => {
-                return Err(Error::Config(format!(
-                    "CUDALLOC_SANITIZE: {other:?} is not a mode; valid: 0, 1 (report), panic, each optionally with ,stacks"
-                )))
-            }
-        };
-        for part in parts {
-            match part {
-                "stacks" => options.stacks = true,
-                other => {
-                    return Err(Error::Config(format!(
-                        "CUDALLOC_SANITIZE: {other:?} is not an option; valid: stacks"
-                    )))
-                }
-            }
-        }
-        Ok(Some(options))
-    }
-
-    /// Reads `CUDALLOC_SANITIZE` (unset: off).
-    pub fn from_env() -> Result<Option<SanitizeOptions>> {
-        match std::env::var("CUDALLOC_SANITIZE") {
-            Ok(value) => Self::parse(&value),
-            Err(std::env::VarError::NotPresent) => Ok(None),
-            Err(std::env::VarError::NotUnicode(_)) => {
-                Err(Error::Config("CUDALLOC_SANITIZE is not valid UTF-8".into()))
-            }
-        }
-    }
-}
-
-/// An actor: a stream, or another process's writes before one of its events.
-#[derive(Debug)]
-struct Actor {
-    clock: VectorClock,
-    name: String,
-    /// The hazard that failed this stream (sticky).
-    sticky: Option<Error>,
-}
-
-/// A live hand-out of the allocator, for naming the allocation of an access.
-#[derive(Debug)]
-struct Allocation {
-    end: u64,
-    id: u64,
-    stream: String,
-}
-
-#[derive(Debug, Default)]
-struct State {
-    streams: HashMap<StreamId, usize>,
-    actors: Vec<Actor>,
-    host: VectorClock,
-    events: HashMap<EventId, VectorClock>,
-    /// The actor of each producer process whose IPC events were opened.
-    producers: HashMap<u32, usize>,
-    shadow: Shadow,
-    allocations: BTreeMap<u64, Allocation>,
-    next_allocation: u64,
-    /// Memory the driver mapped (segments, opened segments): base → size, forgotten on free.
-    segments: HashMap<u64, u64>,
-    reports: Vec<HazardReport>,
-    hazards: u64,
-}
-
-impl State {
-    fn slot(&mut self, stream: StreamId) -> usize {
-        if let Some(&slot) = self.streams.get(&stream) {
-            return slot;
-        }
-        let slot = self.actors.len();
-        let serial = stream.raw() & ((1 << 48) - 1);
-        self.actors.push(Actor {
-            clock: VectorClock::default(),
-            name: format!("stream {serial} of device {}", stream.device()),
-            sticky: None,
-        });
-        self.streams.insert(stream, slot);
-        slot
-    }
-
-    fn sticky(&mut self, stream: StreamId) -> Result<usize> {
-        let slot = self.slot(stream);
-        match &self.actors[slot].sticky {
-            Some(err) => Err(err.clone()),
-            None => Ok(slot),
-        }
-    }
-
-    /// The clock work enqueued on `slot` now carries (the stream's, joined with the host's).
-    fn knowledge(&self, slot: usize) -> VectorClock {
-        let mut k = self.actors[slot].clock.clone();
-        k.join(&self.host);
-        k
-    }
-
-    fn allocation_at(&self, addr: u64) -> Option<String> {
-        let (start, a) = self.allocations.range(..=addr).next_back()?;
-        (addr < a.end).then(|| {
-            format!(
-                "allocation #{} ({:#x}, {} bytes, allocated on {})",
-                a.id,
-                start,
-                a.end - start,
-                a.stream
-            )
-        })
-    }
-
-    /// The first earlier access to `[start, end)` that an access of `kind` by `slot` carrying
-    /// `k` is not ordered after.
-    fn conflict(
-        &mut self,
-        start: u64,
-        end: u64,
-        slot: usize,
-        k: &VectorClock,
-        kind: AccessKind,
-    ) -> Option<Arc<Access>> {
-        for (_, cell) in self.shadow.existing(start, end) {
-            let unordered = |a: &&Arc<Access>| a.slot != slot && !k.knows(a.slot, a.epoch);
-            if let Some(w) = cell.write.as_ref().filter(unordered) {
-                return Some(Arc::clone(w));
-            }
-            if kind == AccessKind::Write {
-                if let Some(r) = cell.reads.iter().find(unordered) {
-                    return Some(Arc::clone(r));
-                }
-            }
-        }
-        None
-    }
-
-    /// The first byte of `[start, end)` the allocator holds as free, with that free.
-    fn freed_in(&mut self, start: u64, end: u64) -> Option<(u64, Arc<Free>)> {
-        self.shadow
-            .existing(start, end)
-            .find_map(|(&at, cell)| cell.freed.as_ref().map(|f| (at.max(start), Arc::clone(f))))
-    }
-
-    fn record(&mut self, access: Arc<Access>) {
-        let (start, end) = (access.start, access.start + access.len);
-        for (_, cell) in self.shadow.covering(start, end) {
-            match access.kind {
-                AccessKind::Write => {
-                    cell.write = Some(Arc::clone(&access));
-                    cell.reads.clear();
-                }
-                AccessKind::Read => {
-                    cell.reads.retain(|r| r.slot != access.slot);
-                    cell.reads.push(Arc::clone(&access));
-                }
-            }
-        }
-        self.shadow.tidy(start, end);
-    }
-}
 
 /// One access of an enqueued operation: bytes `[start, start + len)`, read or written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

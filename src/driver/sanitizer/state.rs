@@ -1,0 +1,138 @@
+//! The checker's state: actors and their clocks, events, the shadow memory, live allocations and
+//! the reports (see the model in the [module docs](super)).
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::clock::VectorClock;
+use super::report::HazardReport;
+use super::shadow::{Access, AccessKind, Free, Shadow};
+use crate::driver::{EventId, StreamId};
+use crate::error::{Error, Result};
+use crate::sync::os::Arc;
+
+/// An actor: a stream, or another process's writes before one of its events.
+#[derive(Debug)]
+pub(super) struct Actor {
+    pub(super) clock: VectorClock,
+    pub(super) name: String,
+    /// The hazard that failed this stream (sticky).
+    pub(super) sticky: Option<Error>,
+}
+
+/// A live hand-out of the allocator, for naming the allocation of an access.
+#[derive(Debug)]
+pub(super) struct Allocation {
+    pub(super) end: u64,
+    pub(super) id: u64,
+    pub(super) stream: String,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct State {
+    pub(super) streams: HashMap<StreamId, usize>,
+    pub(super) actors: Vec<Actor>,
+    pub(super) host: VectorClock,
+    pub(super) events: HashMap<EventId, VectorClock>,
+    /// The actor of each producer process whose IPC events were opened.
+    pub(super) producers: HashMap<u32, usize>,
+    pub(super) shadow: Shadow,
+    pub(super) allocations: BTreeMap<u64, Allocation>,
+    pub(super) next_allocation: u64,
+    /// Memory the driver mapped (segments, opened segments): base → size, forgotten on free.
+    pub(super) segments: HashMap<u64, u64>,
+    pub(super) reports: Vec<HazardReport>,
+    pub(super) hazards: u64,
+}
+
+impl State {
+    pub(super) fn slot(&mut self, stream: StreamId) -> usize {
+        if let Some(&slot) = self.streams.get(&stream) {
+            return slot;
+        }
+        let slot = self.actors.len();
+        let serial = stream.raw() & ((1 << 48) - 1);
+        self.actors.push(Actor {
+            clock: VectorClock::default(),
+            name: format!("stream {serial} of device {}", stream.device()),
+            sticky: None,
+        });
+        self.streams.insert(stream, slot);
+        slot
+    }
+
+    pub(super) fn sticky(&mut self, stream: StreamId) -> Result<usize> {
+        let slot = self.slot(stream);
+        match &self.actors[slot].sticky {
+            Some(err) => Err(err.clone()),
+            None => Ok(slot),
+        }
+    }
+
+    /// The clock work enqueued on `slot` now carries (the stream's, joined with the host's).
+    pub(super) fn knowledge(&self, slot: usize) -> VectorClock {
+        let mut k = self.actors[slot].clock.clone();
+        k.join(&self.host);
+        k
+    }
+
+    pub(super) fn allocation_at(&self, addr: u64) -> Option<String> {
+        let (start, a) = self.allocations.range(..=addr).next_back()?;
+        (addr < a.end).then(|| {
+            format!(
+                "allocation #{} ({:#x}, {} bytes, allocated on {})",
+                a.id,
+                start,
+                a.end - start,
+                a.stream
+            )
+        })
+    }
+
+    /// The first earlier access to `[start, end)` that an access of `kind` by `slot` carrying
+    /// `k` is not ordered after.
+    pub(super) fn conflict(
+        &mut self,
+        start: u64,
+        end: u64,
+        slot: usize,
+        k: &VectorClock,
+        kind: AccessKind,
+    ) -> Option<Arc<Access>> {
+        for (_, cell) in self.shadow.existing(start, end) {
+            let unordered = |a: &&Arc<Access>| a.slot != slot && !k.knows(a.slot, a.epoch);
+            if let Some(w) = cell.write.as_ref().filter(unordered) {
+                return Some(Arc::clone(w));
+            }
+            if kind == AccessKind::Write {
+                if let Some(r) = cell.reads.iter().find(unordered) {
+                    return Some(Arc::clone(r));
+                }
+            }
+        }
+        None
+    }
+
+    /// The first byte of `[start, end)` the allocator holds as free, with that free.
+    pub(super) fn freed_in(&mut self, start: u64, end: u64) -> Option<(u64, Arc<Free>)> {
+        self.shadow
+            .existing(start, end)
+            .find_map(|(&at, cell)| cell.freed.as_ref().map(|f| (at.max(start), Arc::clone(f))))
+    }
+
+    pub(super) fn record(&mut self, access: Arc<Access>) {
+        let (start, end) = (access.start, access.start + access.len);
+        for (_, cell) in self.shadow.covering(start, end) {
+            match access.kind {
+                AccessKind::Write => {
+                    cell.write = Some(Arc::clone(&access));
+                    cell.reads.clear();
+                }
+                AccessKind::Read => {
+                    cell.reads.retain(|r| r.slot != access.slot);
+                    cell.reads.push(Arc::clone(&access));
+                }
+            }
+        }
+        self.shadow.tidy(start, end);
+    }
+}
