@@ -37,7 +37,8 @@
 //! |---|---|
 //! | free of a block (its own stream `o`, recorded streams `r…`) | the bytes are *freed* with `F = C[o] ⊔ C[r…] ⊔ H`: what the allocator's events guarantee before reuse |
 //! | hand-out of bytes | every access to them on an actor other than `o` must be ordered before `F`, else a **use after free** (reported even without `record_stream`); those accesses are then dropped (the allocator waited for them), accesses on `o` stay (a later access on another stream must still be ordered after them) |
-//! | a COW copy, an IPC event, a free event | ordinary driver calls, checked as above |
+//! | release of freed memory to the driver (`empty_cache`, the out-of-memory path, page release) | the hand-out's check, then the bytes are forgotten: a forgotten `record_stream` is reported whether the block is reused or released first |
+//! | a COW copy, an IPC event | ordinary driver calls, checked as above |
 //!
 //! A receipt of another process's storage marks its bytes as written by the producer's event
 //! actor: a consumer stream that did not wait for the event (the current stream at receipt does)
@@ -333,7 +334,9 @@ impl Sanitizer {
             st.actors[slot].name
         )));
         tracing::error!(target: "cudalloc::sanitizer", "{text}");
-        if self.options.panic {
+        // Not while unwinding already (a release during a failing test's teardown): a second
+        // panic would abort; the report is kept and logged.
+        if self.options.panic && !std::thread::panicking() {
             MutexGuard::unlocked(st, || panic!("cudalloc sanitizer: {text}"));
         }
         err
@@ -452,13 +455,65 @@ impl Sanitizer {
     pub(crate) fn unmapped_segment(&self, base: u64) {
         let mut st = self.state.lock();
         if let Some(size) = st.segments.remove(&base) {
+            self.check_release(&mut st, base, size);
             Self::forget_locked(&mut st, base, size);
         }
     }
 
     /// `[start, start + len)` is gone (unmapped pages).
     pub(crate) fn forget(&self, start: u64, len: u64) {
-        Self::forget_locked(&mut self.state.lock(), start, len);
+        let mut st = self.state.lock();
+        self.check_release(&mut st, start, len);
+        Self::forget_locked(&mut st, start, len);
+    }
+
+    /// Memory the allocator held as free goes back to the driver: a free that an access on
+    /// another stream was not ordered before is reported now, as its reuse would have been — so
+    /// the verdict does not depend on whether memory pressure released the block before reuse.
+    fn check_release(&self, st: &mut MutexGuard<'_, State>, start: u64, len: u64) {
+        let end = start.saturating_add(len);
+        let mut hazard = None;
+        let mut owners = Vec::new();
+        for (&at, cell) in st.shadow.existing(start, end) {
+            if let Some(free) = &cell.freed {
+                owners.push((at, Arc::clone(free)));
+            }
+        }
+        for (at, free) in owners {
+            let now = st.knowledge(free.owner_slot);
+            let cells = st.shadow.existing(at, at.saturating_add(1));
+            let found = cells.into_iter().find_map(|(_, cell)| {
+                cell.accesses()
+                    .find(|a| {
+                        a.slot != free.owner_slot
+                            && !free.clock.knows(a.slot, a.epoch)
+                            && !now.knows(a.slot, a.epoch)
+                    })
+                    .cloned()
+            });
+            if let Some(earlier) = found {
+                hazard = Some((earlier, free));
+                break;
+            }
+        }
+        let Some((earlier, free)) = hazard else {
+            return;
+        };
+        let owner = st.actors[free.owner_slot].name.clone();
+        let report = HazardReport {
+            kind: HazardKind::UseAfterFree,
+            earlier: AccessReport::of(&earlier),
+            later: AccessReport {
+                kind: "release",
+                what: format!("the allocator giving the memory of {owner} back to the driver"),
+                start,
+                len,
+                allocation: None,
+                stack: self.stack().as_ref().map(|s| s.render_now()),
+            },
+            free: Some(free.what.clone()),
+        };
+        let _sticky = self.fail(st, free.owner_slot, report);
     }
 
     fn forget_locked(st: &mut State, start: u64, len: u64) {

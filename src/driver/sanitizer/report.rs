@@ -84,8 +84,8 @@ impl HazardKind {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct AccessReport {
-    /// `"read"` or `"write"` (`"hand-out"` for the allocator's, `"free"` for a free that later
-    /// work touched).
+    /// `"read"` or `"write"` (`"hand-out"` and `"release"` for the allocator's steps, `"free"`
+    /// for a free that later work touched).
     pub kind: &'static str,
     /// What did it and on which stream, e.g. `"memset on stream 2 of device 0"`.
     pub what: String,
