@@ -45,8 +45,10 @@ cargo test --test interplay -- --seconds 20
 CUDALLOC_TEST_EXPANDABLE=1 cargo test --test interplay -- --seconds 20
 
 echo "== the stream suites again under the stream sanitizer (CUDALLOC_SANITIZE=panic)"
+# One test at a time: the double's device is the process's, and the capacity checks of
+# driver_conformance read its free memory (slower sanitized tests overlap more).
 CUDALLOC_SANITIZE=panic cargo test --no-fail-fast --features cudarc --test driver_conformance \
-  --test cow --test global_and_storage --test ipc_interplay --test cudarc_views
+  --test cow --test global_and_storage --test ipc_interplay --test cudarc_views -- --test-threads=1
 
 echo "== the double's verdict"
 target/release/cuda-double-report "$CUDA_DOUBLE_REPORT" src/driver/cuda
