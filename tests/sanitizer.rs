@@ -75,22 +75,32 @@ fn filled(rt: &Arc<Runtime>, stream: StreamId, len: u64, seed: u64) -> Storage {
     s
 }
 
+/// A storage filled on a new main stream and copied (read) on a new side stream that waited for
+/// the fill: (main, side, source, copy).
+fn copy_on_a_side_stream(
+    rt: &Arc<Runtime>,
+    round: usize,
+) -> (StreamId, StreamId, Storage, Storage) {
+    let (main, side) = two_streams(rt);
+    let src = filled(rt, main, MIB, round as u64);
+    wait(rt, side, main);
+    let dst = Storage::new_on(rt, side, MIB).unwrap();
+    rt.driver()
+        .copy_device_to_device(
+            side,
+            dst.mutable_data_ptr_on(side).unwrap(),
+            src.data_ptr(),
+            MIB,
+        )
+        .unwrap();
+    (main, side, src, dst)
+}
+
 #[test]
 fn forgotten_record_stream_is_a_use_after_free_every_time() {
     let rt = sanitized();
     for round in 0..ROUNDS {
-        let (main, side) = two_streams(&rt);
-        let src = filled(&rt, main, MIB, round as u64);
-        wait(&rt, side, main);
-        let dst = Storage::new_on(&rt, side, MIB).unwrap();
-        rt.driver()
-            .copy_device_to_device(
-                side,
-                dst.mutable_data_ptr_on(side).unwrap(),
-                src.data_ptr(),
-                MIB,
-            )
-            .unwrap();
+        let (main, side, src, dst) = copy_on_a_side_stream(&rt, round);
         let freed = src.data_ptr();
         drop(src); // record_stream(side) forgotten
         let newcomer = Storage::new_on(&rt, main, MIB).unwrap();
@@ -122,18 +132,7 @@ fn forgotten_record_stream_is_a_use_after_free_every_time() {
 fn with_record_stream_the_same_program_is_never_reported() {
     let rt = sanitized();
     for round in 0..ROUNDS {
-        let (main, side) = two_streams(&rt);
-        let src = filled(&rt, main, MIB, round as u64);
-        wait(&rt, side, main);
-        let dst = Storage::new_on(&rt, side, MIB).unwrap();
-        rt.driver()
-            .copy_device_to_device(
-                side,
-                dst.mutable_data_ptr_on(side).unwrap(),
-                src.data_ptr(),
-                MIB,
-            )
-            .unwrap();
+        let (main, side, src, dst) = copy_on_a_side_stream(&rt, round);
         src.record_stream(side).unwrap();
         drop(src);
         let newcomer = Storage::new_on(&rt, main, MIB).unwrap();
