@@ -16,9 +16,7 @@ use std::sync::Arc;
 use common::{host_driver, ChildProcess, ParentLink, ROLE_VAR};
 use cudalloc::driver::host::{HostMemory, HostRange};
 use cudalloc::driver::sanitizer::HazardKind;
-use cudalloc::{
-    ErrorKind, EventFlags, IpcHandle, Runtime, Sanitize, SanitizeOptions, Storage, StreamId,
-};
+use cudalloc::{ErrorKind, IpcHandle, Runtime, Sanitize, SanitizeOptions, Storage, StreamId};
 
 const MIB: u64 = 1 << 20;
 const ROUNDS: usize = 100;
@@ -36,14 +34,6 @@ fn sanitized_with(options: SanitizeOptions) -> Arc<Runtime> {
 
 fn sanitized() -> Arc<Runtime> {
     sanitized_with(SanitizeOptions::default())
-}
-
-fn wait(rt: &Runtime, waiter: StreamId, waited: StreamId) {
-    let d = rt.driver();
-    let e = d.event_create(0, EventFlags::default()).unwrap();
-    d.event_record(e, waited).unwrap();
-    d.stream_wait_event(waiter, e).unwrap();
-    d.event_destroy(e).unwrap();
 }
 
 /// The hazards found since the last call: exactly one, of `kind`.
@@ -67,14 +57,6 @@ fn two_streams(rt: &Runtime) -> (StreamId, StreamId) {
     (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap())
 }
 
-/// A storage of `len` bytes on `stream`, filled there with the pattern of `seed`.
-fn filled(rt: &Arc<Runtime>, stream: StreamId, len: u64, seed: u64) -> Storage {
-    let s = Storage::new_on(rt, stream, len).unwrap();
-    let ptr = s.mutable_data_ptr_on(stream).unwrap();
-    rt.driver().fill_pattern(stream, ptr, len, seed).unwrap();
-    s
-}
-
 /// A storage filled on a new main stream and copied (read) on a new side stream that waited for
 /// the fill: (main, side, source, copy).
 fn copy_on_a_side_stream(
@@ -82,8 +64,8 @@ fn copy_on_a_side_stream(
     round: usize,
 ) -> (StreamId, StreamId, Storage, Storage) {
     let (main, side) = two_streams(rt);
-    let src = filled(rt, main, MIB, round as u64);
-    wait(rt, side, main);
+    let src = common::filled_on(rt, main, MIB, round as u64);
+    common::wait_for(rt, side, main);
     let dst = Storage::new_on(rt, side, MIB).unwrap();
     rt.driver()
         .copy_device_to_device(
@@ -151,8 +133,8 @@ fn with_record_stream_the_same_program_is_never_reported() {
 /// waited for the fill), and frees the storage at once without `record_stream`.
 fn read_on_a_side_stream_then_free(rt: &Arc<Runtime>, round: usize) -> (StreamId, StreamId) {
     let (main, side) = two_streams(rt);
-    let src = filled(rt, main, 4 * MIB, round as u64);
-    wait(rt, side, main);
+    let src = common::filled_on(rt, main, 4 * MIB, round as u64);
+    common::wait_for(rt, side, main);
     rt.driver()
         .as_host()
         .unwrap()
@@ -189,7 +171,7 @@ fn a_write_and_an_unwaited_read_on_another_stream_race_every_time() {
     let rt = sanitized();
     for round in 0..ROUNDS {
         let (writer, reader) = two_streams(&rt);
-        let s = filled(&rt, writer, MIB, round as u64);
+        let s = common::filled_on(&rt, writer, MIB, round as u64);
         let out = Storage::new_on(&rt, reader, MIB).unwrap();
         // The writer's stream is busy for a long time: without a wait the read comes first.
         rt.driver().sleep(writer, 1_000).unwrap();
@@ -224,9 +206,9 @@ fn a_wait_orders_the_read_and_nothing_is_reported() {
     let rt = sanitized();
     for round in 0..ROUNDS {
         let (writer, reader) = two_streams(&rt);
-        let s = filled(&rt, writer, MIB, round as u64);
+        let s = common::filled_on(&rt, writer, MIB, round as u64);
         let out = Storage::new_on(&rt, reader, MIB).unwrap();
-        wait(&rt, reader, writer);
+        common::wait_for(&rt, reader, writer);
         rt.driver()
             .copy_device_to_device(
                 reader,
@@ -272,7 +254,7 @@ fn a_cow_copy_raced_by_a_kernel_is_reported_every_time() {
     let host = rt.driver().as_host().unwrap();
     for round in 0..ROUNDS {
         let (copier, other) = two_streams(&rt);
-        let s = filled(&rt, rt.default_stream(0).unwrap(), MIB, round as u64);
+        let s = common::filled_on(&rt, rt.default_stream(0).unwrap(), MIB, round as u64);
         let c = s.lazy_clone().unwrap();
         // The first write of the clone is ordered on `copier`: the copy is queued there...
         let private = c.mutable_data_ptr_on(copier).unwrap();
@@ -302,7 +284,7 @@ fn the_cow_copy_is_ordered_for_its_stream_and_complete_for_any_other() {
     let host = rt.driver().as_host().unwrap();
     for round in 0..ROUNDS {
         let (copier, other) = two_streams(&rt);
-        let s = filled(&rt, rt.default_stream(0).unwrap(), MIB, round as u64);
+        let s = common::filled_on(&rt, rt.default_stream(0).unwrap(), MIB, round as u64);
         let (c1, c2) = (s.lazy_clone().unwrap(), s.lazy_clone().unwrap());
         // Stream-ordered first write, then a kernel on the same stream.
         let p1 = c1.mutable_data_ptr_on(copier).unwrap();
@@ -332,7 +314,7 @@ fn the_cow_copy_is_ordered_for_its_stream_and_complete_for_any_other() {
 fn panic_mode_panics_at_the_hazard() {
     let rt = sanitized_with(SanitizeOptions::panic());
     let (a, b) = two_streams(&rt);
-    let s = filled(&rt, a, 4096, 1);
+    let s = common::filled_on(&rt, a, 4096, 1);
     let d = Arc::clone(rt.driver());
     let ptr = s.data_ptr();
     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
@@ -354,11 +336,11 @@ fn panic_mode_panics_at_the_hazard() {
 fn reports_name_the_rust_stacks_of_both_accesses_when_stacks_are_on() {
     let rt = sanitized_with(SanitizeOptions::report().with_stacks());
     let (a, b) = two_streams(&rt);
-    let s = filled(&rt, a, 4096, 1);
+    let s = common::filled_on(&rt, a, 4096, 1);
     let err = rt.driver().memset(b, s.data_ptr(), 0, 4096).unwrap_err();
     let report = one_report(&rt, HazardKind::Race);
     let (earlier, later) = (report.earlier.stack.unwrap(), report.later.stack.unwrap());
-    assert!(earlier.contains("sanitizer::filled"), "{earlier}");
+    assert!(earlier.contains("common::filled_on"), "{earlier}");
     assert!(later.contains("reports_name_the_rust_stacks"), "{later}");
     assert!(err.to_string().contains("enqueued at"), "{err}");
     rt.driver().stream_synchronize(a).unwrap();
@@ -527,7 +509,7 @@ fn sharing_bytes_another_stream_wrote_without_a_wait_is_reported_every_time() {
     let rt = sanitized();
     for round in 0..ROUNDS {
         let (writer, sharer) = two_streams(&rt);
-        let s = filled(&rt, writer, 64 * 1024, round as u64);
+        let s = common::filled_on(&rt, writer, 64 * 1024, round as u64);
         let _on = rt.set_current_stream(sharer).unwrap();
         let err = s.share_ipc().unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
@@ -541,7 +523,7 @@ fn sharing_bytes_another_stream_wrote_without_a_wait_is_reported_every_time() {
         );
         // After a wait it is shared (on a stream of its own: `sharer` is failed now).
         let fresh = rt.create_stream(0).unwrap();
-        wait(&rt, fresh, writer);
+        common::wait_for(&rt, fresh, writer);
         let _on = rt.set_current_stream(fresh).unwrap();
         drop(s.share_ipc().unwrap());
         no_report(&rt);
@@ -558,7 +540,7 @@ fn a_wait_after_the_free_but_before_the_reuse_is_enough() {
         if round % 2 == 0 {
             rt.driver().stream_synchronize(side).unwrap();
         } else {
-            wait(&rt, main, side);
+            common::wait_for(&rt, main, side);
         }
         let _again = Storage::new_on(&rt, main, 4 * MIB).unwrap();
         no_report(&rt);
@@ -574,7 +556,7 @@ fn an_unsplit_remainder_keeps_what_its_first_free_knew() {
     let rt = sanitized();
     let (main, side) = two_streams(&rt);
     let x = Storage::new_on(&rt, main, 20 * MIB).unwrap();
-    wait(&rt, side, main);
+    common::wait_for(&rt, side, main);
     let ptr = x.mutable_data_ptr_on(side).unwrap();
     rt.driver().memset(side, ptr, 1, 20 * MIB).unwrap();
     x.record_stream(side).unwrap();
@@ -595,7 +577,7 @@ fn an_unsplit_remainder_keeps_what_its_first_free_knew() {
 fn work_enqueued_on_freed_memory_is_a_use_after_free() {
     let rt = sanitized();
     let main = rt.create_stream(0).unwrap();
-    let s = filled(&rt, main, MIB, 1);
+    let s = common::filled_on(&rt, main, MIB, 1);
     let stale = s.data_ptr();
     drop(s); // a raw pointer kept past its storage
     let err = rt.driver().memset(main, stale, 0, MIB).unwrap_err();
@@ -611,7 +593,7 @@ fn a_panic_in_a_cow_copy_leaves_the_clone_a_valid_cow_storage() {
     let (writer, copier) = two_streams(&rt);
     // Filled on `writer`, lazily cloned on the default stream, which never waited for it: the
     // first write's copy on `copier` (which waits for the clone's stream only) races the fill.
-    let s2 = filled(&rt, writer, MIB, 5);
+    let s2 = common::filled_on(&rt, writer, MIB, 5);
     let c2 = s2.lazy_clone().unwrap();
     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         c2.mutable_data_ptr_on(copier)
@@ -621,7 +603,7 @@ fn a_panic_in_a_cow_copy_leaves_the_clone_a_valid_cow_storage() {
     assert_eq!(c2.data_ptr(), s2.data_ptr());
     // Once ordered, the first write works and copies the right bytes.
     let fresh = rt.create_stream(0).unwrap();
-    wait(&rt, fresh, writer);
+    common::wait_for(&rt, fresh, writer);
     let _on = rt.set_current_stream(fresh).unwrap();
     c2.mutable_data_ptr().unwrap();
     assert_eq!(c2.count_pattern_mismatches(5).unwrap(), 0);

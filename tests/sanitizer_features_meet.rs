@@ -11,9 +11,7 @@ use std::sync::Arc;
 use common::host_driver;
 use cudalloc::driver::host::{HostMemory, HostRange};
 use cudalloc::driver::sanitizer::HazardKind;
-use cudalloc::{
-    AllocatorConfig, EventFlags, Runtime, Sanitize, SanitizeOptions, Storage, StreamId,
-};
+use cudalloc::{AllocatorConfig, Runtime, Sanitize, SanitizeOptions, Storage, StreamId};
 
 const MIB: u64 = 1 << 20;
 
@@ -42,14 +40,6 @@ const CONFIGS: [&str; 4] = [
     "expandable_segments:True,thread_cache_mb:64",
 ];
 
-fn wait(rt: &Runtime, waiter: StreamId, waited: StreamId) {
-    let d = rt.driver();
-    let e = d.event_create(0, EventFlags::default()).unwrap();
-    d.event_record(e, waited).unwrap();
-    d.stream_wait_event(waiter, e).unwrap();
-    d.event_destroy(e).unwrap();
-}
-
 fn take(rt: &Runtime) -> Vec<cudalloc::driver::sanitizer::HazardReport> {
     rt.sanitizer().unwrap().take_reports()
 }
@@ -58,13 +48,6 @@ fn no_report(rt: &Runtime, what: &str) {
     let Some(san) = rt.sanitizer() else { return };
     let r = san.take_reports();
     assert!(r.is_empty(), "{what}: correct code was reported: {r:#?}");
-}
-
-fn filled(rt: &Arc<Runtime>, stream: StreamId, len: u64, seed: u64) -> Storage {
-    let s = Storage::new_on(rt, stream, len).unwrap();
-    let ptr = s.mutable_data_ptr_on(stream).unwrap();
-    rt.driver().fill_pattern(stream, ptr, len, seed).unwrap();
-    s
 }
 
 fn host_write(
@@ -90,7 +73,7 @@ fn fp_cow_clone_on_side_stream_then_source_written_and_dropped() {
             let own = rt.create_stream(0).unwrap();
             let side = rt.create_stream(0).unwrap();
             let _g = rt.set_current_stream(own).unwrap();
-            let s = filled(&rt, own, MIB, round);
+            let s = common::filled_on(&rt, own, MIB, round);
             let c = s.lazy_clone().unwrap();
             let cp = c.mutable_data_ptr_on(side).unwrap();
             host_write(&rt, side, cp, MIB).unwrap();
@@ -201,9 +184,9 @@ fn fp_producer_consumer_with_events_and_record_stream_many_times() {
             let p = streams[i % 3];
             let c = streams[(i / 3 + 1 + i) % 3];
             let len = [512, 4096, 300_000, 2 * MIB + 17][i % 4];
-            let s = filled(&rt, p, len, i as u64);
+            let s = common::filled_on(&rt, p, len, i as u64);
             if c != p {
-                wait(&rt, c, p);
+                common::wait_for(&rt, c, p);
                 s.record_stream(c).unwrap();
             }
             let out = Storage::new_on(&rt, c, len).unwrap();
@@ -235,8 +218,8 @@ fn fp_oom_retry_frees_cached_blocks_of_other_streams() {
         for round in 0..6u64 {
             // 40 MiB cached on `a`, read on `b` (recorded): a 40 MiB request on `c` must
             // free it (the device has 64 MiB).
-            let s = filled(&rt, a, 40 * MIB, round);
-            wait(&rt, b, a);
+            let s = common::filled_on(&rt, a, 40 * MIB, round);
+            common::wait_for(&rt, b, a);
             rt.driver()
                 .count_pattern_mismatches(b, s.data_ptr(), 40 * MIB, round)
                 .unwrap();
@@ -296,7 +279,7 @@ fn fp_sync_then_other_stream_writes_freed_reused_sub_blocks() {
         let rt = rt_with(cfg);
         let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
         for round in 0..40u64 {
-            let big = filled(&rt, a, 8 * MIB, round);
+            let big = common::filled_on(&rt, a, 8 * MIB, round);
             rt.driver().stream_synchronize(a).unwrap();
             // b writes a tail sub-range after a host sync, records itself.
             rt.driver()
@@ -328,8 +311,8 @@ fn fp_sync_then_other_stream_writes_freed_reused_sub_blocks() {
 /// record_stream, block dropped, same size re-allocated on `main`.
 fn forgotten_record_stream(rt: &Arc<Runtime>, len: u64, sub: (u64, u64)) -> usize {
     let (main, side) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
-    let s = filled(rt, main, len, 1);
-    wait(rt, side, main);
+    let s = common::filled_on(rt, main, len, 1);
+    common::wait_for(rt, side, main);
     rt.driver()
         .memset(side, s.data_ptr().offset(sub.0).unwrap(), 5, sub.1)
         .unwrap();
@@ -384,7 +367,7 @@ fn fn_unordered_write_read_across_streams_every_config() {
         for len in [4096u64, MIB, 24 * MIB] {
             let (w, r) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
             rt.empty_cache();
-            let s = filled(&rt, w, len, 3);
+            let s = common::filled_on(&rt, w, len, 3);
             let out = Storage::new_on(&rt, r, len).unwrap();
             let res = rt.driver().copy_device_to_device(
                 r,
@@ -412,8 +395,8 @@ fn fn_forgotten_record_stream_straddling_empty_cache() {
     for cfg in CONFIGS {
         let rt = rt_with(cfg);
         let (main, side) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
-        let s = filled(&rt, main, 4 * MIB, 1);
-        wait(&rt, side, main);
+        let s = common::filled_on(&rt, main, 4 * MIB, 1);
+        common::wait_for(&rt, side, main);
         let old = s.data_ptr();
         rt.driver().sleep(side, 2_000).unwrap();
         rt.driver().memset(side, old, 5, 4 * MIB).unwrap();
@@ -448,8 +431,8 @@ fn fn_front_cache_entry_flushed_by_thread_exit_keeps_its_hazard() {
     let old = {
         let rt = Arc::clone(&rt);
         std::thread::spawn(move || {
-            let s = filled(&rt, main, 4096, 1);
-            wait(&rt, side, main);
+            let s = common::filled_on(&rt, main, 4096, 1);
+            common::wait_for(&rt, side, main);
             rt.driver().memset(side, s.data_ptr(), 5, 4096).unwrap();
             let p = s.data_ptr();
             drop(s); // into this thread's front cache; thread exits
@@ -479,7 +462,7 @@ fn failed_stream_does_not_break_the_library_or_leak_into_new_streams() {
     for cfg in CONFIGS {
         let rt = rt_with(cfg);
         let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
-        let s = filled(&rt, a, MIB, 1);
+        let s = common::filled_on(&rt, a, MIB, 1);
         let c = s.lazy_clone().unwrap();
         assert!(rt.driver().memset(b, s.data_ptr(), 0, MIB).is_err());
         assert_eq!(take(&rt).len(), 1);
@@ -525,9 +508,9 @@ fn fn_forgotten_record_stream_lost_when_oom_retry_releases_the_segment() {
             rt.create_stream(0).unwrap(),
             rt.create_stream(0).unwrap(),
         );
-        let s = filled(&rt, main, 40 * MIB, 1);
+        let s = common::filled_on(&rt, main, 40 * MIB, 1);
         let old = s.data_ptr();
-        wait(&rt, side, main);
+        common::wait_for(&rt, side, main);
         rt.driver().memset(side, old, 5, 40 * MIB).unwrap();
         drop(s); // record_stream(side) forgotten
                  // Memory pressure on another stream: the OOM retry releases main's cached 40 MiB.

@@ -346,3 +346,26 @@ pub fn hold_stream(
         }
     }
 }
+
+/// Makes `waiter` wait for the work queued so far on `waited` (an event, through the runtime's
+/// driver, so the stream sanitizer sees it).
+pub fn wait_for(rt: &cudalloc::Runtime, waiter: cudalloc::StreamId, waited: cudalloc::StreamId) {
+    let d = rt.driver();
+    let e = d.event_create(0, cudalloc::EventFlags::default()).unwrap();
+    d.event_record(e, waited).unwrap();
+    d.stream_wait_event(waiter, e).unwrap();
+    d.event_destroy(e).unwrap();
+}
+
+/// A storage of `len` bytes allocated for `stream` and filled there with the pattern of `seed`.
+pub fn filled_on(
+    rt: &Arc<cudalloc::Runtime>,
+    stream: cudalloc::StreamId,
+    len: u64,
+    seed: u64,
+) -> cudalloc::Storage {
+    let s = cudalloc::Storage::new_on(rt, stream, len).unwrap();
+    let ptr = s.mutable_data_ptr_on(stream).unwrap();
+    rt.driver().fill_pattern(stream, ptr, len, seed).unwrap();
+    s
+}
