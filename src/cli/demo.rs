@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudalloc::driver::pattern;
-use cudalloc::{AllocatorConfig, BackendChoice, EventFlags, IpcHandle, Runtime, Storage, StreamId};
+use cudalloc::{AllocatorConfig, BackendChoice, IpcHandle, Runtime, Storage};
 
 /// Options of the demo.
 #[derive(Debug, Clone)]
@@ -198,7 +198,9 @@ pub fn run(opts: &DemoOptions) -> Result<String, String> {
     // the second stream first (by CUDA's rules; a lazy clone materializes, and sharing copies,
     // on the current stream — without this wait those copies raced the fills, about one run in
     // six with large storages, and the stream sanitizer reports it every time).
-    wait_for_stream(&a, streams[0], streams[1]).map_err(|e| e.to_string())?;
+    a.driver()
+        .stream_wait_stream(streams[0], streams[1])
+        .map_err(|e| e.to_string())?;
 
     // Phase 2: lazy clones of every third storage; write to half of them (materialize).
     let mut clones = Vec::new();
@@ -331,17 +333,6 @@ pub fn run(opts: &DemoOptions) -> Result<String, String> {
         cudalloc::alloc::format_size(verified_bytes),
         start.elapsed().as_secs_f64()
     ))
-}
-
-/// Makes `waiter` wait for the work queued so far on `waited` (an event).
-fn wait_for_stream(a: &Runtime, waiter: StreamId, waited: StreamId) -> cudalloc::Result<()> {
-    let driver = a.driver();
-    let event = driver.event_create(0, EventFlags::default())?;
-    let ordered = driver
-        .event_record(event, waited)
-        .and_then(|()| driver.stream_wait_event(waiter, event));
-    driver.event_destroy(event)?;
-    ordered
 }
 
 fn backend_name(b: BackendChoice) -> &'static str {

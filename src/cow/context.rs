@@ -128,7 +128,7 @@ pub(crate) fn materialize(
     // sanitizer's panic mode), the storage gets its COW owner back before the panic goes on.
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         if stream != ctx.clone_stream {
-            wait_for_stream(driver, ctx.device, ctx.clone_stream, stream)?;
+            wait_for_stream(driver, ctx.clone_stream, stream)?;
         }
         ctx.cell
             .materialize(|original| copy_step(alloc, &ctx, original, nbytes, stream))
@@ -210,19 +210,11 @@ fn copy_step(
     }
 }
 
-fn wait_for_stream(
-    driver: &Arc<dyn Driver>,
-    device: usize,
-    waited: StreamId,
-    waiter: StreamId,
-) -> Result<()> {
-    let e = driver.event_create(device, EventFlags::default())?;
-    let result = driver
-        .event_record(e, waited)
-        .and_then(|()| driver.stream_wait_event(waiter, e));
-    let destroyed = driver.event_destroy(e);
-    result.and(destroyed).map_err(|err| match err {
-        Error::InvalidArgument(m) => Error::invalid(format!("COW stream ordering: {m}")),
-        other => other,
-    })
+fn wait_for_stream(driver: &Arc<dyn Driver>, waited: StreamId, waiter: StreamId) -> Result<()> {
+    driver
+        .stream_wait_stream(waiter, waited)
+        .map_err(|err| match err {
+            Error::InvalidArgument(m) => Error::invalid(format!("COW stream ordering: {m}")),
+            other => other,
+        })
 }

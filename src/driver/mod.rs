@@ -274,6 +274,19 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn event_synchronize(&self, event: EventId) -> Result<()>;
     /// Makes future work on `stream` wait for the event's latest record (as of this call).
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()>;
+    /// Makes future work on `waiter` wait for the work queued on `waited` so far (an event made,
+    /// recorded on `waited`, waited on by `waiter` and destroyed). Nothing when they are one stream.
+    fn stream_wait_stream(&self, waiter: StreamId, waited: StreamId) -> Result<()> {
+        if waiter == waited {
+            return Ok(());
+        }
+        let event = self.event_create(waited.device(), EventFlags::default())?;
+        let ordered = self
+            .event_record(event, waited)
+            .and_then(|()| self.stream_wait_event(waiter, event));
+        let destroyed = self.event_destroy(event);
+        ordered.and(destroyed)
+    }
 
     /// Copies `src` into device memory at `dst`, in `stream` order; returns when done.
     fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()>;

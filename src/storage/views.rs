@@ -80,27 +80,13 @@ fn order_other_stream(
         Ok,
     );
     let ordered = id.and_then(|id| {
-        wait_for(storage, own, id)?;
+        storage.runtime().driver().stream_wait_stream(id, own)?;
         storage.record_stream(id)?;
         note_access(storage, id, touch)
     });
     if let Err(err) = ordered {
         tracing::warn!(%err, "ordering a view's other stream failed");
     }
-}
-
-/// Makes `waiter` wait for the work queued so far on `waited`.
-fn wait_for(storage: &Storage, waited: StreamId, waiter: StreamId) -> Result<()> {
-    if waited == waiter {
-        return Ok(());
-    }
-    let driver = storage.runtime().driver();
-    let event = driver.event_create(storage.device(), crate::driver::EventFlags::default())?;
-    let ordered = driver
-        .event_record(event, waited)
-        .and_then(|()| driver.stream_wait_event(waiter, event));
-    let destroyed = driver.event_destroy(event);
-    ordered.and(destroyed)
 }
 
 /// Tells the stream sanitizer (when on) that a launch on `stream` will touch the view's bytes.

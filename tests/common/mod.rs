@@ -347,14 +347,10 @@ pub fn hold_stream(
     }
 }
 
-/// Makes `waiter` wait for the work queued so far on `waited` (an event, through the runtime's
-/// driver, so the stream sanitizer sees it).
+/// Makes `waiter` wait for the work queued so far on `waited`, through the runtime's driver (so
+/// the stream sanitizer sees it).
 pub fn wait_for(rt: &cudalloc::Runtime, waiter: cudalloc::StreamId, waited: cudalloc::StreamId) {
-    let d = rt.driver();
-    let e = d.event_create(0, cudalloc::EventFlags::default()).unwrap();
-    d.event_record(e, waited).unwrap();
-    d.stream_wait_event(waiter, e).unwrap();
-    d.event_destroy(e).unwrap();
+    rt.driver().stream_wait_stream(waiter, waited).unwrap();
 }
 
 /// A storage of `len` bytes allocated for `stream` and filled there with the pattern of `seed`.
