@@ -608,3 +608,42 @@ fn a_panic_in_a_cow_copy_leaves_the_clone_a_valid_cow_storage() {
     c2.mutable_data_ptr().unwrap();
     assert_eq!(c2.count_pattern_mismatches(5).unwrap(), 0);
 }
+
+#[test]
+fn synchronization_made_outside_cudalloc_counts_once_told() {
+    // What cudarc's own `synchronize` or events would be: orderings through the driver
+    // underneath, which the sanitizer cannot see until the library says so.
+    let rt = sanitized();
+    let unseen = rt.driver().unsanitized().unwrap();
+    let sanitizer = rt.sanitizer().unwrap();
+    for told in [false, true] {
+        let (a, b, c) = (
+            rt.create_stream(0).unwrap(),
+            rt.create_stream(0).unwrap(),
+            rt.create_stream(0).unwrap(),
+        );
+        let s = common::filled_on(&rt, a, 4096, 1);
+        // The host waits for `a` unseen; then `b` reads.
+        unseen.stream_synchronize(a).unwrap();
+        if told {
+            sanitizer.host_synchronized(a);
+        }
+        let read = rt
+            .driver()
+            .count_pattern_mismatches(b, s.data_ptr(), 4096, 1);
+        // `c` waits for `b` unseen; then `c` writes.
+        unseen.stream_wait_stream(c, b).unwrap();
+        if told {
+            sanitizer.stream_waited(c, b);
+            assert_eq!(read.unwrap(), 0);
+            rt.driver().memset(c, s.data_ptr(), 0, 4096).unwrap();
+            no_report(&rt);
+        } else {
+            assert_eq!(read.unwrap_err().kind(), ErrorKind::StreamRace);
+            one_report(&rt, HazardKind::Race);
+        }
+        s.record_stream(b).unwrap();
+        s.record_stream(c).unwrap();
+        rt.driver().stream_synchronize(c).unwrap();
+    }
+}

@@ -133,6 +133,14 @@ impl Touch {
     }
 }
 
+/// Whether `access` (to bytes freed by `free`) on another actor than the block's stream is
+/// ordered neither before the free nor before a reuse by the block's stream, which knows `now`.
+fn unordered_before_reuse(access: &Access, free: &Free, now: &VectorClock) -> bool {
+    access.slot != free.owner_slot
+        && !free.clock.knows(access.slot, access.epoch)
+        && !now.knows(access.slot, access.epoch)
+}
+
 /// The checker; one per driver (see the [module docs](self)).
 #[derive(Debug)]
 pub struct Sanitizer {
@@ -472,30 +480,21 @@ impl Sanitizer {
     /// the verdict does not depend on whether memory pressure released the block before reuse.
     fn check_release(&self, st: &mut MutexGuard<'_, State>, start: u64, len: u64) {
         let end = start.saturating_add(len);
-        let mut hazard = None;
-        let mut owners = Vec::new();
-        for (&at, cell) in st.shadow.existing(start, end) {
-            if let Some(free) = &cell.freed {
-                owners.push((at, Arc::clone(free)));
-            }
-        }
-        for (at, free) in owners {
+        let freed: Vec<(Arc<Free>, Vec<Arc<Access>>)> = st
+            .shadow
+            .existing(start, end)
+            .filter_map(|(_, cell)| {
+                let free = cell.freed.clone()?;
+                Some((free, cell.accesses().cloned().collect()))
+            })
+            .collect();
+        let hazard = freed.into_iter().find_map(|(free, accesses)| {
             let now = st.knowledge(free.owner_slot);
-            let cells = st.shadow.existing(at, at.saturating_add(1));
-            let found = cells.into_iter().find_map(|(_, cell)| {
-                cell.accesses()
-                    .find(|a| {
-                        a.slot != free.owner_slot
-                            && !free.clock.knows(a.slot, a.epoch)
-                            && !now.knows(a.slot, a.epoch)
-                    })
-                    .cloned()
-            });
-            if let Some(earlier) = found {
-                hazard = Some((earlier, free));
-                break;
-            }
-        }
+            accesses
+                .into_iter()
+                .find(|a| unordered_before_reuse(a, &free, &now))
+                .map(|a| (a, free))
+        });
         let Some((earlier, free)) = hazard else {
             return;
         };
@@ -621,11 +620,7 @@ impl Sanitizer {
             if hazard.is_none() {
                 hazard = cell
                     .accesses()
-                    .find(|a| {
-                        a.slot != free.owner_slot
-                            && !free.clock.knows(a.slot, a.epoch)
-                            && !now.knows(a.slot, a.epoch)
-                    })
+                    .find(|a| unordered_before_reuse(a, &free, &now))
                     .map(|a| (Arc::clone(a), free.what.clone()));
             }
             // The allocator waited for the other streams' work: only the block's own stream's

@@ -50,11 +50,6 @@ impl SanitizedDriver {
         })
     }
 
-    /// The driver underneath.
-    pub fn inner(&self) -> &Arc<dyn Driver> {
-        &self.inner
-    }
-
     /// Notes `stream` under its raw handle; a second id of the same raw stream becomes an alias
     /// of the first in the sanitizer.
     fn note_raw(&self, device: usize, stream: StreamId) {
