@@ -45,8 +45,8 @@ cargo test --test interplay -- --seconds 20
 CUDALLOC_TEST_EXPANDABLE=1 cargo test --test interplay -- --seconds 20
 
 echo "== the stream suites again under the stream sanitizer (CUDALLOC_SANITIZE=panic)"
-# One test at a time: the double's device is the process's, and the capacity checks of
-# driver_conformance read its free memory (slower sanitized tests overlap more).
+# One test at a time: the sanitized tests are slower and overlap more on the double's one device per
+# process (the tests that measure its free memory hold it alone anyway: tests/common device_alone).
 CUDALLOC_SANITIZE=panic cargo test --no-fail-fast --features cudarc --test driver_conformance \
   --test cow --test global_and_storage --test ipc_interplay --test cudarc_views -- --test-threads=1
 

@@ -29,6 +29,7 @@ fn read(d: &dyn Driver, src: DeviceAddr, len: usize) -> Vec<u8> {
 
 #[test]
 fn an_imported_stream_is_the_library_stream_and_is_never_destroyed() {
+    let _device = device_shared();
     for b in backends("an_imported_stream_is_the_library_stream_and_is_never_destroyed") {
         let d = b.driver.as_ref();
         // The "library" made a stream; cudalloc adopts it by its raw handle.
@@ -73,6 +74,7 @@ fn an_imported_stream_is_the_library_stream_and_is_never_destroyed() {
 
 #[test]
 fn every_device_has_a_name_and_a_bad_ordinal_is_an_error() {
+    let _device = device_shared();
     for b in backends("every_device_has_a_name_and_a_bad_ordinal_is_an_error") {
         let d = b.driver.as_ref();
         for device in 0..d.device_count() {
@@ -88,6 +90,7 @@ fn every_device_has_a_name_and_a_bad_ordinal_is_an_error() {
 fn filling_a_device_ends_in_a_retryable_out_of_memory_and_frees_recover() {
     // Requests that each fit the device's total but not what is left: the driver's own
     // out-of-memory answer (not a size check in front of it) must come back typed.
+    let _device = device_alone();
     for b in backends("filling_a_device_ends_in_a_retryable_out_of_memory") {
         let d = b.driver.as_ref();
         let chunk = (d.mem_info(0).unwrap().total / 3).max(MIB);
@@ -117,6 +120,7 @@ fn filling_a_device_ends_in_a_retryable_out_of_memory_and_frees_recover() {
 
 #[test]
 fn malloc_free_capacity_and_out_of_memory() {
+    let _device = device_alone();
     for b in backends("malloc_free_capacity_and_out_of_memory") {
         let d = b.driver.as_ref();
         assert!(d.device_count() >= 1);
@@ -190,6 +194,7 @@ fn host_capacity_is_exact_and_recovers_after_free() {
 
 #[test]
 fn copies_round_trip_exactly() {
+    let _device = device_shared();
     for b in backends("copies_round_trip_exactly") {
         let d = b.driver.as_ref();
         let s = d.default_stream(0).unwrap();
@@ -216,6 +221,7 @@ fn copies_round_trip_exactly() {
 
 #[test]
 fn kernels_match_the_reference_pattern() {
+    let _device = device_shared();
     for b in backends("kernels_match_the_reference_pattern") {
         let d = b.driver.as_ref();
         let s = d.stream_create(0).unwrap();
@@ -263,6 +269,7 @@ fn kernels_match_the_reference_pattern() {
 
 #[test]
 fn an_event_orders_a_slow_writer_before_a_reader_on_another_stream() {
+    let _device = device_shared();
     for b in backends("an_event_orders_a_slow_writer_before_a_reader_on_another_stream") {
         let d = b.driver.as_ref();
         let (a, r) = (d.stream_create(0).unwrap(), d.stream_create(0).unwrap());
@@ -330,6 +337,7 @@ fn host_streams_are_truly_asynchronous() {
 
 #[test]
 fn event_query_and_synchronize() {
+    let _device = device_shared();
     for b in backends("event_query_and_synchronize") {
         let d = b.driver.as_ref();
         let s = d.stream_create(0).unwrap();
@@ -409,6 +417,7 @@ fn destroying_an_event_with_a_record_in_flight_keeps_its_waiters_waiting() {
 
 #[test]
 fn misuse_is_a_typed_error() {
+    let _device = device_shared();
     for b in backends("misuse_is_a_typed_error") {
         let d = b.driver.as_ref();
         let invalid = |r: cudalloc::Result<()>, what: &str| {
@@ -581,6 +590,7 @@ fn cross_process(backend: &str) {
 #[test]
 fn cross_process_segment_and_events() {
     cross_process("host");
+    let _device = device_shared();
     if cuda_present("cross_process_segment_and_events") {
         cross_process("cuda");
     }
@@ -636,6 +646,7 @@ fn cross_process_child() {
 
 #[test]
 fn virtual_memory_maps_chunks_into_reservations_and_shares_them_by_descriptor() {
+    let _device = device_shared();
     for b in backends("virtual_memory_maps_chunks_into_reservations") {
         let d = b.driver.as_ref();
         let s = d.default_stream(0).unwrap();
@@ -721,6 +732,7 @@ fn virtual_memory_maps_chunks_into_reservations_and_shares_them_by_descriptor() 
 
 #[test]
 fn chunks_count_against_capacity_and_out_of_memory_is_typed() {
+    let _device = device_alone();
     for b in backends("chunks_count_against_capacity") {
         let d = b.driver.as_ref();
         let g = d.vm_granularity(0).unwrap();

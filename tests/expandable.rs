@@ -12,14 +12,6 @@ use cudalloc::alloc::{SegmentChange, SegmentEvent};
 
 const MIB: u64 = 1 << 20;
 
-/// The tests of this file take the device one at a time: on the CUDA backend the device memory is
-/// shared by the whole process, and some tests measure it.
-static DEVICE: Mutex<()> = Mutex::new(());
-
-fn exclusive_device() -> std::sync::MutexGuard<'static, ()> {
-    DEVICE.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// A checked runtime with exactly `conf` (whatever the run's test settings are).
 fn runtime(driver: Arc<dyn cudalloc::Driver>, conf: &str) -> Arc<cudalloc::Runtime> {
     Arc::new(
@@ -37,7 +29,7 @@ fn reserved(a: &cudalloc::Runtime) -> u64 {
 
 #[test]
 fn grows_in_pages_and_gives_whole_free_pages_back() {
-    let _device = exclusive_device();
+    let _device = device_alone();
     for b in backends("grows_in_pages_and_gives_whole_free_pages_back") {
         let a = runtime(b.driver.clone(), "expandable_segments:True");
         let page = b.driver.vm_granularity(0).unwrap();
@@ -104,7 +96,7 @@ fn grows_in_pages_and_gives_whole_free_pages_back() {
 
 #[test]
 fn fragmentation_that_strands_whole_segments_costs_expandable_segments_less_than_a_page_per_hole() {
-    let _device = exclusive_device();
+    let _device = device_alone();
     // Free every other 3 MiB block, then ask for 5 MiB blocks: whole segments keep the holes
     // (each 3 MiB hole is too small) and allocate more; an expandable segment maps only what
     // the new blocks need beyond the holes it can merge.
@@ -149,7 +141,7 @@ fn fragmentation_that_strands_whole_segments_costs_expandable_segments_less_than
 
 #[test]
 fn threads_growing_freeing_and_emptying_the_cache_at_once_keep_every_byte() {
-    let _device = exclusive_device();
+    let _device = device_alone();
     // Four threads allocate, write, verify and free on one stream (one shard, one expandable
     // segment) while a fifth empties the cache: pages are given back and grown into concurrently.
     for b in backends("threads_growing_freeing_and_emptying_the_cache_at_once") {
@@ -211,7 +203,7 @@ fn threads_growing_freeing_and_emptying_the_cache_at_once_keep_every_byte() {
 
 #[test]
 fn a_growth_that_runs_out_of_memory_half_way_gives_its_pages_back() {
-    let _device = exclusive_device();
+    let _device = device_alone();
     // The device has room for 3 more pages; a request needs 5. The 3 mapped for it must be
     // unmapped and released again (capacity and reserved bytes as before), the error is
     // out-of-memory, and what fits afterwards is still served.

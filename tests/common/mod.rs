@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub mod faulty;
 
@@ -33,6 +33,22 @@ pub fn sanitized(driver: Arc<dyn Driver>) -> Arc<dyn Driver> {
         Some(options) => cudalloc::SanitizedDriver::wrap(driver, options),
         None => driver,
     }
+}
+
+/// The CUDA backend's device belongs to the whole test process (one double or one GPU under every
+/// test thread, where each host-backend test builds its own devices): a test that reads its free
+/// memory or fills it holds it alone, one that only uses it shares it, so no concurrent test moves
+/// the figures a test checks.
+static DEVICE: RwLock<()> = RwLock::new(());
+
+/// The process's device, shared with the other tests that only use it.
+pub fn device_shared() -> RwLockReadGuard<'static, ()> {
+    DEVICE.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The process's device, alone (for a test that measures or fills it).
+pub fn device_alone() -> RwLockWriteGuard<'static, ()> {
+    DEVICE.write().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A backend under test.
