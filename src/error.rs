@@ -13,6 +13,7 @@
 //! | [`ErrorKind::NoCudaDriver`] | no: use the host backend instead                     |
 //! | [`ErrorKind::Driver`]       | maybe: the device or the operating system failed     |
 //! | [`ErrorKind::StreamRace`]   | no: the program's stream order is wrong (the sanitizer found two unordered accesses); sticky on the stream |
+//! | [`ErrorKind::ForkedChild`]  | no: the object belongs to the parent of this forked process; build a runtime in the child |
 
 use std::fmt;
 
@@ -34,6 +35,9 @@ pub enum ErrorKind {
     Driver,
     /// The stream sanitizer found a race or a use after free (see `driver::sanitizer`).
     StreamRace,
+    /// The object was made by the parent of this forked process (see `process`): a child never
+    /// allocates, frees or runs stream work for its parent.
+    ForkedChild,
 }
 
 /// The error of every fallible cudalloc operation.
@@ -77,6 +81,9 @@ pub enum Error {
     /// after free); the message names both. Sticky on the stream, like a CUDA error.
     #[error("{0}")]
     StreamRace(String),
+    /// The object belongs to the process this one was forked from; the message names both pids.
+    #[error("forked child: {0}")]
+    ForkedChild(String),
 }
 
 impl Error {
@@ -90,6 +97,7 @@ impl Error {
             Error::NoCudaDriver(_) => ErrorKind::NoCudaDriver,
             Error::Driver { .. } => ErrorKind::Driver,
             Error::StreamRace(_) => ErrorKind::StreamRace,
+            Error::ForkedChild(_) => ErrorKind::ForkedChild,
         }
     }
 

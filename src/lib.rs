@@ -14,7 +14,7 @@
 //! cow | ipc  copy-on-write contexts | sharing across processes — both on DataPtrs
 //! alloc      CachingAllocator, DataPtr and its owners (upper layers attach trait objects)
 //! driver     the Driver trait: HostDriver, CudaDriver, SimDriver
-//! ground     error, sync, config, shm, codec
+//! ground     error, sync, process, config, shm, codec
 //! ```
 
 pub mod alloc;
@@ -25,6 +25,7 @@ pub mod driver;
 pub mod error;
 pub mod global;
 pub mod ipc;
+mod process;
 #[cfg(feature = "replay")]
 pub mod replay;
 pub mod runtime;

@@ -5,7 +5,7 @@
 //!
 //! | rank | layer    | modules                         |
 //! |------|----------|---------------------------------|
-//! | 0    | ground   | `error`, `sync`, `config`, `shm`, `codec` |
+//! | 0    | ground   | `error`, `sync`, `process`, `config`, `shm`, `codec` |
 //! | 1    | driver   | `driver`                        |
 //! | 2    | alloc    | `alloc`                         |
 //! | 3    | cow, ipc | `cow`, `ipc` (not each other)   |
@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 fn rank(module: &str) -> Option<u32> {
     Some(match module {
-        "error" | "sync" | "config" | "shm" | "codec" => 0,
+        "error" | "sync" | "process" | "config" | "shm" | "codec" => 0,
         "driver" => 1,
         "alloc" => 2,
         "cow" | "ipc" => 3,

@@ -107,7 +107,12 @@ impl BlockOwner {
         if *self.class.get_mut() == 0 {
             return 0;
         }
-        self.shard().front_limit
+        let shard = self.shard();
+        if !shard.birth.is_current() {
+            // A forked child's block: dropped as it is, which leaks it (below).
+            return 0;
+        }
+        shard.front_limit
     }
 
     /// Hands the block at `ptr` to this thread's front cache of its shard, if it has room within
@@ -139,6 +144,10 @@ impl BlockOwner {
 
 impl Drop for BlockOwner {
     fn drop(&mut self) {
+        if !self.shard().birth.is_current() {
+            // A forked child's copy of the parent's block: the parent frees it (`process`).
+            return;
+        }
         // SAFETY: this owner's block is handed out by the shard and given up here, once.
         unsafe { Shard::free_and_release(self.shard, self.block()) };
     }

@@ -26,6 +26,7 @@ use super::stats::DeviceStats;
 use crate::config::AllocatorConfig;
 use crate::driver::{Driver, EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
+use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex, MutexGuard, RwLock};
 
@@ -35,6 +36,8 @@ static NEXT_SHARD_SERIAL: AtomicU64 = AtomicU64::new(1);
 /// Everything an allocator keeps per device.
 pub(crate) struct DeviceCore {
     pub device: usize,
+    /// The process the allocator belongs to (see `process`).
+    pub birth: Birth,
     pub driver: Arc<dyn Driver>,
     pub config: Arc<AllocatorConfig>,
     pub callbacks: Arc<Callbacks>,
@@ -92,6 +95,7 @@ impl DeviceCore {
         let fraction = config.per_process_memory_fraction;
         Ok(DeviceCore {
             device,
+            birth: Birth::now(),
             sanitizer: driver.sanitizer(),
             free_events: driver.unsanitized().unwrap_or_else(|| Arc::clone(&driver)),
             driver,
@@ -127,12 +131,17 @@ impl DeviceCore {
         }
         let mut shards = self.shards.write();
         let shard = shards.entry(stream).or_insert_with(|| {
+            let serial = NEXT_SHARD_SERIAL.fetch_add(1, Ordering::Relaxed);
             Arc::new(Shard {
                 stream,
-                serial: NEXT_SHARD_SERIAL.fetch_add(1, Ordering::Relaxed),
+                serial,
                 front_limit: self.config.thread_cache,
+                birth: self.birth,
                 sanitizer: self.sanitizer.clone(),
-                state: Mutex::new(ShardState::default()),
+                state: Mutex::new(ShardState {
+                    serial,
+                    ..ShardState::default()
+                }),
                 core: Arc::clone(self),
                 fronts: Mutex::new(Default::default()),
             })

@@ -505,7 +505,21 @@ impl DeviceCore {
     /// Gives back the free pages of `shard`'s expandable segments that `select` picks, until
     /// `enough`: taken under the shard's lock (marked releasing), unmapped without it (observers
     /// told first), then marked unmapped under the lock again.
+    ///
+    /// Every cache release calls this for each shard it visits, after its other changes there:
+    /// it tells the device's peak book that the shard changed without settling (`peaks.rs`).
     pub(super) fn release_pages(
+        &self,
+        shard: &Shard,
+        select: impl Fn(&super::block::Block) -> bool,
+        enough: impl Fn(u64) -> bool,
+    ) -> u64 {
+        let freed = self.release_free_pages(shard, select, enough);
+        self.tell_peaks(shard);
+        freed
+    }
+
+    fn release_free_pages(
         &self,
         shard: &Shard,
         select: impl Fn(&super::block::Block) -> bool,

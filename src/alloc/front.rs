@@ -53,6 +53,7 @@ use arrayvec::ArrayVec;
 use super::block::BlockId;
 use super::shard::Shard;
 use super::stats::{self, DeviceStats};
+use crate::process::Birth;
 use crate::sync::os::{Arc, Mutex};
 
 /// Most blocks a front cache holds.
@@ -104,6 +105,8 @@ pub(crate) struct FrontCache {
     shard: NonNull<Shard>,
     /// The shard's serial: a later shard at the same address is not this cache's.
     serial: u64,
+    /// The shard's process: a forked child's copy of the cache flushes nothing (`process`).
+    birth: Birth,
     state: Mutex<FrontState>,
 }
 
@@ -119,6 +122,7 @@ impl FrontCache {
         FrontCache {
             shard: NonNull::from(shard),
             serial: shard.serial,
+            birth: shard.birth,
             state: Mutex::new(FrontState {
                 entries: ArrayVec::new(),
                 bytes: 0,
@@ -169,6 +173,9 @@ impl FrontCache {
 
     /// Gives every held block back to the shard (`retire`: and accepts none again).
     pub fn flush(&self, retire: bool) {
+        if !self.birth.is_current() {
+            return;
+        }
         let entries = {
             let mut st = self.state.lock();
             st.retired |= retire;

@@ -64,6 +64,7 @@ use self::shard::Shard;
 use crate::config::{AllocatorConfig, DefaultStream};
 use crate::driver::{DeviceAddr, Driver, SanitizeOptions, SanitizedDriver, StreamId};
 use crate::error::{Error, Result};
+use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex};
 
@@ -154,6 +155,7 @@ impl CachingAllocatorBuilder {
             .collect::<Result<Vec<_>>>()?;
         Ok(CachingAllocator {
             id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
+            birth: Birth::now(),
             library_defaults: (0..driver.device_count())
                 .map(|_| AtomicU64::new(NO_STREAM))
                 .collect(),
@@ -174,6 +176,9 @@ impl CachingAllocatorBuilder {
 /// A caching allocator over any [`Driver`], for all its devices.
 pub struct CachingAllocator {
     id: u64,
+    /// The process this allocator belongs to (see `process`): in a forked child it refuses
+    /// allocation and stream work and releases nothing.
+    birth: Birth,
     /// A library's default stream per device (raw id; `NO_STREAM`: none), set with
     /// [`CachingAllocator::set_default_stream`]; it overrides the `default_stream` setting.
     library_defaults: Vec<AtomicU64>,
@@ -276,6 +281,7 @@ impl CachingAllocator {
     }
 
     fn device(&self, device: usize) -> Result<&Arc<DeviceCore>> {
+        self.birth.check("this allocator")?;
         self.devices.get(device).ok_or_else(|| {
             Error::invalid(format!(
                 "device {device} does not exist ({} device(s))",
@@ -369,7 +375,9 @@ impl CachingAllocator {
         let shard = match thread::cached_shard(self.id, stream) {
             Some(shard) => shard,
             None => {
-                let shard = Arc::as_ptr(&self.device(stream.device())?.shard(stream)?);
+                let shard = self.device(stream.device())?.shard(stream)?;
+                shard.core.register_for_peaks(&shard);
+                let shard = Arc::as_ptr(&shard);
                 thread::cache_shard(self.id, stream, shard);
                 shard
             }
@@ -405,7 +413,12 @@ impl CachingAllocator {
     }
 
     /// Allocates `size` bytes on `device`'s current stream. Size 0 gives an empty pointer.
+    ///
+    /// In a process forked from the one that built the allocator this is an
+    /// [`ErrorKind::ForkedChild`](crate::ErrorKind::ForkedChild) error: the child would be handed
+    /// the blocks its parent is handed next (build a runtime in the child).
     pub fn allocate(&self, device: usize, size: u64) -> Result<DataPtr> {
+        self.birth.check("this allocator")?;
         if size == 0 {
             self.device(device)?;
             return Ok(DataPtr::empty(device));
@@ -425,6 +438,7 @@ impl CachingAllocator {
 
     /// Allocates `size` bytes for use on `stream`.
     pub fn allocate_on(&self, stream: StreamId, size: u64) -> Result<DataPtr> {
+        self.birth.check("this allocator")?;
         if size == 0 {
             return Ok(DataPtr::empty(self.driver.stream_device(stream)?));
         }
@@ -469,8 +483,10 @@ impl CachingAllocator {
     }
 
     /// With `oom_snapshot_path` set: writes a snapshot in PyTorch's layout there (no shard lock is
-    /// held here; concurrent out-of-memory errors write one after the other). A failure to write is
-    /// logged, never hides the out-of-memory error.
+    /// held here; concurrent out-of-memory errors write one after the other) — into a fresh
+    /// temporary file renamed over the path, so nothing planted there is followed or opened
+    /// (`pytorch_pickle::write_snapshot_file`). A failure to write is logged, never hides the
+    /// out-of-memory error.
     fn dump_snapshot_on_oom(&self) {
         #[cfg(feature = "pickle")]
         if let Some(path) = &self.config.oom_snapshot_path {
@@ -478,12 +494,7 @@ impl CachingAllocator {
             let written = self
                 .snapshot()
                 .to_pytorch_pickle(&self.config)
-                .and_then(|bytes| {
-                    let tmp = format!("{path}.tmp{}", std::process::id());
-                    std::fs::write(&tmp, bytes)
-                        .and_then(|()| std::fs::rename(&tmp, path))
-                        .map_err(|e| Error::invalid(format!("writing {path}: {e}")))
-                });
+                .and_then(|bytes| pytorch_pickle::write_snapshot_file(path, &bytes));
             match written {
                 Ok(()) => tracing::warn!(path = %path, "out of memory: snapshot written"),
                 Err(err) => {
@@ -522,23 +533,36 @@ impl CachingAllocator {
     /// Calls `observer` on every segment this allocator maps from its driver (after) and returns
     /// to it (before); see [`observers`].
     pub fn register_segment_observer(&self, observer: SegmentObserver) {
+        if self.refused_in_child("registering a segment observer") {
+            return;
+        }
         self.callbacks.observers.add_segment(observer);
     }
 
     /// Calls `observer` with the facts of every allocation that fails for lack of memory, before
     /// its error returns.
     pub fn register_out_of_memory_observer(&self, observer: OutOfMemoryObserver) {
+        if self.refused_in_child("registering an out-of-memory observer") {
+            return;
+        }
         self.callbacks.observers.add_out_of_memory(observer);
     }
 
     /// Registers a callback run on a cache miss before asking the driver for memory; it returns
     /// whether it freed anything (then best fit is retried).
     pub fn register_free_memory_callback(&self, callback: FreeMemoryCallback) {
+        if self.refused_in_child("registering a free-memory callback") {
+            return;
+        }
         self.callbacks.register(callback);
     }
 
     /// Waits for pending frees and returns every cached whole segment of every device to the driver.
+    /// In a forked child it does nothing (the cached segments are the parent's).
     pub fn empty_cache(&self) {
+        if self.refused_in_child("emptying the cache") {
+            return;
+        }
         for d in &self.devices {
             d.release_cached(true);
         }
@@ -594,6 +618,9 @@ impl CachingAllocator {
     /// and whether allocations carry their Rust stack (see `alloc/history.rs`). Turning it off
     /// clears what was recorded.
     pub fn record_memory_history(&self, options: HistoryOptions) {
+        if self.refused_in_child("recording the memory history") {
+            return;
+        }
         if let Some(sanitizer) = self.driver.sanitizer() {
             // Reports name the stacks of both accesses while the history records stacks.
             sanitizer.set_stacks(
@@ -603,9 +630,17 @@ impl CachingAllocator {
         self.trace.configure(options);
     }
 
-    /// Every segment with its blocks, and the trace when history is on.
+    /// Every segment with its blocks, and the trace when history is on (empty in a forked child:
+    /// its parent's shards may be locked for good there).
     pub fn snapshot(&self) -> Snapshot {
         let mut segments = Vec::new();
+        if self.refused_in_child("taking a snapshot") {
+            return Snapshot {
+                segments,
+                trace: Vec::new(),
+                device_count: self.devices.len(),
+            };
+        }
         for d in &self.devices {
             d.snapshot_into(&mut segments);
         }
@@ -647,14 +682,34 @@ impl CachingAllocator {
         Ok(self.device(device)?.reserved_bytes())
     }
 
+    /// True (after a warning) in a forked child, where `what` would act on the parent's state.
+    fn refused_in_child(&self, what: &str) -> bool {
+        match self.birth.check("this allocator") {
+            Ok(()) => false,
+            Err(err) => {
+                tracing::warn!(%err, "{what}: ignored");
+                true
+            }
+        }
+    }
+
     /// Runs the invariant scanner over every shard.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.birth
+            .check("this allocator")
+            .map_err(|err| err.to_string())?;
         self.devices.iter().try_for_each(|d| d.check_invariants())
     }
 }
 
 impl Drop for CachingAllocator {
     fn drop(&mut self) {
+        if !self.birth.is_current() {
+            // A forked child's copy: the shards, segments and streams are the parent's.
+            crate::process::leak_in_child(self.birth, &mut self.devices);
+            crate::process::leak_in_child(self.birth, &mut self.owned_streams);
+            return;
+        }
         for d in &self.devices {
             d.shutdown();
         }

@@ -161,3 +161,59 @@ impl Snapshot {
             .map_err(|e| Error::invalid(format!("pickling the snapshot failed: {e}")))
     }
 }
+
+/// How many fresh temporary names [`write_snapshot_file`] tries before giving up.
+const TEMPORARY_NAMES: u32 = 8;
+
+/// Writes `bytes` to the file `path` (the `oom_snapshot_path` dump) without following or opening
+/// whatever is there: into a fresh temporary file beside it, created exclusively
+/// (`O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK`; another unique name when one exists), synced,
+/// then renamed over `path`. A symlink planted at either name is never followed (the rename
+/// replaces the link itself, not its target), a FIFO is never opened (nothing blocks), and a
+/// reader of `path` sees the previous snapshot or this one, never part of one.
+pub(crate) fn write_snapshot_file(path: &str, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+
+    use crate::sync::os::atomic::{AtomicU64, Ordering};
+
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let failed = |what: &str, e: std::io::Error| Error::invalid(format!("{what} {path}: {e}"));
+    let mut last = None;
+    for _ in 0..TEMPORARY_NAMES {
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let tmp = format!(
+            "{path}.tmp{}.{}.{stamp:08x}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let opened = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&tmp);
+        let mut file = match opened {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                last = Some(e);
+                continue;
+            }
+            Err(e) => return Err(failed("creating a temporary file beside", e)),
+        };
+        let written = file
+            .write_all(bytes)
+            .and_then(|()| file.sync_all())
+            .and_then(|()| std::fs::rename(&tmp, path));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(failed("writing", e));
+        }
+        return Ok(());
+    }
+    Err(failed(
+        &format!("{TEMPORARY_NAMES} temporary names were taken beside"),
+        last.unwrap_or_else(|| std::io::Error::from(std::io::ErrorKind::AlreadyExists)),
+    ))
+}

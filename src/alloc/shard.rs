@@ -34,6 +34,7 @@ use super::stats::{self, DeviceStats};
 use crate::config::AllocatorConfig;
 use crate::driver::{EventId, StreamId};
 use crate::error::{Error, Result};
+use crate::process::Birth;
 use crate::sync::os::{Arc, Mutex};
 
 /// One (device, stream) shard. Aligned to 128 bytes (two cache lines: the adjacent-line
@@ -48,6 +49,9 @@ pub(crate) struct Shard {
     pub serial: u64,
     /// `thread_cache_mb` in bytes (0: no front caches), next to the lock the free path takes.
     pub front_limit: u64,
+    /// The process the allocator belongs to, next to the hot fields: a forked child's frees
+    /// release nothing (`process`).
+    pub birth: Birth,
     /// The stream sanitizer (when on), next to the hot fields: told of hand-outs and frees.
     pub sanitizer: Option<Arc<crate::driver::Sanitizer>>,
     pub state: Mutex<ShardState>,
@@ -59,6 +63,8 @@ pub(crate) struct Shard {
 /// The mutable state of one shard.
 #[derive(Debug, Default)]
 pub(crate) struct ShardState {
+    /// The shard's serial ([`Shard::serial`]), for what knows only the state (`peaks.rs`).
+    pub serial: u64,
     pub blocks: Slab<Block>,
     pub free_small: FreePool,
     pub free_large: FreePool,
@@ -638,6 +644,10 @@ impl Shard {
 
 impl Drop for Shard {
     fn drop(&mut self) {
+        if !self.birth.is_current() {
+            // A forked child's copy: its segments and events are the parent's.
+            return;
+        }
         // Only reached after the allocator shut down and the last block of this shard was freed.
         let st = self.state.get_mut();
         for e in st.pending_events() {

@@ -8,7 +8,7 @@
 //! Stats live in each shard (one per stream), updated under the shard's lock — no shared cache line
 //! on the hot path. A device's stats are the sum of its shards': `current`, `allocated` and `freed`
 //! add exactly; device-wide peaks are exact too, kept by per-shard budgets (`peaks.rs`) — within a
-//! shard, `peak` is its high-water mark since the last reconcile.
+//! shard, `peak` is its high-water mark since the device's peak book last read it.
 
 use std::collections::BTreeMap;
 
@@ -68,6 +68,29 @@ impl Stat {
 
 /// Statistics with a peak: 9 arrays of 3 pools, and the two oversize counts.
 pub(crate) const PEAK_STATS: usize = 29;
+
+/// Index of `segment.all` among the statistics with a peak (`DeviceStats::for_each_peak_stat_mut`).
+#[cfg(any(test, feature = "replay"))]
+pub(crate) const SEGMENT_ALL: usize = 3;
+/// Index of `allocated_bytes.all` among the statistics with a peak.
+#[cfg(any(test, feature = "replay"))]
+pub(crate) const ALLOCATED_BYTES_ALL: usize = 4 * 3;
+/// Index of `reserved_bytes.all` among the statistics with a peak.
+pub(crate) const RESERVED_BYTES_ALL: usize = 5 * 3;
+
+/// Whether a shard's statistics may have changed since its device's peak book last read them
+/// (`peaks.rs`): set by the shard when it tells the book, cleared by the book when it reads.
+/// Bookkeeping, not a statistic: any two are equal, and it is never serialized.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Unread(pub(crate) bool);
+
+impl PartialEq for Unread {
+    fn eq(&self, _: &Unread) -> bool {
+        true
+    }
+}
+
+impl Eq for Unread {}
 
 /// A [`Stat`] per pool: `[all, small_pool, large_pool]`.
 pub type StatArray = [Stat; 3];
@@ -143,6 +166,9 @@ pub struct DeviceStats {
     pub num_device_free: u64,
     /// The configured `max_split_size` in bytes (-1 when unlimited: PyTorch's `SIZE_MAX` as int64).
     pub max_split_size: i64,
+    /// A shard's: whether its device's peak book has yet to read its latest figures (`peaks.rs`).
+    #[cfg_attr(feature = "serde", serde(skip))]
+    pub(crate) unread: Unread,
 }
 
 impl DeviceStats {
@@ -174,7 +200,8 @@ impl DeviceStats {
         ]
     }
 
-    /// Calls `f` with each statistic that has a peak and its index (`0..PEAK_STATS`, a fixed order).
+    /// [`Self::for_each_peak_stat_mut`], read-only (tests).
+    #[cfg(test)]
     pub(crate) fn for_each_peak_stat(&self, mut f: impl FnMut(usize, &Stat)) {
         let arrays = self.arrays();
         let stats = arrays
@@ -186,7 +213,8 @@ impl DeviceStats {
         }
     }
 
-    /// [`Self::for_each_peak_stat`], mutably.
+    /// Calls `f` with each statistic that has a peak and its index (`0..PEAK_STATS`, a fixed
+    /// order), mutably.
     pub(crate) fn for_each_peak_stat_mut(&mut self, mut f: impl FnMut(usize, &mut Stat)) {
         let mut k = 0;
         for array in self.arrays_mut() {
@@ -290,6 +318,20 @@ mod tests {
         );
         s.reset_peak();
         assert_eq!(s.peak, 8);
+    }
+
+    #[test]
+    fn peak_stat_indices_name_their_statistics() {
+        let mut d = DeviceStats::default();
+        d.segment[0].current = 1;
+        d.allocated_bytes[0].current = 2;
+        d.reserved_bytes[0].current = 3;
+        let mut seen = [0i64; PEAK_STATS];
+        d.for_each_peak_stat(|k, s| seen[k] = s.current);
+        assert_eq!(seen[SEGMENT_ALL], 1);
+        assert_eq!(seen[ALLOCATED_BYTES_ALL], 2);
+        assert_eq!(seen[RESERVED_BYTES_ALL], 3);
+        assert_eq!(seen.iter().sum::<i64>(), 6);
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! `cudalloc replay FILE`: replays an allocation trace through the real allocator on the simulated
-//! device under one or more configurations, prints a table per configuration and writes a plot.
+//! device under one or more configurations, prints a table per configuration (with a row per
+//! device under each when the trace uses several) and writes a plot. Reading the file is bounded
+//! (`cudalloc::replay::limits`): a hostile file is a one-line error, never a crash or a hang.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -84,6 +86,25 @@ pub fn table(trace: &Trace, reports: &[ReplayReport], capacity: u64) -> String {
             format!("{}/{}", r.device_mallocs, r.device_frees),
             r.ns_per_op()
         );
+        if r.devices.len() > 1 {
+            for (device, d) in r.devices.iter().enumerate() {
+                let peak_ratio = if d.peak_allocated == 0 {
+                    1.0
+                } else {
+                    d.peak_reserved as f64 / d.peak_allocated as f64
+                };
+                let _ = writeln!(
+                    out,
+                    "{:<w$} {:>12} {:>12} {:>7.3} {:>9} {:>15}",
+                    format!("  device {device}"),
+                    format_size(d.peak_allocated),
+                    format_size(d.peak_reserved),
+                    peak_ratio,
+                    d.peak_segments,
+                    format!("{}/{}", d.device_mallocs, d.device_frees),
+                );
+            }
+        }
     }
     out
 }

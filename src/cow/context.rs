@@ -5,6 +5,7 @@ use super::cell::{CowCell, Materialized};
 use crate::alloc::{take_shared, CachingAllocator, DataPtr, Owner, SharedOwner};
 use crate::driver::{DeviceAddr, Driver, EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
+use crate::process::Birth;
 use crate::sync::os::{Arc, Mutex};
 
 /// Shared state of a set of COW storages.
@@ -15,10 +16,13 @@ pub(crate) struct CowContext {
     clone_stream: StreamId,
     copier_events: Mutex<Vec<EventId>>,
     driver: Arc<dyn Driver>,
+    /// The process of the lazy clone: a forked child's copy releases nothing (`process`).
+    birth: Birth,
 }
 
 impl Drop for CowContext {
     fn drop(&mut self) {
+        crate::process::leak_in_child(self.birth, &mut self.copier_events);
         for e in self.copier_events.lock().drain(..) {
             if let Err(err) = self.driver.event_destroy(e) {
                 tracing::warn!(%err, "destroying a COW copier event failed");
@@ -37,7 +41,7 @@ pub(crate) struct CowOwner {
 
 impl Drop for CowOwner {
     fn drop(&mut self) {
-        if self.armed {
+        if self.armed && self.ctx.birth.is_current() {
             // The last reference frees the original (its block's free waits for copier streams).
             drop(self.ctx.cell.release());
         }
@@ -78,6 +82,7 @@ pub(crate) fn lazy_clone(alloc: &CachingAllocator, data: &mut DataPtr) -> Result
         let original = std::mem::replace(data, DataPtr::empty(device));
         let ctx = Arc::new(CowContext {
             cell: CowCell::new(original, 2),
+            birth: Birth::now(),
             device,
             clone_stream,
             copier_events: Mutex::new(Vec::new()),

@@ -6,7 +6,7 @@
 //! |-----------------------------|---------------------------------------------------------------|
 //! | `malloc` / `free`           | a fresh address range (never reused), counted against the capacity |
 //! | virtual memory              | reservations, chunks and mappings checked as on CUDA (`vm_space.rs`); chunks count against the capacity |
-//! | streams, events             | ids; all work is complete the moment it is enqueued           |
+//! | streams, events             | ids (a stream's carries its device, as on the other backends); all work is complete the moment it is enqueued |
 //! | copies, fills, kernels      | the ranges are checked, nothing is read or written            |
 //! | reading memory back         | an error (`copy_device_to_host`, the verify kernel): nothing is stored |
 //! | IPC                         | an error: nothing exists outside this process                 |
@@ -78,8 +78,12 @@ impl SimDriver {
                  ({devices} devices of {capacity} bytes asked)"
             )));
         }
-        // Ids 1..=devices are the default streams; fresh ids come after them.
-        let streams = (0..devices).map(|d| (d as u64 + 1, d)).collect();
+        // Device `d`'s default stream is number `d + 1` of that device; fresh numbers come after
+        // them. Every stream id carries its device's bits (`StreamId::new`), as on the other
+        // backends, so the allocator finds a stream's device without asking.
+        let streams = (0..devices)
+            .map(|d| Ok((Self::default_id(d)?.0, d)))
+            .collect::<Result<_>>()?;
         Ok(SimDriver {
             capacity,
             devices,
@@ -91,6 +95,11 @@ impl SimDriver {
                 ..State::default()
             }),
         })
+    }
+
+    /// The id of `device`'s default stream.
+    fn default_id(device: usize) -> Result<StreamId> {
+        StreamId::new(device, device as u64 + 1)
     }
 
     fn check_device(&self, device: usize) -> Result<()> {
@@ -317,7 +326,7 @@ impl Driver for SimDriver {
 
     fn default_stream(&self, device: usize) -> Result<StreamId> {
         self.check_device(device)?;
-        Ok(StreamId(device as u64 + 1))
+        Self::default_id(device)
     }
 
     unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
@@ -338,13 +347,13 @@ impl Driver for SimDriver {
     fn stream_create(&self, device: usize) -> Result<StreamId> {
         self.check_device(device)?;
         let mut st = self.state.lock();
-        let id = Self::fresh_id(&mut st);
-        st.streams.insert(id, device);
-        Ok(StreamId(id))
+        let id = StreamId::new(device, Self::fresh_id(&mut st))?;
+        st.streams.insert(id.0, device);
+        Ok(id)
     }
 
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
-        if stream.0 <= self.devices as u64 {
+        if Self::default_id(stream.device()).is_ok_and(|d| d == stream) {
             return Err(Error::invalid("the default stream cannot be destroyed"));
         }
         let mut st = self.state.lock();

@@ -17,10 +17,15 @@ use super::wire::WireHandle;
 use crate::alloc::SharedOwner;
 use crate::driver::{DeviceAddr, Driver, StreamId, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
-use crate::sync::os::{Arc, Mutex, OnceLock, Weak};
+use crate::process::Birth;
+use crate::process::PerProcess;
+use crate::sync::os::{Arc, Mutex, Weak};
 
 /// Ref-counter files this process opened, by name.
-static OPENED_FILES: Mutex<Option<HashMap<String, Weak<RefCounterFile>>>> = Mutex::new(None);
+/// Ref-counter files by name (weak: a file closes with its last user).
+type OpenedFiles = HashMap<String, Weak<RefCounterFile>>;
+
+static OPENED_FILES: PerProcess<Mutex<Option<OpenedFiles>>> = PerProcess::new(|| Mutex::new(None));
 
 /// Opens (or reuses) another process's ref-counter file.
 pub(crate) fn open_ref_file(name: &str, producer_pid: u32) -> Result<Arc<RefCounterFile>> {
@@ -50,12 +55,15 @@ pub(crate) struct SlotTicket {
 #[derive(Debug)]
 pub(crate) struct Claim {
     inner: Option<(Arc<RefCounterFile>, SlotTicket)>,
+    /// A forked child's copy of the handle gives nothing back (the parent's copy does).
+    birth: Birth,
 }
 
 impl Claim {
     pub fn new(file: Arc<RefCounterFile>, ticket: SlotTicket) -> Self {
         Claim {
             inner: Some((file, ticket)),
+            birth: Birth::now(),
         }
     }
 
@@ -74,6 +82,7 @@ impl Claim {
     /// Turns the claim into a lease of this process (see [`Lease`]). On error the count is given
     /// back (or, for an expired handle, left to the producer's reclaim).
     pub fn into_lease(mut self) -> Result<Lease> {
+        self.birth.check("this IPC handle")?;
         let (file, ticket) = self
             .inner
             .take()
@@ -99,6 +108,9 @@ fn give_back(file: &RefCounterFile, ticket: SlotTicket) {
 
 impl Drop for Claim {
     fn drop(&mut self) {
+        if !self.birth.is_current() {
+            return;
+        }
         if let Some((file, ticket)) = self.inner.take() {
             give_back(&file, ticket);
         }
@@ -110,10 +122,10 @@ impl Drop for Claim {
 /// first lease and given up by the last, under this table's lock — so two allocators, or two
 /// threads, of one process never unlock a slot another lease of the process still needs (the
 /// lock sits on the process's one open file description of the ref-counter file).
-static LEASES: OnceLock<LeaseTable<(String, u32)>> = OnceLock::new();
+static LEASES: PerProcess<LeaseTable<(String, u32)>> = PerProcess::new(LeaseTable::default);
 
 fn leases() -> &'static LeaseTable<(String, u32)> {
-    LEASES.get_or_init(LeaseTable::default)
+    LEASES.get()
 }
 
 /// This process holds `slot` (one of possibly several leases of the process on it).
@@ -124,10 +136,14 @@ fn leases() -> &'static LeaseTable<(String, u32)> {
 /// | n → n + 1 (n ≥ 1)                 | `pending` − 1 (the process already holds) | —                                    |
 /// | n → n − 1 (n ≥ 2)                 | —                                   | nothing shared changes                    |
 /// | 1 → 0                             | —                                   | `held` − 1, release hint, then unlock     |
+///
+/// A forked child inherits the lease table, the counts and the OFD lock (on the open file
+/// description it shares with its parent): its copy of a lease releases nothing (see `process`).
 #[derive(Debug)]
 pub(crate) struct Lease {
     pub file: Arc<RefCounterFile>,
     pub slot: u32,
+    birth: Birth,
 }
 
 impl Lease {
@@ -155,12 +171,20 @@ impl Lease {
             // The process already holds the slot: this count is covered by that hold.
             || give_back_quietly(&file, ticket),
         )?;
-        Ok(Lease { file, slot })
+        Ok(Lease {
+            file,
+            slot,
+            birth: Birth::now(),
+        })
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        if !self.birth.is_current() {
+            // The parent still holds the slot with this very count and lock.
+            return;
+        }
         let key = (self.file.name().to_owned(), self.slot);
         let known = leases().release(&key, || {
             if let Err(err) = self.file.slot(self.slot).and_then(|s| {
@@ -188,7 +212,8 @@ impl Drop for Lease {
 /// context; the host backend does too), however many allocators over that driver receive storages
 /// in it. Opening and the last close both happen under this table's lock, so a close in progress
 /// can never race a reopen of the same handle.
-static MAPPINGS: Mutex<Option<HashMap<MappingKey, MappingEntry>>> = Mutex::new(None);
+static MAPPINGS: PerProcess<Mutex<Option<HashMap<MappingKey, MappingEntry>>>> =
+    PerProcess::new(|| Mutex::new(None));
 
 /// The driver's address (stable while any mapping holds the driver) and the memory handle.
 type MappingKey = (usize, [u8; IPC_HANDLE_SIZE]);
@@ -324,6 +349,8 @@ pub(crate) struct ReceivedOwner {
     pub lease: Option<Lease>,
     /// Keeps the memory mapped while the storage lives (dropped before the lease).
     pub mapping: Option<ReceivedMapping>,
+    /// In a forked child the owner releases nothing: no stream wait, no unmap, no lease.
+    pub birth: Birth,
 }
 
 impl SharedOwner for ReceivedOwner {
@@ -343,6 +370,11 @@ impl SharedOwner for ReceivedOwner {
 
 impl Drop for ReceivedOwner {
     fn drop(&mut self) {
+        if !self.birth.is_current() {
+            std::mem::forget(self.mapping.take());
+            std::mem::forget(self.lease.take());
+            return;
+        }
         for stream in self.streams.lock().drain(..) {
             if let Err(err) = self.driver.stream_synchronize(stream) {
                 tracing::warn!(%err, "synchronizing a consumer stream before release failed");

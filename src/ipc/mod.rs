@@ -243,6 +243,7 @@ pub(crate) fn open(
         driver: Arc::clone(&ipc.driver),
         lease: Some(lease),
         mapping: Some(mapping),
+        birth: crate::process::Birth::now(),
     };
     Ok(DataPtr::new(ptr, device, Owner::Shared(Box::new(owner))))
 }

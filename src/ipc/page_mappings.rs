@@ -30,6 +30,7 @@ use super::page_protocol::{self, PageRequest, ReplyHeader, BATCH, REPLY_SIZE};
 use super::wire::{WireHandle, WirePages};
 use crate::driver::{DeviceAddr, Driver};
 use crate::error::{Error, Result};
+use crate::process::PerProcess;
 use crate::shm::socket;
 use crate::sync::os::{Arc, Mutex};
 
@@ -43,7 +44,8 @@ struct SpanEntry {
 }
 
 /// Page spans of other processes mapped in this process.
-static SPANS: Mutex<Option<HashMap<SpanKey, SpanEntry>>> = Mutex::new(None);
+static SPANS: PerProcess<Mutex<Option<HashMap<SpanKey, SpanEntry>>>> =
+    PerProcess::new(|| Mutex::new(None));
 
 /// One user of a mapped page span; the span is unmapped when the last user drops.
 #[derive(Debug)]

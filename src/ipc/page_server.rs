@@ -31,6 +31,7 @@ use super::SharedKey;
 use crate::alloc::PagesUnder;
 use crate::driver::{ChunkId, Driver};
 use crate::error::{Error, Result};
+use crate::process::Birth;
 use crate::shm::socket::{self, ShmListener};
 use crate::sync::os::{Arc, Mutex};
 
@@ -57,7 +58,7 @@ impl Drop for SpanRegistration {
 #[derive(Debug)]
 pub(crate) struct PageServer {
     registry: Arc<Registry>,
-    pid: u32,
+    birth: Birth,
     /// Dropping it wakes the thread, which then stops.
     stop: Option<OwnedFd>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -76,7 +77,7 @@ impl PageServer {
             .map_err(|e| Error::host_os("spawning the page server", e))?;
         Ok(PageServer {
             registry,
-            pid: std::process::id(),
+            birth: Birth::now(),
             stop: Some(stop),
             thread: Some(thread),
         })
@@ -102,12 +103,15 @@ impl PageServer {
 
 impl Drop for PageServer {
     fn drop(&mut self) {
+        if !self.birth.is_current() {
+            // A forked child has no such thread, and the stop pipe is the parent's: forget both.
+            std::mem::forget(self.stop.take());
+            std::mem::forget(self.thread.take());
+            return;
+        }
         drop(self.stop.take());
         if let Some(thread) = self.thread.take() {
-            if self.pid == std::process::id() {
-                let _ = thread.join();
-            }
-            // (A forked child has no such thread: its handle is only forgotten.)
+            let _ = thread.join();
         }
     }
 }

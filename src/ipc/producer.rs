@@ -66,6 +66,11 @@ impl SharedOwner for SentOwner {
 impl Drop for SentOwner {
     fn drop(&mut self) {
         let Some(data) = self.data.take() else { return };
+        if !self.state.in_its_process() {
+            // A forked child's copy: the parent's slot, event, pages and block (see `process`).
+            std::mem::forget(data);
+            return;
+        }
         self.state.retire(data);
     }
 }

@@ -16,6 +16,7 @@ use super::SharedKey;
 use crate::alloc::PagesUnder;
 use crate::driver::{Backend, Driver};
 use crate::error::Result;
+use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex};
 
@@ -63,6 +64,9 @@ pub(crate) struct IpcState {
     pub driver: Arc<dyn Driver>,
     pub backend: Backend,
     pid: u32,
+    /// The process this state belongs to (see `process`): a forked child's copy shares nothing,
+    /// and its drop releases nothing.
+    birth: Birth,
     nonce: u64,
     slots_per_file: u32,
     pub event_budget: usize,
@@ -94,6 +98,7 @@ impl IpcState {
             backend: driver.backend(),
             driver,
             pid: std::process::id(),
+            birth: Birth::now(),
             nonce: crate::shm::random_u64(),
             slots_per_file: slots_per_file.max(1),
             event_budget,
@@ -109,15 +114,24 @@ impl IpcState {
     /// parent's (a child's share would count in the parent's slots; its pages would be served by
     /// the parent's socket, which knows nothing of them).
     pub fn check_process(&self) -> Result<()> {
-        let me = std::process::id();
-        if me != self.pid {
-            return Err(crate::Error::invalid(format!(
-                "this runtime was created by process {} and cannot share from process {me} (a forked \
-                 child): make a runtime in the child",
-                self.pid
-            )));
+        self.birth
+            .check("this runtime's IPC state (ref-counter files, events, page socket)")
+    }
+
+    /// Whether this is the process the state was made in (false in a forked child).
+    pub fn in_its_process(&self) -> bool {
+        self.birth.is_current()
+    }
+
+    /// True (after a warning) in a forked child, where `what` would act on the parent's limbo.
+    fn refused_in_child(&self, what: &str) -> bool {
+        match self.check_process() {
+            Ok(()) => false,
+            Err(err) => {
+                tracing::warn!(%err, "{what}: ignored");
+                true
+            }
         }
-        Ok(())
     }
 
     /// The expiry of a handle made now (0 without a time-to-live).
@@ -145,6 +159,7 @@ impl IpcState {
 
     /// Takes a free slot (creating a file when every file is full).
     pub fn take_slot(&self) -> Result<SlotRef> {
+        self.check_process()?;
         let mut f = self.files.lock();
         for pf in f.files.iter_mut() {
             let slot = match pf.free.pop() {
@@ -237,6 +252,9 @@ impl IpcState {
 
     /// Storages in limbo and their bytes.
     pub fn limbo_size(&self) -> (usize, u64) {
+        if self.refused_in_child("measuring the limbo") {
+            return (0, 0);
+        }
         (
             self.limbo.len(),
             self.limbo.fold(0, |sum, d| sum + d.nbytes),
@@ -255,6 +273,9 @@ impl IpcState {
     /// Frees limbo entries whose slots consumers released since the last drain (ring hints; one
     /// scan of a file's entries if its ring overflowed). Cost ∝ releases.
     pub fn drain(&self) -> Drained {
+        if self.refused_in_child("draining the limbo") {
+            return Drained::default();
+        }
         let mut freed = Vec::new();
         for (index, file) in self.producer_files() {
             let released = file.drain_released();
@@ -282,6 +303,9 @@ impl IpcState {
 
     /// [`Self::drain`], then reclaims limbo slots whose every holder is dead.
     pub fn collect(&self) -> Drained {
+        if self.refused_in_child("collecting the limbo") {
+            return Drained::default();
+        }
         if let Err(err) = crate::shm::sweep_orphans() {
             tracing::debug!(%err, "sweeping orphaned shared-memory objects failed");
         }
@@ -336,6 +360,9 @@ impl IpcState {
 
     /// Allocator teardown: frees what it can and warns once about what stays in limbo.
     pub fn shutdown(&self) {
+        if !self.birth.is_current() {
+            return;
+        }
         self.collect();
         let (count, bytes) = self.limbo_size();
         if count > 0 {
@@ -355,5 +382,13 @@ impl IpcState {
                 server.serve_until_exit();
             }
         }
+    }
+}
+
+impl Drop for IpcState {
+    fn drop(&mut self) {
+        // In a forked child, the storages in limbo and the page server are the parent's.
+        crate::process::leak_in_child(self.birth, &mut self.limbo);
+        crate::process::leak_in_child(self.birth, &mut self.page_server);
     }
 }

@@ -2,21 +2,44 @@
 //! with this run?" — answered without the GPU, through the real allocator on a [`SimDriver`] (a
 //! device that hands out addresses and enforces a capacity but backs nothing).
 //!
-//! * `formats.rs` — reading cudalloc's JSON lines, PyTorch snapshot pickles, `torch.profiler`
-//!   Chrome traces and RMM CSV logs into [`TraceOp`]s ([`load`], [`parse`]);
-//! * `run.rs` — [`replay`]: one configuration, exact peaks, the first out-of-memory, time per op;
+//! * `formats.rs` — reading cudalloc's JSON lines, PyTorch snapshot pickles (`snapshot.rs`, over
+//!   the bounded pickle reader `pickle.rs`), `torch.profiler` Chrome traces (`kineto.rs`) and RMM
+//!   CSV logs into [`TraceOp`]s ([`load`], [`parse`]);
+//! * [`limits`] — the bounds on reading a trace (below);
+//! * `run.rs` — [`replay`]: one configuration, exact peaks (per device and over all devices), the
+//!   first out-of-memory, time per op;
 //! * `svg.rs` — [`plot_svg`]: allocated and reserved over the trace, one line per configuration.
 //!
 //! `cudalloc replay FILE --conf … --capacity 80GiB --svg out.svg` is the command around it.
 //!
+//! A trace file is untrusted input. Reading one is bounded — each limit passed is an
+//! [`InvalidArgument`](crate::ErrorKind::InvalidArgument) error naming the limit and its value,
+//! never a panic, an abort, a stack overflow or a hang:
+//!
+//! | limit | value | bounds |
+//! |---|---|---|
+//! | [`limits::MAX_TRACE_BYTES`] | 1 GiB | the file as read, and every decompressed layer |
+//! | [`limits::MAX_GZIP_LAYERS`] | 2 | gzip layers inside one another |
+//! | [`limits::MAX_GZIP_RATIO`], [`limits::GZIP_FLOOR_BYTES`] | 64×, 32 MiB | all decompressed layers together, against the compressed size |
+//! | [`limits::MAX_TRACE_EVENTS`] | 2²⁵ | events kept (lines, `[memory]` events, snapshot entries) |
+//! | [`limits::MAX_TRACE_STREAMS`] | 65,536 | distinct (device, stream) pairs that allocate |
+//! | [`limits::MAX_SIM_DEVICES`] | 1,024 | devices |
+//! | [`limits::MAX_PICKLE_DEPTH`] | 64 | nesting of containers in a pickle |
+//! | [`limits::PICKLE_MEMORY_RATIO`] (floor, cap) | 16× (1 MiB, 4 GiB) | the pickle reader's structures, against the pickle's size |
+//! | [`limits::MAX_JSON_DEPTH`] | 128 | nesting of JSON parsed into fields (`serde_json`'s recursion limit; skipped values pass at any depth without recursion) |
+//!
 //! [`SimDriver`]: crate::driver::SimDriver
 
 mod formats;
+mod kineto;
+pub mod limits;
+mod pickle;
 mod run;
+mod snapshot;
 mod svg;
 
 pub use formats::{load, parse, TraceFormat};
-pub use run::{replay, OomAt, ReplayOptions, ReplayReport, Sample};
+pub use run::{replay, DeviceReport, OomAt, ReplayOptions, ReplayReport, Sample};
 pub use svg::plot_svg;
 
 /// One operation of a trace.

@@ -1,11 +1,14 @@
 //! Replaying a trace through the real allocator on the simulated device.
 //!
 //! Every operation goes through [`CachingAllocator::allocate_on`] / a `DataPtr` drop on a
-//! [`SimDriver`] of the given capacity, on the stream the trace names (stream 0 is the device's
-//! default stream, others are created as they appear). After each operation the device's current
-//! allocated and reserved bytes are read, so the peaks are exact whatever the number of streams.
-//! An allocation that runs out of memory is counted (the first one is reported with its position)
-//! and skipped; its free is skipped too. Time is measured around the allocator's calls only.
+//! [`SimDriver`] of the given capacity and device count, on the device and stream the trace names
+//! (stream 0 is the device's default stream, others are created as they appear). After each
+//! operation the device's current allocated and reserved bytes are read, so the peaks are exact
+//! whatever the number of streams — per device and summed over the devices. The read costs what
+//! changed since the last one, not a pass over every stream (`alloc/peaks.rs`), so a trace of
+//! thousands of streams replays as fast as one of a few. An allocation that runs out of memory is
+//! counted (the first one is reported with its position) and skipped; its free is skipped too.
+//! Time is measured around the allocator's calls only.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -53,6 +56,22 @@ pub struct OomAt {
     pub reserved: u64,
 }
 
+/// What one replay measured on one device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceReport {
+    /// Exact peak of allocated bytes on the device.
+    pub peak_allocated: u64,
+    /// Exact peak of reserved bytes on the device.
+    pub peak_reserved: u64,
+    /// Most segments held at once on the device.
+    pub peak_segments: u64,
+    /// Segments (or pages) obtained from the device.
+    pub device_mallocs: u64,
+    /// Segments (or pages) given back.
+    pub device_frees: u64,
+}
+
 /// What one replay measured.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -81,6 +100,9 @@ pub struct ReplayReport {
     pub allocator_ns: u64,
     /// Allocated and reserved bytes over the replay (at most a few thousand points).
     pub samples: Vec<Sample>,
+    /// The same figures per device (index = device ordinal); the totals above are over all
+    /// devices at once (the peak of the sum, not the sum of the peaks).
+    pub devices: Vec<DeviceReport>,
 }
 
 impl ReplayReport {
@@ -108,12 +130,11 @@ struct Current {
 }
 
 fn read(alloc: &CachingAllocator, device: usize) -> Result<Current> {
-    let s = alloc.memory_stats(device)?;
-    let get = |v: i64| u64::try_from(v).unwrap_or(0);
+    let [allocated, reserved, segments] = alloc.usage_now(device)?;
     Ok(Current {
-        allocated: get(s.allocated_bytes[0].current),
-        reserved: get(s.reserved_bytes[0].current),
-        segments: get(s.segment[0].current),
+        allocated,
+        reserved,
+        segments,
     })
 }
 
@@ -145,6 +166,7 @@ pub fn replay(
         ops: trace.ops.len() as u64,
         allocator_ns: 0,
         samples: Vec::new(),
+        devices: vec![DeviceReport::default(); trace.devices],
     };
     for (i, op) in trace.ops.iter().enumerate() {
         let device = match *op {
@@ -198,6 +220,11 @@ pub fn replay(
             },
         };
         let now = read(&alloc, device)?;
+        if let Some(d) = report.devices.get_mut(device) {
+            d.peak_allocated = d.peak_allocated.max(now.allocated);
+            d.peak_reserved = d.peak_reserved.max(now.reserved);
+            d.peak_segments = d.peak_segments.max(now.segments);
+        }
         let before = std::mem::replace(&mut per_device[device], now);
         total.allocated = total.allocated - before.allocated + now.allocated;
         total.reserved = total.reserved - before.reserved + now.reserved;
@@ -217,8 +244,10 @@ pub fn replay(
         }
     }
     drop(live);
-    for device in 0..trace.devices {
+    for (device, d) in report.devices.iter_mut().enumerate() {
         let s = alloc.memory_stats(device)?;
+        d.device_mallocs = s.num_device_alloc;
+        d.device_frees = s.num_device_free;
         report.device_mallocs += s.num_device_alloc;
         report.device_frees += s.num_device_free;
     }

@@ -23,7 +23,7 @@ pub(crate) mod socket;
 pub(crate) mod vm;
 
 pub use names::sweep_orphans;
-use names::{forget_name, remember_name};
+use names::{ensure_liveness, forget_name, remember_name};
 pub(crate) use names::{ofd_lock, process_alive, REF_FILE_TAG};
 
 use crate::error::{Error, Result};
@@ -178,6 +178,8 @@ impl SharedMemory {
         if len == 0 {
             return Err(Error::invalid("shared-memory object of size 0"));
         }
+        // Alive (to every sweep) before the first object exists.
+        ensure_liveness()?;
         let file = create_exclusive(name)
             .map_err(|e| Error::host_os("shm_open(O_CREAT|O_EXCL)", format!("{name}: {e}")))?;
         let result = file

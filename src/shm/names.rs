@@ -25,6 +25,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 
 use super::{path_of, NAME_PREFIX, SHM_DIR};
 use crate::error::{Error, Result};
+use crate::process::PerProcess;
 use crate::sync::os::Mutex;
 
 /// What this process created and has not unlinked yet, and its liveness file.
@@ -45,7 +46,7 @@ struct LiveNames {
 /// Only the creating process unlinks: a forked child inherits this set (and the `atexit` hook) but
 /// not the objects' ownership, so when it exits — or drops a copied `SharedMemory` — the parent's
 /// names stay. A child that creates objects of its own starts a set of its own.
-static LIVE_NAMES: Mutex<Option<LiveNames>> = Mutex::new(None);
+static LIVE_NAMES: PerProcess<Mutex<Option<LiveNames>>> = PerProcess::new(|| Mutex::new(None));
 
 extern "C" fn unlink_live_names_at_exit() {
     if let Some(live) = LIVE_NAMES.lock().take() {
@@ -61,45 +62,75 @@ extern "C" fn unlink_live_names_at_exit() {
 /// Tag of liveness files (`cudalloc-<pid>-<nonce>-live0`).
 const LIVENESS_TAG: &str = "live";
 
-/// Creates and locks this process's liveness file; its name joins the names unlinked at exit.
-fn liveness_file(pid: u32) -> Option<(String, File)> {
-    let name = super::object_name(pid, super::random_u64(), LIVENESS_TAG, 0);
-    let file = super::create_exclusive(&name)
-        .map_err(|err| tracing::warn!(%err, "cannot create the liveness file {name}"))
-        .ok()?;
-    match ofd_lock(&file, libc::F_WRLCK, libc::F_OFD_SETLK, 0, 0) {
-        Ok(_) => Some((name, file)),
-        Err(err) => {
-            tracing::warn!(%err, "cannot lock the liveness file {name}");
-            let _ = std::fs::remove_file(path_of(&name));
-            None
+/// Prefix of a liveness file being made (`cudalloc-making-<nonce>`): locked under this name, then
+/// renamed, so a liveness file is never seen unlocked by a sweep. No pid follows the prefix, so no
+/// sweep groups it with a process; a sweep removes one that nobody locks (its maker died).
+const MAKING_PREFIX: &str = "cudalloc-making-";
+
+/// Creates this process's liveness file, locked before it appears under its name.
+fn liveness_file(pid: u32) -> Result<(String, File)> {
+    let mut last = None;
+    for _ in 0..3 {
+        let making = format!("{MAKING_PREFIX}{:016x}", super::random_u64());
+        let file = super::create_exclusive(&making)
+            .map_err(|e| Error::host_os("creating the liveness file", format!("{making}: {e}")))?;
+        if let Err(err) = ofd_lock(&file, libc::F_WRLCK, libc::F_OFD_SETLK, 0, 0) {
+            let _ = std::fs::remove_file(path_of(&making));
+            return Err(err);
+        }
+        let name = super::object_name(pid, super::random_u64(), LIVENESS_TAG, 0);
+        match std::fs::rename(path_of(&making), path_of(&name)) {
+            Ok(()) => return Ok((name, file)),
+            // A sweep took the file for a dead maker's between the lock and the rename: again.
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => last = Some(err),
+            Err(err) => {
+                let _ = std::fs::remove_file(path_of(&making));
+                return Err(Error::host_os("renaming the liveness file", err));
+            }
         }
     }
+    Err(Error::host_os(
+        "renaming the liveness file",
+        last.map_or_else(|| "no attempt".to_owned(), |e| e.to_string()),
+    ))
 }
 
-pub(super) fn remember_name(name: &str) {
+/// Makes sure this process has its locked liveness file *before* it creates an object: a sweep in
+/// any pid namespace then sees the process alive by the lock alone (a pid proves nothing across
+/// namespaces). An object cannot be created without one.
+pub(super) fn ensure_liveness() -> Result<()> {
     let me = std::process::id();
     let mut live = LIVE_NAMES.lock();
+    if live.as_ref().is_some_and(|l| l.creator == me) {
+        return Ok(());
+    }
     if live.is_none() {
         // SAFETY: registers a plain `extern "C"` function with no arguments; it only touches a
         // static mutex and the file system, which are valid at exit.
         unsafe { libc::atexit(unlink_live_names_at_exit) };
     }
-    if live.as_ref().is_none_or(|l| l.creator != me) {
-        // Nothing yet, or the parent's set inherited through fork: start ours.
-        let mut names = HashSet::new();
-        let liveness = liveness_file(me).map(|(n, file)| {
-            names.insert(n);
-            file
-        });
-        *live = Some(LiveNames {
-            creator: me,
-            names,
-            _liveness: liveness,
-        });
-    }
-    if let Some(l) = live.as_mut() {
-        l.names.insert(name.to_owned());
+    let (name, file) = liveness_file(me)?;
+    let mut names = HashSet::new();
+    names.insert(name);
+    *live = Some(LiveNames {
+        creator: me,
+        names,
+        _liveness: Some(file),
+    });
+    Ok(())
+}
+
+/// Notes `name`, just created by this process (after [`ensure_liveness`]), for the exit hook.
+pub(super) fn remember_name(name: &str) {
+    let me = std::process::id();
+    match LIVE_NAMES.lock().as_mut() {
+        Some(l) if l.creator == me => {
+            l.names.insert(name.to_owned());
+        }
+        _ => tracing::warn!(
+            name,
+            "an object created without this process's liveness file"
+        ),
     }
 }
 
@@ -175,8 +206,12 @@ fn creator_of(name: &str) -> Option<u32> {
 }
 
 /// Removes the shared-memory objects of dead cudalloc processes that no consumer holds a lease on,
-/// and returns their names. Objects of live processes (proven by their liveness lock or their pid)
-/// and of dead producers whose storages a consumer still holds are never touched; unlinking only
+/// and returns their names. A process is alive while its liveness file is locked: every process
+/// locks one before its first object, so the lock decides in every pid namespace sharing this
+/// `/dev/shm` (a pid seen from another namespace proves nothing: it may name another process or
+/// none). A pid alive in this namespace also keeps the objects named with it (only ever keeping
+/// more). Objects of live processes and of dead producers whose storages a consumer still holds
+/// are never touched; unlinking only
 /// removes names, so mappings stay valid. Run by every new [`CachingAllocator`](crate::CachingAllocator),
 /// by `ipc_collect()` and by `cudalloc clean`.
 pub fn sweep_orphans() -> Result<Vec<String>> {
@@ -185,8 +220,21 @@ pub fn sweep_orphans() -> Result<Vec<String>> {
     let me = std::process::id();
     let mut by_creator: BTreeMap<u32, Vec<String>> = BTreeMap::new();
     let dir = std::fs::read_dir(SHM_DIR).map_err(|e| Error::host_os("readdir", e))?;
+    let mut removed = Vec::new();
     for entry in dir.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(MAKING_PREFIX)
+            && entry
+                .metadata()
+                .is_ok_and(|m| m.is_file() && m.uid() == euid)
+            && !is_locked(&name)
+        {
+            // A liveness file whose maker died before naming it.
+            if std::fs::remove_file(path_of(&name)).is_ok() {
+                removed.push(name);
+            }
+            continue;
+        }
         let Some(pid) = creator_of(&name) else {
             continue;
         };
@@ -197,7 +245,6 @@ pub fn sweep_orphans() -> Result<Vec<String>> {
             by_creator.entry(pid).or_default().push(name);
         }
     }
-    let mut removed = Vec::new();
     for (pid, names) in by_creator {
         let alive = names
             .iter()

@@ -18,7 +18,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Duration;
 
-use super::names::{forget_name, remember_name};
+use super::names::{ensure_liveness, forget_name, remember_name};
 use super::{path_of, validate_name};
 use crate::error::{Error, Result};
 
@@ -36,6 +36,7 @@ impl ShmListener {
     pub(crate) fn bind(name: &str) -> Result<Self> {
         validate_name(name)?;
         let path = path_of(name);
+        ensure_liveness()?;
         let listener = UnixListener::bind(&path).map_err(|e| Error::host_os("bind", e))?;
         remember_name(name);
         let made = ShmListener {

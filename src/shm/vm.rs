@@ -128,7 +128,12 @@ impl Drop for Reservation {
     }
 }
 
-/// A chunk of physical memory: a `memfd` of `len` bytes.
+/// The seals every chunk carries once backed: its size is final (no process holding its descriptor
+/// can shrink it, which would make every mapping of the cut pages fault with `SIGBUS`, nor grow it)
+/// and the seals themselves are final.
+const CHUNK_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// A chunk of physical memory: a `memfd` of `len` bytes, sealed at that size ([`CHUNK_SEALS`]).
 #[derive(Debug)]
 pub(crate) struct Chunk {
     fd: OwnedFd,
@@ -145,7 +150,12 @@ impl Chunk {
         let size = libc::off_t::try_from(len)
             .map_err(|_| Error::invalid(format!("chunk of {len} bytes is too large")))?;
         // SAFETY: a static NUL-terminated name and valid flags.
-        let raw = unsafe { libc::memfd_create(c"cudalloc-chunk".as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe {
+            libc::memfd_create(
+                c"cudalloc-chunk".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if raw < 0 {
             return Err(os("memfd_create"));
         }
@@ -154,7 +164,13 @@ impl Chunk {
         // SAFETY: the descriptor is open; posix_fallocate only changes its allocation.
         let rc = unsafe { libc::posix_fallocate(fd.as_raw_fd(), 0, size) };
         match rc {
-            0 => Ok(Chunk { fd, len }),
+            0 => {
+                // SAFETY: the descriptor is open; F_ADD_SEALS only changes what it permits.
+                if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, CHUNK_SEALS) } != 0 {
+                    return Err(os("fcntl(F_ADD_SEALS)"));
+                }
+                Ok(Chunk { fd, len })
+            }
             libc::ENOSPC | libc::ENOMEM => Err(Error::Driver {
                 backend: "host",
                 call: super::NO_SPACE_CALL,
@@ -167,8 +183,17 @@ impl Chunk {
         }
     }
 
-    /// A chunk from a descriptor another process exported; it must hold exactly `len` bytes.
+    /// A chunk from a descriptor another process exported; it must hold exactly `len` bytes and be
+    /// sealed at that size (else its exporter could cut pages this process maps: `SIGBUS`).
     pub(crate) fn import(fd: OwnedFd, len: u64) -> Result<Self> {
+        // SAFETY: the descriptor is open; F_GET_SEALS only reads its seals.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & CHUNK_SEALS != CHUNK_SEALS {
+            return Err(Error::bad_handle(format!(
+                "the chunk descriptor is not sealed at its size (seals {seals:#x}, needed \
+                 {CHUNK_SEALS:#x}): its exporter could shrink it under this process's mappings"
+            )));
+        }
         let size = File::from(fd.try_clone().map_err(|e| Error::host_os("dup", e))?)
             .metadata()
             .map_err(|e| Error::host_os("fstat", e))?
@@ -214,5 +239,54 @@ impl Chunk {
     /// A descriptor of this chunk to hand to another process.
     pub(crate) fn export(&self) -> Result<OwnedFd> {
         self.fd.try_clone().map_err(|e| Error::host_os("dup", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_holding_a_chunks_descriptor_cannot_change_its_size() {
+        let chunk = Chunk::create(2 << 20).unwrap();
+        let peer = File::from(chunk.export().unwrap());
+        // What a hostile consumer would do: cut the chunk under the producer's mappings.
+        let shrink = peer.set_len(4096).unwrap_err();
+        assert_eq!(shrink.raw_os_error(), Some(libc::EPERM), "{shrink}");
+        let grow = peer.set_len(4 << 20).unwrap_err();
+        assert_eq!(grow.raw_os_error(), Some(libc::EPERM), "{grow}");
+        assert_eq!(peer.metadata().unwrap().len(), 2 << 20);
+        // The last page is still backed: touching it is no SIGBUS.
+        chunk
+            .with_mapping(|addr, len| {
+                // SAFETY: the mapping covers `len` bytes; the last one is written and read back.
+                unsafe {
+                    let last = (addr + len - 1) as *mut u8;
+                    last.write_volatile(7);
+                    assert_eq!(last.read_volatile(), 7);
+                }
+            })
+            .unwrap();
+        // And its seals cannot be lifted or added to.
+        // SAFETY: valid descriptor; F_ADD_SEALS only changes what it permits.
+        let rc = unsafe { libc::fcntl(peer.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
+        assert_eq!(rc, -1);
+    }
+
+    #[test]
+    fn a_chunk_descriptor_that_is_not_sealed_is_refused() {
+        // SAFETY: a static NUL-terminated name and valid flags.
+        let raw = unsafe { libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: `raw` is a fresh descriptor owned here.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        File::from(fd.try_clone().unwrap()).set_len(4096).unwrap();
+        let err = Chunk::import(fd, 4096).unwrap_err();
+        assert!(err.to_string().contains("not sealed"), "{err}");
+        let sealed = Chunk::create(4096).unwrap();
+        assert_eq!(
+            Chunk::import(sealed.export().unwrap(), 4096).unwrap().len(),
+            4096
+        );
     }
 }

@@ -16,9 +16,11 @@ use std::collections::HashMap;
 
 use super::{Storage, WeakStorage};
 use crate::ipc::SharedKey;
+use crate::process::PerProcess;
 use crate::sync::os::{Mutex, MutexGuard};
 
-static SHARED: Mutex<Option<HashMap<SharedKey, WeakStorage>>> = Mutex::new(None);
+static SHARED: PerProcess<Mutex<Option<HashMap<SharedKey, WeakStorage>>>> =
+    PerProcess::new(|| Mutex::new(None));
 
 /// (runtime id, the shared storage's key).
 pub(super) type ReceivedKey = (u64, SharedKey);
@@ -26,7 +28,7 @@ pub(super) type ReceivedKey = (u64, SharedKey);
 /// Received storages of every runtime of the process.
 pub(super) type Received = HashMap<ReceivedKey, WeakStorage>;
 
-static RECEIVED: Mutex<Option<Received>> = Mutex::new(None);
+static RECEIVED: PerProcess<Mutex<Option<Received>>> = PerProcess::new(|| Mutex::new(None));
 
 /// Registers a storage shared for the first time.
 pub(super) fn remember_shared(key: SharedKey, storage: &Storage) {

@@ -34,12 +34,13 @@ use cudarc::driver::{
 use super::Storage;
 use crate::driver::{Backend, StreamId};
 use crate::error::{Error, Result};
+use crate::process::PerProcess;
 use crate::sync::os::{Arc, Mutex};
 
 /// Streams views were made for, by (runtime id, raw handle), with their cudalloc ids: kept alive
 /// (see the module docs).
 type Adopted = HashMap<(u64, u64), (Arc<CudaStream>, StreamId)>;
-static ADOPTED: Mutex<Option<Adopted>> = Mutex::new(None);
+static ADOPTED: PerProcess<Mutex<Option<Adopted>>> = PerProcess::new(|| Mutex::new(None));
 
 /// The cudalloc id of `stream` for `storage`'s runtime, adopting it on first use.
 fn adopt(storage: &Storage, stream: &Arc<CudaStream>) -> Result<StreamId> {

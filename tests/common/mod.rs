@@ -7,6 +7,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub mod faulty;
+pub mod forked;
 
 use cudalloc::{CudaDriver, Driver, HostDriver};
 
@@ -287,6 +288,13 @@ impl ParentLink {
         let mut out = std::io::stdout().lock();
         writeln!(out, "{PREFIX}{line}").unwrap();
         out.flush().unwrap();
+    }
+
+    /// Receives one line from the parent, or `None` once the parent closed the link.
+    pub fn recv_or_eof(&mut self) -> Option<String> {
+        let mut line = String::new();
+        let n = self.stdin.read_line(&mut line).unwrap();
+        (n > 0).then(|| line.trim_end().to_owned())
     }
 
     /// Receives one line from the parent.

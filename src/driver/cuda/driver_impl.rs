@@ -72,6 +72,7 @@ impl Driver for CudaDriver {
     }
 
     fn device_name(&self, device: usize) -> Result<String> {
+        self.birth.check("this CUDA driver")?;
         let dev = self.device(device)?;
         let mut buf = [0 as std::ffi::c_char; 256];
         // SAFETY: the buffer holds 256 chars and cuDeviceGetName writes at most `len` of them.
@@ -87,6 +88,7 @@ impl Driver for CudaDriver {
     }
 
     fn mem_info(&self, device: usize) -> Result<MemInfo> {
+        self.birth.check("this CUDA driver")?;
         self.bind(device)?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: out-pointers are valid; a context is current.
@@ -100,6 +102,7 @@ impl Driver for CudaDriver {
     }
 
     fn malloc(&self, device: usize, size: u64) -> Result<DeviceAddr> {
+        self.birth.check("this CUDA driver")?;
         self.bind(device)?;
         if size == 0 {
             return Err(Error::invalid("malloc of 0 bytes"));
@@ -137,6 +140,7 @@ impl Driver for CudaDriver {
     }
 
     fn free(&self, ptr: DeviceAddr) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let entry = {
             let mut segments = self.segments.write();
             match segments.get(&ptr.0) {
@@ -159,10 +163,12 @@ impl Driver for CudaDriver {
     }
 
     fn default_stream(&self, device: usize) -> Result<StreamId> {
+        self.birth.check("this CUDA driver")?;
         Ok(self.device(device)?.default_stream)
     }
 
     fn stream_create(&self, device: usize) -> Result<StreamId> {
+        self.birth.check("this CUDA driver")?;
         self.bind(device)?;
         let mut raw = std::ptr::null_mut();
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
@@ -183,6 +189,7 @@ impl Driver for CudaDriver {
     }
 
     unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
+        self.birth.check("this CUDA driver")?;
         let ctx = self.device(device)?.context;
         self.bind(device)?;
         let handle = raw as usize as sys::CUstream;
@@ -215,10 +222,12 @@ impl Driver for CudaDriver {
     }
 
     fn raw_stream(&self, stream: StreamId) -> Result<u64> {
+        self.birth.check("this CUDA driver")?;
         Ok(self.streams.get(stream.0)?.raw.0 as usize as u64)
     }
 
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         if self.devices.iter().any(|d| d.default_stream == stream) {
             return Err(Error::invalid("the default stream cannot be destroyed"));
         }
@@ -235,6 +244,7 @@ impl Driver for CudaDriver {
     }
 
     fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let entry = self.stream(stream)?;
         // SAFETY: live stream of this driver; its context is bound.
         check("cuStreamSynchronize", unsafe {
@@ -243,16 +253,19 @@ impl Driver for CudaDriver {
     }
 
     fn stream_query(&self, stream: StreamId) -> Result<bool> {
+        self.birth.check("this CUDA driver")?;
         let entry = self.stream(stream)?;
         // SAFETY: live stream of this driver; its context is bound.
         query_result("cuStreamQuery", unsafe { sys::cuStreamQuery(entry.raw.0) })
     }
 
     fn stream_device(&self, stream: StreamId) -> Result<usize> {
+        self.birth.check("this CUDA driver")?;
         Ok(self.stream(stream)?.device)
     }
 
     fn event_create(&self, device: usize, flags: EventFlags) -> Result<EventId> {
+        self.birth.check("this CUDA driver")?;
         self.bind(device)?;
         let bits = if flags.interprocess {
             sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
@@ -279,6 +292,7 @@ impl Driver for CudaDriver {
     }
 
     fn event_destroy(&self, event: EventId) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let entry = self.events.remove(event.0)?;
         self.bind(entry.device)?;
         // SAFETY: created or opened by this driver, removed from the table: destroyed once.
@@ -288,6 +302,7 @@ impl Driver for CudaDriver {
     }
 
     fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let e = self.event(event)?;
         let s = self.stream(stream)?;
         if e.device != s.device {
@@ -303,12 +318,14 @@ impl Driver for CudaDriver {
     }
 
     fn event_query(&self, event: EventId) -> Result<bool> {
+        self.birth.check("this CUDA driver")?;
         let e = self.event(event)?;
         // SAFETY: live event; context bound.
         query_result("cuEventQuery", unsafe { sys::cuEventQuery(e.raw.0) })
     }
 
     fn event_synchronize(&self, event: EventId) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let e = self.event(event)?;
         // SAFETY: live event; context bound.
         check("cuEventSynchronize", unsafe {
@@ -317,6 +334,7 @@ impl Driver for CudaDriver {
     }
 
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let e = self.event(event)?;
         let s = self.stream(stream)?;
         // SAFETY: live stream and event; the stream's context is bound.
@@ -326,6 +344,7 @@ impl Driver for CudaDriver {
     }
 
     fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let (_held, _) = self.hold_ranges([(dst, src.len() as u64)])?;
         let s = self.stream(stream)?;
         if src.is_empty() {
@@ -343,6 +362,7 @@ impl Driver for CudaDriver {
     }
 
     fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let (_held, _) = self.hold_ranges([(src, dst.len() as u64)])?;
         let s = self.stream(stream)?;
         if dst.is_empty() {
@@ -366,6 +386,7 @@ impl Driver for CudaDriver {
         src: DeviceAddr,
         len: u64,
     ) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let (_held, n) = self.hold_ranges([(dst, len), (src, len)])?;
         let s = self.stream(stream)?;
         if n == 0 {
@@ -378,6 +399,7 @@ impl Driver for CudaDriver {
     }
 
     fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let (_held, n) = self.hold_ranges([(dst, len)])?;
         let s = self.stream(stream)?;
         if n == 0 {
@@ -390,6 +412,7 @@ impl Driver for CudaDriver {
     }
 
     fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let (_held, _) = self.hold_ranges([(dst, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.fill)?;
         let (mut p, mut n, mut sd) = (dst.0, len, seed);
@@ -408,6 +431,7 @@ impl Driver for CudaDriver {
         len: u64,
         seed: u64,
     ) -> Result<u64> {
+        self.birth.check("this CUDA driver")?;
         let (_held, _) = self.hold_ranges([(src, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.count)?;
         let mut counter = 0;
@@ -447,6 +471,7 @@ impl Driver for CudaDriver {
     }
 
     fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let (_held, _) = self.hold_ranges([(dst, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.poison)?;
         let (mut p, mut n) = (dst.0, len);
@@ -458,6 +483,7 @@ impl Driver for CudaDriver {
     }
 
     fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let (s, f) = self.launch_args(stream, |k| k.sleep)?;
         let mut nanos = micros.saturating_mul(1000);
         let mut args = [(&mut nanos as *mut u64).cast::<c_void>()];
@@ -465,6 +491,7 @@ impl Driver for CudaDriver {
     }
 
     fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
+        self.birth.check("this CUDA driver")?;
         let entry = self.segments.read().get(&ptr.0).copied().ok_or_else(|| {
             Error::invalid(format!("pointer {ptr} is not the base of a segment allocated by this driver (IPC handles name whole segments)"))
         })?;
@@ -492,6 +519,7 @@ impl Driver for CudaDriver {
     }
 
     fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
+        self.birth.check("this CUDA driver")?;
         self.bind(device)?;
         if !self.opened_handles.lock().insert(handle.0) {
             return Err(Error::invalid("this IPC memory handle is already open in this process; cache the mapping and reuse it"));
@@ -548,6 +576,7 @@ impl Driver for CudaDriver {
     }
 
     fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
+        self.birth.check("this CUDA driver")?;
         let entry = {
             let mut segments = self.segments.write();
             match segments.get(&ptr.0).copied() {
@@ -583,6 +612,7 @@ impl Driver for CudaDriver {
     }
 
     fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {
+        self.birth.check("this CUDA driver")?;
         let e = self.event(event)?;
         if !e.interprocess || e.opened {
             return Err(Error::invalid(format!(
@@ -600,6 +630,7 @@ impl Driver for CudaDriver {
     }
 
     fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
+        self.birth.check("this CUDA driver")?;
         self.bind(device)?;
         let raw_handle = sys::CUipcEventHandle {
             reserved: as_chars(&handle.0),

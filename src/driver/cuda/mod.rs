@@ -35,6 +35,7 @@ use crate::driver::registry::{IdCounter, Registry};
 use crate::driver::vm_space::VmSpace;
 use crate::driver::{ranges, ChunkId, DeviceAddr, Driver, EventId, StreamId, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
+use crate::process::Birth;
 use crate::sync::os::{Mutex, OnceLock, RwLock, RwLockReadGuard};
 
 /// Declares a `Send + Sync` newtype for one kind of CUDA handle, so each kind states why it may
@@ -155,6 +156,9 @@ pub struct CudaDriver {
     /// Reservations and mapped chunks (expandable segments); locked after `segments`.
     vm: RwLock<VmSpace<ChunkId>>,
     chunks: Registry<vm::CudaChunk>,
+    /// The process that loaded the driver: CUDA cannot be used in a forked child, whose calls are
+    /// refused before any lock, and whose drop releases nothing (`process`).
+    birth: Birth,
 }
 
 /// The read locks that keep checked ranges valid until their work is enqueued.
@@ -199,6 +203,7 @@ impl CudaDriver {
             opened_handles: Mutex::new(HashSet::new()),
             vm: RwLock::new(VmSpace::default()),
             chunks: Registry::new("chunk"),
+            birth: Birth::now(),
         };
         for ordinal in 0..count {
             let mut dev = 0;
@@ -389,6 +394,19 @@ impl CudaDriver {
 
 impl Drop for CudaDriver {
     fn drop(&mut self) {
+        if !self.birth.is_current() {
+            // A forked child's copy: the contexts, streams and memory are the parent's. The
+            // tables are leaked (their locks may have been held at the fork).
+            std::mem::forget(std::mem::replace(
+                &mut self.streams,
+                Registry::new("stream"),
+            ));
+            std::mem::forget(std::mem::replace(&mut self.events, Registry::new("event")));
+            std::mem::forget(std::mem::replace(&mut self.chunks, Registry::new("chunk")));
+            crate::process::leak_in_child(self.birth, &mut self.segments);
+            crate::process::leak_in_child(self.birth, &mut self.vm);
+            return;
+        }
         // Mappings this driver opened give up their process-wide user (the last one unmaps).
         let opened: Vec<u64> = self
             .segments

@@ -19,6 +19,7 @@ use std::collections::{HashMap, HashSet};
 
 use crate::driver::IPC_HANDLE_SIZE;
 use crate::error::{Error, Result};
+use crate::process::PerProcess;
 use crate::sync::os::Mutex;
 
 type HandleBytes = [u8; IPC_HANDLE_SIZE];
@@ -36,7 +37,7 @@ struct Tables {
     opened: HashMap<(usize, HandleBytes), Mapping>,
 }
 
-static TABLES: Mutex<Option<Tables>> = Mutex::new(None);
+static TABLES: PerProcess<Mutex<Option<Tables>>> = PerProcess::new(|| Mutex::new(None));
 
 fn with<R>(f: impl FnOnce(&mut Tables) -> R) -> R {
     let mut guard = TABLES.lock();

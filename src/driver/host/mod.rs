@@ -45,6 +45,7 @@ use crate::driver::{
     OpenedSegment, StreamId,
 };
 use crate::error::{Error, Result};
+use crate::process::Birth;
 use crate::shm::{self, SharedMemory};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex, OnceLock, Weak};
@@ -64,6 +65,8 @@ struct HostEvent {
 pub struct HostDriver {
     config: HostDriverBuilder,
     pid: u32,
+    /// The process that built the driver (see `process`): only it runs the stream threads.
+    birth: Birth,
     nonce: u64,
     used: Vec<AtomicU64>,
     ids: IdCounter,
@@ -105,6 +108,7 @@ impl HostDriver {
     fn with_config(config: HostDriverBuilder) -> Result<Self> {
         let mut driver = HostDriver {
             pid: std::process::id(),
+            birth: Birth::now(),
             nonce: shm::random_u64(),
             used: (0..config.devices).map(|_| AtomicU64::new(0)).collect(),
             ids: IdCounter::default(),
@@ -164,6 +168,13 @@ impl HostDriver {
         StreamGate::install(&*self.stream(stream)?)
     }
 
+    /// `Ok` in the process that built the driver; in a forked child an error, before any lock:
+    /// the child has none of the stream threads, and the segments are its parent's.
+    #[inline]
+    fn this_process(&self) -> Result<()> {
+        self.birth.check("this host driver")
+    }
+
     fn check_device(&self, device: usize) -> Result<()> {
         if device >= self.config.devices {
             return Err(Error::invalid(format!(
@@ -175,6 +186,7 @@ impl HostDriver {
     }
 
     fn stream(&self, id: StreamId) -> Result<Arc<HostStream>> {
+        self.this_process()?;
         self.streams.get(id.0)
     }
 
@@ -247,6 +259,22 @@ impl HostDriver {
 
 impl Drop for HostDriver {
     fn drop(&mut self) {
+        if !self.birth.is_current() {
+            // A forked child's copy: no stream thread exists here to join, and the segments,
+            // chunks and event cells are the parent's (unmapping the child's copies is harmless,
+            // poisoning them is not). Everything is leaked in the child.
+            let birth = self.birth;
+            std::mem::forget(std::mem::replace(
+                &mut self.streams,
+                Registry::new("stream"),
+            ));
+            std::mem::forget(std::mem::replace(&mut self.chunks, Registry::new("chunk")));
+            std::mem::forget(std::mem::replace(&mut self.events, Registry::new("event")));
+            crate::process::leak_in_child(birth, &mut self.segments);
+            crate::process::leak_in_child(birth, &mut self.event_pool);
+            crate::process::leak_in_child(birth, &mut self.foreign_chunks);
+            return;
+        }
         let streams = self.streams.drain();
         for s in &streams {
             s.shutdown();
@@ -292,11 +320,13 @@ impl Driver for HostDriver {
     }
 
     fn device_name(&self, device: usize) -> Result<String> {
+        self.this_process()?;
         self.check_device(device)?;
         Ok(format!("cudalloc host device {device}"))
     }
 
     fn mem_info(&self, device: usize) -> Result<MemInfo> {
+        self.this_process()?;
         self.check_device(device)?;
         let total = self.config.memory_per_device;
         let used = self.used[device].load(Ordering::SeqCst);
@@ -310,6 +340,7 @@ impl Driver for HostDriver {
     }
 
     fn malloc(&self, device: usize, size: u64) -> Result<DeviceAddr> {
+        self.this_process()?;
         self.check_device(device)?;
         if size == 0 {
             return Err(Error::invalid("malloc of 0 bytes"));
@@ -359,6 +390,7 @@ impl Driver for HostDriver {
     }
 
     fn free(&self, ptr: DeviceAddr) -> Result<()> {
+        self.this_process()?;
         let segment = self.segments.remove_owned(ptr)?;
         let (device, size) = (segment.device, segment.shm.len());
         let result = self.release_segment(segment, self.config.poison_on_free);
@@ -368,11 +400,13 @@ impl Driver for HostDriver {
     }
 
     fn default_stream(&self, device: usize) -> Result<StreamId> {
+        self.this_process()?;
         self.check_device(device)?;
         Ok(self.default_streams[device])
     }
 
     fn stream_create(&self, device: usize) -> Result<StreamId> {
+        self.this_process()?;
         self.check_device(device)?;
         let id = StreamId::new(device, self.fresh_id())?;
         let stream = HostStream::spawn(device, id.0)?;
@@ -394,11 +428,13 @@ impl Driver for HostDriver {
     }
 
     fn raw_stream(&self, stream: StreamId) -> Result<u64> {
+        self.this_process()?;
         self.stream(stream)?;
         Ok(stream.0)
     }
 
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
+        self.this_process()?;
         if self.default_streams.contains(&stream) {
             return Err(Error::invalid("the default stream cannot be destroyed"));
         }
@@ -408,18 +444,22 @@ impl Driver for HostDriver {
     }
 
     fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
+        self.this_process()?;
         self.stream(stream)?.synchronize()
     }
 
     fn stream_query(&self, stream: StreamId) -> Result<bool> {
+        self.this_process()?;
         self.stream(stream)?.is_idle()
     }
 
     fn stream_device(&self, stream: StreamId) -> Result<usize> {
+        self.this_process()?;
         Ok(self.stream(stream)?.device())
     }
 
     fn event_create(&self, device: usize, flags: EventFlags) -> Result<EventId> {
+        self.this_process()?;
         self.check_device(device)?;
         let (pid, nonce) = (self.pid, self.nonce);
         let (cell, chunk, slot) = self
@@ -438,6 +478,7 @@ impl Driver for HostDriver {
     }
 
     fn event_destroy(&self, event: EventId) -> Result<()> {
+        self.this_process()?;
         let e = self.events.remove(event.0)?;
         if let Some((chunk, slot)) = e.owned_slot {
             self.event_pool.lock().give_back(chunk, slot);
@@ -446,6 +487,7 @@ impl Driver for HostDriver {
     }
 
     fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
+        self.this_process()?;
         let e = self.event(event)?;
         let s = self.stream(stream)?;
         if e.device != s.device() {
@@ -467,6 +509,7 @@ impl Driver for HostDriver {
     }
 
     fn event_query(&self, event: EventId) -> Result<bool> {
+        self.this_process()?;
         self.event(event)?
             .cell
             .is_complete()
@@ -474,6 +517,7 @@ impl Driver for HostDriver {
     }
 
     fn event_synchronize(&self, event: EventId) -> Result<()> {
+        self.this_process()?;
         let e = self.event(event)?;
         e.cell
             .wait_until(e.cell.current_target())
@@ -481,6 +525,7 @@ impl Driver for HostDriver {
     }
 
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
+        self.this_process()?;
         let e = self.event(event)?;
         let s = self.stream(stream)?;
         let target = e.cell.current_target();
@@ -496,6 +541,7 @@ impl Driver for HostDriver {
     }
 
     fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
+        self.this_process()?;
         let data = src.to_vec();
         let len = data.len();
         let ticket = self.enqueue_on_ranges(stream, [(dst, len as u64)], move |[d]| {
@@ -507,6 +553,7 @@ impl Driver for HostDriver {
     }
 
     fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
+        self.this_process()?;
         let len = dst.len();
         let out = Arc::new(Mutex::new(vec![0u8; len]));
         let for_op = Arc::clone(&out);
@@ -527,6 +574,7 @@ impl Driver for HostDriver {
         src: DeviceAddr,
         len: u64,
     ) -> Result<()> {
+        self.this_process()?;
         let n = checked_len(len)?;
         self.enqueue_on_ranges(stream, [(dst, len), (src, len)], move |[d, s]| {
             // SAFETY: both ranges were checked and stay mapped until every stream drains.
@@ -536,6 +584,7 @@ impl Driver for HostDriver {
     }
 
     fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
+        self.this_process()?;
         let n = checked_len(len)?;
         self.enqueue_on_ranges(stream, [(dst, len)], move |[d]| {
             // SAFETY: the range was checked and stays mapped until every stream drains.
@@ -545,6 +594,7 @@ impl Driver for HostDriver {
     }
 
     fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
+        self.this_process()?;
         let n = checked_len(len)?;
         self.enqueue_on_ranges(stream, [(dst, len)], move |[d]| {
             // SAFETY: the range was checked and stays mapped until every stream drains.
@@ -560,6 +610,7 @@ impl Driver for HostDriver {
         len: u64,
         seed: u64,
     ) -> Result<u64> {
+        self.this_process()?;
         let n = checked_len(len)?;
         let result = Arc::new(AtomicU64::new(0));
         let for_op = Arc::clone(&result);
@@ -573,6 +624,7 @@ impl Driver for HostDriver {
     }
 
     fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
+        self.this_process()?;
         let n = checked_len(len)?;
         self.enqueue_on_ranges(stream, [(dst, len)], move |[d]| {
             // SAFETY: the range was checked and stays mapped until every stream drains.
@@ -582,6 +634,7 @@ impl Driver for HostDriver {
     }
 
     fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
+        self.this_process()?;
         self.stream(stream)?
             .enqueue(Box::new(move || {
                 std::thread::sleep(std::time::Duration::from_micros(micros))
@@ -590,6 +643,7 @@ impl Driver for HostDriver {
     }
 
     fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
+        self.this_process()?;
         let (device, object, size) = self.segments.view().owned_at(ptr)?;
         let device =
             u16::try_from(device).map_err(|_| Error::invalid("device ordinal too large"))?;
@@ -605,6 +659,7 @@ impl Driver for HostDriver {
     }
 
     fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
+        self.this_process()?;
         self.check_device(device)?;
         let h = HostHandle::decode(HandleKind::Memory, &handle.0)?;
         if h.pid == self.pid {
@@ -629,11 +684,13 @@ impl Driver for HostDriver {
     }
 
     fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
+        self.this_process()?;
         let segment = self.segments.remove_opened(ptr)?;
         self.release_segment(segment, false)
     }
 
     fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {
+        self.this_process()?;
         let e = self.event(event)?;
         let (chunk, slot) = match (e.interprocess, e.owned_slot) {
             (true, Some(addr)) => addr,
@@ -663,6 +720,7 @@ impl Driver for HostDriver {
     }
 
     fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
+        self.this_process()?;
         self.check_device(device)?;
         let h = HostHandle::decode(HandleKind::Event, &handle.0)?;
         if h.pid == self.pid {

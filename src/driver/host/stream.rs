@@ -97,7 +97,7 @@ impl HostStream {
                     if q.shutdown {
                         return;
                     }
-                    self.has_work.wait(&mut q);
+                    q = self.has_work.wait(q);
                 }
             };
             let outcome = catch_unwind(AssertUnwindSafe(op));
@@ -166,7 +166,7 @@ impl HostStream {
         // Wait for completion even on a failed stream: the worker keeps draining its queue, and
         // callers (free, close) rely on queued work being finished before they unmap memory.
         while q.completed < ticket {
-            self.progressed.wait(&mut q);
+            q = self.progressed.wait(q);
         }
         q.waiters -= 1;
         match &q.failure {
@@ -221,7 +221,7 @@ impl StreamGate {
             let (open, cv) = &*for_op;
             let mut open = open.lock();
             while !*open {
-                cv.wait(&mut open);
+                open = cv.wait(open);
             }
         }))?;
         Ok(StreamGate { state })

@@ -345,7 +345,9 @@ impl Sanitizer {
         // Not while unwinding already (a release during a failing test's teardown): a second
         // panic would abort; the report is kept and logged.
         if self.options.panic && !std::thread::panicking() {
-            MutexGuard::unlocked(st, || panic!("cudalloc sanitizer: {text}"));
+            // The guard is released by the unwinding, before the frames that hold the memory
+            // (whose drops report frees and take the lock again); the poisoning is ignored.
+            panic!("cudalloc sanitizer: {text}");
         }
         err
     }

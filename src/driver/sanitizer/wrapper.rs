@@ -8,6 +8,8 @@ use crate::driver::{
     IpcMemHandle, MemInfo, OpenedSegment, StreamId,
 };
 use crate::error::Result;
+use crate::process::Birth;
+use crate::process::PerProcess;
 use crate::sync::os::{Arc, Mutex, Weak};
 
 use std::collections::HashMap;
@@ -26,6 +28,8 @@ pub struct SanitizedDriver {
     /// The first id seen for each (device, raw stream): another id of the same queue (a stream
     /// imported by the raw handle of one the driver made) is the same actor.
     raws: Mutex<HashMap<(usize, u64), StreamId>>,
+    /// The process that made the wrapper: a forked child is refused before any lock (`process`).
+    birth: Birth,
 }
 
 impl SanitizedDriver {
@@ -47,6 +51,7 @@ impl SanitizedDriver {
             inner,
             sanitizer,
             raws: Mutex::new(HashMap::new()),
+            birth: Birth::now(),
         })
     }
 
@@ -70,7 +75,7 @@ impl SanitizedDriver {
 /// The sanitizers of drivers that cannot hold one themselves (all but the host backend), by the
 /// driver they check.
 type Registry = Vec<(Weak<dyn Driver>, Weak<Sanitizer>)>;
-static SANITIZERS: Mutex<Registry> = Mutex::new(Vec::new());
+static SANITIZERS: PerProcess<Mutex<Registry>> = PerProcess::new(|| Mutex::new(Vec::new()));
 
 /// The sanitizer of `driver`: the one a wrapper of it already made, or a new one.
 fn shared_sanitizer(driver: &Arc<dyn Driver>, options: SanitizeOptions) -> Arc<Sanitizer> {
@@ -105,18 +110,22 @@ impl Driver for SanitizedDriver {
         self.inner.device_count()
     }
     fn device_name(&self, device: usize) -> Result<String> {
+        self.birth.check("this sanitized driver")?;
         self.inner.device_name(device)
     }
     fn mem_info(&self, device: usize) -> Result<MemInfo> {
+        self.birth.check("this sanitized driver")?;
         self.inner.mem_info(device)
     }
 
     fn malloc(&self, device: usize, size: u64) -> Result<DeviceAddr> {
+        self.birth.check("this sanitized driver")?;
         let ptr = self.inner.malloc(device, size)?;
         self.sanitizer.mapped(ptr.0, size);
         Ok(ptr)
     }
     fn free(&self, ptr: DeviceAddr) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         // It drains every stream, but only the allocator frees segments (empty_cache, the
         // out-of-memory path, garbage collection): when it happens depends on memory pressure,
         // so it does not order the program's accesses (a race straddling it is still one).
@@ -126,67 +135,82 @@ impl Driver for SanitizedDriver {
     }
 
     fn default_stream(&self, device: usize) -> Result<StreamId> {
+        self.birth.check("this sanitized driver")?;
         let stream = self.inner.default_stream(device)?;
         self.note_raw(device, stream);
         Ok(stream)
     }
     unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
+        self.birth.check("this sanitized driver")?;
         // SAFETY: forwarded; the caller upholds the contract.
         let stream = unsafe { self.inner.import_stream(device, raw) }?;
         self.note_raw(device, stream);
         Ok(stream)
     }
     fn raw_stream(&self, stream: StreamId) -> Result<u64> {
+        self.birth.check("this sanitized driver")?;
         self.inner.raw_stream(stream)
     }
     fn stream_create(&self, device: usize) -> Result<StreamId> {
+        self.birth.check("this sanitized driver")?;
         let stream = self.inner.stream_create(device)?;
         self.note_raw(device, stream);
         Ok(stream)
     }
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         self.inner.stream_destroy(stream)?;
         // A later stream may get the same raw handle: it is a new actor.
         self.raws.lock().retain(|_, s| *s != stream);
         Ok(())
     }
     fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         self.sanitizer
             .host_waits_stream(stream, || self.inner.stream_synchronize(stream))
     }
     fn stream_query(&self, stream: StreamId) -> Result<bool> {
+        self.birth.check("this sanitized driver")?;
         self.inner.stream_query(stream)
     }
     fn stream_device(&self, stream: StreamId) -> Result<usize> {
+        self.birth.check("this sanitized driver")?;
         self.inner.stream_device(stream)
     }
 
     fn event_create(&self, device: usize, flags: EventFlags) -> Result<EventId> {
+        self.birth.check("this sanitized driver")?;
         self.inner.event_create(device, flags)
     }
     fn event_destroy(&self, event: EventId) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         self.inner.event_destroy(event)?;
         self.sanitizer.event_destroyed(event);
         Ok(())
     }
     fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         self.sanitizer
             .event_record(event, stream, || self.inner.event_record(event, stream))
     }
     fn event_query(&self, event: EventId) -> Result<bool> {
+        self.birth.check("this sanitized driver")?;
         self.inner.event_query(event)
     }
     fn event_synchronize(&self, event: EventId) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         self.sanitizer
             .host_waits_event(event, || self.inner.event_synchronize(event))
     }
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         self.sanitizer.stream_wait_event(stream, event, || {
             self.inner.stream_wait_event(stream, event)
         })
     }
 
     fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         let touch = [Touch::write(dst.0, src.len() as u64)];
         self.sanitizer
             .blocking(stream, "copy_host_to_device", &touch, || {
@@ -194,6 +218,7 @@ impl Driver for SanitizedDriver {
             })
     }
     fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         let touch = [Touch::read(src.0, dst.len() as u64)];
         self.sanitizer
             .blocking(stream, "copy_device_to_host", &touch, || {
@@ -207,6 +232,7 @@ impl Driver for SanitizedDriver {
         src: DeviceAddr,
         len: u64,
     ) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
         self.sanitizer
             .enqueue(stream, "copy_device_to_device", &touches, || {
@@ -214,6 +240,7 @@ impl Driver for SanitizedDriver {
             })
     }
     fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         self.sanitizer
             .enqueue(stream, "memset", &[Touch::write(dst.0, len)], || {
                 self.inner.memset(stream, dst, value, len)
@@ -221,6 +248,7 @@ impl Driver for SanitizedDriver {
     }
 
     fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         self.sanitizer
             .enqueue(stream, "fill_pattern", &[Touch::write(dst.0, len)], || {
                 self.inner.fill_pattern(stream, dst, len, seed)
@@ -233,6 +261,7 @@ impl Driver for SanitizedDriver {
         len: u64,
         seed: u64,
     ) -> Result<u64> {
+        self.birth.check("this sanitized driver")?;
         let touch = [Touch::read(src.0, len)];
         self.sanitizer
             .blocking(stream, "count_pattern_mismatches", &touch, || {
@@ -240,67 +269,83 @@ impl Driver for SanitizedDriver {
             })
     }
     fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         self.sanitizer
             .enqueue(stream, "poison", &[Touch::write(dst.0, len)], || {
                 self.inner.poison(stream, dst, len)
             })
     }
     fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         self.sanitizer
             .enqueue(stream, "sleep", &[], || self.inner.sleep(stream, micros))
     }
 
     fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
+        self.birth.check("this sanitized driver")?;
         self.inner.ipc_export_memory(ptr)
     }
     fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
+        self.birth.check("this sanitized driver")?;
         let opened = self.inner.ipc_open_memory(device, handle)?;
         self.sanitizer.mapped(opened.ptr.0, opened.size);
         Ok(opened)
     }
     fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         // As `free`: the IPC layer's own step, not the program's synchronization.
         self.inner.ipc_close_memory(ptr)?;
         self.sanitizer.unmapped_segment(ptr.0);
         Ok(())
     }
     fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {
+        self.birth.check("this sanitized driver")?;
         self.inner.ipc_export_event(event)
     }
     fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
+        self.birth.check("this sanitized driver")?;
         // What the event stands for is told by the IPC layer, which knows its producer
         // (`Sanitizer::remote_event`).
         self.inner.ipc_open_event(device, handle)
     }
 
     fn vm_granularity(&self, device: usize) -> Result<u64> {
+        self.birth.check("this sanitized driver")?;
         self.inner.vm_granularity(device)
     }
     fn vm_reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
+        self.birth.check("this sanitized driver")?;
         self.inner.vm_reserve(device, size)
     }
     fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         self.inner.vm_free_reservation(base)
     }
     fn vm_create_chunk(&self, device: usize, size: u64) -> Result<ChunkId> {
+        self.birth.check("this sanitized driver")?;
         self.inner.vm_create_chunk(device, size)
     }
     fn vm_release_chunk(&self, chunk: ChunkId) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         self.inner.vm_release_chunk(chunk)
     }
     fn vm_map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         self.inner.vm_map(addr, chunk)
     }
     fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
         // As `free`: page release is the allocator's, not the program's synchronization.
         self.inner.vm_unmap(addr, size)?;
         self.sanitizer.forget(addr.0, size);
         Ok(())
     }
     fn vm_export_chunk(&self, chunk: ChunkId) -> Result<OwnedFd> {
+        self.birth.check("this sanitized driver")?;
         self.inner.vm_export_chunk(chunk)
     }
     fn vm_import_chunk(&self, device: usize, fd: OwnedFd, size: u64) -> Result<ChunkId> {
+        self.birth.check("this sanitized driver")?;
         self.inner.vm_import_chunk(device, fd, size)
     }
 }
