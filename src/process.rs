@@ -32,27 +32,34 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
-use crate::sync::os::atomic::{AtomicPtr, AtomicU64, Ordering};
+use crate::sync::os::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use crate::sync::os::OnceLock;
 
 /// Forks this process has gone through since it was exec'ed (its ancestors' forks included: the
 /// count is inherited and incremented in each child).
 static FORKS: AtomicU64 = AtomicU64::new(0);
 
+/// This process's pid, kept by the child handler too: taking a birth costs no system call.
+static PID: AtomicU32 = AtomicU32::new(0);
+
 /// Whether the child handler is registered (`Ok`) or why it could not be (then a forked child is
 /// not detected; logged once).
 static HANDLER: OnceLock<std::result::Result<(), i32>> = OnceLock::new();
 
 extern "C" fn count_a_fork_in_the_child() {
-    // Async-signal-safe: one atomic add, no allocation, no lock.
-    FORKS.fetch_add(1, Ordering::Relaxed);
+    // Async-signal-safe: `getpid` and two atomic writes, no allocation, no lock.
+    // SAFETY: getpid has no preconditions and cannot fail.
+    let pid = unsafe { libc::getpid() };
+    PID.store(u32::try_from(pid).unwrap_or(0), Ordering::Relaxed);
+    FORKS.fetch_add(1, Ordering::Release);
 }
 
 fn register_handler() {
     let registered = HANDLER.get_or_init(|| {
-        // SAFETY: registers a child handler that only performs an atomic add (async-signal-safe,
-        // no lock, no allocation); the prepare and parent handlers are absent. `pthread_atfork`
-        // has no other precondition.
+        PID.store(std::process::id(), Ordering::Relaxed);
+        // SAFETY: registers a child handler that only calls `getpid` and writes atomics
+        // (async-signal-safe, no lock, no allocation); the prepare and parent handlers are absent.
+        // `pthread_atfork` has no other precondition.
         let rc = unsafe { libc::pthread_atfork(None, None, Some(count_a_fork_in_the_child)) };
         if rc == 0 {
             Ok(())
@@ -87,7 +94,7 @@ impl Birth {
         register_handler();
         Birth {
             forks: FORKS.load(Ordering::Acquire),
-            pid: std::process::id(),
+            pid: PID.load(Ordering::Relaxed),
         }
     }
 
@@ -106,6 +113,16 @@ impl Birth {
         } else {
             Err(self.refusal(what))
         }
+    }
+
+    /// False in the object's own process; in a forked child, true after a warning that `what`
+    /// (a call that returns no `Result`: a registration, `empty_cache`) was ignored there.
+    pub(crate) fn ignored_in_child(self, what: &str) -> bool {
+        if self.is_current() {
+            return false;
+        }
+        tracing::warn!(err = %self.refusal("this object"), "{what}: ignored");
+        true
     }
 
     #[cold]

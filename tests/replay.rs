@@ -15,13 +15,6 @@ use cudalloc::{
 
 const MIB: u64 = 1 << 20;
 
-fn options(conf: &str, capacity: u64) -> ReplayOptions {
-    ReplayOptions {
-        conf: conf.into(),
-        capacity,
-    }
-}
-
 fn no_progress(_: u64) {}
 
 #[test]
@@ -153,7 +146,7 @@ fn a_cudalloc_trace_replays_to_the_peaks_the_allocator_recorded() {
     assert_eq!(trace.format, TraceFormat::CudallocJsonLines);
     assert_eq!(trace.allocations(), 400);
     assert_eq!(trace.unmatched_frees, 0);
-    let r = replay::replay(&trace, &options("", 4 << 30), &mut no_progress).unwrap();
+    let r = replay::replay(&trace, &ReplayOptions::new("", 4 << 30), &mut no_progress).unwrap();
     // Rounded sizes in the trace round to themselves: the same blocks, the same peaks.
     assert_eq!(r.peak_allocated as i64, stats.allocated_bytes[0].peak);
     assert_eq!(r.peak_reserved as i64, stats.reserved_bytes[0].peak);
@@ -191,7 +184,7 @@ fn a_pytorch_snapshot_written_by_cudalloc_replays_to_the_same_peaks() {
     assert_eq!(trace.format, TraceFormat::PytorchSnapshot);
     assert_eq!(trace.allocations(), 300);
     assert_eq!(trace.unmatched_frees, 0);
-    let r = replay::replay(&trace, &options("", 4 << 30), &mut no_progress).unwrap();
+    let r = replay::replay(&trace, &ReplayOptions::new("", 4 << 30), &mut no_progress).unwrap();
     assert_eq!(r.peak_allocated as i64, exact_peak);
     assert_eq!(r.samples.last().unwrap().allocated, 0);
 }
@@ -207,7 +200,7 @@ fn peaks_are_exact_across_streams() {
 {\"action\":\"free_requested\",\"addr\":8192,\"size\":512,\"stream\":7}
 ";
     let trace = replay::parse(text.as_bytes()).unwrap();
-    let r = replay::replay(&trace, &options("", 1 << 30), &mut no_progress).unwrap();
+    let r = replay::replay(&trace, &ReplayOptions::new("", 1 << 30), &mut no_progress).unwrap();
     assert_eq!(r.peak_allocated, 512);
     assert_eq!(r.peak_reserved, 4 * MIB, "one small segment per stream");
 }
@@ -226,7 +219,7 @@ fn the_first_allocation_that_does_not_fit_is_reported_and_the_replay_goes_on() {
     text.push_str("1,1.1,allocate failure,0x0,5,0x0\n");
     let trace = replay::parse(text.as_bytes()).unwrap();
     assert_eq!(trace.format, TraceFormat::RmmCsv);
-    let r = replay::replay(&trace, &options("", 100 * MIB), &mut no_progress).unwrap();
+    let r = replay::replay(&trace, &ReplayOptions::new("", 100 * MIB), &mut no_progress).unwrap();
     let oom = r.first_oom.expect("an out-of-memory");
     assert_eq!(oom.op, 3, "three of 30 MiB fit in 100 MiB");
     assert_eq!(oom.size, 30 * MIB);
@@ -319,7 +312,7 @@ fn pytorch_snapshot_pickles_replay_their_device_traces() {
             TraceOp::Free { id: 2 },
         ]
     );
-    let r = replay::replay(&trace, &options("", 1 << 30), &mut no_progress).unwrap();
+    let r = replay::replay(&trace, &ReplayOptions::new("", 1 << 30), &mut no_progress).unwrap();
     assert_eq!(r.peak_allocated, 1536);
 }
 
@@ -372,7 +365,9 @@ fn the_plot_is_an_svg_with_one_line_per_configuration() {
     let trace = replay::parse(text.as_bytes()).unwrap();
     let reports: Vec<_> = ["", "expandable_segments:True"]
         .iter()
-        .map(|c| replay::replay(&trace, &options(c, 1 << 30), &mut no_progress).unwrap())
+        .map(|c| {
+            replay::replay(&trace, &ReplayOptions::new(*c, 1 << 30), &mut no_progress).unwrap()
+        })
         .collect();
     let svg = replay::plot_svg(&reports, "test").unwrap();
     assert!(svg.starts_with("<svg"));

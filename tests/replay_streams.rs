@@ -12,13 +12,6 @@ use cudalloc::{AllocatorConfig, CachingAllocator, DataPtr, Driver, SimDriver, St
 
 const MIB: u64 = 1 << 20;
 
-fn options(conf: &str, capacity: u64) -> ReplayOptions {
-    ReplayOptions {
-        conf: conf.into(),
-        capacity,
-    }
-}
-
 fn no_progress(_: u64) {}
 
 /// An allocation `Ok((device, stream, addr, size))` or a free `Err((device, addr))`.
@@ -61,7 +54,12 @@ fn ten_thousand_streams_replay_to_the_peaks_an_independent_count_gives() {
     let trace = replay::parse(json_lines(&ops).as_bytes()).unwrap();
     assert_eq!(trace.allocations() as u64, STREAMS);
     for conf in ["", "expandable_segments:True"] {
-        let r = replay::replay(&trace, &options(conf, 64 << 30), &mut no_progress).unwrap();
+        let r = replay::replay(
+            &trace,
+            &ReplayOptions::new(conf, 64 << 30),
+            &mut no_progress,
+        )
+        .unwrap();
         assert_eq!(r.peak_allocated, peak, "{conf:?}");
         assert_eq!(r.peak_segments, STREAMS, "{conf:?}: one segment per stream");
         assert_eq!(
@@ -107,7 +105,7 @@ fn a_two_device_trace_replays_with_its_figures_per_device() {
     ];
     let trace = replay::parse(json_lines(&ops).as_bytes()).unwrap();
     assert_eq!(trace.devices, 2);
-    let r = replay::replay(&trace, &options("", 1 << 30), &mut no_progress).unwrap();
+    let r = replay::replay(&trace, &ReplayOptions::new("", 1 << 30), &mut no_progress).unwrap();
     let d = &r.devices;
     assert_eq!(d.len(), 2);
     assert_eq!(
@@ -146,7 +144,7 @@ fn a_two_device_trace_replays_with_its_figures_per_device() {
     let bytes = a.snapshot().to_pytorch_pickle(a.config()).unwrap();
     let trace = replay::parse(&bytes).unwrap();
     assert_eq!(trace.devices, 2);
-    let r = replay::replay(&trace, &options("", 4 << 30), &mut no_progress).unwrap();
+    let r = replay::replay(&trace, &ReplayOptions::new("", 4 << 30), &mut no_progress).unwrap();
     for device in 0..2 {
         let m = a.memory_stats_map(device).unwrap();
         assert_eq!(
@@ -253,7 +251,12 @@ fn peaks_stay_exact_when_nothing_reads_the_statistics_between_operations() {
         }
         assert!(m["num_alloc_retries"] > 0, "{conf:?}: the device filled up");
         // The replay reads the totals after every operation without a pass over every stream.
-        let r = replay::replay(&trace, &options(conf, capacity), &mut no_progress).unwrap();
+        let r = replay::replay(
+            &trace,
+            &ReplayOptions::new(conf, capacity),
+            &mut no_progress,
+        )
+        .unwrap();
         assert_eq!(
             r.peak_allocated as i64, max_seen["allocated_bytes.all"],
             "{conf:?}"

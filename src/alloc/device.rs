@@ -130,7 +130,9 @@ impl DeviceCore {
             )));
         }
         let mut shards = self.shards.write();
+        let mut made = false;
         let shard = shards.entry(stream).or_insert_with(|| {
+            made = true;
             let serial = NEXT_SHARD_SERIAL.fetch_add(1, Ordering::Relaxed);
             Arc::new(Shard {
                 stream,
@@ -146,7 +148,13 @@ impl DeviceCore {
                 fronts: Mutex::new(Default::default()),
             })
         });
-        Ok(Arc::clone(shard))
+        let shard = Arc::clone(shard);
+        drop(shards);
+        if made {
+            // In the peak book from its creation (the book's lock is taken after the map's).
+            self.register_for_peaks(&shard);
+        }
+        Ok(shard)
     }
 
     pub(super) fn all_shards(&self) -> Vec<Arc<Shard>> {
@@ -486,7 +494,7 @@ impl DeviceCore {
         let taken = {
             let mut st = shard.state.lock();
             let taken = st.take_free_segments(&self.config, select, order, enough);
-            self.verify(&st);
+            self.settle(st);
             taken
         };
         self.free_segments(shard.stream, taken.clone());
@@ -514,7 +522,7 @@ impl DeviceCore {
                 self.poll_events(&shard, &mut st);
                 let taken =
                     st.take_free_segments(&self.config, |_| true, ReleaseOrder::Largest, |_| false);
-                self.verify(&st);
+                self.settle(st);
                 taken
             };
             any |= !taken.is_empty();

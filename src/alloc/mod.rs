@@ -375,9 +375,7 @@ impl CachingAllocator {
         let shard = match thread::cached_shard(self.id, stream) {
             Some(shard) => shard,
             None => {
-                let shard = self.device(stream.device())?.shard(stream)?;
-                shard.core.register_for_peaks(&shard);
-                let shard = Arc::as_ptr(&shard);
+                let shard = Arc::as_ptr(&self.device(stream.device())?.shard(stream)?);
                 thread::cache_shard(self.id, stream, shard);
                 shard
             }
@@ -533,7 +531,10 @@ impl CachingAllocator {
     /// Calls `observer` on every segment this allocator maps from its driver (after) and returns
     /// to it (before); see [`observers`].
     pub fn register_segment_observer(&self, observer: SegmentObserver) {
-        if self.refused_in_child("registering a segment observer") {
+        if self
+            .birth
+            .ignored_in_child("registering a segment observer")
+        {
             return;
         }
         self.callbacks.observers.add_segment(observer);
@@ -542,7 +543,10 @@ impl CachingAllocator {
     /// Calls `observer` with the facts of every allocation that fails for lack of memory, before
     /// its error returns.
     pub fn register_out_of_memory_observer(&self, observer: OutOfMemoryObserver) {
-        if self.refused_in_child("registering an out-of-memory observer") {
+        if self
+            .birth
+            .ignored_in_child("registering an out-of-memory observer")
+        {
             return;
         }
         self.callbacks.observers.add_out_of_memory(observer);
@@ -551,7 +555,10 @@ impl CachingAllocator {
     /// Registers a callback run on a cache miss before asking the driver for memory; it returns
     /// whether it freed anything (then best fit is retried).
     pub fn register_free_memory_callback(&self, callback: FreeMemoryCallback) {
-        if self.refused_in_child("registering a free-memory callback") {
+        if self
+            .birth
+            .ignored_in_child("registering a free-memory callback")
+        {
             return;
         }
         self.callbacks.register(callback);
@@ -560,7 +567,7 @@ impl CachingAllocator {
     /// Waits for pending frees and returns every cached whole segment of every device to the driver.
     /// In a forked child it does nothing (the cached segments are the parent's).
     pub fn empty_cache(&self) {
-        if self.refused_in_child("emptying the cache") {
+        if self.birth.ignored_in_child("emptying the cache") {
             return;
         }
         for d in &self.devices {
@@ -618,7 +625,7 @@ impl CachingAllocator {
     /// and whether allocations carry their Rust stack (see `alloc/history.rs`). Turning it off
     /// clears what was recorded.
     pub fn record_memory_history(&self, options: HistoryOptions) {
-        if self.refused_in_child("recording the memory history") {
+        if self.birth.ignored_in_child("recording the memory history") {
             return;
         }
         if let Some(sanitizer) = self.driver.sanitizer() {
@@ -634,7 +641,7 @@ impl CachingAllocator {
     /// its parent's shards may be locked for good there).
     pub fn snapshot(&self) -> Snapshot {
         let mut segments = Vec::new();
-        if self.refused_in_child("taking a snapshot") {
+        if self.birth.ignored_in_child("taking a snapshot") {
             return Snapshot {
                 segments,
                 trace: Vec::new(),
@@ -680,17 +687,6 @@ impl CachingAllocator {
     /// Bytes of segments held from the driver on `device`.
     pub fn reserved_bytes(&self, device: usize) -> Result<u64> {
         Ok(self.device(device)?.reserved_bytes())
-    }
-
-    /// True (after a warning) in a forked child, where `what` would act on the parent's state.
-    fn refused_in_child(&self, what: &str) -> bool {
-        match self.birth.check("this allocator") {
-            Ok(()) => false,
-            Err(err) => {
-                tracing::warn!(%err, "{what}: ignored");
-                true
-            }
-        }
     }
 
     /// Runs the invariant scanner over every shard.

@@ -15,7 +15,7 @@
 //!
 //! | step | what | cost |
 //! |---|---|---|
-//! | register | a shard's first use by a thread (`shard_of`) enters it in the book (figures 0, as a new shard's are) | once per shard and thread cache miss |
+//! | register | a shard's creation (`DeviceCore::shard`) enters it in the book (figures 0, as a new shard's are) | once per shard |
 //! | tell | the first settle of a shard after the book read it marks it *unread* (the book's lock, once per shard between two reads) | none while unread |
 //! | read (revoke) | under the shard's lock: its currents and high-water mark since the last read; limit := current; sums updated by the difference | per unread shard |
 //! | check | `reserved_bytes.all` summed must equal the device's reserved counter; a mismatch (a change that told no one, or another thread mid-way) reads every shard | O(1) |
@@ -266,7 +266,7 @@ impl ShardState {
 }
 
 impl DeviceCore {
-    /// Enters `shard` in the peak book (its first use by a thread; see the module docs).
+    /// Enters `shard` in the peak book (at its creation; see the module docs).
     pub(super) fn register_for_peaks(&self, shard: &Arc<Shard>) {
         self.peaks.lock().register(shard);
     }

@@ -167,10 +167,11 @@ const TEMPORARY_NAMES: u32 = 8;
 
 /// Writes `bytes` to the file `path` (the `oom_snapshot_path` dump) without following or opening
 /// whatever is there: into a fresh temporary file beside it, created exclusively
-/// (`O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK`; another unique name when one exists), synced,
-/// then renamed over `path`. A symlink planted at either name is never followed (the rename
-/// replaces the link itself, not its target), a FIFO is never opened (nothing blocks), and a
-/// reader of `path` sees the previous snapshot or this one, never part of one.
+/// (`O_CREAT | O_EXCL`, mode `0600`: snapshots hold addresses and stacks; another unique name
+/// when one exists), then renamed over `path`. `O_EXCL` already refuses a planted symlink or FIFO
+/// at the temporary name (`O_NOFOLLOW | O_NONBLOCK` only say so twice); the rename replaces a link
+/// at `path` itself, not its target; a reader of `path` sees the previous snapshot or this one,
+/// never part of one.
 pub(crate) fn write_snapshot_file(path: &str, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
@@ -192,6 +193,7 @@ pub(crate) fn write_snapshot_file(path: &str, bytes: &[u8]) -> Result<()> {
         let opened = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
             .open(&tmp);
         let mut file = match opened {
@@ -202,9 +204,10 @@ pub(crate) fn write_snapshot_file(path: &str, bytes: &[u8]) -> Result<()> {
             }
             Err(e) => return Err(failed("creating a temporary file beside", e)),
         };
+        // No fsync: the failing allocation waits for this write (under `oom_dump`); a dump is a
+        // diagnosis, not data to survive a power cut.
         let written = file
             .write_all(bytes)
-            .and_then(|()| file.sync_all())
             .and_then(|()| std::fs::rename(&tmp, path));
         if let Err(e) = written {
             let _ = std::fs::remove_file(&tmp);

@@ -123,17 +123,6 @@ impl IpcState {
         self.birth.is_current()
     }
 
-    /// True (after a warning) in a forked child, where `what` would act on the parent's limbo.
-    fn refused_in_child(&self, what: &str) -> bool {
-        match self.check_process() {
-            Ok(()) => false,
-            Err(err) => {
-                tracing::warn!(%err, "{what}: ignored");
-                true
-            }
-        }
-    }
-
     /// The expiry of a handle made now (0 without a time-to-live).
     pub fn handle_expiry(&self) -> u64 {
         if self.handle_ttl_ms == 0 {
@@ -252,7 +241,7 @@ impl IpcState {
 
     /// Storages in limbo and their bytes.
     pub fn limbo_size(&self) -> (usize, u64) {
-        if self.refused_in_child("measuring the limbo") {
+        if self.birth.ignored_in_child("measuring the limbo") {
             return (0, 0);
         }
         (
@@ -273,7 +262,7 @@ impl IpcState {
     /// Frees limbo entries whose slots consumers released since the last drain (ring hints; one
     /// scan of a file's entries if its ring overflowed). Cost ∝ releases.
     pub fn drain(&self) -> Drained {
-        if self.refused_in_child("draining the limbo") {
+        if self.birth.ignored_in_child("draining the limbo") {
             return Drained::default();
         }
         let mut freed = Vec::new();
@@ -303,7 +292,7 @@ impl IpcState {
 
     /// [`Self::drain`], then reclaims limbo slots whose every holder is dead.
     pub fn collect(&self) -> Drained {
-        if self.refused_in_child("collecting the limbo") {
+        if self.birth.ignored_in_child("collecting the limbo") {
             return Drained::default();
         }
         if let Err(err) = crate::shm::sweep_orphans() {

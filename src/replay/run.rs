@@ -32,6 +32,16 @@ pub struct ReplayOptions {
     pub capacity: u64,
 }
 
+impl ReplayOptions {
+    /// Replays with the allocator settings `conf` on simulated devices of `capacity` bytes.
+    pub fn new(conf: impl Into<String>, capacity: u64) -> Self {
+        ReplayOptions {
+            conf: conf.into(),
+            capacity,
+        }
+    }
+}
+
 /// Allocated and reserved bytes after operation `op`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sample {

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use super::formats::{trace_action, Builder, EventCount, TraceFormat};
-use super::limits::bad;
+use super::limits::{bad, exceeded, MAX_PICKLE_MEMORY, PICKLE_MEMORY_FLOOR, PICKLE_MEMORY_RATIO};
 use super::pickle::{self, Id, Pickle};
 use super::Trace;
 use crate::error::Result;
@@ -59,6 +59,12 @@ pub(super) fn pytorch_snapshot(bytes: &[u8]) -> Result<Trace> {
     // Entries of all devices in time order (each device's list is in order already).
     let mut read: HashMap<Id, Entry<'_>> = HashMap::new();
     let mut events: Vec<(u64, usize, usize, Entry<'_>)> = Vec::new();
+    // The entries count against the pickle's memory budget too: memo references make an entry
+    // cost two input bytes, and each takes tens of bytes here.
+    let budget = (bytes.len() as u64)
+        .saturating_mul(PICKLE_MEMORY_RATIO)
+        .clamp(PICKLE_MEMORY_FLOOR, MAX_PICKLE_MEMORY);
+    let most_entries = budget / std::mem::size_of::<(u64, usize, usize, Entry<'_>)>() as u64;
     let mut count = EventCount::default();
     for (device, &list) in traces.iter().enumerate() {
         let entries = p
@@ -78,6 +84,13 @@ pub(super) fn pytorch_snapshot(bytes: &[u8]) -> Result<Trace> {
                     fields
                 }
             };
+            if events.len() as u64 >= most_entries {
+                return Err(exceeded(
+                    format!("the snapshot's entries take more than {budget} bytes"),
+                    "PICKLE_MEMORY_RATIO",
+                    PICKLE_MEMORY_RATIO,
+                ));
+            }
             events
                 .try_reserve(1)
                 .map_err(|_| bad("cannot allocate memory for the snapshot's entries"))?;

@@ -126,6 +126,7 @@ impl HostDriver {
         ranges: [HostRange; N],
         kernel: impl FnOnce(&mut HostMemory<N>) -> Result<()> + Send + 'static,
     ) -> Result<()> {
+        self.this_process()?;
         let mut lens = [0usize; N];
         let mut writable = [false; N];
         for ((len, w), r) in lens.iter_mut().zip(&mut writable).zip(&ranges) {

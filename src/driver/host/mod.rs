@@ -165,11 +165,13 @@ impl HostDriver {
     /// Holds `stream` at this point of its queue until the returned gate is opened or dropped
     /// (host-only; see [`StreamGate`]).
     pub fn gate_stream(&self, stream: StreamId) -> Result<StreamGate> {
+        self.this_process()?;
         StreamGate::install(&*self.stream(stream)?)
     }
 
     /// `Ok` in the process that built the driver; in a forked child an error, before any lock:
-    /// the child has none of the stream threads, and the segments are its parent's.
+    /// the child has none of the stream threads, and the segments are its parent's. Every
+    /// `Driver` method and every public host-only call begins with it.
     #[inline]
     fn this_process(&self) -> Result<()> {
         self.birth.check("this host driver")
@@ -186,7 +188,6 @@ impl HostDriver {
     }
 
     fn stream(&self, id: StreamId) -> Result<Arc<HostStream>> {
-        self.this_process()?;
         self.streams.get(id.0)
     }
 
