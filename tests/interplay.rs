@@ -12,8 +12,11 @@
 //!
 //! A failure prints the seed and the operation log; `--seed` replays the same operations (the
 //! interleaving with the churn thread differs, which only adds coverage). Consumers are this binary
-//! re-executed with `--consumer`. Not covered here: `fork` of the producer (a forked copy of a process
-//! with stream threads cannot run them; `tests/fork.rs` checks what a forked child may do).
+//! re-executed with `--consumer`. The producer forks data-loader-style workers (they drop every
+//! inherited storage, empty the cache, try to allocate, build a runtime of their own) and so do the
+//! consumers; afterwards every storage of the forking process is checked. One consumer runs in a
+//! pid namespace of its own (`unshare --pid --fork`) where the machine allows it — the run says so,
+//! or that it skipped the namespace and why.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -46,17 +49,55 @@ struct Consumer {
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
+    /// The consumer's pid in our namespace when it runs in its own pid namespace (under
+    /// `unshare`, our child): killing it means killing that process.
+    namespaced: Option<i32>,
+}
+
+/// Whether consumers can run in a pid namespace of their own: `Err` says why not.
+fn pid_namespace_available() -> Result<(), String> {
+    match Command::new("unshare")
+        .args(["--pid", "--fork", "true"])
+        .stderr(std::process::Stdio::piped())
+        .output()
+    {
+        Ok(out) if out.status.success() => Ok(()),
+        Ok(out) => Err(format!(
+            "`unshare --pid --fork` failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Err(e) => Err(format!("`unshare` cannot run: {e}")),
+    }
 }
 
 impl Consumer {
-    fn spawn() -> Consumer {
-        let (child, stdin, stdout) =
-            common::spawn_piped(Command::new(std::env::current_exe().unwrap()).arg("--consumer"));
-        Consumer {
+    fn spawn(namespaced: bool) -> Consumer {
+        let exe = std::env::current_exe().unwrap();
+        let mut command = if namespaced {
+            let mut c = Command::new("unshare");
+            c.args(["--pid", "--fork"]).arg(exe);
+            c
+        } else {
+            Command::new(exe)
+        };
+        let (child, stdin, stdout) = common::spawn_piped(command.arg("--consumer"));
+        let mut consumer = Consumer {
             child,
             stdin,
             stdout,
+            namespaced: None,
+        };
+        if namespaced {
+            // `/proc` is still our namespace's: the consumer's `/proc/self` names its pid here.
+            let pid = consumer.ask("PID").unwrap();
+            assert_eq!(
+                consumer.ask("NSPID").unwrap(),
+                "1",
+                "not in a new pid namespace"
+            );
+            consumer.namespaced = Some(pid.parse().unwrap());
         }
+        consumer
     }
 
     fn ask(&mut self, line: &str) -> Result<String, String> {
@@ -73,7 +114,16 @@ impl Consumer {
     }
 
     fn kill(mut self) {
-        let _ = self.child.kill();
+        match self.namespaced {
+            // `unshare` waits for it: once `unshare` is reaped, the consumer is gone.
+            // SAFETY: kill has no memory preconditions.
+            Some(pid) => unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            },
+            None => {
+                let _ = self.child.kill();
+            }
+        }
         let _ = self.child.wait();
     }
 }
@@ -98,6 +148,8 @@ struct World {
     /// holder killed. A reclaim beyond it took memory from a live consumer.
     dead_reclaim_budget: u64,
     consumers: Vec<Consumer>,
+    /// Which consumer index runs in its own pid namespace (its replacements too).
+    namespaced_consumer: Option<usize>,
     next_id: u64,
     log: Vec<String>,
     ops: u64,
@@ -174,6 +226,79 @@ impl World {
             ));
         }
         Ok(())
+    }
+
+    /// Every storage consumer `c` holds still has its bytes.
+    fn verify_consumer(&mut self, c: usize) -> Result<(), String> {
+        let held: Vec<(u64, u64)> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.holders.contains(&c))
+            .map(|(id, l)| (*id, l.seed))
+            .chain(
+                self.detached
+                    .iter()
+                    .filter(|(_, (_, h))| h.contains(&c))
+                    .map(|(id, (seed, _))| (*id, *seed)),
+            )
+            .collect();
+        for (id, seed) in held {
+            let r = self.consumers[c].ask(&format!("VERIFY {id} {seed}"))?;
+            if r != "ok 0" {
+                return Err(format!(
+                    "consumer {c} sees {r} for {id} after its worker ran"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Forks the producer (threads running: stream workers, the churn thread, page servers) the
+    /// way a data-loader pool does. The worker drops every storage it inherited, empties the
+    /// caches, must be refused allocation and stream work on the inherited runtimes, and builds
+    /// a runtime of its own; the parent then checks every live storage.
+    fn fork_producer_worker(&mut self) -> Result<(), String> {
+        self.log.push("producer forks a worker".into());
+        let live: Vec<u64> = self.live.keys().copied().collect();
+        let status = common::forked::in_forked_child(|| {
+            for (_, l) in std::mem::take(&mut self.live) {
+                drop(l.storage);
+            }
+            for a in &self.allocators {
+                a.empty_cache();
+                match Storage::new(a, 0, 4096) {
+                    Err(e) if e.kind() == cudalloc::ErrorKind::ForkedChild => {}
+                    Err(e) => return Err(format!("allocating in the worker: {e}")),
+                    Ok(_) => return Err("the worker allocated from its parent's runtime".into()),
+                }
+                a.ipc_collect();
+            }
+            let own = Arc::new(
+                Runtime::new(
+                    Arc::new(
+                        cudalloc::HostDriver::builder()
+                            .devices(1)
+                            .memory_per_device(64 << 20)
+                            .build()
+                            .map_err(|e| e.to_string())?,
+                    ),
+                    Default::default(),
+                )
+                .map_err(|e| e.to_string())?,
+            );
+            let s = Storage::new(&own, 0, 1 << 20).map_err(|e| e.to_string())?;
+            s.fill_pattern(11).map_err(|e| e.to_string())?;
+            match s.count_pattern_mismatches(11) {
+                Ok(0) => Ok(()),
+                Ok(n) => Err(format!("the worker's own storage: {n} mismatches")),
+                Err(e) => Err(e.to_string()),
+            }
+        });
+        status.map_err(|e| format!("forked producer worker: {e}"))?;
+        for id in live {
+            self.check(id)?;
+        }
+        self.collect()
     }
 
     fn step(&mut self) -> Result<(), String> {
@@ -399,11 +524,24 @@ impl World {
                 self.log.push("ipc_collect".into());
                 self.collect()?;
             }
+            97 => self.fork_producer_worker()?,
+            98 => {
+                // A consumer forks a worker that drops every storage it inherited.
+                let c = self.rng.below(self.consumers.len() as u64) as usize;
+                self.log.push(format!("consumer {c} forks a worker"));
+                let r = self.consumers[c].ask("FORK")?;
+                if r != "ok" {
+                    return Err(format!("consumer {c}'s forked worker: {r}"));
+                }
+                self.collect()?;
+                self.verify_consumer(c)?;
+            }
             _ => {
                 // SIGKILL a consumer while it holds storages; replace it.
                 let c = self.rng.below(self.consumers.len() as u64) as usize;
                 self.log.push(format!("kill consumer {c}"));
-                let old = std::mem::replace(&mut self.consumers[c], Consumer::spawn());
+                let namespaced = self.namespaced_consumer == Some(c);
+                let old = std::mem::replace(&mut self.consumers[c], Consumer::spawn(namespaced));
                 old.kill();
                 let lost = self
                     .live
@@ -512,6 +650,11 @@ fn consumer_main() {
                 Some(Err(e)) => format!("error {e}"),
                 None => "error not held".into(),
             },
+            "PID" => std::fs::read_link("/proc/self")
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|e| format!("error {e}")),
+            "NSPID" => std::process::id().to_string(),
+            "FORK" => fork_consumer_worker(&mut held),
             "DROP" => {
                 // One receipt goes; the others must stay intact.
                 if let Some(receipts) = held.get_mut(&id) {
@@ -526,6 +669,18 @@ fn consumer_main() {
         };
         writeln!(out, "{reply}").unwrap();
         out.flush().unwrap();
+    }
+}
+
+/// A consumer's data-loader worker: drops every storage it inherited (which must release
+/// nothing of its parent's) and exits.
+fn fork_consumer_worker(held: &mut BTreeMap<u64, Vec<Storage>>) -> String {
+    match common::forked::in_forked_child(|| {
+        drop(std::mem::take(held));
+        Ok(())
+    }) {
+        Ok(()) => "ok".into(),
+        Err(e) => format!("error {e}"),
     }
 }
 
@@ -608,6 +763,16 @@ fn main() {
             i
         })
     };
+    let namespaced_consumer = match pid_namespace_available() {
+        Ok(()) => {
+            println!("interplay: consumer 2 runs in a pid namespace of its own");
+            Some(2)
+        }
+        Err(why) => {
+            println!("interplay: the pid-namespace consumer is skipped: {why}");
+            None
+        }
+    };
     let mut world = World {
         rng: Rng(seed, 0),
         allocators,
@@ -615,7 +780,10 @@ fn main() {
         live: BTreeMap::new(),
         detached: BTreeMap::new(),
         dead_reclaim_budget: 0,
-        consumers: (0..3).map(|_| Consumer::spawn()).collect(),
+        consumers: (0..3)
+            .map(|i| Consumer::spawn(namespaced_consumer == Some(i)))
+            .collect(),
+        namespaced_consumer,
         next_id: 0,
         log: Vec::new(),
         ops: 0,
@@ -665,9 +833,14 @@ fn main() {
             "limbo drained at the end (seed {seed})"
         );
     }
+    let count = |what: &str| world.log.iter().filter(|l| l.contains(what)).count();
     println!(
-        "interplay: seed {seed}: {} operations, {} churn allocations in {:.1} s",
+        "interplay: seed {seed}: {} operations ({} producer forks, {} consumer forks, {} consumers \
+         killed), {} churn allocations in {:.1} s",
         world.ops,
+        count("producer forks"),
+        count("forks a worker") - count("producer forks"),
+        count("kill consumer"),
         churned.unwrap_or(0),
         start.elapsed().as_secs_f64()
     );

@@ -67,6 +67,14 @@ impl Claim {
         }
     }
 
+    /// Whether the producer of the claimed slot still runs (see `RefCounterFile::producer_alive`);
+    /// `true` for a used claim (nothing to judge by).
+    pub fn producer_alive(&self) -> bool {
+        self.inner
+            .as_ref()
+            .is_none_or(|(file, _)| file.producer_alive())
+    }
+
     /// Lets the count travel with the bytes (sent to another process): nothing is given back.
     pub fn forget(mut self) {
         self.inner = None;
@@ -147,6 +155,11 @@ pub(crate) struct Lease {
 }
 
 impl Lease {
+    /// Whether the producer of the leased slot still runs.
+    pub fn producer_alive(&self) -> bool {
+        self.file.producer_alive()
+    }
+
     fn take(file: Arc<RefCounterFile>, ticket: SlotTicket) -> Result<Lease> {
         let slot = ticket.slot;
         if ticket.expires_ms != 0 && super::refcount::now_ms() >= ticket.expires_ms {
@@ -159,7 +172,9 @@ impl Lease {
             || {
                 file.lock_shared(slot)
                     .inspect_err(|_| give_back(&file, ticket))?;
-                let claimed = file.slot(slot).and_then(|s| {
+                // Checked after the lock: a producer that finds the file cut frees a storage
+                // only while nobody holds its slot's lock.
+                let claimed = file.intact().and_then(|()| file.slot(slot)).and_then(|s| {
                     s.claim(ticket.generation, ticket.expires_ms)
                         .map_err(|refused| refused.into_error(slot))
                 });

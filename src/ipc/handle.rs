@@ -64,6 +64,7 @@ impl IpcHandle {
             return Ok(IpcHandle { wire, claim: None });
         }
         let file = consumer::open_ref_file(&wire.ref_file, wire.producer_pid)?;
+        file.intact()?;
         let generation = file.slot(wire.slot)?.generation();
         if generation != wire.generation {
             // The storage this handle named was freed and its slot serves another one: the handle

@@ -104,6 +104,11 @@ impl<K: Eq + Hash + Copy, T> Limbo<K, T> {
         None
     }
 
+    /// Keeps `data` without looking at its slot (whose counters cannot be trusted).
+    pub fn keep(&self, key: K, data: T) {
+        self.lock().insert(key, data);
+    }
+
     /// A consumer released `key`'s slot: takes the entry out if it is in limbo and free.
     pub fn take_if_free(&self, key: K, slot: &impl SlotCounters) -> Option<T> {
         let mut entries = self.lock();

@@ -142,6 +142,7 @@ pub(crate) fn share(
         };
         let file = Arc::clone(&d.slot.file);
         let expires_ms = ipc.handle_expiry();
+        file.intact()?;
         file.slot(d.slot.slot)?.add_pending_until(expires_ms);
         IpcHandle::claimed(
             file,
@@ -215,11 +216,11 @@ pub(crate) fn open(
         }
         None => Mapping::open(&ipc.driver, &wire).map(ReceivedMapping::Segment),
     }
-    .map_err(|err| producer_gone(pid, "its memory was opened", err))?;
+    .map_err(|err| producer_gone(claim.producer_alive(), pid, "its memory was opened", err))?;
     let lease = claim.into_lease()?;
     let stream = alloc.current_stream(device)?;
     if let Some(event) = &wire.event {
-        let not_ready = |err| producer_gone(pid, "its writes completed", err);
+        let not_ready = |err| producer_gone(lease.producer_alive(), pid, "its writes completed", err);
         let e = ipc
             .driver
             .ipc_open_event(device, &crate::driver::IpcEventHandle(*event))
@@ -250,8 +251,8 @@ pub(crate) fn open(
 
 /// `err` of opening a handle — or, when its producer is dead, an error that says so: its objects
 /// may already be swept, its page socket gone, its event never to complete.
-fn producer_gone(pid: u32, before: &str, err: Error) -> Error {
-    if crate::shm::process_alive(pid) {
+fn producer_gone(alive: bool, pid: u32, before: &str, err: Error) -> Error {
+    if alive {
         return err;
     }
     Error::bad_handle(format!(

@@ -404,9 +404,23 @@ impl RefCounterFile {
         Ok(HEADER + CONTROL + u64::from(RING) * 4 + u64::from(slot) * SLOT_BYTES)
     }
 
-    /// The counters of `slot`.
+    /// The counters of `slot`; an error once an access to the file faulted because another
+    /// process truncated it (`shm/guard.rs`: the counts read as zeros from then on).
     pub fn slot(&self, slot: u32) -> Result<&SlotCell> {
+        self.shm.check_not_faulted()?;
         Ok(self.at(self.slot_offset(slot)?))
+    }
+
+    /// Whether the producer that created the file still runs (its creator lock, valid across pid
+    /// namespaces; see `shm`).
+    pub fn producer_alive(&self) -> bool {
+        self.shm.creator_alive()
+    }
+
+    /// An error when another process truncated the file (a fault survived, or its size now): its
+    /// counts are lost, so only the slots' locks can tell who still holds a storage.
+    pub fn intact(&self) -> Result<()> {
+        self.shm.check_intact()
     }
 
     /// Consumer: records that `slot` was released (a hint for the producer's next drain).

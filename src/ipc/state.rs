@@ -151,6 +151,10 @@ impl IpcState {
         self.check_process()?;
         let mut f = self.files.lock();
         for pf in f.files.iter_mut() {
+            if pf.file.intact().is_err() {
+                // A truncated file takes no new storages (it goes once its last slot is back).
+                continue;
+            }
             let slot = match pf.free.pop() {
                 Some(s) => Some(s),
                 None if pf.next_unused < pf.file.slot_count() => {
@@ -216,8 +220,14 @@ impl IpcState {
     pub fn retire(&self, data: SentData) {
         let key = (data.slot.file_index, data.slot.slot);
         let file = Arc::clone(&data.slot.file);
-        let freed = match file.slot(key.1) {
+        let freed = match file.intact().and_then(|()| file.slot(key.1)) {
             Ok(slot) => self.limbo.retire(key, data, slot),
+            Err(err) if crate::shm::is_truncated(&err) => {
+                // Counts lost: kept until `collect` finds its slot's lock free.
+                tracing::warn!(%err, "a shared storage's ref-counter file was cut; it waits for its slot's lock");
+                self.limbo.keep(key, data);
+                None
+            }
             Err(_) => Some(data),
         };
         if let Some(data) = freed {
@@ -267,6 +277,10 @@ impl IpcState {
         }
         let mut freed = Vec::new();
         for (index, file) in self.producer_files() {
+            if file.intact().is_err() {
+                // Its counts and ring are lost: `collect` decides by the slots' locks.
+                continue;
+            }
             let released = file.drain_released();
             if released.overflowed {
                 freed.extend(
@@ -302,8 +316,15 @@ impl IpcState {
         let mut dead_holders = std::collections::HashSet::new();
         let now = super::refcount::now_ms();
         let taken = self.limbo.take_where(|key, data| {
-            let Ok(slot) = data.slot.file.slot(key.1) else {
-                return false;
+            let file = &data.slot.file;
+            let slot = match file.intact().and_then(|()| file.slot(key.1)) {
+                Ok(slot) => slot,
+                // A cut file: whoever holds the storage holds its slot's lock (taken before any
+                // count), and no handle of it can be opened any more.
+                Err(err) if crate::shm::is_truncated(&err) => {
+                    return file.is_locked(key.1).is_ok_and(|locked| !locked);
+                }
+                Err(_) => return false,
             };
             let expired = slot.reclaim_expired(now);
             if expired > 0 {

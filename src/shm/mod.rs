@@ -18,13 +18,14 @@ use std::path::PathBuf;
 
 use memmap2::MmapRaw;
 
+mod guard;
 mod names;
 pub(crate) mod socket;
 pub(crate) mod vm;
 
 pub use names::sweep_orphans;
 use names::{ensure_liveness, forget_name, remember_name};
-pub(crate) use names::{ofd_lock, process_alive, REF_FILE_TAG};
+pub(crate) use names::{ofd_lock, REF_FILE_TAG};
 
 use crate::error::{Error, Result};
 
@@ -56,6 +57,8 @@ const MAX_NAME_LEN: usize = 200;
 /// [`SharedMemory::unlink`]); every holder unmaps it on drop.
 pub(crate) struct SharedMemory {
     name: String,
+    /// Declared before `map`: it leaves the guard table before the mapping is unmapped.
+    guard: guard::Guard,
     map: MmapRaw,
     len: u64,
     /// The pid of the process that created the object and alone may unlink it; `None` when opened
@@ -158,6 +161,12 @@ fn reserve(file: &File, name: &str, len: u64) -> Result<()> {
     }
 }
 
+/// Whether `err` says that another process truncated a shared-memory object
+/// ([`SharedMemory::check_intact`]).
+pub(crate) fn is_truncated(err: &Error) -> bool {
+    matches!(err, Error::Driver { call, .. } if *call == TRUNCATED_CALL)
+}
+
 /// Bytes `/dev/shm` can still back (what the host backend can really hand out).
 pub(crate) fn available_bytes() -> Result<u64> {
     let path = std::ffi::CString::new(SHM_DIR).map_err(|e| Error::invalid(e.to_string()))?;
@@ -169,6 +178,23 @@ pub(crate) fn available_bytes() -> Result<u64> {
         return Err(Error::host_os("statvfs", std::io::Error::last_os_error()));
     }
     Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+/// The byte every creator keeps write-locked (an OFD lock) while its object is open: the lock
+/// dies with the creator, in whatever pid namespace it ran — unlike its pid, which another
+/// namespace cannot see (or sees as another process). Consumers lock only bytes past the headers,
+/// so this byte never conflicts with a lease.
+const CREATOR_BYTE: u64 = 0;
+
+fn lock_creator(file: &File) -> Result<()> {
+    ofd_lock(file, libc::F_WRLCK, libc::F_OFD_SETLK, CREATOR_BYTE, 1).map(|_| ())
+}
+
+/// The call named by the error of an access to a truncated object ([`SharedMemory::check_intact`]).
+pub(crate) const TRUNCATED_CALL: &str = "shared memory truncated by another process";
+
+fn guard_of(map: &MmapRaw) -> guard::Guard {
+    guard::Guard::new(map.as_mut_ptr() as usize, map.len())
 }
 
 impl SharedMemory {
@@ -186,12 +212,14 @@ impl SharedMemory {
             .set_len(len)
             .map_err(|e| Error::host_os("ftruncate", format!("{name}: {e}")))
             .and_then(|()| reserve(&file, name, len))
+            .and_then(|()| lock_creator(&file))
             .and_then(|()| map_file(&file, len, "mmap"));
         match result {
             Ok(map) => {
                 remember_name(name);
                 Ok(SharedMemory {
                     name: name.to_owned(),
+                    guard: guard_of(&map),
                     map,
                     len,
                     creator: Some(std::process::id()),
@@ -238,6 +266,7 @@ impl SharedMemory {
         let map = map_file(&file, len, "mmap")?;
         Ok(SharedMemory {
             name: name.to_owned(),
+            guard: guard_of(&map),
             map,
             len,
             creator: None,
@@ -253,6 +282,51 @@ impl SharedMemory {
     /// Start of the mapping in this process.
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.map.as_mut_ptr()
+    }
+
+    /// An error when another process truncated the object under this mapping (found by a guarded
+    /// fault, see `guard.rs`, or by the file's size now): its bytes from the cut on are lost — this
+    /// process reads zeros there, and what it writes there reaches no other process.
+    pub(crate) fn check_intact(&self) -> Result<()> {
+        let from = self.guard.damage().map(|d| d.from).or_else(|| {
+            self.file
+                .metadata()
+                .ok()
+                .map(|m| m.len())
+                .filter(|&now| now < self.len)
+        });
+        self.truncated_from(from)
+    }
+
+    /// [`Self::check_intact`] without the system call: only a fault already survived counts (an
+    /// atomic load, for the paths every stream operation takes).
+    pub(crate) fn check_not_faulted(&self) -> Result<()> {
+        self.truncated_from(self.guard.damage().map(|d| d.from))
+    }
+
+    fn truncated_from(&self, from: Option<u64>) -> Result<()> {
+        match from {
+            None => Ok(()),
+            Some(from) => Err(Error::Driver {
+                backend: "host",
+                call: TRUNCATED_CALL,
+                message: format!(
+                    "{} was truncated by another process: its bytes from offset {from} of {} are lost",
+                    self.name, self.len
+                ),
+            }),
+        }
+    }
+
+    /// Whether the process that created the object still runs (its creator lock is held); seen
+    /// from any pid namespace sharing `/dev/shm`. An object this process created reads `true`. A
+    /// failed probe reads `true` too: it only ever makes callers wait longer, never free early.
+    pub(crate) fn creator_alive(&self) -> bool {
+        if self.creator.is_some() {
+            return true;
+        }
+        ofd_lock(&self.file, libc::F_WRLCK, libc::F_OFD_GETLK, CREATOR_BYTE, 1)
+            .map_or(true, |fl| fl.l_type != libc::F_UNLCK as libc::c_short)
     }
 
     /// The open file (for `fcntl` locks on its bytes).

@@ -230,6 +230,36 @@ impl ChildProcess {
         }
     }
 
+    /// [`Self::spawn`] in a pid namespace of its own (`unshare --pid --fork`, whose child is
+    /// pid 1 there); `Err` says why the machine refuses it.
+    pub fn spawn_in_pid_namespace(entry: &str, role: &str, backend: &str) -> Result<Self, String> {
+        let probe = Command::new("unshare")
+            .args(["--pid", "--fork", "true"])
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .map_err(|e| format!("`unshare` cannot run: {e}"))?;
+        if !probe.status.success() {
+            return Err(format!(
+                "`unshare --pid --fork` failed: {}",
+                String::from_utf8_lossy(&probe.stderr).trim()
+            ));
+        }
+        let inner = child_command(entry, role);
+        let mut command = Command::new("unshare");
+        command
+            .args(["--pid", "--fork"])
+            .arg(inner.get_program())
+            .args(inner.get_args())
+            .env(ROLE_VAR, role)
+            .env(BACKEND_VAR, backend);
+        let (child, stdin, stdout) = spawn_piped(&mut command);
+        Ok(ChildProcess {
+            child,
+            stdin,
+            stdout,
+        })
+    }
+
     /// The child's process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
@@ -252,6 +282,12 @@ impl ChildProcess {
                 return line[at + PREFIX.len()..].trim_end().to_owned();
             }
         }
+    }
+
+    /// Waits for the child to exit (however it ends) and reaps it.
+    pub fn wait(mut self) -> std::process::ExitStatus {
+        drop(self.stdin);
+        self.child.wait().unwrap()
     }
 
     /// Kills the child with SIGKILL and reaps it.

@@ -20,7 +20,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::shm::{process_alive, SharedMemory};
+use crate::shm::SharedMemory;
 use crate::sync::os::atomic::{AtomicU32, AtomicU64, Ordering};
 use crate::sync::os::Arc;
 
@@ -168,7 +168,7 @@ impl CellRef {
 
     fn check_owner_alive(&self) -> std::result::Result<(), String> {
         match self.foreign_owner {
-            Some(pid) if !process_alive(pid) => Err(owner_died(pid)),
+            Some(pid) if !self.chunk.creator_alive() => Err(owner_died(pid)),
             _ => Ok(()),
         }
     }

@@ -90,7 +90,11 @@ impl SegmentsView<'_> {
         if self.tables.vm.space.contains(ptr.0) {
             self.tables.vm.space.covered(ptr, len)?;
         } else {
-            ranges::containing(&self.tables.by_base, |s| s.shm.len(), ptr, len)?;
+            let (_, segment) = ranges::containing(&self.tables.by_base, |s| s.shm.len(), ptr, len)?;
+            // A segment another process truncated is an error for every access enqueued after the
+            // cut (its size says so; see `shm/guard.rs`). Work that ran after the cut but was
+            // enqueued before touched private pages instead — survived, no signal.
+            segment.shm.check_intact()?;
         }
         usize::try_from(ptr.0).map_err(|_| Error::invalid("pointer exceeds the address space"))
     }

@@ -1,0 +1,245 @@
+//! Guarded mappings: a `SIGBUS` in a mapping of a named shared-memory object is survived, not
+//! fatal.
+//!
+//! Any process of our user can `ftruncate` an object in `/dev/shm` (a segment, a ref-counter file,
+//! an event chunk); every mapping of the cut pages then faults with `SIGBUS` on its next touch,
+//! which kills the process — a peer could kill a producer that way. Named files cannot be sealed
+//! against it (tmpfs files opened by name carry `F_SEAL_SEAL`; only memfds can be sealed, and the
+//! chunks of expandable segments are), so the faults are handled instead:
+//!
+//! | step | who                     | what                                                          |
+//! |------|-------------------------|---------------------------------------------------------------|
+//! | 1    | [`Guard::new`]          | the mapping's range goes into a fixed table of atomics; the handler is installed once per process (the previous action kept) |
+//! | 2    | a peer                  | truncates the object                                           |
+//! | 3    | the faulting thread     | `SIGBUS` at an address in a guarded range: the handler maps fresh private zero pages over the range from the faulting page to its end (`MAP_FIXED`), records the lowest damaged offset, and returns; the access is retried on the new pages |
+//! | 4    | the owner of the mapping| [`Guard::damage`] says the object was cut and from where: an error for what the object concerns (its storages, its slots) |
+//! | 5    | [`Guard`]'s drop        | the range leaves the table before the mapping is unmapped      |
+//!
+//! A `SIGBUS` at any other address goes to the action that was installed before ours (Rust's own
+//! stack-overflow handler, or the default action, which ends the process as before). The handler
+//! only reads and writes atomics and makes two system calls (`mmap`, and `sigaction` when it hands
+//! a fault back to the default action), which is what a signal handler may do. The bytes of the cut
+//! pages are gone for every process — the file system freed them — so nothing is lost by replacing
+//! them; what was written to the private pages afterwards is seen by this process alone, which is
+//! why the damage is an error and not a repair.
+//!
+//! Limits: [`SLOTS`] mappings are guarded at once (more are mapped unguarded, with a warning); a
+//! program that installs its own `SIGBUS` handler after cudalloc's replaces ours unless it chains
+//! to the action it found.
+
+use crate::sync::os::atomic::{AtomicUsize, Ordering};
+use crate::sync::os::OnceLock;
+
+/// Mappings guarded at once.
+pub(crate) const SLOTS: usize = 16_384;
+
+/// One guarded range. `len == 0` means free or being filled; a range is matched only while both
+/// `start` and `len` are set.
+struct Slot {
+    start: AtomicUsize,
+    len: AtomicUsize,
+    /// 1 + the lowest damaged offset in the range; 0 while undamaged.
+    damaged_from: AtomicUsize,
+}
+
+impl Slot {
+    const fn free() -> Self {
+        Slot {
+            start: AtomicUsize::new(0),
+            len: AtomicUsize::new(0),
+            damaged_from: AtomicUsize::new(0),
+        }
+    }
+}
+
+static TABLE: [Slot; SLOTS] = [const { Slot::free() }; SLOTS];
+
+/// The `SIGBUS` action found before ours was installed (what faults outside guarded ranges get).
+static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
+
+/// A registered range; dropping it unregisters (before the mapping goes).
+#[derive(Debug)]
+pub(crate) struct Guard {
+    slot: Option<usize>,
+}
+
+/// Where a guarded object was found cut.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Damage {
+    /// Offset of the first page that faulted (every byte from here to the end reads as zero now).
+    pub from: u64,
+}
+
+impl Guard {
+    /// Guards `[start, start + len)`. Never fails: without the handler or a free slot the mapping
+    /// works as before, unguarded (logged).
+    pub(crate) fn new(start: usize, len: usize) -> Self {
+        if len == 0 || !install() {
+            return Guard { slot: None };
+        }
+        for (i, slot) in TABLE.iter().enumerate() {
+            if slot
+                .start
+                .compare_exchange(0, start, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                slot.damaged_from.store(0, Ordering::SeqCst);
+                slot.len.store(len, Ordering::SeqCst);
+                return Guard { slot: Some(i) };
+            }
+        }
+        tracing::warn!(
+            slots = SLOTS,
+            "every guard slot is taken: this shared-memory mapping is unguarded (a peer that \
+             truncates its object would end this process with SIGBUS)"
+        );
+        Guard { slot: None }
+    }
+
+    /// Whether (and from where) the guarded object was cut under this mapping.
+    pub(crate) fn damage(&self) -> Option<Damage> {
+        let slot = &TABLE[self.slot?];
+        match slot.damaged_from.load(Ordering::SeqCst) {
+            0 => None,
+            d => Some(Damage {
+                from: (d - 1) as u64,
+            }),
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(i) = self.slot {
+            let slot = &TABLE[i];
+            slot.len.store(0, Ordering::SeqCst);
+            slot.damaged_from.store(0, Ordering::SeqCst);
+            slot.start.store(0, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Installs the handler once; whether it is in place.
+fn install() -> bool {
+    static INSTALLED: OnceLock<bool> = OnceLock::new();
+    *INSTALLED.get_or_init(|| match install_handler() {
+        Ok(()) => true,
+        Err(err) => {
+            tracing::warn!(%err, "could not install the SIGBUS guard: shared-memory mappings are unguarded");
+            false
+        }
+    })
+}
+
+fn install_handler() -> std::io::Result<()> {
+    // SAFETY: sigaction is plain C data; all-zero is a valid (empty) value to fill.
+    let mut previous: libc::sigaction = unsafe { std::mem::zeroed() };
+    // SAFETY: a null new action only reads the current one into `previous`.
+    if unsafe { libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut previous) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // Kept before ours is installed, so the handler never sees it unset.
+    let _ = PREVIOUS.set(previous);
+    // SAFETY: as above.
+    let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+    let handler: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) = on_sigbus;
+    action.sa_sigaction = handler as libc::sighandler_t;
+    action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+    // SAFETY: `sa_mask` is a valid signal set to empty.
+    unsafe { libc::sigemptyset(&mut action.sa_mask) };
+    // SAFETY: installs a handler that only touches atomics and makes async-signal-safe calls.
+    if unsafe { libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Page size, for rounding the faulting address down (4 KiB on every Linux target cudalloc runs on
+/// that maps tmpfs files with small pages; a larger page only widens what is replaced).
+const PAGE: usize = 4096;
+
+extern "C" fn on_sigbus(
+    signal: libc::c_int,
+    info: *mut libc::siginfo_t,
+    context: *mut libc::c_void,
+) {
+    // SAFETY: the kernel passes a valid siginfo for a SA_SIGINFO handler; `si_addr` is the
+    // faulting address of a SIGBUS.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    for slot in TABLE.iter() {
+        let start = slot.start.load(Ordering::SeqCst);
+        let len = slot.len.load(Ordering::SeqCst);
+        if start == 0 || len == 0 || addr < start || addr - start >= len {
+            continue;
+        }
+        let page = (addr & !(PAGE - 1)).max(start);
+        let end = start + len;
+        // SAFETY: `[page, end)` lies inside the guarded mapping, which stays mapped while its
+        // guard is registered (the guard is dropped before the unmap); replacing those pages with
+        // private zero pages is what the handler exists for — their file pages were cut away.
+        let mapped = unsafe {
+            libc::mmap(
+                page as *mut libc::c_void,
+                end - page,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if mapped == libc::MAP_FAILED {
+            break;
+        }
+        let offset = page - start + 1;
+        let _ = slot
+            .damaged_from
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| {
+                Some(if d == 0 { offset } else { d.min(offset) })
+            });
+        return;
+    }
+    pass_on(signal, info, context);
+}
+
+/// Hands a fault that is not ours to the action installed before ours.
+fn pass_on(signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
+    let previous = PREVIOUS.get();
+    let handler = previous.map_or(libc::SIG_DFL, |p| p.sa_sigaction);
+    if handler == libc::SIG_DFL || handler == libc::SIG_IGN {
+        // SAFETY: as in `install_handler`; the default action, restored, ends the process when
+        // the faulting access is retried on return.
+        let mut default: libc::sigaction = unsafe { std::mem::zeroed() };
+        default.sa_sigaction = libc::SIG_DFL;
+        // SAFETY: sigaction is async-signal-safe; `default` is a valid action.
+        unsafe { libc::sigaction(libc::SIGBUS, &default, std::ptr::null_mut()) };
+        return;
+    }
+    let siginfo = previous.is_some_and(|p| p.sa_flags & libc::SA_SIGINFO != 0);
+    if siginfo {
+        // SAFETY: the previous action was installed with SA_SIGINFO, so its handler has this
+        // signature; we pass on the arguments the kernel gave us.
+        let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+            unsafe { std::mem::transmute(handler) };
+        f(signal, info, context);
+    } else {
+        // SAFETY: a handler installed without SA_SIGINFO takes the signal number alone.
+        let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(handler) };
+        f(signal);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_guarded_slot_is_freed_on_drop_and_reused() {
+        let a = Guard::new(0x1000_0000, 4096);
+        let i = a.slot.unwrap();
+        assert_eq!(a.damage(), None);
+        drop(a);
+        assert_eq!(TABLE[i].start.load(Ordering::SeqCst), 0);
+        let b = Guard::new(0x2000_0000, 4096);
+        assert!(b.slot.is_some());
+    }
+}
