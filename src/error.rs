@@ -14,6 +14,7 @@
 //! | [`ErrorKind::Driver`]       | maybe: the device or the operating system failed     |
 //! | [`ErrorKind::StreamRace`]   | no: the program's stream order is wrong (the sanitizer found two unordered accesses); sticky on the stream |
 //! | [`ErrorKind::ForkedChild`]  | no: the object belongs to the parent of this forked process; build a runtime in the child |
+//! | [`ErrorKind::ForeignEvent`] | no: another process's event failed the work that waited for it (its producer exited, its cell was written by a third party, or the wait passed its deadline); the storage it guards is not ready — drop it, the stream stays usable |
 
 use std::fmt;
 
@@ -38,6 +39,35 @@ pub enum ErrorKind {
     /// The object was made by the parent of this forked process (see `process`): a child never
     /// allocates, frees or runs stream work for its parent.
     ForkedChild,
+    /// A wait on another process's interprocess event failed (see [`ForeignEventFailure`]): the
+    /// memory it guards is not ready; the waiting stream stays usable for other work.
+    ForeignEvent,
+}
+
+/// Why a wait on another process's interprocess event failed ([`Error::ForeignEvent`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ForeignEventFailure {
+    /// The producer process exited (or dropped the driver that owned the event) before completing
+    /// the record waited for: the creator lock of its event chunk is free.
+    ProducerExited,
+    /// The event's shared cell holds values its producer cannot have written (a completion that
+    /// went back, or past every record; a record count below the one waited for): another
+    /// process wrote it.
+    Implausible,
+    /// The record was not completed within the deadline for foreign events
+    /// (`CUDALLOC_IPC_EVENT_TIMEOUT_S` on the host backend).
+    Timeout,
+}
+
+impl fmt::Display for ForeignEventFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ForeignEventFailure::ProducerExited => "the producer exited",
+            ForeignEventFailure::Implausible => "implausible event cell",
+            ForeignEventFailure::Timeout => "timeout",
+        })
+    }
 }
 
 /// The error of every fallible cudalloc operation.
@@ -84,6 +114,19 @@ pub enum Error {
     /// The object belongs to the process this one was forked from; the message names both pids.
     #[error("forked child: {0}")]
     ForkedChild(String),
+    /// A wait on another process's interprocess event failed; names the producer's pid, its
+    /// event chunk and why. The work queued behind the wait on that stream did not run.
+    #[error("wait on the interprocess event of pid {pid} (event chunk {chunk}) failed ({failure}): {message}")]
+    ForeignEvent {
+        /// The producer's process id.
+        pid: u32,
+        /// The shared-memory object holding the event's cell.
+        chunk: String,
+        /// Why the wait failed.
+        failure: ForeignEventFailure,
+        /// Details: the slot, the record waited for, what the cell said.
+        message: String,
+    },
 }
 
 impl Error {
@@ -98,6 +141,7 @@ impl Error {
             Error::Driver { .. } => ErrorKind::Driver,
             Error::StreamRace(_) => ErrorKind::StreamRace,
             Error::ForkedChild(_) => ErrorKind::ForkedChild,
+            Error::ForeignEvent { .. } => ErrorKind::ForeignEvent,
         }
     }
 

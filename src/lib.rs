@@ -40,10 +40,11 @@ pub use alloc::{
 pub use config::AllocatorConfig;
 pub use driver::{
     Backend, BackendChoice, ChunkId, CudaDriver, DeviceAddr, Driver, EventFlags, EventId,
-    HostDriver, HostDriverBuilder, IpcEventHandle, IpcMemHandle, MemInfo, OpenedSegment,
-    SanitizeOptions, SanitizedDriver, Sanitizer, SelectedBackend, SimDriver, StreamId,
+    ExportedChunk, HostDriver, HostDriverBuilder, IpcEventHandle, IpcMemHandle, MemInfo,
+    OpenedSegment, SanitizeOptions, SanitizedDriver, Sanitizer, SelectedBackend, SimDriver,
+    StreamId,
 };
-pub use error::{Error, ErrorKind, Result};
+pub use error::{Error, ErrorKind, ForeignEventFailure, Result};
 pub use global::{Global, GLOBAL};
 pub use ipc::IpcHandle;
 pub use runtime::{Runtime, RuntimeBuilder};

@@ -130,6 +130,7 @@ fn info(
         "CUDALLOC_BACKEND",
         "CUDALLOC_HOST_DEVICES",
         "CUDALLOC_HOST_MEMORY",
+        "CUDALLOC_IPC_EVENT_TIMEOUT_S",
         "CUDALLOC_CONF",
     ] {
         match std::env::var(var) {

@@ -685,8 +685,8 @@ fn virtual_memory_maps_chunks_into_reservations_and_shares_them_by_descriptor() 
         }
         // A chunk's descriptor, imported, is the same memory: write through one mapping, read
         // through the other.
-        let fd = d.vm_export_chunk(c1).unwrap();
-        let c3 = d.vm_import_chunk(0, fd, g).unwrap();
+        let exported = d.vm_export_chunk(c1).unwrap();
+        let c3 = d.vm_import_chunk(0, exported, g).unwrap();
         d.vm_map(hole, c3).unwrap();
         d.fill_pattern(s, base, g, 6).unwrap();
         assert_eq!(

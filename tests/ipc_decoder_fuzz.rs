@@ -45,6 +45,7 @@ fn valid_expandable() -> WireHandle {
             page: 2 << 20,
             first: 0x7e00_0000_0000,
             count: 4,
+            secret: [0x3c; 16],
         }),
         ..valid()
     }

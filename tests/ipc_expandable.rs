@@ -194,16 +194,17 @@ fn page_socket(handle: &IpcHandle) -> std::path::PathBuf {
     std::path::PathBuf::from("/dev/shm").join(format!("{stem}-pages0"))
 }
 
-/// A page request laid out by hand (magic, slot, generation, page, first, count, name).
+/// A page request laid out by hand (magic, slot, generation, page, first, count, secret, name).
 fn raw_request(handle: &IpcHandle, generation: u32, count: u64) -> Vec<u8> {
     let w = handle.wire();
     let pages = w.pages.unwrap();
-    let mut b = b"cdalPRQ1".to_vec();
+    let mut b = b"cdalPRQ2".to_vec();
     b.extend(w.slot.to_le_bytes());
     b.extend(generation.to_le_bytes());
     b.extend(pages.page.to_le_bytes());
     b.extend(pages.first.to_le_bytes());
     b.extend(count.to_le_bytes());
+    b.extend(pages.secret);
     let mut name = w.ref_file.as_bytes().to_vec();
     name.resize(64, 0);
     b.extend(name);
@@ -219,7 +220,7 @@ fn ask(socket: &std::path::Path, request: &[u8]) -> Option<u32> {
     stream.shutdown(std::net::Shutdown::Write).unwrap();
     let mut header = [0u8; 32];
     stream.read_exact(&mut header).ok()?;
-    assert_eq!(&header[..8], b"cdalPRP1");
+    assert_eq!(&header[..8], b"cdalPRP2");
     Some(u32::from_le_bytes(header[8..12].try_into().unwrap()))
 }
 
@@ -236,7 +237,7 @@ fn the_page_socket_refuses_what_it_must_and_keeps_serving() {
         None,
         "a truncated request is dropped"
     );
-    assert_eq!(ask(&socket, &[0xAB; 104]), Some(1), "garbage: malformed");
+    assert_eq!(ask(&socket, &[0xAB; 120]), Some(1), "garbage: malformed");
     assert_eq!(
         ask(&socket, &raw_request(&handle, generation + 1, count)),
         Some(2),
@@ -248,7 +249,7 @@ fn the_page_socket_refuses_what_it_must_and_keeps_serving() {
         "other pages than shared"
     );
     let mut evil_name = raw_request(&handle, generation, count);
-    evil_name[40..50].copy_from_slice(b"../../etc/");
+    evil_name[56..66].copy_from_slice(b"../../etc/");
     assert_eq!(ask(&socket, &evil_name), Some(1), "a name outside /dev/shm");
     // After all that, a real consumer is served.
     let mut child = ChildProcess::spawn(CHILD, "open", test_backend());

@@ -12,7 +12,7 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use common::*;
 use cudalloc::{IpcHandle, Runtime, Storage};
@@ -137,8 +137,14 @@ fn sweep_until_stopped(stop: OwnedFd, removed: OwnedFd, ready: OwnedFd) -> ! {
     unsafe { libc::_exit(0) }
 }
 
+/// The tests of this file fork; a child forked by one would inherit the other's descriptors —
+/// and with them its open file descriptions and their locks (a lock "dropped" by the test would
+/// live on in the child).
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
 #[test]
 fn a_sweep_in_another_pid_namespace_keeps_every_starting_producers_objects() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let sweeper = match NamespacedSweeper::start() {
         Ok(s) => s,
         Err(why) => {
@@ -184,6 +190,7 @@ fn a_sweep_in_another_pid_namespace_keeps_every_starting_producers_objects() {
 
 #[test]
 fn only_the_lock_decides_and_half_made_liveness_files_go() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     // A pid no process has here, as a process of another namespace would look.
     let pid = (1..=u32::from(u16::MAX))
         .map(|k| 4_000_000 + k)

@@ -79,6 +79,17 @@ impl fmt::Display for DeviceAddr {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ChunkId(pub(crate) u64);
 
+/// A chunk as handed to another process: a descriptor (sent with `SCM_RIGHTS`) and where the chunk
+/// starts in the memory it names — 0 on CUDA (one descriptor per chunk); the host backend keeps
+/// many chunks in one memfd, so the descriptor limit is not the device's (`shm/vm.rs`).
+#[derive(Debug)]
+pub struct ExportedChunk {
+    /// The descriptor.
+    pub fd: std::os::fd::OwnedFd,
+    /// Offset of the chunk's first byte in the descriptor's memory.
+    pub offset: u64,
+}
+
 /// An opaque stream id handed out by a [`Driver`]. It carries its device (bits 48..64) so the
 /// allocator finds a stream's device without asking the driver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -349,15 +360,11 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn vm_map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()>;
     /// Unmaps whole chunks covering `[addr, addr + size)`, after queued work finishes.
     fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()>;
-    /// A file descriptor of `chunk` for another process (to send with `SCM_RIGHTS`).
-    fn vm_export_chunk(&self, chunk: ChunkId) -> Result<std::os::fd::OwnedFd>;
-    /// A chunk from another process's descriptor, which must hold `size` bytes.
-    fn vm_import_chunk(
-        &self,
-        device: usize,
-        fd: std::os::fd::OwnedFd,
-        size: u64,
-    ) -> Result<ChunkId>;
+    /// A file descriptor of `chunk` and the chunk's offset in it, for another process (to send
+    /// with `SCM_RIGHTS`).
+    fn vm_export_chunk(&self, chunk: ChunkId) -> Result<ExportedChunk>;
+    /// A chunk from another process's descriptor, which must hold `size` bytes at the offset.
+    fn vm_import_chunk(&self, device: usize, chunk: ExportedChunk, size: u64) -> Result<ChunkId>;
 }
 
 /// The virtual-memory methods of [`Driver`], forwarded to a backend's inherent methods of the
@@ -415,17 +422,17 @@ macro_rules! forward_vm_methods {
         fn vm_export_chunk(
             &self,
             chunk: $crate::driver::ChunkId,
-        ) -> $crate::error::Result<std::os::fd::OwnedFd> {
+        ) -> $crate::error::Result<$crate::driver::ExportedChunk> {
             self.export_chunk(chunk)
         }
 
         fn vm_import_chunk(
             &self,
             device: usize,
-            fd: std::os::fd::OwnedFd,
+            chunk: $crate::driver::ExportedChunk,
             size: u64,
         ) -> $crate::error::Result<$crate::driver::ChunkId> {
-            self.import_chunk(device, fd, size)
+            self.import_chunk(device, chunk, size)
         }
     };
 }

@@ -15,7 +15,6 @@
 //! granularity (2 MiB, CUDA's), so the allocator sees the layout a GPU gives it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::os::fd::OwnedFd;
 
 use super::vm_space::VmSpace;
 use super::{
@@ -243,11 +242,16 @@ impl SimDriver {
         Ok(())
     }
 
-    fn export_chunk(&self, _chunk: ChunkId) -> Result<OwnedFd> {
+    fn export_chunk(&self, _chunk: ChunkId) -> Result<super::ExportedChunk> {
         Err(no_ipc())
     }
 
-    fn import_chunk(&self, _device: usize, _fd: OwnedFd, _size: u64) -> Result<ChunkId> {
+    fn import_chunk(
+        &self,
+        _device: usize,
+        _chunk: super::ExportedChunk,
+        _size: u64,
+    ) -> Result<ChunkId> {
         Err(no_ipc())
     }
 

@@ -6,13 +6,16 @@
 //!   storage owns; `consumer.rs` — claims, leases, mappings; `handle.rs` — [`IpcHandle`].
 //! * Memory of expandable segments is not one driver allocation but pages: `page_protocol.rs` —
 //!   the request/answer messages; `page_server.rs` — the producer's registry of shared pages and
-//!   the thread serving their chunk descriptors over a Unix socket (`SCM_RIGHTS`);
-//!   `page_mappings.rs` — the consumer's mappings of exactly the pages under a storage.
+//!   who may fetch them (the page secret); `page_connections.rs` — the thread serving their chunk
+//!   descriptors over a Unix socket (`SCM_RIGHTS`), every connection at once, bounded by
+//!   [`PageSocketLimits`]; `page_mappings.rs` — the consumer's mappings of exactly the pages under
+//!   a storage.
 //!
 //! Why a socket and not PyTorch's `pidfd_getfd`: that call needs ptrace permission over the
 //! producer, which unprivileged containers (and Yama's default scope) deny; a socket in `/dev/shm`
 //! works wherever the ref-counter files do, and the producer decides what it hands out (only pages
-//! of storages it shares, to peers of its own user). Why only the storage's pages: PyTorch's consumer
+//! of storages it shares, to peers of its own user that carry the storage's page secret while a
+//! count is held on it). Why only the storage's pages: PyTorch's consumer
 //! reserves the producer's whole segment range per imported segment and maps all of it; mapping the
 //! pages under the storage bounds the consumer's address space by what it uses.
 //!
@@ -35,6 +38,7 @@ mod handle;
 pub mod lease_table;
 #[doc(hidden)]
 pub mod limbo;
+mod page_connections;
 mod page_mappings;
 mod page_protocol;
 mod page_server;
@@ -44,9 +48,10 @@ pub(crate) mod state;
 pub mod wire;
 
 pub use handle::IpcHandle;
+pub use page_protocol::PageSocketLimits;
 pub(crate) use state::IpcState;
 pub use state::{Drained, DEFAULT_EVENT_BUDGET};
-pub use wire::{WireHandle, WirePages, WIRE_SIZE};
+pub use wire::{WireHandle, WirePages, PAGE_SECRET_SIZE, WIRE_SIZE};
 
 use self::consumer::{Mapping, ReceivedMapping, ReceivedOwner};
 use self::page_mappings::PageMapping;
@@ -220,7 +225,8 @@ pub(crate) fn open(
     let lease = claim.into_lease()?;
     let stream = alloc.current_stream(device)?;
     if let Some(event) = &wire.event {
-        let not_ready = |err| producer_gone(lease.producer_alive(), pid, "its writes completed", err);
+        let not_ready =
+            |err| producer_gone(lease.producer_alive(), pid, "its writes completed", err);
         let e = ipc
             .driver
             .ipc_open_event(device, &crate::driver::IpcEventHandle(*event))

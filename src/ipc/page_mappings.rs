@@ -22,20 +22,41 @@
 //! |------------|--------------------------------------|------------------------------------------|
 //! | none       | fetch, reserve, import + map each page, release the chunk handles | —        |
 //! | n ≥ 1      | joins (n + 1)                         | unmap (after queued work), free the reservation |
+//!
+//! The cache key leaves out the handle's page secret: two storages on the same pages have
+//! different secrets but one mapping.
+//!
+//! **Fetching.** One connection to the producer's page socket per fetch: the request (with the
+//! handle's page secret), then per batch the header, its page records and descriptors, each page
+//! imported and mapped, then the acknowledgement that lets the producer send the next batch
+//! (`page_protocol.rs`). Every step is bounded by [`PageSocketLimits::deadline`]; a step that runs
+//! past it fails with an error that says "timeout" and names the step and the producer. A
+//! connection refused as busy is a retryable error. Any error drops the connection, and with it
+//! whatever descriptors were still queued for us.
 
 use std::collections::HashMap;
 
 use super::consumer::driver_key;
-use super::page_protocol::{self, PageRequest, ReplyHeader, BATCH, REPLY_SIZE};
+use super::page_protocol::{
+    self, PageRecord, PageRequest, PageSocketLimits, ReplyHeader, BATCH, MAX_MESSAGE, RECORD_SIZE,
+    REPLY_SIZE,
+};
 use super::wire::{WireHandle, WirePages};
-use crate::driver::{DeviceAddr, Driver};
+use crate::driver::{DeviceAddr, Driver, ExportedChunk};
 use crate::error::{Error, Result};
 use crate::process::PerProcess;
 use crate::shm::socket;
 use crate::sync::os::{Arc, Mutex};
 
+/// The pages of a span without the secret: (page size, first page, count).
+type SpanPages = (u64, u64, u64);
+
 /// (driver address, page socket name, device, pages).
-type SpanKey = (usize, String, usize, WirePages);
+type SpanKey = (usize, String, usize, SpanPages);
+
+fn span_pages(pages: &WirePages) -> SpanPages {
+    (pages.page, pages.first, pages.count)
+}
 
 #[derive(Debug)]
 struct SpanEntry {
@@ -65,7 +86,7 @@ impl PageMapping {
         device: usize,
     ) -> Result<PageMapping> {
         let socket_name = page_protocol::socket_name(&wire.ref_file)?;
-        let key = (driver_key(driver), socket_name, device, pages);
+        let key = (driver_key(driver), socket_name, device, span_pages(&pages));
         if let Some(joined) = Self::join(driver, &key) {
             return Ok(joined);
         }
@@ -112,9 +133,7 @@ impl PageMapping {
             spans
                 .keys()
                 .filter(|k| k.0 == key)
-                .fold((0, 0), |(n, bytes), k| {
-                    (n + 1, bytes + k.3.count * k.3.page)
-                })
+                .fold((0, 0), |(n, bytes), k| (n + 1, bytes + k.3 .2 * k.3 .0))
         })
     }
 }
@@ -133,8 +152,8 @@ impl Drop for PageMapping {
             spans.remove(&self.key);
         }
         drop(table);
-        let pages = self.key.3;
-        unmap(self.driver.as_ref(), self.base, pages.count * pages.page);
+        let (page, _, count) = self.key.3;
+        unmap(self.driver.as_ref(), self.base, count * page);
     }
 }
 
@@ -195,19 +214,19 @@ fn fetch_and_map(
         .checked_mul(pages.page)
         .ok_or_else(|| Error::bad_handle("page span overflows"))?;
     let pid = wire.producer_pid;
-    let stream = socket::connect(socket_name, page_protocol::TIMEOUT).map_err(|err| {
-        Error::bad_handle(format!(
-            "cannot reach the page socket of process {pid} ({err})"
-        ))
-    })?;
+    let limits = PageSocketLimits::current();
+    let stream = socket::TimedStream::connect(
+        socket_name,
+        limits.deadline,
+        format!("the page socket of process {pid}"),
+    )?;
     let request = PageRequest {
         ref_file: wire.ref_file.clone(),
         slot: wire.slot,
         generation: wire.generation,
         pages,
     };
-    std::io::Write::write_all(&mut &stream, &request.encode())
-        .map_err(|e| Error::host_os("sending a page request", e))?;
+    stream.write_all(&request.encode(), "sending the page request")?;
     let mut span = PartialSpan {
         driver,
         base: driver.vm_reserve(device, size)?,
@@ -215,27 +234,53 @@ fn fetch_and_map(
         mapped: 0,
         done: false,
     };
-    let batches = pages.count.div_ceil(BATCH as u64);
-    for batch in 0..batches {
-        let batch = u32::try_from(batch).map_err(|_| Error::bad_handle("too many pages"))?;
-        let mut raw = [0u8; REPLY_SIZE];
-        let (len, fds) = socket::recv_fds(&stream, &mut raw, BATCH)?;
-        if len != REPLY_SIZE {
+    let mut message = vec![0u8; MAX_MESSAGE];
+    let mut batch = 0u32;
+    while span.mapped < pages.count {
+        let waiting = format!("waiting for batch {batch} of the answer");
+        let (mut len, fds) = stream.recv_fds(&mut message, BATCH, &waiting)?;
+        if len == 0 {
+            return Err(Error::host_os(
+                "recvmsg",
+                format!(
+                    "the page socket of process {pid} closed the connection before batch {batch} \
+                     (the producer stopped, or closed it at its deadline)"
+                ),
+            ));
+        }
+        if len < REPLY_SIZE {
+            stream.read_exact(&mut message[len..REPLY_SIZE], &waiting)?;
+            len = REPLY_SIZE;
+        }
+        let header = ReplyHeader::parse(&message[..REPLY_SIZE], batch, pages.count, span.mapped)?;
+        let whole = REPLY_SIZE + header.pages as usize * RECORD_SIZE;
+        if len > whole {
             return Err(Error::bad_handle(format!(
-                "the page socket sent {len} bytes where a {REPLY_SIZE}-byte header belongs \
-                 (the producer closed the connection?)"
+                "the page socket sent {len} bytes for a batch of {whole}"
             )));
         }
-        let header = ReplyHeader::parse(&raw, batch, pages.count)?;
-        if fds.len() as u64 != header.in_batch {
+        stream.read_exact(&mut message[len..whole], &waiting)?;
+        if fds.len() != header.fds as usize {
             return Err(Error::bad_handle(format!(
                 "the page socket announced {} descriptors and sent {}",
-                header.in_batch,
+                header.fds,
                 fds.len()
             )));
         }
-        for fd in fds {
-            let chunk = driver.vm_import_chunk(device, fd, pages.page)?;
+        // Each page: a chunk at an offset of one of the batch's descriptors (chunks of one file
+        // share its descriptor).
+        for raw in message[REPLY_SIZE..whole].chunks(RECORD_SIZE) {
+            let record = PageRecord::parse(raw, header.fds)?;
+            let file = fds
+                .get(record.fd_index as usize)
+                .ok_or_else(|| Error::bad_handle("a page record names a missing descriptor"))?
+                .try_clone()
+                .map_err(|e| Error::host_os("dup", e))?;
+            let exported = ExportedChunk {
+                fd: file,
+                offset: record.offset,
+            };
+            let chunk = driver.vm_import_chunk(device, exported, pages.page)?;
             let at = DeviceAddr(span.base.0 + span.mapped * pages.page);
             let mapped = driver.vm_map(at, chunk);
             // The mapping keeps the memory; the imported handle is not needed any more.
@@ -244,6 +289,19 @@ fn fetch_and_map(
             span.mapped += 1;
             released?;
         }
+        drop(fds);
+        let acknowledging = format!("acknowledging batch {batch}");
+        let acked = stream.write_all(&page_protocol::encode_ack(batch), &acknowledging);
+        match acked {
+            // The last acknowledgement only tells the producer it may close: every page is here.
+            Err(err) if span.mapped == pages.count => {
+                tracing::debug!(%err, "the last page acknowledgement was not taken");
+            }
+            other => other?,
+        }
+        batch = batch
+            .checked_add(1)
+            .ok_or_else(|| Error::bad_handle("too many batches"))?;
     }
     span.done = true;
     Ok(span.base)

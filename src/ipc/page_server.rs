@@ -1,44 +1,145 @@
-//! Producer side of sharing expandable memory: the registry of shared page spans and the thread
-//! that serves their chunks' descriptors over the page socket (`page_protocol.rs`).
+//! Producer side of sharing expandable memory: the registry of shared page spans, who may fetch
+//! them, and the thread that serves their chunks' descriptors over the page socket
+//! (`page_protocol.rs` the messages, `page_connections.rs` the connections).
 //!
 //! | shared storage (in an expandable segment) | registry entry            | served         |
 //! |-------------------------------------------|---------------------------|----------------|
-//! | first shared                              | added: key → pages, chunks | yes           |
-//! | alive, or in limbo (consumers count on it)| kept                      | yes            |
+//! | first shared                              | added: key → pages, chunks, page secret, its slot | to requests with the secret while a count is held |
+//! | alive, or in limbo (consumers count on it)| kept                      | the same       |
 //! | freed (its `SentData` dropped)            | removed *before* the block is freed | no (refused: not shared) |
 //!
 //! While an entry exists its block is allocated, so its pages stay mapped with the same chunks (the
 //! release paths only unmap pages wholly inside free blocks): a chunk id read under the registry
 //! lock is live, and exporting happens under that lock, batch by batch (the producer never holds
-//! more than one batch of exported descriptors). A consumer that asks holds a count on the slot —
-//! `pending` while it opens — so its storage cannot be freed during the exchange.
+//! more than one batch of exported descriptors per connection).
 //!
-//! The server is one thread per producer allocator, started with its first expandable share; it
-//! answers one connection at a time, each bounded by the protocol's timeout, and only peers of our
-//! own user (so teardown waits at most one timeout for a request in progress). It stops (and its socket is unlinked) when the allocator's IPC state drops; when
-//! storages stay in limbo at teardown it keeps serving them until the process exits, as their
+//! **Who is served (the threat model).** Peers of another user are refused by the socket file's
+//! mode (`0600`) and by `SO_PEERCRED`. Peers of our own user can ptrace us or read our memory
+//! outright where the system allows it, so nothing here defends against a determined process of
+//! our user; the point is that a *stray or confused* peer — one that lists `/dev/shm`, reads a
+//! ref-counter file, replays an old handle — can neither read a storage it was not given nor pin
+//! its memory. Everything such a peer can learn from files is public to it: the ref-counter files
+//! (names, slots, generations, counts) are readable and writable by our user, and their OFD locks
+//! are advisory — any process of our user can take the shared lock that marks a lease, and
+//! `F_OFD_GETLK` cannot tell *whose* lock it sees (`l_pid` is −1 for OFD locks, and it never
+//! reports the locks of the open file description it is asked through). So a lock or a count
+//! proves nothing about the requester. What
+//! authorizes is the **page secret**: 16 random bytes (`getrandom`) made when the storage is first
+//! shared, kept only in this registry and in the storage's handles (`WirePages::secret`), which
+//! travel only over the user's own channel to the processes it gives them to (and on from them,
+//! when a consumer forwards a storage). A request must carry it (compared in constant time). On
+//! top, the storage's slot must have a count (`pending` or `held` of the storage's generation —
+//! counts are anonymous, so this is "somebody counts", not "the requester counts"): an
+//! honest consumer asks while its handle's `pending` count is held, so a request for a storage
+//! nobody counts on any more — every handle opened and released, or expired and reclaimed — comes
+//! from a stale copy of a handle and is refused. What a served peer then reaches is the files of
+//! the chunks it got: on the host backend those are arenas holding other chunks of this producer
+//! too (`shm/vm.rs`), as a CUDA IPC handle reaches a whole allocation — the secret decides who
+//! gets a descriptor at all, not which bytes of its file a holder can map.
+//!
+//! The server is one thread per producer allocator, started with its first expandable share, that
+//! serves every connection at once without blocking (`page_connections.rs`), so stopping it never
+//! waits on a peer. It stops (and its socket is unlinked) when the allocator's IPC state drops;
+//! when storages stay in limbo at teardown it keeps serving them until the process exits, as their
 //! memory stays allocated until then. A forked child inherits neither thread nor socket: sharing
 //! through its parent's runtime is refused (`IpcState::check_process`).
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::os::unix::net::UnixStream;
+use std::os::fd::OwnedFd;
 
-use super::page_protocol::{self, PageRequest, Refusal, ReplyHeader, BATCH, REQUEST_SIZE};
-use super::wire::WirePages;
+use super::limbo::SlotCounters;
+use super::page_protocol::{PageRequest, Refusal};
+use super::refcount::RefCounterFile;
+use super::wire::PAGE_SECRET_SIZE;
 use super::SharedKey;
 use crate::alloc::PagesUnder;
-use crate::driver::{ChunkId, Driver};
+use crate::driver::{ChunkId, Driver, ExportedChunk};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::shm::socket::{self, ShmListener};
 use crate::sync::os::{Arc, Mutex};
 
+/// What the registry keeps of one shared span.
+#[derive(Debug)]
+struct Served {
+    pages: PagesUnder,
+    secret: [u8; PAGE_SECRET_SIZE],
+    /// The storage's ref-counter file (its slot is the key's).
+    file: Arc<RefCounterFile>,
+}
+
 /// Shared page spans by storage key.
 #[derive(Debug, Default)]
-struct Registry {
-    spans: Mutex<HashMap<SharedKey, PagesUnder>>,
+pub(super) struct Registry {
+    spans: Mutex<HashMap<SharedKey, Served>>,
+}
+
+/// Equality of two secrets in time independent of where they differ.
+fn same_secret(a: &[u8; PAGE_SECRET_SIZE], b: &[u8; PAGE_SECRET_SIZE]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Registry {
+    /// Whether `request` may be served (checked when it arrives): the storage is shared, the
+    /// request carries its secret, somebody counts on its slot, and it names the shared pages.
+    pub(super) fn authorize(&self, request: &PageRequest) -> std::result::Result<(), Refusal> {
+        let key = (request.ref_file.clone(), request.slot, request.generation);
+        let spans = self.spans.lock();
+        let served = spans.get(&key).ok_or(Refusal::NotShared)?;
+        if !same_secret(&served.secret, &request.pages.secret) {
+            return Err(Refusal::Unauthorized);
+        }
+        let counted = served
+            .file
+            .slot(request.slot)
+            .is_ok_and(|cell| cell.generation() == request.generation && cell.counts() != (0, 0));
+        if !counted {
+            return Err(Refusal::NoCount);
+        }
+        let asked = &request.pages;
+        let same = served.pages.page == asked.page
+            && served.pages.first == asked.first
+            && served.pages.chunks.len() as u64 == asked.count;
+        if !same {
+            return Err(Refusal::OtherPages);
+        }
+        Ok(())
+    }
+
+    /// Exports the chunks of pages `start .. start + n` of the span `request` names — under the
+    /// registry lock, so the span cannot be unregistered (and its chunks released) meanwhile.
+    pub(super) fn export(
+        &self,
+        driver: &dyn Driver,
+        request: &PageRequest,
+        start: u64,
+        n: u64,
+    ) -> std::result::Result<Vec<ExportedChunk>, Refusal> {
+        let key = (request.ref_file.clone(), request.slot, request.generation);
+        let spans = self.spans.lock();
+        let served = spans.get(&key).ok_or(Refusal::NotShared)?;
+        if !same_secret(&served.secret, &request.pages.secret)
+            || served.pages.chunks.len() as u64 != request.pages.count
+        {
+            return Err(Refusal::OtherPages);
+        }
+        let from = usize::try_from(start).map_err(|_| Refusal::Malformed)?;
+        let to = usize::try_from(start.saturating_add(n)).map_err(|_| Refusal::Malformed)?;
+        let chunks: &[ChunkId] = served
+            .pages
+            .chunks
+            .get(from..to)
+            .ok_or(Refusal::Malformed)?;
+        chunks
+            .iter()
+            .map(|&chunk| {
+                driver.vm_export_chunk(chunk).map_err(|err| {
+                    tracing::warn!(%err, "exporting a chunk for a consumer failed");
+                    Refusal::ExportFailed
+                })
+            })
+            .collect()
+    }
 }
 
 /// A registered span; dropping it unregisters (before the storage's block is freed).
@@ -46,12 +147,47 @@ struct Registry {
 pub(crate) struct SpanRegistration {
     registry: Arc<Registry>,
     key: SharedKey,
+    secret: [u8; PAGE_SECRET_SIZE],
+}
+
+impl SpanRegistration {
+    /// The span's page secret (for the storage's handles).
+    pub(crate) fn secret(&self) -> [u8; PAGE_SECRET_SIZE] {
+        self.secret
+    }
 }
 
 impl Drop for SpanRegistration {
     fn drop(&mut self) {
         self.registry.spans.lock().remove(&self.key);
     }
+}
+
+/// A fresh page secret from the kernel's random source (never all zero: zero means "none").
+fn new_secret() -> Result<[u8; PAGE_SECRET_SIZE]> {
+    let mut secret = [0u8; PAGE_SECRET_SIZE];
+    while secret == [0; PAGE_SECRET_SIZE] {
+        fill_random(&mut secret)?;
+    }
+    Ok(secret)
+}
+
+fn fill_random(buf: &mut [u8]) -> Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let rest = &mut buf[filled..];
+        // SAFETY: `rest` is valid for writes of its length; getrandom writes at most that many.
+        let got = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if got < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::host_os("getrandom", err));
+        }
+        filled += got as usize;
+    }
+    Ok(())
 }
 
 /// The page socket of one producer allocator and its serving thread.
@@ -68,12 +204,18 @@ impl PageServer {
     /// Binds the page socket `name` and starts serving.
     pub(crate) fn start(driver: Arc<dyn Driver>, name: &str) -> Result<Self> {
         let listener = ShmListener::bind(name)?;
+        listener
+            .listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::host_os("fcntl(O_NONBLOCK)", e))?;
         let (wake, stop) = socket::wake_pipe()?;
         let registry = Arc::new(Registry::default());
         let served = Arc::clone(&registry);
         let thread = std::thread::Builder::new()
             .name("cudalloc-pages".into())
-            .spawn(move || serve(&listener, &wake, &served, driver.as_ref()))
+            .spawn(move || {
+                super::page_connections::serve(&listener, &wake, &served, driver.as_ref())
+            })
             .map_err(|e| Error::host_os("spawning the page server", e))?;
         Ok(PageServer {
             registry,
@@ -83,13 +225,26 @@ impl PageServer {
         })
     }
 
-    /// Serves `pages` for the storage `key` until the returned registration drops.
-    pub(crate) fn register(&self, key: SharedKey, pages: PagesUnder) -> SpanRegistration {
-        self.registry.spans.lock().insert(key.clone(), pages);
-        SpanRegistration {
+    /// Serves `pages` for the storage `key` (whose slot is in `file`) until the returned
+    /// registration drops; the registration carries the span's new page secret.
+    pub(crate) fn register(
+        &self,
+        key: SharedKey,
+        pages: PagesUnder,
+        file: Arc<RefCounterFile>,
+    ) -> Result<SpanRegistration> {
+        let secret = new_secret()?;
+        let served = Served {
+            pages,
+            secret,
+            file,
+        };
+        self.registry.spans.lock().insert(key.clone(), served);
+        Ok(SpanRegistration {
             registry: Arc::clone(&self.registry),
             key,
-        }
+            secret,
+        })
     }
 
     /// Lets the thread serve until the process exits (storages stayed in limbo at teardown).
@@ -109,6 +264,8 @@ impl Drop for PageServer {
             std::mem::forget(self.thread.take());
             return;
         }
+        // The thread blocks on nothing but its poll, which the closed pipe ends: the join is
+        // bounded by one pass of its loop, whatever the peers do.
         drop(self.stop.take());
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
@@ -116,132 +273,21 @@ impl Drop for PageServer {
     }
 }
 
-/// Waits for connections (or the stop pipe) and answers them one at a time.
-fn serve(listener: &ShmListener, wake: &OwnedFd, registry: &Registry, driver: &dyn Driver) {
-    let mut fds = [
-        libc::pollfd {
-            fd: listener.listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: wake.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
-    loop {
-        // SAFETY: `fds` is a valid array of two pollfd entries whose descriptors stay open (the
-        // listener and the pipe live as long as this loop).
-        let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if rc < 0 {
-            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            tracing::error!(err = %std::io::Error::last_os_error(), "page server: poll failed; stopping");
-            return;
-        }
-        if fds[1].revents != 0 {
-            return; // the stop pipe closed
-        }
-        if fds[0].revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
-            // A broken listener never becomes readable again: stop rather than spin.
-            tracing::error!(
-                socket = listener.name(),
-                "page server: the socket failed; stopping"
-            );
-            return;
-        }
-        if fds[0].revents & libc::POLLIN == 0 {
-            continue;
-        }
-        match listener.listener.accept() {
-            Ok((stream, _)) => {
-                if let Err(err) = answer(&stream, registry, driver) {
-                    tracing::debug!(%err, socket = listener.name(), "page request not served");
-                }
-            }
-            Err(err) => tracing::debug!(%err, "page server: accept failed"),
-        }
-    }
-}
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
 
-/// Answers one connection.
-fn answer(stream: &UnixStream, registry: &Registry, driver: &dyn Driver) -> Result<()> {
-    socket::set_timeouts(stream, page_protocol::TIMEOUT)?;
-    if !socket::peer_is_our_user(stream)? {
-        return Err(Error::invalid("a process of another user asked for pages"));
-    }
-    let mut raw = [0u8; REQUEST_SIZE];
-    (&*stream)
-        .read_exact(&mut raw)
-        .map_err(|e| Error::host_os("reading a page request", e))?;
-    let refuse = |refusal: Refusal, count: u64| {
-        let header = ReplyHeader {
-            refusal: Some(refusal),
-            batch: 0,
-            count,
-            in_batch: 0,
-        };
-        let sent = (&*stream).write_all(&header.encode());
-        sent.map_err(|e| Error::host_os("answering a page request", e))
-    };
-    let request = match PageRequest::parse(&raw) {
-        Ok(r) => r,
-        Err(err) => {
-            refuse(Refusal::Malformed, 0)?;
-            return Err(err);
-        }
-    };
-    let key = (request.ref_file.clone(), request.slot, request.generation);
-    let count = request.pages.count;
-    let batches = count.div_ceil(BATCH as u64);
-    for batch in 0..batches {
-        let exported = match export_batch(registry, driver, &key, &request.pages, batch) {
-            Ok(fds) => fds,
-            Err(refusal) => return refuse(refusal, count),
-        };
-        let header = ReplyHeader {
-            refusal: None,
-            batch: u32::try_from(batch).map_err(|_| Error::invalid("too many batches"))?,
-            count,
-            in_batch: exported.len() as u64,
-        };
-        let borrowed: Vec<BorrowedFd<'_>> = exported.iter().map(AsFd::as_fd).collect();
-        socket::send_fds(stream, &header.encode(), &borrowed)?;
-    }
-    Ok(())
-}
+    use super::*;
 
-/// Exports the chunks of batch `batch` of the span registered under `key` — under the registry
-/// lock, so the span cannot be unregistered (and its chunks released) meanwhile.
-fn export_batch(
-    registry: &Registry,
-    driver: &dyn Driver,
-    key: &SharedKey,
-    asked: &WirePages,
-    batch: u64,
-) -> std::result::Result<Vec<OwnedFd>, Refusal> {
-    let spans = registry.spans.lock();
-    let span = spans.get(key).ok_or(Refusal::NotShared)?;
-    let same = span.page == asked.page
-        && span.first == asked.first
-        && span.chunks.len() as u64 == asked.count;
-    if !same {
-        return Err(Refusal::OtherPages);
+    #[test]
+    fn secrets_are_random_and_compared_whole() {
+        let a = new_secret().unwrap();
+        let b = new_secret().unwrap();
+        assert_ne!(a, b);
+        assert_ne!(a, [0; PAGE_SECRET_SIZE]);
+        assert!(same_secret(&a, &a));
+        let mut c = a;
+        c[PAGE_SECRET_SIZE - 1] ^= 1;
+        assert!(!same_secret(&a, &c));
     }
-    let start = usize::try_from(batch).map_err(|_| Refusal::Malformed)? * BATCH;
-    let chunks: &[ChunkId] = span
-        .chunks
-        .get(start..(start + BATCH).min(span.chunks.len()))
-        .ok_or(Refusal::Malformed)?;
-    chunks
-        .iter()
-        .map(|&chunk| {
-            driver.vm_export_chunk(chunk).map_err(|err| {
-                tracing::warn!(%err, "exporting a chunk for a consumer failed");
-                Refusal::ExportFailed
-            })
-        })
-        .collect()
 }

@@ -116,18 +116,19 @@ impl IpcState {
                     self.give_back_slot(&slot);
                     return Err(Box::new((err, original)));
                 }
-                let wire = WirePages {
-                    page: pages.page,
-                    first: pages.first,
-                    count: pages.chunks.len() as u64,
-                };
+                let (page, first, count) = (pages.page, pages.first, pages.chunks.len() as u64);
                 let key = (slot.file.name().to_owned(), slot.slot, slot.generation);
-                match self.serve_pages(key, pages) {
+                match self.serve_pages(key, pages, Arc::clone(&slot.file)) {
                     Ok(registration) => (
-                        Some(wire),
+                        Some(WirePages {
+                            page,
+                            first,
+                            count,
+                            secret: registration.secret(),
+                        }),
                         Some(registration),
-                        wire.first,
-                        wire.count * wire.page,
+                        first,
+                        count * page,
                     ),
                     Err(err) => {
                         self.give_back_slot(&slot);

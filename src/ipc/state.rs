@@ -132,16 +132,21 @@ impl IpcState {
         }
     }
 
-    /// Serves `pages` of the storage `key` to consumers until the registration drops (starting
-    /// this allocator's page server on first use).
-    pub fn serve_pages(&self, key: SharedKey, pages: PagesUnder) -> Result<SpanRegistration> {
+    /// Serves `pages` of the storage `key` (whose slot is in `file`) to consumers until the
+    /// registration drops (starting this allocator's page server on first use).
+    pub fn serve_pages(
+        &self,
+        key: SharedKey,
+        pages: PagesUnder,
+        file: Arc<RefCounterFile>,
+    ) -> Result<SpanRegistration> {
         let mut server = self.page_server.lock();
         if server.is_none() {
             let name = crate::shm::object_name(self.pid, self.nonce, page_protocol::SOCKET_TAG, 0);
             *server = Some(PageServer::start(Arc::clone(&self.driver), &name)?);
         }
         match server.as_ref() {
-            Some(s) => Ok(s.register(key, pages)),
+            Some(s) => s.register(key, pages, file),
             None => Err(crate::Error::invalid("page server missing")),
         }
     }

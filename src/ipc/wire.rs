@@ -22,9 +22,11 @@
 //!
 //! Memory of an expandable segment is not one driver allocation but pages (chunks of physical
 //! memory), so bytes 24..88 name the pages under the storage instead: magic `cdalPGS1`, page size,
-//! address of the first page in the producer, page count (then zero). The segment is those pages
-//! (`segment size = count × page`, `offset` from the first page); the consumer fetches their
-//! descriptors from the producer's chunk socket (`chunk_server.rs`).
+//! address of the first page in the producer, page count, the storage's page secret (16 bytes,
+//! never zero), then zero. The segment is those pages (`segment size = count × page`, `offset` from
+//! the first page); the consumer fetches their descriptors from the producer's page socket
+//! (`page_server.rs`), which serves them only to a request that carries the secret: it is in no
+//! file, only in the producer's memory and in the handles of the storage.
 //!
 //! [`WireHandle::parse`] trusts nothing and never panics: every field is checked (magic,
 //! version, backend, flags, pid, name pattern, `offset + nbytes <= segment size` without overflow,
@@ -87,8 +89,11 @@ pub struct WireHandle {
     pub pages: Option<WirePages>,
 }
 
+/// Bytes of a storage's page secret.
+pub const PAGE_SECRET_SIZE: usize = 16;
+
 /// The pages of a producer's expandable segment under a shared storage.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct WirePages {
     /// Bytes per page (a power of two, 4 KiB to 1 GiB).
@@ -97,6 +102,21 @@ pub struct WirePages {
     pub first: u64,
     /// Number of pages (at least one); `count × page` is the handle's segment size.
     pub count: u64,
+    /// The storage's page secret (random, never all zero): the producer's page socket serves the
+    /// pages only to a request that carries it — only processes given a handle know it.
+    pub secret: [u8; PAGE_SECRET_SIZE],
+}
+
+impl std::fmt::Debug for WirePages {
+    /// Everything but the secret (handles end up in logs).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WirePages")
+            .field("page", &self.page)
+            .field("first", &self.first)
+            .field("count", &self.count)
+            .field("secret", &"<redacted>")
+            .finish()
+    }
 }
 
 impl WirePages {
@@ -106,6 +126,7 @@ impl WirePages {
         codec::put(&mut b, 8, &self.page.to_le_bytes());
         codec::put(&mut b, 16, &self.first.to_le_bytes());
         codec::put(&mut b, 24, &self.count.to_le_bytes());
+        codec::put(&mut b, 32, &self.secret);
         b
     }
 
@@ -114,13 +135,22 @@ impl WirePages {
         if b.len() != IPC_HANDLE_SIZE || b[0..8] != PAGES_MAGIC {
             return Err(bad("expandable handle without its page description"));
         }
-        if b[32..].iter().any(|&c| c != 0) {
+        let secret_end = 32 + PAGE_SECRET_SIZE;
+        if b[secret_end..].iter().any(|&c| c != 0) {
             return Err(bad("reserved page-description bytes are not zero"));
+        }
+        let mut secret = [0u8; PAGE_SECRET_SIZE];
+        secret.copy_from_slice(&b[32..secret_end]);
+        if secret == [0; PAGE_SECRET_SIZE] {
+            return Err(bad(
+                "expandable handle without its page secret (made by an older cudalloc?)",
+            ));
         }
         let pages = WirePages {
             page: codec::u64_at(b, 8),
             first: codec::u64_at(b, 16),
             count: codec::u64_at(b, 24),
+            secret,
         };
         if !pages.page.is_power_of_two() || !(MIN_PAGE..=MAX_PAGE).contains(&pages.page) {
             return Err(bad(format!(
@@ -440,6 +470,7 @@ mod tests {
                 page: 2 << 20,
                 first: 0x7f00_0000_0000,
                 count: 3,
+                secret: [0xc3; PAGE_SECRET_SIZE],
             }),
             ..sample()
         }
@@ -464,7 +495,12 @@ mod tests {
     fn rejects_page_descriptions_that_do_not_add_up() {
         let with = |page: u64, first: u64, count: u64| {
             let h = WireHandle {
-                pages: Some(WirePages { page, first, count }),
+                pages: Some(WirePages {
+                    page,
+                    first,
+                    count,
+                    secret: [1; PAGE_SECRET_SIZE],
+                }),
                 ..expandable()
             };
             WireHandle::parse(&h.encode())
@@ -497,6 +533,15 @@ mod tests {
         let sum = checksum(&bytes[0..SUMMED]);
         bytes[SUMMED..].copy_from_slice(&sum.to_le_bytes());
         assert!(WireHandle::parse(&bytes).is_err());
+        let secretless = WireHandle {
+            pages: expandable().pages.map(|p| WirePages {
+                secret: [0; PAGE_SECRET_SIZE],
+                ..p
+            }),
+            ..expandable()
+        };
+        let err = WireHandle::parse(&secretless.encode()).unwrap_err();
+        assert!(err.to_string().contains("page secret"), "{err}");
         let mut flags = expandable().encode();
         flags[11] = 0b110; // expandable and empty
         let sum = checksum(&flags[0..SUMMED]);

@@ -325,8 +325,14 @@ impl SharedMemory {
         if self.creator.is_some() {
             return true;
         }
-        ofd_lock(&self.file, libc::F_WRLCK, libc::F_OFD_GETLK, CREATOR_BYTE, 1)
-            .map_or(true, |fl| fl.l_type != libc::F_UNLCK as libc::c_short)
+        ofd_lock(
+            &self.file,
+            libc::F_WRLCK,
+            libc::F_OFD_GETLK,
+            CREATOR_BYTE,
+            1,
+        )
+        .map_or(true, |fl| fl.l_type != libc::F_UNLCK as libc::c_short)
     }
 
     /// The open file (for `fcntl` locks on its bytes).

@@ -5,12 +5,18 @@
 //! A listening socket is an object like the others: named `cudalloc-<pid>-<nonce>-<tag><n>`, its
 //! file made `0600` right after `bind` (the umask already denies others the write permission that
 //! `connect` needs), unlinked at drop or process exit, swept when its creator died. The server
-//! also checks that every peer runs as our effective user (`SO_PEERCRED`).
+//! also checks that every peer runs as our effective user (`SO_PEERCRED`: [`peer_credentials`],
+//! which also names the peer process, for per-peer limits).
 //!
 //! One message carries a payload of bytes and up to [`MAX_FDS`] descriptors. Received descriptors
 //! are opened close-on-exec. What arrives is untrusted: a truncated control message, more
 //! descriptors than asked for, or a malformed header closes every descriptor that did arrive and is
 //! an error — never a leak, never a panic.
+//!
+//! | side   | how it waits                                                                 |
+//! |--------|------------------------------------------------------------------------------|
+//! | server | never: nonblocking sockets ([`send_fds_nonblocking`]) under one `poll`; [`unread_bytes`] (`SIOCOUTQ`) tells whether a peer has read what was sent — descriptors in its receive queue keep their files alive until it reads or closes |
+//! | client | [`TimedStream`]: the connect (against a full backlog) and every read and write bounded by one timeout; one that runs out is an error saying "timeout: <step> took longer than …" |
 
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -64,36 +70,184 @@ impl Drop for ShmListener {
     }
 }
 
-/// Connects to the socket `name` in `/dev/shm`; reads and writes time out after `timeout`.
-pub(crate) fn connect(name: &str, timeout: Duration) -> Result<UnixStream> {
-    validate_name(name)?;
-    let stream = UnixStream::connect(path_of(name)).map_err(|e| Error::host_os("connect", e))?;
-    set_timeouts(&stream, timeout)?;
-    Ok(stream)
-}
-
-/// Reads and writes on `stream` time out after `timeout` (a silent peer is an error, not a hang).
-pub(crate) fn set_timeouts(stream: &UnixStream, timeout: Duration) -> Result<()> {
-    stream
-        .set_read_timeout(Some(timeout))
-        .and_then(|()| stream.set_write_timeout(Some(timeout)))
-        .map_err(|e| Error::host_os("setsockopt(SO_RCVTIMEO)", e))
-}
-
-/// A pipe (read end, write end), closed on exec: closing the write end wakes a `poll` on the read
-/// end (how a serving thread is told to stop).
-pub(crate) fn wake_pipe() -> Result<(OwnedFd, OwnedFd)> {
-    let mut ends = [-1 as RawFd; 2];
-    // SAFETY: `ends` is a valid array of two ints for pipe2 to fill.
-    if unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(os("pipe2"));
+/// Connects to the socket at `path`; the connect itself (a listener whose backlog is full), and
+/// every later read and write, time out after `timeout`.
+fn connect_with_timeout(path: &std::path::Path, timeout: Duration) -> std::io::Result<UnixStream> {
+    let bytes = path.as_os_str().as_encoded_bytes();
+    // SAFETY: sockaddr_un is plain data; all-zero is a valid (empty) address.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("socket path {path:?} is too long"),
+        ));
     }
-    // SAFETY: pipe2 succeeded: both descriptors are new and ours alone.
-    Ok(unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) })
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (at, &b) in addr.sun_path.iter_mut().zip(bytes) {
+        *at = b as libc::c_char;
+    }
+    // SAFETY: socket has no memory preconditions; the result is checked.
+    let raw = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a new descriptor owned by nothing else.
+    let stream = UnixStream::from(unsafe { OwnedFd::from_raw_fd(raw) });
+    // Linux bounds a blocking connect to a Unix socket by the send timeout.
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+    loop {
+        // SAFETY: `addr` is a valid sockaddr_un of `len` bytes; the socket is open.
+        let rc = unsafe {
+            libc::connect(
+                stream.as_raw_fd(),
+                (&addr as *const libc::sockaddr_un).cast(),
+                len,
+            )
+        };
+        if rc == 0 {
+            return Ok(stream);
+        }
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
 }
 
-/// Whether the process at the other end of `stream` runs as our effective user.
-pub(crate) fn peer_is_our_user(stream: &UnixStream) -> Result<bool> {
+/// Whether an I/O error of a socket with timeouts is its timeout running out.
+pub(crate) fn is_timeout(kind: std::io::ErrorKind) -> bool {
+    matches!(
+        kind,
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
+
+/// A blocking stream whose every step is bounded by its timeout, and whose errors say which step
+/// timed out ("timeout: <what> took longer than …") and with whom.
+#[derive(Debug)]
+pub(crate) struct TimedStream {
+    stream: UnixStream,
+    timeout: Duration,
+    peer: String,
+}
+
+impl TimedStream {
+    /// Connects to the socket `name` in `/dev/shm`; `peer` names the other side in errors. A
+    /// connect that times out is a (retryable) driver error that says "timeout"; one that fails
+    /// otherwise (no such socket, refused) is an error of the handle that named it.
+    pub(crate) fn connect(name: &str, timeout: Duration, peer: String) -> Result<Self> {
+        validate_name(name)?;
+        match connect_with_timeout(&path_of(name), timeout) {
+            Ok(stream) => Ok(TimedStream {
+                stream,
+                timeout,
+                peer,
+            }),
+            Err(err) if is_timeout(err.kind()) => Err(Error::host_os(
+                "connect",
+                format!(
+                    "timeout: connecting to {peer} took longer than {timeout:?} (its backlog is \
+                     full and nothing accepts)"
+                ),
+            )),
+            Err(err) => Err(Error::bad_handle(format!("cannot reach {peer} ({err})"))),
+        }
+    }
+
+    fn failed(&self, call: &'static str, what: &str, err: &std::io::Error) -> Error {
+        if is_timeout(err.kind()) {
+            Error::host_os(
+                call,
+                format!(
+                    "timeout: {what} took longer than {:?} ({})",
+                    self.timeout, self.peer
+                ),
+            )
+        } else {
+            Error::host_os(call, format!("{what} ({}): {err}", self.peer))
+        }
+    }
+
+    /// Writes all of `bytes` (never raising `SIGPIPE`: a peer that closed is an error); `what`
+    /// names the step in errors.
+    pub(crate) fn write_all(&self, bytes: &[u8], what: &str) -> Result<()> {
+        let mut sent = 0;
+        while sent < bytes.len() {
+            let rest = &bytes[sent..];
+            // SAFETY: `rest` is valid for reads of its length; the socket is open.
+            let n = unsafe {
+                libc::send(
+                    self.stream.as_raw_fd(),
+                    rest.as_ptr().cast(),
+                    rest.len(),
+                    libc::MSG_NOSIGNAL,
+                )
+            };
+            if n < 0 {
+                let err = std::io::Error::last_os_error();
+                match err.kind() {
+                    std::io::ErrorKind::Interrupted => continue,
+                    std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
+                        return Err(Error::host_os(
+                            "send",
+                            format!("{what}: {} closed the connection", self.peer),
+                        ))
+                    }
+                    _ => return Err(self.failed("send", what, &err)),
+                }
+            }
+            sent += n as usize;
+        }
+        Ok(())
+    }
+
+    /// Fills `buf`; `what` names the step in errors.
+    pub(crate) fn read_exact(&self, buf: &mut [u8], what: &str) -> Result<()> {
+        std::io::Read::read_exact(&mut &self.stream, buf).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                Error::host_os(
+                    "read",
+                    format!("{what}: {} closed the connection midway", self.peer),
+                )
+            } else {
+                self.failed("read", what, &e)
+            }
+        })
+    }
+
+    /// [`recv_fds`] with this stream's timeout; `what` names the step in errors.
+    pub(crate) fn recv_fds(
+        &self,
+        payload: &mut [u8],
+        max_fds: usize,
+        what: &str,
+    ) -> Result<(usize, Vec<OwnedFd>)> {
+        recv_message(&self.stream, payload, max_fds).map_err(|failure| match failure {
+            RecvFailure::Os(err) => self.failed("recvmsg", what, &err),
+            RecvFailure::Malformed(err) => err,
+        })
+    }
+}
+
+/// Who is at the other end of a connection (`SO_PEERCRED`: as of `connect`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PeerCredentials {
+    pub pid: u32,
+    pub uid: u32,
+}
+
+impl PeerCredentials {
+    /// Whether the peer runs as our effective user.
+    pub(crate) fn is_our_user(self) -> bool {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        self.uid == unsafe { libc::geteuid() }
+    }
+}
+
+/// The credentials of the process at the other end of `stream`.
+pub(crate) fn peer_credentials(stream: &UnixStream) -> Result<PeerCredentials> {
     // SAFETY: ucred is plain data; all-zero is a valid value.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -110,8 +264,45 @@ pub(crate) fn peer_is_our_user(stream: &UnixStream) -> Result<bool> {
     if rc != 0 {
         return Err(os("getsockopt(SO_PEERCRED)"));
     }
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    Ok(cred.uid == unsafe { libc::geteuid() })
+    Ok(PeerCredentials {
+        pid: u32::try_from(cred.pid).unwrap_or(0),
+        uid: cred.uid,
+    })
+}
+
+/// The (device, inode) of the file `fd` names: two descriptors of one file name the same memory.
+pub(crate) fn file_identity(fd: &OwnedFd) -> Result<(u64, u64)> {
+    // SAFETY: `stat` is plain data; all-zero is a valid value for fstat to overwrite.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: the descriptor is open and `st` is valid for writes.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(os("fstat"));
+    }
+    Ok((st.st_dev, st.st_ino))
+}
+
+/// Bytes we sent on `stream` that the peer has not read yet (`SIOCOUTQ`): descriptors in them are
+/// still in the peer's receive queue, keeping their files alive, until it reads them or closes.
+pub(crate) fn unread_bytes(stream: &UnixStream) -> Result<usize> {
+    let mut queued: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one int through the pointer, which is valid.
+    let rc = unsafe { libc::ioctl(stream.as_raw_fd(), libc::TIOCOUTQ, &mut queued) };
+    if rc != 0 {
+        return Err(os("ioctl(SIOCOUTQ)"));
+    }
+    Ok(usize::try_from(queued).unwrap_or(0))
+}
+
+/// A pipe (read end, write end), closed on exec: closing the write end wakes a `poll` on the read
+/// end (how a serving thread is told to stop).
+pub(crate) fn wake_pipe() -> Result<(OwnedFd, OwnedFd)> {
+    let mut ends = [-1 as RawFd; 2];
+    // SAFETY: `ends` is a valid array of two ints for pipe2 to fill.
+    if unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(os("pipe2"));
+    }
+    // SAFETY: pipe2 succeeded: both descriptors are new and ours alone.
+    Ok(unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) })
 }
 
 /// The most descriptors one message carries (the kernel's `SCM_MAX_FD` is 253).
@@ -127,13 +318,45 @@ fn control_len(n: usize) -> usize {
     unsafe { libc::CMSG_SPACE((n * std::mem::size_of::<RawFd>()) as u32) as usize }
 }
 
-/// Sends `payload` (at least one byte) and `fds` in one message.
+/// Sends `payload` (at least one byte) and `fds` in one message, blocking (bounded by the
+/// socket's send timeout) until all of it is sent. (The page server sends without blocking,
+/// [`send_fds_nonblocking`]; this is for tests.)
+#[cfg(test)]
 pub(crate) fn send_fds(socket: &UnixStream, payload: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+    let sent = sendmsg(socket, payload, fds, 0).map_err(|e| Error::host_os("sendmsg", e))?;
+    if sent != payload.len() {
+        return Err(Error::host_os(
+            "sendmsg",
+            format!("sent {sent} of {} payload bytes", payload.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// Sends what fits of `payload` now, with `fds` attached to its first byte, without blocking:
+/// the bytes sent (the descriptors went with them if any was), or `WouldBlock`.
+pub(crate) fn send_fds_nonblocking(
+    socket: &UnixStream,
+    payload: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> std::io::Result<usize> {
+    sendmsg(socket, payload, fds, libc::MSG_DONTWAIT)
+}
+
+fn sendmsg(
+    socket: &UnixStream,
+    payload: &[u8],
+    fds: &[BorrowedFd<'_>],
+    flags: libc::c_int,
+) -> std::io::Result<usize> {
     if payload.is_empty() || fds.len() > MAX_FDS {
-        return Err(Error::invalid(format!(
-            "a descriptor message needs a payload and at most {MAX_FDS} descriptors ({} given)",
-            fds.len()
-        )));
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "a descriptor message needs a payload and at most {MAX_FDS} descriptors ({} given)",
+                fds.len()
+            ),
+        ));
     }
     let mut control = vec![0u8; control_len(fds.len().max(1))];
     let mut iov = libc::iovec {
@@ -161,27 +384,47 @@ pub(crate) fn send_fds(socket: &UnixStream, payload: &[u8], fds: &[BorrowedFd<'_
             }
         }
     }
-    // SAFETY: `msg` points at live buffers for the duration of the call.
-    let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    if sent < 0 {
-        return Err(os("sendmsg"));
+    loop {
+        // SAFETY: `msg` points at live buffers for the duration of the call.
+        let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | flags) };
+        if sent >= 0 {
+            return Ok(sent as usize);
+        }
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            return Err(err);
+        }
     }
-    if sent as usize != payload.len() {
-        return Err(Error::host_os(
-            "sendmsg",
-            format!("sent {sent} of {} payload bytes", payload.len()),
-        ));
-    }
-    Ok(())
+}
+
+/// Why receiving a descriptor message failed.
+enum RecvFailure {
+    /// The call failed (a timeout, the peer gone, …).
+    Os(std::io::Error),
+    /// What arrived is not a well-formed message (its descriptors are closed).
+    Malformed(Error),
 }
 
 /// Receives one message into `payload` with at most `max_fds` descriptors; returns the payload
-/// length and the descriptors (owned, close-on-exec).
+/// length and the descriptors (owned, close-on-exec). (Consumers receive through
+/// [`TimedStream::recv_fds`]; this is for tests.)
+#[cfg(test)]
 pub(crate) fn recv_fds(
     socket: &UnixStream,
     payload: &mut [u8],
     max_fds: usize,
 ) -> Result<(usize, Vec<OwnedFd>)> {
+    recv_message(socket, payload, max_fds).map_err(|failure| match failure {
+        RecvFailure::Os(err) => Error::host_os("recvmsg", err),
+        RecvFailure::Malformed(err) => err,
+    })
+}
+
+fn recv_message(
+    socket: &UnixStream,
+    payload: &mut [u8],
+    max_fds: usize,
+) -> std::result::Result<(usize, Vec<OwnedFd>), RecvFailure> {
     let max_fds = max_fds.min(MAX_FDS);
     let space = control_len(max_fds.max(1));
     let mut control = vec![MaybeUninit::<u8>::zeroed(); space];
@@ -195,11 +438,17 @@ pub(crate) fn recv_fds(
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
     msg.msg_controllen = space as _;
-    // SAFETY: `msg` points at live, writable buffers of the sizes it states.
-    let got = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if got < 0 {
-        return Err(os("recvmsg"));
-    }
+    let got = loop {
+        // SAFETY: `msg` points at live, writable buffers of the sizes it states.
+        let got = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if got >= 0 {
+            break got;
+        }
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            return Err(RecvFailure::Os(err));
+        }
+    };
     // Take ownership of whatever arrived first, so every error path below closes it.
     let mut fds = Vec::new();
     let mut malformed = false;
@@ -228,11 +477,11 @@ pub(crate) fn recv_fds(
         }
     }
     if msg.msg_flags & libc::MSG_CTRUNC != 0 || malformed || fds.len() > max_fds {
-        return Err(Error::bad_handle(format!(
+        return Err(RecvFailure::Malformed(Error::bad_handle(format!(
             "a descriptor message was truncated or malformed ({} descriptor(s) arrived, at most \
              {max_fds} expected); all closed",
             fds.len()
-        )));
+        ))));
     }
     Ok((got as usize, fds))
 }
@@ -256,15 +505,15 @@ mod tests {
             })
             .unwrap();
         }
-        let exported: Vec<OwnedFd> = chunks.iter().map(|c| c.export().unwrap()).collect();
-        let borrowed: Vec<BorrowedFd<'_>> = exported.iter().map(|f| f.as_fd()).collect();
+        let exported: Vec<(OwnedFd, u64)> = chunks.iter().map(|c| c.export().unwrap()).collect();
+        let borrowed: Vec<BorrowedFd<'_>> = exported.iter().map(|(f, _)| f.as_fd()).collect();
         send_fds(&a, b"chunks", &borrowed).unwrap();
         let mut payload = [0u8; 16];
         let (n, fds) = recv_fds(&b, &mut payload, 8).unwrap();
         assert_eq!(&payload[..n], b"chunks");
         assert_eq!(fds.len(), 3);
         for (i, fd) in fds.into_iter().enumerate() {
-            let chunk = Chunk::import(fd, 4096).unwrap();
+            let chunk = Chunk::import(fd, exported[i].1, 4096).unwrap();
             chunk
                 .with_mapping(|addr, _| {
                     // SAFETY: a fresh mapping of the chunk's 4096 bytes.
@@ -278,12 +527,60 @@ mod tests {
     fn more_descriptors_than_expected_are_closed_and_refused() {
         let (a, b) = UnixStream::pair().unwrap();
         let chunks: Vec<Chunk> = (0..4).map(|_| Chunk::create(4096).unwrap()).collect();
-        let exported: Vec<OwnedFd> = chunks.iter().map(|c| c.export().unwrap()).collect();
-        let borrowed: Vec<BorrowedFd<'_>> = exported.iter().map(|f| f.as_fd()).collect();
+        let exported: Vec<(OwnedFd, u64)> = chunks.iter().map(|c| c.export().unwrap()).collect();
+        let borrowed: Vec<BorrowedFd<'_>> = exported.iter().map(|(f, _)| f.as_fd()).collect();
         send_fds(&a, b"x", &borrowed).unwrap();
         let mut payload = [0u8; 4];
         let err = recv_fds(&b, &mut payload, 2).unwrap_err();
         assert_eq!(err.kind(), crate::ErrorKind::InvalidIpcHandle, "{err}");
         assert!(send_fds(&a, b"", &[]).is_err(), "a message needs a payload");
+    }
+
+    #[test]
+    fn unread_bytes_are_what_the_peer_has_not_read_yet() {
+        let (a, b) = UnixStream::pair().unwrap();
+        assert_eq!(unread_bytes(&a).unwrap(), 0);
+        assert_eq!(send_fds_nonblocking(&a, b"0123456789", &[]).unwrap(), 10);
+        assert!(unread_bytes(&a).unwrap() > 0, "queued in the peer");
+        let mut got = [0u8; 10];
+        std::io::Read::read_exact(&mut &b, &mut got).unwrap();
+        assert_eq!(
+            unread_bytes(&a).unwrap(),
+            0,
+            "read: nothing pinned any more"
+        );
+        let (fd, _) = Chunk::create(4096).unwrap().export().unwrap();
+        let again = fd.try_clone().unwrap();
+        assert_eq!(file_identity(&fd).unwrap(), file_identity(&again).unwrap());
+    }
+
+    #[test]
+    fn a_timed_stream_says_timeout_and_names_the_step() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let timeout = Duration::from_millis(20);
+        a.set_read_timeout(Some(timeout)).unwrap();
+        let stream = TimedStream {
+            stream: a,
+            timeout,
+            peer: "the test's peer".into(),
+        };
+        let mut buf = [0u8; 8];
+        let err = stream
+            .recv_fds(&mut buf, 1, "waiting for batch 3")
+            .unwrap_err();
+        let message = err.to_string();
+        assert!(
+            message.contains("timeout: waiting for batch 3 took longer than"),
+            "{message}"
+        );
+        assert!(message.contains("the test's peer"), "{message}");
+        assert!(err.is_retryable(), "{message}");
+        let err = stream
+            .read_exact(&mut buf, "reading the header")
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("timeout: reading the header"),
+            "{err}"
+        );
     }
 }

@@ -4,21 +4,41 @@
 //! | CUDA                               | here                                                     |
 //! |------------------------------------|----------------------------------------------------------|
 //! | `cuMemAddressReserve`              | [`Reservation`]: an inaccessible (`PROT_NONE`) mapping of the range |
-//! | `cuMemCreate` (POSIX fd handle)    | [`Chunk`]: a `memfd`, backed up front (`posix_fallocate`) |
-//! | `cuMemMap` + `cuMemSetAccess`      | [`Reservation::map`]: the chunk mapped `MAP_FIXED \| MAP_SHARED` over its place |
+//! | `cuMemCreate` (POSIX fd handle)    | [`Chunk::create`]: a range of an [`Arena`] (a sealed `memfd`), backed up front (`posix_fallocate`) |
+//! | `cuMemMap` + `cuMemSetAccess`      | [`Reservation::map`]: the chunk's range mapped `MAP_FIXED \| MAP_SHARED` over its place |
 //! | `cuMemUnmap`                       | [`Reservation::unmap`]: the place made inaccessible again (the range stays reserved) |
-//! | `cuMemExportToShareableHandle`     | [`Chunk::export`]: a duplicate of the descriptor (for `SCM_RIGHTS`) |
-//! | `cuMemImportFromShareableHandle`   | [`Chunk::import`]: a received descriptor, its size checked |
+//! | `cuMemRelease` (last reference)    | [`Chunk`]'s drop: a hole punched in the arena, the range free for the next chunk |
+//! | `cuMemExportToShareableHandle`     | [`Chunk::export`]: a duplicate of the arena's descriptor and the chunk's offset (for `SCM_RIGHTS`) |
+//! | `cuMemImportFromShareableHandle`   | [`Chunk::import`]: a received descriptor, its seals and size checked; one descriptor kept per foreign arena |
 //!
-//! A chunk's memory is shared by every mapping of it, in this process or another that received its
-//! descriptor, and lives until the last descriptor and mapping are gone. An access to an unmapped
-//! place of a reservation faults, as on a device; the driver checks ranges before any access, so
-//! that never happens through cudalloc.
+//! **Few descriptors.** Chunks are carved from arenas of [`ARENA_BYTES`] (first fit, freed ranges
+//! merged), so a device needs one descriptor per arena, not one per 2 MiB page: with
+//! `ulimit -n 1024` the host backend used to stop at about 2 GiB with a driver error (EMFILE); now
+//! 1,024 descriptors hold 256 GiB, and running out of them is out-of-memory saying why
+//! ([`is_out_of_descriptors`]). Imported arenas are deduplicated by inode, so a consumer holds one
+//! descriptor per producer arena too.
+//!
+//! **What a receiver reaches.** A chunk's descriptor is its arena's: a process given one chunk can
+//! map the other chunks of that arena (memory of the same producer), as a CUDA IPC handle reaches
+//! a whole allocation and not one tensor. Peers are processes of our own user, which could read
+//! the producer's memory through `/proc` anyway; the page socket decides who gets a descriptor.
+//! Arenas are sealed at their size from creation, so no holder can cut pages under a mapping
+//! (`SIGBUS`); punching holes stays possible for every holder (it needs no seal to be lifted), and
+//! reads as zeros, never as a signal.
+//!
+//! An owned chunk's memory lives until the chunk's last reference in this process goes (the
+//! driver's table and its mappings): then its pages go back to the system — another process that
+//! still maps them sees zeros, which only happens after it released its count. An access to an
+//! unmapped place of a reservation faults, as on a device; the driver checks ranges before any
+//! access, so that never happens through cudalloc.
 
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use crate::error::{Error, Result};
+use crate::process::PerProcess;
+use crate::sync::os::{Arc, Mutex, Weak};
 
 fn os(call: &'static str) -> Error {
     Error::host_os(call, std::io::Error::last_os_error())
@@ -79,17 +99,19 @@ impl Reservation {
     /// Maps `chunk` read-write at `offset` (replacing whatever mapping was there).
     pub(crate) fn map(&self, offset: u64, chunk: &Chunk) -> Result<()> {
         let at = self.place(offset, chunk.len)?;
+        let file_offset = libc::off_t::try_from(chunk.offset)
+            .map_err(|_| Error::invalid("chunk offset exceeds the file offset type"))?;
         // SAFETY: `[at, at + chunk.len)` lies inside our own reservation (checked), so MAP_FIXED
-        // replaces only pages of this reservation; the descriptor is open and the chunk has
-        // `len` bytes.
+        // replaces only pages of this reservation; the arena's descriptor is open and holds the
+        // chunk's `len` bytes at its offset (checked at creation or import).
         let mapped = unsafe {
             libc::mmap(
                 at as *mut libc::c_void,
                 chunk.len as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED | libc::MAP_FIXED,
-                chunk.fd.as_raw_fd(),
-                0,
+                chunk.arena.fd.as_raw_fd(),
+                file_offset,
             )
         };
         if mapped == libc::MAP_FAILED {
@@ -128,49 +150,114 @@ impl Drop for Reservation {
     }
 }
 
-/// The seals every chunk carries once backed: its size is final (no process holding its descriptor
-/// can shrink it, which would make every mapping of the cut pages fault with `SIGBUS`, nor grow it)
-/// and the seals themselves are final.
-const CHUNK_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+/// The seals every arena carries from its creation: its size is final (no process holding its
+/// descriptor can shrink it, which would make every mapping of the cut pages fault with `SIGBUS`,
+/// nor grow it) and the seals themselves are final.
+const ARENA_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
 
-/// A chunk of physical memory: a `memfd` of `len` bytes, sealed at that size ([`CHUNK_SEALS`]).
-#[derive(Debug)]
-pub(crate) struct Chunk {
-    fd: OwnedFd,
-    len: u64,
+/// Bytes of one arena: the chunks of this process share memfds of this size (a chunk larger than
+/// it gets an arena of its own size), so a device of `n` bytes needs `n / ARENA_BYTES`
+/// descriptors, not one per page.
+pub(crate) const ARENA_BYTES: u64 = 256 << 20;
+
+/// The `call` of the error that says the process ran out of descriptors (`EMFILE`/`ENFILE`):
+/// callers that create device memory turn it into out-of-memory.
+pub(crate) const NO_DESCRIPTORS_CALL: &str = "memfd_create (EMFILE)";
+
+/// Whether `err` says that the process (or the system) has no descriptor left for a new arena.
+pub(crate) fn is_out_of_descriptors(err: &Error) -> bool {
+    matches!(err, Error::Driver { call, .. } if *call == NO_DESCRIPTORS_CALL)
 }
 
-impl Chunk {
-    /// Creates a zero-filled chunk, backed now: no room is out of memory
-    /// ([`super::is_no_space`]), never a fault on first touch.
-    pub(crate) fn create(len: u64) -> Result<Self> {
-        if len == 0 {
-            return Err(Error::invalid("a chunk of 0 bytes"));
-        }
+/// One memfd holding many chunks at offsets: sparse at creation, each chunk's pages backed when
+/// the chunk is made and given back (a punched hole) when it goes.
+#[derive(Debug)]
+pub(crate) struct Arena {
+    fd: OwnedFd,
+    /// Free ranges `start → length` (arenas this process made; empty for imported ones).
+    free: Mutex<BTreeMap<u64, u64>>,
+}
+
+impl Arena {
+    fn create(len: u64) -> Result<Arena> {
         let size = libc::off_t::try_from(len)
-            .map_err(|_| Error::invalid(format!("chunk of {len} bytes is too large")))?;
+            .map_err(|_| Error::invalid(format!("an arena of {len} bytes is too large")))?;
         // SAFETY: a static NUL-terminated name and valid flags.
         let raw = unsafe {
             libc::memfd_create(
-                c"cudalloc-chunk".as_ptr(),
+                c"cudalloc-chunks".as_ptr(),
                 libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
             )
         };
         if raw < 0 {
-            return Err(os("memfd_create"));
+            let err = std::io::Error::last_os_error();
+            return Err(match err.raw_os_error() {
+                Some(libc::EMFILE | libc::ENFILE) => Error::Driver {
+                    backend: "host",
+                    call: NO_DESCRIPTORS_CALL,
+                    message: format!(
+                        "no descriptor left for another arena of device memory ({err}; the \
+                         process's open-file limit, `ulimit -n`, bounds the host backend's \
+                         device memory at {} MiB per descriptor)",
+                        ARENA_BYTES >> 20
+                    ),
+                },
+                _ => Error::host_os("memfd_create", err),
+            });
         }
         // SAFETY: `raw` is a fresh descriptor we own.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: the descriptor is open; posix_fallocate only changes its allocation.
-        let rc = unsafe { libc::posix_fallocate(fd.as_raw_fd(), 0, size) };
-        match rc {
-            0 => {
-                // SAFETY: the descriptor is open; F_ADD_SEALS only changes what it permits.
-                if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, CHUNK_SEALS) } != 0 {
-                    return Err(os("fcntl(F_ADD_SEALS)"));
-                }
-                Ok(Chunk { fd, len })
+        // SAFETY: the descriptor is open; ftruncate only sets the (sparse) size.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+            return Err(os("ftruncate"));
+        }
+        // SAFETY: the descriptor is open; F_ADD_SEALS only changes what it permits.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, ARENA_SEALS) } != 0 {
+            return Err(os("fcntl(F_ADD_SEALS)"));
+        }
+        Ok(Arena {
+            fd,
+            free: Mutex::new(BTreeMap::from([(0, len)])),
+        })
+    }
+
+    /// Takes `len` bytes (first fit); their offset.
+    fn take(&self, len: u64) -> Option<u64> {
+        let mut free = self.free.lock();
+        let (&start, &have) = free.iter().find(|(_, &have)| have >= len)?;
+        free.remove(&start);
+        if have > len {
+            free.insert(start + len, have - len);
+        }
+        Some(start)
+    }
+
+    /// Gives `[offset, offset + len)` back, merging with its free neighbours.
+    fn give_back(&self, offset: u64, len: u64) {
+        let mut free = self.free.lock();
+        let (mut start, mut end) = (offset, offset + len);
+        if let Some((&before, &before_len)) = free.range(..start).next_back() {
+            if before + before_len == start {
+                free.remove(&before);
+                start = before;
             }
+        }
+        if let Some(&after_len) = free.get(&end) {
+            free.remove(&end);
+            end += after_len;
+        }
+        free.insert(start, end - start);
+    }
+
+    /// Backs `[offset, offset + len)` now: no room is out of memory, never a fault on first touch.
+    fn back(&self, offset: u64, len: u64) -> Result<()> {
+        let (Ok(at), Ok(size)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+            return Err(Error::invalid("a chunk range exceeds the file offset type"));
+        };
+        // SAFETY: the descriptor is open; posix_fallocate only changes its allocation (inside the
+        // sealed size).
+        match unsafe { libc::posix_fallocate(self.fd.as_raw_fd(), at, size) } {
+            0 => Ok(()),
             libc::ENOSPC | libc::ENOMEM => Err(Error::Driver {
                 backend: "host",
                 call: super::NO_SPACE_CALL,
@@ -183,27 +270,131 @@ impl Chunk {
         }
     }
 
-    /// A chunk from a descriptor another process exported; it must hold exactly `len` bytes and be
-    /// sealed at that size (else its exporter could cut pages this process maps: `SIGBUS`).
-    pub(crate) fn import(fd: OwnedFd, len: u64) -> Result<Self> {
+    /// Gives the memory of `[offset, offset + len)` back to the system (a hole reads as zeros).
+    fn punch(&self, offset: u64, len: u64) {
+        let (Ok(at), Ok(size)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+            return;
+        };
+        // SAFETY: the descriptor is open; punching a hole only frees the range's pages.
+        let rc = unsafe {
+            libc::fallocate(
+                self.fd.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                at,
+                size,
+            )
+        };
+        if rc != 0 {
+            tracing::debug!(err = %std::io::Error::last_os_error(), "punching a released chunk failed");
+        }
+    }
+
+    fn identity(fd: &OwnedFd) -> Result<(u64, u64, u64)> {
+        let meta = File::from(fd.try_clone().map_err(|e| Error::host_os("dup", e))?)
+            .metadata()
+            .map_err(|e| Error::host_os("fstat", e))?;
+        use std::os::unix::fs::MetadataExt;
+        Ok((meta.dev(), meta.ino(), meta.len()))
+    }
+}
+
+/// The arenas this process made (chunks are carved from them) and the ones it imported (by
+/// device and inode, so chunks of one foreign arena share one descriptor here too).
+#[derive(Debug, Default)]
+struct Arenas {
+    own: Vec<Arc<Arena>>,
+    imported: HashMap<(u64, u64), Weak<Arena>>,
+}
+
+static ARENAS: PerProcess<Mutex<Arenas>> = PerProcess::new(|| Mutex::new(Arenas::default()));
+
+/// A chunk of physical memory: `len` bytes at `offset` of an arena (a sealed memfd).
+#[derive(Debug)]
+pub(crate) struct Chunk {
+    arena: Arc<Arena>,
+    offset: u64,
+    len: u64,
+    /// Made here: its range goes back to the arena (and its pages to the system) on drop.
+    owned: bool,
+}
+
+impl Chunk {
+    /// Creates a zero-filled chunk, backed now: no room is out of memory
+    /// ([`super::is_no_space`]), never a fault on first touch; no descriptor for a new arena is
+    /// [`is_out_of_descriptors`].
+    pub(crate) fn create(len: u64) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::invalid("a chunk of 0 bytes"));
+        }
+        let (arena, offset) = {
+            let mut arenas = ARENAS.get().lock();
+            let found = arenas
+                .own
+                .iter()
+                .find_map(|a| a.take(len).map(|at| (Arc::clone(a), at)));
+            match found {
+                Some(found) => found,
+                None => {
+                    let arena = Arc::new(Arena::create(len.max(ARENA_BYTES))?);
+                    let at = arena
+                        .take(len)
+                        .ok_or_else(|| Error::invalid("a fresh arena has no room"))?;
+                    arenas.own.push(Arc::clone(&arena));
+                    (arena, at)
+                }
+            }
+        };
+        let chunk = Chunk {
+            arena,
+            offset,
+            len,
+            owned: true,
+        };
+        // Dropped on failure: the range goes back.
+        chunk.arena.back(offset, len)?;
+        Ok(chunk)
+    }
+
+    /// A chunk another process exported: `len` bytes at `offset` of the arena `fd`, which must be
+    /// sealed at its size (else its exporter could cut pages this process maps: `SIGBUS`) and hold
+    /// the whole range.
+    pub(crate) fn import(fd: OwnedFd, offset: u64, len: u64) -> Result<Self> {
         // SAFETY: the descriptor is open; F_GET_SEALS only reads its seals.
         let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 || seals & CHUNK_SEALS != CHUNK_SEALS {
+        if seals < 0 || seals & ARENA_SEALS != ARENA_SEALS {
             return Err(Error::bad_handle(format!(
                 "the chunk descriptor is not sealed at its size (seals {seals:#x}, needed \
-                 {CHUNK_SEALS:#x}): its exporter could shrink it under this process's mappings"
+                 {ARENA_SEALS:#x}): its exporter could shrink it under this process's mappings"
             )));
         }
-        let size = File::from(fd.try_clone().map_err(|e| Error::host_os("dup", e))?)
-            .metadata()
-            .map_err(|e| Error::host_os("fstat", e))?
-            .len();
-        if size != len || len == 0 {
+        let (dev, ino, size) = Arena::identity(&fd)?;
+        let fits = offset.checked_add(len).is_some_and(|end| end <= size);
+        if !fits || len == 0 || offset % 4096 != 0 {
             return Err(Error::bad_handle(format!(
-                "the chunk descriptor holds {size} bytes, the handle says {len}"
+                "the chunk descriptor holds {size} bytes; the handle names {len} bytes at offset \
+                 {offset}"
             )));
         }
-        Ok(Chunk { fd, len })
+        let mut arenas = ARENAS.get().lock();
+        let arena = match arenas.imported.get(&(dev, ino)).and_then(Weak::upgrade) {
+            // Already open here: the new descriptor is closed, the known one serves.
+            Some(known) => known,
+            None => {
+                let arena = Arc::new(Arena {
+                    fd,
+                    free: Mutex::new(BTreeMap::new()),
+                });
+                arenas.imported.retain(|_, weak| weak.strong_count() > 0);
+                arenas.imported.insert((dev, ino), Arc::downgrade(&arena));
+                arena
+            }
+        };
+        Ok(Chunk {
+            arena,
+            offset,
+            len,
+            owned: false,
+        })
     }
 
     /// Bytes.
@@ -215,16 +406,18 @@ impl Chunk {
     pub(crate) fn with_mapping(&self, f: impl FnOnce(usize, usize)) -> Result<()> {
         let len = usize::try_from(self.len)
             .map_err(|_| Error::invalid("chunk exceeds the address space"))?;
-        // SAFETY: maps the chunk's `len` bytes where the kernel chooses; checked for MAP_FAILED
-        // and unmapped below.
+        let offset = libc::off_t::try_from(self.offset)
+            .map_err(|_| Error::invalid("chunk offset exceeds the file offset type"))?;
+        // SAFETY: maps the chunk's `len` bytes (inside its arena, checked at creation or import)
+        // where the kernel chooses; checked for MAP_FAILED and unmapped below.
         let addr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
-                self.fd.as_raw_fd(),
-                0,
+                self.arena.fd.as_raw_fd(),
+                offset,
             )
         };
         if addr == libc::MAP_FAILED {
@@ -236,9 +429,25 @@ impl Chunk {
         Ok(())
     }
 
-    /// A descriptor of this chunk to hand to another process.
-    pub(crate) fn export(&self) -> Result<OwnedFd> {
-        self.fd.try_clone().map_err(|e| Error::host_os("dup", e))
+    /// A descriptor of this chunk's arena and the chunk's offset in it, to hand to another
+    /// process. The receiver can reach the whole arena (the other chunks of this process in it),
+    /// as a CUDA IPC handle reaches a whole allocation; see the module docs.
+    pub(crate) fn export(&self) -> Result<(OwnedFd, u64)> {
+        let fd = self
+            .arena
+            .fd
+            .try_clone()
+            .map_err(|e| Error::host_os("dup", e))?;
+        Ok((fd, self.offset))
+    }
+}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        if self.owned {
+            self.arena.punch(self.offset, self.len);
+            self.arena.give_back(self.offset, self.len);
+        }
     }
 }
 
@@ -249,13 +458,15 @@ mod tests {
     #[test]
     fn a_peer_holding_a_chunks_descriptor_cannot_change_its_size() {
         let chunk = Chunk::create(2 << 20).unwrap();
-        let peer = File::from(chunk.export().unwrap());
-        // What a hostile consumer would do: cut the chunk under the producer's mappings.
+        let (fd, _) = chunk.export().unwrap();
+        let peer = File::from(fd);
+        let size = peer.metadata().unwrap().len();
+        // What a hostile consumer would do: cut the arena under the producer's mappings.
         let shrink = peer.set_len(4096).unwrap_err();
         assert_eq!(shrink.raw_os_error(), Some(libc::EPERM), "{shrink}");
-        let grow = peer.set_len(4 << 20).unwrap_err();
+        let grow = peer.set_len(size + (4 << 20)).unwrap_err();
         assert_eq!(grow.raw_os_error(), Some(libc::EPERM), "{grow}");
-        assert_eq!(peer.metadata().unwrap().len(), 2 << 20);
+        assert_eq!(peer.metadata().unwrap().len(), size);
         // The last page is still backed: touching it is no SIGBUS.
         chunk
             .with_mapping(|addr, len| {
@@ -274,19 +485,68 @@ mod tests {
     }
 
     #[test]
-    fn a_chunk_descriptor_that_is_not_sealed_is_refused() {
+    fn a_chunk_descriptor_that_is_not_sealed_or_too_small_is_refused() {
         // SAFETY: a static NUL-terminated name and valid flags.
         let raw = unsafe { libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC) };
         assert!(raw >= 0);
         // SAFETY: `raw` is a fresh descriptor owned here.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         File::from(fd.try_clone().unwrap()).set_len(4096).unwrap();
-        let err = Chunk::import(fd, 4096).unwrap_err();
+        let err = Chunk::import(fd, 0, 4096).unwrap_err();
         assert!(err.to_string().contains("not sealed"), "{err}");
         let sealed = Chunk::create(4096).unwrap();
-        assert_eq!(
-            Chunk::import(sealed.export().unwrap(), 4096).unwrap().len(),
-            4096
+        let (fd, offset) = sealed.export().unwrap();
+        let err = Chunk::import(fd, ARENA_BYTES, 4096).unwrap_err();
+        assert!(err.to_string().contains("holds"), "{err}");
+        let (fd, _) = sealed.export().unwrap();
+        assert_eq!(Chunk::import(fd, offset, 4096).unwrap().len(), 4096);
+    }
+
+    #[test]
+    fn chunks_share_arenas_and_released_ranges_are_reused() {
+        let page = 2 << 20;
+        let chunks: Vec<Chunk> = (0..16).map(|_| Chunk::create(page).unwrap()).collect();
+        let arenas: std::collections::HashSet<*const Arena> =
+            chunks.iter().map(|c| Arc::as_ptr(&c.arena)).collect();
+        // Other tests of this binary carve chunks at the same time: at most a few arenas.
+        assert!(arenas.len() <= 4, "{} arenas for 16 pages", arenas.len());
+        let (arena, offset) = (Arc::clone(&chunks[3].arena), chunks[3].offset);
+        chunks[3]
+            .with_mapping(|addr, _| {
+                // SAFETY: the mapping covers the chunk; its first byte is written.
+                unsafe { (addr as *mut u8).write_volatile(9) }
+            })
+            .unwrap();
+        drop(chunks);
+        // The released range reads as zeros again (its pages went back to the system).
+        let again = Chunk {
+            arena: Arc::clone(&arena),
+            offset,
+            len: page,
+            owned: false,
+        };
+        again
+            .with_mapping(|addr, _| {
+                // SAFETY: as above; read only.
+                assert_eq!(unsafe { (addr as *const u8).read_volatile() }, 0);
+            })
+            .unwrap();
+    }
+
+    #[test]
+    fn an_imported_arena_is_opened_once() {
+        let a = Chunk::create(2 << 20).unwrap();
+        let b = Chunk::create(2 << 20).unwrap();
+        if !Arc::ptr_eq(&a.arena, &b.arena) {
+            return; // another test's chunk took the rest of an arena in between
+        }
+        let (fa, oa) = a.export().unwrap();
+        let (fb, ob) = b.export().unwrap();
+        let ia = Chunk::import(fa, oa, 2 << 20).unwrap();
+        let ib = Chunk::import(fb, ob, 2 << 20).unwrap();
+        assert!(
+            Arc::ptr_eq(&ia.arena, &ib.arena),
+            "one descriptor per foreign arena"
         );
     }
 }

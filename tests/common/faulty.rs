@@ -192,15 +192,18 @@ impl Driver for FaultyDriver {
     fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
         self.inner.vm_unmap(addr, size)
     }
-    fn vm_export_chunk(&self, chunk: cudalloc::driver::ChunkId) -> Result<std::os::fd::OwnedFd> {
+    fn vm_export_chunk(
+        &self,
+        chunk: cudalloc::driver::ChunkId,
+    ) -> Result<cudalloc::driver::ExportedChunk> {
         self.inner.vm_export_chunk(chunk)
     }
     fn vm_import_chunk(
         &self,
         device: usize,
-        fd: std::os::fd::OwnedFd,
+        chunk: cudalloc::driver::ExportedChunk,
         size: u64,
     ) -> Result<cudalloc::driver::ChunkId> {
-        self.inner.vm_import_chunk(device, fd, size)
+        self.inner.vm_import_chunk(device, chunk, size)
     }
 }

@@ -15,7 +15,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use cudarc::driver::sys;
 
 use super::{check, CudaDriver};
-use crate::driver::{ChunkId, DeviceAddr};
+use crate::driver::{ChunkId, DeviceAddr, ExportedChunk};
 use crate::error::{Error, Result};
 
 /// A chunk made or imported here.
@@ -200,7 +200,7 @@ impl CudaDriver {
         result
     }
 
-    pub(super) fn export_chunk(&self, chunk: ChunkId) -> Result<OwnedFd> {
+    pub(super) fn export_chunk(&self, chunk: ChunkId) -> Result<ExportedChunk> {
         let c = self.chunk(chunk)?;
         if c.imported {
             return Err(Error::invalid(
@@ -227,10 +227,24 @@ impl CudaDriver {
             });
         }
         // SAFETY: the driver handed us a new descriptor we now own.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // One descriptor per chunk: the chunk is all of it.
+        Ok(ExportedChunk { fd, offset: 0 })
     }
 
-    pub(super) fn import_chunk(&self, device: usize, fd: OwnedFd, size: u64) -> Result<ChunkId> {
+    pub(super) fn import_chunk(
+        &self,
+        device: usize,
+        chunk: ExportedChunk,
+        size: u64,
+    ) -> Result<ChunkId> {
+        if chunk.offset != 0 {
+            return Err(Error::bad_handle(format!(
+                "a CUDA chunk descriptor names one whole chunk; offset {} is not 0",
+                chunk.offset
+            )));
+        }
+        let fd = chunk.fd;
         self.check_granular(device, "an imported chunk", size)?;
         self.bind(device)?;
         let mut handle = 0;

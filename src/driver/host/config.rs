@@ -1,6 +1,9 @@
-//! Host-backend configuration: how many virtual devices, how many bytes each, and whether freed
-//! segments are poisoned. From the environment (`CUDALLOC_HOST_DEVICES`, `CUDALLOC_HOST_MEMORY`) or
-//! from [`HostDriverBuilder`].
+//! Host-backend configuration: how many virtual devices, how many bytes each, whether freed
+//! segments are poisoned, and how long a wait on another process's event may last. From the
+//! environment (`CUDALLOC_HOST_DEVICES`, `CUDALLOC_HOST_MEMORY`, `CUDALLOC_IPC_EVENT_TIMEOUT_S`)
+//! or from [`HostDriverBuilder`].
+
+use std::time::Duration;
 
 use super::HostDriver;
 use crate::error::{Error, Result};
@@ -12,6 +15,12 @@ pub const DEFAULT_DEVICES: usize = 1;
 pub const DEFAULT_MEMORY: u64 = 4 << 30;
 /// Most virtual devices accepted (the IPC handle stores the ordinal in 16 bits).
 pub const MAX_DEVICES: usize = 64;
+/// Default deadline of a wait on another process's interprocess event (see
+/// [`HostDriverBuilder::ipc_event_timeout`]): long past any honest producer's record, short
+/// enough that a scribbled event cell cannot stall a stream for a process's whole life.
+pub const DEFAULT_IPC_EVENT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Largest deadline accepted from `CUDALLOC_IPC_EVENT_TIMEOUT_S` (one week).
+const MAX_IPC_EVENT_TIMEOUT_S: f64 = 7.0 * 24.0 * 3600.0;
 
 /// Options of a [`HostDriver`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -19,6 +28,7 @@ pub struct HostDriverBuilder {
     pub(crate) devices: usize,
     pub(crate) memory_per_device: u64,
     pub(crate) poison_on_free: bool,
+    pub(crate) ipc_event_timeout: Option<Duration>,
 }
 
 impl Default for HostDriverBuilder {
@@ -27,6 +37,7 @@ impl Default for HostDriverBuilder {
             devices: DEFAULT_DEVICES,
             memory_per_device: DEFAULT_MEMORY,
             poison_on_free: true,
+            ipc_event_timeout: Some(DEFAULT_IPC_EVENT_TIMEOUT),
         }
     }
 }
@@ -37,7 +48,8 @@ impl HostDriverBuilder {
         Self::default()
     }
 
-    /// Starts from `CUDALLOC_HOST_DEVICES` and `CUDALLOC_HOST_MEMORY` where set.
+    /// Starts from `CUDALLOC_HOST_DEVICES`, `CUDALLOC_HOST_MEMORY` and
+    /// `CUDALLOC_IPC_EVENT_TIMEOUT_S` where set.
     pub fn from_env() -> Result<Self> {
         let mut b = Self::default();
         if let Some(v) = env_var("CUDALLOC_HOST_DEVICES")? {
@@ -50,6 +62,11 @@ impl HostDriverBuilder {
         if let Some(v) = env_var("CUDALLOC_HOST_MEMORY")? {
             b.memory_per_device = parse_byte_size(&v)
                 .map_err(|why| Error::Config(format!("CUDALLOC_HOST_MEMORY={v:?}: {why}")))?;
+        }
+        if let Some(v) = env_var("CUDALLOC_IPC_EVENT_TIMEOUT_S")? {
+            b.ipc_event_timeout = parse_timeout_s(&v).map_err(|why| {
+                Error::Config(format!("CUDALLOC_IPC_EVENT_TIMEOUT_S={v:?}: {why}"))
+            })?;
         }
         b.validate()?;
         Ok(b)
@@ -70,6 +87,16 @@ impl HostDriverBuilder {
     /// Whether freed segments are overwritten with the poison pattern before unmapping (default on).
     pub fn poison_on_free(mut self, on: bool) -> Self {
         self.poison_on_free = on;
+        self
+    }
+
+    /// How long a stream (or `event_synchronize`) waits for a record of another process's
+    /// interprocess event before the wait fails with
+    /// [`ForeignEventFailure::Timeout`](crate::ForeignEventFailure::Timeout); `None`: no deadline
+    /// (a scribbled event cell then stalls the stream until its producer exits). Default
+    /// [`DEFAULT_IPC_EVENT_TIMEOUT`].
+    pub fn ipc_event_timeout(mut self, deadline: Option<Duration>) -> Self {
+        self.ipc_event_timeout = deadline;
         self
     }
 
@@ -104,6 +131,23 @@ fn env_var(name: &str) -> Result<Option<String>> {
             Err(Error::Config(format!("{name} is not valid UTF-8")))
         }
     }
+}
+
+/// Parses a deadline in seconds (`60`, `0.25`); `0` or `off` is no deadline.
+fn parse_timeout_s(text: &str) -> std::result::Result<Option<Duration>, String> {
+    let t = text.trim();
+    if t.eq_ignore_ascii_case("off") {
+        return Ok(None);
+    }
+    let seconds: f64 = t
+        .parse()
+        .map_err(|_| "expected seconds such as 60 or 0.5, or 0 / off for no deadline".to_owned())?;
+    if !seconds.is_finite() || !(0.0..=MAX_IPC_EVENT_TIMEOUT_S).contains(&seconds) {
+        return Err(format!(
+            "{t} seconds is out of range; expected 0 to {MAX_IPC_EVENT_TIMEOUT_S}"
+        ));
+    }
+    Ok((seconds > 0.0).then(|| Duration::from_secs_f64(seconds)))
 }
 
 /// Parses `4096`, `512KiB`, `64MiB`, `8GiB`, `1TiB` (also `K`/`M`/`G`/`T`, `KB`/`MB`/`GB`/`TB`,
@@ -146,6 +190,20 @@ mod tests {
         assert!(parse_byte_size("12 parsecs").is_err());
         assert!(parse_byte_size("-1").is_err());
         assert!(parse_byte_size("99999999999999TiB").is_err());
+    }
+
+    #[test]
+    fn event_timeouts_parse() {
+        assert_eq!(parse_timeout_s("60"), Ok(Some(Duration::from_secs(60))));
+        assert_eq!(
+            parse_timeout_s(" 0.25 "),
+            Ok(Some(Duration::from_millis(250)))
+        );
+        assert_eq!(parse_timeout_s("0"), Ok(None));
+        assert_eq!(parse_timeout_s("OFF"), Ok(None));
+        for bad in ["", "-1", "NaN", "inf", "1e9", "soon"] {
+            assert!(parse_timeout_s(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

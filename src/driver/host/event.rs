@@ -6,19 +6,29 @@
 //!
 //! | field       | written by                    | meaning                                        |
 //! |-------------|-------------------------------|------------------------------------------------|
-//! | `recorded`  | `event_record` (at call time) | sequence number of the latest record           |
+//! | `recorded`  | `event_record` (at call time) | sequence number of the latest record (`fetch_max`) |
 //! | `completed` | the stream, when it reaches the record | highest finished record (`fetch_max`) |
 //! | `wake`      | every completion              | futex word: bumped so sleepers re-check        |
 //! | `waiters`   | sleepers                      | completions only issue `FUTEX_WAKE` when > 0   |
 //!
-//! The event is complete when `completed >= recorded`. A wait captures the target `recorded` at call
-//! time, exactly like `cuStreamWaitEvent`: a later re-record does not change what an earlier wait
-//! waits for. Sleepers use a shared (not private) futex on `wake`, which works across processes on a
-//! `MAP_SHARED` file; they wake every 50 ms to re-check, and when the cell belongs to another process
-//! that has died, the wait ends with a warning instead of hanging forever.
+//! Both counters only grow while only cudalloc writes them (a reused cell keeps counting), so
+//! `completed <= recorded` always holds for an honest cell. The event is complete when
+//! `completed >= target`. A wait captures its target at call time, exactly like
+//! `cuStreamWaitEvent`: a later re-record does not change what an earlier wait waits for.
+//!
+//! | whose cell | its target                                    | its counters                     |
+//! |------------|-----------------------------------------------|----------------------------------|
+//! | this process's ([`CellRef`]) | the latest record made here  | [`LocalCounters`]: private, authoritative; the shared cell is only published to |
+//! | another process's ([`ForeignCell`](super::foreign_event::ForeignCell)) | the record its handle was exported after (or a later one made here through it) | the shared cell: untrusted input, checked at every look (`foreign_event.rs`) |
+//!
+//! Sleepers use a shared (not private) futex on `wake`, which works across processes on a
+//! `MAP_SHARED` file; they wake at least every 50 ms to re-check. A foreign wait ends — with a
+//! typed error, not a hang — when the producer exits, when the cell turns implausible, or at its
+//! deadline (`foreign_event.rs` states the policy).
 
 use std::time::Duration;
 
+use super::foreign_event::ForeignCell;
 use crate::error::{Error, Result};
 use crate::shm::SharedMemory;
 use crate::sync::os::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -27,8 +37,8 @@ use crate::sync::os::Arc;
 /// Cells per chunk file.
 pub(crate) const CELLS_PER_CHUNK: u32 = 1024;
 const CELL_SIZE: u64 = 64;
-const CHUNK_MAGIC: u64 = u64::from_le_bytes(*b"cdalEVTS");
-const CHUNK_VERSION: u32 = 1;
+pub(super) const CHUNK_MAGIC: u64 = u64::from_le_bytes(*b"cdalEVTS");
+pub(super) const CHUNK_VERSION: u32 = 1;
 /// Bytes of one chunk file.
 pub(crate) const CHUNK_BYTES: u64 = CELL_SIZE * (CELLS_PER_CHUNK as u64 + 1);
 
@@ -36,19 +46,30 @@ pub(crate) const CHUNK_BYTES: u64 = CELL_SIZE * (CELLS_PER_CHUNK as u64 + 1);
 /// process's file and viewing its bytes as cells is sound.
 #[repr(C, align(64))]
 pub(crate) struct EventCell {
-    recorded: AtomicU64,
-    completed: AtomicU64,
-    wake: AtomicU32,
-    waiters: AtomicU32,
+    pub(super) recorded: AtomicU64,
+    pub(super) completed: AtomicU64,
+    pub(super) wake: AtomicU32,
+    pub(super) waiters: AtomicU32,
+}
+
+impl EventCell {
+    /// Publishes the completion of record `seq` and wakes sleepers (of any process).
+    pub(super) fn publish_completion(&self, seq: u64) {
+        self.completed.fetch_max(seq, Ordering::SeqCst);
+        self.wake.fetch_add(1, Ordering::SeqCst);
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            futex_wake_all(&self.wake);
+        }
+    }
 }
 
 /// The chunk header (first 64 bytes of the file).
 #[repr(C, align(64))]
-struct ChunkHeader {
-    magic: AtomicU64,
-    version: AtomicU32,
-    cells: AtomicU32,
-    owner_pid: AtomicU32,
+pub(super) struct ChunkHeader {
+    pub(super) magic: AtomicU64,
+    pub(super) version: AtomicU32,
+    pub(super) cells: AtomicU32,
+    pub(super) owner_pid: AtomicU32,
 }
 
 const _: () = assert!(std::mem::size_of::<EventCell>() == CELL_SIZE as usize);
@@ -64,18 +85,16 @@ pub(crate) struct LocalCounters {
     completed: AtomicU64,
 }
 
-/// A counted reference to one cell of a mapped chunk.
+/// A counted reference to one of this process's cells.
 #[derive(Clone, Debug)]
 pub(crate) struct CellRef {
     chunk: Arc<SharedMemory>,
     slot: u32,
-    /// Own cells: the chunk's local counters (authoritative). `None` for another process's cell.
-    local: Option<Arc<Vec<LocalCounters>>>,
-    /// `Some(pid)` when another process owns the chunk (checked for liveness while waiting).
-    foreign_owner: Option<u32>,
+    /// The chunk's local counters (authoritative for this process).
+    local: Arc<Vec<LocalCounters>>,
 }
 
-fn header(chunk: &SharedMemory) -> &ChunkHeader {
+pub(super) fn header(chunk: &SharedMemory) -> &ChunkHeader {
     // SAFETY: every chunk is at least CHUNK_BYTES long (checked at create/open), mmap returns
     // page-aligned memory, the header is only atomics (valid for any bytes), and the reference
     // lives no longer than the borrow of the mapping.
@@ -83,7 +102,7 @@ fn header(chunk: &SharedMemory) -> &ChunkHeader {
 }
 
 /// Cell `slot` of a chunk (`slot < CELLS_PER_CHUNK`, checked by every caller).
-fn cell_at(chunk: &SharedMemory, slot: u32) -> &EventCell {
+pub(super) fn cell_at(chunk: &SharedMemory, slot: u32) -> &EventCell {
     debug_assert!(slot < CELLS_PER_CHUNK);
     let offset = CELL_SIZE * (u64::from(slot) + 1);
     // SAFETY: slot < CELLS_PER_CHUNK, so the 64-byte cell lies inside the mapping (CHUNK_BYTES
@@ -92,39 +111,27 @@ fn cell_at(chunk: &SharedMemory, slot: u32) -> &EventCell {
     unsafe { &*(chunk.as_ptr().add(offset as usize) as *const EventCell) }
 }
 
-/// The message of a wait or query on an event whose owner process died before completing it.
-fn owner_died(pid: u32) -> String {
-    format!("the process {pid} that owns this interprocess event exited before completing it (the data it guards was never made ready)")
-}
-
 impl CellRef {
     fn cell(&self) -> &EventCell {
         cell_at(&self.chunk, self.slot)
     }
 
     fn local(&self) -> Option<&LocalCounters> {
-        self.local
-            .as_ref()
-            .and_then(|counters| counters.get(self.slot as usize))
+        self.local.get(self.slot as usize)
     }
 
     /// Starts a new record; returns its sequence number (the stream later calls [`Self::complete`]).
     pub(crate) fn begin_record(&self) -> u64 {
-        match self.local() {
-            Some(local) => {
-                let seq = local
-                    .recorded
-                    .fetch_add(1, Ordering::SeqCst)
-                    .wrapping_add(1);
-                self.cell().recorded.store(seq, Ordering::SeqCst);
-                seq
-            }
-            None => self
-                .cell()
-                .recorded
-                .fetch_add(1, Ordering::SeqCst)
-                .wrapping_add(1),
-        }
+        let Some(local) = self.local() else {
+            return 0;
+        };
+        let seq = local
+            .recorded
+            .fetch_add(1, Ordering::SeqCst)
+            .wrapping_add(1);
+        // `fetch_max`: two threads recording at once must not publish their numbers backwards.
+        self.cell().recorded.fetch_max(seq, Ordering::SeqCst);
+        seq
     }
 
     /// Marks record `seq` finished and wakes sleepers.
@@ -132,66 +139,64 @@ impl CellRef {
         if let Some(local) = self.local() {
             local.completed.fetch_max(seq, Ordering::SeqCst);
         }
-        let cell = self.cell();
-        cell.completed.fetch_max(seq, Ordering::SeqCst);
-        cell.wake.fetch_add(1, Ordering::SeqCst);
-        if cell.waiters.load(Ordering::SeqCst) > 0 {
-            futex_wake_all(&cell.wake);
-        }
+        self.cell().publish_completion(seq);
     }
 
     /// The sequence number a wait issued now must reach.
     pub(crate) fn current_target(&self) -> u64 {
-        match self.local() {
-            Some(local) => local.recorded.load(Ordering::SeqCst),
-            None => self.cell().recorded.load(Ordering::SeqCst),
-        }
+        self.local()
+            .map_or(0, |local| local.recorded.load(Ordering::SeqCst))
     }
 
     /// Whether every record up to `target` has finished.
     pub(crate) fn reached(&self, target: u64) -> bool {
-        let completed = match self.local() {
-            Some(local) => local.completed.load(Ordering::SeqCst),
-            None => self.cell().completed.load(Ordering::SeqCst),
-        };
-        completed >= target
+        self.local()
+            .is_none_or(|local| local.completed.load(Ordering::SeqCst) >= target)
     }
 
-    /// Whether the latest record has finished; an error when the event belongs to another process
-    /// that died before finishing it.
-    pub(crate) fn is_complete(&self) -> std::result::Result<bool, String> {
-        if self.reached(self.current_target()) {
-            return Ok(true);
-        }
-        self.check_owner_alive().map(|()| false)
-    }
-
-    fn check_owner_alive(&self) -> std::result::Result<(), String> {
-        match self.foreign_owner {
-            Some(pid) if !self.chunk.creator_alive() => Err(owner_died(pid)),
-            _ => Ok(()),
-        }
-    }
-
-    /// Blocks until `target` is reached; an error when the foreign owner died first.
-    pub(crate) fn wait_until(&self, target: u64) -> std::result::Result<(), String> {
+    /// Blocks until `target` is reached (this process's own streams complete it).
+    pub(crate) fn wait_until(&self, target: u64) {
         let cell = self.cell();
         while !self.reached(target) {
             cell.waiters.fetch_add(1, Ordering::SeqCst);
             let seen = cell.wake.load(Ordering::SeqCst);
             if !self.reached(target) {
-                futex_wait(&cell.wake, seen, Duration::from_millis(50));
+                futex_wait(&cell.wake, seen, POLL);
             }
             cell.waiters.fetch_sub(1, Ordering::SeqCst);
-            if !self.reached(target) {
-                self.check_owner_alive()?;
-            }
         }
-        Ok(())
     }
 }
 
-fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+/// Longest sleep of a waiter between two looks at its cell.
+pub(super) const POLL: Duration = Duration::from_millis(50);
+
+/// An event's cell: this process's own, or another process's (opened from a handle).
+#[derive(Clone, Debug)]
+pub(crate) enum HostCell {
+    Own(CellRef),
+    Foreign(ForeignCell),
+}
+
+impl HostCell {
+    /// Starts a new record; returns its sequence number for [`Self::complete`].
+    pub(crate) fn begin_record(&self) -> u64 {
+        match self {
+            HostCell::Own(cell) => cell.begin_record(),
+            HostCell::Foreign(cell) => cell.begin_record(),
+        }
+    }
+
+    /// Marks record `seq` finished and wakes sleepers.
+    pub(crate) fn complete(&self, seq: u64) {
+        match self {
+            HostCell::Own(cell) => cell.complete(seq),
+            HostCell::Foreign(cell) => cell.complete(seq),
+        }
+    }
+}
+
+pub(super) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs() as libc::time_t,
         tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
@@ -210,7 +215,7 @@ fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     }
 }
 
-fn futex_wake_all(word: &AtomicU32) {
+pub(super) fn futex_wake_all(word: &AtomicU32) {
     // SAFETY: FUTEX_WAKE only uses the address as a key; it does not access memory.
     unsafe {
         libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
@@ -268,8 +273,7 @@ impl EventPool {
         let cell = CellRef {
             chunk: Arc::clone(shm),
             slot,
-            local: Some(Arc::clone(locals)),
-            foreign_owner: None,
+            local: Arc::clone(locals),
         };
         Ok((cell, chunk, slot))
     }
@@ -278,40 +282,4 @@ impl EventPool {
     pub(crate) fn give_back(&mut self, chunk: u32, slot: u32) {
         self.free.push((chunk, slot));
     }
-}
-
-/// Maps another process's chunk (`name`, from a decoded handle) and refers to `slot` in it.
-pub(crate) fn open_foreign_cell(
-    chunk: Arc<SharedMemory>,
-    slot: u32,
-    owner_pid: u32,
-) -> Result<CellRef> {
-    let h = header(&chunk);
-    let (magic, version, cells, pid) = (
-        h.magic.load(Ordering::SeqCst),
-        h.version.load(Ordering::SeqCst),
-        h.cells.load(Ordering::SeqCst),
-        h.owner_pid.load(Ordering::SeqCst),
-    );
-    if magic != CHUNK_MAGIC
-        || version != CHUNK_VERSION
-        || cells != CELLS_PER_CHUNK
-        || pid != owner_pid
-    {
-        return Err(Error::bad_handle(format!(
-            "event chunk {} has a foreign header (magic {magic:#x}, version {version}, cells {cells}, pid {pid})",
-            chunk.name()
-        )));
-    }
-    if slot >= CELLS_PER_CHUNK {
-        return Err(Error::bad_handle(format!(
-            "event slot {slot} out of range 0..{CELLS_PER_CHUNK}"
-        )));
-    }
-    Ok(CellRef {
-        chunk,
-        slot,
-        local: None,
-        foreign_owner: Some(owner_pid),
-    })
 }

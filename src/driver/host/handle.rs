@@ -4,23 +4,27 @@
 //! | bytes  | field                                              |
 //! |--------|----------------------------------------------------|
 //! | 0..8   | magic: `cdalHMEM` (memory) or `cdalHEVT` (event)   |
-//! | 8..10  | layout version (1), little endian                  |
+//! | 8..10  | layout version (2), little endian                  |
 //! | 10..12 | device ordinal in the exporting process            |
 //! | 12..16 | exporting process id                               |
 //! | 16..24 | the exporting driver's random nonce                |
 //! | 24..32 | object number (segment number / event chunk number)|
 //! | 32..40 | segment size (memory) / cell slot (event)          |
-//! | 40..56 | zero                                               |
+//! | 40..48 | zero (memory) / the event's latest record at export (event) |
+//! | 48..56 | zero                                               |
 //! | 56..64 | checksum of bytes 0..56                            |
 //!
 //! The shared-memory name is derived from (pid, nonce, kind, object number), never read from the
 //! handle, so a handle cannot point the opener at an arbitrary file. Decoding checks every field.
+//! An event handle carries the sequence number of the record it was exported after: the opener
+//! waits for exactly that record, never for whatever the shared `recorded` counter says (which any
+//! process of the same user can write; see `foreign_event.rs`).
 
 use crate::codec;
 use crate::driver::IPC_HANDLE_SIZE;
 use crate::error::{Error, Result};
 
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
 
 /// Which object a handle names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -57,6 +61,8 @@ pub(crate) struct HostHandle {
     pub object: u64,
     /// Segment size (memory) or cell slot (event).
     pub extra: u64,
+    /// The event's latest record when it was exported (0 for memory handles).
+    pub record: u64,
 }
 
 /// The shared-memory name of object `object` of `kind` made by the driver (`pid`, `nonce`).
@@ -86,6 +92,7 @@ impl HostHandle {
         codec::put(&mut b, 16, &self.nonce.to_le_bytes());
         codec::put(&mut b, 24, &self.object.to_le_bytes());
         codec::put(&mut b, 32, &self.extra.to_le_bytes());
+        codec::put(&mut b, 40, &self.record.to_le_bytes());
         let sum = checksum(&b[0..56]);
         codec::put(&mut b, 56, &sum.to_le_bytes());
         b
@@ -108,7 +115,11 @@ impl HostHandle {
                 "host {what} handle layout version {version}, this build reads {VERSION}"
             )));
         }
-        if b[40..56].iter().any(|&x| x != 0) || u64_at(56) != checksum(&b[0..56]) {
+        let reserved = match kind {
+            HandleKind::Memory => &b[40..56],
+            HandleKind::Event => &b[48..56],
+        };
+        if reserved.iter().any(|&x| x != 0) || u64_at(56) != checksum(&b[0..56]) {
             return Err(Error::bad_handle(format!(
                 "host {what} handle is corrupt (checksum)"
             )));
@@ -124,6 +135,10 @@ impl HostHandle {
             nonce: u64_at(16),
             object: u64_at(24),
             extra: u64_at(32),
+            record: match kind {
+                HandleKind::Memory => 0,
+                HandleKind::Event => u64_at(40),
+            },
         })
     }
 }
@@ -140,6 +155,7 @@ mod tests {
             nonce: 7,
             object: 3,
             extra: 4096,
+            record: 0,
         }
     }
 
@@ -167,5 +183,25 @@ mod tests {
             }
         }
         assert!(HostHandle::decode(HandleKind::Event, &bytes).is_err());
+    }
+
+    #[test]
+    fn event_handles_carry_their_record_and_memory_handles_none() {
+        let event = HostHandle {
+            kind: HandleKind::Event,
+            extra: 5,
+            record: 41,
+            ..sample()
+        };
+        assert_eq!(
+            HostHandle::decode(HandleKind::Event, &event.encode()).unwrap(),
+            event
+        );
+        // A memory handle with bytes in the record field is corrupt.
+        let memory = HostHandle {
+            record: 1,
+            ..sample()
+        };
+        assert!(HostHandle::decode(HandleKind::Memory, &memory.encode()).is_err());
     }
 }

@@ -6,6 +6,7 @@
 //! | device capacity     | a byte budget per virtual device; exceeding it is out-of-memory     |
 //! | stream              | a worker thread running its queue in order (`stream.rs`)           |
 //! | event               | atomics in a shared-memory chunk, waited on with futexes (`event.rs`) |
+//! | IPC event handle    | names the chunk cell *and the record exported*; the opener's waits are checked and bounded (`foreign_event.rs`) |
 //! | IPC memory handle   | names the segment's object; another process maps it (`handle.rs`) |
 //! | kernels             | native fill / verify / poison / sleep (`kernels.rs`)                |
 //!
@@ -17,9 +18,18 @@
 //!
 //! Shared-memory objects are unlinked when their segment is freed or the driver is dropped. A
 //! process killed outright leaves its objects behind, as a crashed PyTorch producer does.
+//!
+//! Another process's event is untrusted: a wait on it waits for the record named in its handle,
+//! checks the shared cell at every look and has a deadline (`CUDALLOC_IPC_EVENT_TIMEOUT_S`,
+//! [`HostDriverBuilder::ipc_event_timeout`]). When it fails — the producer exited, the cell was
+//! scribbled, the deadline passed — the wait and the work queued behind it on that stream fail with
+//! [`Error::ForeignEvent`], reported to the first blocking call after it too; the stream stays
+//! usable for everything else (`stream.rs`, *faults*).
 
 mod config;
 mod event;
+mod event_calls;
+mod foreign_event;
 mod handle;
 mod kernels;
 pub mod library_kernels;
@@ -30,12 +40,14 @@ mod vm;
 use std::collections::HashMap;
 
 pub use config::{
-    parse_byte_size, HostDriverBuilder, DEFAULT_DEVICES, DEFAULT_MEMORY, MAX_DEVICES,
+    parse_byte_size, HostDriverBuilder, DEFAULT_DEVICES, DEFAULT_IPC_EVENT_TIMEOUT, DEFAULT_MEMORY,
+    MAX_DEVICES,
 };
 pub use library_kernels::{HostMemory, HostRange};
 pub use stream::StreamGate;
 
-use self::event::{CellRef, EventPool};
+use self::event::EventPool;
+use self::event_calls::HostEvent;
 use self::handle::{HandleKind, HostHandle};
 use self::segments::{Origin, Segment, SegmentTable};
 use self::stream::HostStream;
@@ -51,15 +63,6 @@ use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex, OnceLock, Weak};
 
 const PAGE: u64 = 4096;
-
-#[derive(Debug)]
-struct HostEvent {
-    device: usize,
-    interprocess: bool,
-    cell: CellRef,
-    /// (chunk, slot) when this process owns the cell; `None` for events opened from a handle.
-    owned_slot: Option<(u32, u32)>,
-}
 
 /// The host backend (see the [module docs](self)).
 pub struct HostDriver {
@@ -199,9 +202,11 @@ impl HostDriver {
         self.ids.fresh()
     }
 
+    /// Drains every stream (for a free or close about to unmap memory): a failed stream is an
+    /// error, a fault (a failed foreign wait, `stream.rs`) is not — it concerns other memory.
     fn synchronize_all(&self) -> Result<()> {
         let streams = self.streams.values();
-        streams.iter().try_for_each(|s| s.synchronize())
+        streams.iter().try_for_each(|s| s.drain())
     }
 
     /// Checks `ranges` and enqueues `op` on `stream` while the ranges are guaranteed mapped.
@@ -296,15 +301,6 @@ impl Drop for HostDriver {
 fn checked_len(len: u64) -> Result<usize> {
     usize::try_from(len)
         .map_err(|_| Error::invalid(format!("length {len} exceeds the address space")))
-}
-
-/// The error of a query or wait on an event whose owning process died before completing it.
-fn event_owner_died(message: String) -> Error {
-    Error::Driver {
-        backend: "host",
-        call: "event wait",
-        message,
-    }
 }
 
 impl Driver for HostDriver {
@@ -460,85 +456,27 @@ impl Driver for HostDriver {
     }
 
     fn event_create(&self, device: usize, flags: EventFlags) -> Result<EventId> {
-        self.this_process()?;
-        self.check_device(device)?;
-        let (pid, nonce) = (self.pid, self.nonce);
-        let (cell, chunk, slot) = self
-            .event_pool
-            .lock()
-            .take(|index| handle::object_name(HandleKind::Event, pid, nonce, u64::from(index)))?;
-        let id = self.fresh_id();
-        let event = HostEvent {
-            device,
-            interprocess: flags.interprocess,
-            cell,
-            owned_slot: Some((chunk, slot)),
-        };
-        self.events.insert(id, Arc::new(event));
-        Ok(EventId(id))
+        self.host_event_create(device, flags)
     }
 
     fn event_destroy(&self, event: EventId) -> Result<()> {
-        self.this_process()?;
-        let e = self.events.remove(event.0)?;
-        if let Some((chunk, slot)) = e.owned_slot {
-            self.event_pool.lock().give_back(chunk, slot);
-        }
-        Ok(())
+        self.host_event_destroy(event)
     }
 
     fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
-        self.this_process()?;
-        let e = self.event(event)?;
-        let s = self.stream(stream)?;
-        if e.device != s.device() {
-            return Err(Error::invalid(format!(
-                "event {} is on device {} but stream {} is on device {}",
-                event.0,
-                e.device,
-                stream.0,
-                s.device()
-            )));
-        }
-        let seq = e.cell.begin_record();
-        let cell = e.cell.clone();
-        if let Err(err) = s.enqueue(Box::new(move || cell.complete(seq))) {
-            e.cell.complete(seq);
-            return Err(err);
-        }
-        Ok(())
+        self.host_event_record(event, stream)
     }
 
     fn event_query(&self, event: EventId) -> Result<bool> {
-        self.this_process()?;
-        self.event(event)?
-            .cell
-            .is_complete()
-            .map_err(event_owner_died)
+        self.host_event_query(event)
     }
 
     fn event_synchronize(&self, event: EventId) -> Result<()> {
-        self.this_process()?;
-        let e = self.event(event)?;
-        e.cell
-            .wait_until(e.cell.current_target())
-            .map_err(event_owner_died)
+        self.host_event_synchronize(event)
     }
 
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
-        self.this_process()?;
-        let e = self.event(event)?;
-        let s = self.stream(stream)?;
-        let target = e.cell.current_target();
-        if e.cell.reached(target) {
-            return Ok(());
-        }
-        // An owner already dead is an error now; one that dies while the wait is queued fails the
-        // stream (sticky, like a CUDA error), so later work on it reports the failure.
-        e.cell.is_complete().map_err(event_owner_died)?;
-        let cell = e.cell.clone();
-        s.enqueue_fallible(Box::new(move || cell.wait_until(target)))
-            .map(|_| ())
+        self.host_stream_wait_event(stream, event)
     }
 
     fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
@@ -655,6 +593,7 @@ impl Driver for HostDriver {
             nonce: self.nonce,
             object,
             extra: size,
+            record: 0,
         };
         Ok(IpcMemHandle(h.encode()))
     }
@@ -691,69 +630,11 @@ impl Driver for HostDriver {
     }
 
     fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {
-        self.this_process()?;
-        let e = self.event(event)?;
-        let (chunk, slot) = match (e.interprocess, e.owned_slot) {
-            (true, Some(addr)) => addr,
-            (false, _) => {
-                return Err(Error::invalid(format!(
-                    "event {} was not created with the interprocess flag",
-                    event.0
-                )))
-            }
-            (true, None) => {
-                return Err(Error::invalid(
-                    "an event opened from a handle cannot be re-exported",
-                ))
-            }
-        };
-        let device =
-            u16::try_from(e.device).map_err(|_| Error::invalid("device ordinal too large"))?;
-        let h = HostHandle {
-            kind: HandleKind::Event,
-            device,
-            pid: self.pid,
-            nonce: self.nonce,
-            object: u64::from(chunk),
-            extra: u64::from(slot),
-        };
-        Ok(IpcEventHandle(h.encode()))
+        self.host_ipc_export_event(event)
     }
 
     fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
-        self.this_process()?;
-        self.check_device(device)?;
-        let h = HostHandle::decode(HandleKind::Event, &handle.0)?;
-        if h.pid == self.pid {
-            return Err(Error::invalid(
-                "an IPC event handle cannot be opened in the process that exported it; use the original event",
-            ));
-        }
-        let slot =
-            u32::try_from(h.extra).map_err(|_| Error::bad_handle("event slot out of range"))?;
-        let name = h.object_name();
-        let chunk = {
-            let mut chunks = self.foreign_chunks.lock();
-            chunks.retain(|_, weak| weak.strong_count() > 0);
-            match chunks.get(&name).and_then(Weak::upgrade) {
-                Some(chunk) => chunk,
-                None => {
-                    let chunk = Arc::new(SharedMemory::open(&name, Some(event::CHUNK_BYTES))?);
-                    chunks.insert(name, Arc::downgrade(&chunk));
-                    chunk
-                }
-            }
-        };
-        let cell = event::open_foreign_cell(chunk, slot, h.pid)?;
-        let id = self.fresh_id();
-        let e = HostEvent {
-            device,
-            interprocess: true,
-            cell,
-            owned_slot: None,
-        };
-        self.events.insert(id, Arc::new(e));
-        Ok(EventId(id))
+        self.host_ipc_open_event(device, handle)
     }
 
     crate::driver::forward_vm_methods!();

@@ -11,32 +11,107 @@
 //! | `completed`   | operations finished (always `<= submitted`)         |
 //! | idle          | `completed == submitted`                            |
 //!
-//! A panicking operation (a bug, never expected) does not kill the stream silently: the stream
-//! becomes *failed* — like CUDA's sticky errors — so every later enqueue and wait returns an error
-//! instead of hanging or pretending success.
+//! Three kinds of work, and what a failure does:
+//!
+//! | work                                      | runs                        | when it fails                                   |
+//! |-------------------------------------------|-----------------------------|-------------------------------------------------|
+//! | device work: copies, kernels, host kernels | unless inside a fault's window (below) | the stream is *failed* (sticky, like a CUDA kernel fault) |
+//! | control: event completions, waits on this process's events, gates | always | (cannot fail; a panic fails the stream) |
+//! | a wait on another process's event          | always                      | a *fault* of the stream (below)                 |
+//!
+//! A **fault** is how one bad producer stays one bad producer. It has a *window*, the tickets from
+//! the failed wait to the last one handed out when it failed (the work queued behind the wait then,
+//! which may depend on the memory it guarded), and is *reported* once:
+//!
+//! | a blocking call for ticket `t` (host copy, verify kernel, `synchronize`, `query`) | returns |
+//! |------------------------------------------------------|------------------------------------------|
+//! | `t` inside a fault's window (its work did not run)   | the fault's error, every time            |
+//! | `t` after a fault not reported yet                   | the fault's error, once: it is reported now |
+//! | otherwise                                            | success                                  |
+//!
+//! The error is the typed [`ForeignEvent`](crate::Error::ForeignEvent) naming the producer. Device
+//! work in a window is skipped — never run on memory that is not ready; control work still runs
+//! (event completions, so nobody waiting on them hangs; waits, so later work stays ordered). After
+//! the window work runs normally and, once the fault is reported, every call succeeds: the stream
+//! is not failed. So the first blocking call after a failed wait learns of it even when the work
+//! that needed the memory was enqueued after the failure; an unrelated call that happens to come
+//! first gets the error instead (once) — the cost of a stream-level report, bounded by one. The
+//! stream remembers its latest [`MAX_FAULTS`] faults. Draining (a free unmapping memory, teardown)
+//! waits for the work but reports nothing: the memory freed is not the memory a failed wait guarded.
+//!
+//! A panicking operation (a bug, never expected) or a failing host kernel does not kill the stream
+//! silently: the stream becomes *failed* — like CUDA's sticky errors — so every later enqueue and
+//! wait returns an error instead of hanging or pretending success.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::thread::JoinHandle;
 
 use crate::error::{Error, Result};
-use crate::sync::os::{Arc, Condvar, Mutex};
+use crate::sync::os::{Arc, Condvar, Mutex, MutexGuard};
 
-/// One unit of stream work.
+/// One unit of stream work that cannot fail.
 pub(crate) type Op = Box<dyn FnOnce() + Send + 'static>;
 
-/// A unit of stream work that can fail (a wait on another process's event whose owner died): its
-/// error fails the stream, like CUDA's sticky errors.
+/// Device work that can fail (a library host kernel returning an error): its error fails the
+/// stream, like CUDA's sticky errors.
 pub(crate) type FallibleOp = Box<dyn FnOnce() -> std::result::Result<(), String> + Send + 'static>;
+
+/// A wait on another process's event: its error is a fault (see the [module docs](self)).
+pub(crate) type ForeignWaitOp = Box<dyn FnOnce() -> Result<()> + Send + 'static>;
+
+/// Faults a stream remembers; an older one is forgotten (its tickets then report success).
+pub(crate) const MAX_FAULTS: usize = 64;
+
+enum Work {
+    Device(FallibleOp),
+    Control(Op),
+    ForeignWait(ForeignWaitOp),
+}
+
+/// A failed foreign wait: tickets `first..=last` (its window) did not run their device work;
+/// `reported` once a blocking call after `first` has returned `error`.
+struct Fault {
+    first: u64,
+    last: u64,
+    error: Error,
+    reported: bool,
+}
 
 #[derive(Default)]
 struct Queue {
-    ops: VecDeque<FallibleOp>,
+    ops: VecDeque<Work>,
     submitted: u64,
     completed: u64,
     waiters: u32,
     shutdown: bool,
     failure: Option<String>,
+    faults: VecDeque<Fault>,
+}
+
+impl Queue {
+    /// The fault whose window holds `ticket`.
+    fn fault_at(&self, ticket: u64) -> Option<&Fault> {
+        self.faults
+            .iter()
+            .rev()
+            .find(|f| (f.first..=f.last).contains(&ticket))
+    }
+
+    /// What a blocking call for `ticket` reports (see the [module docs](self)): the error of the
+    /// fault whose window holds it, else of the earliest fault before it not reported yet. Every
+    /// fault before `ticket` counts as reported afterwards.
+    fn report(&mut self, ticket: u64) -> Option<Error> {
+        let inside = self.fault_at(ticket).map(|f| f.error.clone());
+        let mut earliest = None;
+        for fault in self.faults.iter_mut() {
+            if fault.first <= ticket && !fault.reported {
+                fault.reported = true;
+                earliest.get_or_insert_with(|| fault.error.clone());
+            }
+        }
+        inside.or(earliest)
+    }
 }
 
 /// A stream of the host backend.
@@ -57,7 +132,50 @@ impl std::fmt::Debug for HostStream {
             .field("device", &self.device)
             .field("submitted", &q.submitted)
             .field("completed", &q.completed)
+            .field("faults", &q.faults.len())
             .finish()
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_owned())
+}
+
+/// What running one unit of work came to.
+enum Outcome {
+    Done,
+    /// Device work inside a fault: not run.
+    Skipped,
+    /// Device work that returned an error (sticky).
+    Failed(String),
+    /// A panic (a bug; sticky).
+    Panicked(String),
+    /// A failed foreign wait: a fault.
+    Fault(Error),
+}
+
+/// Runs `work` (device work only when it is not `in_fault`), catching panics.
+fn execute(work: Work, in_fault: bool) -> Outcome {
+    let caught = |panic: Box<dyn std::any::Any + Send>| Outcome::Panicked(panic_message(&*panic));
+    match work {
+        Work::Device(_) if in_fault => Outcome::Skipped,
+        Work::Device(op) => match catch_unwind(AssertUnwindSafe(op)) {
+            Ok(Ok(())) => Outcome::Done,
+            Ok(Err(what)) => Outcome::Failed(what),
+            Err(panic) => caught(panic),
+        },
+        Work::Control(op) => {
+            catch_unwind(AssertUnwindSafe(op)).map_or_else(caught, |()| Outcome::Done)
+        }
+        Work::ForeignWait(op) => match catch_unwind(AssertUnwindSafe(op)) {
+            Ok(Ok(())) => Outcome::Done,
+            Ok(Err(err)) => Outcome::Fault(err),
+            Err(panic) => caught(panic),
+        },
     }
 }
 
@@ -86,13 +204,20 @@ impl HostStream {
         self.device
     }
 
+    /// This stream's id (for messages).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
     fn run(&self) {
         loop {
-            let op = {
+            let (work, ticket, in_fault) = {
                 let mut q = self.queue.lock();
                 loop {
-                    if let Some(op) = q.ops.pop_front() {
-                        break op;
+                    if let Some(work) = q.ops.pop_front() {
+                        let ticket = q.completed + 1;
+                        let in_fault = q.fault_at(ticket).is_some();
+                        break (work, ticket, in_fault);
                     }
                     if q.shutdown {
                         return;
@@ -100,23 +225,36 @@ impl HostStream {
                     q = self.has_work.wait(q);
                 }
             };
-            let outcome = catch_unwind(AssertUnwindSafe(op));
+            let outcome = execute(work, in_fault);
             let mut q = self.queue.lock();
             q.completed += 1;
             match outcome {
-                Ok(Ok(())) => {}
-                Ok(Err(what)) => {
+                Outcome::Done | Outcome::Skipped => {}
+                Outcome::Failed(what) => {
                     tracing::warn!(stream = self.id, %what, "host stream operation failed; stream failed");
                     q.failure.get_or_insert(what);
                 }
-                Err(panic) => {
-                    let what = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| (*s).to_owned())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "unknown panic".to_owned());
+                Outcome::Panicked(what) => {
                     tracing::error!(stream = self.id, %what, "host stream operation panicked; stream failed");
                     q.failure.get_or_insert(what);
+                }
+                Outcome::Fault(error) => {
+                    let last = q.submitted;
+                    tracing::warn!(
+                        stream = self.id,
+                        %error,
+                        tickets = last - ticket + 1,
+                        "a wait on another process's event failed: it and the work queued behind it fail; the stream stays usable"
+                    );
+                    if q.faults.len() == MAX_FAULTS {
+                        q.faults.pop_front();
+                    }
+                    q.faults.push_back(Fault {
+                        first: ticket,
+                        last,
+                        error,
+                        reported: false,
+                    });
                 }
             }
             if q.waiters > 0 {
@@ -139,19 +277,10 @@ impl HostStream {
         Ok(())
     }
 
-    /// Appends `op` to the queue; returns its ticket.
-    pub(crate) fn enqueue(&self, op: Op) -> Result<u64> {
-        self.enqueue_fallible(Box::new(move || {
-            op();
-            Ok(())
-        }))
-    }
-
-    /// Appends an operation that can fail the stream; returns its ticket.
-    pub(crate) fn enqueue_fallible(&self, op: FallibleOp) -> Result<u64> {
+    fn push(&self, work: Work) -> Result<u64> {
         let mut q = self.queue.lock();
         self.check_usable(&q)?;
-        q.ops.push_back(op);
+        q.ops.push_back(work);
         q.submitted += 1;
         let ticket = q.submitted;
         drop(q);
@@ -159,8 +288,31 @@ impl HostStream {
         Ok(ticket)
     }
 
-    /// Blocks until the operation with `ticket` (and so everything before it) has finished.
-    pub(crate) fn wait_for(&self, ticket: u64) -> Result<()> {
+    /// Appends device work to the queue; returns its ticket.
+    pub(crate) fn enqueue(&self, op: Op) -> Result<u64> {
+        self.enqueue_fallible(Box::new(move || {
+            op();
+            Ok(())
+        }))
+    }
+
+    /// Appends device work that can fail the stream; returns its ticket.
+    pub(crate) fn enqueue_fallible(&self, op: FallibleOp) -> Result<u64> {
+        self.push(Work::Device(op))
+    }
+
+    /// Appends control work (runs even inside a fault); returns its ticket.
+    pub(crate) fn enqueue_control(&self, op: Op) -> Result<u64> {
+        self.push(Work::Control(op))
+    }
+
+    /// Appends a wait on another process's event; its error becomes a fault.
+    pub(crate) fn enqueue_foreign_wait(&self, op: ForeignWaitOp) -> Result<u64> {
+        self.push(Work::ForeignWait(op))
+    }
+
+    /// Waits, under the queue's lock, until `ticket` has finished.
+    fn finished(&self, ticket: u64) -> MutexGuard<'_, Queue> {
         let mut q = self.queue.lock();
         q.waiters += 1;
         // Wait for completion even on a failed stream: the worker keeps draining its queue, and
@@ -169,8 +321,18 @@ impl HostStream {
             q = self.progressed.wait(q);
         }
         q.waiters -= 1;
-        match &q.failure {
-            Some(_) => self.check_usable(&q),
+        q
+    }
+
+    /// Blocks until the operation with `ticket` (and so everything before it) has finished; a
+    /// fault's error as the [module docs](self) say.
+    pub(crate) fn wait_for(&self, ticket: u64) -> Result<()> {
+        let mut q = self.finished(ticket);
+        if q.failure.is_some() {
+            return self.check_usable(&q);
+        }
+        match q.report(ticket) {
+            Some(error) => Err(error),
             None => Ok(()),
         }
     }
@@ -181,11 +343,27 @@ impl HostStream {
         self.wait_for(ticket)
     }
 
-    /// Whether everything enqueued so far has finished.
-    pub(crate) fn is_idle(&self) -> Result<bool> {
-        let q = self.queue.lock();
+    /// Blocks until everything enqueued so far has finished; reports a failed stream but no fault
+    /// (for frees and teardown, which need the work done, not its outcome).
+    pub(crate) fn drain(&self) -> Result<()> {
+        let ticket = self.queue.lock().submitted;
+        let q = self.finished(ticket);
         match &q.failure {
-            Some(_) => self.check_usable(&q).map(|()| false),
+            Some(_) => self.check_usable(&q),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether everything enqueued so far has finished; a fault's error as for a blocking call
+    /// for the latest ticket.
+    pub(crate) fn is_idle(&self) -> Result<bool> {
+        let mut q = self.queue.lock();
+        if q.failure.is_some() {
+            return self.check_usable(&q).map(|()| false);
+        }
+        let latest = q.submitted;
+        match q.report(latest) {
+            Some(error) => Err(error),
             None => Ok(q.completed == q.submitted),
         }
     }
@@ -217,7 +395,7 @@ impl StreamGate {
     pub(crate) fn install(stream: &HostStream) -> Result<Self> {
         let state = Arc::new((Mutex::new(false), Condvar::new()));
         let for_op = Arc::clone(&state);
-        stream.enqueue(Box::new(move || {
+        stream.enqueue_control(Box::new(move || {
             let (open, cv) = &*for_op;
             let mut open = open.lock();
             while !*open {
@@ -287,6 +465,109 @@ mod tests {
         assert!(err.to_string().contains("boom"), "{err}");
         assert!(s.enqueue(Box::new(|| {})).is_err());
         assert!(s.synchronize().is_err());
+        s.shutdown();
+    }
+
+    fn foreign_failure() -> Error {
+        Error::ForeignEvent {
+            pid: 42,
+            chunk: "cudalloc-42-0-evt0".into(),
+            failure: crate::ForeignEventFailure::Timeout,
+            message: "test".into(),
+        }
+    }
+
+    #[test]
+    fn a_failed_foreign_wait_fails_the_work_behind_it_and_nothing_after() {
+        let s = HostStream::spawn(0, 4).unwrap();
+        let ran = Arc::new(AtomicU64::new(0));
+        let gate = StreamGate::install(&s).unwrap();
+        let wait = s
+            .enqueue_foreign_wait(Box::new(|| Err(foreign_failure())))
+            .unwrap();
+        let (r1, r2, r3) = (Arc::clone(&ran), Arc::clone(&ran), Arc::clone(&ran));
+        let device = s
+            .enqueue(Box::new(move || {
+                r1.fetch_add(1, Ordering::SeqCst);
+            }))
+            .unwrap();
+        let control = s
+            .enqueue_control(Box::new(move || {
+                r2.fetch_add(10, Ordering::SeqCst);
+            }))
+            .unwrap();
+        gate.open();
+        for ticket in [wait, device, control] {
+            let err = s.wait_for(ticket).unwrap_err();
+            assert_eq!(err.kind(), crate::ErrorKind::ForeignEvent, "{err}");
+        }
+        assert!(
+            s.synchronize().is_err(),
+            "the latest ticket is in the fault"
+        );
+        assert!(s.is_idle().is_err());
+        s.drain().unwrap();
+        assert_eq!(
+            ran.load(Ordering::SeqCst),
+            10,
+            "device work in the window is skipped, control work runs"
+        );
+        // Work enqueued after the window runs, and (the fault reported) every later wait succeeds.
+        let later = s
+            .enqueue(Box::new(move || {
+                r3.fetch_add(100, Ordering::SeqCst);
+            }))
+            .unwrap();
+        s.wait_for(later).unwrap();
+        s.synchronize().unwrap();
+        assert!(s.is_idle().unwrap());
+        assert_eq!(ran.load(Ordering::SeqCst), 110);
+        s.shutdown();
+    }
+
+    #[test]
+    fn the_first_blocking_call_after_a_failed_wait_reports_it_once() {
+        let s = HostStream::spawn(0, 6).unwrap();
+        s.enqueue_foreign_wait(Box::new(|| Err(foreign_failure())))
+            .unwrap();
+        s.drain().unwrap();
+        // Enqueued after the failure (nothing was behind the wait): it runs, and its wait reports.
+        let ran = Arc::new(AtomicU64::new(0));
+        let r = Arc::clone(&ran);
+        let after = s
+            .enqueue(Box::new(move || {
+                r.fetch_add(1, Ordering::SeqCst);
+            }))
+            .unwrap();
+        let err = s.wait_for(after).unwrap_err();
+        assert_eq!(err.kind(), crate::ErrorKind::ForeignEvent, "{err}");
+        assert_eq!(ran.load(Ordering::SeqCst), 1);
+        s.wait_for(after).unwrap();
+        s.synchronize().unwrap();
+        assert!(s.is_idle().unwrap());
+        s.shutdown();
+    }
+
+    #[test]
+    fn a_stream_remembers_a_bounded_number_of_faults() {
+        let s = HostStream::spawn(0, 5).unwrap();
+        let first = s
+            .enqueue_foreign_wait(Box::new(|| Err(foreign_failure())))
+            .unwrap();
+        s.drain().unwrap();
+        let mut last = first;
+        for _ in 0..MAX_FAULTS {
+            last = s
+                .enqueue_foreign_wait(Box::new(|| Err(foreign_failure())))
+                .unwrap();
+            s.drain().unwrap();
+        }
+        assert!(
+            s.wait_for(last).is_err(),
+            "inside the latest fault's window"
+        );
+        s.wait_for(first).unwrap();
+        assert_eq!(s.queue.lock().faults.len(), MAX_FAULTS);
         s.shutdown();
     }
 }

@@ -13,11 +13,9 @@
 //! Unmapping takes the mappings out of the table first (no new work can name them), drains every
 //! stream, and only then makes the pages inaccessible — the rule `segments.rs` follows for frees.
 
-use std::os::fd::OwnedFd;
-
 use super::segments::HostChunk;
 use super::{kernels, HostDriver};
-use crate::driver::{ChunkId, DeviceAddr};
+use crate::driver::{ChunkId, DeviceAddr, ExportedChunk};
 use crate::error::{Error, Result};
 use crate::shm::vm::{Chunk, Reservation};
 use crate::sync::os::atomic::Ordering;
@@ -116,7 +114,7 @@ impl HostDriver {
         })?;
         let chunk = Chunk::create(size).map_err(|err| {
             used.fetch_sub(size, Ordering::SeqCst);
-            if crate::shm::is_no_space(&err) {
+            if crate::shm::is_no_space(&err) || crate::shm::vm::is_out_of_descriptors(&err) {
                 oom(err.to_string())
             } else {
                 err
@@ -176,20 +174,32 @@ impl HostDriver {
         drained.and(unmapped)
     }
 
-    pub(super) fn export_chunk(&self, chunk: ChunkId) -> Result<OwnedFd> {
+    pub(super) fn export_chunk(&self, chunk: ChunkId) -> Result<ExportedChunk> {
         let chunk = self.chunk(chunk)?;
         if chunk.charged == 0 {
             return Err(Error::invalid(
                 "a chunk imported from another process cannot be exported again",
             ));
         }
-        chunk.chunk.export()
+        let (fd, offset) = chunk.chunk.export()?;
+        Ok(ExportedChunk { fd, offset })
     }
 
-    pub(super) fn import_chunk(&self, device: usize, fd: OwnedFd, size: u64) -> Result<ChunkId> {
+    pub(super) fn import_chunk(
+        &self,
+        device: usize,
+        exported: ExportedChunk,
+        size: u64,
+    ) -> Result<ChunkId> {
         self.check_device(device)?;
         check_granular("an imported chunk", size)?;
-        let chunk = Chunk::import(fd, size)?;
+        if exported.offset % GRANULARITY != 0 {
+            return Err(Error::bad_handle(format!(
+                "an imported chunk at offset {} is not aligned to the granularity ({GRANULARITY} bytes)",
+                exported.offset
+            )));
+        }
+        let chunk = Chunk::import(exported.fd, exported.offset, size)?;
         Ok(self.register_chunk(device, chunk, 0))
     }
 }

@@ -1,11 +1,9 @@
 //! [`SanitizedDriver`]: any [`Driver`] with every stream operation checked by a [`Sanitizer`].
 
-use std::os::fd::OwnedFd;
-
 use super::{SanitizeOptions, Sanitizer, Touch};
 use crate::driver::{
-    Backend, ChunkId, DeviceAddr, Driver, EventFlags, EventId, HostDriver, IpcEventHandle,
-    IpcMemHandle, MemInfo, OpenedSegment, StreamId,
+    Backend, ChunkId, DeviceAddr, Driver, EventFlags, EventId, ExportedChunk, HostDriver,
+    IpcEventHandle, IpcMemHandle, MemInfo, OpenedSegment, StreamId,
 };
 use crate::error::Result;
 use crate::process::Birth;
@@ -340,12 +338,12 @@ impl Driver for SanitizedDriver {
         self.sanitizer.forget(addr.0, size);
         Ok(())
     }
-    fn vm_export_chunk(&self, chunk: ChunkId) -> Result<OwnedFd> {
+    fn vm_export_chunk(&self, chunk: ChunkId) -> Result<ExportedChunk> {
         self.birth.check("this sanitized driver")?;
         self.inner.vm_export_chunk(chunk)
     }
-    fn vm_import_chunk(&self, device: usize, fd: OwnedFd, size: u64) -> Result<ChunkId> {
+    fn vm_import_chunk(&self, device: usize, chunk: ExportedChunk, size: u64) -> Result<ChunkId> {
         self.birth.check("this sanitized driver")?;
-        self.inner.vm_import_chunk(device, fd, size)
+        self.inner.vm_import_chunk(device, chunk, size)
     }
 }
