@@ -19,6 +19,17 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 const CHILD: &str = "truncated_child";
 
+/// A runtime of whole segments (named objects) whatever this run's settings: the chunks of
+/// expandable segments are sealed memfds, which no peer can cut.
+fn whole_segments_runtime() -> Arc<Runtime> {
+    Arc::new(
+        Runtime::builder()
+            .config(cudalloc::AllocatorConfig::parse("expandable_segments:False").unwrap())
+            .build(Arc::new(host_driver()))
+            .unwrap(),
+    )
+}
+
 fn runtime() -> Arc<Runtime> {
     Arc::new(
         Runtime::builder()
@@ -66,7 +77,7 @@ fn own_objects(tag: &str) -> Vec<String> {
 fn a_truncated_segment_is_an_error_for_its_storages_not_a_signal() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let verdict = in_forked_child(|| {
-        let rt = runtime();
+        let rt = whole_segments_runtime();
         let victim = Storage::new(&rt, 0, 4 << 20).map_err(|e| e.to_string())?;
         victim.fill_pattern(3).map_err(|e| e.to_string())?;
         let segments = own_objects("seg");
