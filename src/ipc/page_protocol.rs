@@ -65,9 +65,9 @@ const NAME_AT: usize = SECRET_AT + PAGE_SECRET_SIZE;
 ///
 /// | limit | default | what happens past it |
 /// |-------|---------|----------------------|
-/// | `deadline` | 5 s | producer: a connection whose peer does not take its next step in time — the whole request after connecting, the acknowledgement of a batch after it was sent — is closed, logged as a timeout; consumer: a connect, a send or a wait for one answer batch that takes longer fails with an error that says "timeout" and names the step |
+/// | `deadline` | 5 s | producer: a connection whose peer does not take its next step in time — the whole request after connecting, the acknowledgement of a batch after it was sent — is closed, logged as a timeout; consumer: a connect, a send or a read of an answer batch that waits longer fails with an error that says "timeout" and names the step (the deadline is per read, `SO_RCVTIMEO`: a producer that trickles bytes stretches a batch, bounded by its size × the deadline) |
 /// | `max_connections` | 64 | a new connection past it gets a "busy" refusal and is closed at once (never queued) |
-/// | `max_connections_per_peer` | 16 | the same, per peer process (`SO_PEERCRED` pid) — and a peer with a connection still lingering (below) is refused until it reads or closes |
+/// | `max_connections_per_peer` | 16 | the same, per peer process (`SO_PEERCRED` pid) — and a peer with a connection still lingering (below) is refused until it reads or closes; peers whose pid the producer's pid namespace cannot see all read pid 0 and share this one budget |
 /// | `window_bytes` | 64 MiB | bytes of pages in one answer batch (at least one page): what one connection can have in the peer's queue unacknowledged |
 /// | `max_unread_bytes` | 1 GiB | bytes of pages sent and not yet read over all connections; a batch that would pass it waits (within its connection's deadline) |
 ///

@@ -11,12 +11,15 @@
 //! |------|-------------------------|---------------------------------------------------------------|
 //! | 1    | [`Guard::new`]          | the mapping's range goes into a fixed table of atomics; the handler is installed once per process (the previous action kept) |
 //! | 2    | a peer                  | truncates the object                                           |
-//! | 3    | the faulting thread     | `SIGBUS` at an address in a guarded range: the handler maps fresh private zero pages over the range from the faulting page to its end (`MAP_FIXED`), records the lowest damaged offset, and returns; the access is retried on the new pages |
+//! | 3    | the faulting thread     | a kernel-raised `SIGBUS` (`BUS_ADRERR`) at an address in a guarded range: the handler maps fresh private zero pages over the range from the faulting page to its end (`MAP_FIXED`), records the lowest damaged offset, and returns; the access is retried on the new pages |
 //! | 4    | the owner of the mapping| [`Guard::damage`] says the object was cut and from where: an error for what the object concerns (its storages, its slots) |
 //! | 5    | [`Guard`]'s drop        | the range leaves the table before the mapping is unmapped      |
 //!
 //! A `SIGBUS` at any other address goes to the action that was installed before ours (Rust's own
-//! stack-overflow handler, or the default action, which ends the process as before). The handler
+//! stack-overflow handler, or the default action, which ends the process as before). A `SIGBUS`
+//! that another process *sent* (its `si_addr` is whatever the sender chose) never replaces a
+//! mapping: it goes to the previous action too, and ours is put back after it (Rust's handler
+//! resets the action to the default before returning). The handler
 //! only reads and writes atomics and makes two system calls (`mmap`, and `sigaction` when it hands
 //! a fault back to the default action), which is what a signal handler may do. The bytes of the cut
 //! pages are gone for every process — the file system freed them — so nothing is lost by replacing
@@ -33,9 +36,18 @@ use crate::sync::os::OnceLock;
 /// Mappings guarded at once.
 pub(crate) const SLOTS: usize = 16_384;
 
-/// One guarded range. `len == 0` means free or being filled; a range is matched only while both
-/// `start` and `len` are set.
+/// `si_code` of a `SIGBUS` the kernel raises for an access past the end of a mapped file (Linux's
+/// `BUS_ADRERR`). Only such faults are handled: a `SIGBUS` another process *sends* (`kill`,
+/// `sigqueue`, with `si_code <= 0` and any `si_addr` it likes) must not make the handler replace a
+/// live mapping.
+const BUS_ADRERR: libc::c_int = 2;
+
+/// One guarded range. A slot is claimed by a compare-and-swap of `start` from 0; its fields are
+/// written between two increments of `seq` (odd while being written), and the handler uses a
+/// range only if it read the same even `seq` before and after `start` and `len` — never the
+/// `start` of one registration with the `len` of the next.
 struct Slot {
+    seq: AtomicUsize,
     start: AtomicUsize,
     len: AtomicUsize,
     /// 1 + the lowest damaged offset in the range; 0 while undamaged.
@@ -45,17 +57,42 @@ struct Slot {
 impl Slot {
     const fn free() -> Self {
         Slot {
+            seq: AtomicUsize::new(0),
             start: AtomicUsize::new(0),
             len: AtomicUsize::new(0),
             damaged_from: AtomicUsize::new(0),
         }
     }
+
+    /// Writes the slot's fields with `seq` odd meanwhile.
+    fn write(&self, len: usize) {
+        self.seq.fetch_add(1, Ordering::SeqCst);
+        self.len.store(len, Ordering::SeqCst);
+        self.damaged_from.store(0, Ordering::SeqCst);
+        self.seq.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// `(start, len)` of a stable, registered range.
+    fn range(&self) -> Option<(usize, usize)> {
+        let before = self.seq.load(Ordering::SeqCst);
+        let (start, len) = (
+            self.start.load(Ordering::SeqCst),
+            self.len.load(Ordering::SeqCst),
+        );
+        let stable = before % 2 == 0 && self.seq.load(Ordering::SeqCst) == before;
+        (stable && start != 0 && len != 0).then_some((start, len))
+    }
 }
 
 static TABLE: [Slot; SLOTS] = [const { Slot::free() }; SLOTS];
 
-/// The `SIGBUS` action found before ours was installed (what faults outside guarded ranges get).
+/// The `SIGBUS` action found before ours was installed (what faults outside guarded ranges get),
+/// and ours (put back when a sent signal was handed to an action that uninstalled it).
 static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
+static OURS: OnceLock<libc::sigaction> = OnceLock::new();
+
+/// The system's page size, read once at installation (the handler cannot call `sysconf`).
+static PAGE: AtomicUsize = AtomicUsize::new(4096);
 
 /// A registered range; dropping it unregisters (before the mapping goes).
 #[derive(Debug)]
@@ -74,7 +111,7 @@ impl Guard {
     /// Guards `[start, start + len)`. Never fails: without the handler or a free slot the mapping
     /// works as before, unguarded (logged).
     pub(crate) fn new(start: usize, len: usize) -> Self {
-        if len == 0 || !install() {
+        if start == 0 || len == 0 || !install() {
             return Guard { slot: None };
         }
         for (i, slot) in TABLE.iter().enumerate() {
@@ -83,8 +120,7 @@ impl Guard {
                 .compare_exchange(0, start, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
             {
-                slot.damaged_from.store(0, Ordering::SeqCst);
-                slot.len.store(len, Ordering::SeqCst);
+                slot.write(len);
                 return Guard { slot: Some(i) };
             }
         }
@@ -112,8 +148,8 @@ impl Drop for Guard {
     fn drop(&mut self) {
         if let Some(i) = self.slot {
             let slot = &TABLE[i];
-            slot.len.store(0, Ordering::SeqCst);
-            slot.damaged_from.store(0, Ordering::SeqCst);
+            slot.write(0);
+            // Released last: nobody claims the slot while its fields change.
             slot.start.store(0, Ordering::SeqCst);
         }
     }
@@ -132,6 +168,11 @@ fn install() -> bool {
 }
 
 fn install_handler() -> std::io::Result<()> {
+    // SAFETY: sysconf has no memory preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if let Ok(page @ 1..) = usize::try_from(page) {
+        PAGE.store(page, Ordering::SeqCst);
+    }
     // SAFETY: sigaction is plain C data; all-zero is a valid (empty) value to fill.
     let mut previous: libc::sigaction = unsafe { std::mem::zeroed() };
     // SAFETY: a null new action only reads the current one into `previous`.
@@ -147,6 +188,7 @@ fn install_handler() -> std::io::Result<()> {
     action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
     // SAFETY: `sa_mask` is a valid signal set to empty.
     unsafe { libc::sigemptyset(&mut action.sa_mask) };
+    let _ = OURS.set(action);
     // SAFETY: installs a handler that only touches atomics and makes async-signal-safe calls.
     if unsafe { libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut()) } != 0 {
         return Err(std::io::Error::last_os_error());
@@ -154,29 +196,32 @@ fn install_handler() -> std::io::Result<()> {
     Ok(())
 }
 
-/// Page size, for rounding the faulting address down (4 KiB on every Linux target cudalloc runs on
-/// that maps tmpfs files with small pages; a larger page only widens what is replaced).
-const PAGE: usize = 4096;
-
 extern "C" fn on_sigbus(
     signal: libc::c_int,
     info: *mut libc::siginfo_t,
     context: *mut libc::c_void,
 ) {
     // SAFETY: the kernel passes a valid siginfo for a SA_SIGINFO handler; `si_addr` is the
-    // faulting address of a SIGBUS.
-    let addr = unsafe { (*info).si_addr() } as usize;
+    // faulting address of a kernel-raised SIGBUS (read only for those).
+    let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
+    if code != BUS_ADRERR {
+        pass_on_sent_or_foreign(signal, info, context, code);
+        return;
+    }
+    let page_size = PAGE.load(Ordering::SeqCst);
     for slot in TABLE.iter() {
-        let start = slot.start.load(Ordering::SeqCst);
-        let len = slot.len.load(Ordering::SeqCst);
-        if start == 0 || len == 0 || addr < start || addr - start >= len {
+        let Some((start, len)) = slot.range() else {
+            continue;
+        };
+        if addr < start || addr - start >= len {
             continue;
         }
-        let page = (addr & !(PAGE - 1)).max(start);
+        let page = (addr & !(page_size - 1)).max(start);
         let end = start + len;
-        // SAFETY: `[page, end)` lies inside the guarded mapping, which stays mapped while its
-        // guard is registered (the guard is dropped before the unmap); replacing those pages with
-        // private zero pages is what the handler exists for — their file pages were cut away.
+        // SAFETY: `[page, end)` lies inside the guarded mapping (a stable registration, read
+        // under its sequence word), which stays mapped while its guard is registered (the guard
+        // is dropped before the unmap); replacing those pages with private zero pages is what
+        // the handler exists for — their file pages were cut away.
         let mapped = unsafe {
             libc::mmap(
                 page as *mut libc::c_void,
@@ -199,6 +244,39 @@ extern "C" fn on_sigbus(
         return;
     }
     pass_on(signal, info, context);
+}
+
+/// A `SIGBUS` the kernel did not raise for a cut file (sent by a process, or another kind of
+/// fault): handed to the previous action, after which ours is put back — Rust's own handler, for
+/// one, sets the default action before returning, which would leave every mapping unguarded. A
+/// sent signal with the default action ends the process, as it would without cudalloc.
+fn pass_on_sent_or_foreign(
+    signal: libc::c_int,
+    info: *mut libc::siginfo_t,
+    context: *mut libc::c_void,
+    code: libc::c_int,
+) {
+    if code > 0 {
+        // A kernel fault of another kind (misaligned access, hardware error): as before.
+        pass_on(signal, info, context);
+        return;
+    }
+    let handler = PREVIOUS.get().map_or(libc::SIG_DFL, |p| p.sa_sigaction);
+    if handler == libc::SIG_IGN {
+        return;
+    }
+    if handler == libc::SIG_DFL {
+        pass_on(signal, info, context);
+        // SAFETY: raise is async-signal-safe; the signal is blocked until this handler returns
+        // and then ends the process with the default action restored by `pass_on`.
+        unsafe { libc::raise(libc::SIGBUS) };
+        return;
+    }
+    pass_on(signal, info, context);
+    if let Some(ours) = OURS.get() {
+        // SAFETY: sigaction is async-signal-safe; `ours` is the action installed at first use.
+        unsafe { libc::sigaction(libc::SIGBUS, ours, std::ptr::null_mut()) };
+    }
 }
 
 /// Hands a fault that is not ours to the action installed before ours.

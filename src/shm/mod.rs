@@ -64,6 +64,8 @@ pub(crate) struct SharedMemory {
     /// The pid of the process that created the object and alone may unlink it; `None` when opened
     /// (or already unlinked).
     creator: Option<u32>,
+    /// Created by this process (kept after an unlink: its creator lock is still ours).
+    created_here: bool,
     /// Kept open: its open file description carries the OFD byte-range locks of IPC leases.
     file: File,
 }
@@ -223,6 +225,7 @@ impl SharedMemory {
                     map,
                     len,
                     creator: Some(std::process::id()),
+                    created_here: true,
                     file,
                 })
             }
@@ -270,6 +273,7 @@ impl SharedMemory {
             map,
             len,
             creator: None,
+            created_here: false,
             file,
         })
     }
@@ -299,7 +303,8 @@ impl SharedMemory {
     }
 
     /// [`Self::check_intact`] without the system call: only a fault already survived counts (an
-    /// atomic load, for the paths every stream operation takes).
+    /// atomic load, for paths that cannot afford an `fstat`; host segments are checked with
+    /// [`Self::check_intact`], so a cut is an error for the very next access).
     pub(crate) fn check_not_faulted(&self) -> Result<()> {
         self.truncated_from(self.guard.damage().map(|d| d.from))
     }
@@ -321,8 +326,14 @@ impl SharedMemory {
     /// Whether the process that created the object still runs (its creator lock is held); seen
     /// from any pid namespace sharing `/dev/shm`. An object this process created reads `true`. A
     /// failed probe reads `true` too: it only ever makes callers wait longer, never free early.
+    ///
+    /// The lock belongs to the creator's open file description, which a `fork` shares: a child
+    /// the creator forked (and that did not exec) keeps the lock — and so "alive" — after the
+    /// creator exited, until the child exits too. Callers wait longer then, never shorter: a
+    /// foreign event wait ends at its deadline (`Timeout`) instead of at once (`ProducerExited`),
+    /// and the sweep keeps the objects until the child is gone.
     pub(crate) fn creator_alive(&self) -> bool {
-        if self.creator.is_some() {
+        if self.created_here {
             return true;
         }
         ofd_lock(

@@ -323,8 +323,11 @@ impl Chunk {
     /// ([`super::is_no_space`]), never a fault on first touch; no descriptor for a new arena is
     /// [`is_out_of_descriptors`].
     pub(crate) fn create(len: u64) -> Result<Self> {
-        if len == 0 {
-            return Err(Error::invalid("a chunk of 0 bytes"));
+        if len == 0 || len % 4096 != 0 {
+            return Err(Error::invalid(format!(
+                "a chunk of {len} bytes: a positive multiple of 4096 (chunks are mapped at their \
+                 offsets in an arena)"
+            )));
         }
         let (arena, offset) = {
             let mut arenas = ARENAS.get().lock();

@@ -192,7 +192,8 @@ impl ForeignCell {
 
     /// Whether the producer is gone: the creator lock of its chunk is free (it exited — zombies
     /// included, their files are closed — or dropped the driver that owned the chunk), seen from
-    /// any pid namespace and immune to pid reuse.
+    /// any pid namespace and immune to pid reuse. A child the producer forked keeps that lock
+    /// until it exits too (`SharedMemory::creator_alive`): the wait then ends at its deadline.
     fn producer_exited(&self) -> bool {
         !self.chunk.creator_alive()
     }
