@@ -98,11 +98,15 @@ impl Global {
             build()
         });
         if !installed {
-            return Err(Error::Config(
-                "GLOBAL is already set up (by an earlier init or by its first use): call \
-                 GLOBAL.init before anything else uses GLOBAL"
+            return Err(Error::Config(match ready {
+                Ok(_) => "GLOBAL is already set up (by an earlier init or by its first use): call \
+                          GLOBAL.init before anything else uses GLOBAL"
                     .into(),
-            ));
+                Err(first) => format!(
+                    "GLOBAL was set up earlier and that setup failed ({first}); it keeps answering \
+                     that error: call GLOBAL.init before anything else uses GLOBAL"
+                ),
+            }));
         }
         ready.as_ref().map(|r| &r.runtime).map_err(Clone::clone)
     }

@@ -92,20 +92,47 @@ enum Command {
     },
 }
 
+/// Appends a line to a `String` (writing to a `String` cannot fail).
+macro_rules! outln {
+    ($out:expr, $($arg:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = writeln!($out, $($arg)*);
+    }};
+}
+
+/// Writes `text` to stdout. A reader that went away (`cudalloc info | head`) is not an error:
+/// what it wanted it has.
+fn write_stdout(text: &str) -> Result<(), (u8, String)> {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err((1, format!("writing to stdout: {e}")))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The report of `cudalloc info`.
 fn info(
     driver: &dyn Driver,
     fallback_reason: Option<&str>,
     config: &cudalloc::AllocatorConfig,
-) -> cudalloc::Result<()> {
-    println!("cudalloc {}", env!("CARGO_PKG_VERSION"));
+) -> cudalloc::Result<String> {
+    let mut out = String::new();
+    outln!(out, "cudalloc {}", env!("CARGO_PKG_VERSION"));
     match fallback_reason {
-        Some(why) => println!("backend: {} (CUDA not used: {why})", driver.backend()),
-        None => println!("backend: {}", driver.backend()),
+        Some(why) => outln!(out, "backend: {} (CUDA not used: {why})", driver.backend()),
+        None => outln!(out, "backend: {}", driver.backend()),
     }
-    println!("devices: {}", driver.device_count());
+    outln!(out, "devices: {}", driver.device_count());
     for device in 0..driver.device_count() {
         let mem = driver.mem_info(device)?;
-        println!(
+        outln!(
+            out,
             "  [{device}] {}: {} total, {} free",
             driver.device_name(device)?,
             human_bytes(mem.total),
@@ -114,18 +141,19 @@ fn info(
     }
     if driver.backend() == cudalloc::Backend::Host {
         match cudalloc::HostDriver::shm_available_bytes() {
-            Ok(free) => println!(
+            Ok(free) => outln!(
+                out,
                 "  /dev/shm can back {} now (host segments live there; a full /dev/shm is out of memory)",
                 human_bytes(free)
             ),
-            Err(err) => println!("  /dev/shm free space unknown ({err})"),
+            Err(err) => outln!(out, "  /dev/shm free space unknown ({err})"),
         }
     }
-    println!("allocator configuration (CUDALLOC_CONF):");
+    outln!(out, "allocator configuration (CUDALLOC_CONF):");
     for line in config.to_string().lines() {
-        println!("  {line}");
+        outln!(out, "  {line}");
     }
-    println!("environment:");
+    outln!(out, "environment:");
     for var in [
         "CUDALLOC_BACKEND",
         "CUDALLOC_HOST_DEVICES",
@@ -134,11 +162,11 @@ fn info(
         "CUDALLOC_CONF",
     ] {
         match std::env::var(var) {
-            Ok(value) => println!("  {var}={value}"),
-            Err(_) => println!("  {var} (unset)"),
+            Ok(value) => outln!(out, "  {var}={value}"),
+            Err(_) => outln!(out, "  {var} (unset)"),
         }
     }
-    Ok(())
+    Ok(out)
 }
 
 fn human_bytes(bytes: u64) -> String {
@@ -168,12 +196,13 @@ fn run(cli: Cli) -> Result<(), (u8, String)> {
     match command {
         Command::Info => {
             let selected = choice.open().map_err(|e| exit_code(&e))?;
-            info(
+            let report = info(
                 selected.driver.as_ref(),
                 selected.fallback_reason.as_deref(),
                 &config,
             )
-            .map_err(|e| exit_code(&e))
+            .map_err(|e| exit_code(&e))?;
+            write_stdout(&report)
         }
         Command::Clean => {
             let removed = cudalloc::sweep_orphans().map_err(|e| exit_code(&e))?;
@@ -195,6 +224,13 @@ fn run(cli: Cli) -> Result<(), (u8, String)> {
                 return Err((
                     2,
                     "--consumers 0: the demo needs at least 1 consumer".into(),
+                ));
+            }
+            if storages == 0 {
+                // A verdict over nothing would say "ok" having checked nothing.
+                return Err((
+                    2,
+                    "--storages 0: the demo needs at least 1 storage to verify".into(),
                 ));
             }
             let max_size = cudalloc::driver::host::parse_byte_size(&max_size)
@@ -219,8 +255,11 @@ fn run(cli: Cli) -> Result<(), (u8, String)> {
                 connect_timeout,
                 consumer_exe,
             };
-            let verdict =
-                cli::demo::run(&opts).map_err(|why| (1, format!("demo failed: {why}")))?;
+            let verdict = cli::demo::run(&opts).map_err(|failure| match failure {
+                // A bad backend or setting is the caller's mistake: exit code 2, as for flags.
+                cli::demo::DemoFailure::Setup(err) => exit_code(&err),
+                cli::demo::DemoFailure::Failed(why) => (1, format!("demo failed: {why}")),
+            })?;
             println!("{verdict}");
             Ok(())
         }

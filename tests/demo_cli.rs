@@ -62,6 +62,13 @@ fn bad_flags_and_environment_exit_with_code_2() {
         (vec!["info"], Some(("CUDALLOC_CONF", "foo:1"))),
         (vec!["demo"], Some(("CUDALLOC_CONF", "foo:1"))),
         (vec!["--consumers", "0"], None),
+        // Before: "verdict: ok" having checked nothing.
+        (vec!["demo", "--storages", "0"], None),
+        // Before: exit code 1 ("demo failed: invalid configuration …").
+        (
+            vec!["demo", "--storages", "2"],
+            Some(("CUDALLOC_HOST_MEMORY", "lots")),
+        ),
         (vec!["info", "--storages", "3"], None),
         (vec!["--backend", "gpu", "info"], None),
         (vec!["replay", "--capacity", "lots", "x.json"], None),
@@ -193,4 +200,21 @@ fn replay_prints_a_row_per_configuration_and_writes_the_plot() {
     let plot = std::fs::read_to_string(&svg).unwrap();
     assert!(plot.starts_with("<svg") && plot.contains("reserved: expandable_segments:True"));
     std::fs::remove_file(&svg).unwrap();
+}
+
+#[test]
+fn a_reader_that_goes_away_is_not_a_failure() {
+    // `cudalloc info | head -1`: before, the command panicked on the broken pipe (exit 101).
+    // The read end is closed before the command starts: every write meets a closed pipe.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = cudalloc()
+        .arg("info")
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }

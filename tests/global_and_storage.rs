@@ -83,6 +83,14 @@ fn global_child_bad_env() {
         assert_eq!(err.kind(), ErrorKind::Config);
         assert!(err.to_string().contains("foo"), "{err}");
     }
+    // An init after that failed first use says the setup failed and why (before: "already set
+    // up", as if it had worked).
+    let err = GLOBAL
+        .init(cudalloc::Runtime::builder(), cudalloc::BackendChoice::Host)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config);
+    let text = err.to_string();
+    assert!(text.contains("failed") && text.contains("foo"), "{text}");
     println!("config error twice");
 }
 

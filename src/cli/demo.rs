@@ -106,12 +106,10 @@ fn unhex(text: &str) -> Result<Vec<u8>, String> {
         .collect()
 }
 
-fn allocator(backend: BackendChoice) -> Result<Arc<Runtime>, String> {
-    let selected = backend.open().map_err(|e| e.to_string())?;
-    let config = AllocatorConfig::from_env().map_err(|e| e.to_string())?;
-    Runtime::new(selected.driver, config)
-        .map(Arc::new)
-        .map_err(|e| e.to_string())
+fn allocator(backend: BackendChoice) -> cudalloc::Result<Arc<Runtime>> {
+    let selected = backend.open()?;
+    let config = AllocatorConfig::from_env()?;
+    Runtime::new(selected.driver, config).map(Arc::new)
 }
 
 /// One storage the producer tracks: what it holds and what the consumer must answer.
@@ -154,10 +152,24 @@ impl Consumer {
     }
 }
 
-/// Runs the producer side; returns the verdict line or the reason for failing.
-pub fn run(opts: &DemoOptions) -> Result<String, String> {
+/// Why the demo did not pass: it could not be set up (a bad backend or setting: the user's
+/// mistake), or it ran and failed.
+#[derive(Debug)]
+pub enum DemoFailure {
+    /// The backend or the allocator could not be made.
+    Setup(cudalloc::Error),
+    /// The run failed; what went wrong.
+    Failed(String),
+}
+
+/// Runs the producer side; returns the verdict line or why it did not pass.
+pub fn run(opts: &DemoOptions) -> Result<String, DemoFailure> {
     let start = Instant::now();
-    let a = allocator(opts.backend)?;
+    let a = allocator(opts.backend).map_err(DemoFailure::Setup)?;
+    run_on(opts, &a, start).map_err(DemoFailure::Failed)
+}
+
+fn run_on(opts: &DemoOptions, a: &Arc<Runtime>, start: Instant) -> Result<String, String> {
     let streams = [
         a.default_stream(0).map_err(|e| e.to_string())?,
         a.create_stream(0).map_err(|e| e.to_string())?,
@@ -181,7 +193,7 @@ pub fn run(opts: &DemoOptions) -> Result<String, String> {
             .set_current_stream(streams[(i % 2) as usize])
             .map_err(|e| e.to_string())?;
         let storage =
-            Storage::new(&a, 0, size).map_err(|e| format!("allocating {size} bytes: {e}"))?;
+            Storage::new(a, 0, size).map_err(|e| format!("allocating {size} bytes: {e}"))?;
         let seed = opts.seed ^ (i << 20);
         storage.fill_pattern(seed).map_err(|e| e.to_string())?;
         let answer = (i % 2 == 0).then_some(seed ^ 0xA5A5);
@@ -341,7 +353,7 @@ fn backend_name(b: BackendChoice) -> &'static str {
 
 /// The consumer process: verify, maybe answer, release, reply — until `BYE`.
 pub fn consumer(socket: &std::path::Path, backend: BackendChoice) -> Result<(), String> {
-    let a = allocator(backend)?;
+    let a = allocator(backend).map_err(|e| e.to_string())?;
     let stream =
         UnixStream::connect(socket).map_err(|e| format!("connect {}: {e}", socket.display()))?;
     let mut writer = stream.try_clone().map_err(|e| e.to_string())?;

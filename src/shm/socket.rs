@@ -16,7 +16,7 @@
 //! | side   | how it waits                                                                 |
 //! |--------|------------------------------------------------------------------------------|
 //! | server | never: nonblocking sockets ([`send_fds_nonblocking`]) under one `poll`; [`unread_bytes`] (`SIOCOUTQ`) tells whether a peer has read what was sent — descriptors in its receive queue keep their files alive until it reads or closes |
-//! | client | [`TimedStream`]: the connect (against a full backlog) and every read and write bounded by one timeout; one that runs out is an error saying "timeout: <step> took longer than …" |
+//! | client | [`TimedStream`]: the connect (against a full backlog) and every read and write bounded by one timeout; one that runs out is an error saying "timeout: `<step>` took longer than …" |
 
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
