@@ -234,6 +234,29 @@ fn only_the_lock_decides_and_half_made_liveness_files_go() {
     );
 }
 
+#[test]
+fn a_dead_process_named_with_a_live_pid_of_this_namespace_is_swept_by_its_lock() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // What a container's first process leaves when it is killed: objects named with pid 1 —
+    // alive here (init) — and its liveness file, unlocked. Before, `kill(1, 0)` kept them for ever.
+    let dir = std::path::Path::new("/dev/shm");
+    let nonce = u64::from(std::process::id()) << 16 | 0xdead;
+    let live = dir.join(format!("cudalloc-1-{nonce:016x}-live0"));
+    let seg = dir.join(format!("cudalloc-1-{nonce:016x}-seg0"));
+    for path in [&live, &seg] {
+        std::fs::write(path, b"").unwrap();
+    }
+    let removed = cudalloc::sweep_orphans().unwrap();
+    let gone = !live.exists() && !seg.exists();
+    for path in [&live, &seg] {
+        let _ = std::fs::remove_file(path);
+    }
+    assert!(
+        gone,
+        "kept objects of a dead pid-1 process: removed {removed:?}"
+    );
+}
+
 fn unsafe_zeroed_flock() -> libc::flock {
     // SAFETY: flock is a plain C struct; all-zero is a valid value (whole file from offset 0).
     unsafe { std::mem::zeroed() }

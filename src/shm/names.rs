@@ -209,8 +209,9 @@ fn creator_of(name: &str) -> Option<u32> {
 /// and returns their names. A process is alive while its liveness file is locked: every process
 /// locks one before its first object, so the lock decides in every pid namespace sharing this
 /// `/dev/shm` (a pid seen from another namespace proves nothing: it may name another process or
-/// none). A pid alive in this namespace also keeps the objects named with it (only ever keeping
-/// more). Objects of live processes and of dead producers whose storages a consumer still holds
+/// none). A pid is consulted only for objects with no liveness file of their pid (none made by
+/// this version); processes of other namespaces sharing a pid are judged together (any of them
+/// alive keeps them all: only ever keeping more). Objects of live processes and of dead producers whose storages a consumer still holds
 /// are never touched; unlinking only
 /// removes names, so mappings stay valid. Run by every new [`CachingAllocator`](crate::CachingAllocator),
 /// by `ipc_collect()` and by `cudalloc clean`.
@@ -246,10 +247,20 @@ pub fn sweep_orphans() -> Result<Vec<String>> {
         }
     }
     for (pid, names) in by_creator {
-        let alive = names
+        // Every process locks a liveness file before its first object, so where liveness files
+        // exist their locks alone decide. A pid is consulted only for objects without one (never
+        // made by this version): in another pid namespace it names another process or none —
+        // pid 1, the creator of every first process of a container, is alive everywhere, and
+        // trusting it kept a dead container process's objects for ever.
+        let liveness: Vec<&String> = names
             .iter()
-            .any(|n| n.contains(&format!("-{LIVENESS_TAG}")) && is_locked(n))
-            || process_alive(pid);
+            .filter(|n| n.contains(&format!("-{LIVENESS_TAG}")))
+            .collect();
+        let alive = if liveness.is_empty() {
+            process_alive(pid)
+        } else {
+            liveness.iter().any(|n| is_locked(n))
+        };
         if alive {
             continue;
         }
