@@ -6,7 +6,8 @@
 //!   storage owns; `consumer.rs` — claims, leases, mappings; `handle.rs` — [`IpcHandle`].
 //! * Memory of expandable segments is not one driver allocation but pages: `page_protocol.rs` —
 //!   the request/answer messages; `page_server.rs` — the producer's registry of shared pages and
-//!   who may fetch them (the page secret); `page_connections.rs` — the thread serving their chunk
+//!   who may fetch them (the page secret); `page_thread.rs` — the thread that serves them, its
+//!   start and stop; `page_connections.rs` — the thread serving their chunk
 //!   descriptors over a Unix socket (`SCM_RIGHTS`), every connection at once, bounded by
 //!   [`PageSocketLimits`]; `page_mappings.rs` — the consumer's mappings of exactly the pages under
 //!   a storage.
@@ -42,6 +43,7 @@ mod page_connections;
 mod page_mappings;
 mod page_protocol;
 mod page_server;
+mod page_thread;
 mod producer;
 pub(crate) mod refcount;
 pub(crate) mod state;

@@ -1,6 +1,6 @@
-//! Producer side of sharing expandable memory: the registry of shared page spans, who may fetch
-//! them, and the thread that serves their chunks' descriptors over the page socket
-//! (`page_protocol.rs` the messages, `page_connections.rs` the connections).
+//! Producer side of sharing expandable memory: the registry of shared page spans and who may fetch
+//! them; the thread that serves their chunks' descriptors over the page socket is
+//! `page_thread.rs` (`page_protocol.rs` the messages, `page_connections.rs` the connections).
 //!
 //! | shared storage (in an expandable segment) | registry entry            | served         |
 //! |-------------------------------------------|---------------------------|----------------|
@@ -37,15 +37,14 @@
 //! too (`shm/vm.rs`), as a CUDA IPC handle reaches a whole allocation — the secret decides who
 //! gets a descriptor at all, not which bytes of its file a holder can map.
 //!
-//! The server is one thread per producer allocator, started with its first expandable share, that
-//! serves every connection at once without blocking (`page_connections.rs`), so stopping it never
+//! The server (`page_thread.rs`) is one thread per producer allocator, started with its first
+//! expandable share, that serves every connection at once without blocking (`page_connections.rs`), so stopping it never
 //! waits on a peer. It stops (and its socket is unlinked) when the allocator's IPC state drops;
 //! when storages stay in limbo at teardown it keeps serving them until the process exits, as their
 //! memory stays allocated until then. A forked child inherits neither thread nor socket: sharing
 //! through its parent's runtime is refused (`IpcState::check_process`).
 
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
 
 use super::limbo::SlotCounters;
 use super::page_protocol::{PageRequest, Refusal};
@@ -55,8 +54,6 @@ use super::SharedKey;
 use crate::alloc::PagesUnder;
 use crate::driver::{ChunkId, Driver, ExportedChunk};
 use crate::error::{Error, Result};
-use crate::process::Birth;
-use crate::shm::socket::{self, ShmListener};
 use crate::sync::os::{Arc, Mutex};
 
 /// What the registry keeps of one shared span.
@@ -80,6 +77,28 @@ fn same_secret(a: &[u8; PAGE_SECRET_SIZE], b: &[u8; PAGE_SECRET_SIZE]) -> bool {
 }
 
 impl Registry {
+    /// Serves `pages` for the storage `key` (whose slot is in `file`) until the returned
+    /// registration drops; the registration carries the span's new page secret.
+    pub(super) fn register(
+        registry: &Arc<Registry>,
+        key: SharedKey,
+        pages: PagesUnder,
+        file: Arc<RefCounterFile>,
+    ) -> Result<SpanRegistration> {
+        let secret = new_secret()?;
+        let served = Served {
+            pages,
+            secret,
+            file,
+        };
+        registry.spans.lock().insert(key.clone(), served);
+        Ok(SpanRegistration {
+            registry: Arc::clone(registry),
+            key,
+            secret,
+        })
+    }
+
     /// Whether `request` may be served (checked when it arrives): the storage is shared, the
     /// request carries its secret, somebody counts on its slot, and it names the shared pages.
     pub(super) fn authorize(&self, request: &PageRequest) -> std::result::Result<(), Refusal> {
@@ -188,89 +207,6 @@ fn fill_random(buf: &mut [u8]) -> Result<()> {
         filled += got as usize;
     }
     Ok(())
-}
-
-/// The page socket of one producer allocator and its serving thread.
-#[derive(Debug)]
-pub(crate) struct PageServer {
-    registry: Arc<Registry>,
-    birth: Birth,
-    /// Dropping it wakes the thread, which then stops.
-    stop: Option<OwnedFd>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl PageServer {
-    /// Binds the page socket `name` and starts serving.
-    pub(crate) fn start(driver: Arc<dyn Driver>, name: &str) -> Result<Self> {
-        let listener = ShmListener::bind(name)?;
-        listener
-            .listener
-            .set_nonblocking(true)
-            .map_err(|e| Error::host_os("fcntl(O_NONBLOCK)", e))?;
-        let (wake, stop) = socket::wake_pipe()?;
-        let registry = Arc::new(Registry::default());
-        let served = Arc::clone(&registry);
-        let thread = std::thread::Builder::new()
-            .name("cudalloc-pages".into())
-            .spawn(move || {
-                super::page_connections::serve(&listener, &wake, &served, driver.as_ref())
-            })
-            .map_err(|e| Error::host_os("spawning the page server", e))?;
-        Ok(PageServer {
-            registry,
-            birth: Birth::now(),
-            stop: Some(stop),
-            thread: Some(thread),
-        })
-    }
-
-    /// Serves `pages` for the storage `key` (whose slot is in `file`) until the returned
-    /// registration drops; the registration carries the span's new page secret.
-    pub(crate) fn register(
-        &self,
-        key: SharedKey,
-        pages: PagesUnder,
-        file: Arc<RefCounterFile>,
-    ) -> Result<SpanRegistration> {
-        let secret = new_secret()?;
-        let served = Served {
-            pages,
-            secret,
-            file,
-        };
-        self.registry.spans.lock().insert(key.clone(), served);
-        Ok(SpanRegistration {
-            registry: Arc::clone(&self.registry),
-            key,
-            secret,
-        })
-    }
-
-    /// Lets the thread serve until the process exits (storages stayed in limbo at teardown).
-    pub(crate) fn serve_until_exit(mut self) {
-        if let Some(stop) = self.stop.take() {
-            std::mem::forget(stop);
-        }
-        self.thread = None;
-    }
-}
-
-impl Drop for PageServer {
-    fn drop(&mut self) {
-        if !self.birth.is_current() {
-            // A forked child has no such thread, and the stop pipe is the parent's: forget both.
-            std::mem::forget(self.stop.take());
-            std::mem::forget(self.thread.take());
-            return;
-        }
-        // The thread blocks on nothing but its poll, which the closed pipe ends: the join is
-        // bounded by one pass of its loop, whatever the peers do.
-        drop(self.stop.take());
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
 }
 
 #[cfg(test)]

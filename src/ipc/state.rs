@@ -9,7 +9,8 @@
 
 use super::limbo::{Limbo, SlotCounters};
 use super::page_protocol;
-use super::page_server::{PageServer, SpanRegistration};
+use super::page_server::SpanRegistration;
+use super::page_thread::PageServer;
 use super::producer::SentData;
 use super::refcount::RefCounterFile;
 use super::SharedKey;

@@ -19,7 +19,7 @@
 //! | whose cell | its target                                    | its counters                     |
 //! |------------|-----------------------------------------------|----------------------------------|
 //! | this process's ([`CellRef`]) | the latest record made here  | [`LocalCounters`]: private, authoritative; the shared cell is only published to |
-//! | another process's ([`ForeignCell`](super::foreign_event::ForeignCell)) | the record its handle was exported after (or a later one made here through it) | the shared cell: untrusted input, checked at every look (`foreign_event.rs`) |
+//! | another process's (`ForeignCell` (`foreign_event.rs`)) | the record its handle was exported after (or a later one made here through it) | the shared cell: untrusted input, checked at every look (`foreign_event.rs`) |
 //!
 //! Sleepers use a shared (not private) futex on `wake`, which works across processes on a
 //! `MAP_SHARED` file; they wake at least every 50 ms to re-check. A foreign wait ends — with a
@@ -28,7 +28,6 @@
 
 use std::time::Duration;
 
-use super::foreign_event::ForeignCell;
 use crate::error::{Error, Result};
 use crate::shm::SharedMemory;
 use crate::sync::os::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -170,31 +169,6 @@ impl CellRef {
 
 /// Longest sleep of a waiter between two looks at its cell.
 pub(super) const POLL: Duration = Duration::from_millis(50);
-
-/// An event's cell: this process's own, or another process's (opened from a handle).
-#[derive(Clone, Debug)]
-pub(crate) enum HostCell {
-    Own(CellRef),
-    Foreign(ForeignCell),
-}
-
-impl HostCell {
-    /// Starts a new record; returns its sequence number for [`Self::complete`].
-    pub(crate) fn begin_record(&self) -> u64 {
-        match self {
-            HostCell::Own(cell) => cell.begin_record(),
-            HostCell::Foreign(cell) => cell.begin_record(),
-        }
-    }
-
-    /// Marks record `seq` finished and wakes sleepers.
-    pub(crate) fn complete(&self, seq: u64) {
-        match self {
-            HostCell::Own(cell) => cell.complete(seq),
-            HostCell::Foreign(cell) => cell.complete(seq),
-        }
-    }
-}
 
 pub(super) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {

@@ -10,7 +10,7 @@
 //! | `ipc_export_event`   | the handle names the cell and its latest record | refused (export from the owner)     |
 //! | `ipc_open_event`     | refused (use the event)          | maps the chunk (once per process), checks its header |
 
-use super::event::HostCell;
+use super::event::CellRef;
 use super::foreign_event::ForeignCell;
 use super::handle::{self, HandleKind, HostHandle};
 use super::HostDriver;
@@ -18,6 +18,31 @@ use crate::driver::{EventFlags, EventId, IpcEventHandle, StreamId};
 use crate::error::{Error, Result};
 use crate::shm::SharedMemory;
 use crate::sync::os::{Arc, Weak};
+
+/// An event's cell: this process's own, or another process's (opened from a handle).
+#[derive(Clone, Debug)]
+pub(crate) enum HostCell {
+    Own(CellRef),
+    Foreign(ForeignCell),
+}
+
+impl HostCell {
+    /// Starts a new record; returns its sequence number for [`Self::complete`].
+    pub(crate) fn begin_record(&self) -> u64 {
+        match self {
+            HostCell::Own(cell) => cell.begin_record(),
+            HostCell::Foreign(cell) => cell.begin_record(),
+        }
+    }
+
+    /// Marks record `seq` finished and wakes sleepers.
+    pub(crate) fn complete(&self, seq: u64) {
+        match self {
+            HostCell::Own(cell) => cell.complete(seq),
+            HostCell::Foreign(cell) => cell.complete(seq),
+        }
+    }
+}
 
 /// One event of the driver: a cell of this process's pool, or of another process's chunk.
 #[derive(Debug)]
