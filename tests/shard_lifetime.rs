@@ -65,9 +65,12 @@ fn memory_outlives_its_allocator_and_goes_back_with_its_last_pointer() {
     );
 }
 
+/// Also the free that is not the last: once it unlocks the shard, another thread's last free may
+/// drop the shard and its device core, so nothing after the unlock may reach them through the
+/// shard (a peak reconcile did: a double free in about one run in two of these 200 rounds).
 #[test]
 fn blocks_of_an_orphaned_shard_freed_on_many_threads_release_it_once() {
-    for round in 0..20 {
+    for round in 0..200 {
         let d = driver();
         let a = CachingAllocator::new(d.clone(), AllocatorConfig::default()).unwrap();
         let stream = a.create_stream(0).unwrap();

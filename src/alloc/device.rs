@@ -193,6 +193,19 @@ impl DeviceCore {
         }
     }
 
+    /// [`Self::settle`] for a caller that owns nothing of the shard once `state` is unlocked (a
+    /// free): the peaks are reconciled through a reference taken under the lock, since the shard
+    /// and this core may be dropped by another thread as soon as the lock is released.
+    pub(super) fn settle_leaving(core: &Arc<Self>, mut state: MutexGuard<'_, ShardState>) {
+        core.verify(&state);
+        let over = state.take_over_budget();
+        let kept = over.then(|| Arc::clone(core));
+        drop(state);
+        if let Some(core) = kept {
+            core.reconcile_peaks();
+        }
+    }
+
     /// Counts `len` more bytes as reserved on the device, unless that passes the per-process
     /// memory fraction (then `false`, nothing counted).
     pub(super) fn try_reserve(&self, len: u64) -> bool {

@@ -551,8 +551,11 @@ impl Shard {
         }
         let orphan_released = st.orphaned && st.owners == 0;
         st.orphaned &= !orphan_released;
-        // A free can grow statistics too (inactive split blocks): settle checks the budget.
-        core.settle(st);
+        // A free can grow statistics too (inactive split blocks): settle checks the budget. The
+        // caller owns nothing of the shard any more, so once the lock is gone another thread's
+        // last free may drop the shard, and with it the core when the allocator is gone: what
+        // runs after the unlock holds a reference of its own.
+        DeviceCore::settle_leaving(&self.core, st);
         orphan_released
     }
 
