@@ -10,12 +10,13 @@
 //! | `Releasing`    | no                     | nothing (expandable segments only)       | `Unmapped` once the driver unmapped its pages |
 //! | `Unmapped`     | no                     | nothing (expandable segments only)       | `Free` when pages are mapped over it (`expandable.rs`) |
 //!
-//! Invariants (checked by the scanner in `shard.rs`): blocks tile their segment exactly; no two
+//! Invariants (checked by the scanner in `invariants.rs`): blocks tile their segment exactly; no two
 //! neighbouring blocks are both `Free` (they merge); a block is in a free set iff it is `Free`.
 
-use crate::driver::StreamId;
+use std::collections::BTreeMap;
 
 use super::size::PoolKind;
+use crate::driver::{ChunkId, StreamId};
 
 /// Index of a block in its shard's slab.
 pub(crate) type BlockId = usize;
@@ -75,4 +76,21 @@ pub(crate) struct SegmentInfo {
     pub pool: PoolKind,
     /// First block of the segment.
     pub head: BlockId,
+}
+
+/// The pages of one expandable segment (`expandable.rs`).
+#[derive(Debug, Default)]
+pub(crate) struct ExpandablePages {
+    /// Bytes per page.
+    pub page: u64,
+    /// Mapped pages: address → chunk.
+    pub chunks: BTreeMap<u64, ChunkId>,
+}
+
+/// A block handed out by a shard, its address and the rounded size of the request it serves.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Allocated {
+    pub block: BlockId,
+    pub ptr: u64,
+    pub rounded: u64,
 }

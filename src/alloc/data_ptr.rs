@@ -17,11 +17,11 @@ use std::fmt;
 use std::num::NonZeroU32;
 use std::ptr::NonNull;
 
+use super::block::Allocated;
 use super::block::BlockId;
-use super::device::Allocated;
 use super::front::{self, FrontEntry};
 
-use super::shard::Shard;
+use super::core_types::Shard;
 use crate::driver::{DeviceAddr, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicU32, Ordering};
@@ -310,5 +310,24 @@ pub(crate) fn take_shared<T: SharedOwner>(owner: Owner) -> std::result::Result<B
             any.downcast::<T>().map_err(|_| Owner::None)
         }
         other => Err(other),
+    }
+}
+
+#[cfg(test)]
+mod layout_tests {
+    //! The cache-line isolation and the 40-byte `DataPtr` that issue 14's figures rest on: a
+    //! change that breaks either fails here, not in a noisy benchmark.
+    use super::*;
+    use crate::alloc::block::Block;
+    use crate::alloc::front::FrontCache;
+
+    #[test]
+    fn hot_state_owns_its_cache_lines_and_a_data_ptr_stays_small() {
+        assert!(std::mem::align_of::<Shard>() >= 128);
+        assert!(std::mem::align_of::<FrontCache>() >= 128);
+        assert_eq!(std::mem::align_of::<Block>(), 128);
+        assert_eq!(std::mem::size_of::<Block>() % 128, 0);
+        assert_eq!(std::mem::size_of::<BlockOwner>(), 16);
+        assert_eq!(std::mem::size_of::<DataPtr>(), 40);
     }
 }

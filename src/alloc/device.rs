@@ -15,13 +15,14 @@
 
 use std::collections::HashMap;
 
-use super::block::BlockId;
+use super::block::Allocated;
+use super::core_types::{DeviceCore, Shard};
 use super::history::{Trace, TraceAction};
 use super::observers::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
 use super::oom::{self, Callbacks};
-use super::shard::{ReleaseOrder, Shard, ShardState};
 use super::size::{self, PoolKind};
 use super::snapshot::{self, SnapshotSegment};
+use super::state::{ReleaseOrder, ShardState};
 use super::stats::DeviceStats;
 use crate::config::AllocatorConfig;
 use crate::driver::{Driver, EventFlags, EventId, StreamId};
@@ -32,55 +33,6 @@ use crate::sync::os::{Arc, Mutex, MutexGuard, RwLock};
 
 /// Serials of shards (`Shard::serial`).
 static NEXT_SHARD_SERIAL: AtomicU64 = AtomicU64::new(1);
-
-/// Everything an allocator keeps per device.
-pub(crate) struct DeviceCore {
-    pub device: usize,
-    /// The process the allocator belongs to (see `process`).
-    pub birth: Birth,
-    pub driver: Arc<dyn Driver>,
-    pub config: Arc<AllocatorConfig>,
-    pub callbacks: Arc<Callbacks>,
-    pub trace: Arc<Trace>,
-    pub check_invariants: bool,
-    /// The stream sanitizer, when the driver is sanitized: told of every hand-out and free.
-    pub sanitizer: Option<Arc<crate::driver::Sanitizer>>,
-    /// The driver for the events of pending frees: the unsanitized one under a sanitizer (the
-    /// allocator's polls and waits on them are its own, not the program's synchronization; the
-    /// sanitizer covers that reuse with the free's clock).
-    pub free_events: Arc<dyn Driver>,
-    pub capacity: u64,
-    /// `f64` bits of the per-process memory fraction; `fraction_set` says whether one was chosen.
-    fraction_bits: AtomicU64,
-    fraction_set: AtomicBool,
-    /// Bytes of live segments on this device (all shards).
-    pub(super) reserved: AtomicU64,
-    shards: RwLock<HashMap<StreamId, Arc<Shard>>>,
-    events: Mutex<Vec<EventId>>,
-    alloc_retries: AtomicU64,
-    ooms: AtomicU64,
-    sync_all: AtomicU64,
-    /// The recorded device-wide peaks (`peaks.rs`).
-    pub(super) peaks: Mutex<super::peaks::PeakBook>,
-}
-
-impl std::fmt::Debug for DeviceCore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceCore")
-            .field("device", &self.device)
-            .field("reserved", &self.reserved.load(Ordering::Relaxed))
-            .field("shards", &self.shards.read().len())
-            .finish()
-    }
-}
-
-/// A block handed out by a shard, its address and the rounded size of the request it serves.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Allocated {
-    pub block: BlockId,
-    pub ptr: u64,
-    pub rounded: u64,
-}
 
 impl DeviceCore {
     pub fn new(
@@ -522,7 +474,7 @@ impl DeviceCore {
         }
         let mut any = false;
         for shard in self.all_shards() {
-            super::front::flush_all(&shard);
+            shard.flush_fronts();
             let taken = {
                 let mut st = shard.state.lock();
                 if sync {
@@ -598,7 +550,7 @@ impl DeviceCore {
     pub fn stats(&self) -> DeviceStats {
         let mut total = self.exact_stats(false);
         for shard in self.all_shards() {
-            super::front::hide_all(&shard, &mut total, self.config.max_split_size);
+            shard.hide_fronts(&mut total, self.config.max_split_size);
         }
         total.num_alloc_retries += self.alloc_retries.load(Ordering::Relaxed);
         total.num_ooms += self.ooms.load(Ordering::Relaxed);
@@ -645,7 +597,7 @@ impl DeviceCore {
     /// alive; their segments are returned when the shard drops.
     pub fn shutdown(&self) {
         for shard in self.all_shards() {
-            super::front::retire_all(&shard);
+            shard.retire_fronts();
         }
         self.release_cached(true);
         let events: Vec<_> = std::mem::take(&mut *self.events.lock());

@@ -23,25 +23,16 @@
 
 use std::collections::BTreeMap;
 
-use super::block::{Block, BlockId, BlockState, SegmentInfo};
-use super::device::{Allocated, DeviceCore};
+use super::block::{Allocated, Block, BlockId, BlockState, ExpandablePages, SegmentInfo};
+use super::core_types::{DeviceCore, Shard};
 use super::history::TraceAction;
 use super::observers::{SegmentChange, SegmentEvent};
-use super::shard::{Shard, ShardState};
 use super::size::PoolKind;
+use super::state::ShardState;
 use super::stats;
 use crate::driver::{ChunkId, DeviceAddr, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::Ordering;
-
-/// The pages of one expandable segment.
-#[derive(Debug, Default)]
-pub(crate) struct ExpandablePages {
-    /// Bytes per page.
-    pub page: u64,
-    /// Mapped pages: address → chunk.
-    pub chunks: BTreeMap<u64, ChunkId>,
-}
 
 /// Pages to unmap: (address, length, the chunk of each page in it).
 pub(crate) type PageRelease = (u64, u64, Vec<(u64, ChunkId)>);

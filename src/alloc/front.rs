@@ -46,13 +46,10 @@
 //! criterion pair at every size (`docs/benchmarks.md`).
 
 use std::num::NonZeroU32;
-use std::ptr::NonNull;
 
 use arrayvec::ArrayVec;
 
 use super::block::BlockId;
-use super::shard::Shard;
-use super::stats::{self, DeviceStats};
 use crate::process::Birth;
 use crate::sync::os::{Arc, Mutex};
 
@@ -98,31 +95,25 @@ struct FrontState {
 }
 
 /// One thread's front cache for one shard. Aligned to 128 bytes like shards: its owner thread
-/// writes it on every hit, so no other thread's data may share its lines.
+/// writes it on every hit, so no other thread's data may share its lines. It knows its shard by
+/// serial only: what gives blocks back to the shard is a `Shard` method (`shard.rs`) or the
+/// thread that holds the cache with its shard's address (`thread.rs`).
 #[derive(Debug)]
 #[repr(align(128))]
 pub(crate) struct FrontCache {
-    shard: NonNull<Shard>,
     /// The shard's serial: a later shard at the same address is not this cache's.
     serial: u64,
-    /// The shard's process: a forked child's copy of the cache flushes nothing (`process`).
+    /// The shard's process: a forked child's copy of the cache gives back nothing (`process`).
     birth: Birth,
     state: Mutex<FrontState>,
 }
 
-// SAFETY: the shard pointer is only dereferenced to free the blocks this cache holds, which keep
-// the shard alive (they are counted among its owners); the state is behind a lock.
-unsafe impl Send for FrontCache {}
-// SAFETY: as for `Send`; every access to the entries takes the lock.
-unsafe impl Sync for FrontCache {}
-
 impl FrontCache {
-    /// An empty cache for `shard`.
-    pub fn new(shard: &Shard) -> Self {
+    /// An empty cache for the shard of serial `serial`, made in process `birth`.
+    pub fn new(serial: u64, birth: Birth) -> Self {
         FrontCache {
-            shard: NonNull::from(shard),
-            serial: shard.serial,
-            birth: shard.birth,
+            serial,
+            birth,
             state: Mutex::new(FrontState {
                 entries: ArrayVec::new(),
                 bytes: 0,
@@ -131,9 +122,9 @@ impl FrontCache {
         }
     }
 
-    /// Whether this is the cache of `shard`.
-    pub fn serves(&self, shard: &Shard) -> bool {
-        std::ptr::eq(self.shard.as_ptr(), shard) && self.serial == shard.serial
+    /// Whether this is the cache of the shard of serial `serial` (serials are never reused).
+    pub fn serves(&self, serial: u64) -> bool {
+        self.serial == serial
     }
 
     /// Takes the newest block held for requests of size class `class`.
@@ -171,23 +162,16 @@ impl FrontCache {
         true
     }
 
-    /// Gives every held block back to the shard (`retire`: and accepts none again).
-    pub fn flush(&self, retire: bool) {
+    /// Takes every held block, for the caller to give back to the shard (`retire`: and accepts
+    /// none again). A forked child's copy gives nothing: the parent's blocks are the parent's.
+    pub fn take_all(&self, retire: bool) -> ArrayVec<FrontEntry, FRONT_BLOCKS> {
         if !self.birth.is_current() {
-            return;
+            return ArrayVec::new();
         }
-        let entries = {
-            let mut st = self.state.lock();
-            st.retired |= retire;
-            st.bytes = 0;
-            std::mem::take(&mut st.entries)
-        };
-        for e in entries {
-            // SAFETY: the block was handed out by this shard and is still counted among its
-            // owners (the cache took it over from its `BlockOwner`), so the shard is alive, and
-            // the block is freed exactly once: it was just taken out of the cache.
-            unsafe { Shard::free_and_release(self.shard, e.block) };
-        }
+        let mut st = self.state.lock();
+        st.retired |= retire;
+        st.bytes = 0;
+        std::mem::take(&mut st.entries)
     }
 
     /// Whether the cache was retired and holds nothing (safe to forget).
@@ -196,98 +180,28 @@ impl FrontCache {
         st.retired && st.entries.is_empty()
     }
 
-    /// Subtracts the blocks held here from `stats` (see the module docs). Takes the shard's lock
-    /// inside this cache's (the only place both are held, always in this order).
-    pub fn hide_from(&self, stats: &mut DeviceStats, max_split_size: u64) {
+    /// Calls `f` with the held blocks, under this cache's lock (statistics: the shard's lock is
+    /// taken inside it, the only place both are held, always in this order).
+    pub fn with_entries(&self, f: impl FnOnce(&[FrontEntry])) {
         let st = self.state.lock();
-        if st.entries.is_empty() {
-            return;
-        }
-        // SAFETY: the held blocks are counted among the shard's owners, so it is alive.
-        let shard = unsafe { self.shard.as_ref() };
-        let blocks = &shard.state.lock().blocks;
-        for e in &st.entries {
-            let Some(b) = blocks.get(e.block) else {
-                continue;
-            };
-            stats::hide(&mut stats.allocation, b.pool, 1);
-            stats::hide(&mut stats.allocated_bytes, b.pool, b.size);
-            stats::hide(&mut stats.active, b.pool, 1);
-            stats::hide(&mut stats.active_bytes, b.pool, b.size);
-            stats::hide(&mut stats.requested_bytes, b.pool, b.requested);
-            if b.size >= max_split_size {
-                stats.oversize_allocations.current -= 1;
-            }
+        if !st.entries.is_empty() {
+            f(&st.entries);
         }
     }
 }
 
-/// A shard's front caches, one per thread that freed into it.
+/// A shard's front caches, one per thread that freed into it (`Shard::register_front` and the
+/// other front-cache helpers of `shard.rs` use it under the shard's `fronts` lock).
 #[derive(Debug, Default)]
 pub(crate) struct FrontRegistry {
-    caches: Vec<Arc<FrontCache>>,
+    pub caches: Vec<Arc<FrontCache>>,
     /// The allocator is going away: no new cache may start.
-    closed: bool,
-}
-
-/// A new front cache for the calling thread on `shard`, registered with it; `None` once the
-/// allocator is shutting down (checked under the registry's lock, which `retire_all` takes too, so
-/// no cache can start after the last retire).
-pub(crate) fn register(shard: &Shard) -> Option<Arc<FrontCache>> {
-    let mut registry = shard.fronts.lock();
-    if registry.closed {
-        return None;
-    }
-    registry.caches.retain(|c| !c.is_retired());
-    let cache = Arc::new(FrontCache::new(shard));
-    registry.caches.push(Arc::clone(&cache));
-    Some(cache)
-}
-
-/// Flushes every front cache of `shard` (out of memory, `empty_cache`).
-pub(crate) fn flush_all(shard: &Shard) {
-    let caches = shard.fronts.lock().caches.clone();
-    for cache in caches {
-        cache.flush(false);
-    }
-}
-
-/// Closes `shard` to new front caches and retires every one it has (allocator drop).
-pub(crate) fn retire_all(shard: &Shard) {
-    let caches = {
-        let mut registry = shard.fronts.lock();
-        registry.closed = true;
-        std::mem::take(&mut registry.caches)
-    };
-    for cache in caches {
-        cache.flush(true);
-    }
-}
-
-/// Subtracts what `shard`'s front caches hold from `stats`.
-pub(crate) fn hide_all(shard: &Shard, stats: &mut DeviceStats, max_split_size: u64) {
-    for cache in &shard.fronts.lock().caches {
-        cache.hide_from(stats, max_split_size);
-    }
+    pub closed: bool,
 }
 
 #[cfg(test)]
-mod layout_tests {
-    //! The cache-line isolation and the 40-byte `DataPtr` that issue 14's figures rest on: a
-    //! change that breaks either fails here, not in a noisy benchmark.
+mod tests {
     use super::*;
-    use crate::alloc::block::Block;
-    use crate::alloc::{BlockOwner, DataPtr};
-
-    #[test]
-    fn hot_state_owns_its_cache_lines_and_a_data_ptr_stays_small() {
-        assert!(std::mem::align_of::<Shard>() >= 128);
-        assert!(std::mem::align_of::<FrontCache>() >= 128);
-        assert_eq!(std::mem::align_of::<Block>(), 128);
-        assert_eq!(std::mem::size_of::<Block>() % 128, 0);
-        assert_eq!(std::mem::size_of::<BlockOwner>(), 16);
-        assert_eq!(std::mem::size_of::<DataPtr>(), 40);
-    }
 
     #[test]
     fn size_classes_cover_requests_up_to_two_tebibytes() {

@@ -14,6 +14,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 
+use super::stacks::{self, Frame};
 use crate::driver::StreamId;
 use crate::sync::os::atomic::{AtomicU8, Ordering};
 use crate::sync::os::{Arc, Mutex};
@@ -76,18 +77,6 @@ impl fmt::Display for TraceAction {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
-}
-
-/// One frame of a recorded stack (PyTorch's `{filename, line, name}`).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-pub struct Frame {
-    /// Source file ("??" when the binary has no debug information for it).
-    pub filename: String,
-    /// Line (0 when unknown).
-    pub line: u32,
-    /// Function, demangled.
-    pub name: String,
 }
 
 /// One trace entry.
@@ -289,7 +278,7 @@ impl Trace {
         }
         let wants_stack = mode & STACKS != 0
             && (action == TraceAction::Alloc || (all && action == TraceAction::FreeRequested));
-        let stack: Option<Stack> = wants_stack.then(|| super::stacks::capture().into());
+        let stack: Option<Stack> = wants_stack.then(|| stacks::capture().into());
         let time_us = now_us();
         let mut ring = self.ring.lock();
         match action {
@@ -336,7 +325,7 @@ impl Trace {
             )
         };
         // Symbolized outside the lock, each address once.
-        let mut symbols = super::stacks::Symbolizer::default();
+        let mut symbols = stacks::Symbolizer::default();
         let entries = recorded
             .into_iter()
             .map(|(mut entry, stack)| {

@@ -4,8 +4,8 @@
 //! `current` equals a recount.
 
 use super::block::BlockState;
-use super::shard::ShardState;
 use super::size::PoolKind;
+use super::state::ShardState;
 use super::stats::{DeviceStats, StatArray};
 
 fn pool_slot(pool: PoolKind) -> usize {

@@ -1,17 +1,28 @@
 //! The caching allocator: PyTorch's `CUDACachingAllocator` policy, sharded per (device, stream).
 //!
-//! * `size.rs` — rounding, pools, segment sizes, split and oversize rules.
-//! * `block.rs` / `shard.rs` — blocks tiling segments, best-fit free pools, split/merge, pending
-//!   frees; all the state of one (device, stream) under one lock.
-//! * `device.rs` — a device's shards and the device-wide paths (miss sequence, GC, `empty_cache`).
-//! * `stats.rs`, `summary.rs`, `snapshot.rs` — PyTorch's stats keys, the summary table, snapshots
-//!   and the allocation trace. `oom.rs` — callbacks and the out-of-memory message.
-//! * `invariants.rs` — the scanner that tests run after every mutation.
+//! The files, from the ground up — each names only files listed before it (`tests/layering.rs`
+//! fails on a circle inside any folder):
+//!
+//! * `size.rs` — rounding, pools, segment sizes, split and oversize rules; `stats.rs` — PyTorch's
+//!   stats keys.
+//! * `block.rs` — blocks tiling segments, segment and page records; `pool.rs` — best-fit free pools.
+//! * `stacks.rs`, `history.rs` — recorded Rust stacks and the memory history (trace ring);
+//!   `observers.rs`, `oom.rs` — segment and out-of-memory observers, callbacks and the message.
+//! * `state.rs` — one (device, stream)'s state under its lock: split/merge, pending frees.
+//! * `front.rs` — thread front caches (`thread_cache_mb`, off by default): a thread's freed blocks
+//!   reused by its own allocations without the stream's lock, the one deviation from PyTorch's
+//!   reuse order, opt-in.
+//! * `core_types.rs` — `Shard`, `DeviceCore` and the peak book: the types that point at each other,
+//!   their fields only. Their methods live above, by concern:
+//! * `shard.rs` — a shard's free path, its life after the allocator, front-cache helpers;
+//!   `thread.rs` — per-thread state: current streams and a cache of shard pointers (no lock, no
+//!   atomic on the hot path).
+//! * `snapshot.rs`, `invariants.rs` (the scanner tests run after every mutation), `device.rs` — a
+//!   device's shards and the device-wide paths (miss sequence, GC, `empty_cache`), `expandable.rs`
+//!   (segments that grow by pages), `peaks.rs` (exact device-wide peaks), `summary.rs` (the summary
+//!   table), `pytorch_pickle.rs` (snapshots in PyTorch's pickled layout).
 //! * `data_ptr.rs` — [`DataPtr`] and its owners; upper layers attach theirs as trait objects.
-//! * `thread.rs` — per-thread state: current streams and a cache of shard pointers (no lock, no
-//!   atomic on the hot path). `front.rs` — thread front caches (`thread_cache_mb`, off by default):
-//!   a thread's freed blocks reused by its own allocations without the stream's lock, the one
-//!   deviation from PyTorch's reuse order, opt-in.
+//! * this file — [`CachingAllocator`], the builder and the allocator's public face.
 //!
 //! The allocator knows nothing of sharing or copy-on-write: it hands out and takes back
 //! `DataPtr`s. IPC administration (ref-counter files, limbo, `ipc_collect`) lives in
@@ -23,6 +34,7 @@
 //! device-wide mutex on the hot path.
 
 mod block;
+mod core_types;
 mod data_ptr;
 mod device;
 mod expandable;
@@ -39,28 +51,31 @@ mod shard;
 pub mod size;
 mod snapshot;
 mod stacks;
+mod state;
 mod stats;
 mod summary;
 mod thread;
 
 use std::collections::BTreeMap;
 
-pub use history::{trace_json_lines, Frame, HistoryMode, HistoryOptions, TraceAction, TraceEntry};
+pub use history::{trace_json_lines, HistoryMode, HistoryOptions, TraceAction, TraceEntry};
 pub use observers::{
     OutOfMemoryEvent, OutOfMemoryObserver, SegmentChange, SegmentEvent, SegmentObserver,
 };
 pub use oom::{format_size, FreeMemoryCallback};
 pub use snapshot::{Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment};
+pub use stacks::Frame;
 pub use stats::{DeviceStats, Stat, StatArray, POOL_NAMES};
 
 pub use data_ptr::DataPtr;
 pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
 pub(crate) use expandable::PagesUnder;
 
-use self::device::{Allocated, DeviceCore};
+use self::block::Allocated;
+use self::core_types::DeviceCore;
+use self::core_types::Shard;
 use self::history::Trace;
 use self::oom::Callbacks;
-use self::shard::Shard;
 use crate::config::{AllocatorConfig, DefaultStream};
 use crate::driver::{DeviceAddr, Driver, SanitizeOptions, SanitizedDriver, StreamId};
 use crate::error::{Error, Result};

@@ -38,15 +38,13 @@
 //! 10,000 streams) pays per reconcile for the shards that changed since the last one, not for all.
 
 use std::cell::Cell;
-use std::collections::HashMap;
 
-use slab::Slab;
-
-use super::shard::{Shard, ShardState};
+use super::core_types::{DeviceCore, Figures, PeakBook, PeakEntry, Shard};
+use super::state::ShardState;
 use super::stats::{DeviceStats, PEAK_STATS, RESERVED_BYTES_ALL};
-use super::{device::DeviceCore, CachingAllocator};
+use super::CachingAllocator;
 use crate::sync::os::atomic::Ordering;
-use crate::sync::os::{Arc, Weak};
+use crate::sync::os::Arc;
 
 thread_local! {
     /// The shard whose settle calls [`DeviceCore::reconcile_peaks`] next on this thread: its
@@ -54,45 +52,9 @@ thread_local! {
     static SETTLING: Cell<Option<(usize, bool)>> = const { Cell::new(None) };
 }
 
-/// Statistics, one value per statistic with a peak.
-type Figures = [i64; PEAK_STATS];
-
 /// The book's key for a shard: its serial, which its state carries too (what its settle knows).
 fn key_of(shard: &Shard) -> usize {
     shard.serial as usize
-}
-
-/// What the book knows of one shard.
-#[derive(Debug)]
-struct Entry {
-    shard: Weak<Shard>,
-    key: usize,
-    /// Currents as last read.
-    current: Figures,
-    /// Limits as last set.
-    limit: Figures,
-    /// Told of a change since the last read (listed in `PeakBook::unread`).
-    unread: bool,
-    /// Some limit above its current (listed in `PeakBook::holders`).
-    holder: bool,
-}
-
-/// The device's recorded peaks and what it knows of each shard (see the module docs).
-#[derive(Debug, Default)]
-pub(crate) struct PeakBook {
-    peaks: Figures,
-    /// Σ of the entries' `current`.
-    sums: Figures,
-    /// Σ of the entries' `limit`.
-    limits: Figures,
-    entries: Slab<Entry>,
-    by_key: HashMap<usize, usize>,
-    /// Entries told of a change since their last read (a slot may repeat or be stale).
-    unread: Vec<usize>,
-    /// Entries holding some limit above their current (a slot may repeat or be stale).
-    holders: Vec<usize>,
-    /// A change the book could not place: the next reconcile reads every shard.
-    stale: bool,
 }
 
 /// A shard read in this reconcile: what its high-water mark asks for, and whether it shares
@@ -111,7 +73,7 @@ impl PeakBook {
         if self.by_key.contains_key(&key) {
             return;
         }
-        let slot = self.entries.insert(Entry {
+        let slot = self.entries.insert(PeakEntry {
             shard: Arc::downgrade(shard),
             key,
             current: [0; PEAK_STATS],

@@ -18,8 +18,9 @@ use std::collections::BTreeMap;
 
 use serde_pickle::{HashableValue as H, Value as V};
 
-use super::history::{Frame, TraceAction, TraceEntry};
+use super::history::{TraceAction, TraceEntry};
 use super::snapshot::{Snapshot, SnapshotBlockState};
+use super::stacks::Frame;
 use crate::config::AllocatorConfig;
 use crate::error::{Error, Result};
 

@@ -2,8 +2,9 @@
 //! recorded so far (`history.rs`). `pytorch_pickle.rs` writes them in PyTorch's layout.
 
 use super::block::BlockState;
-use super::history::{Frame, TraceEntry};
-use super::shard::ShardState;
+use super::history::TraceEntry;
+use super::stacks::Frame;
+use super::state::ShardState;
 use crate::driver::StreamId;
 
 /// State of a block in a snapshot (PyTorch's names).

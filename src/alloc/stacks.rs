@@ -5,7 +5,17 @@
 
 use std::collections::HashMap;
 
-use super::history::Frame;
+/// One frame of a recorded stack (PyTorch's `{filename, line, name}`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+pub struct Frame {
+    /// Source file ("??" when the binary has no debug information for it).
+    pub filename: String,
+    /// Line (0 when unknown).
+    pub line: u32,
+    /// Function, demangled.
+    pub name: String,
+}
 
 /// The most frames kept per stack.
 const MAX_FRAMES: usize = 48;

@@ -29,10 +29,11 @@
 
 use std::cell::RefCell;
 use std::num::NonZeroU32;
+use std::ptr::NonNull;
 
 use super::block::BlockId;
+use super::core_types::Shard;
 use super::front::{FrontCache, FrontEntry};
-use super::shard::Shard;
 use crate::driver::StreamId;
 use crate::sync::os::Arc;
 
@@ -69,9 +70,16 @@ const EMPTY_SLOT: ShardSlot = ShardSlot {
     front: std::ptr::null(),
 };
 
+/// One of this thread's front caches and the shard it holds blocks of. The shard's address is
+/// only used to give those blocks back: while the cache holds any, they keep the shard alive.
+struct ThreadFront {
+    shard: NonNull<Shard>,
+    cache: Arc<FrontCache>,
+}
+
 /// This thread's front caches. They are also registered with their shards (which flush, retire
 /// and read them); this list keeps them for the thread and retires them when it exits.
-struct ThreadFronts(Vec<Arc<FrontCache>>);
+struct ThreadFronts(Vec<ThreadFront>);
 
 impl Drop for ThreadFronts {
     fn drop(&mut self) {
@@ -83,7 +91,9 @@ impl Drop for ThreadFronts {
             }
         });
         for front in self.0.drain(..) {
-            front.flush(true);
+            // SAFETY: `front.cache` was registered with `front.shard` (`start_front`); the blocks
+            // it holds keep that shard alive, and with none held the pointer is not used.
+            unsafe { Shard::flush_front(front.shard, &front.cache, true) };
         }
     }
 }
@@ -207,8 +217,8 @@ fn remember(alloc: u64, key: SlotKey, shard: *const Shard) {
                 .borrow()
                 .0
                 .iter()
-                .find(|f| f.serves(live) && !f.is_retired())
-                .map_or(std::ptr::null(), Arc::as_ptr)
+                .find(|f| f.cache.serves(live.serial) && !f.cache.is_retired())
+                .map_or(std::ptr::null(), |f| Arc::as_ptr(&f.cache))
         })
         .unwrap_or(std::ptr::null());
     SHARDS.with(|cache| {
@@ -278,15 +288,19 @@ fn start_front(shard: &Shard) -> Option<*const FrontCache> {
     let front = FRONTS
         .try_with(|fronts| {
             let mut fronts = fronts.borrow_mut();
-            if let Some(found) = fronts.0.iter().find(|f| f.serves(shard) && !f.is_retired()) {
-                return Some(Arc::as_ptr(found));
+            if let Some(found) = fronts
+                .0
+                .iter()
+                .find(|f| f.cache.serves(shard.serial) && !f.cache.is_retired())
+            {
+                return Some(Arc::as_ptr(&found.cache));
             }
-            let made = super::front::register(shard)?;
+            let made = shard.register_front()?;
             let ptr = Arc::as_ptr(&made);
             // Retired caches (of allocators dropped since) are forgotten here, and with them any
             // slot pointer to them.
             let before = fronts.0.len();
-            fronts.0.retain(|f| !f.is_retired());
+            fronts.0.retain(|f| !f.cache.is_retired());
             if fronts.0.len() != before {
                 let _ = SHARDS.try_with(|cache| {
                     for slot in cache.borrow_mut().0.iter_mut() {
@@ -294,7 +308,10 @@ fn start_front(shard: &Shard) -> Option<*const FrontCache> {
                     }
                 });
             }
-            fronts.0.push(made);
+            fronts.0.push(ThreadFront {
+                shard: NonNull::from(shard),
+                cache: made,
+            });
             Some(ptr)
         })
         .ok()

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 
 use super::lease_table::LeaseTable;
 use super::limbo::SlotCounters;
+use super::page_mappings::driver_key;
 use super::refcount::{underflow, RefCounterFile};
 use super::wire::WireHandle;
 use crate::alloc::SharedOwner;
@@ -238,11 +239,6 @@ struct MappingEntry {
     base: DeviceAddr,
     size: u64,
     users: u64,
-}
-
-/// A driver's identity in the mapping tables (its address: stable while a mapping holds it).
-pub(super) fn driver_key(driver: &Arc<dyn Driver>) -> usize {
-    Arc::as_ptr(driver) as *const () as usize
 }
 
 /// One user of an opened segment of another process; the segment is closed when the last user

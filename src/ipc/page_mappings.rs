@@ -36,7 +36,6 @@
 
 use std::collections::HashMap;
 
-use super::consumer::driver_key;
 use super::page_protocol::{
     self, PageRecord, PageRequest, PageSocketLimits, ReplyHeader, BATCH, MAX_MESSAGE, RECORD_SIZE,
     REPLY_SIZE,
@@ -47,6 +46,12 @@ use crate::error::{Error, Result};
 use crate::process::PerProcess;
 use crate::shm::socket;
 use crate::sync::os::{Arc, Mutex};
+
+/// A driver's identity in the mapping tables, of pages here and of whole segments
+/// (`consumer.rs`): its address, stable while a mapping holds the driver.
+pub(super) fn driver_key(driver: &Arc<dyn Driver>) -> usize {
+    Arc::as_ptr(driver) as *const () as usize
+}
 
 /// The pages of a span without the secret: (page size, first page, count).
 type SpanPages = (u64, u64, u64);

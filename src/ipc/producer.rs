@@ -11,33 +11,14 @@
 //! | dropped          | 0 / 0       | freed at once (event, slot, block)            |
 //! | dropped          | not 0       | limbo: freed by a drain once consumers release |
 
-use super::page_server::SpanRegistration;
-use super::state::{IpcState, SlotRef};
+use super::state::{IpcState, SentData};
 use super::wire::WirePages;
 use crate::alloc::{BlockOwner, DataPtr, PagesUnder, SharedOwner};
 use crate::driver::StreamId;
-use crate::driver::{EventFlags, EventId, IPC_HANDLE_SIZE};
+use crate::driver::{EventFlags, IPC_HANDLE_SIZE};
 use crate::error::Result;
 use crate::sync::os::atomic::Ordering;
 use crate::sync::os::Arc;
-
-/// Everything a shared storage keeps while consumers may count on it.
-#[derive(Debug)]
-pub(crate) struct SentData {
-    /// Memory of an expandable segment: its pages are served to consumers while this lives.
-    /// Declared first, so it is dropped (unregistered) before `original` frees the block.
-    pub _served_pages: Option<SpanRegistration>,
-    /// The original owner: keeps the block allocated.
-    pub original: DataPtr,
-    pub slot: SlotRef,
-    pub event: Option<EventId>,
-    pub memory: [u8; IPC_HANDLE_SIZE],
-    pub segment_size: u64,
-    pub offset: u64,
-    pub nbytes: u64,
-    /// The pages under the storage, for memory of an expandable segment.
-    pub pages: Option<WirePages>,
-}
 
 /// The owner of a shared storage's `DataPtr`.
 #[derive(Debug)]

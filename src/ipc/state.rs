@@ -11,11 +11,11 @@ use super::limbo::{Limbo, SlotCounters};
 use super::page_protocol;
 use super::page_server::SpanRegistration;
 use super::page_thread::PageServer;
-use super::producer::SentData;
 use super::refcount::RefCounterFile;
+use super::wire::WirePages;
 use super::SharedKey;
-use crate::alloc::PagesUnder;
-use crate::driver::{Backend, Driver};
+use crate::alloc::{DataPtr, PagesUnder};
+use crate::driver::{Backend, Driver, EventId, IPC_HANDLE_SIZE};
 use crate::error::Result;
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
@@ -23,6 +23,25 @@ use crate::sync::os::{Arc, Mutex};
 
 /// Default live interprocess-event budget (PyTorch's number).
 pub const DEFAULT_EVENT_BUDGET: usize = 1000;
+
+/// Everything a shared storage keeps while consumers may count on it (`producer.rs` makes it;
+/// the limbo here keeps it while consumers count).
+#[derive(Debug)]
+pub(crate) struct SentData {
+    /// Memory of an expandable segment: its pages are served to consumers while this lives.
+    /// Declared first, so it is dropped (unregistered) before `original` frees the block.
+    pub _served_pages: Option<SpanRegistration>,
+    /// The original owner: keeps the block allocated.
+    pub original: DataPtr,
+    pub slot: SlotRef,
+    pub event: Option<EventId>,
+    pub memory: [u8; IPC_HANDLE_SIZE],
+    pub segment_size: u64,
+    pub offset: u64,
+    pub nbytes: u64,
+    /// The pages under the storage, for memory of an expandable segment.
+    pub pages: Option<WirePages>,
+}
 
 /// A slot taken in one of our files.
 #[derive(Debug, Clone)]

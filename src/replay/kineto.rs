@@ -13,7 +13,7 @@ use std::fmt;
 use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
-use super::formats::{Builder, EventCount, TraceFormat};
+use super::builder::{Builder, EventCount, TraceFormat};
 use super::limits::bad;
 use super::Trace;
 use crate::error::{Error, Result};

@@ -4,7 +4,8 @@
 //!
 //! * `formats.rs` — reading cudalloc's JSON lines, PyTorch snapshot pickles (`snapshot.rs`, over
 //!   the bounded pickle reader `pickle.rs`), `torch.profiler` Chrome traces (`kineto.rs`) and RMM
-//!   CSV logs into [`TraceOp`]s ([`load`], [`parse`]);
+//!   CSV logs into [`TraceOp`]s ([`load`], [`parse`]); every reader builds with `builder.rs`
+//!   (pairing frees to allocations, the event and stream bounds), which names none of them;
 //! * [`limits`] — the bounds on reading a trace (below);
 //! * `run.rs` — [`replay`]: one configuration, exact peaks (per device and over all devices), the
 //!   first out-of-memory, time per op;
@@ -30,6 +31,7 @@
 //!
 //! [`SimDriver`]: crate::driver::SimDriver
 
+mod builder;
 mod formats;
 mod kineto;
 pub mod limits;
@@ -38,7 +40,8 @@ mod run;
 mod snapshot;
 mod svg;
 
-pub use formats::{load, parse, TraceFormat};
+pub use builder::TraceFormat;
+pub use formats::{load, parse};
 pub use run::{replay, DeviceReport, OomAt, ReplayOptions, ReplayReport, Sample};
 pub use svg::plot_svg;
 

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use super::formats::{trace_action, Builder, EventCount, TraceFormat};
+use super::builder::{trace_action, Builder, EventCount, TraceFormat};
 use super::limits::{bad, exceeded, MAX_PICKLE_MEMORY, PICKLE_MEMORY_FLOOR, PICKLE_MEMORY_RATIO};
 use super::pickle::{self, Id, Pickle};
 use super::Trace;

@@ -81,6 +81,7 @@ mod clock;
 mod options;
 mod report;
 mod shadow;
+mod stack;
 mod state;
 mod wrapper;
 
@@ -90,8 +91,8 @@ pub use shadow::AccessKind;
 pub use wrapper::SanitizedDriver;
 
 use self::clock::VectorClock;
-use self::report::Stack;
 use self::shadow::{Access, Free};
+use self::stack::Stack;
 use self::state::{Actor, Allocation, State};
 use crate::driver::{EventId, StreamId};
 use crate::error::{Error, Result};

@@ -3,59 +3,7 @@
 use std::fmt;
 
 use super::shadow::Access;
-
-/// A Rust stack captured when an access was enqueued (sanitizer stacks on), symbolized only when
-/// a report names it.
-#[derive(Clone)]
-pub(crate) struct Stack(backtrace::Backtrace);
-
-impl fmt::Debug for Stack {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Stack(..)")
-    }
-}
-
-impl Stack {
-    /// The current thread's stack, unresolved.
-    pub fn capture() -> Self {
-        Stack(backtrace::Backtrace::new_unresolved())
-    }
-
-    /// The frames from the caller's entry into cudalloc outwards, one `name (file:line)` a line.
-    pub(crate) fn render_now(&self) -> String {
-        let mut trace = self.0.clone();
-        trace.resolve();
-        let mut lines = Vec::new();
-        for frame in trace.frames() {
-            for symbol in frame.symbols() {
-                let name = symbol
-                    .name()
-                    .map_or_else(|| "??".to_owned(), |n| format!("{n:#}"));
-                let at = match (symbol.filename(), symbol.lineno()) {
-                    (Some(file), Some(line)) => format!(" ({}:{line})", file.display()),
-                    _ => String::new(),
-                };
-                lines.push(format!("{name}{at}"));
-            }
-        }
-        // Leave out the capture and cudalloc's own frames above the caller.
-        let skip = lines
-            .iter()
-            .take_while(|l| {
-                l.starts_with("backtrace::")
-                    || l.starts_with("cudalloc::")
-                    || l.starts_with("<cudalloc::")
-            })
-            .count();
-        lines
-            .into_iter()
-            .skip(skip)
-            .take(24)
-            .map(|l| format!("      {l}"))
-            .collect::<Vec<_>>()
-            .join("\n")
-    }
-}
+use super::stack::Stack;
 
 /// What kind of hazard a report is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

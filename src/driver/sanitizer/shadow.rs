@@ -47,7 +47,7 @@ pub(crate) struct Access {
     /// The allocation the bytes belonged to when accessed, as a phrase ("allocation #3 …").
     pub allocation: Option<String>,
     /// The Rust stack of the call that enqueued it (with stacks on), symbolized when reported.
-    pub stack: Option<super::report::Stack>,
+    pub stack: Option<super::stack::Stack>,
 }
 
 /// The allocator's free of a block: the clock every earlier access must be ordered before, for
