@@ -48,8 +48,8 @@ static HANDLER: OnceLock<std::result::Result<(), i32>> = OnceLock::new();
 
 extern "C" fn count_a_fork_in_the_child() {
     // Async-signal-safe: `getpid` and two atomic writes, no allocation, no lock.
-    // SAFETY: getpid has no preconditions and cannot fail.
-    let pid = unsafe { libc::getpid() };
+    // rustix's `getpid` is the system call itself (no cached value, no lock).
+    let pid = rustix::process::getpid().as_raw_nonzero().get();
     PID.store(u32::try_from(pid).unwrap_or(0), Ordering::Relaxed);
     FORKS.fetch_add(1, Ordering::Release);
 }

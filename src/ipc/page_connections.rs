@@ -31,9 +31,12 @@
 //! bound holds however often it reconnects.
 
 use std::io::Read;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::io::Errno;
 
 use super::page_protocol::{
     self, PageRecord, PageRequest, PageSocketLimits, Refusal, ReplyHeader, ACK_SIZE, REQUEST_MAGIC,
@@ -177,7 +180,7 @@ pub(super) fn serve(
         unread: 0,
         listener_rests_until: None,
     };
-    let mut revents: Vec<libc::c_short> = Vec::new();
+    let mut revents: Vec<PollFlags> = Vec::new();
     loop {
         let limits = PageSocketLimits::current();
         let now = Instant::now();
@@ -186,38 +189,51 @@ pub(super) fn serve(
         if listening {
             server.listener_rests_until = None;
         }
-        let mut fds = Vec::with_capacity(2 + server.conns.len());
-        fds.push(pollfd(
-            if listening {
-                listener.listener.as_raw_fd()
-            } else {
-                -1
-            },
-            libc::POLLIN,
-        ));
-        fds.push(pollfd(wake.as_raw_fd(), libc::POLLIN));
-        fds.extend(server.conns.iter().map(|c| match interest(&c.phase) {
-            Some(events) => pollfd(c.stream.as_raw_fd(), events),
-            None => pollfd(-1, 0),
-        }));
         let timeout = server.poll_timeout(now);
-        let nfds = fds.len() as libc::nfds_t;
-        // SAFETY: `fds` is a valid array of `nfds` pollfd entries whose descriptors stay open
-        // during the call (the listener, the pipe and the connections outlive it).
-        let rc = unsafe { libc::poll(fds.as_mut_ptr(), nfds, timeout) };
-        if rc < 0 {
-            let err = std::io::Error::last_os_error();
-            if err.kind() == std::io::ErrorKind::Interrupted {
+        // The stop pipe first, the listener next (while it is not resting), then every connection
+        // that waits for something (`slots`: where in `fds` each connection is, if polled).
+        let mut fds = Vec::with_capacity(2 + server.conns.len());
+        fds.push(PollFd::new(wake, PollFlags::IN));
+        if listening {
+            fds.push(PollFd::new(&listener.listener, PollFlags::IN));
+        }
+        let slots: Vec<Option<usize>> = server
+            .conns
+            .iter()
+            .map(|c| {
+                interest(&c.phase).map(|events| {
+                    fds.push(PollFd::new(&c.stream, events));
+                    fds.len() - 1
+                })
+            })
+            .collect();
+        match rustix::event::poll(&mut fds, timeout.as_ref()) {
+            Ok(_) => {}
+            Err(Errno::INTR) => {
                 revents.clear();
                 continue;
             }
-            tracing::error!(%err, socket = server.socket, "page server: poll failed; stopping");
-            return;
+            Err(err) => {
+                let err = std::io::Error::from(err);
+                tracing::error!(%err, socket = server.socket, "page server: poll failed; stopping");
+                return;
+            }
         }
-        if fds[1].revents != 0 {
+        let woken = !fds[0].revents().is_empty();
+        let listener_events = if listening {
+            fds[1].revents()
+        } else {
+            PollFlags::empty()
+        };
+        revents = slots
+            .iter()
+            .map(|slot| slot.map_or(PollFlags::empty(), |at| fds[at].revents()))
+            .collect();
+        drop(fds);
+        if woken {
             return; // the stop pipe closed
         }
-        if fds[0].revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+        if listener_events.intersects(PollFlags::ERR | PollFlags::HUP | PollFlags::NVAL) {
             // A broken listener never becomes readable again: stop rather than spin.
             tracing::error!(
                 socket = server.socket,
@@ -225,35 +241,26 @@ pub(super) fn serve(
             );
             return;
         }
-        revents = fds[2..].iter().map(|f| f.revents).collect();
-        if fds[0].revents & libc::POLLIN != 0 {
+        if listener_events.contains(PollFlags::IN) {
             server.accept(listener, &limits);
         }
     }
 }
 
-fn pollfd(fd: libc::c_int, events: libc::c_short) -> libc::pollfd {
-    libc::pollfd {
-        fd,
-        events,
-        revents: 0,
-    }
-}
-
 /// What a connection in `phase` waits for (`None`: not polled).
-fn interest(phase: &Phase) -> Option<libc::c_short> {
+fn interest(phase: &Phase) -> Option<PollFlags> {
     match phase {
-        Phase::Request { .. } | Phase::Ack { .. } => Some(libc::POLLIN),
-        Phase::Send { out: Some(_), .. } | Phase::Refuse { .. } => Some(libc::POLLOUT),
+        Phase::Request { .. } | Phase::Ack { .. } => Some(PollFlags::IN),
+        Phase::Send { out: Some(_), .. } | Phase::Refuse { .. } => Some(PollFlags::OUT),
         // Waiting for budget: only a hang-up (always reported) matters.
-        Phase::Send { out: None, .. } => Some(0),
+        Phase::Send { out: None, .. } => Some(PollFlags::empty()),
         Phase::Linger | Phase::Closed => None,
     }
 }
 
 impl Server<'_> {
     /// How long the next poll may sleep: until the nearest deadline, or the next linger check.
-    fn poll_timeout(&self, now: Instant) -> libc::c_int {
+    fn poll_timeout(&self, now: Instant) -> Option<Timespec> {
         let mut next: Option<Instant> = self.listener_rests_until;
         for c in &self.conns {
             let at = match c.phase {
@@ -262,15 +269,16 @@ impl Server<'_> {
             };
             next = Some(next.map_or(at, |n| n.min(at)));
         }
-        match next {
-            None => -1,
-            Some(at) => {
-                let wait = at.saturating_duration_since(now);
-                // Rounded up, so the loop does not wake just before a deadline and spin.
-                let ms = wait.as_nanos().div_ceil(1_000_000);
-                libc::c_int::try_from(ms).unwrap_or(libc::c_int::MAX)
+        next.map(|at| {
+            let wait = at.saturating_duration_since(now);
+            // Rounded up to the millisecond, so the loop does not wake just before a deadline and
+            // spin.
+            let ms = i64::try_from(wait.as_nanos().div_ceil(1_000_000)).unwrap_or(i64::MAX / 2);
+            Timespec {
+                tv_sec: ms / 1000,
+                tv_nsec: (ms % 1000) * 1_000_000,
             }
-        }
+        })
     }
 
     /// Accepts what waits in the backlog: admits it, or refuses it at once.
@@ -348,12 +356,12 @@ impl Server<'_> {
 
     /// One pass over the connections: lingering ones checked, expired ones retired, the others
     /// moved as far as their sockets allow; closed ones removed.
-    fn advance(&mut self, revents: &[libc::c_short], limits: &PageSocketLimits, now: Instant) {
+    fn advance(&mut self, revents: &[PollFlags], limits: &PageSocketLimits, now: Instant) {
         let mut conns = std::mem::take(&mut self.conns);
         for (at, conn) in conns.iter_mut().enumerate() {
-            let hung_up = revents.get(at).copied().unwrap_or(0)
-                & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL)
-                != 0;
+            let hung_up = revents
+                .get(at)
+                .is_some_and(|r| r.intersects(PollFlags::HUP | PollFlags::ERR | PollFlags::NVAL));
             let step = match conn.phase {
                 Phase::Linger => match socket::unread_bytes(&conn.stream) {
                     Ok(0) | Err(_) => Step::Close,

@@ -168,11 +168,7 @@ fn install() -> bool {
 }
 
 fn install_handler() -> std::io::Result<()> {
-    // SAFETY: sysconf has no memory preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if let Ok(page @ 1..) = usize::try_from(page) {
-        PAGE.store(page, Ordering::SeqCst);
-    }
+    PAGE.store(rustix::param::page_size(), Ordering::SeqCst);
     // SAFETY: sigaction is plain C data; all-zero is a valid (empty) value to fill.
     let mut previous: libc::sigaction = unsafe { std::mem::zeroed() };
     // SAFETY: a null new action only reads the current one into `previous`.

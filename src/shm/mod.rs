@@ -12,7 +12,6 @@
 //! pointer copies by code that owns the ordering argument (see `kernels.rs`).
 
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
 
@@ -141,14 +140,9 @@ pub(crate) fn is_no_space(err: &Error) -> bool {
 /// `/dev/shm` (Docker's default is 64 MiB) is any write. Reserved up front, a full `/dev/shm` is an
 /// error at creation instead.
 fn reserve(file: &File, name: &str, len: u64) -> Result<()> {
-    let len = libc::off_t::try_from(len)
-        .map_err(|_| Error::invalid(format!("shared-memory size {len} too large")))?;
-    // SAFETY: the descriptor is open for the duration of the call; posix_fallocate only changes
-    // the file's allocation.
-    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) };
-    match rc {
-        0 => Ok(()),
-        libc::ENOSPC => Err(Error::Driver {
+    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, len) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::NOSPC) => Err(Error::Driver {
             backend: "host",
             call: NO_SPACE_CALL,
             message: format!(
@@ -156,9 +150,9 @@ fn reserve(file: &File, name: &str, len: u64) -> Result<()> {
                  the configured device capacity; enlarge {SHM_DIR} or lower CUDALLOC_HOST_MEMORY)"
             ),
         }),
-        err => Err(Error::host_os(
-            "posix_fallocate",
-            format!("{name}: {}", std::io::Error::from_raw_os_error(err)),
+        Err(err) => Err(Error::host_os(
+            "fallocate",
+            format!("{name}: {}", std::io::Error::from(err)),
         )),
     }
 }
@@ -171,14 +165,8 @@ pub(crate) fn is_truncated(err: &Error) -> bool {
 
 /// Bytes `/dev/shm` can still back (what the host backend can really hand out).
 pub(crate) fn available_bytes() -> Result<u64> {
-    let path = std::ffi::CString::new(SHM_DIR).map_err(|e| Error::invalid(e.to_string()))?;
-    // SAFETY: statvfs is a plain C struct; all-zero is a valid value.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `path` is a valid NUL-terminated string and `st` a valid out-pointer for the call.
-    let rc = unsafe { libc::statvfs(path.as_ptr(), &mut st) };
-    if rc != 0 {
-        return Err(Error::host_os("statvfs", std::io::Error::last_os_error()));
-    }
+    let st = rustix::fs::statvfs(SHM_DIR)
+        .map_err(|e| Error::host_os("statvfs", std::io::Error::from(e)))?;
     Ok(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
@@ -252,8 +240,7 @@ impl SharedMemory {
                 _ => Error::host_os("shm_open", format!("{name}: {e}")),
             })?;
         let meta = file.metadata().map_err(|e| Error::host_os("fstat", e))?;
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        let euid = unsafe { libc::geteuid() };
+        let euid = rustix::process::geteuid().as_raw();
         if !meta.file_type().is_file() || meta.uid() != euid {
             return Err(Error::bad_handle(format!(
                 "shared-memory object {name} is not a regular file owned by uid {euid}"

@@ -20,8 +20,9 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+
+use nix::fcntl::FcntlArg;
 
 use super::{path_of, NAME_PREFIX, SHM_DIR};
 use crate::error::{Error, Result};
@@ -153,21 +154,25 @@ pub(crate) fn ofd_lock(
     let (Ok(start), Ok(len)) = (libc::off_t::try_from(start), libc::off_t::try_from(len)) else {
         return Err(Error::invalid("lock range exceeds the file offset type"));
     };
-    // SAFETY: flock is a plain C struct; all-zero is a valid value.
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = lock_type as libc::c_short;
-    fl.l_whence = libc::SEEK_SET as libc::c_short;
-    fl.l_start = start;
-    fl.l_len = len;
-    // SAFETY: the descriptor is open for the duration of the call; `fl` is a valid flock that
-    // F_OFD_* commands only read and write.
-    let rc = unsafe { libc::fcntl(file.as_raw_fd(), cmd, &mut fl as *mut libc::flock) };
-    if rc == -1 {
-        return Err(Error::host_os(
-            "fcntl(F_OFD_*)",
-            std::io::Error::last_os_error(),
-        ));
-    }
+    let mut fl = libc::flock {
+        l_type: lock_type as libc::c_short,
+        l_whence: libc::SEEK_SET as libc::c_short,
+        l_start: start,
+        l_len: len,
+        l_pid: 0,
+    };
+    let arg = match cmd {
+        libc::F_OFD_SETLK => FcntlArg::F_OFD_SETLK(&fl),
+        libc::F_OFD_SETLKW => FcntlArg::F_OFD_SETLKW(&fl),
+        libc::F_OFD_GETLK => FcntlArg::F_OFD_GETLK(&mut fl),
+        _ => {
+            return Err(Error::invalid(format!(
+                "{cmd} is not an F_OFD_* lock command"
+            )))
+        }
+    };
+    nix::fcntl::fcntl(file, arg)
+        .map_err(|e| Error::host_os("fcntl(F_OFD_*)", std::io::Error::from(e)))?;
     Ok(fl)
 }
 
@@ -189,10 +194,15 @@ pub(crate) fn process_alive(pid: u32) -> bool {
     let Ok(pid) = libc::pid_t::try_from(pid) else {
         return false;
     };
-    // SAFETY: kill with signal 0 only checks permissions and existence; no memory is involved.
-    let rc = unsafe { libc::kill(pid, 0) };
-    // EPERM means it exists but belongs to someone else.
-    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+    let Some(pid) = rustix::process::Pid::from_raw(pid) else {
+        // Pid 0 names no process (to `kill` it means our own group): nothing is judged dead by it.
+        return true;
+    };
+    // Signal 0 only checks existence and permission; EPERM: it exists, as someone else's.
+    matches!(
+        rustix::process::test_kill_process(pid),
+        Ok(()) | Err(rustix::io::Errno::PERM)
+    )
 }
 
 /// The tag of ref-counter file names (`cudalloc-<pid>-<nonce>-ref<n>`).
@@ -216,8 +226,7 @@ fn creator_of(name: &str) -> Option<u32> {
 /// removes names, so mappings stay valid. Run by every new [`CachingAllocator`](crate::CachingAllocator),
 /// by `ipc_collect()` and by `cudalloc clean`.
 pub fn sweep_orphans() -> Result<Vec<String>> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let euid = unsafe { libc::geteuid() };
+    let euid = rustix::process::geteuid().as_raw();
     let me = std::process::id();
     let mut by_creator: BTreeMap<u32, Vec<String>> = BTreeMap::new();
     let dir = std::fs::read_dir(SHM_DIR).map_err(|e| Error::host_os("readdir", e))?;

@@ -18,11 +18,18 @@
 //! | server | never: nonblocking sockets ([`send_fds_nonblocking`]) under one `poll`; [`unread_bytes`] (`SIOCOUTQ`) tells whether a peer has read what was sent — descriptors in its receive queue keep their files alive until it reads or closes |
 //! | client | [`TimedStream`]: the connect (against a full backlog) and every read and write bounded by one timeout; one that runs out is an error saying "timeout: `<step>` took longer than …" |
 
+use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Duration;
+
+use rustix::io::Errno;
+use rustix::net::{
+    self, AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
+    SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
+};
 
 use super::names::{ensure_liveness, forget_name, remember_name};
 use super::{path_of, validate_name};
@@ -73,45 +80,22 @@ impl Drop for ShmListener {
 /// Connects to the socket at `path`; the connect itself (a listener whose backlog is full), and
 /// every later read and write, time out after `timeout`.
 fn connect_with_timeout(path: &std::path::Path, timeout: Duration) -> std::io::Result<UnixStream> {
-    let bytes = path.as_os_str().as_encoded_bytes();
-    // SAFETY: sockaddr_un is plain data; all-zero is a valid (empty) address.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    if bytes.len() >= addr.sun_path.len() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("socket path {path:?} is too long"),
-        ));
-    }
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    for (at, &b) in addr.sun_path.iter_mut().zip(bytes) {
-        *at = b as libc::c_char;
-    }
-    // SAFETY: socket has no memory preconditions; the result is checked.
-    let raw = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if raw < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `raw` is a new descriptor owned by nothing else.
-    let stream = UnixStream::from(unsafe { OwnedFd::from_raw_fd(raw) });
+    let addr = SocketAddrUnix::new(path)?;
+    let fd = net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let stream = UnixStream::from(fd);
     // Linux bounds a blocking connect to a Unix socket by the send timeout.
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
-    let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
     loop {
-        // SAFETY: `addr` is a valid sockaddr_un of `len` bytes; the socket is open.
-        let rc = unsafe {
-            libc::connect(
-                stream.as_raw_fd(),
-                (&addr as *const libc::sockaddr_un).cast(),
-                len,
-            )
-        };
-        if rc == 0 {
-            return Ok(stream);
-        }
-        let err = std::io::Error::last_os_error();
-        if err.kind() != std::io::ErrorKind::Interrupted {
-            return Err(err);
+        match net::connect(&stream, &addr) {
+            Ok(()) => return Ok(stream),
+            Err(Errno::INTR) => continue,
+            Err(err) => return Err(err.into()),
         }
     }
 }
@@ -175,30 +159,17 @@ impl TimedStream {
     pub(crate) fn write_all(&self, bytes: &[u8], what: &str) -> Result<()> {
         let mut sent = 0;
         while sent < bytes.len() {
-            let rest = &bytes[sent..];
-            // SAFETY: `rest` is valid for reads of its length; the socket is open.
-            let n = unsafe {
-                libc::send(
-                    self.stream.as_raw_fd(),
-                    rest.as_ptr().cast(),
-                    rest.len(),
-                    libc::MSG_NOSIGNAL,
-                )
-            };
-            if n < 0 {
-                let err = std::io::Error::last_os_error();
-                match err.kind() {
-                    std::io::ErrorKind::Interrupted => continue,
-                    std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
-                        return Err(Error::host_os(
-                            "send",
-                            format!("{what}: {} closed the connection", self.peer),
-                        ))
-                    }
-                    _ => return Err(self.failed("send", what, &err)),
+            match net::send(&self.stream, &bytes[sent..], SendFlags::NOSIGNAL) {
+                Ok(n) => sent += n,
+                Err(Errno::INTR) => continue,
+                Err(Errno::PIPE | Errno::CONNRESET) => {
+                    return Err(Error::host_os(
+                        "send",
+                        format!("{what}: {} closed the connection", self.peer),
+                    ))
                 }
+                Err(err) => return Err(self.failed("send", what, &err.into())),
             }
-            sent += n as usize;
         }
         Ok(())
     }
@@ -241,43 +212,23 @@ pub(crate) struct PeerCredentials {
 impl PeerCredentials {
     /// Whether the peer runs as our effective user.
     pub(crate) fn is_our_user(self) -> bool {
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        self.uid == unsafe { libc::geteuid() }
+        self.uid == rustix::process::geteuid().as_raw()
     }
 }
 
 /// The credentials of the process at the other end of `stream`.
 pub(crate) fn peer_credentials(stream: &UnixStream) -> Result<PeerCredentials> {
-    // SAFETY: ucred is plain data; all-zero is a valid value.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: the socket is open; `cred` and `len` are valid for writes of the sizes given.
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(os("getsockopt(SO_PEERCRED)"));
-    }
+    let cred = net::sockopt::socket_peercred(stream)
+        .map_err(|e| Error::host_os("getsockopt(SO_PEERCRED)", std::io::Error::from(e)))?;
     Ok(PeerCredentials {
-        pid: u32::try_from(cred.pid).unwrap_or(0),
-        uid: cred.uid,
+        pid: u32::try_from(cred.pid.as_raw_nonzero().get()).unwrap_or(0),
+        uid: cred.uid.as_raw(),
     })
 }
 
 /// The (device, inode) of the file `fd` names: two descriptors of one file name the same memory.
 pub(crate) fn file_identity(fd: &OwnedFd) -> Result<(u64, u64)> {
-    // SAFETY: `stat` is plain data; all-zero is a valid value for fstat to overwrite.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: the descriptor is open and `st` is valid for writes.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(os("fstat"));
-    }
+    let st = rustix::fs::fstat(fd).map_err(|e| Error::host_os("fstat", std::io::Error::from(e)))?;
     Ok((st.st_dev, st.st_ino))
 }
 
@@ -296,13 +247,8 @@ pub(crate) fn unread_bytes(stream: &UnixStream) -> Result<usize> {
 /// A pipe (read end, write end), closed on exec: closing the write end wakes a `poll` on the read
 /// end (how a serving thread is told to stop).
 pub(crate) fn wake_pipe() -> Result<(OwnedFd, OwnedFd)> {
-    let mut ends = [-1 as RawFd; 2];
-    // SAFETY: `ends` is a valid array of two ints for pipe2 to fill.
-    if unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(os("pipe2"));
-    }
-    // SAFETY: pipe2 succeeded: both descriptors are new and ours alone.
-    Ok(unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) })
+    rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+        .map_err(|e| Error::host_os("pipe2", std::io::Error::from(e)))
 }
 
 /// The most descriptors one message carries (the kernel's `SCM_MAX_FD` is 253).
@@ -314,8 +260,7 @@ fn os(call: &'static str) -> Error {
 
 /// Bytes of control buffer for `n` descriptors.
 fn control_len(n: usize) -> usize {
-    // SAFETY: CMSG_SPACE only computes a size.
-    unsafe { libc::CMSG_SPACE((n * std::mem::size_of::<RawFd>()) as u32) as usize }
+    rustix::cmsg_space!(ScmRights(n))
 }
 
 /// Sends `payload` (at least one byte) and `fds` in one message, blocking (bounded by the
@@ -323,7 +268,8 @@ fn control_len(n: usize) -> usize {
 /// [`send_fds_nonblocking`]; this is for tests.)
 #[cfg(test)]
 pub(crate) fn send_fds(socket: &UnixStream, payload: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
-    let sent = sendmsg(socket, payload, fds, 0).map_err(|e| Error::host_os("sendmsg", e))?;
+    let sent = sendmsg(socket, payload, fds, SendFlags::empty())
+        .map_err(|e| Error::host_os("sendmsg", e))?;
     if sent != payload.len() {
         return Err(Error::host_os(
             "sendmsg",
@@ -340,14 +286,14 @@ pub(crate) fn send_fds_nonblocking(
     payload: &[u8],
     fds: &[BorrowedFd<'_>],
 ) -> std::io::Result<usize> {
-    sendmsg(socket, payload, fds, libc::MSG_DONTWAIT)
+    sendmsg(socket, payload, fds, SendFlags::DONTWAIT)
 }
 
 fn sendmsg(
     socket: &UnixStream,
     payload: &[u8],
     fds: &[BorrowedFd<'_>],
-    flags: libc::c_int,
+    flags: SendFlags,
 ) -> std::io::Result<usize> {
     if payload.is_empty() || fds.len() > MAX_FDS {
         return Err(std::io::Error::new(
@@ -358,41 +304,20 @@ fn sendmsg(
             ),
         ));
     }
-    let mut control = vec![0u8; control_len(fds.len().max(1))];
-    let mut iov = libc::iovec {
-        iov_base: payload.as_ptr() as *mut libc::c_void,
-        iov_len: payload.len(),
-    };
-    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    if !fds.is_empty() {
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = control_len(fds.len()) as _;
-        // SAFETY: the control buffer holds CMSG_SPACE(n fds) bytes, so the first header and its
-        // data (CMSG_LEN(n fds)) fit; the descriptors are copied in as plain ints.
-        unsafe {
-            let header = libc::CMSG_FIRSTHDR(&msg);
-            (*header).cmsg_level = libc::SOL_SOCKET;
-            (*header).cmsg_type = libc::SCM_RIGHTS;
-            (*header).cmsg_len =
-                libc::CMSG_LEN((fds.len() * std::mem::size_of::<RawFd>()) as u32) as _;
-            let data = libc::CMSG_DATA(header).cast::<RawFd>();
-            for (i, fd) in fds.iter().enumerate() {
-                data.add(i).write_unaligned(fd.as_raw_fd());
-            }
-        }
+    let mut space = vec![MaybeUninit::<u8>::uninit(); control_len(fds.len().max(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "the descriptors do not fit the control buffer",
+        ));
     }
+    let iov = [IoSlice::new(payload)];
     loop {
-        // SAFETY: `msg` points at live buffers for the duration of the call.
-        let sent = unsafe { libc::sendmsg(socket.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | flags) };
-        if sent >= 0 {
-            return Ok(sent as usize);
-        }
-        let err = std::io::Error::last_os_error();
-        if err.kind() != std::io::ErrorKind::Interrupted {
-            return Err(err);
+        match net::sendmsg(socket, &iov, &mut control, SendFlags::NOSIGNAL | flags) {
+            Ok(sent) => return Ok(sent),
+            Err(Errno::INTR) => continue,
+            Err(err) => return Err(err.into()),
         }
     }
 }
@@ -426,64 +351,32 @@ fn recv_message(
     max_fds: usize,
 ) -> std::result::Result<(usize, Vec<OwnedFd>), RecvFailure> {
     let max_fds = max_fds.min(MAX_FDS);
-    let space = control_len(max_fds.max(1));
-    let mut control = vec![MaybeUninit::<u8>::zeroed(); space];
-    let mut iov = libc::iovec {
-        iov_base: payload.as_mut_ptr().cast(),
-        iov_len: payload.len(),
-    };
-    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
+    let mut space = vec![MaybeUninit::<u8>::uninit(); control_len(max_fds.max(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let mut iov = [IoSliceMut::new(payload)];
     let got = loop {
-        // SAFETY: `msg` points at live, writable buffers of the sizes it states.
-        let got = unsafe { libc::recvmsg(socket.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if got >= 0 {
-            break got;
-        }
-        let err = std::io::Error::last_os_error();
-        if err.kind() != std::io::ErrorKind::Interrupted {
-            return Err(RecvFailure::Os(err));
+        match net::recvmsg(socket, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC) {
+            Ok(got) => break got,
+            Err(Errno::INTR) => continue,
+            Err(err) => return Err(RecvFailure::Os(err.into())),
         }
     };
-    // Take ownership of whatever arrived first, so every error path below closes it.
+    // Take ownership of whatever arrived first, so every error path below closes it (the
+    // buffer's own drop closes anything left in it too).
     let mut fds = Vec::new();
-    let mut malformed = false;
-    // SAFETY: the kernel filled `msg_controllen` bytes of our buffer with well-formed headers;
-    // CMSG_FIRSTHDR/NXTHDR stay inside it and return null at its end.
-    unsafe {
-        let mut header = libc::CMSG_FIRSTHDR(&msg);
-        while !header.is_null() {
-            if (*header).cmsg_level == libc::SOL_SOCKET && (*header).cmsg_type == libc::SCM_RIGHTS {
-                let data_len =
-                    ((*header).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
-                let n = data_len / std::mem::size_of::<RawFd>();
-                let data = libc::CMSG_DATA(header).cast::<RawFd>();
-                for i in 0..n {
-                    let raw = data.add(i).read_unaligned();
-                    if raw >= 0 {
-                        fds.push(OwnedFd::from_raw_fd(raw));
-                    } else {
-                        malformed = true;
-                    }
-                }
-            } else {
-                malformed = true;
-            }
-            header = libc::CMSG_NXTHDR(&msg, header);
+    for message in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(arrived) = message {
+            fds.extend(arrived);
         }
     }
-    if msg.msg_flags & libc::MSG_CTRUNC != 0 || malformed || fds.len() > max_fds {
+    if got.flags.contains(ReturnFlags::CTRUNC) || fds.len() > max_fds {
         return Err(RecvFailure::Malformed(Error::bad_handle(format!(
             "a descriptor message was truncated or malformed ({} descriptor(s) arrived, at most \
              {max_fds} expected); all closed",
             fds.len()
         ))));
     }
-    Ok((got as usize, fds))
+    Ok((got.bytes, fds))
 }
 
 #[cfg(test)]

@@ -34,7 +34,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use rustix::fs::{fcntl_add_seals, memfd_create, FallocateFlags, MemfdFlags, SealFlags};
+use rustix::io::Errno;
 
 use crate::error::{Error, Result};
 use crate::process::PerProcess;
@@ -42,6 +45,10 @@ use crate::sync::os::{Arc, Mutex, Weak};
 
 fn os(call: &'static str) -> Error {
     Error::host_os(call, std::io::Error::last_os_error())
+}
+
+fn failed(call: &'static str, err: Errno) -> Error {
+    Error::host_os(call, std::io::Error::from(err))
 }
 
 /// A reserved, inaccessible address range.
@@ -153,7 +160,9 @@ impl Drop for Reservation {
 /// The seals every arena carries from its creation: its size is final (no process holding its
 /// descriptor can shrink it, which would make every mapping of the cut pages fault with `SIGBUS`,
 /// nor grow it) and the seals themselves are final.
-const ARENA_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+const ARENA_SEALS: SealFlags = SealFlags::SHRINK
+    .union(SealFlags::GROW)
+    .union(SealFlags::SEAL);
 
 /// Bytes of one arena: the chunks of this process share memfds of this size (a chunk larger than
 /// it gets an arena of its own size), so a device of `n` bytes needs `n / ARENA_BYTES`
@@ -180,41 +189,28 @@ pub(crate) struct Arena {
 
 impl Arena {
     fn create(len: u64) -> Result<Arena> {
-        let size = libc::off_t::try_from(len)
-            .map_err(|_| Error::invalid(format!("an arena of {len} bytes is too large")))?;
-        // SAFETY: a static NUL-terminated name and valid flags.
-        let raw = unsafe {
-            libc::memfd_create(
-                c"cudalloc-chunks".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-            )
-        };
-        if raw < 0 {
-            let err = std::io::Error::last_os_error();
-            return Err(match err.raw_os_error() {
-                Some(libc::EMFILE | libc::ENFILE) => Error::Driver {
+        let fd = match memfd_create(
+            c"cudalloc-chunks",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        ) {
+            Ok(fd) => fd,
+            Err(err @ (Errno::MFILE | Errno::NFILE)) => {
+                return Err(Error::Driver {
                     backend: "host",
                     call: NO_DESCRIPTORS_CALL,
                     message: format!(
-                        "no descriptor left for another arena of device memory ({err}; the \
+                        "no descriptor left for another arena of device memory ({}; the \
                          process's open-file limit, `ulimit -n`, bounds the host backend's \
                          device memory at {} MiB per descriptor)",
+                        std::io::Error::from(err),
                         ARENA_BYTES >> 20
                     ),
-                },
-                _ => Error::host_os("memfd_create", err),
-            });
-        }
-        // SAFETY: `raw` is a fresh descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: the descriptor is open; ftruncate only sets the (sparse) size.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
-            return Err(os("ftruncate"));
-        }
-        // SAFETY: the descriptor is open; F_ADD_SEALS only changes what it permits.
-        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, ARENA_SEALS) } != 0 {
-            return Err(os("fcntl(F_ADD_SEALS)"));
-        }
+                })
+            }
+            Err(err) => return Err(Error::host_os("memfd_create", std::io::Error::from(err))),
+        };
+        rustix::fs::ftruncate(&fd, len).map_err(|e| failed("ftruncate", e))?;
+        fcntl_add_seals(&fd, ARENA_SEALS).map_err(|e| failed("fcntl(F_ADD_SEALS)", e))?;
         Ok(Arena {
             fd,
             free: Mutex::new(BTreeMap::from([(0, len)])),
@@ -251,41 +247,22 @@ impl Arena {
 
     /// Backs `[offset, offset + len)` now: no room is out of memory, never a fault on first touch.
     fn back(&self, offset: u64, len: u64) -> Result<()> {
-        let (Ok(at), Ok(size)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
-            return Err(Error::invalid("a chunk range exceeds the file offset type"));
-        };
-        // SAFETY: the descriptor is open; posix_fallocate only changes its allocation (inside the
-        // sealed size).
-        match unsafe { libc::posix_fallocate(self.fd.as_raw_fd(), at, size) } {
-            0 => Ok(()),
-            libc::ENOSPC | libc::ENOMEM => Err(Error::Driver {
+        match rustix::fs::fallocate(&self.fd, FallocateFlags::empty(), offset, len) {
+            Ok(()) => Ok(()),
+            Err(Errno::NOSPC | Errno::NOMEM) => Err(Error::Driver {
                 backend: "host",
                 call: super::NO_SPACE_CALL,
                 message: format!("no memory to back a chunk of {len} bytes"),
             }),
-            err => Err(Error::host_os(
-                "posix_fallocate",
-                std::io::Error::from_raw_os_error(err),
-            )),
+            Err(err) => Err(failed("fallocate", err)),
         }
     }
 
     /// Gives the memory of `[offset, offset + len)` back to the system (a hole reads as zeros).
     fn punch(&self, offset: u64, len: u64) {
-        let (Ok(at), Ok(size)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
-            return;
-        };
-        // SAFETY: the descriptor is open; punching a hole only frees the range's pages.
-        let rc = unsafe {
-            libc::fallocate(
-                self.fd.as_raw_fd(),
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                at,
-                size,
-            )
-        };
-        if rc != 0 {
-            tracing::debug!(err = %std::io::Error::last_os_error(), "punching a released chunk failed");
+        let hole = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+        if let Err(err) = rustix::fs::fallocate(&self.fd, hole, offset, len) {
+            tracing::debug!(%err, "punching a released chunk failed");
         }
     }
 
@@ -362,12 +339,13 @@ impl Chunk {
     /// sealed at its size (else its exporter could cut pages this process maps: `SIGBUS`) and hold
     /// the whole range.
     pub(crate) fn import(fd: OwnedFd, offset: u64, len: u64) -> Result<Self> {
-        // SAFETY: the descriptor is open; F_GET_SEALS only reads its seals.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 || seals & ARENA_SEALS != ARENA_SEALS {
+        let seals = rustix::fs::fcntl_get_seals(&fd).unwrap_or(SealFlags::empty());
+        if !seals.contains(ARENA_SEALS) {
             return Err(Error::bad_handle(format!(
-                "the chunk descriptor is not sealed at its size (seals {seals:#x}, needed \
-                 {ARENA_SEALS:#x}): its exporter could shrink it under this process's mappings"
+                "the chunk descriptor is not sealed at its size (seals {:#x}, needed {:#x}): its \
+                 exporter could shrink it under this process's mappings",
+                seals.bits(),
+                ARENA_SEALS.bits()
             )));
         }
         let (dev, ino, size) = Arena::identity(&fd)?;
@@ -482,18 +460,12 @@ mod tests {
             })
             .unwrap();
         // And its seals cannot be lifted or added to.
-        // SAFETY: valid descriptor; F_ADD_SEALS only changes what it permits.
-        let rc = unsafe { libc::fcntl(peer.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE) };
-        assert_eq!(rc, -1);
+        assert!(fcntl_add_seals(&peer, SealFlags::WRITE).is_err());
     }
 
     #[test]
     fn a_chunk_descriptor_that_is_not_sealed_or_too_small_is_refused() {
-        // SAFETY: a static NUL-terminated name and valid flags.
-        let raw = unsafe { libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(raw >= 0);
-        // SAFETY: `raw` is a fresh descriptor owned here.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let fd = memfd_create(c"unsealed", MemfdFlags::CLOEXEC).unwrap();
         File::from(fd.try_clone().unwrap()).set_len(4096).unwrap();
         let err = Chunk::import(fd, 0, 4096).unwrap_err();
         assert!(err.to_string().contains("not sealed"), "{err}");

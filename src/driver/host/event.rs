@@ -28,6 +28,8 @@
 
 use std::time::Duration;
 
+use rustix::thread::futex;
+
 use crate::error::{Error, Result};
 use crate::shm::SharedMemory;
 use crate::sync::os::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -171,29 +173,17 @@ impl CellRef {
 pub(super) const POLL: Duration = Duration::from_millis(50);
 
 pub(super) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+    let ts = futex::Timespec {
+        tv_sec: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX),
+        tv_nsec: i64::from(timeout.subsec_nanos()),
     };
-    // SAFETY: `word` is a live, 4-byte aligned atomic (in shared memory or the heap); FUTEX_WAIT
-    // (shared, not private, so it works across processes) only reads it and sleeps; `ts` outlives
-    // the call. Spurious returns and EAGAIN are fine: callers re-check their condition.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            expected,
-            &ts as *const libc::timespec,
-        );
-    }
+    // Shared, not private, so it works across processes. Spurious returns, EAGAIN and timeouts
+    // are fine: callers re-check their condition.
+    let _ = futex::wait(word, futex::Flags::empty(), expected, Some(&ts));
 }
 
 pub(super) fn futex_wake_all(word: &AtomicU32) {
-    // SAFETY: FUTEX_WAKE only uses the address as a key; it does not access memory.
-    unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
-    }
+    let _ = futex::wake(word, futex::Flags::empty(), i32::MAX as u32);
 }
 
 /// This process's chunks and their free cells.
