@@ -228,7 +228,7 @@ fn threads(c: &mut Criterion) {
 /// The cached pair's cost with the memory history off, alloc-only, all, and all with stacks (the
 /// ring full, so every record also drops the oldest entry).
 fn history(c: &mut Criterion) {
-    use cudalloc::alloc::{HistoryMode, HistoryOptions};
+    use cudalloc::{HistoryMode, HistoryOptions};
     let d = driver();
     let mut g = c.benchmark_group("history");
     for (name, mode, stacks) in [

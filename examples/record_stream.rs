@@ -19,11 +19,11 @@
 
 use std::sync::Arc;
 
-use cudalloc::driver::host::{HostMemory, HostRange};
 use cudalloc::{
     Error, ErrorKind, EventFlags, HostDriver, Result, Runtime, Sanitize, SanitizeOptions, Storage,
     StreamId,
 };
+use cudalloc::{HostMemory, HostRange};
 
 /// A one-dimensional tensor of bytes on one stream.
 struct Tensor {

@@ -17,10 +17,10 @@
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 
-use cudalloc::driver::host::{HostMemory, HostRange};
 use cudalloc::{
     AllocatorConfig, BackendChoice, Error, IpcHandle, Result, Runtime, Storage, StreamId, GLOBAL,
 };
+use cudalloc::{HostMemory, HostRange};
 
 /// The library's tensor: `len` f32 values on a stream.
 struct Tensor {
@@ -120,8 +120,8 @@ fn library_stream() -> Result<StreamId> {
     let driver = runtime.driver();
     let raw = driver.raw_stream(driver.stream_create(0)?)?;
     // SAFETY: `raw` names a live stream of device 0 that this program never destroys.
-    let stream = unsafe { GLOBAL.import_stream(0, raw) }?;
-    GLOBAL.set_default_stream(stream)?;
+    let stream = unsafe { GLOBAL.get()?.import_stream(0, raw) }?;
+    GLOBAL.get()?.set_default_stream(stream)?;
     Ok(stream)
 }
 
@@ -213,7 +213,7 @@ fn main() -> Result<()> {
         "the child's write is visible here"
     );
 
-    let stats = GLOBAL.memory_stats_map(0)?;
+    let stats = GLOBAL.get()?.memory_stats_map(0)?;
     println!(
         "allocated {} bytes in {} allocations; reserved {} bytes",
         stats["allocated_bytes.all.current"],

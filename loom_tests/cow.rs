@@ -1,4 +1,4 @@
-//! Loom models of the COW protocol (`cudalloc::cow::cell::CowCell`, the production code, over
+//! Loom models of the COW protocol (`cudalloc::internals::cell::CowCell`, the production code, over
 //! loom's atomics and locks). The data is a `loom::cell::UnsafeCell`: a stealer's write that is not
 //! ordered after every copier's read is reported by loom as a data race, so "the stealer's writes
 //! never overlap a copy" is checked by loom itself, not by a timing assumption.
@@ -8,7 +8,7 @@
 #![cfg(loom)]
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use cudalloc::cow::cell::{CowCell, Materialized};
+use cudalloc::internals::cell::{CowCell, Materialized};
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::sync::{Arc, Mutex, RwLock};

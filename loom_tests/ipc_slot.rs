@@ -1,5 +1,5 @@
 //! Loom model of the IPC slot protocol: producer drop vs consumer release vs the drain, with the
-//! production code (`cudalloc::ipc::limbo`: the slot counter protocol and the limbo) over loom's
+//! production code (`cudalloc::internals::limbo`: the slot counter protocol and the limbo) over loom's
 //! atomics and mutex. Processes are modeled as threads; the shared-memory slot as a struct of two
 //! loom atomics; the release ring as one hint flag.
 //!
@@ -8,7 +8,7 @@
 //! A negative control re-runs the model with the check taken *outside* the limbo lock and asserts
 //! that loom finds the stranded-entry schedule.
 //!
-//! The lease models (`cudalloc::ipc::lease_table`): two leases of one consumer process on one slot
+//! The lease models (`cudalloc::internals::lease_table`): two leases of one consumer process on one slot
 //! against the producer's dead-holder check — the memory is never reclaimed while a lease uses
 //! it; the negative control (unlock on every drop, the old behaviour) is caught.
 //!
@@ -18,8 +18,8 @@
 #![cfg(loom)]
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use cudalloc::ipc::lease_table::LeaseTable;
-use cudalloc::ipc::limbo::{Counter, Limbo, SlotCounters};
+use cudalloc::internals::lease_table::LeaseTable;
+use cudalloc::internals::limbo::{Counter, Limbo, SlotCounters};
 use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use loom::sync::Arc;
 use loom::thread;
@@ -210,7 +210,7 @@ fn negative_control_checking_outside_the_limbo_lock_strands_the_storage() {
     );
 }
 
-// ---- Leases of one consumer process (`cudalloc::ipc::lease_table`) ----
+// ---- Leases of one consumer process (`cudalloc::internals::lease_table`) ----
 //
 // Two threads of one consumer process each hold a lease on the same slot (two runtimes, or two
 // receipts of one handle); the producer, whose storage is in limbo, runs the dead-holder check of

@@ -1,5 +1,25 @@
 //! `GLOBAL`: the process-wide runtime a tensor library allocates through.
 //!
+//! **One door.** A library names the allocator in one way: `GLOBAL.get()?` hands out the
+//! process's `&Arc<Runtime>`, and the [`Runtime`] is the allocator's face — every
+//! [`CachingAllocator`](crate::CachingAllocator) method through `Deref` (one definition, nothing
+//! that can drift), plus the IPC administration (`ipc_collect`, limbo, drains). `Global` itself
+//! only sets the runtime up, says how (`backend`, `fallback_reason`) and makes storages; it
+//! forwards nothing (it once hand-wrote 23 allocator forwarders, which had drifted: one was
+//! missing). A [`CachingAllocator`](crate::CachingAllocator) built by hand stays the door for
+//! embedders that bring their own driver and need no sharing.
+//!
+//! ```no_run
+//! use cudalloc::GLOBAL;
+//! # fn main() -> cudalloc::Result<()> {
+//! let storage = GLOBAL.storage(0, 1 << 20)?;
+//! let runtime = GLOBAL.get()?;
+//! println!("{} bytes allocated", runtime.memory_stats(0)?.allocated_bytes[0].current);
+//! # drop(storage);
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! It is set up once, in one of two ways, and never changes afterwards:
 //!
 //! | how                                     | backend                                  | allocator settings         |
@@ -14,12 +34,6 @@
 //! (built once, never a panic). With `auto`, falling back to the host backend is logged as a
 //! warning naming why CUDA was not used, and [`Global::fallback_reason`] returns it.
 
-use std::collections::BTreeMap;
-
-use crate::alloc::{
-    DataPtr, DeviceStats, FreeMemoryCallback, OutOfMemoryObserver, SegmentObserver, Snapshot,
-    StreamGuard,
-};
 use crate::config::AllocatorConfig;
 use crate::driver::{Backend, BackendChoice, Driver, StreamId};
 use crate::error::{Error, Result};
@@ -43,30 +57,6 @@ struct Ready {
 #[derive(Debug)]
 pub struct Global {
     cell: OnceLock<Result<Ready>>,
-}
-
-/// Forwards `Global` methods to the runtime (building it on first use).
-macro_rules! forward {
-    ($($(#[$doc:meta])* fn $name:ident(&self $(, $arg:ident: $ty:ty)*) -> $ret:ty;)*) => {
-        $(
-            $(#[$doc])*
-            pub fn $name(&self $(, $arg: $ty)*) -> Result<$ret> {
-                self.get()?.$name($($arg),*)
-            }
-        )*
-    };
-}
-
-/// Forwards `Global` methods that cannot fail once the runtime exists.
-macro_rules! forward_infallible {
-    ($($(#[$doc:meta])* fn $name:ident(&self $(, $arg:ident: $ty:ty)*) -> $ret:ty;)*) => {
-        $(
-            $(#[$doc])*
-            pub fn $name(&self $(, $arg: $ty)*) -> Result<$ret> {
-                Ok(self.get()?.$name($($arg),*))
-            }
-        )*
-    };
 }
 
 impl Global {
@@ -149,17 +139,6 @@ impl Global {
         Ok(self.ready()?.fallback_reason.clone())
     }
 
-    /// Adopts a library's stream by its raw handle; see
-    /// [`CachingAllocator::import_stream`](crate::CachingAllocator::import_stream).
-    ///
-    /// # Safety
-    /// As for [`CachingAllocator::import_stream`](crate::CachingAllocator::import_stream).
-    pub unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
-        let runtime = self.get()?;
-        // SAFETY: forwarded; the caller upholds the contract.
-        unsafe { runtime.import_stream(device, raw) }
-    }
-
     /// A new storage of `nbytes` on `device`'s current stream.
     pub fn storage(&self, device: usize, nbytes: u64) -> Result<Storage> {
         Storage::new(self.get()?, device, nbytes)
@@ -168,61 +147,5 @@ impl Global {
     /// A new storage of `nbytes` for use on `stream` (no guard needed); see [`Storage::new_on`].
     pub fn storage_on(&self, stream: StreamId, nbytes: u64) -> Result<Storage> {
         Storage::new_on(self.get()?, stream, nbytes)
-    }
-
-    forward! {
-        /// See [`CachingAllocator::allocate`](crate::CachingAllocator::allocate).
-        fn allocate(&self, device: usize, size: u64) -> DataPtr;
-        /// See [`CachingAllocator::allocate_on`](crate::CachingAllocator::allocate_on).
-        fn allocate_on(&self, stream: StreamId, size: u64) -> DataPtr;
-        /// See [`CachingAllocator::memory_stats`](crate::CachingAllocator::memory_stats).
-        fn memory_stats(&self, device: usize) -> DeviceStats;
-        /// See [`CachingAllocator::memory_stats_map`](crate::CachingAllocator::memory_stats_map).
-        fn memory_stats_map(&self, device: usize) -> BTreeMap<String, i64>;
-        /// See [`CachingAllocator::reset_peak_memory_stats`](crate::CachingAllocator::reset_peak_memory_stats).
-        fn reset_peak_memory_stats(&self, device: usize) -> ();
-        /// See [`CachingAllocator::reset_accumulated_memory_stats`](crate::CachingAllocator::reset_accumulated_memory_stats).
-        fn reset_accumulated_memory_stats(&self, device: usize) -> ();
-        /// See [`CachingAllocator::memory_summary`](crate::CachingAllocator::memory_summary).
-        fn memory_summary(&self, device: usize) -> String;
-        /// See [`CachingAllocator::default_stream`](crate::CachingAllocator::default_stream).
-        fn default_stream(&self, device: usize) -> StreamId;
-        /// See [`CachingAllocator::current_stream`](crate::CachingAllocator::current_stream).
-        fn current_stream(&self, device: usize) -> StreamId;
-        /// See [`CachingAllocator::set_current_stream`](crate::CachingAllocator::set_current_stream).
-        fn set_current_stream(&self, stream: StreamId) -> StreamGuard;
-        /// See [`CachingAllocator::create_stream`](crate::CachingAllocator::create_stream).
-        fn create_stream(&self, device: usize) -> StreamId;
-        /// See [`CachingAllocator::record_stream`](crate::CachingAllocator::record_stream).
-        fn record_stream(&self, data: &DataPtr, stream: StreamId) -> ();
-        /// See [`CachingAllocator::set_per_process_memory_fraction`](crate::CachingAllocator::set_per_process_memory_fraction).
-        fn set_per_process_memory_fraction(&self, fraction: f64, device: usize) -> ();
-        /// See [`CachingAllocator::reserved_bytes`](crate::CachingAllocator::reserved_bytes).
-        fn reserved_bytes(&self, device: usize) -> u64;
-        /// See [`CachingAllocator::raw_stream`](crate::CachingAllocator::raw_stream).
-        fn raw_stream(&self, stream: StreamId) -> u64;
-        /// See [`CachingAllocator::set_default_stream`](crate::CachingAllocator::set_default_stream).
-        fn set_default_stream(&self, stream: StreamId) -> ();
-        /// See [`CachingAllocator::clear_default_stream`](crate::CachingAllocator::clear_default_stream).
-        fn clear_default_stream(&self, device: usize) -> ();
-    }
-
-    forward_infallible! {
-        /// See [`CachingAllocator::device_count`](crate::CachingAllocator::device_count).
-        fn device_count(&self) -> usize;
-        /// See [`CachingAllocator::empty_cache`](crate::CachingAllocator::empty_cache).
-        fn empty_cache(&self) -> ();
-        /// See [`CachingAllocator::snapshot`](crate::CachingAllocator::snapshot).
-        fn snapshot(&self) -> Snapshot;
-        /// See [`CachingAllocator::record_history`](crate::CachingAllocator::record_history).
-        fn record_history(&self, enabled: bool, max_entries: usize) -> ();
-        /// See [`CachingAllocator::register_free_memory_callback`](crate::CachingAllocator::register_free_memory_callback).
-        fn register_free_memory_callback(&self, callback: FreeMemoryCallback) -> ();
-        /// See [`CachingAllocator::register_segment_observer`](crate::CachingAllocator::register_segment_observer).
-        fn register_segment_observer(&self, observer: SegmentObserver) -> ();
-        /// See [`CachingAllocator::register_out_of_memory_observer`](crate::CachingAllocator::register_out_of_memory_observer).
-        fn register_out_of_memory_observer(&self, observer: OutOfMemoryObserver) -> ();
-        /// See [`Runtime::ipc_collect`].
-        fn ipc_collect(&self) -> bool;
     }
 }

@@ -17,41 +17,68 @@
 //! ground     error, sync, process, config, shm, codec
 //! ```
 
-pub mod alloc;
+mod alloc;
 mod codec;
-pub mod config;
-pub mod cow;
-pub mod driver;
-pub mod error;
-pub mod global;
-pub mod ipc;
+mod config;
+mod cow;
+mod driver;
+mod error;
+mod global;
+mod ipc;
 mod process;
 #[cfg(feature = "replay")]
 pub mod replay;
-pub mod runtime;
+mod runtime;
 mod shm;
-pub mod storage;
+mod storage;
 mod sync;
 
+// One door (see "The public surface" in the crate docs): a library talks to `GLOBAL` and the
+// `Runtime` it hands out; embedders with a driver of their own build a `CachingAllocator`. Every
+// public item has one path; `docs/public-api.txt` lists them (`tests/public_api.rs`).
 pub use alloc::{
-    CachingAllocator, CachingAllocatorBuilder, DataPtr, DeviceStats, Sanitize, Snapshot,
-    StreamGuard,
+    format_size, trace_json_lines, CachingAllocator, CachingAllocatorBuilder, DataPtr, DeviceStats,
+    Frame, FreeMemoryCallback, HistoryMode, HistoryOptions, OutOfMemoryEvent, OutOfMemoryObserver,
+    Sanitize, SegmentChange, SegmentEvent, SegmentObserver, Snapshot, SnapshotBlock,
+    SnapshotBlockState, SnapshotSegment, Stat, StatArray, StreamGuard, TraceAction, TraceEntry,
+    POOL_NAMES,
 };
-pub use config::AllocatorConfig;
+pub use config::{AllocatorConfig, DefaultStream, ROUNDUP_INTERVALS};
+pub use driver::cuda::driver_library_present;
+pub use driver::host::{
+    parse_byte_size, HostMemory, HostRange, DEFAULT_DEVICES, DEFAULT_IPC_EVENT_TIMEOUT,
+    DEFAULT_MEMORY, MAX_DEVICES,
+};
+pub use driver::pattern;
+pub use driver::sanitizer::{AccessKind, AccessReport, HazardKind, HazardReport, Touch};
+pub use driver::sim::MAX_SIM_DEVICES;
 pub use driver::{
     Backend, BackendChoice, ChunkId, CudaDriver, DeviceAddr, Driver, EventFlags, EventId,
     ExportedChunk, HostDriver, HostDriverBuilder, IpcEventHandle, IpcMemHandle, MemInfo,
     OpenedSegment, SanitizeOptions, SanitizedDriver, Sanitizer, SelectedBackend, SimDriver,
-    StreamId,
+    StreamId, IPC_HANDLE_SIZE,
 };
 pub use error::{Error, ErrorKind, ForeignEventFailure, Result};
 pub use global::{Global, GLOBAL};
-pub use ipc::IpcHandle;
+pub use ipc::{
+    Drained, IpcHandle, PageSocketLimits, WireHandle, WirePages, DEFAULT_EVENT_BUDGET,
+    PAGE_SECRET_SIZE, WIRE_SIZE,
+};
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use shm::sweep_orphans;
 #[cfg(feature = "cudarc")]
 pub use storage::views::{self, StorageView, StorageViewMut};
 pub use storage::Storage;
+
+/// The protocol cores that the loom models (`loom_tests/`) and the protocol tests check directly:
+/// not part of the API, and free to change in any release.
+#[doc(hidden)]
+pub mod internals {
+    pub use crate::cow::cell;
+    pub use crate::driver::cuda::kernels;
+    pub use crate::driver::host::StreamGate;
+    pub use crate::ipc::{lease_table, limbo};
+}
 
 /// The cudarc this crate is built with (feature `cudarc`): use it for your own launches, so the
 /// views' traits are the ones your cudarc implements.

@@ -233,7 +233,7 @@ fn run(cli: Cli) -> Result<(), (u8, String)> {
                     "--storages 0: the demo needs at least 1 storage to verify".into(),
                 ));
             }
-            let max_size = cudalloc::driver::host::parse_byte_size(&max_size)
+            let max_size = cudalloc::parse_byte_size(&max_size)
                 .map_err(|why| (2, format!("--max-size {max_size:?}: {why}")))?;
             let connect_timeout = std::time::Duration::try_from_secs_f64(connect_timeout_s)
                 .ok()
@@ -269,7 +269,7 @@ fn run(cli: Cli) -> Result<(), (u8, String)> {
             capacity,
             svg,
         } => {
-            let capacity = cudalloc::driver::host::parse_byte_size(&capacity)
+            let capacity = cudalloc::parse_byte_size(&capacity)
                 .map_err(|why| (2, format!("--capacity {capacity:?}: {why}")))?;
             if capacity == 0 {
                 return Err((2, "--capacity 0: the device needs room".into()));

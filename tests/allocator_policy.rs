@@ -8,8 +8,8 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::alloc::{SnapshotBlockState, TraceAction};
 use cudalloc::{Driver, Runtime};
+use cudalloc::{SnapshotBlockState, TraceAction};
 
 const MIB: u64 = 1 << 20;
 
@@ -357,7 +357,7 @@ fn the_default_stream_setting_chooses_legacy_dedicated_or_per_thread_streams() {
 
 #[test]
 fn segment_observers_see_maps_after_and_unmaps_before_the_driver_and_oom_observers_see_the_facts() {
-    use cudalloc::alloc::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
+    use cudalloc::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
     use std::sync::Mutex;
     let (d, _) = host();
     let a = checked_allocator(d, "");

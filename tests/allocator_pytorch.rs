@@ -111,7 +111,7 @@ fn test_out_of_memory() {
         let text = err.to_string();
         assert!(text.contains("tried to allocate"), "{text}");
         assert!(
-            text.contains(&cudalloc::alloc::format_size(total + 5 * MIB)),
+            text.contains(&cudalloc::format_size(total + 5 * MIB)),
             "names the requested size: {text}"
         );
         assert!(!text.contains("expandable"), "{text}");

@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
 
-use cudalloc::driver::pattern;
+use cudalloc::pattern;
 use cudalloc::{Driver, HostDriver, Runtime};
 
 const THREADS: usize = 4;

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::cow::cell::{CowCell, Materialized};
+use cudalloc::internals::cell::{CowCell, Materialized};
 use cudalloc::{Driver, ErrorKind, Runtime, Storage};
 
 const MIB: u64 = 1 << 20;
@@ -260,7 +260,7 @@ fn stress_four_threads_of_concurrent_materializations() {
                 for round in 0..10_000u64 {
                     let seed = t * 1_000_000 + round;
                     let s = Storage::new(&a, 0, 1024).unwrap();
-                    s.copy_from_host(&cudalloc::driver::pattern::expected(1024, seed))
+                    s.copy_from_host(&cudalloc::pattern::expected(1024, seed))
                         .unwrap();
                     let c = s.lazy_clone().unwrap();
                     let (writer, other) = if round % 2 == 0 { (&s, &c) } else { (&c, &s) };
@@ -307,7 +307,7 @@ fn a_failed_copy_leaves_the_storage_a_valid_cow_storage() {
     c.copy_to_host(&mut head).unwrap();
     assert_eq!(&head[..3], &[1, 2, 3]);
     let expected: Vec<u8> = (3..8192u64)
-        .map(|i| cudalloc::driver::pattern::byte(3, i))
+        .map(|i| cudalloc::pattern::byte(3, i))
         .collect();
     assert!(
         head[3..] == expected[..],

@@ -49,7 +49,7 @@ fn kernel(
     file: &str,
     name: &str,
 ) -> cudalloc::cudarc::driver::CudaFunction {
-    let source = cudalloc::driver::cuda::kernels::SOURCES
+    let source = cudalloc::internals::kernels::SOURCES
         .iter()
         .find(|(f, _)| *f == file)
         .unwrap()

@@ -10,7 +10,7 @@
 mod common;
 
 use common::*;
-use cudalloc::driver::pattern;
+use cudalloc::pattern;
 use cudalloc::{DeviceAddr, Driver, ErrorKind, EventFlags, IpcEventHandle, IpcMemHandle};
 
 const MIB: u64 = 1 << 20;

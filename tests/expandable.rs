@@ -8,7 +8,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use common::*;
-use cudalloc::alloc::{SegmentChange, SegmentEvent};
+use cudalloc::{SegmentChange, SegmentEvent};
 
 const MIB: u64 = 1 << 20;
 
@@ -165,7 +165,7 @@ fn threads_growing_freeing_and_emptying_the_cache_at_once_keep_every_byte() {
                     let mut held = Vec::new();
                     for i in 0..60u64 {
                         // At most 5 held blocks of at most 2 MiB per thread: within the 64 MiB.
-                        let size = 1 + cudalloc::driver::pattern::word(t, i) % (2 * MIB);
+                        let size = 1 + cudalloc::pattern::word(t, i) % (2 * MIB);
                         let block = a.allocate(0, size).unwrap();
                         let seed = t * 1000 + i;
                         d.fill_pattern(s, block.ptr(), size, seed).unwrap();

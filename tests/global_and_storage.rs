@@ -52,14 +52,19 @@ fn global_child_uses_env() {
     let s = GLOBAL.storage(1, 3 * MIB).unwrap();
     s.fill_pattern(7).unwrap();
     assert_eq!(s.count_pattern_mismatches(7).unwrap(), 0);
-    let stats = GLOBAL.memory_stats(1).unwrap();
+    let stats = GLOBAL.get().unwrap().memory_stats(1).unwrap();
     assert_eq!(stats.allocated_bytes[0].current, (3 * MIB) as i64);
     assert_eq!(stats.max_split_size, (64 * MIB) as i64);
-    assert!(GLOBAL.memory_summary(1).unwrap().contains("device 1"));
-    assert!(!GLOBAL.ipc_collect().unwrap());
+    assert!(GLOBAL
+        .get()
+        .unwrap()
+        .memory_summary(1)
+        .unwrap()
+        .contains("device 1"));
+    assert!(!GLOBAL.get().unwrap().ipc_collect());
     drop(s);
-    GLOBAL.empty_cache().unwrap();
-    assert_eq!(GLOBAL.snapshot().unwrap().segments.len(), 0);
+    GLOBAL.get().unwrap().empty_cache();
+    assert_eq!(GLOBAL.get().unwrap().snapshot().segments.len(), 0);
     println!("global ok");
 }
 
@@ -79,7 +84,7 @@ fn global_child_bad_env() {
         return;
     }
     for _ in 0..2 {
-        let err = GLOBAL.allocate(0, 512).unwrap_err();
+        let err = GLOBAL.get().unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Config);
         assert!(err.to_string().contains("foo"), "{err}");
     }
@@ -123,10 +128,10 @@ fn global_child_init() {
     assert_eq!(runtime.config().max_split_size, 32 * MIB);
     assert_eq!(GLOBAL.backend().unwrap(), cudalloc::Backend::Host);
     assert_eq!(GLOBAL.fallback_reason().unwrap(), None);
-    assert_eq!(GLOBAL.device_count().unwrap(), 1);
+    assert_eq!(GLOBAL.get().unwrap().device_count(), 1);
     let s = GLOBAL.storage(0, MIB).unwrap();
     assert_eq!(
-        GLOBAL.memory_stats_map(0).unwrap()["allocated_bytes.all.current"],
+        GLOBAL.get().unwrap().memory_stats_map(0).unwrap()["allocated_bytes.all.current"],
         MIB as i64
     );
     // A second set-up, whichever way, is refused and changes nothing.

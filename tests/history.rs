@@ -6,8 +6,8 @@ mod common;
 
 use std::sync::Arc;
 
-use cudalloc::alloc::{HistoryMode, HistoryOptions, SnapshotBlockState, TraceAction};
 use cudalloc::{AllocatorConfig, CachingAllocator, DataPtr, Driver, SimDriver};
+use cudalloc::{HistoryMode, HistoryOptions, SnapshotBlockState, TraceAction};
 
 fn allocator(conf: &str) -> CachingAllocator {
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 64 << 20).unwrap());
@@ -112,7 +112,7 @@ fn stacks_name_the_caller_in_entries_and_live_blocks() {
         alloc.frames
     );
     assert!(
-        !alloc.frames[0].name.starts_with("cudalloc::alloc::"),
+        !alloc.frames[0].name.starts_with("cudalloc::"),
         "internal frames are left out: {:?}",
         alloc.frames[0]
     );

@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use common::*;
-use cudalloc::ipc::{PageSocketLimits, WireHandle};
 use cudalloc::{Driver, IpcHandle, Runtime, Storage};
+use cudalloc::{PageSocketLimits, WireHandle};
 
 const CHILD: &str = "hostile_pages_child";
 const PAGE: u64 = 2 << 20;

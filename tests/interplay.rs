@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{cuda_suite, hex, test_config, test_driver, unhex};
-use cudalloc::driver::pattern;
+use cudalloc::pattern;
 use cudalloc::{IpcHandle, Runtime, Storage, StreamId};
 
 /// A deterministic generator (splitmix over the pattern hash).

@@ -5,9 +5,9 @@
 
 use std::sync::Arc;
 
-use cudalloc::driver::pattern;
-use cudalloc::ipc::{WireHandle, WirePages, WIRE_SIZE};
+use cudalloc::pattern;
 use cudalloc::{Backend, ErrorKind, HostDriver, IpcHandle, Runtime, Storage};
+use cudalloc::{WireHandle, WirePages, WIRE_SIZE};
 
 fn rng(seed: u64) -> impl FnMut() -> u64 {
     let mut i = 0u64;

@@ -141,7 +141,7 @@ fn a_cudalloc_trace_replays_to_the_peaks_the_allocator_recorded() {
     }
     drop(live);
     let stats = a.memory_stats(0).unwrap();
-    let text = cudalloc::alloc::trace_json_lines(&a.snapshot().trace);
+    let text = cudalloc::trace_json_lines(&a.snapshot().trace);
     let trace = replay::parse(text.as_bytes()).unwrap();
     assert_eq!(trace.format, TraceFormat::CudallocJsonLines);
     assert_eq!(trace.allocations(), 400);

@@ -14,9 +14,9 @@ mod common;
 use std::sync::Arc;
 
 use common::{host_driver, ChildProcess, ParentLink, ROLE_VAR};
-use cudalloc::driver::host::{HostMemory, HostRange};
-use cudalloc::driver::sanitizer::HazardKind;
+use cudalloc::HazardKind;
 use cudalloc::{ErrorKind, IpcHandle, Runtime, Sanitize, SanitizeOptions, Storage, StreamId};
+use cudalloc::{HostMemory, HostRange};
 
 const MIB: u64 = 1 << 20;
 const ROUNDS: usize = 100;
@@ -37,7 +37,7 @@ fn sanitized() -> Arc<Runtime> {
 }
 
 /// The hazards found since the last call: exactly one, of `kind`.
-fn one_report(rt: &Runtime, kind: HazardKind) -> cudalloc::driver::sanitizer::HazardReport {
+fn one_report(rt: &Runtime, kind: HazardKind) -> cudalloc::HazardReport {
     let mut reports = rt.sanitizer().unwrap().take_reports();
     assert_eq!(reports.len(), 1, "{reports:#?}");
     let report = reports.remove(0);

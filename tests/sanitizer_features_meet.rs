@@ -9,9 +9,9 @@ mod common;
 use std::sync::Arc;
 
 use common::host_driver;
-use cudalloc::driver::host::{HostMemory, HostRange};
-use cudalloc::driver::sanitizer::HazardKind;
+use cudalloc::HazardKind;
 use cudalloc::{AllocatorConfig, Runtime, Sanitize, SanitizeOptions, Storage, StreamId};
+use cudalloc::{HostMemory, HostRange};
 
 const MIB: u64 = 1 << 20;
 
@@ -40,7 +40,7 @@ const CONFIGS: [&str; 4] = [
     "expandable_segments:True,thread_cache_mb:64",
 ];
 
-fn take(rt: &Runtime) -> Vec<cudalloc::driver::sanitizer::HazardReport> {
+fn take(rt: &Runtime) -> Vec<cudalloc::HazardReport> {
     rt.sanitizer().unwrap().take_reports()
 }
 

@@ -2,7 +2,7 @@
 //! backend's cases print `skipped: ...` inside tests that then report `ok`, which libtest only
 //! shows with `--nocapture`. This harness-less test prints one line per kind of evidence, always.
 
-use cudalloc::driver::cuda::kernels::nvrtc_present;
+use cudalloc::internals::kernels::nvrtc_present;
 use cudalloc::CudaDriver;
 
 fn main() {

@@ -10,8 +10,8 @@ use std::process::Command;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::alloc::{HistoryMode, HistoryOptions};
 use cudalloc::{AllocatorConfig, CachingAllocator, Driver, HostDriver};
+use cudalloc::{HistoryMode, HistoryOptions};
 use serde_pickle::{HashableValue as H, Value as V};
 
 fn checker() -> PathBuf {
@@ -56,7 +56,7 @@ fn busy_allocator(
     conf: &str,
 ) -> (
     CachingAllocator,
-    cudalloc::driver::host::StreamGate,
+    cudalloc::internals::StreamGate,
     Vec<cudalloc::DataPtr>,
 ) {
     let host = Arc::new(

@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::{mpsc, Arc, Barrier};
 
-use cudalloc::alloc::SnapshotBlockState;
+use cudalloc::SnapshotBlockState;
 use cudalloc::{AllocatorConfig, CachingAllocator, Driver, HostDriver};
 
 const MIB: u64 = 1 << 20;
@@ -284,7 +284,7 @@ fn off_by_default_the_freed_block_goes_back_to_the_shard_at_once() {
 
 #[test]
 fn the_history_sees_front_cache_frees_and_reuses_as_frees_and_allocations() {
-    use cudalloc::alloc::TraceAction;
+    use cudalloc::TraceAction;
     let d = driver();
     let a = cached(&d, 8);
     a.record_history(true, 1000);

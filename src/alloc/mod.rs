@@ -233,8 +233,9 @@ impl std::fmt::Debug for CachingAllocator {
 /// ```compile_fail
 /// #![deny(unused_must_use)]
 /// fn f() -> cudalloc::Result<()> {
-///     let side = cudalloc::GLOBAL.create_stream(0)?;
-///     cudalloc::GLOBAL.set_current_stream(side)?; // current for nothing
+///     let runtime = cudalloc::GLOBAL.get()?;
+///     let side = runtime.create_stream(0)?;
+///     runtime.set_current_stream(side)?; // current for nothing
 ///     Ok(())
 /// }
 /// ```
@@ -243,8 +244,9 @@ impl std::fmt::Debug for CachingAllocator {
 ///
 /// ```compile_fail
 /// fn f() -> cudalloc::Result<()> {
-///     let side = cudalloc::GLOBAL.create_stream(0)?;
-///     let on = cudalloc::GLOBAL.set_current_stream(side)?;
+///     let runtime = cudalloc::GLOBAL.get()?;
+///     let side = runtime.create_stream(0)?;
+///     let on = runtime.set_current_stream(side)?;
 ///     std::thread::spawn(move || drop(on));
 ///     Ok(())
 /// }

@@ -47,14 +47,6 @@ impl PoolKind {
             PoolKind::Large
         }
     }
-
-    /// PyTorch's stat-key name: `small_pool` / `large_pool`.
-    pub fn stat_name(self) -> &'static str {
-        match self {
-            PoolKind::Small => "small_pool",
-            PoolKind::Large => "large_pool",
-        }
-    }
 }
 
 /// Checks a request against the 1 EB ceiling.

@@ -16,7 +16,7 @@ use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudalloc::driver::pattern;
+use cudalloc::pattern;
 use cudalloc::{AllocatorConfig, BackendChoice, IpcHandle, Runtime, Storage};
 
 /// Options of the demo.
@@ -335,14 +335,14 @@ fn run_on(opts: &DemoOptions, a: &Arc<Runtime>, start: Instant) -> Result<String
         println!(
             "(Active {} > Allocated: blocks already freed whose reuse still waits for work other \
              streams had queued on them — record_stream's events — count as active until then.)",
-            cudalloc::alloc::format_size(active as u64)
+            cudalloc::format_size(active as u64)
         );
     }
     Ok(format!(
         "verdict: ok — {shared} storages ({} + {clones} lazy clones) shared with {} consumer(s), {} verified byte for byte, answers checked, limbo drained, {:.2} s",
         opts.storages,
         opts.consumers,
-        cudalloc::alloc::format_size(verified_bytes),
+        cudalloc::format_size(verified_bytes),
         start.elapsed().as_secs_f64()
     ))
 }

@@ -6,7 +6,7 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use cudalloc::alloc::format_size;
+use cudalloc::format_size;
 use cudalloc::replay::{self, ReplayOptions, ReplayReport, Trace};
 
 /// What the command was asked.

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use cudalloc::driver::host::HostDriver;
+use cudalloc::HostDriver;
 use cudalloc::{
     Backend, DeviceAddr, Driver, Error, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
     OpenedSegment, Result, StreamId,
@@ -180,30 +180,27 @@ impl Driver for FaultyDriver {
     fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()> {
         self.inner.vm_free_reservation(base)
     }
-    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<cudalloc::driver::ChunkId> {
+    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<cudalloc::ChunkId> {
         self.inner.vm_create_chunk(device, size)
     }
-    fn vm_release_chunk(&self, chunk: cudalloc::driver::ChunkId) -> Result<()> {
+    fn vm_release_chunk(&self, chunk: cudalloc::ChunkId) -> Result<()> {
         self.inner.vm_release_chunk(chunk)
     }
-    fn vm_map(&self, addr: DeviceAddr, chunk: cudalloc::driver::ChunkId) -> Result<()> {
+    fn vm_map(&self, addr: DeviceAddr, chunk: cudalloc::ChunkId) -> Result<()> {
         self.inner.vm_map(addr, chunk)
     }
     fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
         self.inner.vm_unmap(addr, size)
     }
-    fn vm_export_chunk(
-        &self,
-        chunk: cudalloc::driver::ChunkId,
-    ) -> Result<cudalloc::driver::ExportedChunk> {
+    fn vm_export_chunk(&self, chunk: cudalloc::ChunkId) -> Result<cudalloc::ExportedChunk> {
         self.inner.vm_export_chunk(chunk)
     }
     fn vm_import_chunk(
         &self,
         device: usize,
-        chunk: cudalloc::driver::ExportedChunk,
+        chunk: cudalloc::ExportedChunk,
         size: u64,
-    ) -> Result<cudalloc::driver::ChunkId> {
+    ) -> Result<cudalloc::ChunkId> {
         self.inner.vm_import_chunk(device, chunk, size)
     }
 }

@@ -397,7 +397,7 @@ pub fn with_test_settings(conf: &str) -> String {
 pub fn hold_stream(
     b: &TestBackend,
     stream: cudalloc::StreamId,
-) -> Option<cudalloc::driver::host::StreamGate> {
+) -> Option<cudalloc::internals::StreamGate> {
     match &b.host {
         Some(h) => Some(h.gate_stream(stream).unwrap()),
         None => {
