@@ -41,7 +41,7 @@ use crate::runtime::{Runtime, RuntimeBuilder};
 use crate::storage::Storage;
 use crate::sync::os::{Arc, OnceLock};
 
-/// The process-wide runtime (see the [module docs](self)).
+/// The process-wide runtime (one door: see the crate docs and `src/global.rs`).
 pub static GLOBAL: Global = Global {
     cell: OnceLock::new(),
 };

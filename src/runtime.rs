@@ -102,7 +102,7 @@ impl RuntimeBuilder {
     }
 }
 
-/// A caching allocator with the IPC state of the storages it shares (see the [module docs](self)).
+/// A caching allocator with the IPC state of the storages it shares (see `src/runtime.rs`).
 pub struct Runtime {
     id: u64,
     allocator: Arc<CachingAllocator>,

@@ -97,7 +97,7 @@ pub struct CachingAllocatorBuilder {
 }
 
 /// Whether an allocator's driver is checked by the stream sanitizer
-/// ([`crate::driver::sanitizer`]).
+/// (`src/driver/sanitizer/mod.rs`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Sanitize {
@@ -546,7 +546,7 @@ impl CachingAllocator {
     }
 
     /// Calls `observer` on every segment this allocator maps from its driver (after) and returns
-    /// to it (before); see [`observers`].
+    /// to it (before); see `src/alloc/observers.rs`.
     pub fn register_segment_observer(&self, observer: SegmentObserver) {
         if self
             .birth

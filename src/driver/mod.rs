@@ -214,7 +214,7 @@ pub struct OpenedSegment {
     pub size: u64,
 }
 
-/// Everything the allocator needs from a device (see the [module docs](self) for the ordering model).
+/// Everything the allocator needs from a device (the ordering model: `src/driver/mod.rs`).
 ///
 /// All methods validate their arguments: an unknown device, stream, event or pointer, a range that
 /// leaves its segment, a size of 0 or one that overflows is an

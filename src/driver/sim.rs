@@ -50,7 +50,7 @@ struct State {
     released_mapped: HashMap<u64, (usize, u64)>,
 }
 
-/// A device that backs nothing: see the [module docs](self).
+/// A device that backs nothing: see `src/driver/sim.rs`.
 #[derive(Debug)]
 pub struct SimDriver {
     capacity: u64,

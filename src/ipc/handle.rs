@@ -6,7 +6,7 @@ use super::wire::WireHandle;
 use crate::error::Result;
 use crate::sync::os::Arc;
 
-/// A handle of a shared storage that owns one count on its slot (see the [module docs](super)).
+/// A handle of a shared storage that owns one count on its slot (see `src/ipc/mod.rs`).
 #[derive(Debug)]
 pub struct IpcHandle {
     wire: WireHandle,

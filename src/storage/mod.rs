@@ -153,7 +153,7 @@ impl Storage {
     }
 
     /// The address for writing, safe to write from any stream. For a plain storage this is one
-    /// atomic load. A COW storage is materialized first (see [`crate::cow`]) on the current
+    /// atomic load. A COW storage is materialized first (see `src/cow/mod.rs`) on the current
     /// stream, and that copy is *complete* when this returns — so a kernel on any stream may
     /// write at once (the first write of a lazy clone blocks once for its copy). Library code
     /// that knows its stream uses [`Storage::mutable_data_ptr_on`] instead, which does not
@@ -223,7 +223,7 @@ impl Storage {
     }
 
     /// Shares this storage with other processes: the returned handle owns one count on the
-    /// storage's slot (see [`crate::ipc`]). Sharing a received storage forwards it.
+    /// storage's slot (see `src/ipc/mod.rs`). Sharing a received storage forwards it.
     pub fn share_ipc(&self) -> Result<IpcHandle> {
         sharing::share(self)
     }

@@ -144,7 +144,7 @@ struct SegmentEntry {
     exported_as: Option<[u8; IPC_HANDLE_SIZE]>,
 }
 
-/// The CUDA backend (see the [module docs](self)).
+/// The CUDA backend (see `src/driver/cuda/mod.rs`).
 #[derive(Debug)]
 pub struct CudaDriver {
     devices: Vec<Device>,

@@ -119,7 +119,7 @@ impl<const N: usize> HostMemory<N> {
 impl HostDriver {
     /// Queues `kernel` on `stream` with the memory of `ranges` (each inside a live segment, checked
     /// now), to run on the stream's worker after the work queued before it (see the
-    /// [module docs](self)). An error the kernel returns fails the stream.
+    /// `src/driver/host/library_kernels.rs`). An error the kernel returns fails the stream.
     pub fn enqueue_host<const N: usize>(
         &self,
         stream: StreamId,

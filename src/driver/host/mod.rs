@@ -64,7 +64,7 @@ use crate::sync::os::{Arc, Mutex, OnceLock, Weak};
 
 const PAGE: u64 = 4096;
 
-/// The host backend (see the [module docs](self)).
+/// The host backend (see `src/driver/host/mod.rs`).
 pub struct HostDriver {
     config: HostDriverBuilder,
     pid: u32,

@@ -142,7 +142,7 @@ fn unordered_before_reuse(access: &Access, free: &Free, now: &VectorClock) -> bo
         && !now.knows(access.slot, access.epoch)
 }
 
-/// The checker; one per driver (see the [module docs](self)).
+/// The checker; one per driver (see `src/driver/sanitizer/mod.rs`).
 #[derive(Debug)]
 pub struct Sanitizer {
     options: SanitizeOptions,

@@ -13,7 +13,7 @@ use crate::sync::os::{Arc, Mutex, Weak};
 use std::collections::HashMap;
 
 /// A driver whose streams, events and memory operations feed a [`Sanitizer`] (see the
-/// [module docs](super)); everything else is forwarded unchanged.
+/// `src/driver/sanitizer/mod.rs`); everything else is forwarded unchanged.
 ///
 /// [`Driver::as_host`] gives the host backend underneath, for its host-only facilities: its
 /// library kernels (`enqueue_host`) report to the same sanitizer, but stream operations called on
