@@ -146,13 +146,13 @@ fn random_trace(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("cudalloc", &id), |b| {
             b.iter(|| replay(&steps, |s| a.allocate(0, s).unwrap(), drop::<DataPtr>));
             let stats = a.memory_stats(0).unwrap();
-            peak_reserved = stats.reserved_bytes[0].peak;
+            peak_reserved = stats.reserved_bytes.all.peak;
         });
         let stats = a.memory_stats(0).unwrap();
         println!(
             "random_trace {id}: peak reserved {} MiB / peak allocated {} MiB",
             peak_reserved / MIB as i64,
-            stats.allocated_bytes[0].peak / MIB as i64
+            stats.allocated_bytes.all.peak / MIB as i64
         );
         g.bench_function(BenchmarkId::new("glibc", &id), |b| {
             b.iter(|| replay(&steps, glibc_malloc, glibc_free))
@@ -238,11 +238,8 @@ fn history(c: &mut Criterion) {
         ("all_stacks", HistoryMode::All, true),
     ] {
         let a = allocator(&d);
-        a.allocator().record_memory_history(HistoryOptions {
-            mode,
-            max_entries: 10_000,
-            stacks,
-        });
+        a.allocator()
+            .record_memory_history(HistoryOptions::new(mode, 10_000).with_stacks(stacks));
         drop(a.allocate(0, 4096).unwrap());
         g.bench_function(BenchmarkId::new("pair-4096", name), |b| {
             b.iter(|| black_box(a.allocate(0, 4096).unwrap()))

@@ -100,7 +100,10 @@ fn replay(steps: &[Step], conf: &str) -> (i64, i64) {
         }
     }
     let stats = a.memory_stats(0).unwrap();
-    (stats.reserved_bytes[0].peak, stats.allocated_bytes[0].peak)
+    (
+        stats.reserved_bytes.all.peak,
+        stats.allocated_bytes.all.peak,
+    )
 }
 
 fn main() {

@@ -45,6 +45,7 @@ pub enum DefaultStream {
 
 /// Parsed allocator settings.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct AllocatorConfig {
     /// Blocks of at least this many bytes are never split (`u64::MAX`: no limit).
     pub max_split_size: u64,

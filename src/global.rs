@@ -14,7 +14,7 @@
 //! # fn main() -> cudalloc::Result<()> {
 //! let storage = GLOBAL.storage(0, 1 << 20)?;
 //! let runtime = GLOBAL.get()?;
-//! println!("{} bytes allocated", runtime.memory_stats(0)?.allocated_bytes[0].current);
+//! println!("{} bytes allocated", runtime.memory_stats(0)?.allocated_bytes.all.current);
 //! # drop(storage);
 //! # Ok(())
 //! # }

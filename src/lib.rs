@@ -39,9 +39,8 @@ mod sync;
 pub use alloc::{
     format_size, trace_json_lines, CachingAllocator, CachingAllocatorBuilder, DataPtr, DeviceStats,
     Frame, FreeMemoryCallback, HistoryMode, HistoryOptions, OutOfMemoryEvent, OutOfMemoryObserver,
-    Sanitize, SegmentChange, SegmentEvent, SegmentObserver, Snapshot, SnapshotBlock,
-    SnapshotBlockState, SnapshotSegment, Stat, StatArray, StreamGuard, TraceAction, TraceEntry,
-    POOL_NAMES,
+    PoolStats, Sanitize, SegmentChange, SegmentEvent, SegmentObserver, Snapshot, SnapshotBlock,
+    SnapshotBlockState, SnapshotSegment, Stat, StreamGuard, TraceAction, TraceEntry, POOL_NAMES,
 };
 pub use config::{AllocatorConfig, DefaultStream, ROUNDUP_INTERVALS};
 pub use driver::cuda::driver_library_present;

@@ -72,7 +72,7 @@ fn split_blocks_merge_back_when_freed() {
     drop(b1);
     let stats = a.memory_stats(0).unwrap();
     assert_eq!(
-        stats.inactive_split[1].current, 2,
+        stats.inactive_split.small.current, 2,
         "the hole and the tail are inactive splits"
     );
     drop(b0);
@@ -89,7 +89,7 @@ fn split_blocks_merge_back_when_freed() {
         snap.segments[0].blocks[0].state,
         SnapshotBlockState::Inactive
     );
-    assert_eq!(a.memory_stats(0).unwrap().inactive_split[0].current, 0);
+    assert_eq!(a.memory_stats(0).unwrap().inactive_split.all.current, 0);
 }
 
 #[test]
@@ -234,7 +234,7 @@ fn zero_byte_allocations_are_valid_and_empty() {
     assert_eq!(s.nbytes(), 0);
     s.fill_pattern(1).unwrap();
     assert_eq!(s.count_pattern_mismatches(1).unwrap(), 0);
-    assert_eq!(a.memory_stats(0).unwrap().allocation[0].current, 0);
+    assert_eq!(a.memory_stats(0).unwrap().allocation.all.current, 0);
 }
 
 #[test]

@@ -48,9 +48,9 @@ fn check_model(a: &cudalloc::Runtime, live: &[Live]) {
         assert!(w[0].0 + w[0].1 <= w[1].0, "live allocations overlap: {w:?}");
     }
     let stats = a.memory_stats(0).unwrap();
-    assert_eq!(stats.allocation[0].current, live.len() as i64);
+    assert_eq!(stats.allocation.all.current, live.len() as i64);
     assert_eq!(
-        stats.requested_bytes[0].current,
+        stats.requested_bytes.all.current,
         live.iter().map(|l| l.size as i64).sum::<i64>()
     );
     a.check_invariants().unwrap();
@@ -96,9 +96,9 @@ proptest! {
         drop(live);
         a.empty_cache();
         let stats = a.memory_stats(0).unwrap();
-        prop_assert_eq!(stats.allocation[0].current, 0);
-        prop_assert_eq!(stats.active[0].current, 0);
-        prop_assert_eq!(stats.reserved_bytes[0].current, 0);
+        prop_assert_eq!(stats.allocation.all.current, 0);
+        prop_assert_eq!(stats.active.all.current, 0);
+        prop_assert_eq!(stats.reserved_bytes.all.current, 0);
         let m = driver.mem_info(0).unwrap();
         prop_assert_eq!(m.free, m.total);
     }

@@ -102,11 +102,11 @@ fn stress(conf: &str) {
     }
     assert!(live.lock().unwrap().is_empty());
     let stats = a.memory_stats(0).unwrap();
-    assert_eq!(stats.allocation[0].current, 0);
-    assert_eq!(stats.allocated_bytes[0].current, 0);
-    assert_eq!(stats.allocation[0].allocated, stats.allocation[0].freed);
+    assert_eq!(stats.allocation.all.current, 0);
+    assert_eq!(stats.allocated_bytes.all.current, 0);
+    assert_eq!(stats.allocation.all.allocated, stats.allocation.all.freed);
     if conf.is_empty() {
-        assert!(stats.allocation[0].allocated > (THREADS as i64) * (OPS as i64) / 2);
+        assert!(stats.allocation.all.allocated > (THREADS as i64) * (OPS as i64) / 2);
     } // (with thread caches `allocated` counts trips to the shard, not cache hits)
     a.check_invariants().unwrap();
     a.empty_cache();

@@ -18,7 +18,7 @@ fn allocator() -> Arc<Runtime> {
 }
 
 fn live_blocks(a: &Runtime) -> i64 {
-    a.memory_stats(0).unwrap().allocation[0].current
+    a.memory_stats(0).unwrap().allocation.all.current
 }
 
 struct CountsDrops(Arc<AtomicUsize>);

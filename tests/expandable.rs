@@ -116,7 +116,7 @@ fn fragmentation_that_strands_whole_segments_costs_expandable_segments_less_than
             drop(drop_later);
             let big: Vec<_> = (0..4).map(|_| a.allocate(0, 5 * MIB).unwrap()).collect();
             a.empty_cache();
-            let allocated = a.memory_stats(0).unwrap().allocated_bytes[0].current as u64;
+            let allocated = a.memory_stats(0).unwrap().allocated_bytes.all.current as u64;
             let held = reserved(&a);
             drop((keep, big));
             (allocated, held)

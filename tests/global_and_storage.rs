@@ -53,7 +53,7 @@ fn global_child_uses_env() {
     s.fill_pattern(7).unwrap();
     assert_eq!(s.count_pattern_mismatches(7).unwrap(), 0);
     let stats = GLOBAL.get().unwrap().memory_stats(1).unwrap();
-    assert_eq!(stats.allocated_bytes[0].current, (3 * MIB) as i64);
+    assert_eq!(stats.allocated_bytes.all.current, (3 * MIB) as i64);
     assert_eq!(stats.max_split_size, (64 * MIB) as i64);
     assert!(GLOBAL
         .get()
@@ -204,12 +204,12 @@ fn clones_alias_and_distinct_storages_do_not() {
     assert_eq!(back, [1, 2, 3, 4]);
     drop(s);
     assert_eq!(
-        a.memory_stats(0).unwrap().allocation[0].current,
+        a.memory_stats(0).unwrap().allocation.all.current,
         2,
         "the alias keeps the data alive"
     );
     drop(alias);
-    assert_eq!(a.memory_stats(0).unwrap().allocation[0].current, 1);
+    assert_eq!(a.memory_stats(0).unwrap().allocation.all.current, 1);
 }
 
 #[test]

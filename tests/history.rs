@@ -15,11 +15,7 @@ fn allocator(conf: &str) -> CachingAllocator {
 }
 
 fn options(mode: HistoryMode, max_entries: usize, stacks: bool) -> HistoryOptions {
-    HistoryOptions {
-        mode,
-        max_entries,
-        stacks,
-    }
+    HistoryOptions::new(mode, max_entries).with_stacks(stacks)
 }
 
 fn actions(a: &CachingAllocator) -> Vec<TraceAction> {

@@ -33,10 +33,9 @@ fn serial() -> MutexGuard<'static, ()> {
 }
 
 fn limits(deadline: Duration) -> PageSocketLimits {
-    PageSocketLimits {
-        deadline,
-        ..PageSocketLimits::DEFAULT
-    }
+    let mut l = PageSocketLimits::DEFAULT;
+    l.deadline = deadline;
+    l
 }
 
 /// The line that gives a child `l`.
@@ -364,9 +363,10 @@ fn connections_past_the_limit_are_refused_at_once_and_others_still_served() {
     // Before: a fifth connection waited in the backlog behind four silent ones (5 s each) and was
     // then closed unanswered. Now it is refused at once as busy; another process is still served.
     let _serial = serial();
-    let l = PageSocketLimits {
-        max_connections_per_peer: 4,
-        ..limits(Duration::from_secs(60))
+    let l = {
+        let mut l = limits(Duration::from_secs(60));
+        l.max_connections_per_peer = 4;
+        l
     };
     l.set().unwrap();
     let a = producer(64);
@@ -482,10 +482,11 @@ fn peers_that_never_read_get_at_most_one_window_and_hold_nothing_after_the_free(
     // nothing without the secret; with it, one window (2 pages here) per connection, within the
     // unread budget (3 pages) over all — and none of it resident once the producer freed it.
     let _serial = serial();
-    let l = PageSocketLimits {
-        window_bytes: 2 * PAGE,
-        max_unread_bytes: 3 * PAGE,
-        ..limits(Duration::from_millis(300))
+    let l = {
+        let mut l = limits(Duration::from_millis(300));
+        l.window_bytes = 2 * PAGE;
+        l.max_unread_bytes = 3 * PAGE;
+        l
     };
     l.set().unwrap();
     let a = producer(256);
@@ -571,9 +572,10 @@ fn stopping_the_producer_does_not_wait_on_its_peers() {
     // Silent peers and a peer that never reads are connected when the producer's runtime goes:
     // every connection is closed (the peers see the end) and the socket is unlinked.
     let _serial = serial();
-    let l = PageSocketLimits {
-        window_bytes: PAGE,
-        ..limits(Duration::from_secs(60))
+    let l = {
+        let mut l = limits(Duration::from_secs(60));
+        l.window_bytes = PAGE;
+        l
     };
     l.set().unwrap();
     let a = producer(64);
@@ -613,15 +615,13 @@ fn hostile_pages_child() {
         .split(' ')
         .map(|w| w.parse().unwrap())
         .collect();
-    PageSocketLimits {
-        deadline: Duration::from_millis(v[0]),
-        max_connections: v[1] as u32,
-        max_connections_per_peer: v[2] as u32,
-        window_bytes: v[3],
-        max_unread_bytes: v[4],
-    }
-    .set()
-    .unwrap();
+    let mut l = PageSocketLimits::DEFAULT;
+    l.deadline = Duration::from_millis(v[0]);
+    l.max_connections = v[1] as u32;
+    l.max_connections_per_peer = v[2] as u32;
+    l.window_bytes = v[3];
+    l.max_unread_bytes = v[4];
+    l.set().unwrap();
     match role.as_str() {
         "open" => {
             let a = Arc::new(Runtime::new(child_test_driver(), Default::default()).unwrap());

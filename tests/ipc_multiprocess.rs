@@ -210,14 +210,14 @@ fn producer_drop_goes_to_limbo_and_consumer_release_drains_it() {
     drop(s); // the consumer still holds it
     assert_eq!(a.ipc_limbo().0, 1);
     assert_eq!(
-        a.memory_stats(0).unwrap().allocation[0].current,
+        a.memory_stats(0).unwrap().allocation.all.current,
         1,
         "limbo keeps the block allocated"
     );
     child.send("done");
     child.finish();
     assert!(a.ipc_collect());
-    assert_eq!(a.memory_stats(0).unwrap().allocation[0].current, 0);
+    assert_eq!(a.memory_stats(0).unwrap().allocation.all.current, 0);
     assert_no_leaks(a, &prefix);
 }
 
@@ -241,7 +241,7 @@ fn a_sigkilled_consumer_holding_100_storages_is_reclaimed() {
     let freed = a.ipc_collect_stats();
     assert_eq!(freed.storages, 100);
     assert_eq!(freed.from_dead_consumers, 100);
-    assert_eq!(a.memory_stats(0).unwrap().allocation[0].current, 0);
+    assert_eq!(a.memory_stats(0).unwrap().allocation.all.current, 0);
     assert_no_leaks(a, &prefix);
 }
 

@@ -574,11 +574,7 @@ impl Listing<'_> {
             match &imp.trait_ {
                 Some((neg, trait_path, _)) => {
                     let not = if neg.is_some() { "!" } else { "" };
-                    let name = trait_path
-                        .segments
-                        .last()
-                        .map(text)
-                        .unwrap_or_default();
+                    let name = trait_path.segments.last().map(text).unwrap_or_default();
                     let unsafety = if imp.unsafety.is_some() {
                         "unsafe "
                     } else {

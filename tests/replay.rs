@@ -82,7 +82,7 @@ fn sharing_memory_of_the_simulated_device_is_refused_and_leaves_the_storage_alon
         let c = s.lazy_clone().unwrap();
         drop(s);
         drop(c);
-        assert_eq!(rt.memory_stats(0).unwrap().allocated_bytes[0].current, 0);
+        assert_eq!(rt.memory_stats(0).unwrap().allocated_bytes.all.current, 0);
     }
 }
 
@@ -148,8 +148,8 @@ fn a_cudalloc_trace_replays_to_the_peaks_the_allocator_recorded() {
     assert_eq!(trace.unmatched_frees, 0);
     let r = replay::replay(&trace, &ReplayOptions::new("", 4 << 30), &mut no_progress).unwrap();
     // Rounded sizes in the trace round to themselves: the same blocks, the same peaks.
-    assert_eq!(r.peak_allocated as i64, stats.allocated_bytes[0].peak);
-    assert_eq!(r.peak_reserved as i64, stats.reserved_bytes[0].peak);
+    assert_eq!(r.peak_allocated as i64, stats.allocated_bytes.all.peak);
+    assert_eq!(r.peak_reserved as i64, stats.reserved_bytes.all.peak);
     assert!(r.first_oom.is_none());
 }
 
@@ -164,7 +164,7 @@ fn a_pytorch_snapshot_written_by_cudalloc_replays_to_the_same_peaks() {
     // The exact device-wide peak, read as the run goes (currents add up exactly across streams).
     let mut exact_peak = 0;
     let mut observe = |a: &CachingAllocator| {
-        exact_peak = exact_peak.max(a.memory_stats(0).unwrap().allocated_bytes[0].current);
+        exact_peak = exact_peak.max(a.memory_stats(0).unwrap().allocated_bytes.all.current);
     };
     for i in 0..300u64 {
         let on = if i % 2 == 0 {

@@ -12,7 +12,7 @@ fn stats_and_snapshots_serialize_with_pytorch_names() {
     a.record_history(true, 16);
     let block = a.allocate(0, 1 << 20).unwrap();
     let stats = serde_json::to_value(a.memory_stats(0).unwrap()).unwrap();
-    assert_eq!(stats["allocated_bytes"][0]["current"], 1 << 20);
+    assert_eq!(stats["allocated_bytes"]["all"]["current"], 1 << 20);
     let snapshot = serde_json::to_value(a.snapshot()).unwrap();
     let segment = &snapshot["segments"][0];
     assert_eq!(segment["segment_type"], "small");

@@ -114,12 +114,12 @@ fn a_new_allocator_never_reaches_a_dropped_allocators_shards() {
         let mine = next.allocate_on(stream, 4096).unwrap();
         let stats = next.memory_stats(0).unwrap();
         assert_eq!(
-            stats.allocation[0].current, 1,
+            stats.allocation.all.current, 1,
             "the new allocator's block was counted elsewhere"
         );
         assert_ne!(mine.ptr(), kept.ptr());
         drop(mine);
-        assert_eq!(next.memory_stats(0).unwrap().allocation[0].current, 0);
+        assert_eq!(next.memory_stats(0).unwrap().allocation.all.current, 0);
     }
     drop(kept);
     assert_eq!(used(&d), 0);
@@ -146,8 +146,8 @@ fn more_streams_than_the_thread_cache_holds_each_get_their_own_shard() {
         live.retain(|p| p.ptr().0 % 1024 != 0);
     }
     let stats = a.memory_stats(0).unwrap();
-    assert_eq!(stats.allocation[0].current, live.len() as i64);
+    assert_eq!(stats.allocation.all.current, live.len() as i64);
     a.check_invariants().unwrap();
     drop(live);
-    assert_eq!(a.memory_stats(0).unwrap().allocation[0].current, 0);
+    assert_eq!(a.memory_stats(0).unwrap().allocation.all.current, 0);
 }

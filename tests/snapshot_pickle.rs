@@ -68,11 +68,7 @@ fn busy_allocator(
     );
     let driver: Arc<dyn Driver> = host.clone();
     let a = CachingAllocator::new(driver, AllocatorConfig::parse(conf).unwrap()).unwrap();
-    a.record_memory_history(HistoryOptions {
-        mode: HistoryMode::All,
-        max_entries: 10_000,
-        stacks: true,
-    });
+    a.record_memory_history(HistoryOptions::new(HistoryMode::All, 10_000).with_stacks(true));
     let side = a.create_stream(0).unwrap();
     let mut held = Vec::new();
     for i in 0..12u64 {
@@ -160,6 +156,52 @@ fn running_out_of_memory_writes_the_snapshot_before_the_error_returns() {
         assert!(passed);
     }
     std::fs::remove_file(&file).unwrap();
+}
+
+/// PyTorch's `_dump_snapshot(path)` and its one-number helpers: a dump is the snapshot taken
+/// at that moment, in PyTorch's layout, and a link planted at the path is replaced, not followed.
+#[test]
+fn dump_snapshot_writes_the_snapshot_of_the_moment_to_the_path() {
+    let file = temp_file("dump.pickle");
+    let target = temp_file("dump-target");
+    std::fs::write(&target, b"keep").unwrap();
+    let _ = std::fs::remove_file(&file);
+    std::os::unix::fs::symlink(&target, &file).unwrap();
+    let a = checked_allocator(Arc::new(host_driver()), "");
+    let held = a.allocate(0, 3 << 20).unwrap();
+    a.allocator().dump_snapshot(&file).unwrap();
+    assert_eq!(
+        std::fs::read(&target).unwrap(),
+        b"keep",
+        "the planted link was followed"
+    );
+    let bytes = std::fs::read(&file).unwrap();
+    let v = serde_pickle::value_from_slice(&bytes, Default::default()).unwrap();
+    let segments = list(get(&v, "segments"));
+    assert_eq!(segments.len(), 1);
+    assert_eq!(get(&segments[0], "total_size"), &V::I64(20 << 20)); // PyTorch: 1-10 MiB get 20 MiB
+    if let Some(passed) = check("dump_snapshot", &file) {
+        assert!(passed);
+    }
+    // The helpers are the statistics' "all" figures.
+    let stats = a.memory_stats(0).unwrap();
+    assert_eq!(a.memory_allocated(0).unwrap(), 3 << 20);
+    assert_eq!(a.memory_reserved(0).unwrap(), 20 << 20);
+    drop(held);
+    assert_eq!(a.memory_allocated(0).unwrap(), 0);
+    assert_eq!(a.max_memory_allocated(0).unwrap(), 3 << 20);
+    assert_eq!(
+        a.max_memory_reserved(0).unwrap(),
+        stats.reserved_bytes.all.peak as u64
+    );
+    a.reset_peak_memory_stats(0).unwrap();
+    assert_eq!(a.max_memory_allocated(0).unwrap(), 0);
+    assert!(
+        a.memory_allocated(7).is_err(),
+        "a bad device is an error, not a zero"
+    );
+    std::fs::remove_file(&file).unwrap();
+    std::fs::remove_file(&target).unwrap();
 }
 
 #[test]

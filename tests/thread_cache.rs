@@ -73,11 +73,11 @@ fn a_freed_block_is_reused_by_its_thread_and_counted_as_freed() {
         Some(SnapshotBlockState::ActiveAllocated)
     );
     let s = a.memory_stats(0).unwrap();
-    assert_eq!(s.allocated_bytes[0].current, 0);
-    assert_eq!(s.allocation[0].current, 0);
-    assert_eq!(s.active_bytes[0].current, 0);
-    assert_eq!(s.requested_bytes[0].current, 0);
-    assert!(s.reserved_bytes[0].current > 0);
+    assert_eq!(s.allocated_bytes.all.current, 0);
+    assert_eq!(s.allocation.all.current, 0);
+    assert_eq!(s.active_bytes.all.current, 0);
+    assert_eq!(s.requested_bytes.all.current, 0);
+    assert!(s.reserved_bytes.all.current > 0);
     let again = a.allocate(0, 4000).unwrap(); // same rounded size
     assert_eq!(
         again.ptr(),
@@ -85,8 +85,8 @@ fn a_freed_block_is_reused_by_its_thread_and_counted_as_freed() {
         "the thread's own freed block was not reused"
     );
     let s = a.memory_stats(0).unwrap();
-    assert_eq!(s.allocated_bytes[0].current, 4096);
-    assert_eq!(s.allocation[0].current, 1);
+    assert_eq!(s.allocated_bytes.all.current, 4096);
+    assert_eq!(s.allocation.all.current, 1);
     // Another size goes to the shard.
     let other = a.allocate(0, 8192).unwrap();
     assert_ne!(other.ptr(), addr);
@@ -125,7 +125,7 @@ fn empty_cache_gives_back_what_threads_keep() {
     assert!(used(&d) > 0);
     a.empty_cache();
     assert_eq!(used(&d), 0, "empty_cache left blocks in a thread's cache");
-    assert_eq!(a.memory_stats(0).unwrap().reserved_bytes[0].current, 0);
+    assert_eq!(a.memory_stats(0).unwrap().reserved_bytes.all.current, 0);
 }
 
 #[test]
@@ -257,8 +257,8 @@ fn many_threads_on_one_stream_keep_the_shard_consistent() {
     }
     a.check_invariants().unwrap();
     let s = a.memory_stats(0).unwrap();
-    assert_eq!(s.allocation[0].current, 0);
-    assert_eq!(s.allocated_bytes[0].current, 0);
+    assert_eq!(s.allocation.all.current, 0);
+    assert_eq!(s.allocated_bytes.all.current, 0);
     let snapshot = a.snapshot();
     let busy = snapshot
         .segments

@@ -308,8 +308,8 @@ impl DeviceCore {
             requested,
             capacity: self.capacity,
             free,
-            allocated: stats.allocated_bytes[0].current as u64,
-            reserved: stats.reserved_bytes[0].current as u64,
+            allocated: stats.allocated_bytes.all.current as u64,
+            reserved: stats.reserved_bytes.all.current as u64,
             fraction: self.fraction(),
             cause,
         };

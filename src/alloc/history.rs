@@ -82,6 +82,7 @@ impl fmt::Display for TraceAction {
 /// One trace entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct TraceEntry {
     /// What happened.
     pub action: TraceAction,
@@ -145,6 +146,7 @@ pub enum HistoryMode {
 /// How [`CachingAllocator::record_memory_history`](super::CachingAllocator::record_memory_history)
 /// records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct HistoryOptions {
     /// What is recorded.
     pub mode: HistoryMode,
@@ -152,6 +154,23 @@ pub struct HistoryOptions {
     pub max_entries: usize,
     /// Capture the Rust stack of allocations (and, with `All`, of free requests).
     pub stacks: bool,
+}
+
+impl HistoryOptions {
+    /// Records `mode`, keeping the last `max_entries` entries, without stacks.
+    pub fn new(mode: HistoryMode, max_entries: usize) -> Self {
+        HistoryOptions {
+            mode,
+            max_entries,
+            stacks: false,
+        }
+    }
+
+    /// With the Rust stack of each allocation (and, with `All`, of each free request).
+    pub fn with_stacks(mut self, stacks: bool) -> Self {
+        self.stacks = stacks;
+        self
+    }
 }
 
 impl Default for HistoryOptions {

@@ -6,7 +6,7 @@
 use super::block::BlockState;
 use super::size::PoolKind;
 use super::state::ShardState;
-use super::stats::{DeviceStats, StatArray};
+use super::stats::{DeviceStats, PoolStats};
 
 fn pool_slot(pool: PoolKind) -> usize {
     match pool {
@@ -20,7 +20,7 @@ fn bump(counts: &mut [i64; 3], pool: PoolKind, n: u64) {
     counts[pool_slot(pool)] += n as i64;
 }
 
-fn compare(name: &str, stat: &StatArray, want: &[i64; 3]) -> Result<(), String> {
+fn compare(name: &str, stat: &PoolStats, want: &[i64; 3]) -> Result<(), String> {
     for (i, s) in stat.iter().enumerate() {
         if s.current != want[i] {
             return Err(format!(

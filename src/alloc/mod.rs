@@ -47,6 +47,7 @@ mod peaks;
 mod pool;
 #[cfg(feature = "pickle")]
 mod pytorch_pickle;
+mod reports;
 mod shard;
 pub mod size;
 mod snapshot;
@@ -56,8 +57,6 @@ mod stats;
 mod summary;
 mod thread;
 
-use std::collections::BTreeMap;
-
 pub use history::{trace_json_lines, HistoryMode, HistoryOptions, TraceAction, TraceEntry};
 pub use observers::{
     OutOfMemoryEvent, OutOfMemoryObserver, SegmentChange, SegmentEvent, SegmentObserver,
@@ -65,7 +64,7 @@ pub use observers::{
 pub use oom::{format_size, FreeMemoryCallback};
 pub use snapshot::{Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment};
 pub use stacks::Frame;
-pub use stats::{DeviceStats, Stat, StatArray, POOL_NAMES};
+pub use stats::{DeviceStats, PoolStats, Stat, POOL_NAMES};
 
 pub use data_ptr::DataPtr;
 pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
@@ -497,28 +496,6 @@ impl CachingAllocator {
         Ok(data)
     }
 
-    /// With `oom_snapshot_path` set: writes a snapshot in PyTorch's layout there (no shard lock is
-    /// held here; concurrent out-of-memory errors write one after the other) — into a fresh
-    /// temporary file renamed over the path, so nothing planted there is followed or opened
-    /// (`pytorch_pickle::write_snapshot_file`). A failure to write is logged, never hides the
-    /// out-of-memory error.
-    fn dump_snapshot_on_oom(&self) {
-        #[cfg(feature = "pickle")]
-        if let Some(path) = &self.config.oom_snapshot_path {
-            let _one_at_a_time = self.oom_dump.lock();
-            let written = self
-                .snapshot()
-                .to_pytorch_pickle(&self.config)
-                .and_then(|bytes| pytorch_pickle::write_snapshot_file(path, &bytes));
-            match written {
-                Ok(()) => tracing::warn!(path = %path, "out of memory: snapshot written"),
-                Err(err) => {
-                    tracing::warn!(%err, "out of memory: the snapshot could not be written")
-                }
-            }
-        }
-    }
-
     /// Marks `data` as used on `stream`: its free will wait for the work queued there so far.
     pub fn record_stream(&self, data: &DataPtr, stream: StreamId) -> Result<()> {
         data.record_stream(stream)
@@ -592,118 +569,9 @@ impl CachingAllocator {
         }
     }
 
-    /// Stats of `device`.
-    pub fn memory_stats(&self, device: usize) -> Result<DeviceStats> {
-        Ok(self.device(device)?.stats())
-    }
-
-    /// Stats of `device` with PyTorch's keys.
-    pub fn memory_stats_map(&self, device: usize) -> Result<BTreeMap<String, i64>> {
-        Ok(self.memory_stats(device)?.to_map())
-    }
-
-    /// Resets every `peak` of `device` to its current value.
-    pub fn reset_peak_memory_stats(&self, device: usize) -> Result<()> {
-        self.device(device)?.reset_stats(true);
-        Ok(())
-    }
-
-    /// Zeroes the accumulated counts of `device`.
-    pub fn reset_accumulated_memory_stats(&self, device: usize) -> Result<()> {
-        self.device(device)?.reset_stats(false);
-        Ok(())
-    }
-
-    /// The summary table of `device`.
-    pub fn memory_summary(&self, device: usize) -> Result<String> {
-        let stats = self.memory_stats(device)?;
-        Ok(summary::render(
-            device,
-            self.driver.backend().name(),
-            &stats,
-        ))
-    }
-
-    /// Turns the history on (every event, keeping the last `max_entries`, no stacks) or off.
-    /// [`CachingAllocator::record_memory_history`] chooses what is recorded.
-    pub fn record_history(&self, enabled: bool, max_entries: usize) {
-        self.record_memory_history(HistoryOptions {
-            mode: if enabled {
-                HistoryMode::All
-            } else {
-                HistoryMode::Off
-            },
-            max_entries,
-            stacks: false,
-        });
-    }
-
-    /// PyTorch's `_record_memory_history`: what the history records, how many entries it keeps,
-    /// and whether allocations carry their Rust stack (see `alloc/history.rs`). Turning it off
-    /// clears what was recorded.
-    pub fn record_memory_history(&self, options: HistoryOptions) {
-        if self.birth.ignored_in_child("recording the memory history") {
-            return;
-        }
-        if let Some(sanitizer) = self.driver.sanitizer() {
-            // Reports name the stacks of both accesses while the history records stacks.
-            sanitizer.set_stacks(
-                sanitizer.options().stacks || (options.stacks && options.mode != HistoryMode::Off),
-            );
-        }
-        self.trace.configure(options);
-    }
-
-    /// Every segment with its blocks, and the trace when history is on (empty in a forked child:
-    /// its parent's shards may be locked for good there).
-    pub fn snapshot(&self) -> Snapshot {
-        let mut segments = Vec::new();
-        if self.birth.ignored_in_child("taking a snapshot") {
-            return Snapshot {
-                segments,
-                trace: Vec::new(),
-                device_count: self.devices.len(),
-            };
-        }
-        for d in &self.devices {
-            d.snapshot_into(&mut segments);
-        }
-        segments.sort_by_key(|s| (s.device, s.address));
-        if let Some(first) = self.devices.first() {
-            let stream = self
-                .driver
-                .default_stream(first.device)
-                .unwrap_or(StreamId(0));
-            self.trace
-                .record(TraceAction::Snapshot, first.device, 0, 0, stream);
-        }
-        let (trace, live) = self.trace.entries_and_live_frames();
-        if !live.is_empty() {
-            for seg in &mut segments {
-                for block in &mut seg.blocks {
-                    if block.state != SnapshotBlockState::Inactive {
-                        if let Some(frames) = live.get(&(seg.device, block.addr)) {
-                            block.frames.clone_from(frames);
-                        }
-                    }
-                }
-            }
-        }
-        Snapshot {
-            segments,
-            trace,
-            device_count: self.devices.len(),
-        }
-    }
-
     /// Caps this process's reservations on `device` at `fraction` of its capacity.
     pub fn set_per_process_memory_fraction(&self, fraction: f64, device: usize) -> Result<()> {
         self.device(device)?.set_memory_fraction(fraction)
-    }
-
-    /// Bytes of segments held from the driver on `device`.
-    pub fn reserved_bytes(&self, device: usize) -> Result<u64> {
-        Ok(self.device(device)?.reserved_bytes())
     }
 
     /// Runs the invariant scanner over every shard.

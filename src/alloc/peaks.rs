@@ -369,9 +369,9 @@ impl CachingAllocator {
             // Front caches hide their blocks from the totals only when all are summed.
             let s = self.memory_stats(device)?;
             return Ok([
-                get(s.allocated_bytes[0].current),
-                get(s.reserved_bytes[0].current),
-                get(s.segment[0].current),
+                get(s.allocated_bytes.all.current),
+                get(s.reserved_bytes.all.current),
+                get(s.segment.all.current),
             ]);
         }
         let sums = self.device(device)?.current_totals();
@@ -442,9 +442,9 @@ mod tests {
                     check_in = 1 + (r >> 40) % 40;
                     let s = a.memory_stats(0).unwrap();
                     let full = [
-                        s.allocated_bytes[0].current,
-                        s.reserved_bytes[0].current,
-                        s.segment[0].current,
+                        s.allocated_bytes.all.current,
+                        s.reserved_bytes.all.current,
+                        s.segment.all.current,
                     ]
                     .map(|v| v as u64);
                     assert_eq!(now, full, "{conf:?}: operation {i}");
@@ -453,9 +453,9 @@ mod tests {
             let s = a.memory_stats(0).unwrap();
             assert!(s.num_device_free > 0, "{conf:?}: memory went back to the device");
             let peaks = [
-                s.allocated_bytes[0].peak,
-                s.reserved_bytes[0].peak,
-                s.segment[0].peak,
+                s.allocated_bytes.all.peak,
+                s.reserved_bytes.all.peak,
+                s.segment.all.peak,
             ]
             .map(|v| v as u64);
             assert_eq!(peaks, max, "{conf:?}");

@@ -173,24 +173,26 @@ const TEMPORARY_NAMES: u32 = 8;
 /// at the temporary name (`O_NOFOLLOW | O_NONBLOCK` only say so twice); the rename replaces a link
 /// at `path` itself, not its target; a reader of `path` sees the previous snapshot or this one,
 /// never part of one.
-pub(crate) fn write_snapshot_file(path: &str, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_snapshot_file(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
 
     use crate::sync::os::atomic::{AtomicU64, Ordering};
 
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    let failed = |what: &str, e: std::io::Error| Error::invalid(format!("{what} {path}: {e}"));
+    let failed =
+        |what: &str, e: std::io::Error| Error::invalid(format!("{what} {}: {e}", path.display()));
     let mut last = None;
     for _ in 0..TEMPORARY_NAMES {
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
-        let tmp = format!(
-            "{path}.tmp{}.{}.{stamp:08x}",
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(format!(
+            ".tmp{}.{}.{stamp:08x}",
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
-        );
+        ));
         let opened = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)

@@ -38,6 +38,7 @@ impl SnapshotBlockState {
 /// One block of a snapshot segment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct SnapshotBlock {
     /// Address.
     pub addr: u64,
@@ -54,6 +55,7 @@ pub struct SnapshotBlock {
 /// One segment of a snapshot.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct SnapshotSegment {
     /// Device ordinal.
     pub device: usize,
@@ -78,6 +80,7 @@ pub struct SnapshotSegment {
 /// A whole-allocator snapshot.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct Snapshot {
     /// Every segment of every device and stream, by device then address.
     pub segments: Vec<SnapshotSegment>,

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 /// One frame of a recorded stack (PyTorch's `{filename, line, name}`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct Frame {
     /// Source file ("??" when the binary has no debug information for it).
     pub filename: String,

@@ -17,6 +17,7 @@ use super::size::PoolKind;
 /// One statistic.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct Stat {
     /// Value now.
     pub current: i64,
@@ -92,64 +93,87 @@ impl PartialEq for Unread {
 
 impl Eq for Unread {}
 
-/// A [`Stat`] per pool: `[all, small_pool, large_pool]`.
-pub type StatArray = [Stat; 3];
+/// A [`Stat`] per pool, by PyTorch's pool names: `all`, `small_pool` (`small`) and `large_pool`
+/// (`large`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct PoolStats {
+    /// Both pools together (PyTorch's `all`).
+    pub all: Stat,
+    /// The small pool (blocks of at most 1 MiB; PyTorch's `small_pool`).
+    pub small: Stat,
+    /// The large pool (PyTorch's `large_pool`).
+    pub large: Stat,
+}
 
-/// PyTorch's pool names in [`StatArray`] order.
-pub const POOL_NAMES: [&str; 3] = ["all", "small_pool", "large_pool"];
+impl PoolStats {
+    /// `all`, `small`, `large`, in PyTorch's key order ([`POOL_NAMES`]).
+    pub fn iter(&self) -> impl Iterator<Item = &Stat> {
+        [&self.all, &self.small, &self.large].into_iter()
+    }
 
-fn pool_index(pool: PoolKind) -> usize {
-    match pool {
-        PoolKind::Small => 1,
-        PoolKind::Large => 2,
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = &mut Stat> {
+        [&mut self.all, &mut self.small, &mut self.large].into_iter()
+    }
+
+    fn pool_mut(&mut self, pool: PoolKind) -> &mut Stat {
+        match pool {
+            PoolKind::Small => &mut self.small,
+            PoolKind::Large => &mut self.large,
+        }
     }
 }
 
+/// PyTorch's pool names, in [`PoolStats::iter`] order.
+pub const POOL_NAMES: [&str; 3] = ["all", "small_pool", "large_pool"];
+
 /// Increases the `all` entry and the pool's entry; returns whether either went past its limit.
 #[inline]
-pub fn increase(array: &mut StatArray, pool: PoolKind, n: u64) -> bool {
+pub fn increase(array: &mut PoolStats, pool: PoolKind, n: u64) -> bool {
     let n = n as i64;
-    array[0].increase(n) | array[pool_index(pool)].increase(n)
+    array.all.increase(n) | array.pool_mut(pool).increase(n)
 }
 
 /// Decreases the `all` entry and the pool's entry.
 #[inline]
-pub fn decrease(array: &mut StatArray, pool: PoolKind, n: u64) {
+pub fn decrease(array: &mut PoolStats, pool: PoolKind, n: u64) {
     let n = n as i64;
-    array[0].decrease(n);
-    array[pool_index(pool)].decrease(n);
+    array.all.decrease(n);
+    array.pool_mut(pool).decrease(n);
 }
 
 /// Takes `n` off the `all` entry's and the pool's `current` only (a front cache's blocks, hidden
 /// from a device's totals; `alloc/front.rs`).
-pub(crate) fn hide(array: &mut StatArray, pool: PoolKind, n: u64) {
+pub(crate) fn hide(array: &mut PoolStats, pool: PoolKind, n: u64) {
     let n = n as i64;
-    array[0].current -= n;
-    array[pool_index(pool)].current -= n;
+    array.all.current -= n;
+    array.pool_mut(pool).current -= n;
 }
 
 /// All statistics of one device (or one shard).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct DeviceStats {
     /// Live allocations handed out.
-    pub allocation: StatArray,
+    pub allocation: PoolStats,
     /// Segments obtained from the driver.
-    pub segment: StatArray,
+    pub segment: PoolStats,
     /// Blocks in use or waiting for their stream events (active).
-    pub active: StatArray,
+    pub active: PoolStats,
     /// Free blocks that are part of a split segment.
-    pub inactive_split: StatArray,
+    pub inactive_split: PoolStats,
     /// Bytes of allocated blocks (rounded sizes).
-    pub allocated_bytes: StatArray,
+    pub allocated_bytes: PoolStats,
     /// Bytes of segments.
-    pub reserved_bytes: StatArray,
+    pub reserved_bytes: PoolStats,
     /// Bytes of active blocks.
-    pub active_bytes: StatArray,
+    pub active_bytes: PoolStats,
     /// Bytes of inactive split blocks.
-    pub inactive_split_bytes: StatArray,
+    pub inactive_split_bytes: PoolStats,
     /// Bytes requested by callers (before rounding).
-    pub requested_bytes: StatArray,
+    pub requested_bytes: PoolStats,
     /// Allocations of at least `max_split_size` bytes.
     pub oversize_allocations: Stat,
     /// Segments of at least `max_split_size` bytes.
@@ -172,7 +196,7 @@ pub struct DeviceStats {
 }
 
 impl DeviceStats {
-    fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
+    fn arrays_mut(&mut self) -> [&mut PoolStats; 9] {
         [
             &mut self.allocation,
             &mut self.segment,
@@ -186,7 +210,7 @@ impl DeviceStats {
         ]
     }
 
-    fn arrays(&self) -> [(&'static str, &StatArray); 9] {
+    fn arrays(&self) -> [(&'static str, &PoolStats); 9] {
         [
             ("allocation", &self.allocation),
             ("segment", &self.segment),
@@ -230,7 +254,7 @@ impl DeviceStats {
     /// Adds another shard's stats into these (counters too).
     pub fn accumulate(&mut self, other: &DeviceStats) {
         for (mine, (_, theirs)) in self.arrays_mut().into_iter().zip(other.arrays()) {
-            for (m, t) in mine.iter_mut().zip(theirs) {
+            for (m, t) in mine.iter_mut().zip(theirs.iter()) {
                 m.add(t);
             }
         }
@@ -276,7 +300,7 @@ impl DeviceStats {
             map.insert(format!("{prefix}.freed"), stat.freed);
         };
         for (name, array) in self.arrays() {
-            for (pool, stat) in POOL_NAMES.iter().zip(array) {
+            for (pool, stat) in POOL_NAMES.iter().zip(array.iter()) {
                 put_stat(format!("{name}.{pool}"), stat);
             }
         }
@@ -323,9 +347,9 @@ mod tests {
     #[test]
     fn peak_stat_indices_name_their_statistics() {
         let mut d = DeviceStats::default();
-        d.segment[0].current = 1;
-        d.allocated_bytes[0].current = 2;
-        d.reserved_bytes[0].current = 3;
+        d.segment.all.current = 1;
+        d.allocated_bytes.all.current = 2;
+        d.reserved_bytes.all.current = 3;
         let mut seen = [0i64; PEAK_STATS];
         d.for_each_peak_stat(|k, s| seen[k] = s.current);
         assert_eq!(seen[SEGMENT_ALL], 1);

@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use super::stats::{DeviceStats, Stat, StatArray};
+use super::stats::{DeviceStats, PoolStats, Stat};
 
 const WIDTH: usize = 75;
 
@@ -30,10 +30,10 @@ fn row(out: &mut String, label: &str, stat: &Stat, fmt: &dyn Fn(i64) -> String) 
     );
 }
 
-fn section(out: &mut String, label: &str, array: &StatArray, fmt: &dyn Fn(i64) -> String) {
-    row(out, label, &array[0], fmt);
-    row(out, "      from large pool", &array[2], fmt);
-    row(out, "      from small pool", &array[1], fmt);
+fn section(out: &mut String, label: &str, array: &PoolStats, fmt: &dyn Fn(i64) -> String) {
+    row(out, label, &array.all, fmt);
+    row(out, "      from large pool", &array.large, fmt);
+    row(out, "      from small pool", &array.small, fmt);
     let _ = writeln!(out, "|{}|", "-".repeat(WIDTH));
 }
 

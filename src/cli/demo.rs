@@ -323,15 +323,15 @@ fn run_on(opts: &DemoOptions, a: &Arc<Runtime>, start: Instant) -> Result<String
         ));
     }
     let stats = a.memory_stats(0).map_err(|e| e.to_string())?;
-    if stats.allocation[0].current != 0 {
+    if stats.allocation.all.current != 0 {
         return Err(format!(
             "{} allocations leaked",
-            stats.allocation[0].current
+            stats.allocation.all.current
         ));
     }
     println!("{}", a.memory_summary(0).map_err(|e| e.to_string())?);
-    let active = stats.active_bytes[0].current;
-    if active > stats.allocated_bytes[0].current {
+    let active = stats.active_bytes.all.current;
+    if active > stats.allocated_bytes.all.current {
         println!(
             "(Active {} > Allocated: blocks already freed whose reuse still waits for work other \
              streams had queued on them — record_stream's events — count as active until then.)",

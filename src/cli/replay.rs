@@ -125,10 +125,7 @@ pub fn run(args: &ReplayArgs) -> cudalloc::Result<String> {
         } else {
             conf.clone()
         });
-        let options = ReplayOptions {
-            conf: conf.clone(),
-            capacity: args.capacity,
-        };
+        let options = ReplayOptions::new(conf.clone(), args.capacity);
         let report =
             replay::replay(&trace, &options, &mut |done| bar.set_position(done)).map_err(|e| {
                 match e {

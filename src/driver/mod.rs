@@ -166,11 +166,19 @@ impl fmt::Display for Backend {
 
 /// Free and total bytes of a device, as `cuMemGetInfo` reports them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MemInfo {
     /// Bytes the driver could still hand out.
     pub free: u64,
     /// The device's capacity.
     pub total: u64,
+}
+
+impl MemInfo {
+    /// `free` of `total` bytes (what a driver of one's own reports).
+    pub fn new(free: u64, total: u64) -> Self {
+        MemInfo { free, total }
+    }
 }
 
 /// How an event is created.
@@ -525,6 +533,7 @@ impl BackendChoice {
 
 /// The driver a [`BackendChoice`] opened.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct SelectedBackend {
     /// The driver.
     pub driver: crate::sync::os::Arc<dyn Driver>,

@@ -77,6 +77,7 @@ const NAME_AT: usize = SECRET_AT + PAGE_SECRET_SIZE;
 /// peers pin is bounded by `max_unread_bytes` in all, `max_connections_per_peer × window_bytes`
 /// per peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PageSocketLimits {
     /// How long the other side may take for its next step (see the table).
     pub deadline: Duration,

@@ -70,6 +70,7 @@ struct Files {
 
 /// What one drain or collect freed.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Drained {
     /// Storages freed.
     pub storages: u64,

@@ -25,6 +25,7 @@ const MAX_SAMPLES: usize = 4000;
 
 /// One configuration to replay under.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ReplayOptions {
     /// Allocator settings in `PYTORCH_CUDA_ALLOC_CONF`'s grammar ("" for PyTorch's defaults).
     pub conf: String,
@@ -44,6 +45,7 @@ impl ReplayOptions {
 
 /// Allocated and reserved bytes after operation `op`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Sample {
     /// Index of the operation (0-based) after which this was read.
     pub op: u64,
@@ -55,6 +57,7 @@ pub struct Sample {
 
 /// The first allocation that did not fit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OomAt {
     /// Index of the operation.
     pub op: u64,

@@ -1,0 +1,192 @@
+//! What the allocator reports, PyTorch's names for it: the statistics of a device (and the
+//! `memory_allocated` family of one-number helpers), their resets, the summary table, the
+//! memory history and snapshots — taken, or written in PyTorch's pickled layout (`dump_snapshot`,
+//! and on out-of-memory with `oom_snapshot_path`).
+
+use std::collections::BTreeMap;
+
+use super::history::TraceAction;
+use super::snapshot::SnapshotBlockState;
+use super::{summary, CachingAllocator, DeviceStats, HistoryMode, HistoryOptions, Snapshot};
+use crate::driver::StreamId;
+use crate::error::Result;
+
+impl CachingAllocator {
+    /// Bytes allocated on `device` now (PyTorch's `memory_allocated`: rounded block sizes, all
+    /// pools).
+    pub fn memory_allocated(&self, device: usize) -> Result<u64> {
+        Ok(non_negative(
+            self.memory_stats(device)?.allocated_bytes.all.current,
+        ))
+    }
+
+    /// The most bytes allocated on `device` since the last peak reset
+    /// (`max_memory_allocated`).
+    pub fn max_memory_allocated(&self, device: usize) -> Result<u64> {
+        Ok(non_negative(
+            self.memory_stats(device)?.allocated_bytes.all.peak,
+        ))
+    }
+
+    /// Bytes of segments held from the driver on `device` now (`memory_reserved`).
+    pub fn memory_reserved(&self, device: usize) -> Result<u64> {
+        Ok(non_negative(
+            self.memory_stats(device)?.reserved_bytes.all.current,
+        ))
+    }
+
+    /// The most bytes held from the driver on `device` since the last peak reset
+    /// (`max_memory_reserved`).
+    pub fn max_memory_reserved(&self, device: usize) -> Result<u64> {
+        Ok(non_negative(
+            self.memory_stats(device)?.reserved_bytes.all.peak,
+        ))
+    }
+
+    /// Stats of `device`.
+    pub fn memory_stats(&self, device: usize) -> Result<DeviceStats> {
+        Ok(self.device(device)?.stats())
+    }
+
+    /// Stats of `device` with PyTorch's keys.
+    pub fn memory_stats_map(&self, device: usize) -> Result<BTreeMap<String, i64>> {
+        Ok(self.memory_stats(device)?.to_map())
+    }
+
+    /// Resets every `peak` of `device` to its current value.
+    pub fn reset_peak_memory_stats(&self, device: usize) -> Result<()> {
+        self.device(device)?.reset_stats(true);
+        Ok(())
+    }
+
+    /// Zeroes the accumulated counts of `device`.
+    pub fn reset_accumulated_memory_stats(&self, device: usize) -> Result<()> {
+        self.device(device)?.reset_stats(false);
+        Ok(())
+    }
+
+    /// The summary table of `device`.
+    pub fn memory_summary(&self, device: usize) -> Result<String> {
+        let stats = self.memory_stats(device)?;
+        Ok(summary::render(
+            device,
+            self.driver.backend().name(),
+            &stats,
+        ))
+    }
+
+    /// Turns the history on (every event, keeping the last `max_entries`, no stacks) or off.
+    /// [`CachingAllocator::record_memory_history`] chooses what is recorded.
+    pub fn record_history(&self, enabled: bool, max_entries: usize) {
+        self.record_memory_history(HistoryOptions {
+            mode: if enabled {
+                HistoryMode::All
+            } else {
+                HistoryMode::Off
+            },
+            max_entries,
+            stacks: false,
+        });
+    }
+
+    /// PyTorch's `_record_memory_history`: what the history records, how many entries it keeps,
+    /// and whether allocations carry their Rust stack (see `alloc/history.rs`). Turning it off
+    /// clears what was recorded.
+    pub fn record_memory_history(&self, options: HistoryOptions) {
+        if self.birth.ignored_in_child("recording the memory history") {
+            return;
+        }
+        if let Some(sanitizer) = self.driver.sanitizer() {
+            // Reports name the stacks of both accesses while the history records stacks.
+            sanitizer.set_stacks(
+                sanitizer.options().stacks || (options.stacks && options.mode != HistoryMode::Off),
+            );
+        }
+        self.trace.configure(options);
+    }
+
+    /// Every segment with its blocks, and the trace when history is on (empty in a forked child:
+    /// its parent's shards may be locked for good there).
+    pub fn snapshot(&self) -> Snapshot {
+        let mut segments = Vec::new();
+        if self.birth.ignored_in_child("taking a snapshot") {
+            return Snapshot {
+                segments,
+                trace: Vec::new(),
+                device_count: self.devices.len(),
+            };
+        }
+        for d in &self.devices {
+            d.snapshot_into(&mut segments);
+        }
+        segments.sort_by_key(|s| (s.device, s.address));
+        if let Some(first) = self.devices.first() {
+            let stream = self
+                .driver
+                .default_stream(first.device)
+                .unwrap_or(StreamId(0));
+            self.trace
+                .record(TraceAction::Snapshot, first.device, 0, 0, stream);
+        }
+        let (trace, live) = self.trace.entries_and_live_frames();
+        if !live.is_empty() {
+            for seg in &mut segments {
+                for block in &mut seg.blocks {
+                    if block.state != SnapshotBlockState::Inactive {
+                        if let Some(frames) = live.get(&(seg.device, block.addr)) {
+                            block.frames.clone_from(frames);
+                        }
+                    }
+                }
+            }
+        }
+        Snapshot {
+            segments,
+            trace,
+            device_count: self.devices.len(),
+        }
+    }
+
+    /// Bytes of segments held from the driver on `device`.
+    pub fn reserved_bytes(&self, device: usize) -> Result<u64> {
+        Ok(self.device(device)?.reserved_bytes())
+    }
+
+    /// PyTorch's `torch.cuda.memory._dump_snapshot(path)`: takes a [`Snapshot`] and writes it to
+    /// `path` in PyTorch's pickled layout (what `python -m torch.cuda._memory_viz` and
+    /// pytorch.org/memory_viz read) — through a fresh temporary file renamed over `path`, so
+    /// nothing planted there is followed or opened.
+    #[cfg(feature = "pickle")]
+    pub fn dump_snapshot(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let bytes = self.snapshot().to_pytorch_pickle(&self.config)?;
+        super::pytorch_pickle::write_snapshot_file(path.as_ref(), &bytes)
+    }
+
+    /// With `oom_snapshot_path` set: writes a snapshot in PyTorch's layout there (no shard lock is
+    /// held here; concurrent out-of-memory errors write one after the other) — into a fresh
+    /// temporary file renamed over the path, so nothing planted there is followed or opened
+    /// (`pytorch_pickle::write_snapshot_file`). A failure to write is logged, never hides the
+    /// out-of-memory error.
+    pub(super) fn dump_snapshot_on_oom(&self) {
+        #[cfg(feature = "pickle")]
+        if let Some(path) = &self.config.oom_snapshot_path {
+            let _one_at_a_time = self.oom_dump.lock();
+            let written = self
+                .snapshot()
+                .to_pytorch_pickle(&self.config)
+                .and_then(|bytes| {
+                    super::pytorch_pickle::write_snapshot_file(path.as_ref(), &bytes)
+                });
+            match written {
+                Ok(()) => tracing::warn!(path = %path, "out of memory: snapshot written"),
+                Err(err) => {
+                    tracing::warn!(%err, "out of memory: the snapshot could not be written")
+                }
+            }
+        }
+    }
+}
+
+fn non_negative(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
