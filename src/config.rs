@@ -17,6 +17,8 @@
 //! | `ipc_handle_ttl_s` | seconds > 0 (cudalloc's own key): an IPC handle not opened within this time is refused by consumers and its count reclaimed by `ipc_collect()` | off |
 //! | `oom_snapshot_path` | a file (cudalloc's own key; feature `pickle`): when an allocation runs out of memory, a snapshot in PyTorch's pickled layout is written there before the error returns (with history on, it holds the trace), through a fresh temporary file beside it renamed over the path: a symlink or FIFO planted there is replaced, never followed or opened. No commas or whitespace in the path | off |
 //! | `thread_cache_mb` | integer ≥ 0 (MiB; cudalloc's own key): each thread keeps up to this many bytes (and 32 blocks) of the blocks it freed, per stream, and hands them back to its own allocations of the same size without the stream's lock — two threads on one stream then scale; **changes PyTorch's reuse order** (see `alloc/front.rs`) | 0 (off: PyTorch's exact order) |
+//! | `max_non_split_rounding_mb` | integer ≥ 0 (MiB): an oversize request takes a cached oversize block only if the block is less than this much larger | 20 |
+//! | `backend` | `native` (PyTorch's `cudaMallocAsync` is refused: cudalloc is the native caching allocator) | `native` |
 //! | `pinned_use_cuda_host_register`, `pinned_num_register_threads`, `pinned_use_background_threads` | PyTorch's pinned host-memory keys: validated, then ignored (cudalloc has no pinned host allocator) | — |
 
 use crate::error::{Error, Result};
@@ -69,6 +71,10 @@ pub struct AllocatorConfig {
     /// Bytes of its own freed blocks a thread may keep per stream for reuse without the stream's
     /// lock (0: off, PyTorch's exact reuse order; `alloc/front.rs`).
     pub thread_cache: u64,
+    /// An oversize request (at least `max_split_size`) may take a cached oversize block only if
+    /// the block is less than this many bytes larger (PyTorch's `max_non_split_rounding_mb`;
+    /// 20 MiB).
+    pub max_non_split_rounding: u64,
 }
 
 impl Default for AllocatorConfig {
@@ -84,6 +90,7 @@ impl Default for AllocatorConfig {
             default_stream: DefaultStream::Legacy,
             oom_snapshot_path: None,
             thread_cache: 0,
+            max_non_split_rounding: 20 * MIB,
         }
     }
 }
@@ -322,6 +329,27 @@ impl AllocatorConfig {
                         })?;
                     config.thread_cache = mb * MIB;
                 }
+                "max_non_split_rounding_mb" => {
+                    let mb: u64 = value
+                        .parse()
+                        .ok()
+                        .filter(|&mb| mb <= MAX_THREAD_CACHE_MB)
+                        .ok_or_else(|| {
+                            bad(key, value, &format!("an integer number of MiB ≤ {MAX_THREAD_CACHE_MB}"))
+                        })?;
+                    config.max_non_split_rounding = mb * MIB;
+                }
+                "backend" => match value {
+                    "native" => {}
+                    "cudaMallocAsync" => {
+                        return Err(Error::Config(
+                            "backend:cudaMallocAsync is not available: cudalloc is the native caching \
+                             allocator (backend:native)"
+                                .into(),
+                        ))
+                    }
+                    _ => return Err(bad(key, value, "native (cudaMallocAsync is not available)")),
+                },
                 "pinned_use_cuda_host_register" | "pinned_use_background_threads" => {
                     parse_bool(key, value)?;
                 }
@@ -332,7 +360,8 @@ impl AllocatorConfig {
                     return Err(Error::Config(format!(
                         "unknown key {key:?}; valid keys: max_split_size_mb, garbage_collection_threshold, \
                          roundup_power2_divisions, expandable_segments, release_lock_on_cudamalloc, \
-                         per_process_memory_fraction, ipc_handle_ttl_s, default_stream, oom_snapshot_path, thread_cache_mb, pinned_use_cuda_host_register, \
+                         per_process_memory_fraction, ipc_handle_ttl_s, default_stream, oom_snapshot_path, thread_cache_mb, \
+                         max_non_split_rounding_mb, backend, pinned_use_cuda_host_register, \
                          pinned_num_register_threads, pinned_use_background_threads"
                     )))
                 }
@@ -413,6 +442,9 @@ mod tests {
             ),
             ("max_split_size_mb:2", "max_split_size_mb"),
             ("default_stream:null", "default_stream"),
+            ("backend:cudaMallocAsync", "backend"),
+            ("backend:magic", "backend"),
+            ("max_non_split_rounding_mb:-1", "max_non_split_rounding_mb"),
             ("max_split_size_mb:-1", "max_split_size_mb"),
             (
                 "release_lock_on_cudamalloc:none",
@@ -462,6 +494,9 @@ mod tests {
         assert_eq!(c.max_split_size, 40 * MIB);
         assert_eq!(c.garbage_collection_threshold, 0.5);
         assert!(c.release_lock_on_cudamalloc);
+        let keys = AllocatorConfig::parse("backend:native,max_non_split_rounding_mb:100").unwrap();
+        assert_eq!(keys.max_non_split_rounding, 100 * MIB);
+        assert_eq!(AllocatorConfig::default().max_non_split_rounding, 20 * MIB);
         assert_eq!(
             AllocatorConfig::parse("").unwrap(),
             AllocatorConfig::default()

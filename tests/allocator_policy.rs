@@ -147,6 +147,28 @@ fn oversize_blocks_are_not_split_nor_given_to_small_requests() {
     drop((small, y));
 }
 
+/// PyTorch's `max_non_split_rounding_mb`: how much larger an oversize cached block may be than
+/// the oversize request it serves (20 MiB unless set).
+#[test]
+fn max_non_split_rounding_sets_how_much_an_oversize_block_may_waste() {
+    if !whole_segment_policy("max_non_split_rounding_sets_how_much_an_oversize_block_may_waste") {
+        return;
+    }
+    for (conf, reused) in [
+        ("max_split_size_mb:21", false),
+        ("max_split_size_mb:21,max_non_split_rounding_mb:40", true),
+    ] {
+        let d = test_driver();
+        let a = checked_allocator(d, conf);
+        let x = a.allocate(0, 60 * MIB).unwrap();
+        let x_addr = x.ptr();
+        drop(x);
+        // 60 MiB for a 25 MiB request wastes 35 MiB: past 20 MiB, within 40 MiB.
+        let y = a.allocate(0, 25 * MIB).unwrap();
+        assert_eq!(y.ptr() == x_addr, reused, "{conf}");
+    }
+}
+
 #[test]
 fn oversize_cached_blocks_are_released_before_giving_up() {
     if !whole_segment_policy("oversize_cached_blocks_are_released_before_giving_up") {

@@ -130,8 +130,9 @@ pub fn fits_oversize_rules(block_size: u64, rounded: u64, config: &AllocatorConf
     if rounded < max_split && block_size >= max_split {
         return false;
     }
-    // ...and an oversize request takes an oversize block only if it wastes less than 20 MiB.
-    !(rounded >= max_split && block_size >= rounded.saturating_add(LARGE_BUFFER))
+    // ...and an oversize request takes an oversize block only if it wastes less than
+    // `max_non_split_rounding` (20 MiB unless set).
+    !(rounded >= max_split && block_size >= rounded.saturating_add(config.max_non_split_rounding))
 }
 
 #[cfg(test)]

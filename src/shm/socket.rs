@@ -216,13 +216,17 @@ impl PeerCredentials {
     }
 }
 
-/// The credentials of the process at the other end of `stream`.
+/// The credentials of the process at the other end of `stream`. Its pid is 0 when the peer runs
+/// in a pid namespace this process cannot see into (read through nix, whose pid is a plain
+/// `pid_t`: rustix's `UCred` cannot hold 0 and turned such a peer into an error, so every consumer
+/// in another pid namespace was refused its pages; `CUDALLOC_TEST_EXPANDABLE=1 cargo test --test
+/// pid_namespaces`).
 pub(crate) fn peer_credentials(stream: &UnixStream) -> Result<PeerCredentials> {
-    let cred = net::sockopt::socket_peercred(stream)
+    let cred = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials)
         .map_err(|e| Error::host_os("getsockopt(SO_PEERCRED)", std::io::Error::from(e)))?;
     Ok(PeerCredentials {
-        pid: u32::try_from(cred.pid.as_raw_nonzero().get()).unwrap_or(0),
-        uid: cred.uid.as_raw(),
+        pid: u32::try_from(cred.pid()).unwrap_or(0),
+        uid: cred.uid(),
     })
 }
 
@@ -364,12 +368,16 @@ fn recv_message(
     // Take ownership of whatever arrived first, so every error path below closes it (the
     // buffer's own drop closes anything left in it too).
     let mut fds = Vec::new();
+    let mut malformed = false;
     for message in control.drain() {
-        if let RecvAncillaryMessage::ScmRights(arrived) = message {
-            fds.extend(arrived);
+        match message {
+            RecvAncillaryMessage::ScmRights(arrived) => fds.extend(arrived),
+            // Nothing else was asked for (no SO_PASSCRED, SO_PASSSEC or SO_PASSPIDFD, so the
+            // kernel sends no other kind): whatever else arrives makes the message malformed.
+            _ => malformed = true,
         }
     }
-    if got.flags.contains(ReturnFlags::CTRUNC) || fds.len() > max_fds {
+    if got.flags.contains(ReturnFlags::CTRUNC) || malformed || fds.len() > max_fds {
         return Err(RecvFailure::Malformed(Error::bad_handle(format!(
             "a descriptor message was truncated or malformed ({} descriptor(s) arrived, at most \
              {max_fds} expected); all closed",
