@@ -76,7 +76,7 @@ fn stress(conf: &str) {
                 barrier.wait();
                 for i in 0..OPS {
                     let r = pattern::word(t as u64, i);
-                    if mine.len() < 48 && (r % 3 != 0 || mine.is_empty()) {
+                    if mine.len() < 48 && (!r.is_multiple_of(3) || mine.is_empty()) {
                         let size = match r >> 60 {
                             0 => 1 + (r >> 8) % (4 << 20),
                             1..=4 => 1 + (r >> 8) % (1 << 20),

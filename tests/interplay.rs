@@ -566,7 +566,7 @@ impl World {
         }
         // Every live producer storage still holds its bytes (checked every few operations: the
         // verify kernel reads every byte).
-        if self.ops % 4 == 0 {
+        if self.ops.is_multiple_of(4) {
             let ids: Vec<u64> = self.live.keys().copied().collect();
             for id in ids {
                 self.check(id)?;
@@ -756,7 +756,7 @@ fn main() {
                     s.fill_pattern(i).unwrap();
                     assert_eq!(s.count_pattern_mismatches(i).unwrap(), 0, "churn storage");
                 }
-                if i % 64 == 0 {
+                if i.is_multiple_of(64) {
                     a.empty_cache();
                 }
             }

@@ -75,7 +75,7 @@ fn a_million_random_and_mutated_inputs_never_panic() {
             // Truncated or extended.
             _ => {
                 let mut b = base.clone();
-                if next() % 2 == 0 {
+                if next().is_multiple_of(2) {
                     b.truncate((next() % WIRE_SIZE as u64) as usize);
                 } else {
                     b.extend((0..1 + next() % 8).map(|_| next() as u8));
@@ -104,7 +104,13 @@ fn structured_handles_with_bad_fields_are_rejected() {
         match next() % 6 {
             0 => h.offset = next(),
             1 => h.nbytes = next(),
-            2 => h.producer_pid = if next() % 2 == 0 { 0 } else { u32::MAX },
+            2 => {
+                h.producer_pid = if next().is_multiple_of(2) {
+                    0
+                } else {
+                    u32::MAX
+                }
+            }
             3 => {
                 h.ref_file = [
                     "../x-ref1",

@@ -670,7 +670,10 @@ fn the_public_api_is_the_checked_in_listing() {
         return;
     }
     let checked_in = std::fs::read_to_string(&file).unwrap_or_default();
-    let old: BTreeSet<&str> = checked_in.lines().filter(|l| !l.starts_with('#')).collect();
+    let old: BTreeSet<&str> = checked_in
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
     let new: BTreeSet<&str> = lines.iter().map(String::as_str).collect();
     let added: Vec<&&str> = new.difference(&old).collect();
     let removed: Vec<&&str> = old.difference(&new).collect();

@@ -240,7 +240,7 @@ fn many_threads_on_one_stream_keep_the_shard_consistent() {
                     x ^= x << 13;
                     x ^= x >> 7;
                     x ^= x << 17;
-                    if x % 3 == 0 && !live.is_empty() {
+                    if x.is_multiple_of(3) && !live.is_empty() {
                         live.swap_remove((x as usize / 3) % live.len());
                     } else {
                         live.push(a.allocate(0, 512 << (x % 6)).unwrap());

@@ -112,7 +112,7 @@ impl SimDriver {
     }
 
     fn check_granular(what: &str, size: u64) -> Result<()> {
-        if size == 0 || size % GRANULARITY != 0 {
+        if size == 0 || !size.is_multiple_of(GRANULARITY) {
             return Err(Error::invalid(format!(
                 "{what} of {size} bytes: a positive multiple of the granularity ({GRANULARITY} bytes)"
             )));

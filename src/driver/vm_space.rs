@@ -94,7 +94,7 @@ impl<C> VmSpace<C> {
     /// reservation, over nothing mapped or being unmapped); returns the reservation's device.
     pub(crate) fn check_map(&self, addr: u64, chunk_len: u64, granularity: u64) -> Result<usize> {
         let (base, r) = self.holding(addr, chunk_len)?;
-        if (addr - base) % granularity != 0 || chunk_len % granularity != 0 {
+        if !(addr - base).is_multiple_of(granularity) || !chunk_len.is_multiple_of(granularity) {
             return Err(Error::invalid(format!(
                 "mapping {chunk_len} bytes at {}: offset and size must be multiples of the \
                  granularity ({granularity} bytes)",

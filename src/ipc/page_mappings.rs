@@ -207,7 +207,7 @@ fn fetch_and_map(
     device: usize,
 ) -> Result<DeviceAddr> {
     let granularity = driver.vm_granularity(device)?;
-    if granularity == 0 || pages.page % granularity != 0 {
+    if granularity == 0 || !pages.page.is_multiple_of(granularity) {
         return Err(Error::bad_handle(format!(
             "the producer's pages of {} bytes are not a multiple of this device's granularity \
              ({granularity} bytes)",

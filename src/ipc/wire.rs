@@ -158,7 +158,7 @@ impl WirePages {
                 pages.page
             )));
         }
-        if pages.first % pages.page != 0 || pages.first == 0 {
+        if !pages.first.is_multiple_of(pages.page) || pages.first == 0 {
             return Err(bad(format!(
                 "first page {:#x} is not a page address",
                 pages.first

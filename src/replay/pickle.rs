@@ -545,7 +545,7 @@ impl Machine<'_> {
 
     /// Pushes a new container of `kind` holding `items`.
     fn container(&mut self, kind: Kind, items: Vec<Id>) -> Result<()> {
-        if kind == Kind::Dict && items.len() % 2 != 0 {
+        if kind == Kind::Dict && !items.len().is_multiple_of(2) {
             return Err(pickle(format!(
                 "byte {}: a dict of an odd number of items",
                 self.pos
@@ -577,7 +577,7 @@ impl Machine<'_> {
                 )))
             }
         };
-        if kind == Kind::Dict && items.len() % 2 != 0 {
+        if kind == Kind::Dict && !items.len().is_multiple_of(2) {
             return Err(pickle(format!("byte {}: a key without a value", self.pos)));
         }
         let depth = self.depth_with(self.containers[c].depth, items)?;

@@ -79,7 +79,7 @@ impl Slot {
             self.start.load(Ordering::SeqCst),
             self.len.load(Ordering::SeqCst),
         );
-        let stable = before % 2 == 0 && self.seq.load(Ordering::SeqCst) == before;
+        let stable = before.is_multiple_of(2) && self.seq.load(Ordering::SeqCst) == before;
         (stable && start != 0 && len != 0).then_some((start, len))
     }
 }

@@ -300,7 +300,7 @@ impl Chunk {
     /// ([`super::is_no_space`]), never a fault on first touch; no descriptor for a new arena is
     /// [`is_out_of_descriptors`].
     pub(crate) fn create(len: u64) -> Result<Self> {
-        if len == 0 || len % 4096 != 0 {
+        if len == 0 || !len.is_multiple_of(4096) {
             return Err(Error::invalid(format!(
                 "a chunk of {len} bytes: a positive multiple of 4096 (chunks are mapped at their \
                  offsets in an arena)"
@@ -350,7 +350,7 @@ impl Chunk {
         }
         let (dev, ino, size) = Arena::identity(&fd)?;
         let fits = offset.checked_add(len).is_some_and(|end| end <= size);
-        if !fits || len == 0 || offset % 4096 != 0 {
+        if !fits || len == 0 || !offset.is_multiple_of(4096) {
             return Err(Error::bad_handle(format!(
                 "the chunk descriptor holds {size} bytes; the handle names {len} bytes at offset \
                  {offset}"

@@ -120,7 +120,7 @@ fn locate<T>(storage: &Storage, base: u64, range: &Range<usize>) -> Result<(u64,
         )));
     }
     let addr = base + start * size;
-    if addr % std::mem::align_of::<T>() as u64 != 0 {
+    if !addr.is_multiple_of(std::mem::align_of::<T>() as u64) {
         return Err(Error::invalid(format!(
             "view at {addr:#x} is not aligned for {}",
             std::any::type_name::<T>()

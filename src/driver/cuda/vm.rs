@@ -86,7 +86,7 @@ impl CudaDriver {
 
     fn check_granular(&self, device: usize, what: &str, size: u64) -> Result<u64> {
         let g = self.granularity(device)?;
-        if size == 0 || g == 0 || size % g != 0 {
+        if size == 0 || g == 0 || !size.is_multiple_of(g) {
             return Err(Error::invalid(format!(
                 "{what} of {size} bytes: a positive multiple of the granularity ({g} bytes)"
             )));

@@ -25,7 +25,7 @@ use crate::sync::os::Arc;
 pub(crate) const GRANULARITY: u64 = 2 << 20;
 
 fn check_granular(what: &str, size: u64) -> Result<()> {
-    if size == 0 || size % GRANULARITY != 0 {
+    if size == 0 || !size.is_multiple_of(GRANULARITY) {
         return Err(Error::invalid(format!(
             "{what} of {size} bytes: a positive multiple of the granularity ({GRANULARITY} bytes)"
         )));
@@ -193,7 +193,7 @@ impl HostDriver {
     ) -> Result<ChunkId> {
         self.check_device(device)?;
         check_granular("an imported chunk", size)?;
-        if exported.offset % GRANULARITY != 0 {
+        if !exported.offset.is_multiple_of(GRANULARITY) {
             return Err(Error::bad_handle(format!(
                 "an imported chunk at offset {} is not aligned to the granularity ({GRANULARITY} bytes)",
                 exported.offset
