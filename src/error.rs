@@ -18,6 +18,8 @@
 
 use std::fmt;
 
+use crate::sync::os::Arc;
+
 /// What went wrong, coarsely: what a caller can do about it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -42,6 +44,8 @@ pub enum ErrorKind {
     /// A wait on another process's interprocess event failed (see [`ForeignEventFailure`]): the
     /// memory it guards is not ready; the waiting stream stays usable for other work.
     ForeignEvent,
+    /// A host kernel of the caller's failed with its own error ([`Error::Kernel`]).
+    Kernel,
 }
 
 /// Why a wait on another process's interprocess event failed ([`Error::ForeignEvent`]).
@@ -106,6 +110,17 @@ pub enum Error {
         call: &'static str,
         /// What the driver or operating system said.
         message: String,
+        /// The operating system's error, when one caused this ([`std::error::Error::source`]).
+        #[source]
+        source: Option<Cause>,
+    },
+    /// A host kernel of the caller's ([`HostDriver::enqueue_host`](crate::HostDriver::enqueue_host))
+    /// failed with an error of its own, kept as the [`source`](std::error::Error::source).
+    /// Sticky on the stream, like a CUDA error.
+    #[error("host kernel failed: {source}")]
+    Kernel {
+        /// The kernel's own error.
+        source: Cause,
     },
     /// The stream sanitizer found two accesses that stream order does not order (a race, or a use
     /// after free); the message names both. Sticky on the stream, like a CUDA error.
@@ -142,6 +157,7 @@ impl Error {
             Error::StreamRace(_) => ErrorKind::StreamRace,
             Error::ForkedChild(_) => ErrorKind::ForkedChild,
             Error::ForeignEvent { .. } => ErrorKind::ForeignEvent,
+            Error::Kernel { .. } => ErrorKind::Kernel,
         }
     }
 
@@ -161,15 +177,89 @@ impl Error {
         Error::InvalidIpcHandle(message.to_string())
     }
 
-    /// A host-backend failure of an operating-system call.
-    pub(crate) fn host_os(call: &'static str, err: impl fmt::Display) -> Self {
+    /// A host-backend failure of an operating-system call: an `io::Error` (or errno) is kept as
+    /// the error's source, a message is only text.
+    pub(crate) fn host_os(call: &'static str, err: impl Into<OsCause>) -> Self {
+        let (message, source) = match err.into() {
+            OsCause::Io(io) => (io.to_string(), Some(Cause::new(io))),
+            OsCause::Text(text) => (text, None),
+        };
         Error::Driver {
             backend: "host",
             call,
-            message: err.to_string(),
+            message,
+            source,
+        }
+    }
+
+    /// The error of a host kernel of the caller's: `kernel(my_error)` keeps `my_error` as the
+    /// [`source`](std::error::Error::source) of an [`ErrorKind::Kernel`] error (its message shows
+    /// in this error's).
+    pub fn kernel(err: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Error::Kernel {
+            source: Cause::new(err),
         }
     }
 }
+
+/// The error that caused an [`Error`]: the operating system's, a host kernel's own, or an
+/// earlier error of a failed stream. It shows as the error it holds, and its
+/// [`source`](std::error::Error::source) *is* that error — so a caller walking the chain can
+/// `downcast_ref` to its own type.
+#[derive(Clone)]
+pub struct Cause(Arc<dyn std::error::Error + Send + Sync>);
+
+impl Cause {
+    /// Wraps `err`.
+    pub fn new(err: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Cause(Arc::new(err))
+    }
+}
+
+impl fmt::Debug for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for Cause {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+/// What an operating-system call's failure carries: the `io::Error` itself, or a message.
+#[derive(Debug)]
+pub(crate) enum OsCause {
+    Io(std::io::Error),
+    Text(String),
+}
+
+impl From<std::io::Error> for OsCause {
+    fn from(err: std::io::Error) -> Self {
+        OsCause::Io(err)
+    }
+}
+
+impl From<String> for OsCause {
+    fn from(text: String) -> Self {
+        OsCause::Text(text)
+    }
+}
+
+impl From<&str> for OsCause {
+    fn from(text: &str) -> Self {
+        OsCause::Text(text.to_owned())
+    }
+}
+
+impl Error {}
 
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -191,5 +281,18 @@ mod tests {
         assert!(!Error::NoCudaDriver("absent".into()).is_retryable());
         assert!(Error::host_os("open", "EIO").is_retryable());
         assert_eq!(Error::Config("x".into()).kind(), ErrorKind::Config);
+    }
+
+    #[test]
+    fn an_os_error_is_kept_as_the_source_and_text_is_not_one() {
+        use std::error::Error as _;
+        let io = std::io::Error::from_raw_os_error(28);
+        let err = Error::host_os("fallocate", io);
+        let cause = err.source().expect("the io::Error is the source");
+        let io = cause
+            .source()
+            .and_then(|e| e.downcast_ref::<std::io::Error>());
+        assert_eq!(io.and_then(std::io::Error::raw_os_error), Some(28));
+        assert!(Error::host_os("stream", "text only").source().is_none());
     }
 }

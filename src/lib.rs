@@ -57,7 +57,7 @@ pub use driver::{
     OpenedSegment, SanitizeOptions, SanitizedDriver, Sanitizer, SelectedBackend, SimDriver,
     StreamId, IPC_HANDLE_SIZE,
 };
-pub use error::{Error, ErrorKind, ForeignEventFailure, Result};
+pub use error::{Cause, Error, ErrorKind, ForeignEventFailure, Result};
 pub use global::{Global, GLOBAL};
 pub use ipc::{
     Drained, IpcHandle, PageSocketLimits, WireHandle, WirePages, DEFAULT_EVENT_BUDGET,

@@ -253,3 +253,49 @@ fn storage_clone_data_is_stream_ordered() {
         "cross-device clone"
     );
 }
+
+/// A host kernel's own error type survives (issue 22): `Error::kernel(e)` keeps `e` as the
+/// source, the failed stream's later errors keep the kernel's error as theirs, and a caller can
+/// walk the chain down to its own type — before, the error was flattened into a string.
+#[test]
+fn a_host_kernels_own_error_is_the_source_of_what_its_stream_reports() {
+    #[derive(Debug)]
+    struct BadShape(usize);
+    impl std::fmt::Display for BadShape {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "bad shape: {} dimensions", self.0)
+        }
+    }
+    impl std::error::Error for BadShape {}
+
+    let driver = Arc::new(host_driver());
+    let rt = Arc::new(Runtime::new(driver.clone(), cudalloc::AllocatorConfig::default()).unwrap());
+    let stream = rt.create_stream(0).unwrap();
+    let s = Storage::new_on(&rt, stream, 4096).unwrap();
+    let ptr = s.mutable_data_ptr_on(stream).unwrap();
+    driver
+        .enqueue_host(
+            stream,
+            [cudalloc::HostRange::write(ptr, 4096)],
+            |_: &mut cudalloc::HostMemory<1>| Err(cudalloc::Error::kernel(BadShape(7))),
+        )
+        .unwrap();
+    let err = cudalloc::Driver::stream_synchronize(&*driver, stream).unwrap_err();
+    assert!(err.to_string().contains("bad shape: 7 dimensions"), "{err}");
+    let mut chain = Vec::new();
+    let mut at: Option<&(dyn std::error::Error + 'static)> = Some(&err);
+    while let Some(e) = at {
+        chain.push(e.to_string());
+        if let Some(shape) = e.downcast_ref::<BadShape>() {
+            assert_eq!(shape.0, 7);
+            break;
+        }
+        at = e.source();
+    }
+    assert!(
+        at.is_some(),
+        "the kernel's own error is not in the chain: {chain:?}"
+    );
+    assert!(chain.len() >= 2, "{chain:?}");
+    drop(s);
+}

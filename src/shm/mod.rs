@@ -143,6 +143,7 @@ fn reserve(file: &File, name: &str, len: u64) -> Result<()> {
     match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, len) {
         Ok(()) => Ok(()),
         Err(rustix::io::Errno::NOSPC) => Err(Error::Driver {
+            source: None,
             backend: "host",
             call: NO_SPACE_CALL,
             message: format!(
@@ -300,6 +301,7 @@ impl SharedMemory {
         match from {
             None => Ok(()),
             Some(from) => Err(Error::Driver {
+                source: None,
                 backend: "host",
                 call: TRUNCATED_CALL,
                 message: format!(

@@ -196,6 +196,7 @@ impl Arena {
             Ok(fd) => fd,
             Err(err @ (Errno::MFILE | Errno::NFILE)) => {
                 return Err(Error::Driver {
+                    source: None,
                     backend: "host",
                     call: NO_DESCRIPTORS_CALL,
                     message: format!(
@@ -250,6 +251,7 @@ impl Arena {
         match rustix::fs::fallocate(&self.fd, FallocateFlags::empty(), offset, len) {
             Ok(()) => Ok(()),
             Err(Errno::NOSPC | Errno::NOMEM) => Err(Error::Driver {
+                source: None,
                 backend: "host",
                 call: super::NO_SPACE_CALL,
                 message: format!("no memory to back a chunk of {len} bytes"),

@@ -42,6 +42,7 @@ impl FaultyDriver {
 
 fn injected(call: &'static str) -> Error {
     Error::Driver {
+        source: None,
         backend: "host",
         call,
         message: "failure injected by the test".into(),

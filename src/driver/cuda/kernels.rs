@@ -45,6 +45,7 @@ pub fn compile_all() -> Result<CompiledKernels> {
             ..Default::default()
         };
         let compiled = nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| Error::Driver {
+            source: None,
             backend: "cuda",
             call: "nvrtcCompileProgram",
             message: format!("{name}: {e}"),
@@ -61,6 +62,7 @@ pub(crate) fn compiled() -> Result<&'static CompiledKernels> {
         .get_or_init(|| compile_all().map_err(|e| e.to_string()))
         .as_ref()
         .map_err(|message| Error::Driver {
+            source: None,
             backend: "cuda",
             call: "nvrtc",
             message: message.clone(),

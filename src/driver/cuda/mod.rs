@@ -93,6 +93,7 @@ fn check(call: &'static str, rc: CUresult) -> Result<()> {
         format!("{rc:?}")
     };
     Err(Error::Driver {
+        source: None,
         backend: "cuda",
         call,
         message: format!("{message} ({rc:?})"),
@@ -311,6 +312,7 @@ impl CudaDriver {
             .as_ref()
             .copied()
             .map_err(|message| Error::Driver {
+                source: None,
                 backend: "cuda",
                 call: "load kernels",
                 message: message.clone(),
@@ -348,6 +350,7 @@ impl CudaDriver {
         }
         let get = |name: &str| {
             functions.get(name).copied().ok_or_else(|| Error::Driver {
+                source: None,
                 backend: "cuda",
                 call: "cuModuleGetFunction",
                 message: format!("kernel {name} not found in kernels/*.cu"),

@@ -221,6 +221,7 @@ impl CudaDriver {
         })?;
         if fd < 0 {
             return Err(Error::Driver {
+                source: None,
                 backend: "cuda",
                 call: "cuMemExportToShareableHandle",
                 message: format!("returned descriptor {fd}"),

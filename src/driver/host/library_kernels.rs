@@ -142,7 +142,7 @@ impl HostDriver {
                     lens,
                     writable,
                 };
-                kernel(&mut memory).map_err(|e| format!("a library host kernel failed: {e}"))
+                kernel(&mut memory)
             })
             .map(|_| ())
         };

@@ -228,7 +228,7 @@ impl HostDriver {
         &self,
         stream: StreamId,
         ranges: [(DeviceAddr, u64); N],
-        op: impl FnOnce([usize; N]) -> std::result::Result<(), String> + Send + 'static,
+        op: impl FnOnce([usize; N]) -> Result<()> + Send + 'static,
     ) -> Result<u64> {
         let s = self.stream(stream)?;
         let view = self.segments.view();

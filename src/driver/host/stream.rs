@@ -55,7 +55,7 @@ pub(crate) type Op = Box<dyn FnOnce() + Send + 'static>;
 
 /// Device work that can fail (a library host kernel returning an error): its error fails the
 /// stream, like CUDA's sticky errors.
-pub(crate) type FallibleOp = Box<dyn FnOnce() -> std::result::Result<(), String> + Send + 'static>;
+pub(crate) type FallibleOp = Box<dyn FnOnce() -> Result<()> + Send + 'static>;
 
 /// A wait on another process's event: its error is a fault (see the [module docs](self)).
 pub(crate) type ForeignWaitOp = Box<dyn FnOnce() -> Result<()> + Send + 'static>;
@@ -85,7 +85,9 @@ struct Queue {
     completed: u64,
     waiters: u32,
     shutdown: bool,
-    failure: Option<String>,
+    /// What failed the stream: its text, and the error itself when work returned one (the
+    /// source of every later error of the stream).
+    failure: Option<(String, Option<Error>)>,
     faults: VecDeque<Fault>,
 }
 
@@ -151,7 +153,7 @@ enum Outcome {
     /// Device work inside a fault: not run.
     Skipped,
     /// Device work that returned an error (sticky).
-    Failed(String),
+    Failed(Error),
     /// A panic (a bug; sticky).
     Panicked(String),
     /// A failed foreign wait: a fault.
@@ -230,13 +232,13 @@ impl HostStream {
             q.completed += 1;
             match outcome {
                 Outcome::Done | Outcome::Skipped => {}
-                Outcome::Failed(what) => {
-                    tracing::warn!(stream = self.id, %what, "host stream operation failed; stream failed");
-                    q.failure.get_or_insert(what);
+                Outcome::Failed(error) => {
+                    tracing::warn!(stream = self.id, %error, "host stream operation failed; stream failed");
+                    q.failure.get_or_insert((error.to_string(), Some(error)));
                 }
                 Outcome::Panicked(what) => {
                     tracing::error!(stream = self.id, %what, "host stream operation panicked; stream failed");
-                    q.failure.get_or_insert(what);
+                    q.failure.get_or_insert((what, None));
                 }
                 Outcome::Fault(error) => {
                     let last = q.submitted;
@@ -264,8 +266,9 @@ impl HostStream {
     }
 
     fn check_usable(&self, q: &Queue) -> Result<()> {
-        if let Some(failure) = &q.failure {
+        if let Some((failure, error)) = &q.failure {
             return Err(Error::Driver {
+                source: error.clone().map(crate::error::Cause::new),
                 backend: "host",
                 call: "stream",
                 message: format!("stream {} failed earlier: {failure}", self.id),
