@@ -102,6 +102,9 @@ impl CachingAllocator {
                 sanitizer.options().stacks || (options.stacks && options.mode != HistoryMode::Off),
             );
         }
+        if options.stacks {
+            super::stacks::available();
+        }
         self.trace.configure(options);
     }
 

@@ -19,16 +19,35 @@ pub struct Frame {
 }
 
 /// The most frames kept per stack.
+#[cfg(feature = "stacks")]
 const MAX_FRAMES: usize = 48;
 
-/// The return addresses of the current thread's stack, innermost first.
+/// The return addresses of the current thread's stack, innermost first (none without the
+/// `stacks` feature).
 pub(crate) fn capture() -> Vec<usize> {
-    let mut ips = Vec::with_capacity(MAX_FRAMES);
-    backtrace::trace(|frame| {
-        ips.push(frame.ip() as usize);
-        ips.len() < MAX_FRAMES
+    #[cfg(feature = "stacks")]
+    {
+        let mut ips = Vec::with_capacity(MAX_FRAMES);
+        backtrace::trace(|frame| {
+            ips.push(frame.ip() as usize);
+            ips.len() < MAX_FRAMES
+        });
+        ips
+    }
+    #[cfg(not(feature = "stacks"))]
+    Vec::new()
+}
+
+/// Whether stacks can be recorded: false without the `stacks` feature, said once in the log.
+pub(crate) fn available() -> bool {
+    if cfg!(feature = "stacks") {
+        return true;
+    }
+    static SAID: crate::sync::os::OnceLock<()> = crate::sync::os::OnceLock::new();
+    SAID.get_or_init(|| {
+        tracing::warn!("Rust stacks were asked for, but cudalloc was built without its `stacks` feature: none are recorded");
     });
-    ips
+    false
 }
 
 /// Symbolizes stacks, each address once.
@@ -61,6 +80,7 @@ impl Symbolizer {
 
 fn resolve(addr: usize) -> Vec<Frame> {
     let mut frames = Vec::new();
+    #[cfg(feature = "stacks")]
     backtrace::resolve(addr as *mut std::ffi::c_void, |symbol| {
         frames.push(Frame {
             filename: symbol

@@ -6,7 +6,7 @@ use std::fmt;
 /// A Rust stack captured when an access was enqueued (sanitizer stacks on), symbolized only when
 /// a report names it.
 #[derive(Clone)]
-pub(crate) struct Stack(backtrace::Backtrace);
+pub(crate) struct Stack(#[cfg(feature = "stacks")] backtrace::Backtrace);
 
 impl fmt::Debug for Stack {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -17,10 +17,20 @@ impl fmt::Debug for Stack {
 impl Stack {
     /// The current thread's stack, unresolved.
     pub fn capture() -> Self {
-        Stack(backtrace::Backtrace::new_unresolved())
+        Stack(
+            #[cfg(feature = "stacks")]
+            backtrace::Backtrace::new_unresolved(),
+        )
+    }
+
+    /// Without the `stacks` feature: a line saying why there is no stack.
+    #[cfg(not(feature = "stacks"))]
+    pub(crate) fn render_now(&self) -> String {
+        "      (no stack: cudalloc was built without its `stacks` feature)".to_owned()
     }
 
     /// The frames from the caller's entry into cudalloc outwards, one `name (file:line)` a line.
+    #[cfg(feature = "stacks")]
     pub(crate) fn render_now(&self) -> String {
         let mut trace = self.0.clone();
         trace.resolve();
