@@ -79,7 +79,7 @@ enum Command {
         /// Capacity of each simulated device (e.g. 80GiB).
         #[arg(long, default_value = "80GiB")]
         capacity: String,
-        /// Where to write the plot (default: <trace name>.replay.svg here).
+        /// Where to write the plot (none unless given).
         #[arg(long)]
         svg: Option<PathBuf>,
     },

@@ -157,6 +157,24 @@ fn a_consumer_that_fails_to_start_or_connect_is_a_clear_error_and_cleans_up() {
     std::fs::remove_file(&script).unwrap();
 }
 
+/// Without `--svg` the command writes nothing (before, a plot landed in whatever folder it ran
+/// in, named after the trace).
+#[test]
+fn replay_without_svg_writes_nothing_where_it_runs() {
+    let trace =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tiny_trace.jsonl");
+    let here = std::env::temp_dir().join(format!("cudalloc-replay-cwd-{}", std::process::id()));
+    std::fs::create_dir_all(&here).unwrap();
+    let stdout = succeed(cudalloc().current_dir(&here).arg("replay").arg(&trace));
+    assert!(stdout.contains("plot: none"), "{stdout}");
+    let left: Vec<_> = std::fs::read_dir(&here).unwrap().collect();
+    assert!(
+        left.is_empty(),
+        "the replay wrote {left:?} into its working folder"
+    );
+    std::fs::remove_dir(&here).unwrap();
+}
+
 #[test]
 fn replay_prints_a_row_per_configuration_and_writes_the_plot() {
     // The real ResNet-50 trace when the shared folder is there, else a small trace of ours.

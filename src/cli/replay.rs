@@ -4,7 +4,7 @@
 //! (`cudalloc::replay::limits`): a hostile file is a one-line error, never a crash or a hang.
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use cudalloc::format_size;
 use cudalloc::replay::{self, ReplayOptions, ReplayReport, Trace};
@@ -19,20 +19,9 @@ pub struct ReplayArgs {
     pub confs: Vec<String>,
     /// Capacity of the simulated device(s).
     pub capacity: u64,
-    /// Where the plot goes (`None`: beside the trace's name in the current directory).
+    /// Where the plot goes (`None`: no plot; nothing is written where the command was not told
+    /// to write).
     pub svg: Option<PathBuf>,
-}
-
-fn default_svg(file: &Path) -> PathBuf {
-    let stem = file
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "trace".into());
-    let stem = stem
-        .trim_end_matches(".gz")
-        .trim_end_matches(".json")
-        .trim_end_matches(".pickle");
-    PathBuf::from(format!("{stem}.replay.svg"))
 }
 
 /// The table of `reports` (one row per configuration).
@@ -139,7 +128,10 @@ pub fn run(args: &ReplayArgs) -> cudalloc::Result<String> {
         reports.push(report);
     }
     let mut out = table(&trace, &reports, args.capacity);
-    let svg_path = args.svg.clone().unwrap_or_else(|| default_svg(&args.file));
+    let Some(svg_path) = &args.svg else {
+        let _ = write!(out, "plot: none (--svg PATH writes one)");
+        return Ok(out);
+    };
     let title = format!(
         "{} — allocated and reserved",
         args.file
@@ -148,7 +140,7 @@ pub fn run(args: &ReplayArgs) -> cudalloc::Result<String> {
             .unwrap_or_default()
     );
     let svg = replay::plot_svg(&reports, &title)?;
-    std::fs::write(&svg_path, svg).map_err(|e| {
+    std::fs::write(svg_path, svg).map_err(|e| {
         cudalloc::Error::InvalidArgument(format!("cannot write {}: {e}", svg_path.display()))
     })?;
     let _ = write!(out, "plot: {}", svg_path.display());
