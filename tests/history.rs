@@ -149,3 +149,34 @@ fn stacks_name_the_caller_in_entries_and_live_blocks() {
         .all(|e| e.frames.is_empty()));
     drop(live);
 }
+
+#[inline(never)]
+fn storage_here(rt: &Arc<cudalloc::Runtime>) -> cudalloc::Storage {
+    let s = cudalloc::Storage::new(rt, 0, 4096).unwrap();
+    std::hint::black_box(&s);
+    s
+}
+
+/// A recorded stack starts at the caller's frame, whichever door the allocation came through:
+/// a `Storage` made through the `Runtime` carried the storage's, the runtime's and the
+/// allocator's frames (and std's closures between them) on top before.
+#[test]
+fn stacks_start_at_the_caller_through_every_door() {
+    let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 64 << 20).unwrap());
+    let rt = Arc::new(cudalloc::Runtime::new(driver, AllocatorConfig::default()).unwrap());
+    rt.record_memory_history(options(HistoryMode::All, 100, true));
+    let s = storage_here(&rt);
+    let snap = rt.snapshot();
+    let alloc = snap
+        .trace
+        .iter()
+        .find(|e| e.action == TraceAction::Alloc)
+        .unwrap();
+    let first = &alloc.frames[0].name;
+    assert!(
+        first.contains("storage_here"),
+        "the stack starts at {first}, not at the caller: {:#?}",
+        &alloc.frames[..alloc.frames.len().min(16)]
+    );
+    drop(s);
+}

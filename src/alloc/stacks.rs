@@ -1,7 +1,7 @@
 //! Rust stacks for the memory history: captured as return addresses (an unwind, no symbol lookup),
 //! symbolized later — when a snapshot is taken — with a cache so each address is looked up once.
-//! Frames of the capture itself and of the allocator's internals (`cudalloc::alloc::…`) are left
-//! out: a stack starts at the caller's entry into cudalloc.
+//! Frames of the capture itself, of cudalloc and of the standard library are left out until the
+//! first of the caller's: a stack starts at the call into cudalloc, through any door.
 
 use std::collections::HashMap;
 
@@ -56,10 +56,14 @@ pub(crate) struct Symbolizer {
     cache: HashMap<usize, Vec<Frame>>,
 }
 
+/// Whether a frame is the capture's, cudalloc's or the standard library's: the frames a stack
+/// leaves out until the first one of the caller's (whichever door — `Storage`, `Runtime`,
+/// `CachingAllocator` — the call came through, and std's closures between them).
 fn internal(name: &str) -> bool {
-    name.starts_with("backtrace::")
-        || name.starts_with("cudalloc::alloc::")
-        || name.starts_with("<cudalloc::alloc::")
+    let name = name.trim_start_matches('<');
+    ["backtrace::", "cudalloc::", "core::", "std::", "alloc::"]
+        .iter()
+        .any(|prefix| name.starts_with(prefix))
 }
 
 impl Symbolizer {
