@@ -99,6 +99,22 @@ fn bad(key: &str, value: &str, valid: &str) -> Error {
     Error::Config(format!("{key}:{value} is invalid; expected {valid}"))
 }
 
+/// A whole number of MiB up to [`MAX_THREAD_CACHE_MB`] (1 TiB: more is a typo), in bytes.
+fn parse_mib(key: &str, value: &str) -> Result<u64> {
+    value
+        .parse::<u64>()
+        .ok()
+        .filter(|&mb| mb <= MAX_THREAD_CACHE_MB)
+        .map(|mb| mb * MIB)
+        .ok_or_else(|| {
+            bad(
+                key,
+                value,
+                &format!("an integer number of MiB ≤ {MAX_THREAD_CACHE_MB}"),
+            )
+        })
+}
+
 fn parse_bool(key: &str, value: &str) -> Result<bool> {
     match value {
         "True" | "true" => Ok(true),
@@ -319,26 +335,8 @@ impl AllocatorConfig {
                     }
                     config.oom_snapshot_path = Some(value.to_owned());
                 }
-                "thread_cache_mb" => {
-                    let mb: u64 = value
-                        .parse()
-                        .ok()
-                        .filter(|&mb| mb <= MAX_THREAD_CACHE_MB)
-                        .ok_or_else(|| {
-                            bad(key, value, &format!("an integer number of MiB ≤ {MAX_THREAD_CACHE_MB}"))
-                        })?;
-                    config.thread_cache = mb * MIB;
-                }
-                "max_non_split_rounding_mb" => {
-                    let mb: u64 = value
-                        .parse()
-                        .ok()
-                        .filter(|&mb| mb <= MAX_THREAD_CACHE_MB)
-                        .ok_or_else(|| {
-                            bad(key, value, &format!("an integer number of MiB ≤ {MAX_THREAD_CACHE_MB}"))
-                        })?;
-                    config.max_non_split_rounding = mb * MIB;
-                }
+                "thread_cache_mb" => config.thread_cache = parse_mib(key, value)?,
+                "max_non_split_rounding_mb" => config.max_non_split_rounding = parse_mib(key, value)?,
                 "backend" => match value {
                     "native" => {}
                     "cudaMallocAsync" => {

@@ -15,32 +15,30 @@ impl CachingAllocator {
     /// Bytes allocated on `device` now (PyTorch's `memory_allocated`: rounded block sizes, all
     /// pools).
     pub fn memory_allocated(&self, device: usize) -> Result<u64> {
-        Ok(non_negative(
-            self.memory_stats(device)?.allocated_bytes.all.current,
-        ))
+        self.all_pools(device, |s| s.allocated_bytes.all.current)
     }
 
     /// The most bytes allocated on `device` since the last peak reset
     /// (`max_memory_allocated`).
     pub fn max_memory_allocated(&self, device: usize) -> Result<u64> {
-        Ok(non_negative(
-            self.memory_stats(device)?.allocated_bytes.all.peak,
-        ))
+        self.all_pools(device, |s| s.allocated_bytes.all.peak)
     }
 
-    /// Bytes of segments held from the driver on `device` now (`memory_reserved`).
+    /// Bytes of segments held from the driver on `device` now (`memory_reserved`; the device's
+    /// reserved counter, [`Self::reserved_bytes`], without summing the shards).
     pub fn memory_reserved(&self, device: usize) -> Result<u64> {
-        Ok(non_negative(
-            self.memory_stats(device)?.reserved_bytes.all.current,
-        ))
+        self.reserved_bytes(device)
     }
 
     /// The most bytes held from the driver on `device` since the last peak reset
     /// (`max_memory_reserved`).
     pub fn max_memory_reserved(&self, device: usize) -> Result<u64> {
-        Ok(non_negative(
-            self.memory_stats(device)?.reserved_bytes.all.peak,
-        ))
+        self.all_pools(device, |s| s.reserved_bytes.all.peak)
+    }
+
+    /// One figure of `device`'s statistics, as bytes (a negative figure, impossible, reads 0).
+    fn all_pools(&self, device: usize, figure: impl FnOnce(&DeviceStats) -> i64) -> Result<u64> {
+        Ok(u64::try_from(figure(&self.memory_stats(device)?)).unwrap_or(0))
     }
 
     /// Stats of `device`.
@@ -188,8 +186,4 @@ impl CachingAllocator {
             }
         }
     }
-}
-
-fn non_negative(value: i64) -> u64 {
-    u64::try_from(value).unwrap_or(0)
 }
