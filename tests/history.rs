@@ -150,6 +150,47 @@ fn stacks_name_the_caller_in_entries_and_live_blocks() {
     drop(live);
 }
 
+/// PyTorch's `enabled="state"`: no events at all, yet live blocks carry the stack of their
+/// allocation (stacks are captured whatever `stacks` says), and a freed block's stack is gone.
+#[test]
+fn state_mode_records_no_events_but_live_blocks_carry_their_stacks() {
+    let a = allocator("");
+    a.record_memory_history(options(HistoryMode::All, 100, false));
+    drop(a.allocate(0, 4096).unwrap());
+    assert!(!actions(&a).is_empty());
+    // Switching to `State` drops the events recorded so far.
+    a.record_memory_history(options(HistoryMode::State, 100, false));
+    let live = allocate_here(&a, 4096);
+    drop(allocate_here(&a, 8192));
+    let oom = a.allocate(0, 1 << 40);
+    assert!(oom.is_err());
+    let snap = a.snapshot();
+    assert!(snap.trace.is_empty(), "state records no events: {:?}", snap.trace);
+    let blocks: Vec<_> = snap.segments.iter().flat_map(|s| &s.blocks).collect();
+    let block = blocks.iter().find(|b| b.addr == live.ptr().0).unwrap();
+    assert_eq!(block.state, SnapshotBlockState::ActiveAllocated);
+    if cfg!(feature = "stacks") {
+        assert!(
+            block.frames.iter().any(|f| f.name.contains("allocate_here")),
+            "{:#?}",
+            block.frames
+        );
+    }
+    assert!(blocks
+        .iter()
+        .filter(|b| b.state == SnapshotBlockState::Inactive)
+        .all(|b| b.frames.is_empty()));
+    // Off forgets the live stacks too.
+    a.record_memory_history(options(HistoryMode::Off, 100, false));
+    let snap = a.snapshot();
+    assert!(snap
+        .segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .all(|b| b.frames.is_empty()));
+    drop(live);
+}
+
 #[inline(never)]
 fn storage_here(rt: &Arc<cudalloc::Runtime>) -> cudalloc::Storage {
     let s = cudalloc::Storage::new(rt, 0, 4096).unwrap();

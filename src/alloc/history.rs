@@ -5,11 +5,14 @@
 //! | mode ([`HistoryMode`]) | ring records                                                   | stacks (with `stacks: true`)           |
 //! |------------------------|----------------------------------------------------------------|----------------------------------------|
 //! | `Off`                  | nothing (recording costs one relaxed atomic load)              | none                                   |
+//! | `State`                | nothing (PyTorch's `enabled="state"`)                          | of live allocations, always: only what a snapshot's blocks show |
 //! | `AllocOnly`            | `alloc`, `free_requested`, `free_completed`                    | of allocations (PyTorch's `context="alloc"`) |
 //! | `All`                  | those, `segment_alloc`/`segment_free`, `segment_map`/`segment_unmap` (expandable segments), `oom`, `snapshot` | of allocations and free requests (`context="all"`) |
 //!
 //! Blocks in a snapshot carry the stack of their allocation while it is live (PyTorch's
-//! `context="state"`): the ring keeps a table of live allocations' stacks by address.
+//! `context="state"`): the ring keeps a table of live allocations' stacks by address. `State`
+//! keeps only that table — no events, so no ring to size — and captures allocation stacks
+//! whatever `stacks` says (a state without stacks would record nothing).
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -129,14 +132,18 @@ pub fn trace_json_lines(entries: &[TraceEntry]) -> String {
     out
 }
 
-/// What the history records: `AllocOnly` — `alloc`, `free_requested`, `free_completed` (stacks
-/// of allocations); `All` — every event (stacks of allocations and free requests).
+/// What the history records: `State` — no events, only the stacks of live allocations (for a
+/// snapshot's blocks); `AllocOnly` — `alloc`, `free_requested`, `free_completed` (stacks of
+/// allocations); `All` — every event (stacks of allocations and free requests).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum HistoryMode {
     /// Nothing.
     #[default]
     Off,
+    /// No events; the stacks of live allocations, for a snapshot's blocks (PyTorch's
+    /// `enabled="state"`).
+    State,
     /// Allocations and frees.
     AllocOnly,
     /// Every event.
@@ -170,6 +177,15 @@ impl HistoryOptions {
     pub fn with_stacks(mut self, stacks: bool) -> Self {
         self.stacks = stacks;
         self
+    }
+
+    /// Whether these options capture stacks (`State` always does).
+    pub(crate) fn captures_stacks(&self) -> bool {
+        match self.mode {
+            HistoryMode::Off => false,
+            HistoryMode::State => true,
+            HistoryMode::AllocOnly | HistoryMode::All => self.stacks,
+        }
     }
 }
 
@@ -217,13 +233,14 @@ struct Ring {
 const OFF: u8 = 0;
 const ALLOC_ONLY: u8 = 1;
 const ALL: u8 = 2;
+const STATE: u8 = 3;
 /// Added to the mode when stacks are captured.
 const STACKS: u8 = 4;
 
 /// The history of one allocator.
 #[derive(Debug, Default)]
 pub(crate) struct Trace {
-    /// `OFF`, `ALLOC_ONLY` or `ALL`, plus `STACKS`.
+    /// `OFF`, `STATE`, `ALLOC_ONLY` or `ALL`, plus `STACKS` (always with `STATE`).
     mode: AtomicU8,
     ring: Mutex<Ring>,
 }
@@ -235,21 +252,20 @@ impl Trace {
         ring.capacity = options.max_entries.max(1);
         let mode = match options.mode {
             HistoryMode::Off => OFF,
+            HistoryMode::State => STATE,
             HistoryMode::AllocOnly => ALLOC_ONLY,
             HistoryMode::All => ALL,
         };
-        if mode == OFF {
+        if mode == OFF || mode == STATE {
             ring.entries.clear();
+        }
+        if mode == OFF {
             ring.live.clear();
         }
         while ring.entries.len() > ring.capacity {
             ring.entries.pop_front();
         }
-        let stacks = if options.stacks && mode != OFF {
-            STACKS
-        } else {
-            0
-        };
+        let stacks = if options.captures_stacks() { STACKS } else { 0 };
         self.mode.store(mode | stacks, Ordering::Relaxed);
     }
 
@@ -291,8 +307,12 @@ impl Trace {
         stream: StreamId,
         device_free: u64,
     ) {
-        let all = mode & !STACKS == ALL;
+        let kind = mode & !STACKS;
+        let all = kind == ALL;
         if !all && !action.of_block() {
+            return;
+        }
+        if kind == STATE && action == TraceAction::FreeRequested {
             return;
         }
         let wants_stack = mode & STACKS != 0
@@ -310,6 +330,9 @@ impl Trace {
                 ring.live.remove(&(device, addr));
             }
             _ => {}
+        }
+        if kind == STATE {
+            return;
         }
         while ring.entries.len() >= ring.capacity.max(1) {
             ring.entries.pop_front();

@@ -96,11 +96,9 @@ impl CachingAllocator {
         }
         if let Some(sanitizer) = self.driver.sanitizer() {
             // Reports name the stacks of both accesses while the history records stacks.
-            sanitizer.set_stacks(
-                sanitizer.options().stacks || (options.stacks && options.mode != HistoryMode::Off),
-            );
+            sanitizer.set_stacks(sanitizer.options().stacks || options.captures_stacks());
         }
-        if options.stacks {
+        if options.captures_stacks() {
             super::stacks::available();
         }
         self.trace.configure(options);
