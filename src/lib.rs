@@ -1,4 +1,6 @@
 #![doc = include_str!("../README.md")]
+// Feature badges on docs.rs (nightly rustdoc with `--cfg docsrs`; see `[package.metadata.docs.rs]`).
+#![cfg_attr(docsrs, feature(doc_cfg))]
 //!
 //! ## Layers of the crate
 //!
@@ -27,6 +29,7 @@ mod global;
 mod ipc;
 mod process;
 #[cfg(feature = "replay")]
+#[cfg_attr(docsrs, doc(cfg(feature = "replay")))]
 pub mod replay;
 mod runtime;
 mod shm;
@@ -66,6 +69,7 @@ pub use ipc::{
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use shm::sweep_orphans;
 #[cfg(feature = "cudarc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 pub use storage::views::{self, StorageView, StorageViewMut};
 pub use storage::Storage;
 
@@ -82,4 +86,5 @@ pub mod internals {
 /// The cudarc this crate is built with (feature `cudarc`): use it for your own launches, so the
 /// views' traits are the ones your cudarc implements.
 #[cfg(feature = "cudarc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 pub use cudarc;

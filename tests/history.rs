@@ -165,13 +165,20 @@ fn state_mode_records_no_events_but_live_blocks_carry_their_stacks() {
     let oom = a.allocate(0, 1 << 40);
     assert!(oom.is_err());
     let snap = a.snapshot();
-    assert!(snap.trace.is_empty(), "state records no events: {:?}", snap.trace);
+    assert!(
+        snap.trace.is_empty(),
+        "state records no events: {:?}",
+        snap.trace
+    );
     let blocks: Vec<_> = snap.segments.iter().flat_map(|s| &s.blocks).collect();
     let block = blocks.iter().find(|b| b.addr == live.ptr().0).unwrap();
     assert_eq!(block.state, SnapshotBlockState::ActiveAllocated);
     if cfg!(feature = "stacks") {
         assert!(
-            block.frames.iter().any(|f| f.name.contains("allocate_here")),
+            block
+                .frames
+                .iter()
+                .any(|f| f.name.contains("allocate_here")),
             "{:#?}",
             block.frames
         );

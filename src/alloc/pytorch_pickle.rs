@@ -75,6 +75,7 @@ fn trace_entry(e: &TraceEntry) -> V {
 }
 
 impl Snapshot {
+    #[cfg_attr(docsrs, doc(cfg(feature = "pickle")))]
     /// The snapshot in PyTorch's layout, pickled (protocol 3); `config` fills
     /// `allocator_settings`.
     pub fn to_pytorch_pickle(&self, config: &AllocatorConfig) -> Result<Vec<u8>> {

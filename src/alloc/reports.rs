@@ -156,6 +156,7 @@ impl CachingAllocator {
     /// pytorch.org/memory_viz read) — through a fresh temporary file renamed over `path`, so
     /// nothing planted there is followed or opened.
     #[cfg(feature = "pickle")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "pickle")))]
     pub fn dump_snapshot(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
         let bytes = self.snapshot().to_pytorch_pickle(&self.config)?;
         super::pytorch_pickle::write_snapshot_file(path.as_ref(), &bytes)

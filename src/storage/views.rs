@@ -151,6 +151,7 @@ pub struct StorageViewMut<'a, T> {
     _elements: PhantomData<*mut T>,
 }
 
+#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 impl Storage {
     /// A read view of elements `range` of `T`, for launches on `stream` (see the
     /// [module docs](self)); `stream` is recorded for this storage.
