@@ -150,7 +150,7 @@ struct Generation<T> {
     value: T,
 }
 
-impl<T> PerProcess<T> {
+impl<T: 'static> PerProcess<T> {
     /// A value made by `init` on first use in each process.
     pub(crate) const fn new(init: fn() -> T) -> Self {
         PerProcess {
@@ -164,7 +164,7 @@ impl<T> PerProcess<T> {
         let forks = FORKS.load(Ordering::Acquire);
         let mut seen = self.current.load(Ordering::Acquire);
         loop {
-            // SAFETY: a non-null pointer here came from `Box::into_raw` below and is never freed
+            // SAFETY: a non-null pointer here came from `Box::leak` below and is never freed
             // (each process's value lives as long as the process, like a static).
             if let Some(generation) = unsafe { seen.as_ref() } {
                 if generation.forks == forks {
@@ -172,29 +172,29 @@ impl<T> PerProcess<T> {
                 }
             }
             register_handler();
-            let fresh = Box::into_raw(Box::new(Generation {
+            // Leaked: each process's value lives as long as the process (a thread that loses the
+            // race below leaks its fresh, empty value — a few bytes, once per racing thread).
+            let fresh: &'static Generation<T> = Box::leak(Box::new(Generation {
                 forks,
                 value: (self.init)(),
             }));
-            match self
-                .current
-                .compare_exchange(seen, fresh, Ordering::AcqRel, Ordering::Acquire)
-            {
+            let published = std::ptr::from_ref(fresh).cast_mut();
+            match self.current.compare_exchange(
+                seen,
+                published,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 // The previous process's value (if any) is left as it is: leaked, never locked.
-                // SAFETY: `fresh` was just published and is never freed.
-                Ok(_) => return unsafe { &(*fresh).value },
-                Err(now) => {
-                    // Another thread of this process published first: use its value.
-                    // SAFETY: `fresh` was never shared; it is freed once, here.
-                    drop(unsafe { Box::from_raw(fresh) });
-                    seen = now;
-                }
+                Ok(_) => return &fresh.value,
+                // Another thread of this process published first: use its value.
+                Err(now) => seen = now,
             }
         }
     }
 }
 
-impl<T> std::ops::Deref for PerProcess<T> {
+impl<T: 'static> std::ops::Deref for PerProcess<T> {
     type Target = T;
 
     fn deref(&self) -> &T {

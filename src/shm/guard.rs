@@ -31,6 +31,8 @@
 //! to the action it found.
 
 use crate::sync::os::atomic::{AtomicUsize, Ordering};
+use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
+
 use crate::sync::os::OnceLock;
 
 /// Mappings guarded at once.
@@ -88,8 +90,8 @@ static TABLE: [Slot; SLOTS] = [const { Slot::free() }; SLOTS];
 
 /// The `SIGBUS` action found before ours was installed (what faults outside guarded ranges get),
 /// and ours (put back when a sent signal was handed to an action that uninstalled it).
-static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
-static OURS: OnceLock<libc::sigaction> = OnceLock::new();
+static PREVIOUS: OnceLock<SigAction> = OnceLock::new();
+static OURS: OnceLock<SigAction> = OnceLock::new();
 
 /// The system's page size, read once at installation (the handler cannot call `sysconf`).
 static PAGE: AtomicUsize = AtomicUsize::new(4096);
@@ -169,26 +171,19 @@ fn install() -> bool {
 
 fn install_handler() -> std::io::Result<()> {
     PAGE.store(rustix::param::page_size(), Ordering::SeqCst);
-    // SAFETY: sigaction is plain C data; all-zero is a valid (empty) value to fill.
-    let mut previous: libc::sigaction = unsafe { std::mem::zeroed() };
-    // SAFETY: a null new action only reads the current one into `previous`.
-    if unsafe { libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut previous) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // Kept before ours is installed, so the handler never sees it unset.
+    let ours = SigAction::new(
+        SigHandler::SigAction(on_sigbus),
+        SaFlags::SA_SIGINFO | SaFlags::SA_ONSTACK,
+        SigSet::empty(),
+    );
+    let _ = OURS.set(ours);
+    // SAFETY: installs a handler that only touches atomics and makes async-signal-safe calls;
+    // the previous action comes from the kernel, installed by this process's own code.
+    let previous = unsafe { signal::sigaction(Signal::SIGBUS, &ours) }?;
+    // Kept right after ours is in place: a fault that is not ours in between finds no previous
+    // action and gets the default one — the end the process meets anyway (Rust's own handler
+    // also ends it, with a message, for a fault it does not own).
     let _ = PREVIOUS.set(previous);
-    // SAFETY: as above.
-    let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
-    let handler: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) = on_sigbus;
-    action.sa_sigaction = handler as libc::sighandler_t;
-    action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
-    // SAFETY: `sa_mask` is a valid signal set to empty.
-    unsafe { libc::sigemptyset(&mut action.sa_mask) };
-    let _ = OURS.set(action);
-    // SAFETY: installs a handler that only touches atomics and makes async-signal-safe calls.
-    if unsafe { libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
     Ok(())
 }
 
@@ -257,48 +252,41 @@ fn pass_on_sent_or_foreign(
         pass_on(signal, info, context);
         return;
     }
-    let handler = PREVIOUS.get().map_or(libc::SIG_DFL, |p| p.sa_sigaction);
-    if handler == libc::SIG_IGN {
+    let handler = PREVIOUS
+        .get()
+        .map_or(SigHandler::SigDfl, SigAction::handler);
+    if matches!(handler, SigHandler::SigIgn) {
         return;
     }
-    if handler == libc::SIG_DFL {
+    if matches!(handler, SigHandler::SigDfl) {
         pass_on(signal, info, context);
-        // SAFETY: raise is async-signal-safe; the signal is blocked until this handler returns
-        // and then ends the process with the default action restored by `pass_on`.
-        unsafe { libc::raise(libc::SIGBUS) };
+        // The signal is blocked until this handler returns and then ends the process with the
+        // default action restored by `pass_on` (raise is async-signal-safe).
+        let _ = signal::raise(Signal::SIGBUS);
         return;
     }
     pass_on(signal, info, context);
     if let Some(ours) = OURS.get() {
         // SAFETY: sigaction is async-signal-safe; `ours` is the action installed at first use.
-        unsafe { libc::sigaction(libc::SIGBUS, ours, std::ptr::null_mut()) };
+        let _ = unsafe { signal::sigaction(Signal::SIGBUS, ours) };
     }
 }
 
 /// Hands a fault that is not ours to the action installed before ours.
 fn pass_on(signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
-    let previous = PREVIOUS.get();
-    let handler = previous.map_or(libc::SIG_DFL, |p| p.sa_sigaction);
-    if handler == libc::SIG_DFL || handler == libc::SIG_IGN {
-        // SAFETY: as in `install_handler`; the default action, restored, ends the process when
-        // the faulting access is retried on return.
-        let mut default: libc::sigaction = unsafe { std::mem::zeroed() };
-        default.sa_sigaction = libc::SIG_DFL;
-        // SAFETY: sigaction is async-signal-safe; `default` is a valid action.
-        unsafe { libc::sigaction(libc::SIGBUS, &default, std::ptr::null_mut()) };
-        return;
-    }
-    let siginfo = previous.is_some_and(|p| p.sa_flags & libc::SA_SIGINFO != 0);
-    if siginfo {
-        // SAFETY: the previous action was installed with SA_SIGINFO, so its handler has this
-        // signature; we pass on the arguments the kernel gave us.
-        let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
-            unsafe { std::mem::transmute(handler) };
-        f(signal, info, context);
-    } else {
-        // SAFETY: a handler installed without SA_SIGINFO takes the signal number alone.
-        let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(handler) };
-        f(signal);
+    match PREVIOUS
+        .get()
+        .map_or(SigHandler::SigDfl, SigAction::handler)
+    {
+        SigHandler::SigDfl | SigHandler::SigIgn => {
+            let default = SigAction::new(SigHandler::SigDfl, SaFlags::empty(), SigSet::empty());
+            // SAFETY: sigaction is async-signal-safe; the default action, restored, ends the
+            // process when the faulting access is retried on return.
+            let _ = unsafe { signal::sigaction(Signal::SIGBUS, &default) };
+        }
+        // The previous action's handler, with the arguments the kernel gave us.
+        SigHandler::SigAction(f) => f(signal, info, context),
+        SigHandler::Handler(f) => f(signal),
     }
 }
 
