@@ -41,9 +41,10 @@ mod sync;
 // public item has one path; `docs/public-api.txt` lists them (`tests/public_api.rs`).
 pub use alloc::{
     format_size, trace_json_lines, CachingAllocator, CachingAllocatorBuilder, DataPtr, DeviceStats,
-    Frame, FreeMemoryCallback, HistoryMode, HistoryOptions, OutOfMemoryEvent, OutOfMemoryObserver,
-    PoolStats, Sanitize, SegmentChange, SegmentEvent, SegmentObserver, Snapshot, SnapshotBlock,
-    SnapshotBlockState, SnapshotSegment, Stat, StreamGuard, TraceAction, TraceEntry, POOL_NAMES,
+    Frame, FreeMemoryCallback, HistoryMode, HistoryOptions, MemPool, MemPoolId, MemPoolOptions,
+    OutOfMemoryEvent, OutOfMemoryObserver, PoolScope, PoolStats, Sanitize, SegmentChange,
+    SegmentEvent, SegmentObserver, Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment,
+    Stat, StreamGuard, TraceAction, TraceEntry, POOL_NAMES,
 };
 pub use config::{AllocatorConfig, DefaultStream, ROUNDUP_INTERVALS};
 pub use driver::cuda::driver_library_present;

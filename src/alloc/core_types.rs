@@ -20,6 +20,7 @@ use slab::Slab;
 use super::front::FrontRegistry;
 use super::history::Trace;
 use super::oom::Callbacks;
+use super::pool_id::MemPoolId;
 use super::state::ShardState;
 use super::stats::PEAK_STATS;
 use crate::config::AllocatorConfig;
@@ -73,7 +74,13 @@ pub(crate) struct DeviceCore {
     pub(super) fraction_set: AtomicBool,
     /// Bytes of live segments on this device (all shards).
     pub(super) reserved: AtomicU64,
-    pub(super) shards: RwLock<HashMap<StreamId, Arc<Shard>>>,
+    /// The shards by (stream, memory pool): one per stream for the default pool, one per stream
+    /// a pool is used on (`mem_pool.rs`).
+    pub(super) shards: RwLock<HashMap<(StreamId, MemPoolId), Arc<Shard>>>,
+    /// Shards of dropped pools: kept for the allocator's life (thread caches may still point at
+    /// them), released like the default pool's, and taken again by the next pool on their stream
+    /// once empty.
+    pub(super) retired: Mutex<Vec<Arc<Shard>>>,
     pub(super) events: Mutex<Vec<EventId>>,
     pub(super) alloc_retries: AtomicU64,
     pub(super) ooms: AtomicU64,

@@ -20,6 +20,7 @@ use super::core_types::{DeviceCore, Shard};
 use super::history::{Trace, TraceAction};
 use super::observers::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
 use super::oom::{self, Callbacks};
+use super::pool_id::{MemPoolId, MemPoolOptions};
 use super::size::{self, PoolKind};
 use super::snapshot::{self, SnapshotSegment};
 use super::state::{ReleaseOrder, ShardState};
@@ -59,6 +60,7 @@ impl DeviceCore {
             fraction_set: AtomicBool::new(fraction < 1.0),
             reserved: AtomicU64::new(0),
             shards: RwLock::new(HashMap::new()),
+            retired: Mutex::new(Vec::new()),
             events: Mutex::new(Vec::new()),
             alloc_retries: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
@@ -68,9 +70,15 @@ impl DeviceCore {
         })
     }
 
-    /// The shard of `stream`, created on first use (the stream must belong to this device).
-    pub fn shard(self: &Arc<Self>, stream: StreamId) -> Result<Arc<Shard>> {
-        if let Some(shard) = self.shards.read().get(&stream) {
+    /// The shard of `stream` in memory pool `pool`, created on first use — for a pool, from a
+    /// retired pool's empty shard of the same stream when there is one (`mem_pool.rs`).
+    pub fn shard_in(
+        self: &Arc<Self>,
+        stream: StreamId,
+        pool: MemPoolId,
+        options: MemPoolOptions,
+    ) -> Result<Arc<Shard>> {
+        if let Some(shard) = self.shards.read().get(&(stream, pool)) {
             return Ok(Arc::clone(shard));
         }
         let device = self.driver.stream_device(stream)?;
@@ -82,35 +90,138 @@ impl DeviceCore {
             )));
         }
         let mut shards = self.shards.write();
-        let mut made = false;
-        let shard = shards.entry(stream).or_insert_with(|| {
-            made = true;
-            let serial = NEXT_SHARD_SERIAL.fetch_add(1, Ordering::Relaxed);
-            Arc::new(Shard {
-                stream,
-                serial,
-                front_limit: self.config.thread_cache,
-                birth: self.birth,
-                sanitizer: self.sanitizer.clone(),
-                state: Mutex::new(ShardState {
-                    serial,
-                    ..ShardState::default()
-                }),
-                core: Arc::clone(self),
-                fronts: Mutex::new(Default::default()),
-            })
-        });
-        let shard = Arc::clone(shard);
-        drop(shards);
-        if made {
-            // In the peak book from its creation (the book's lock is taken after the map's).
-            self.register_for_peaks(&shard);
+        if let Some(shard) = shards.get(&(stream, pool)) {
+            return Ok(Arc::clone(shard));
         }
+        if !pool.is_default() {
+            if let Some(shard) = self.take_retired(stream, pool, options) {
+                shards.insert((stream, pool), Arc::clone(&shard));
+                return Ok(shard);
+            }
+        }
+        let serial = NEXT_SHARD_SERIAL.fetch_add(1, Ordering::Relaxed);
+        let shard = Arc::new(Shard {
+            stream,
+            serial,
+            // A pool's blocks go back to the pool's shard directly: no thread front caches.
+            front_limit: if pool.is_default() {
+                self.config.thread_cache
+            } else {
+                0
+            },
+            birth: self.birth,
+            sanitizer: self.sanitizer.clone(),
+            state: Mutex::new(ShardState {
+                serial,
+                pool,
+                pool_options: options,
+                ..ShardState::default()
+            }),
+            core: Arc::clone(self),
+            fronts: Mutex::new(Default::default()),
+        });
+        shards.insert((stream, pool), Arc::clone(&shard));
+        drop(shards);
+        // In the peak book from its creation (the book's lock is taken after the map's).
+        self.register_for_peaks(&shard);
         Ok(shard)
     }
 
+    /// A free block of a live `use_on_oom` pool on `shard`'s stream, for an allocation of the
+    /// default pool that found no memory (PyTorch's `use_on_oom`), with the pool's shard.
+    fn lend(
+        &self,
+        shard: &Shard,
+        pool: PoolKind,
+        rounded: u64,
+        requested: u64,
+    ) -> Option<(Arc<Shard>, Allocated)> {
+        if !shard.state.lock().pool.is_default() {
+            return None;
+        }
+        let lenders: Vec<Arc<Shard>> = self
+            .shards
+            .read()
+            .iter()
+            .filter(|((stream, p), _)| *stream == shard.stream && !p.is_default())
+            .map(|(_, s)| Arc::clone(s))
+            .collect();
+        lenders.into_iter().find_map(|lending| {
+            if !lending.state.lock().pool_options.use_on_oom {
+                return None;
+            }
+            let hit = self.try_fit(&lending, pool, rounded, requested)?;
+            Some((lending, hit))
+        })
+    }
+
+    /// A retired shard of `stream` that holds nothing, made a shard of `pool`.
+    fn take_retired(
+        &self,
+        stream: StreamId,
+        pool: MemPoolId,
+        options: MemPoolOptions,
+    ) -> Option<Arc<Shard>> {
+        let mut retired = self.retired.lock();
+        let at = retired.iter().position(|shard| {
+            shard.stream == stream && {
+                let st = shard.state.lock();
+                st.owners == 0 && st.blocks.is_empty() && st.pending.values().all(|q| q.is_empty())
+            }
+        })?;
+        let shard = retired.swap_remove(at);
+        let mut st = shard.state.lock();
+        st.pool = pool;
+        st.pool_options = options;
+        drop(st);
+        Some(shard)
+    }
+
+    /// Every shard of the device: the default pool's, the live pools', the retired ones.
     pub(super) fn all_shards(&self) -> Vec<Arc<Shard>> {
-        self.shards.read().values().cloned().collect()
+        let mut all: Vec<_> = self.shards.read().values().cloned().collect();
+        all.extend(self.retired.lock().iter().cloned());
+        all
+    }
+
+    /// The shards whose cached memory the device may release (empty cache, out of memory,
+    /// garbage collection): the default pool's and the retired ones. A live pool keeps its cache
+    /// (a graph's replays use its free blocks' addresses) until it is emptied or dropped.
+    pub(super) fn releasable_shards(&self) -> Vec<Arc<Shard>> {
+        let mut out: Vec<_> = self
+            .shards
+            .read()
+            .iter()
+            .filter(|((_, pool), _)| pool.is_default())
+            .map(|(_, shard)| Arc::clone(shard))
+            .collect();
+        out.extend(self.retired.lock().iter().cloned());
+        out
+    }
+
+    /// The shards of live pool `pool`.
+    pub(super) fn pool_shards(&self, pool: MemPoolId) -> Vec<Arc<Shard>> {
+        self.shards
+            .read()
+            .iter()
+            .filter(|((_, p), _)| *p == pool)
+            .map(|(_, shard)| Arc::clone(shard))
+            .collect()
+    }
+
+    /// Pool `pool` was dropped: its shards leave the map for the retired list, giving their
+    /// cached memory back (blocks still handed out return to them and are released like the
+    /// default pool's).
+    pub(super) fn retire_pool(&self, pool: MemPoolId) {
+        let leaving: Vec<Arc<Shard>> = {
+            let mut shards = self.shards.write();
+            let keys: Vec<_> = shards.keys().filter(|(_, p)| *p == pool).copied().collect();
+            keys.iter().filter_map(|k| shards.remove(k)).collect()
+        };
+        for shard in &leaving {
+            self.release_shard(shard, false);
+        }
+        self.retired.lock().extend(leaving);
     }
 
     /// Sets the per-process memory fraction.
@@ -253,14 +364,23 @@ impl DeviceCore {
     }
 
     /// Allocates `requested` bytes on `shard`'s stream.
-    pub fn allocate(&self, shard: &Shard, requested: u64) -> Result<Allocated> {
+    ///
+    /// When the whole sequence finds no memory, a pool made with `use_on_oom` may lend a free
+    /// block of its own on the same stream: the block is that pool's shard's, which `lender`
+    /// then holds (the caller's `DataPtr` must be owned by it).
+    pub fn allocate(
+        &self,
+        shard: &Shard,
+        requested: u64,
+        lender: &mut Option<Arc<Shard>>,
+    ) -> Result<Allocated> {
         size::check_request(self.device, requested)?;
         let rounded = size::round_size(requested, &self.config);
         let pool = PoolKind::for_size(rounded);
         if let Some(hit) = self.try_fit(shard, pool, rounded, requested) {
             return Ok(hit);
         }
-        self.allocate_slow(shard, pool, rounded, requested)
+        self.allocate_slow(shard, pool, rounded, requested, lender)
     }
 
     fn allocate_slow(
@@ -269,6 +389,7 @@ impl DeviceCore {
         pool: PoolKind,
         rounded: u64,
         requested: u64,
+        lender: &mut Option<Arc<Shard>>,
     ) -> Result<Allocated> {
         if self.callbacks.run() {
             if let Some(hit) = self.try_fit(shard, pool, rounded, requested) {
@@ -292,6 +413,10 @@ impl DeviceCore {
             return Ok(hit);
         }
         if let Some(hit) = self.new_memory(shard, pool, seg, rounded, requested, &mut cause)? {
+            return Ok(hit);
+        }
+        if let Some((lending, hit)) = self.lend(shard, pool, rounded, requested) {
+            *lender = Some(lending);
             return Ok(hit);
         }
         self.ooms.fetch_add(1, Ordering::Relaxed);
@@ -417,7 +542,7 @@ impl DeviceCore {
             return false;
         }
         let single = rounded.max(max_split);
-        for shard in self.all_shards() {
+        for shard in self.releasable_shards() {
             let taken = self.take_from(
                 &shard,
                 |b| b.pool == PoolKind::Large && b.size >= single,
@@ -429,7 +554,7 @@ impl DeviceCore {
             }
         }
         let mut freed = 0u64;
-        for shard in self.all_shards() {
+        for shard in self.releasable_shards() {
             freed += self
                 .take_from(
                     &shard,
@@ -473,28 +598,34 @@ impl DeviceCore {
             self.sync_all.fetch_add(1, Ordering::Relaxed);
         }
         let mut any = false;
-        for shard in self.all_shards() {
-            shard.flush_fronts();
-            let taken = {
-                let mut st = shard.state.lock();
-                if sync {
-                    for e in st.pending_events() {
-                        if let Err(err) = self.free_events.event_synchronize(e) {
-                            tracing::warn!(%err, "event synchronize failed while draining pending frees");
-                        }
-                    }
-                }
-                self.poll_events(&shard, &mut st);
-                let taken =
-                    st.take_free_segments(&self.config, |_| true, ReleaseOrder::Largest, |_| false);
-                self.settle(st);
-                taken
-            };
-            any |= !taken.is_empty();
-            self.free_segments(shard.stream, taken);
-            any |= self.release_pages(&shard, |_| true, |_| false) > 0;
+        for shard in self.releasable_shards() {
+            any |= self.release_shard(&shard, sync);
         }
         any
+    }
+
+    /// Frees every cached whole segment (and free page) of one shard, first waiting for its
+    /// pending frees' events with `sync`. Returns whether anything was freed.
+    pub(super) fn release_shard(&self, shard: &Shard, sync: bool) -> bool {
+        shard.flush_fronts();
+        let taken = {
+            let mut st = shard.state.lock();
+            if sync {
+                for e in st.pending_events() {
+                    if let Err(err) = self.free_events.event_synchronize(e) {
+                        tracing::warn!(%err, "event synchronize failed while draining pending frees");
+                    }
+                }
+            }
+            self.poll_events(shard, &mut st);
+            let taken =
+                st.take_free_segments(&self.config, |_| true, ReleaseOrder::Largest, |_| false);
+            self.settle(st);
+            taken
+        };
+        let any = !taken.is_empty();
+        self.free_segments(shard.stream, taken);
+        any | (self.release_pages(shard, |_| true, |_| false) > 0)
     }
 
     /// Reclaims the oldest cached segments while reserved memory exceeds the threshold share of
@@ -511,7 +642,7 @@ impl DeviceCore {
         }
         let target = reserved - limit;
         let mut freed = 0u64;
-        for shard in self.all_shards() {
+        for shard in self.releasable_shards() {
             freed += self
                 .take_from(
                     &shard,
@@ -604,7 +735,8 @@ impl DeviceCore {
         for e in events {
             let _ = self.free_events.event_destroy(e);
         }
-        let shards: Vec<_> = self.shards.write().drain().map(|(_, s)| s).collect();
+        let mut shards: Vec<_> = self.shards.write().drain().map(|(_, s)| s).collect();
+        shards.append(&mut self.retired.lock());
         for shard in shards {
             Shard::orphan(shard);
         }

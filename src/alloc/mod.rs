@@ -4,7 +4,7 @@
 //! fails on a circle inside any folder):
 //!
 //! * `size.rs` — rounding, pools, segment sizes, split and oversize rules; `stats.rs` — PyTorch's
-//!   stats keys.
+//!   stats keys; `pool_id.rs` — memory pools' ids and options.
 //! * `block.rs` — blocks tiling segments, segment and page records; `pool.rs` — best-fit free pools.
 //! * `stacks.rs`, `history.rs` — recorded Rust stacks and the memory history (trace ring);
 //!   `observers.rs`, `oom.rs` — segment and out-of-memory observers, callbacks and the message.
@@ -22,6 +22,8 @@
 //!   (segments that grow by pages), `peaks.rs` (exact device-wide peaks), `summary.rs` (the summary
 //!   table), `pytorch_pickle.rs` (snapshots in PyTorch's pickled layout).
 //! * `data_ptr.rs` — [`DataPtr`] and its owners; upper layers attach theirs as trait objects.
+//! * `mem_pool.rs` — private memory pools ([`MemPool`], `use_mem_pool`): shards of their own,
+//!   retired when a pool drops.
 //! * this file — [`CachingAllocator`], the builder and the allocator's public face.
 //!
 //! The allocator knows nothing of sharing or copy-on-write: it hands out and takes back
@@ -41,10 +43,12 @@ mod expandable;
 mod front;
 mod history;
 mod invariants;
+mod mem_pool;
 pub mod observers;
 mod oom;
 mod peaks;
 mod pool;
+mod pool_id;
 #[cfg(feature = "pickle")]
 mod pytorch_pickle;
 mod reports;
@@ -58,10 +62,12 @@ mod summary;
 mod thread;
 
 pub use history::{trace_json_lines, HistoryMode, HistoryOptions, TraceAction, TraceEntry};
+pub use mem_pool::{MemPool, PoolScope};
 pub use observers::{
     OutOfMemoryEvent, OutOfMemoryObserver, SegmentChange, SegmentEvent, SegmentObserver,
 };
 pub use oom::{format_size, FreeMemoryCallback};
+pub use pool_id::{MemPoolId, MemPoolOptions};
 pub use snapshot::{Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment};
 pub use stacks::Frame;
 pub use stats::{DeviceStats, PoolStats, Stat, POOL_NAMES};
@@ -391,14 +397,18 @@ impl CachingAllocator {
         let shard = match thread::cached_shard(self.id, stream) {
             Some(shard) => shard,
             None => {
-                let shard = Arc::as_ptr(&self.device(stream.device())?.shard(stream)?);
+                let (pool, options) =
+                    thread::current_pool(self.id, stream.device()).unwrap_or_default();
+                let device = self.device(stream.device())?;
+                let shard = Arc::as_ptr(&device.shard_in(stream, pool, options)?);
                 thread::cache_shard(self.id, stream, shard);
                 shard
             }
         };
         // SAFETY: `shard` is a shard of this allocator (cached under its never-reused id, or just
-        // taken from its device). Its device's map holds it until this allocator's `Drop`, which
-        // cannot run while `&self` is borrowed, so it lives at least as long as the result.
+        // taken from its device). Its device holds it — in its map, or once its memory pool is
+        // dropped in its retired list — until this allocator's `Drop`, which cannot run while
+        // `&self` is borrowed, so it lives at least as long as the result.
         Ok(unsafe { &*shard })
     }
 
@@ -467,7 +477,8 @@ impl CachingAllocator {
                 return self.data_ptr(shard, &hit);
             }
         }
-        let a = match shard.core.allocate(shard, size) {
+        let mut lender = None;
+        let a = match shard.core.allocate(shard, size, &mut lender) {
             Ok(a) => a,
             Err(err) => {
                 if matches!(err, Error::OutOfMemory { .. }) {
@@ -476,7 +487,7 @@ impl CachingAllocator {
                 return Err(err);
             }
         };
-        self.data_ptr(shard, &a)
+        self.data_ptr(lender.as_deref().unwrap_or(shard), &a)
     }
 
     /// The pointer owning block `a`, just handed out by `shard` (from its pools or this thread's

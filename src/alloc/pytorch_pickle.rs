@@ -111,7 +111,10 @@ impl Snapshot {
                     ("requested_size", int(requested)),
                     ("stream", int(s.stream)),
                     ("segment_type", string(s.segment_type)),
-                    ("segment_pool_id", V::Tuple(vec![int(0), int(0)])),
+                    ("segment_pool_id", {
+                        let (first, second) = s.segment_pool_id.as_pair();
+                        V::Tuple(vec![int(first), int(second)])
+                    }),
                     ("is_expandable", V::Bool(s.is_expandable)),
                     ("frames", V::List(Vec::new())),
                     ("blocks", V::List(blocks)),

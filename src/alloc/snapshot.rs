@@ -3,6 +3,7 @@
 
 use super::block::BlockState;
 use super::history::TraceEntry;
+use super::pool_id::MemPoolId;
 use super::stacks::Frame;
 use super::state::ShardState;
 use crate::driver::StreamId;
@@ -73,6 +74,9 @@ pub struct SnapshotSegment {
     pub segment_type: &'static str,
     /// An expandable segment (its `total_size` is what is mapped now).
     pub is_expandable: bool,
+    /// The memory pool the segment belongs to (PyTorch's `segment_pool_id`; `(0, 0)` for the
+    /// default pool).
+    pub segment_pool_id: MemPoolId,
     /// Blocks in address order.
     pub blocks: Vec<SnapshotBlock>,
 }
@@ -145,6 +149,7 @@ pub(crate) fn shard_segments(
                 super::size::PoolKind::Large => "large",
             },
             is_expandable: state.expandable.contains_key(&address),
+            segment_pool_id: state.pool,
             blocks,
         });
     }

@@ -15,6 +15,7 @@ use slab::Slab;
 
 use super::block::{Allocated, Block, BlockId, BlockState, ExpandablePages, SegmentInfo};
 use super::pool::FreePool;
+use super::pool_id::{MemPoolId, MemPoolOptions};
 use super::size::{self, PoolKind};
 use super::stats::{self, DeviceStats};
 use crate::config::AllocatorConfig;
@@ -43,6 +44,11 @@ pub(crate) struct ShardState {
     pub owners: u64,
     /// The allocator is gone while blocks were out: the last release drops the shard.
     pub orphaned: bool,
+    /// The memory pool whose blocks this shard holds (`mem_pool.rs`; the default pool unless the
+    /// shard serves one). Under the lock: a retired pool's empty shard serves the next pool.
+    pub pool: MemPoolId,
+    /// The pool's options (`MemPoolOptions::no_split`: blocks are handed out whole).
+    pub pool_options: MemPoolOptions,
 }
 
 /// The order in which [`ShardState::take_free_segments`] visits candidate segments.
@@ -207,7 +213,7 @@ impl ShardState {
         config: &AllocatorConfig,
     ) -> BlockId {
         let (pool, block_size) = (self.blocks[id].pool, self.blocks[id].size);
-        if size::should_split(pool, block_size, rounded, config) {
+        if !self.pool_options.no_split && size::should_split(pool, block_size, rounded, config) {
             let rest = self.split_off(id, rounded, BlockState::Free);
             self.blocks[rest].freed_at = self.tick;
             self.insert_free(rest);

@@ -5,8 +5,8 @@
 //! The cache holds plain pointers keyed by (allocator id, stream). That is sound without any
 //! reference count because of two facts the allocator guarantees:
 //!
-//! * a shard stays in its device's map (which holds it) for the allocator's whole life — only the
-//!   allocator's `Drop` removes shards;
+//! * a shard stays in its device (its map, or the retired list once its memory pool dropped) for
+//!   the allocator's whole life — only the allocator's `Drop` removes shards;
 //! * allocator ids come from a process-wide counter and are never reused.
 //!
 //! So an entry is only ever read by a call on the allocator that cached it (`&self` proves that
@@ -34,6 +34,7 @@ use std::ptr::NonNull;
 use super::block::BlockId;
 use super::core_types::Shard;
 use super::front::{FrontCache, FrontEntry};
+use super::pool_id::{MemPoolId, MemPoolOptions};
 use crate::driver::StreamId;
 use crate::sync::os::Arc;
 
@@ -103,6 +104,9 @@ struct ThreadState {
     current: Vec<((u64, usize), StreamId)>,
     /// ((allocator id, device), this thread's default stream) with `default_stream:per_thread`.
     per_thread: Vec<((u64, usize), StreamId)>,
+    /// The memory pools this thread allocates from (`use_mem_pool`), innermost last:
+    /// ((allocator id, device), scope token, pool, its options).
+    pools: Vec<((u64, usize), u64, MemPoolId, MemPoolOptions)>,
 }
 
 thread_local! {
@@ -110,6 +114,7 @@ thread_local! {
         RefCell::new(ThreadState {
             current: Vec::new(),
             per_thread: Vec::new(),
+            pools: Vec::new(),
         })
     };
     /// The shard cache; slot `next` is overwritten next.
@@ -147,6 +152,46 @@ pub(crate) fn set_current_stream(
         }
         previous
     })
+}
+
+/// The memory pool this thread allocates from on `device` for allocator `alloc` (the innermost
+/// scope's), if any.
+pub(crate) fn current_pool(alloc: u64, device: usize) -> Option<(MemPoolId, MemPoolOptions)> {
+    STATE.with(|s| {
+        s.borrow()
+            .pools
+            .iter()
+            .rev()
+            .find(|(k, ..)| *k == (alloc, device))
+            .map(|&(_, _, pool, options)| (pool, options))
+    })
+}
+
+/// Makes `pool` the one this thread allocates from on `device` (for allocator `alloc`) until
+/// [`leave_pool`] with the returned token. The thread's cached shards of the device are
+/// forgotten: they were the previous pool's.
+pub(crate) fn enter_pool(
+    alloc: u64,
+    device: usize,
+    pool: MemPoolId,
+    options: MemPoolOptions,
+) -> u64 {
+    static NEXT_TOKEN: crate::sync::os::atomic::AtomicU64 =
+        crate::sync::os::atomic::AtomicU64::new(1);
+    let token = NEXT_TOKEN.fetch_add(1, crate::sync::os::atomic::Ordering::Relaxed);
+    forget_device_shards(alloc, device);
+    STATE.with(|s| {
+        s.borrow_mut()
+            .pools
+            .push(((alloc, device), token, pool, options))
+    });
+    token
+}
+
+/// Ends the pool scope `token` (scopes may end in any order).
+pub(crate) fn leave_pool(alloc: u64, device: usize, token: u64) {
+    forget_device_shards(alloc, device);
+    let _ = STATE.try_with(|s| s.borrow_mut().pools.retain(|&(_, t, ..)| t != token));
 }
 
 /// This thread's own default stream of `device` for allocator `alloc`, if made.
@@ -335,6 +380,21 @@ fn forget_current_shards(alloc: u64, device: usize) {
             }
         }
     })
+}
+
+/// Forgets this thread's cached shards of `device`, by stream and by current stream.
+fn forget_device_shards(alloc: u64, device: usize) {
+    let _ = SHARDS.try_with(|cache| {
+        for slot in cache.borrow_mut().0.iter_mut() {
+            let of_device = match slot.key {
+                SlotKey::Stream(stream) => stream.device() == device,
+                SlotKey::Current(d, _) => d == device,
+            };
+            if slot.alloc == alloc && of_device {
+                *slot = EMPTY_SLOT;
+            }
+        }
+    });
 }
 
 fn forget_shard(alloc: u64, key: SlotKey) {

@@ -1,0 +1,201 @@
+//! Private memory pools: PyTorch's `MemPool` and `use_mem_pool`.
+//!
+//! A [`MemPool`] is a set of shards of its own — one per (device, stream) it is used on — beside
+//! the default pool's: its segments, free blocks and statistics are its own, and memory of a pool
+//! never serves an allocation outside it (nor the default pool's an allocation inside it). A
+//! thread allocates from a pool while it holds a [`PoolScope`]
+//! ([`CachingAllocator::use_mem_pool`]): every allocation of that thread on that device, on any
+//! stream, goes to the pool; scopes nest (the innermost wins) and are the thread's alone.
+//!
+//! | pool state | its shards | cached memory released by |
+//! |---|---|---|
+//! | live (a `MemPool`, a clone, or a scope holds it) | in the device's map under `(stream, id)` | [`MemPool::empty_cache`] only — not `empty_cache`, out-of-memory or garbage collection (a graph's replays use a pool's free blocks) |
+//! | dropped (the last holder gone) | moved to the device's retired list, their cached memory given back at once | every release of the default pool: blocks still handed out return to their shard and are released like the default pool's |
+//! | retired and empty | kept for the allocator's life (a thread's shard cache may point at one) | taken again by the next pool used on the same stream, so dropping pools never grows the allocator |
+//!
+//! What a pool changes in the allocation path: nothing on a thread's cache hit — the thread's
+//! cached shards are forgotten when a scope begins or ends, so a cached shard is always the
+//! current pool's. A miss asks the thread's innermost scope for the pool. Pools' shards take no
+//! thread front caches (`thread_cache_mb`): their blocks go back to the pool's shard directly.
+//!
+//! Options ([`MemPoolOptions`]): `no_split` hands every block out whole; `use_on_oom` lets an
+//! allocation of the default pool that found no memory — after the whole out-of-memory sequence
+//! — take a free block of the pool on its stream (the block stays the pool's).
+//!
+//! A pool's statistics ([`MemPool::memory_stats`]) are the sums of its shards' — currents and
+//! accumulated counts, exact. Peaks are the device's (`peaks.rs` reconciles them across shards);
+//! a pool's `peak` fields are its currents.
+
+use super::pool_id::{MemPoolId, MemPoolOptions};
+use super::snapshot::{self, Snapshot};
+use super::stats::DeviceStats;
+use super::{thread, CachingAllocator, DeviceCore};
+use crate::error::{Error, Result};
+use crate::process::Birth;
+use crate::sync::os::Arc;
+
+/// A private memory pool of one allocator (PyTorch's `torch.cuda.MemPool`): see the
+/// [module docs](self). Clones share the pool; the pool is dropped with its last holder (clones,
+/// [`PoolScope`]s), and gives its memory back as its blocks are freed.
+#[derive(Clone, Debug)]
+pub struct MemPool {
+    inner: Arc<PoolInner>,
+}
+
+#[derive(Debug)]
+struct PoolInner {
+    id: MemPoolId,
+    options: MemPoolOptions,
+    /// The allocator the pool belongs to.
+    allocator: u64,
+    devices: Vec<Arc<DeviceCore>>,
+    birth: Birth,
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        if !self.birth.is_current() {
+            // A forked child's copy: the shards are the parent's.
+            return;
+        }
+        for device in &self.devices {
+            device.retire_pool(self.id);
+        }
+    }
+}
+
+impl MemPool {
+    /// The pool's id: `(0, n)`, unique in the process.
+    pub fn id(&self) -> MemPoolId {
+        self.inner.id
+    }
+
+    /// The options the pool was made with.
+    pub fn options(&self) -> MemPoolOptions {
+        self.inner.options
+    }
+
+    /// How many hold the pool: this handle and its clones, and every live [`PoolScope`]
+    /// (PyTorch's `MemPool.use_count()`).
+    pub fn use_count(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
+    /// The segments of this pool on every device, by device then address (PyTorch's
+    /// `MemPool.snapshot()`); the trace is left empty (the allocator's snapshot has it).
+    pub fn snapshot(&self) -> Snapshot {
+        let mut segments = Vec::new();
+        for device in &self.inner.devices {
+            for shard in device.pool_shards(self.inner.id) {
+                snapshot::shard_segments(
+                    &shard.state.lock(),
+                    device.device,
+                    shard.stream,
+                    &mut segments,
+                );
+            }
+        }
+        segments.sort_by_key(|s| (s.device, s.address));
+        Snapshot {
+            segments,
+            trace: Vec::new(),
+            device_count: self.inner.devices.len(),
+        }
+    }
+
+    /// The pool's statistics on `device`: the sums of its shards' (see the [module docs](self)
+    /// for peaks).
+    pub fn memory_stats(&self, device: usize) -> Result<DeviceStats> {
+        let core = self.inner.devices.get(device).ok_or_else(|| {
+            Error::invalid(format!(
+                "device {device} does not exist ({} device(s))",
+                self.inner.devices.len()
+            ))
+        })?;
+        let mut total = DeviceStats::default();
+        for shard in core.pool_shards(self.inner.id) {
+            total.accumulate(&shard.state.lock().stats);
+        }
+        total.for_each_peak_stat_mut(|_, s| s.peak = s.current);
+        Ok(total)
+    }
+
+    /// Waits for the pool's pending frees and gives its cached whole segments back to the
+    /// driver (the allocator's `empty_cache` leaves a live pool's cache alone).
+    pub fn empty_cache(&self) {
+        if !self.inner.birth.is_current() {
+            return;
+        }
+        for device in &self.inner.devices {
+            for shard in device.pool_shards(self.inner.id) {
+                device.release_shard(&shard, true);
+            }
+        }
+    }
+}
+
+/// While it lives, this thread allocates from a [`MemPool`] on one device, on every stream
+/// (see [`CachingAllocator::use_mem_pool`]). It holds the pool; it cannot move to another thread.
+#[derive(Debug)]
+#[must_use = "the pool is used only while the scope lives: bind it (`let _in_pool = ...`)"]
+pub struct PoolScope {
+    pool: MemPool,
+    device: usize,
+    token: u64,
+    /// `!Send`: the scope is its thread's.
+    _this_thread: std::marker::PhantomData<*const ()>,
+}
+
+impl PoolScope {
+    /// The pool allocations go to.
+    pub fn pool(&self) -> &MemPool {
+        &self.pool
+    }
+}
+
+impl Drop for PoolScope {
+    fn drop(&mut self) {
+        thread::leave_pool(self.pool.inner.allocator, self.device, self.token);
+    }
+}
+
+impl CachingAllocator {
+    /// A new private memory pool of this allocator (PyTorch's `torch.cuda.MemPool(...)`).
+    pub fn mem_pool(&self, options: MemPoolOptions) -> Result<MemPool> {
+        self.birth.check("this allocator")?;
+        Ok(MemPool {
+            inner: Arc::new(PoolInner {
+                id: MemPoolId::next_user(),
+                options,
+                allocator: self.id,
+                devices: self.devices.clone(),
+                birth: self.birth,
+            }),
+        })
+    }
+
+    /// Makes this thread allocate from `pool` on `device` — on every stream — until the scope
+    /// drops (PyTorch's `torch.cuda.use_mem_pool(pool, device)`). Other threads are not
+    /// affected; scopes nest.
+    pub fn use_mem_pool(&self, pool: &MemPool, device: usize) -> Result<PoolScope> {
+        self.device(device)?;
+        if pool.inner.allocator != self.id {
+            return Err(Error::invalid(format!(
+                "memory pool {} belongs to another allocator",
+                pool.id()
+            )));
+        }
+        let token = thread::enter_pool(self.id, device, pool.id(), pool.options());
+        Ok(PoolScope {
+            pool: pool.clone(),
+            device,
+            token,
+            _this_thread: std::marker::PhantomData,
+        })
+    }
+
+    /// The pool this thread allocates from on `device` (`None`: the default pool).
+    pub fn current_mem_pool(&self, device: usize) -> Option<MemPoolId> {
+        thread::current_pool(self.id, device).map(|(id, _)| id)
+    }
+}
