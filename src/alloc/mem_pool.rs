@@ -34,8 +34,8 @@ use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::Arc;
 
-/// A private memory pool of one allocator (PyTorch's `torch.cuda.MemPool`): see the
-/// [module docs](self). Clones share the pool; the pool is dropped with its last holder (clones,
+/// A private memory pool of one allocator (PyTorch's `torch.cuda.MemPool`; how pools work is in
+/// `src/alloc/mem_pool.rs`). Clones share the pool; the pool is dropped with its last holder (clones,
 /// [`PoolScope`]s), and gives its memory back as its blocks are freed.
 #[derive(Clone, Debug)]
 pub struct MemPool {
@@ -103,8 +103,8 @@ impl MemPool {
         }
     }
 
-    /// The pool's statistics on `device`: the sums of its shards' (see the [module docs](self)
-    /// for peaks).
+    /// The pool's statistics on `device`: the sums of its shards' — currents and accumulated
+    /// counts; a pool's `peak` fields are its currents (peaks are the device's).
     pub fn memory_stats(&self, device: usize) -> Result<DeviceStats> {
         let core = self.inner.devices.get(device).ok_or_else(|| {
             Error::invalid(format!(
