@@ -5,11 +5,11 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudalloc::{
     AllocatorConfig, CachingAllocator, DataPtr, Driver, MemPool, MemPoolId, MemPoolOptions,
-    SimDriver, Snapshot,
+    Sanitize, SegmentChange, SimDriver, Snapshot,
 };
 
 fn allocator_with(conf: &str, device_bytes: u64) -> CachingAllocator {
@@ -459,4 +459,119 @@ fn storages_made_in_a_scope_live_in_the_pool() {
         .iter()
         .any(|seg| seg.address <= copied && copied < seg.address + seg.total_size));
     assert_eq!(clone.count_pattern_mismatches(7).unwrap(), 0);
+}
+
+// Found by a hostile review of the pools (each failed before its fix).
+
+/// A new pool's statistics are its own: a retired shard taken again must not bring the dropped
+/// pool's accumulated counts along (and the device's accumulated counts must not go backwards).
+#[test]
+fn a_reused_retired_shard_does_not_carry_the_old_pools_counts() {
+    let a = allocator_with("", 256 << 20);
+    let old = a.mem_pool(MemPoolOptions::default()).unwrap();
+    {
+        let _s = a.use_mem_pool(&old, 0).unwrap();
+        for _ in 0..5 {
+            drop(a.allocate(0, 4096).unwrap());
+        }
+    }
+    assert_eq!(old.memory_stats(0).unwrap().allocation.all.allocated, 5);
+    drop(old);
+    let device_before = a.memory_stats(0).unwrap().allocation.all.allocated;
+    let new = a.mem_pool(MemPoolOptions::default()).unwrap();
+    let p = {
+        let _s = a.use_mem_pool(&new, 0).unwrap();
+        a.allocate(0, 4096).unwrap()
+    };
+    let stats = new.memory_stats(0).unwrap();
+    assert_eq!(stats.allocation.all.current, 1);
+    assert_eq!(
+        stats.allocation.all.allocated, 1,
+        "the new pool made one allocation"
+    );
+    assert_eq!(stats.num_device_alloc, 1, "the new pool mapped one segment");
+    assert_eq!(
+        a.memory_stats(0).unwrap().allocation.all.allocated,
+        device_before + 1,
+        "device counts are monotonic"
+    );
+    drop(p);
+    a.check_invariants().unwrap();
+}
+
+/// With expandable segments, dropped pools must not accumulate: their retired shard keeps an
+/// (empty) expandable segment, so it is never "empty" and never reused.
+#[test]
+fn expandable_pools_made_and_dropped_in_a_loop_do_not_pile_up() {
+    let a = allocator_with("expandable_segments:True", 256 << 20);
+    for _ in 0..20 {
+        let pool = a.mem_pool(MemPoolOptions::default()).unwrap();
+        {
+            let _s = a.use_mem_pool(&pool, 0).unwrap();
+            drop(a.allocate(0, 3 << 20).unwrap());
+        }
+    }
+    a.empty_cache();
+    let stats = a.memory_stats(0).unwrap();
+    assert_eq!(stats.reserved_bytes.all.current, 0);
+    let segments = a.snapshot().segments.len();
+    assert!(
+        segments <= 1 && stats.segment.all.current <= 1,
+        "dropped pools left {segments} segments behind (segment.all.current = {})",
+        stats.segment.all.current
+    );
+    a.check_invariants().unwrap();
+}
+
+/// A pool dropped on one thread while the allocator drops on another: before, the pool's shards
+/// were in neither the map nor the retired list while its cache was released, so the allocator's
+/// teardown missed them; they landed in the retired list afterwards and nobody ever orphaned them
+/// (a cycle shard <-> device core): the live block's segment never went back to the driver.
+#[test]
+fn a_pool_dropped_while_the_allocator_drops_is_not_leaked() {
+    let sim = Arc::new(SimDriver::new(1, 256 << 20).unwrap());
+    let driver: Arc<dyn Driver> = sim.clone();
+    let total = driver.mem_info(0).unwrap().total;
+    let a = CachingAllocator::builder()
+        .sanitize(Sanitize::Off)
+        .build(Arc::clone(&driver))
+        .unwrap();
+    // The dropping thread's unmap (inside the pool's retire) says so and waits until the
+    // allocator has been dropped: the window held open without timing.
+    let (in_retire, wait_in_retire) = std::sync::mpsc::channel::<()>();
+    let (go_on, may_go_on) = std::sync::mpsc::channel::<()>();
+    let (in_retire, may_go_on) = (Mutex::new(in_retire), Mutex::new(may_go_on));
+    a.register_segment_observer(Arc::new(move |e| {
+        if e.change == SegmentChange::Unmap && std::thread::current().name() == Some("pool-dropper")
+        {
+            let _ = in_retire.lock().unwrap().send(());
+            let _ = may_go_on.lock().unwrap().recv();
+        }
+    }));
+    let pool = a.mem_pool(MemPoolOptions::default()).unwrap();
+    let kept: DataPtr = {
+        let _s = a.use_mem_pool(&pool, 0).unwrap();
+        let kept = a.allocate(0, 4 << 20).unwrap();
+        drop(a.allocate(0, 32 << 20).unwrap()); // a cached segment: retire releases it
+        kept
+    };
+    let dropper = std::thread::Builder::new()
+        .name("pool-dropper".into())
+        .spawn(move || drop(pool))
+        .unwrap();
+    wait_in_retire.recv().unwrap();
+    drop(a); // while the pool's shard is being released
+    go_on.send(()).unwrap();
+    dropper.join().unwrap();
+    drop(kept);
+    assert_eq!(
+        driver.mem_info(0).unwrap().free,
+        total,
+        "every segment back to the driver once allocator, pool and blocks are gone"
+    );
+    assert_eq!(
+        Arc::strong_count(&driver),
+        2,
+        "nothing of the allocator is left holding the driver"
+    );
 }

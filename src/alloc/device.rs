@@ -94,8 +94,17 @@ impl DeviceCore {
             return Ok(Arc::clone(shard));
         }
         if !pool.is_default() {
-            if let Some(shard) = self.take_retired(stream, pool, options) {
+            if let Some((shard, bases)) = self.take_retired(stream, pool, options) {
                 shards.insert((stream, pool), Arc::clone(&shard));
+                drop(shards);
+                for base in bases {
+                    if let Err(err) = self
+                        .driver
+                        .vm_free_reservation(crate::driver::DeviceAddr(base))
+                    {
+                        tracing::error!(%err, base, "freeing an expandable segment's reservation failed");
+                    }
+                }
                 return Ok(shard);
             }
         }
@@ -155,26 +164,35 @@ impl DeviceCore {
         })
     }
 
-    /// A retired shard of `stream` that holds nothing, made a shard of `pool`.
+    /// A retired shard of `stream` that holds nothing (but expandable segments with no page
+    /// mapped, whose reservations are returned: the bases, to free outside the locks), made a
+    /// shard of `pool`, its accumulated counts from now on the new pool's.
     fn take_retired(
         &self,
         stream: StreamId,
         pool: MemPoolId,
         options: MemPoolOptions,
-    ) -> Option<Arc<Shard>> {
+    ) -> Option<(Arc<Shard>, Vec<u64>)> {
         let mut retired = self.retired.lock();
         let at = retired.iter().position(|shard| {
             shard.stream == stream && {
                 let st = shard.state.lock();
-                st.owners == 0 && st.blocks.is_empty() && st.pending.values().all(|q| q.is_empty())
+                st.owners == 0
+                    && st
+                        .blocks
+                        .iter()
+                        .all(|(_, b)| b.state == super::block::BlockState::Unmapped)
+                    && st.pending.values().all(|q| q.is_empty())
             }
         })?;
         let shard = retired.swap_remove(at);
         let mut st = shard.state.lock();
+        let bases = st.take_empty_expandable();
         st.pool = pool;
         st.pool_options = options;
+        st.pool_base = st.stats.clone();
         drop(st);
-        Some(shard)
+        Some((shard, bases))
     }
 
     /// Every shard of the device: the default pool's, the live pools', the retired ones.
@@ -213,14 +231,15 @@ impl DeviceCore {
     /// cached memory back (blocks still handed out return to them and are released like the
     /// default pool's).
     pub(super) fn retire_pool(&self, pool: MemPoolId) {
-        let leaving: Vec<Arc<Shard>> = {
-            let mut shards = self.shards.write();
-            let keys: Vec<_> = shards.keys().filter(|(_, p)| *p == pool).copied().collect();
-            keys.iter().filter_map(|k| shards.remove(k)).collect()
-        };
-        for shard in &leaving {
-            self.release_shard(shard, false);
+        // Released while still in the map (nothing allocates from a dropped pool), then moved
+        // to the retired list in one step under the map's lock: a shard is never in neither,
+        // where the allocator's teardown (and stats, snapshots) would miss it.
+        for shard in self.pool_shards(pool) {
+            self.release_shard(&shard, false);
         }
+        let mut shards = self.shards.write();
+        let keys: Vec<_> = shards.keys().filter(|(_, p)| *p == pool).copied().collect();
+        let leaving: Vec<Arc<Shard>> = keys.iter().filter_map(|k| shards.remove(k)).collect();
         self.retired.lock().extend(leaving);
     }
 
@@ -698,7 +717,9 @@ impl DeviceCore {
             return;
         }
         for shard in self.all_shards() {
-            shard.state.lock().stats.reset_accumulated();
+            let mut st = shard.state.lock();
+            st.stats.reset_accumulated();
+            st.pool_base.reset_accumulated();
         }
         for counter in [&self.alloc_retries, &self.ooms, &self.sync_all] {
             counter.store(0, Ordering::Relaxed);

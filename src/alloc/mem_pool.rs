@@ -10,8 +10,8 @@
 //! | pool state | its shards | cached memory released by |
 //! |---|---|---|
 //! | live (a `MemPool`, a clone, or a scope holds it) | in the device's map under `(stream, id)` | [`MemPool::empty_cache`] only — not `empty_cache`, out-of-memory or garbage collection (a graph's replays use a pool's free blocks) |
-//! | dropped (the last holder gone) | moved to the device's retired list, their cached memory given back at once | every release of the default pool: blocks still handed out return to their shard and are released like the default pool's |
-//! | retired and empty | kept for the allocator's life (a thread's shard cache may point at one) | taken again by the next pool used on the same stream, so dropping pools never grows the allocator |
+//! | dropped (the last holder gone) | their cached memory given back at once, then moved to the device's retired list in one step under the map's lock (never in neither list, where the allocator's teardown would miss them) | every release of the default pool: blocks still handed out return to their shard and are released like the default pool's |
+//! | retired and empty (no block but pages never mapped) | kept for the allocator's life (a thread's shard cache may point at one) | taken again by the next pool used on the same stream — its empty expandable reservations given back, its accumulated counts left behind (`ShardState::pool_base`) — so dropping pools never grows the allocator |
 //!
 //! What a pool changes in the allocation path: nothing on a thread's cache hit — the thread's
 //! cached shards are forgotten when a scope begins or ends, so a cached shard is always the
@@ -114,7 +114,10 @@ impl MemPool {
         })?;
         let mut total = DeviceStats::default();
         for shard in core.pool_shards(self.inner.id) {
-            total.accumulate(&shard.state.lock().stats);
+            let st = shard.state.lock();
+            let mut own = st.stats.clone();
+            own.subtract_accumulated(&st.pool_base);
+            total.accumulate(&own);
         }
         total.for_each_peak_stat_mut(|_, s| s.peak = s.current);
         Ok(total)

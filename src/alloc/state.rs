@@ -49,6 +49,9 @@ pub(crate) struct ShardState {
     pub pool: MemPoolId,
     /// The pool's options (`MemPoolOptions::no_split`: blocks are handed out whole).
     pub pool_options: MemPoolOptions,
+    /// The accumulated counts `stats` held when a retired shard was taken by `pool`: the earlier
+    /// pools' (the device's totals keep them, the pool's statistics leave them out).
+    pub pool_base: DeviceStats,
 }
 
 /// The order in which [`ShardState::take_free_segments`] visits candidate segments.

@@ -267,6 +267,32 @@ impl DeviceStats {
         self.num_device_free += other.num_device_free;
     }
 
+    /// Takes `base`'s accumulated counts off these (currents and peaks untouched).
+    pub(crate) fn subtract_accumulated(&mut self, base: &DeviceStats) {
+        for (mine, (_, theirs)) in self.arrays_mut().into_iter().zip(base.arrays()) {
+            for (m, t) in mine.iter_mut().zip(theirs.iter()) {
+                m.allocated -= t.allocated;
+                m.freed -= t.freed;
+            }
+        }
+        for (m, t) in [
+            (&mut self.oversize_allocations, &base.oversize_allocations),
+            (&mut self.oversize_segments, &base.oversize_segments),
+        ] {
+            m.allocated -= t.allocated;
+            m.freed -= t.freed;
+        }
+        self.num_alloc_retries = self
+            .num_alloc_retries
+            .saturating_sub(base.num_alloc_retries);
+        self.num_ooms = self.num_ooms.saturating_sub(base.num_ooms);
+        self.num_sync_all_streams = self
+            .num_sync_all_streams
+            .saturating_sub(base.num_sync_all_streams);
+        self.num_device_alloc = self.num_device_alloc.saturating_sub(base.num_device_alloc);
+        self.num_device_free = self.num_device_free.saturating_sub(base.num_device_free);
+    }
+
     /// Sets every peak to its current value.
     pub fn reset_peaks(&mut self) {
         for array in self.arrays_mut() {
