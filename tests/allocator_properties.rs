@@ -64,6 +64,9 @@ proptest! {
 
     #[test]
     fn random_sequences_match_the_model(ops in proptest::collection::vec(op(), 1..60)) {
+        // The device alone: the case checks its free memory at the end (on the CUDA backend the
+        // device is the whole test process's).
+        let _alone = device_alone();
         let driver: Arc<dyn Driver> = test_driver();
         let a = checked_allocator(driver.clone(), "");
         let streams = [a.default_stream(0).unwrap(), a.create_stream(0).unwrap(), a.create_stream(0).unwrap()];
@@ -167,6 +170,7 @@ proptest! {
 
     #[test]
     fn random_sequences_with_memory_pools_match_the_model(ops in proptest::collection::vec(pool_op(), 1..60)) {
+        let _alone = device_alone();
         let driver: Arc<dyn Driver> = test_driver();
         let a = checked_allocator(driver.clone(), "");
         let streams = [a.default_stream(0).unwrap(), a.create_stream(0).unwrap(), a.create_stream(0).unwrap()];
