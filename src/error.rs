@@ -14,6 +14,7 @@
 //! | [`ErrorKind::Driver`]       | maybe: the device or the operating system failed     |
 //! | [`ErrorKind::StreamRace`]   | no: the program's stream order is wrong (the sanitizer found two unordered accesses); sticky on the stream |
 //! | [`ErrorKind::ForkedChild`]  | no: the object belongs to the parent of this forked process; build a runtime in the child |
+//! | [`ErrorKind::StreamCapture`] | no: the call is not allowed while a stream is being captured into a graph (or the capture was already invalidated by one); end the capture first |
 //! | [`ErrorKind::ForeignEvent`] | no: another process's event failed the work that waited for it (its producer exited, its cell was written by a third party, or the wait passed its deadline); the storage it guards is not ready — drop it, the stream stays usable |
 
 use std::fmt;
@@ -46,6 +47,9 @@ pub enum ErrorKind {
     ForeignEvent,
     /// A host kernel of the caller's failed with its own error ([`Error::Kernel`]).
     Kernel,
+    /// A call that a stream capture forbids, or a capture that cannot go on (see
+    /// `driver/capture.rs`): the capture it concerns is invalidated.
+    StreamCapture,
 }
 
 /// Why a wait on another process's interprocess event failed ([`Error::ForeignEvent`]).
@@ -126,6 +130,10 @@ pub enum Error {
     /// after free); the message names both. Sticky on the stream, like a CUDA error.
     #[error("{0}")]
     StreamRace(String),
+
+    /// A call that stream capture forbids, or a capture that cannot be ended (`driver/capture.rs`).
+    #[error("stream capture: {0}")]
+    StreamCapture(String),
     /// The object belongs to the process this one was forked from; the message names both pids.
     #[error("forked child: {0}")]
     ForkedChild(String),
@@ -155,6 +163,7 @@ impl Error {
             Error::NoCudaDriver(_) => ErrorKind::NoCudaDriver,
             Error::Driver { .. } => ErrorKind::Driver,
             Error::StreamRace(_) => ErrorKind::StreamRace,
+            Error::StreamCapture(_) => ErrorKind::StreamCapture,
             Error::ForkedChild(_) => ErrorKind::ForkedChild,
             Error::ForeignEvent { .. } => ErrorKind::ForeignEvent,
             Error::Kernel { .. } => ErrorKind::Kernel,
@@ -170,6 +179,11 @@ impl Error {
     /// Shorthand for [`Error::InvalidArgument`].
     pub(crate) fn invalid(message: impl fmt::Display) -> Self {
         Error::InvalidArgument(message.to_string())
+    }
+
+    /// Shorthand for [`Error::StreamCapture`].
+    pub(crate) fn capture(message: impl fmt::Display) -> Self {
+        Error::StreamCapture(message.to_string())
     }
 
     /// Shorthand for [`Error::InvalidIpcHandle`].

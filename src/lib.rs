@@ -56,10 +56,10 @@ pub use driver::pattern;
 pub use driver::sanitizer::{AccessKind, AccessReport, HazardKind, HazardReport, Touch};
 pub use driver::sim::MAX_SIM_DEVICES;
 pub use driver::{
-    Backend, BackendChoice, ChunkId, CudaDriver, DeviceAddr, Driver, EventFlags, EventId,
-    ExportedChunk, HostDriver, HostDriverBuilder, IpcEventHandle, IpcMemHandle, MemInfo,
-    OpenedSegment, SanitizeOptions, SanitizedDriver, Sanitizer, SelectedBackend, SimDriver,
-    StreamId, IPC_HANDLE_SIZE,
+    Backend, BackendChoice, CaptureMode, CaptureStatus, ChunkId, CudaDriver, DeviceAddr, Driver,
+    EventFlags, EventId, ExportedChunk, GraphExecId, GraphId, HostDriver, HostDriverBuilder,
+    IpcEventHandle, IpcMemHandle, MemInfo, OpenedSegment, SanitizeOptions, SanitizedDriver,
+    Sanitizer, SelectedBackend, SimDriver, StreamId, IPC_HANDLE_SIZE,
 };
 pub use error::{Cause, Error, ErrorKind, ForeignEventFailure, Result};
 pub use global::{Global, GLOBAL};

@@ -34,6 +34,7 @@
 //! default stream that implicitly serializes with others. The CUDA backend uses non-blocking streams
 //! for the same reason.
 
+pub mod capture;
 pub mod cuda;
 pub mod host;
 pub mod pattern;
@@ -45,6 +46,7 @@ pub(crate) mod vm_space;
 
 use std::fmt;
 
+pub use capture::{CaptureMode, CaptureStatus, GraphExecId, GraphId};
 pub use cuda::CudaDriver;
 pub use host::{HostDriver, HostDriverBuilder};
 pub use sanitizer::{SanitizeOptions, SanitizedDriver, Sanitizer};
@@ -373,6 +375,55 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn vm_export_chunk(&self, chunk: ChunkId) -> Result<ExportedChunk>;
     /// A chunk from another process's descriptor, which must hold `size` bytes at the offset.
     fn vm_import_chunk(&self, device: usize, chunk: ExportedChunk, size: u64) -> Result<ChunkId>;
+
+    // Stream capture and graphs (`capture.rs`). A backend without them says so: beginning a
+    // capture is an error, and no stream is ever capturing.
+
+    /// Begins capturing `stream` into a graph in `mode` (see `capture.rs`).
+    fn stream_begin_capture(&self, stream: StreamId, mode: CaptureMode) -> Result<()> {
+        let _ = (stream, mode);
+        Err(capture::unsupported(self.backend()))
+    }
+    /// Ends the capture begun on `stream` and returns its graph.
+    fn stream_end_capture(&self, stream: StreamId) -> Result<GraphId> {
+        let _ = stream;
+        Err(capture::unsupported(self.backend()))
+    }
+    /// Whether `stream` is being captured, and into which capture.
+    fn stream_capture_status(&self, stream: StreamId) -> Result<CaptureStatus> {
+        let _ = stream;
+        Ok(CaptureStatus::None)
+    }
+    /// Sets the calling thread's capture interaction mode; returns the previous one.
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> CaptureMode {
+        let _ = mode;
+        CaptureMode::Global
+    }
+    /// Instantiates `graph` for launching.
+    fn graph_instantiate(&self, graph: GraphId) -> Result<GraphExecId> {
+        let _ = graph;
+        Err(capture::unsupported(self.backend()))
+    }
+    /// Enqueues a replay of `exec` on `stream`.
+    fn graph_launch(&self, exec: GraphExecId, stream: StreamId) -> Result<()> {
+        let _ = (exec, stream);
+        Err(capture::unsupported(self.backend()))
+    }
+    /// Destroys `graph` (its instantiations stay usable).
+    fn graph_destroy(&self, graph: GraphId) -> Result<()> {
+        let _ = graph;
+        Err(capture::unsupported(self.backend()))
+    }
+    /// Destroys an instantiated graph (replays already enqueued still run).
+    fn graph_exec_destroy(&self, exec: GraphExecId) -> Result<()> {
+        let _ = exec;
+        Err(capture::unsupported(self.backend()))
+    }
+    /// How many nodes `graph` holds.
+    fn graph_node_count(&self, graph: GraphId) -> Result<usize> {
+        let _ = graph;
+        Err(capture::unsupported(self.backend()))
+    }
 }
 
 /// The virtual-memory methods of [`Driver`], forwarded to a backend's inherent methods of the
@@ -445,6 +496,66 @@ macro_rules! forward_vm_methods {
     };
 }
 pub(crate) use forward_vm_methods;
+
+/// The capture and graph methods of [`Driver`], forwarded to a backend's inherent methods of the
+/// same meaning (`begin_capture`, `end_capture`, `capture_status`, `exchange_mode`,
+/// `instantiate_graph`, `launch_graph`, `destroy_graph`, `destroy_graph_exec`,
+/// `graph_nodes`).
+macro_rules! forward_capture_methods {
+    () => {
+        fn stream_begin_capture(
+            &self,
+            stream: $crate::driver::StreamId,
+            mode: $crate::driver::CaptureMode,
+        ) -> $crate::error::Result<()> {
+            self.begin_capture(stream, mode)
+        }
+        fn stream_end_capture(
+            &self,
+            stream: $crate::driver::StreamId,
+        ) -> $crate::error::Result<$crate::driver::GraphId> {
+            self.end_capture(stream)
+        }
+        fn stream_capture_status(
+            &self,
+            stream: $crate::driver::StreamId,
+        ) -> $crate::error::Result<$crate::driver::CaptureStatus> {
+            self.capture_status(stream)
+        }
+        fn exchange_capture_mode(
+            &self,
+            mode: $crate::driver::CaptureMode,
+        ) -> $crate::driver::CaptureMode {
+            self.exchange_mode(mode)
+        }
+        fn graph_instantiate(
+            &self,
+            graph: $crate::driver::GraphId,
+        ) -> $crate::error::Result<$crate::driver::GraphExecId> {
+            self.instantiate_graph(graph)
+        }
+        fn graph_launch(
+            &self,
+            exec: $crate::driver::GraphExecId,
+            stream: $crate::driver::StreamId,
+        ) -> $crate::error::Result<()> {
+            self.launch_graph(exec, stream)
+        }
+        fn graph_destroy(&self, graph: $crate::driver::GraphId) -> $crate::error::Result<()> {
+            self.destroy_graph(graph)
+        }
+        fn graph_exec_destroy(
+            &self,
+            exec: $crate::driver::GraphExecId,
+        ) -> $crate::error::Result<()> {
+            self.destroy_graph_exec(exec)
+        }
+        fn graph_node_count(&self, graph: $crate::driver::GraphId) -> $crate::error::Result<usize> {
+            self.graph_nodes(graph)
+        }
+    };
+}
+pub(crate) use forward_capture_methods;
 
 /// Which backend to use, from `CUDALLOC_BACKEND` (`auto`, `cuda`, `host`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -96,6 +96,10 @@ impl HostDriver {
                 s.device()
             )));
         }
+        if let Some(point) = self.captures.record_point(event, stream) {
+            // A point of the capture: nothing is recorded now (`capture.rs`).
+            return point;
+        }
         let seq = e.cell.begin_record();
         let cell = e.cell.clone();
         // Control work: it runs (and completes the event) even behind a failed foreign wait.
@@ -108,6 +112,7 @@ impl HostDriver {
 
     pub(super) fn host_event_query(&self, event: EventId) -> Result<bool> {
         self.this_process()?;
+        self.captures.check_event(event, "event_query")?;
         match &self.event(event)?.cell {
             HostCell::Own(cell) => Ok(cell.reached(cell.current_target())),
             HostCell::Foreign(cell) => cell.check(cell.target()),
@@ -116,6 +121,7 @@ impl HostDriver {
 
     pub(super) fn host_event_synchronize(&self, event: EventId) -> Result<()> {
         self.this_process()?;
+        self.captures.check_event(event, "event_synchronize")?;
         match &self.event(event)?.cell {
             HostCell::Own(cell) => {
                 cell.wait_until(cell.current_target());
@@ -131,6 +137,10 @@ impl HostDriver {
         self.this_process()?;
         let e = self.event(event)?;
         let s = self.stream(stream)?;
+        if let Some(joined) = self.captures.wait(stream, event) {
+            // A fork, a join or an ordering inside a capture (`capture.rs`).
+            return joined;
+        }
         match &e.cell {
             HostCell::Own(cell) => {
                 let target = cell.current_target();

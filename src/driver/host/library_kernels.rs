@@ -124,7 +124,7 @@ impl HostDriver {
         &self,
         stream: StreamId,
         ranges: [HostRange; N],
-        kernel: impl FnOnce(&mut HostMemory<N>) -> Result<()> + Send + 'static,
+        kernel: impl Fn(&mut HostMemory<N>) -> Result<()> + Send + Sync + 'static,
     ) -> Result<()> {
         self.this_process()?;
         let mut lens = [0usize; N];
@@ -147,6 +147,9 @@ impl HostDriver {
             .map(|_| ())
         };
         match self.attached_sanitizer() {
+            // Captured work does not run now, so it is not checked as if it did (the sanitizer
+            // does not check replays yet).
+            Some(_) if self.captures.status(stream).is_capturing() => enqueue(),
             Some(sanitizer) => {
                 let touches = ranges.map(|r| Touch {
                     start: r.addr.0,

@@ -9,6 +9,7 @@
 //! | IPC event handle    | names the chunk cell *and the record exported*; the opener's waits are checked and bounded (`foreign_event.rs`) |
 //! | IPC memory handle   | names the segment's object; another process maps it (`handle.rs`) |
 //! | kernels             | native fill / verify / poison / sleep (`kernels.rs`)                |
+//! | stream capture, graphs | work on a capturing stream recorded as re-runnable nodes; a launch re-checks their memory and runs them in order (`capture.rs`) |
 //!
 //! Stricter and louder than CUDA: freed segments are poisoned before they are unmapped (another
 //! process that still maps them sees `0xDEADBEEF`); opening a handle in the exporting process or
@@ -26,6 +27,8 @@
 //! [`Error::ForeignEvent`], reported to the first blocking call after it too; the stream stays
 //! usable for everything else (`stream.rs`, *faults*).
 
+mod capture;
+mod capture_calls;
 mod config;
 mod event;
 mod event_calls;
@@ -83,6 +86,8 @@ pub struct HostDriver {
     /// The stream sanitizer of the [`SanitizedDriver`](crate::driver::SanitizedDriver)s over
     /// this driver (one for all of them): library kernels report their accesses to it.
     sanitizer: OnceLock<Arc<crate::driver::Sanitizer>>,
+    /// Stream captures under way and the graphs they made (`capture.rs`).
+    captures: capture::Captures,
 }
 
 impl std::fmt::Debug for HostDriver {
@@ -123,6 +128,7 @@ impl HostDriver {
             event_pool: Mutex::new(EventPool::default()),
             foreign_chunks: Mutex::new(HashMap::new()),
             sanitizer: OnceLock::new(),
+            captures: capture::Captures::default(),
             config,
         };
         for device in 0..driver.config.devices {
@@ -215,7 +221,7 @@ impl HostDriver {
         &self,
         stream: StreamId,
         ranges: [(DeviceAddr, u64); N],
-        op: impl FnOnce([usize; N]) + Send + 'static,
+        op: impl Fn([usize; N]) + Send + Sync + 'static,
     ) -> Result<u64> {
         self.enqueue_fallible_on_ranges(stream, ranges, move |addrs| {
             op(addrs);
@@ -223,14 +229,18 @@ impl HostDriver {
         })
     }
 
-    /// As `enqueue_on_ranges`, for work that can fail its stream.
+    /// As `enqueue_on_ranges`, for work that can fail its stream. On a capturing stream the work
+    /// is recorded as a node of the capture instead (`capture.rs`; ticket 0: nothing to wait for).
     fn enqueue_fallible_on_ranges<const N: usize>(
         &self,
         stream: StreamId,
         ranges: [(DeviceAddr, u64); N],
-        op: impl FnOnce([usize; N]) -> Result<()> + Send + 'static,
+        op: impl Fn([usize; N]) -> Result<()> + Send + Sync + 'static,
     ) -> Result<u64> {
         let s = self.stream(stream)?;
+        if self.captures.any() {
+            return self.enqueue_or_record(&s, stream, ranges, op);
+        }
         let view = self.segments.view();
         let mut addrs = [0usize; N];
         // A range inside a mapped segment fits the address space: no separate length check.
@@ -339,6 +349,7 @@ impl Driver for HostDriver {
     fn malloc(&self, device: usize, size: u64) -> Result<DeviceAddr> {
         self.this_process()?;
         self.check_device(device)?;
+        self.captures.check_unsafe("malloc")?;
         if size == 0 {
             return Err(Error::invalid("malloc of 0 bytes"));
         }
@@ -388,6 +399,7 @@ impl Driver for HostDriver {
 
     fn free(&self, ptr: DeviceAddr) -> Result<()> {
         self.this_process()?;
+        self.captures.check_unsafe("free")?;
         let segment = self.segments.remove_owned(ptr)?;
         let (device, size) = (segment.device, segment.shm.len());
         let result = self.release_segment(segment, self.config.poison_on_free);
@@ -435,6 +447,12 @@ impl Driver for HostDriver {
         if self.default_streams.contains(&stream) {
             return Err(Error::invalid("the default stream cannot be destroyed"));
         }
+        if self.captures.status(stream).is_capturing() {
+            return Err(Error::capture(format!(
+                "stream {} is being captured: end the capture before destroying it",
+                stream.0
+            )));
+        }
         let s = self.streams.remove(stream.0)?;
         s.shutdown();
         Ok(())
@@ -442,12 +460,16 @@ impl Driver for HostDriver {
 
     fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
         self.this_process()?;
-        self.stream(stream)?.synchronize()
+        let s = self.stream(stream)?;
+        self.captures.check_blocking(stream, "stream_synchronize")?;
+        s.synchronize()
     }
 
     fn stream_query(&self, stream: StreamId) -> Result<bool> {
         self.this_process()?;
-        self.stream(stream)?.is_idle()
+        let s = self.stream(stream)?;
+        self.captures.check_blocking(stream, "stream_query")?;
+        s.is_idle()
     }
 
     fn stream_device(&self, stream: StreamId) -> Result<usize> {
@@ -481,6 +503,8 @@ impl Driver for HostDriver {
 
     fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
         self.this_process()?;
+        self.captures
+            .check_blocking(stream, "a copy from host memory")?;
         let data = src.to_vec();
         let len = data.len();
         let ticket = self.enqueue_on_ranges(stream, [(dst, len as u64)], move |[d]| {
@@ -493,6 +517,8 @@ impl Driver for HostDriver {
 
     fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
         self.this_process()?;
+        self.captures
+            .check_blocking(stream, "a copy to host memory")?;
         let len = dst.len();
         let out = Arc::new(Mutex::new(vec![0u8; len]));
         let for_op = Arc::clone(&out);
@@ -550,6 +576,8 @@ impl Driver for HostDriver {
         seed: u64,
     ) -> Result<u64> {
         self.this_process()?;
+        self.captures
+            .check_blocking(stream, "count_pattern_mismatches")?;
         let n = checked_len(len)?;
         let result = Arc::new(AtomicU64::new(0));
         let for_op = Arc::clone(&result);
@@ -574,6 +602,12 @@ impl Driver for HostDriver {
 
     fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
         self.this_process()?;
+        if let Some(recorded) = self
+            .captures
+            .record(stream, || capture::Node::Sleep(micros))
+        {
+            return recorded;
+        }
         self.stream(stream)?
             .enqueue(Box::new(move || {
                 std::thread::sleep(std::time::Duration::from_micros(micros))
@@ -638,4 +672,6 @@ impl Driver for HostDriver {
     }
 
     crate::driver::forward_vm_methods!();
+
+    crate::driver::forward_capture_methods!();
 }

@@ -75,6 +75,7 @@ impl HostDriver {
     }
 
     pub(super) fn reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
+        self.captures.check_unsafe("vm_reserve")?;
         self.check_device(device)?;
         check_granular("a reservation", size)?;
         let reservation = Arc::new(Reservation::new(size)?);
@@ -87,6 +88,7 @@ impl HostDriver {
     }
 
     pub(super) fn free_reservation(&self, base: DeviceAddr) -> Result<()> {
+        self.captures.check_unsafe("vm_free_reservation")?;
         self.segments.with_vm(|vm| {
             vm.space.remove(base.0)?;
             vm.reservations.remove(&base.0);
@@ -95,6 +97,7 @@ impl HostDriver {
     }
 
     pub(super) fn create_chunk(&self, device: usize, size: u64) -> Result<ChunkId> {
+        self.captures.check_unsafe("vm_create_chunk")?;
         self.check_device(device)?;
         check_granular("a chunk", size)?;
         let total = self.config.memory_per_device;
@@ -124,6 +127,7 @@ impl HostDriver {
     }
 
     pub(super) fn release_chunk(&self, chunk: ChunkId) -> Result<()> {
+        self.captures.check_unsafe("vm_release_chunk")?;
         let chunk = self.chunks.remove(chunk.0)?;
         self.used[chunk.device].fetch_sub(chunk.charged, Ordering::SeqCst);
         self.retire(chunk);
@@ -131,6 +135,7 @@ impl HostDriver {
     }
 
     pub(super) fn map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()> {
+        self.captures.check_unsafe("vm_map")?;
         let chunk = self.chunk(chunk)?;
         let len = chunk.chunk.len();
         self.segments.with_vm(|vm| {
@@ -152,6 +157,7 @@ impl HostDriver {
     }
 
     pub(super) fn unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
+        self.captures.check_unsafe("vm_unmap")?;
         let (taken, reservation) = self.segments.with_vm(|vm| {
             let taken = vm.space.take_mappings(addr.0, size)?;
             let reservation = vm

@@ -2,8 +2,9 @@
 
 use super::{SanitizeOptions, Sanitizer, Touch};
 use crate::driver::{
-    Backend, ChunkId, DeviceAddr, Driver, EventFlags, EventId, ExportedChunk, HostDriver,
-    IpcEventHandle, IpcMemHandle, MemInfo, OpenedSegment, StreamId,
+    Backend, CaptureMode, CaptureStatus, ChunkId, DeviceAddr, Driver, EventFlags, EventId,
+    ExportedChunk, GraphExecId, GraphId, HostDriver, IpcEventHandle, IpcMemHandle, MemInfo,
+    OpenedSegment, StreamId,
 };
 use crate::error::Result;
 use crate::process::Birth;
@@ -53,6 +54,14 @@ impl SanitizedDriver {
         })
     }
 
+    /// Whether `stream` is being captured: its work is recorded into a graph, not run, so it is
+    /// forwarded unchecked (the sanitizer does not check graph replays yet).
+    fn captured(&self, stream: StreamId) -> bool {
+        self.inner
+            .stream_capture_status(stream)
+            .is_ok_and(|status| status.is_capturing())
+    }
+
     /// Notes `stream` under its raw handle; a second id of the same raw stream becomes an alias
     /// of the first in the sanitizer.
     fn note_raw(&self, device: usize, stream: StreamId) {
@@ -89,6 +98,36 @@ fn shared_sanitizer(driver: &Arc<dyn Driver>, options: SanitizeOptions) -> Arc<S
         registry.push((Arc::downgrade(driver), Arc::downgrade(&made)));
         made
     })
+}
+
+impl SanitizedDriver {
+    /// Stream work checked by the sanitizer (or, on a capturing stream, forwarded unchecked).
+    fn checked<T>(
+        &self,
+        stream: StreamId,
+        what: &'static str,
+        touches: &[Touch],
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        if self.captured(stream) {
+            return f();
+        }
+        self.sanitizer.enqueue(stream, what, touches, f)
+    }
+
+    /// A blocking stream call checked by the sanitizer (a capturing stream refuses it anyway).
+    fn checked_blocking<T>(
+        &self,
+        stream: StreamId,
+        what: &'static str,
+        touches: &[Touch],
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        if self.captured(stream) {
+            return f();
+        }
+        self.sanitizer.blocking(stream, what, touches, f)
+    }
 }
 
 impl Driver for SanitizedDriver {
@@ -188,6 +227,9 @@ impl Driver for SanitizedDriver {
     }
     fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
         self.birth.check("this sanitized driver")?;
+        if self.captured(stream) {
+            return self.inner.event_record(event, stream);
+        }
         self.sanitizer
             .event_record(event, stream, || self.inner.event_record(event, stream))
     }
@@ -202,6 +244,9 @@ impl Driver for SanitizedDriver {
     }
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
         self.birth.check("this sanitized driver")?;
+        if self.captured(stream) {
+            return self.inner.stream_wait_event(stream, event);
+        }
         self.sanitizer.stream_wait_event(stream, event, || {
             self.inner.stream_wait_event(stream, event)
         })
@@ -210,18 +255,16 @@ impl Driver for SanitizedDriver {
     fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
         self.birth.check("this sanitized driver")?;
         let touch = [Touch::write(dst.0, src.len() as u64)];
-        self.sanitizer
-            .blocking(stream, "copy_host_to_device", &touch, || {
-                self.inner.copy_host_to_device(stream, dst, src)
-            })
+        self.checked_blocking(stream, "copy_host_to_device", &touch, || {
+            self.inner.copy_host_to_device(stream, dst, src)
+        })
     }
     fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
         self.birth.check("this sanitized driver")?;
         let touch = [Touch::read(src.0, dst.len() as u64)];
-        self.sanitizer
-            .blocking(stream, "copy_device_to_host", &touch, || {
-                self.inner.copy_device_to_host(stream, dst, src)
-            })
+        self.checked_blocking(stream, "copy_device_to_host", &touch, || {
+            self.inner.copy_device_to_host(stream, dst, src)
+        })
     }
     fn copy_device_to_device(
         &self,
@@ -232,25 +275,22 @@ impl Driver for SanitizedDriver {
     ) -> Result<()> {
         self.birth.check("this sanitized driver")?;
         let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
-        self.sanitizer
-            .enqueue(stream, "copy_device_to_device", &touches, || {
-                self.inner.copy_device_to_device(stream, dst, src, len)
-            })
+        self.checked(stream, "copy_device_to_device", &touches, || {
+            self.inner.copy_device_to_device(stream, dst, src, len)
+        })
     }
     fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
         self.birth.check("this sanitized driver")?;
-        self.sanitizer
-            .enqueue(stream, "memset", &[Touch::write(dst.0, len)], || {
-                self.inner.memset(stream, dst, value, len)
-            })
+        self.checked(stream, "memset", &[Touch::write(dst.0, len)], || {
+            self.inner.memset(stream, dst, value, len)
+        })
     }
 
     fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
         self.birth.check("this sanitized driver")?;
-        self.sanitizer
-            .enqueue(stream, "fill_pattern", &[Touch::write(dst.0, len)], || {
-                self.inner.fill_pattern(stream, dst, len, seed)
-            })
+        self.checked(stream, "fill_pattern", &[Touch::write(dst.0, len)], || {
+            self.inner.fill_pattern(stream, dst, len, seed)
+        })
     }
     fn count_pattern_mismatches(
         &self,
@@ -261,22 +301,19 @@ impl Driver for SanitizedDriver {
     ) -> Result<u64> {
         self.birth.check("this sanitized driver")?;
         let touch = [Touch::read(src.0, len)];
-        self.sanitizer
-            .blocking(stream, "count_pattern_mismatches", &touch, || {
-                self.inner.count_pattern_mismatches(stream, src, len, seed)
-            })
+        self.checked_blocking(stream, "count_pattern_mismatches", &touch, || {
+            self.inner.count_pattern_mismatches(stream, src, len, seed)
+        })
     }
     fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
         self.birth.check("this sanitized driver")?;
-        self.sanitizer
-            .enqueue(stream, "poison", &[Touch::write(dst.0, len)], || {
-                self.inner.poison(stream, dst, len)
-            })
+        self.checked(stream, "poison", &[Touch::write(dst.0, len)], || {
+            self.inner.poison(stream, dst, len)
+        })
     }
     fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
         self.birth.check("this sanitized driver")?;
-        self.sanitizer
-            .enqueue(stream, "sleep", &[], || self.inner.sleep(stream, micros))
+        self.checked(stream, "sleep", &[], || self.inner.sleep(stream, micros))
     }
 
     fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
@@ -345,5 +382,36 @@ impl Driver for SanitizedDriver {
     fn vm_import_chunk(&self, device: usize, chunk: ExportedChunk, size: u64) -> Result<ChunkId> {
         self.birth.check("this sanitized driver")?;
         self.inner.vm_import_chunk(device, chunk, size)
+    }
+
+    fn stream_begin_capture(&self, stream: StreamId, mode: CaptureMode) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.stream_begin_capture(stream, mode)
+    }
+    fn stream_end_capture(&self, stream: StreamId) -> Result<GraphId> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.stream_end_capture(stream)
+    }
+    fn stream_capture_status(&self, stream: StreamId) -> Result<CaptureStatus> {
+        self.inner.stream_capture_status(stream)
+    }
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> CaptureMode {
+        self.inner.exchange_capture_mode(mode)
+    }
+    fn graph_instantiate(&self, graph: GraphId) -> Result<GraphExecId> {
+        self.inner.graph_instantiate(graph)
+    }
+    fn graph_launch(&self, exec: GraphExecId, stream: StreamId) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.graph_launch(exec, stream)
+    }
+    fn graph_destroy(&self, graph: GraphId) -> Result<()> {
+        self.inner.graph_destroy(graph)
+    }
+    fn graph_exec_destroy(&self, exec: GraphExecId) -> Result<()> {
+        self.inner.graph_exec_destroy(exec)
+    }
+    fn graph_node_count(&self, graph: GraphId) -> Result<usize> {
+        self.inner.graph_node_count(graph)
     }
 }

@@ -1,0 +1,140 @@
+//! The host driver's capture and graph calls (`Driver::stream_begin_capture` … `graph_launch`):
+//! the table is `capture.rs`; here is what a launch does with a graph's nodes.
+
+use super::capture::{Captures, Node, NodeOp};
+use super::stream::HostStream;
+use super::HostDriver;
+use crate::driver::capture::{CaptureMode, CaptureStatus, GraphExecId, GraphId};
+use crate::driver::{DeviceAddr, StreamId};
+use crate::error::{Error, Result};
+use crate::sync::os::Arc;
+
+impl HostDriver {
+    pub(super) fn begin_capture(&self, stream: StreamId, mode: CaptureMode) -> Result<()> {
+        self.this_process()?;
+        self.stream(stream)?;
+        self.captures.begin(stream, mode)
+    }
+
+    pub(super) fn end_capture(&self, stream: StreamId) -> Result<GraphId> {
+        self.this_process()?;
+        self.stream(stream)?;
+        self.captures.end(stream)
+    }
+
+    pub(super) fn capture_status(&self, stream: StreamId) -> Result<CaptureStatus> {
+        self.this_process()?;
+        self.stream(stream)?;
+        Ok(self.captures.status(stream))
+    }
+
+    pub(super) fn exchange_mode(&self, mode: CaptureMode) -> CaptureMode {
+        Captures::exchange_mode(mode)
+    }
+
+    pub(super) fn instantiate_graph(&self, graph: GraphId) -> Result<GraphExecId> {
+        self.this_process()?;
+        self.captures.instantiate(graph)
+    }
+
+    /// Enqueues the nodes of `exec` on `stream` in their order, after checking every node's
+    /// ranges against the live segments (all of them before any is enqueued: a graph whose memory
+    /// was freed is an error of the launch, and nothing of it runs). On a capturing stream the
+    /// nodes are recorded into that capture instead (a graph inside a graph).
+    pub(super) fn launch_graph(&self, exec: GraphExecId, stream: StreamId) -> Result<()> {
+        self.this_process()?;
+        let nodes = self.captures.exec_nodes(exec)?;
+        let s = self.stream(stream)?;
+        if self.captures.status(stream).is_capturing() {
+            for node in nodes.iter() {
+                self.captures
+                    .record(stream, || node.clone())
+                    .unwrap_or_else(|| {
+                        Err(Error::capture("the capture ended during the launch"))
+                    })?;
+            }
+            return Ok(());
+        }
+        let view = self.segments.view();
+        let mut ready = Vec::with_capacity(nodes.len());
+        for (i, node) in nodes.iter().enumerate() {
+            let addrs = match node {
+                Node::Device { ranges, .. } => ranges
+                    .iter()
+                    .map(|&(ptr, len)| view.check(ptr, len))
+                    .collect::<Result<Vec<usize>>>()
+                    .map_err(|err| {
+                        Error::invalid(format!(
+                            "{exec}, node {i}: its memory is no longer there ({err}); a graph's \
+                             memory must outlive its launches"
+                        ))
+                    })?,
+                Node::Sleep(_) => Vec::new(),
+            };
+            ready.push(addrs);
+        }
+        for (node, addrs) in nodes.iter().zip(ready) {
+            match node {
+                Node::Device { op, .. } => {
+                    let op = Arc::clone(op);
+                    s.enqueue_fallible(Box::new(move || op(&addrs)))?;
+                }
+                &Node::Sleep(micros) => {
+                    s.enqueue(Box::new(move || {
+                        std::thread::sleep(std::time::Duration::from_micros(micros))
+                    }))?;
+                }
+            }
+        }
+        drop(view);
+        Ok(())
+    }
+
+    pub(super) fn destroy_graph(&self, graph: GraphId) -> Result<()> {
+        self.this_process()?;
+        self.captures.destroy_graph(graph)
+    }
+
+    pub(super) fn destroy_graph_exec(&self, exec: GraphExecId) -> Result<()> {
+        self.this_process()?;
+        self.captures.destroy_exec(exec)
+    }
+
+    pub(super) fn graph_nodes(&self, graph: GraphId) -> Result<usize> {
+        self.this_process()?;
+        self.captures.node_count(graph)
+    }
+
+    /// [`Self::enqueue_fallible_on_ranges`] while some capture is under way: the work as a node,
+    /// recorded when `stream` is capturing, enqueued otherwise.
+    #[cold]
+    pub(super) fn enqueue_or_record<const N: usize>(
+        &self,
+        s: &HostStream,
+        stream: StreamId,
+        ranges: [(DeviceAddr, u64); N],
+        op: impl Fn([usize; N]) -> Result<()> + Send + Sync + 'static,
+    ) -> Result<u64> {
+        let view = self.segments.view();
+        let mut addrs = [0usize; N];
+        for (addr, &(ptr, len)) in addrs.iter_mut().zip(&ranges) {
+            *addr = view.check(ptr, len)?;
+        }
+        let node_op: NodeOp = Arc::new(move |at: &[usize]| {
+            let at: [usize; N] = at
+                .try_into()
+                .map_err(|_| Error::invalid("a graph node's ranges do not match its operation"))?;
+            op(at)
+        });
+        let node = || Node::Device {
+            ranges: ranges.to_vec(),
+            op: Arc::clone(&node_op),
+        };
+        if let Some(recorded) = self.captures.record(stream, node) {
+            return recorded.map(|()| 0);
+        }
+        let ticket = s.enqueue_fallible(Box::new(move || node_op(&addrs)))?;
+        drop(view);
+        Ok(ticket)
+    }
+}

@@ -1,0 +1,345 @@
+//! Stream capture and graphs on the host backend (the contract: `src/driver/capture.rs`): work
+//! on a capturing stream is recorded, not run; a graph replays it in order on any stream, as
+//! often as asked; the capture modes' prohibitions; forks and joins through events; a launch whose
+//! memory is gone is an error, never a fault.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::Arc;
+
+use cudalloc::{
+    CaptureMode, CaptureStatus, DeviceAddr, Driver, ErrorKind, EventFlags, HostDriver, HostRange,
+    SimDriver, StreamId,
+};
+
+fn driver() -> Arc<dyn Driver> {
+    common::sanitized(Arc::new(common::host_driver()))
+}
+
+fn host(d: &Arc<dyn Driver>) -> &HostDriver {
+    d.as_host().unwrap()
+}
+
+fn bytes(d: &Arc<dyn Driver>, s: StreamId, at: DeviceAddr, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    d.copy_device_to_host(s, &mut out, at).unwrap();
+    out
+}
+
+fn is_capture_error(r: cudalloc::Result<impl std::fmt::Debug>) -> String {
+    let err = r.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::StreamCapture, "{err}");
+    err.to_string()
+}
+
+#[test]
+fn captured_work_is_recorded_not_run_and_replays_in_order_every_launch() {
+    let d = driver();
+    let (s, other) = (d.stream_create(0).unwrap(), d.stream_create(0).unwrap());
+    let a = d.malloc(0, 1 << 16).unwrap();
+    let b = d.malloc(0, 1 << 16).unwrap();
+    d.memset(other, a, 0, 1 << 16).unwrap();
+    d.memset(other, b, 0, 1 << 16).unwrap();
+    d.stream_synchronize(other).unwrap();
+    assert_eq!(d.stream_capture_status(s).unwrap(), CaptureStatus::None);
+    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    let status = d.stream_capture_status(s).unwrap();
+    assert!(matches!(status, CaptureStatus::Active { .. }), "{status:?}");
+    d.fill_pattern(s, a, 1 << 16, 7).unwrap();
+    d.copy_device_to_device(s, b, a, 1 << 16).unwrap();
+    d.memset(s, a, 0x11, 16).unwrap();
+    let graph = d.stream_end_capture(s).unwrap();
+    assert_eq!(d.stream_capture_status(s).unwrap(), CaptureStatus::None);
+    assert_eq!(d.graph_node_count(graph).unwrap(), 3);
+    // Nothing ran.
+    assert!(bytes(&d, other, a, 1 << 16).iter().all(|&x| x == 0));
+    assert!(bytes(&d, other, b, 1 << 16).iter().all(|&x| x == 0));
+    let exec = d.graph_instantiate(graph).unwrap();
+    d.graph_destroy(graph).unwrap();
+    for round in 0..3 {
+        d.memset(other, b, 0xff, 1 << 16).unwrap();
+        d.stream_synchronize(other).unwrap();
+        d.graph_launch(exec, other).unwrap();
+        // In order: the copy saw the fill, the memset came after the copy.
+        assert_eq!(
+            d.count_pattern_mismatches(other, b, 1 << 16, 7).unwrap(),
+            0,
+            "round {round}"
+        );
+        let head = bytes(&d, other, a, 16);
+        assert!(head.iter().all(|&x| x == 0x11), "round {round}: {head:?}");
+    }
+    d.graph_exec_destroy(exec).unwrap();
+    assert!(d.graph_launch(exec, other).is_err(), "a destroyed exec");
+    d.free(a).unwrap();
+    d.free(b).unwrap();
+}
+
+#[test]
+fn host_kernels_and_sleeps_are_captured_and_rerun() {
+    let d = driver();
+    let s = d.stream_create(0).unwrap();
+    let a = d.malloc(0, 4096).unwrap();
+    d.memset(s, a, 0, 4096).unwrap();
+    d.stream_synchronize(s).unwrap();
+    d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
+    d.sleep(s, 10).unwrap();
+    host(&d)
+        .enqueue_host(s, [HostRange::write(a, 4096)], |m| {
+            let mut v = vec![0u8; 4096];
+            m.read(0, 0, &mut v)?;
+            v.iter_mut().for_each(|x| *x += 1);
+            m.write(0, 0, &v)
+        })
+        .unwrap();
+    let graph = d.stream_end_capture(s).unwrap();
+    assert_eq!(d.graph_node_count(graph).unwrap(), 2);
+    assert!(bytes(&d, s, a, 4096).iter().all(|&x| x == 0));
+    let exec = d.graph_instantiate(graph).unwrap();
+    for _ in 0..5 {
+        d.graph_launch(exec, s).unwrap();
+    }
+    assert!(bytes(&d, s, a, 4096).iter().all(|&x| x == 5));
+    d.free(a).unwrap();
+}
+
+#[test]
+fn global_mode_prohibits_unsafe_calls_on_every_thread_and_invalidates_the_capture() {
+    let d = driver();
+    let s = d.stream_create(0).unwrap();
+    let a = d.malloc(0, 4096).unwrap();
+    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    d.memset(s, a, 1, 4096).unwrap();
+    // Another thread (mode Global by default) may not malloc either.
+    let d2 = Arc::clone(&d);
+    let text = std::thread::spawn(move || is_capture_error(d2.malloc(0, 4096)))
+        .join()
+        .unwrap();
+    assert!(text.contains("malloc"), "{text}");
+    assert!(matches!(
+        d.stream_capture_status(s).unwrap(),
+        CaptureStatus::Invalidated { .. }
+    ));
+    assert!(is_capture_error(d.memset(s, a, 2, 16)).contains("invalidated"));
+    let text = is_capture_error(d.stream_end_capture(s));
+    assert!(
+        text.contains("invalidated") && text.contains("malloc"),
+        "{text}"
+    );
+    // The capture ended: the stream runs work again, and malloc works.
+    assert_eq!(d.stream_capture_status(s).unwrap(), CaptureStatus::None);
+    let b = d.malloc(0, 4096).unwrap();
+    d.memset(s, a, 3, 4096).unwrap();
+    assert!(bytes(&d, s, a, 4096).iter().all(|&x| x == 3));
+    d.free(a).unwrap();
+    d.free(b).unwrap();
+}
+
+#[test]
+fn thread_local_and_relaxed_modes_prohibit_less() {
+    let d = driver();
+    let s = d.stream_create(0).unwrap();
+    // Thread-local: other threads may malloc; the capturing thread may not.
+    d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
+    let d2 = Arc::clone(&d);
+    let p = std::thread::spawn(move || d2.malloc(0, 4096).unwrap())
+        .join()
+        .unwrap();
+    assert!(is_capture_error(d.malloc(0, 4096)).contains("malloc"));
+    assert!(
+        d.stream_end_capture(s).is_err(),
+        "invalidated by the malloc"
+    );
+    // Relaxed: nobody is prohibited, and the capture ends with its graph.
+    d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
+    let q = d.malloc(0, 4096).unwrap();
+    d.memset(s, q, 9, 4096).unwrap();
+    d.stream_end_capture(s).unwrap();
+    // A Global capture, and the capturing thread relaxing its own mode around a malloc — what a
+    // caching allocator does for a graph's pool.
+    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    let before = d.exchange_capture_mode(CaptureMode::Relaxed);
+    assert_eq!(before, CaptureMode::Global);
+    let r = d.malloc(0, 4096).unwrap();
+    assert_eq!(d.exchange_capture_mode(before), CaptureMode::Relaxed);
+    d.memset(s, r, 1, 4096).unwrap();
+    let graph = d.stream_end_capture(s).unwrap();
+    assert_eq!(d.graph_node_count(graph).unwrap(), 1);
+    for p in [p, q, r] {
+        d.free(p).unwrap();
+    }
+}
+
+#[test]
+fn blocking_on_a_capturing_stream_or_its_events_is_an_error_in_any_mode() {
+    let d = driver();
+    let s = d.stream_create(0).unwrap();
+    let a = d.malloc(0, 4096).unwrap();
+    let e = d.event_create(0, EventFlags::default()).unwrap();
+    for call in 0..5 {
+        d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
+        d.event_record(e, s).unwrap();
+        let text = match call {
+            0 => is_capture_error(d.stream_synchronize(s)),
+            1 => is_capture_error(d.stream_query(s)),
+            2 => is_capture_error(d.event_query(e)),
+            3 => is_capture_error(d.copy_host_to_device(s, a, &[1, 2, 3])),
+            _ => is_capture_error(d.count_pattern_mismatches(s, a, 16, 1)),
+        };
+        assert!(text.contains("capture"), "{text}");
+        assert!(
+            d.stream_end_capture(s).is_err(),
+            "call {call} invalidated it"
+        );
+    }
+    d.event_destroy(e).unwrap();
+    d.free(a).unwrap();
+}
+
+#[test]
+fn a_forked_stream_joins_the_capture_and_must_be_joined_back() {
+    let d = driver();
+    let (origin, side, run) = (
+        d.stream_create(0).unwrap(),
+        d.stream_create(0).unwrap(),
+        d.stream_create(0).unwrap(),
+    );
+    let a = d.malloc(0, 8192).unwrap();
+    let half = DeviceAddr(a.0 + 4096);
+    let (fork, join) = (
+        d.event_create(0, EventFlags::default()).unwrap(),
+        d.event_create(0, EventFlags::default()).unwrap(),
+    );
+    d.stream_begin_capture(origin, CaptureMode::Global).unwrap();
+    d.fill_pattern(origin, a, 4096, 1).unwrap();
+    d.event_record(fork, origin).unwrap();
+    d.stream_wait_event(side, fork).unwrap();
+    assert!(
+        d.stream_capture_status(side).unwrap().is_capturing(),
+        "joined"
+    );
+    d.copy_device_to_device(side, half, a, 4096).unwrap();
+    d.event_record(join, side).unwrap();
+    d.stream_wait_event(origin, join).unwrap();
+    d.memset(origin, a, 0, 4096).unwrap();
+    let graph = d.stream_end_capture(origin).unwrap();
+    assert_eq!(d.stream_capture_status(side).unwrap(), CaptureStatus::None);
+    assert_eq!(d.graph_node_count(graph).unwrap(), 3);
+    let exec = d.graph_instantiate(graph).unwrap();
+    d.graph_launch(exec, run).unwrap();
+    assert_eq!(d.count_pattern_mismatches(run, half, 4096, 1).unwrap(), 0);
+    assert!(bytes(&d, run, a, 4096).iter().all(|&x| x == 0));
+
+    // A fork never joined back: the capture cannot end with its graph.
+    d.stream_begin_capture(origin, CaptureMode::Global).unwrap();
+    d.event_record(fork, origin).unwrap();
+    d.stream_wait_event(side, fork).unwrap();
+    d.memset(side, a, 1, 16).unwrap();
+    let text = is_capture_error(d.stream_end_capture(origin));
+    assert!(text.contains("never waited"), "{text}");
+    assert_eq!(d.stream_capture_status(side).unwrap(), CaptureStatus::None);
+    // Ending on a joined stream instead of the origin is refused.
+    d.stream_begin_capture(origin, CaptureMode::Global).unwrap();
+    d.event_record(fork, origin).unwrap();
+    d.stream_wait_event(side, fork).unwrap();
+    assert!(is_capture_error(d.stream_end_capture(side)).contains("end it there"));
+    d.event_record(join, side).unwrap();
+    d.stream_wait_event(origin, join).unwrap();
+    d.stream_end_capture(origin).unwrap();
+    for e in [fork, join] {
+        d.event_destroy(e).unwrap();
+    }
+    d.free(a).unwrap();
+}
+
+#[test]
+fn a_capture_cannot_wait_on_work_outside_it() {
+    let d = driver();
+    let (s, other) = (d.stream_create(0).unwrap(), d.stream_create(0).unwrap());
+    let e = d.event_create(0, EventFlags::default()).unwrap();
+    d.sleep(other, 1000).unwrap();
+    d.event_record(e, other).unwrap();
+    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    let text = is_capture_error(d.stream_wait_event(s, e));
+    assert!(text.contains("outside the capture"), "{text}");
+    assert!(d.stream_end_capture(s).is_err());
+    d.event_destroy(e).unwrap();
+}
+
+#[test]
+fn a_capture_ends_on_the_thread_that_began_it_unless_relaxed() {
+    let d = driver();
+    let s = d.stream_create(0).unwrap();
+    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    let d2 = Arc::clone(&d);
+    let text = std::thread::spawn(move || is_capture_error(d2.stream_end_capture(s)))
+        .join()
+        .unwrap();
+    assert!(text.contains("thread that began it"), "{text}");
+    d.stream_end_capture(s).unwrap();
+    d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
+    let d2 = Arc::clone(&d);
+    std::thread::spawn(move || d2.stream_end_capture(s).unwrap())
+        .join()
+        .unwrap();
+    // Twice on one stream is an error; so is ending a stream that is not capturing.
+    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    assert!(is_capture_error(d.stream_begin_capture(s, CaptureMode::Global)).contains("already"));
+    d.stream_end_capture(s).unwrap();
+    assert!(is_capture_error(d.stream_end_capture(s)).contains("not being captured"));
+}
+
+#[test]
+fn a_launch_whose_memory_is_gone_is_an_error_and_runs_nothing() {
+    let d = driver();
+    let s = d.stream_create(0).unwrap();
+    let kept = d.malloc(0, 4096).unwrap();
+    let freed = d.malloc(0, 4096).unwrap();
+    d.memset(s, kept, 0, 4096).unwrap();
+    d.stream_synchronize(s).unwrap();
+    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    d.memset(s, kept, 5, 4096).unwrap();
+    d.memset(s, freed, 5, 4096).unwrap();
+    let exec = d
+        .graph_instantiate(d.stream_end_capture(s).unwrap())
+        .unwrap();
+    d.free(freed).unwrap();
+    let err = d.graph_launch(exec, s).unwrap_err();
+    assert!(err.to_string().contains("node 1"), "{err}");
+    assert!(
+        bytes(&d, s, kept, 4096).iter().all(|&x| x == 0),
+        "not even the first node ran"
+    );
+    d.free(kept).unwrap();
+}
+
+#[test]
+fn a_graph_launched_inside_a_capture_is_recorded_into_it() {
+    let d = driver();
+    let (s, t) = (d.stream_create(0).unwrap(), d.stream_create(0).unwrap());
+    let a = d.malloc(0, 4096).unwrap();
+    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    d.fill_pattern(s, a, 4096, 3).unwrap();
+    let inner = d
+        .graph_instantiate(d.stream_end_capture(s).unwrap())
+        .unwrap();
+    d.stream_begin_capture(t, CaptureMode::Global).unwrap();
+    d.memset(t, a, 0, 4096).unwrap();
+    d.graph_launch(inner, t).unwrap();
+    let outer = d.stream_end_capture(t).unwrap();
+    assert_eq!(d.graph_node_count(outer).unwrap(), 2);
+    let exec = d.graph_instantiate(outer).unwrap();
+    d.graph_launch(exec, s).unwrap();
+    assert_eq!(d.count_pattern_mismatches(s, a, 4096, 3).unwrap(), 0);
+    d.free(a).unwrap();
+}
+
+#[test]
+fn a_backend_without_capture_says_so() {
+    let d: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 1 << 20).unwrap());
+    let s = d.default_stream(0).unwrap();
+    let text = is_capture_error(d.stream_begin_capture(s, CaptureMode::Global));
+    assert!(text.contains("does not capture"), "{text}");
+    assert_eq!(d.stream_capture_status(s).unwrap(), CaptureStatus::None);
+}
