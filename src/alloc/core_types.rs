@@ -17,6 +17,7 @@ use std::collections::HashMap;
 
 use slab::Slab;
 
+use super::capturing::CaptureRoutes;
 use super::front::FrontRegistry;
 use super::history::Trace;
 use super::oom::Callbacks;
@@ -61,6 +62,8 @@ pub(crate) struct DeviceCore {
     pub config: Arc<AllocatorConfig>,
     pub callbacks: Arc<Callbacks>,
     pub trace: Arc<Trace>,
+    /// The allocator's captures under way (`capturing.rs`).
+    pub capturing: Arc<CaptureRoutes>,
     pub check_invariants: bool,
     /// The stream sanitizer, when the driver is sanitized: told of every hand-out and free.
     pub sanitizer: Option<Arc<crate::driver::Sanitizer>>,

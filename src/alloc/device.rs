@@ -15,7 +15,8 @@
 
 use std::collections::HashMap;
 
-use super::block::Allocated;
+use super::block::{Allocated, BlockId};
+use super::capturing::CaptureRoutes;
 use super::core_types::{DeviceCore, Shard};
 use super::history::{Trace, TraceAction};
 use super::observers::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
@@ -26,7 +27,7 @@ use super::snapshot::{self, SnapshotSegment};
 use super::state::{ReleaseOrder, ShardState};
 use super::stats::DeviceStats;
 use crate::config::AllocatorConfig;
-use crate::driver::{Driver, EventFlags, EventId, StreamId};
+use crate::driver::{CaptureMode, Driver, EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -42,6 +43,7 @@ impl DeviceCore {
         config: Arc<AllocatorConfig>,
         callbacks: Arc<Callbacks>,
         trace: Arc<Trace>,
+        capturing: Arc<CaptureRoutes>,
         check_invariants: bool,
     ) -> Result<Self> {
         let capacity = driver.mem_info(device)?.total;
@@ -54,6 +56,7 @@ impl DeviceCore {
             driver,
             callbacks,
             trace,
+            capturing,
             check_invariants,
             capacity,
             fraction_bits: AtomicU64::new(fraction.to_bits()),
@@ -313,7 +316,8 @@ impl DeviceCore {
 
     #[inline]
     pub(super) fn poll_events(&self, shard: &Shard, state: &mut ShardState) {
-        if state.has_pending() {
+        // No query while a capture runs: it could be a forbidden call (`capturing.rs`).
+        if state.has_pending() && !self.capturing.any() {
             self.complete_pending(shard, state);
         }
     }
@@ -410,6 +414,9 @@ impl DeviceCore {
         requested: u64,
         lender: &mut Option<Arc<Shard>>,
     ) -> Result<Allocated> {
+        if self.capturing.any() {
+            return self.allocate_while_capturing(shard, pool, rounded, requested);
+        }
         if self.callbacks.run() {
             if let Some(hit) = self.try_fit(shard, pool, rounded, requested) {
                 return Ok(hit);
@@ -459,6 +466,81 @@ impl DeviceCore {
         };
         self.callbacks.observers.out_of_memory(&facts);
         Err(oom::out_of_memory(&facts))
+    }
+
+    /// A miss while a capture is under way (`capturing.rs`): the driver's allocation alone —
+    /// with this thread's capture mode relaxed when the shard's stream is capturing — and else
+    /// out of memory (callbacks, garbage collection and releases would query, synchronize and
+    /// free, which a capture forbids).
+    #[cold]
+    fn allocate_while_capturing(
+        &self,
+        shard: &Shard,
+        pool: PoolKind,
+        rounded: u64,
+        requested: u64,
+    ) -> Result<Allocated> {
+        let seg = size::segment_size(rounded);
+        let mut cause = None;
+        let capturing = self
+            .driver
+            .stream_capture_status(shard.stream)
+            .is_ok_and(|s| s.is_capturing());
+        let before = capturing.then(|| self.driver.exchange_capture_mode(CaptureMode::Relaxed));
+        let got = self.new_memory(shard, pool, seg, rounded, requested, &mut cause);
+        if let Some(mode) = before {
+            self.driver.exchange_capture_mode(mode);
+        }
+        if let Some(hit) = got? {
+            return Ok(hit);
+        }
+        self.ooms.fetch_add(1, Ordering::Relaxed);
+        let free = self.driver.mem_info(self.device).map_or(0, |m| m.free);
+        self.trace
+            .record_oom(self.device, requested, shard.stream, free);
+        let stats = self.stats();
+        let facts = OutOfMemoryEvent {
+            device: self.device,
+            requested,
+            capacity: self.capacity,
+            free,
+            allocated: stats.allocated_bytes.all.current as u64,
+            reserved: stats.reserved_bytes.all.current as u64,
+            fraction: self.fraction(),
+            cause: Some(format!(
+                "{} (during a stream capture: cached memory is not released while one is under way)",
+                cause.as_deref().unwrap_or("the device has no room")
+            )),
+        };
+        self.callbacks.observers.out_of_memory(&facts);
+        Err(oom::out_of_memory(&facts))
+    }
+
+    /// Records the events of block `id` of `st`, freed while used by `uses` (one per stream); a
+    /// stream whose event cannot be recorded is synchronized instead.
+    pub(super) fn insert_free_events(&self, st: &mut ShardState, id: BlockId, uses: Vec<StreamId>) {
+        for stream in uses {
+            match self.record_free_event(stream) {
+                Ok(event) => st.add_pending(id, stream, event),
+                Err(err) => {
+                    tracing::warn!(%err, "could not record a free event; synchronizing the stream instead");
+                    if let Err(err) = self.free_events.stream_synchronize(stream) {
+                        tracing::error!(%err, "stream synchronize failed too; freeing anyway");
+                    }
+                }
+            }
+        }
+        st.finish_pending_without_events(id);
+    }
+
+    /// The last capture ended: the frees deferred meanwhile get their events now.
+    pub(super) fn flush_deferred(&self) {
+        for shard in self.all_shards() {
+            let mut st = shard.state.lock();
+            for (id, uses) in std::mem::take(&mut st.deferred) {
+                self.insert_free_events(&mut st, id, uses);
+            }
+        }
     }
 
     /// New memory for a miss: a new segment, or with `expandable_segments` more pages of the
@@ -626,6 +708,11 @@ impl DeviceCore {
     /// Frees every cached whole segment (and free page) of one shard, first waiting for its
     /// pending frees' events with `sync`. Returns whether anything was freed.
     pub(super) fn release_shard(&self, shard: &Shard, sync: bool) -> bool {
+        if self.capturing.any() {
+            // Releasing synchronizes and frees, which a capture forbids; the next release after
+            // the captures gives this memory back.
+            return false;
+        }
         shard.flush_fronts();
         let taken = {
             let mut st = shard.state.lock();

@@ -76,8 +76,12 @@ impl ShardState {
                 }
                 prev_unmapped = unmapped;
                 recount.block(b.state, b.pool, b.size, b.requested, b.is_split());
-                if b.state == BlockState::PendingFree && b.pending_events == 0 {
+                let deferred = self.deferred.iter().any(|(d, _)| *d == id);
+                if b.state == BlockState::PendingFree && b.pending_events == 0 && !deferred {
                     return Err(format!("block {id} pending with no events"));
+                }
+                if deferred && b.state != BlockState::PendingFree {
+                    return Err(format!("deferred block {id} is not pending"));
                 }
                 recount.pending_events += u64::from(b.pending_events);
                 prev_free = free;

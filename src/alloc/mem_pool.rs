@@ -65,7 +65,7 @@ impl Drop for PoolInner {
 }
 
 impl MemPool {
-    /// The pool's id: `(0, n)`, unique in the process.
+    /// The pool's id: `(0, n)` (a graph capture's own pool: `(n, 0)`), unique in the process.
     pub fn id(&self) -> MemPoolId {
         self.inner.id
     }
@@ -166,15 +166,29 @@ impl CachingAllocator {
     /// A new private memory pool of this allocator (PyTorch's `torch.cuda.MemPool(...)`).
     pub fn mem_pool(&self, options: MemPoolOptions) -> Result<MemPool> {
         self.birth.check("this allocator")?;
-        Ok(MemPool {
+        Ok(self.new_pool(MemPoolId::next_user(), options))
+    }
+
+    /// A pool a graph capture makes for itself (`(n, 0)`).
+    pub(super) fn graph_pool(&self, options: MemPoolOptions) -> MemPool {
+        self.new_pool(MemPoolId::next_graph(), options)
+    }
+
+    /// Whether `pool` is one of this allocator's.
+    pub(super) fn owns_pool(&self, pool: &MemPool) -> bool {
+        pool.inner.allocator == self.id
+    }
+
+    fn new_pool(&self, id: MemPoolId, options: MemPoolOptions) -> MemPool {
+        MemPool {
             inner: Arc::new(PoolInner {
-                id: MemPoolId::next_user(),
+                id,
                 options,
                 allocator: self.id,
                 devices: self.devices.clone(),
                 birth: self.birth,
             }),
-        })
+        }
     }
 
     /// Makes this thread allocate from `pool` on `device` — on every stream — until the scope

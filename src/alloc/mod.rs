@@ -4,7 +4,8 @@
 //! fails on a circle inside any folder):
 //!
 //! * `size.rs` — rounding, pools, segment sizes, split and oversize rules; `stats.rs` — PyTorch's
-//!   stats keys; `pool_id.rs` — memory pools' ids and options.
+//!   stats keys; `pool_id.rs` — memory pools' ids and options; `capturing.rs` — the stream
+//!   captures under way and the pool each allocates from.
 //! * `block.rs` — blocks tiling segments, segment and page records; `pool.rs` — best-fit free pools.
 //! * `stacks.rs`, `history.rs` — recorded Rust stacks and the memory history (trace ring);
 //!   `observers.rs`, `oom.rs` — segment and out-of-memory observers, callbacks and the message.
@@ -23,7 +24,8 @@
 //!   table), `pytorch_pickle.rs` (snapshots in PyTorch's pickled layout).
 //! * `data_ptr.rs` — [`DataPtr`] and its owners; upper layers attach theirs as trait objects.
 //! * `mem_pool.rs` — private memory pools ([`MemPool`], `use_mem_pool`): shards of their own,
-//!   retired when a pool drops.
+//!   retired when a pool drops; `graph.rs` — CUDA graphs through the allocator ([`Capture`],
+//!   [`Graph`]): a capture's private pool, replays, the pool kept while the graph lives.
 //! * this file — [`CachingAllocator`], the builder and the allocator's public face.
 //!
 //! The allocator knows nothing of sharing or copy-on-write: it hands out and takes back
@@ -36,11 +38,13 @@
 //! device-wide mutex on the hot path.
 
 mod block;
+mod capturing;
 mod core_types;
 mod data_ptr;
 mod device;
 mod expandable;
 mod front;
+mod graph;
 mod history;
 mod invariants;
 mod mem_pool;
@@ -61,6 +65,7 @@ mod stats;
 mod summary;
 mod thread;
 
+pub use graph::{Capture, Graph};
 pub use history::{trace_json_lines, HistoryMode, HistoryOptions, TraceAction, TraceEntry};
 pub use mem_pool::{MemPool, PoolScope};
 pub use observers::{
@@ -77,6 +82,7 @@ pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
 pub(crate) use expandable::PagesUnder;
 
 use self::block::Allocated;
+use self::capturing::CaptureRoutes;
 use self::core_types::DeviceCore;
 use self::core_types::Shard;
 use self::history::Trace;
@@ -148,6 +154,7 @@ impl CachingAllocatorBuilder {
         let config = Arc::new(self.config);
         let callbacks = Arc::new(Callbacks::default());
         let trace = Arc::new(Trace::default());
+        let capturing = Arc::new(CaptureRoutes::default());
         let devices = (0..driver.device_count())
             .map(|d| {
                 DeviceCore::new(
@@ -156,6 +163,7 @@ impl CachingAllocatorBuilder {
                     Arc::clone(&config),
                     Arc::clone(&callbacks),
                     Arc::clone(&trace),
+                    Arc::clone(&capturing),
                     self.check_invariants,
                 )
                 .map(Arc::new)
@@ -187,6 +195,7 @@ impl CachingAllocatorBuilder {
             devices,
             callbacks,
             trace,
+            capturing,
             #[cfg(feature = "pickle")]
             oom_dump: Mutex::new(()),
         })
@@ -212,6 +221,8 @@ pub struct CachingAllocator {
     devices: Vec<Arc<DeviceCore>>,
     callbacks: Arc<Callbacks>,
     trace: Arc<Trace>,
+    /// The captures under way and their pools (`capturing.rs`, `graph.rs`).
+    capturing: Arc<CaptureRoutes>,
     /// Serializes the snapshots written on out-of-memory (`oom_snapshot_path`).
     #[cfg(feature = "pickle")]
     oom_dump: Mutex<()>,
@@ -394,6 +405,9 @@ impl CachingAllocator {
     /// The shard of `stream`: from this thread's cache, else from its device (and cached).
     #[inline]
     fn shard_of(&self, stream: StreamId) -> Result<&Shard> {
+        if self.capturing.any() {
+            return self.shard_while_capturing(stream);
+        }
         let shard = match thread::cached_shard(self.id, stream) {
             Some(shard) => shard,
             None => {
@@ -409,6 +423,25 @@ impl CachingAllocator {
         // taken from its device). Its device holds it — in its map, or once its memory pool is
         // dropped in its retired list — until this allocator's `Drop`, which cannot run while
         // `&self` is borrowed, so it lives at least as long as the result.
+        Ok(unsafe { &*shard })
+    }
+
+    /// The shard of `stream` while a capture is under way, uncached: the capture's pool when the
+    /// stream is captured by one of this allocator's captures, else as [`Self::shard_of`] finds
+    /// it (`capturing.rs`).
+    #[cold]
+    fn shard_while_capturing(&self, stream: StreamId) -> Result<&Shard> {
+        let captured = self
+            .driver
+            .stream_capture_status(stream)?
+            .capture_id()
+            .and_then(|id| self.capturing.pool_of(id));
+        let (pool, options) = captured
+            .or_else(|| thread::current_pool(self.id, stream.device()))
+            .unwrap_or_default();
+        let device = self.device(stream.device())?;
+        let shard = Arc::as_ptr(&device.shard_in(stream, pool, options)?);
+        // SAFETY: as in `shard_of`: a shard of this allocator's device, held until its `Drop`.
         Ok(unsafe { &*shard })
     }
 
@@ -446,6 +479,10 @@ impl CachingAllocator {
         if size == 0 {
             self.device(device)?;
             return Ok(DataPtr::empty(device));
+        }
+        if self.capturing.any() {
+            let shard = self.shard_of(self.current_stream(device)?)?;
+            return self.allocate_in(shard, size);
         }
         let generation = self.default_generation.load(Ordering::Acquire);
         let shard = match thread::current_shard(self.id, device, generation) {
@@ -573,6 +610,10 @@ impl CachingAllocator {
     /// In a forked child it does nothing (the cached segments are the parent's).
     pub fn empty_cache(&self) {
         if self.birth.ignored_in_child("emptying the cache") {
+            return;
+        }
+        if self.capturing.any() {
+            tracing::warn!("empty_cache during a stream capture does nothing: releasing would synchronize and free, which the capture forbids");
             return;
         }
         for d in &self.devices {

@@ -16,8 +16,10 @@ pub struct MemPoolId {
     second: u64,
 }
 
-/// Numbers of pools a program made (graph captures' own pools, `(n, 0)`, will count apart).
+/// Numbers of pools a program made.
 static NEXT_USER_POOL: AtomicU64 = AtomicU64::new(1);
+/// Numbers of pools graph captures made for themselves.
+static NEXT_GRAPH_POOL: AtomicU64 = AtomicU64::new(1);
 
 impl MemPoolId {
     /// The default pool: every allocation outside a pool.
@@ -31,6 +33,14 @@ impl MemPoolId {
         MemPoolId {
             first: 0,
             second: NEXT_USER_POOL.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// A fresh id of a pool a graph capture makes for itself: `(n, 0)`.
+    pub(crate) fn next_graph() -> MemPoolId {
+        MemPoolId {
+            first: NEXT_GRAPH_POOL.fetch_add(1, Ordering::Relaxed),
+            second: 0,
         }
     }
 

@@ -58,19 +58,12 @@ impl Shard {
                 size,
                 self.stream,
             );
+        } else if core.capturing.any() {
+            // No event may be recorded (nor later queried) on a capturing stream: the block
+            // stays pending until the last capture ends (`capturing.rs`).
+            st.deferred.push((id, uses));
         } else {
-            for stream in uses {
-                match core.record_free_event(stream) {
-                    Ok(event) => st.add_pending(id, stream, event),
-                    Err(err) => {
-                        tracing::warn!(%err, "could not record a free event; synchronizing the stream instead");
-                        if let Err(err) = core.free_events.stream_synchronize(stream) {
-                            tracing::error!(%err, "stream synchronize failed too; freeing anyway");
-                        }
-                    }
-                }
-            }
-            st.finish_pending_without_events(id);
+            core.insert_free_events(&mut st, id, uses);
         }
         let orphan_released = st.orphaned && st.owners == 0;
         st.orphaned &= !orphan_released;

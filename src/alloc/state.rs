@@ -52,6 +52,9 @@ pub(crate) struct ShardState {
     /// The accumulated counts `stats` held when a retired shard was taken by `pool`: the earlier
     /// pools' (the device's totals keep them, the pool's statistics leave them out).
     pub pool_base: DeviceStats,
+    /// Blocks freed with stream uses while a capture was under way, and those streams: pending
+    /// until the last capture ends, when their events are recorded (`capturing.rs`).
+    pub deferred: Vec<(BlockId, Vec<StreamId>)>,
 }
 
 /// The order in which [`ShardState::take_free_segments`] visits candidate segments.

@@ -1,0 +1,199 @@
+//! CUDA graphs through the allocator: PyTorch's `torch.cuda.graph` / `CUDAGraph` semantics.
+//!
+//! [`CachingAllocator::begin_capture`] begins capturing a stream (the driver's capture,
+//! `driver/capture.rs`) with a private memory pool — a fresh one, `(n, 0)`, or one the caller
+//! shares between graphs — and routes every allocation on that stream (and on streams that join
+//! the capture) to it (`capturing.rs`). [`Capture::end`] gives a [`Graph`], instantiated, that
+//! [`Graph::replay`]s the captured work on any stream with the same addresses every time.
+//!
+//! | moment | the pool's memory | why |
+//! |---|---|---|
+//! | during the capture | allocations come from the pool; a block freed in the capture may serve a later allocation of the same capture | PyTorch's private pools |
+//! | while the graph lives | the pool keeps every block, freed or not: nothing outside the pool is ever handed its memory, and neither `empty_cache` nor out of memory releases it | replays write the addresses the capture saw |
+//! | the graph (and every other holder of the pool) dropped | the pool is dropped: its cache goes back, blocks live storages still hold return as they are freed (`mem_pool.rs`) | PyTorch's `releasePool` |
+//!
+//! A capture that fails — out of memory inside it, a forbidden call — is an error of the call
+//! that failed; dropping the [`Capture`] (or calling [`Capture::end`], which then returns the
+//! error) ends the driver's capture, so the stream runs work again and nothing of it leaks.
+
+use super::mem_pool::MemPool;
+use super::pool_id::MemPoolOptions;
+use super::{CachingAllocator, DeviceCore};
+use crate::driver::{CaptureMode, Driver, GraphExecId, StreamId};
+use crate::error::{Error, Result};
+use crate::process::Birth;
+use crate::sync::os::Arc;
+
+/// A stream capture under way (see [`CachingAllocator::begin_capture`]). Dropping it without
+/// [`Capture::end`] ends the driver's capture and discards what it recorded.
+#[derive(Debug)]
+#[must_use = "the capture runs while this lives: end it with `.end()`"]
+pub struct Capture {
+    driver: Arc<dyn Driver>,
+    capturing: Arc<super::capturing::CaptureRoutes>,
+    devices: Vec<Arc<DeviceCore>>,
+    stream: StreamId,
+    /// The driver's id of the capture (`None` once ended).
+    capture: Option<u64>,
+    pool: MemPool,
+    birth: Birth,
+}
+
+/// A captured and instantiated graph: [`Graph::replay`] runs the captured work again on any
+/// stream. It keeps its memory pool — and with it every address the capture handed out — alive.
+#[derive(Debug)]
+pub struct Graph {
+    driver: Arc<dyn Driver>,
+    exec: GraphExecId,
+    pool: MemPool,
+    nodes: usize,
+    birth: Birth,
+}
+
+impl CachingAllocator {
+    /// Begins capturing `stream` into a graph in `mode` (PyTorch's `torch.cuda.graph(g,
+    /// pool=…, capture_error_mode=…)`): allocations on the stream — and on streams that join the
+    /// capture — come from `pool`, or from a fresh private pool when `pool` is `None`.
+    pub fn begin_capture(
+        &self,
+        stream: StreamId,
+        pool: Option<&MemPool>,
+        mode: CaptureMode,
+    ) -> Result<Capture> {
+        self.birth.check("this allocator")?;
+        let pool = match pool {
+            Some(pool) => {
+                if !self.owns_pool(pool) {
+                    return Err(Error::invalid(format!(
+                        "memory pool {} belongs to another allocator",
+                        pool.id()
+                    )));
+                }
+                pool.clone()
+            }
+            None => self.graph_pool(MemPoolOptions::default()),
+        };
+        self.capturing.starting();
+        let began = self
+            .driver
+            .stream_begin_capture(stream, mode)
+            .and_then(|()| self.driver.stream_capture_status(stream));
+        let id = match began.map(|s| s.capture_id()) {
+            Ok(Some(id)) => id,
+            Ok(None) => {
+                self.capturing.ended(None);
+                return Err(Error::capture(format!(
+                    "stream {} is not capturing after its capture began",
+                    stream.raw()
+                )));
+            }
+            Err(err) => {
+                self.capturing.ended(None);
+                return Err(err);
+            }
+        };
+        self.capturing.route(id, pool.id(), pool.options());
+        Ok(Capture {
+            driver: Arc::clone(&self.driver),
+            capturing: Arc::clone(&self.capturing),
+            devices: self.devices.clone(),
+            stream,
+            capture: Some(id),
+            pool,
+            birth: self.birth,
+        })
+    }
+}
+
+impl Capture {
+    /// The pool the capture allocates from (share it with a later capture: PyTorch's
+    /// `graph.pool()`).
+    pub fn pool(&self) -> &MemPool {
+        &self.pool
+    }
+
+    /// The stream being captured.
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    /// Ends the capture: the graph, instantiated — or the error that ended it (an invalidated
+    /// capture, a forked stream never joined back).
+    pub fn end(mut self) -> Result<Graph> {
+        let graph = self.finish()?;
+        let made = self.driver.graph_instantiate(graph);
+        let nodes = self.driver.graph_node_count(graph).unwrap_or(0);
+        if let Err(err) = self.driver.graph_destroy(graph) {
+            tracing::debug!(%err, "destroying a captured graph after instantiating it failed");
+        }
+        Ok(Graph {
+            driver: Arc::clone(&self.driver),
+            exec: made?,
+            pool: self.pool.clone(),
+            nodes,
+            birth: self.birth,
+        })
+    }
+
+    /// Ends the driver's capture once; the frees deferred during captures get their events when
+    /// the last one ends.
+    fn finish(&mut self) -> Result<crate::driver::GraphId> {
+        let capture = self
+            .capture
+            .take()
+            .ok_or_else(|| Error::capture("the capture already ended"))?;
+        let graph = self.driver.stream_end_capture(self.stream);
+        if self.capturing.ended(Some(capture)) {
+            for device in &self.devices {
+                device.flush_deferred();
+            }
+        }
+        graph
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        if self.capture.is_none() || !self.birth.is_current() {
+            return;
+        }
+        match self.finish() {
+            Ok(graph) => {
+                let _ = self.driver.graph_destroy(graph);
+            }
+            Err(err) => {
+                tracing::debug!(%err, "a capture dropped without its end ended with an error")
+            }
+        }
+    }
+}
+
+impl Graph {
+    /// Replays the captured work on `stream` (PyTorch's `graph.replay()`), stream-ordered.
+    pub fn replay(&self, stream: StreamId) -> Result<()> {
+        self.birth.check("this graph")?;
+        self.driver.graph_launch(self.exec, stream)
+    }
+
+    /// The memory pool the graph's allocations came from (PyTorch's `graph.pool()`): pass it to
+    /// another capture to share it.
+    pub fn pool(&self) -> &MemPool {
+        &self.pool
+    }
+
+    /// How many nodes the captured graph has.
+    pub fn node_count(&self) -> usize {
+        self.nodes
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        if !self.birth.is_current() {
+            return;
+        }
+        if let Err(err) = self.driver.graph_exec_destroy(self.exec) {
+            tracing::debug!(%err, "destroying a graph's instantiation failed");
+        }
+    }
+}
