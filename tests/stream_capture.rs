@@ -7,10 +7,11 @@
 mod common;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudalloc::{
     CaptureMode, CaptureStatus, DeviceAddr, Driver, ErrorKind, EventFlags, HostDriver, HostRange,
-    SimDriver, StreamId,
+    SanitizeOptions, SanitizedDriver, SimDriver, StreamId,
 };
 
 fn driver() -> Arc<dyn Driver> {
@@ -342,4 +343,152 @@ fn a_backend_without_capture_says_so() {
     let text = is_capture_error(d.stream_begin_capture(s, CaptureMode::Global));
     assert!(text.contains("does not capture"), "{text}");
     assert_eq!(d.stream_capture_status(s).unwrap(), CaptureStatus::None);
+}
+
+/// A captured call that fails (here: a range that is not device memory) leaves the capture valid,
+/// so the end returned a graph that silently lacked the work (found by a review). CUDA invalidates
+/// the capture on an error of a captured call (cudaErrorStreamCaptureInvalidated).
+#[test]
+fn a_failed_captured_call_invalidates_the_capture() {
+    let d: Arc<dyn Driver> = Arc::new(common::host_driver());
+    let s = d.stream_create(0).unwrap();
+    let a = d.malloc(0, 4096).unwrap();
+    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    d.memset(s, a, 1, 4096).unwrap();
+    assert!(d.memset(s, DeviceAddr(a.0 + 4096), 2, 4096).is_err());
+    let end = d.stream_end_capture(s);
+    assert!(
+        end.is_err(),
+        "a capture whose call failed still gave a graph of {:?} node(s)",
+        end.map(|g| d.graph_node_count(g).unwrap())
+    );
+}
+
+/// The sanitizer wrapper forwarded an event_record on a capturing stream unchecked, but kept the
+/// event's *old* real record (found by a review): a fork (a stream outside waiting on the point) then goes through the
+/// sanitizer's stream_wait_event and joins the old record's clock — an ordering that never happened
+/// (the host driver makes no real wait). A race on that stream after the capture is missed.
+#[test]
+fn a_fork_on_a_point_gives_the_sanitizer_no_false_ordering() {
+    let inner: Arc<dyn Driver> = Arc::new(common::host_driver());
+    let d = SanitizedDriver::wrap(inner, SanitizeOptions::report());
+    let san = d.sanitizer().unwrap();
+    let (t, origin, u) = (
+        d.stream_create(0).unwrap(),
+        d.stream_create(0).unwrap(),
+        d.stream_create(0).unwrap(),
+    );
+    let (x, y) = (d.malloc(0, 4096).unwrap(), d.malloc(0, 4096).unwrap());
+    let (e, join) = (
+        d.event_create(0, EventFlags::default()).unwrap(),
+        d.event_create(0, EventFlags::default()).unwrap(),
+    );
+    // t writes x and records e for real.
+    d.memset(t, x, 1, 4096).unwrap();
+    d.event_record(e, t).unwrap();
+    // e becomes a point of a capture on `origin`; `u` forks on it and is joined back.
+    d.stream_begin_capture(origin, CaptureMode::Relaxed)
+        .unwrap();
+    d.event_record(e, origin).unwrap();
+    d.stream_wait_event(u, e).unwrap();
+    d.event_record(join, u).unwrap();
+    d.stream_wait_event(origin, join).unwrap();
+    d.stream_end_capture(origin).unwrap();
+    san.take_reports();
+    // u never really waited for t: reading x there races with t's write.
+    let _ = d.copy_device_to_device(u, y, x, 4096);
+    let reports = san.take_reports();
+    assert!(
+        !reports.is_empty(),
+        "u read x after no real wait for t's write, and nothing was reported"
+    );
+}
+
+/// Control for the test above: the same read with no capture in between is reported.
+#[test]
+fn control_the_same_race_without_a_capture_is_reported() {
+    let inner: Arc<dyn Driver> = Arc::new(common::host_driver());
+    let d = SanitizedDriver::wrap(inner, SanitizeOptions::report());
+    let san = d.sanitizer().unwrap();
+    let (t, u) = (d.stream_create(0).unwrap(), d.stream_create(0).unwrap());
+    let (x, y) = (d.malloc(0, 4096).unwrap(), d.malloc(0, 4096).unwrap());
+    d.memset(t, x, 1, 4096).unwrap();
+    san.take_reports();
+    let _ = d.copy_device_to_device(u, y, x, 4096);
+    assert!(!san.take_reports().is_empty());
+}
+
+/// Older than capture: stream_destroy took the stream out of the registry before its shutdown
+/// drained the queue, so a concurrent free's synchronize_all skipped it and unmapped the segment
+/// under the worker — SIGSEGV from safe code (this test killed its process). The sleeps only make
+/// the old interleaving likely; in any interleaving the test passes now.
+#[test]
+fn a_free_during_a_stream_destroy_waits_for_that_stream() {
+    let d = Arc::new(common::host_driver());
+    let x = d.stream_create(0).unwrap();
+    let a = d.malloc(0, 1 << 20).unwrap();
+    d.sleep(x, 400_000).unwrap();
+    d.memset(x, a, 7, 1 << 20).unwrap();
+    let d2 = Arc::clone(&d);
+    let destroyer = std::thread::spawn(move || d2.stream_destroy(x).unwrap());
+    std::thread::sleep(Duration::from_millis(100));
+    d.free(a).unwrap();
+    destroyer.join().unwrap();
+}
+
+/// Two threads capture (ThreadLocal) with forks and joins, launch and synchronize, while
+/// a third (Global mode, no capture) mallocs and frees: nothing is refused, nothing deadlocks.
+#[test]
+fn concurrent_thread_local_captures_with_forks_and_a_malloc_thread() {
+    let d: Arc<dyn Driver> = Arc::new(common::host_driver());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut hs = Vec::new();
+    for _ in 0..2 {
+        let d = Arc::clone(&d);
+        hs.push(std::thread::spawn(move || {
+            let (o, side, run) = (
+                d.stream_create(0).unwrap(),
+                d.stream_create(0).unwrap(),
+                d.stream_create(0).unwrap(),
+            );
+            let a = d.malloc(0, 8192).unwrap();
+            let (f, j) = (
+                d.event_create(0, EventFlags::default()).unwrap(),
+                d.event_create(0, EventFlags::default()).unwrap(),
+            );
+            for i in 0..200u64 {
+                d.stream_begin_capture(o, CaptureMode::ThreadLocal).unwrap();
+                d.fill_pattern(o, a, 4096, i).unwrap();
+                d.event_record(f, o).unwrap();
+                d.stream_wait_event(side, f).unwrap();
+                d.copy_device_to_device(side, DeviceAddr(a.0 + 4096), a, 4096)
+                    .unwrap();
+                d.event_record(j, side).unwrap();
+                d.stream_wait_event(o, j).unwrap();
+                let g = d.stream_end_capture(o).unwrap();
+                let x = d.graph_instantiate(g).unwrap();
+                d.graph_launch(x, run).unwrap();
+                assert_eq!(
+                    d.count_pattern_mismatches(run, DeviceAddr(a.0 + 4096), 4096, i)
+                        .unwrap(),
+                    0
+                );
+                d.graph_exec_destroy(x).unwrap();
+                d.graph_destroy(g).unwrap();
+            }
+        }));
+    }
+    let d3 = Arc::clone(&d);
+    let stop3 = Arc::clone(&stop);
+    let m = std::thread::spawn(move || {
+        while !stop3.load(std::sync::atomic::Ordering::SeqCst) {
+            let p = d3.malloc(0, 4096).unwrap();
+            d3.free(p).unwrap();
+        }
+    });
+    for h in hs {
+        h.join().unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    m.join().unwrap();
 }

@@ -189,6 +189,24 @@ impl Captures {
         self.check_unsafe(what)
     }
 
+    /// A destroyed event is no point of any capture any more.
+    pub(super) fn forget_point(&self, event: EventId) {
+        if self.any() {
+            self.table.lock().points.remove(&event);
+        }
+    }
+
+    /// Invalidates the capture `stream` takes part in, if any (a call on it failed, as in CUDA).
+    pub(super) fn invalidate_stream(&self, stream: StreamId, why: &str) {
+        if !self.any() {
+            return;
+        }
+        let mut table = self.table.lock();
+        if let Some(&id) = table.streams.get(&stream) {
+            table.invalidate(id, why);
+        }
+    }
+
     /// Records `node` when `stream` is capturing: `None` when it is not (run the work), else the
     /// outcome (an invalidated capture refuses more work).
     pub(super) fn record(

@@ -113,12 +113,16 @@ impl HostDriver {
         s: &HostStream,
         stream: StreamId,
         ranges: [(DeviceAddr, u64); N],
+        record: bool,
         op: impl Fn([usize; N]) -> Result<()> + Send + Sync + 'static,
     ) -> Result<u64> {
         let view = self.segments.view();
         let mut addrs = [0usize; N];
         for (addr, &(ptr, len)) in addrs.iter_mut().zip(&ranges) {
-            *addr = view.check(ptr, len)?;
+            *addr = view.check(ptr, len).inspect_err(|_| {
+                self.captures
+                    .invalidate_stream(stream, "a captured call on invalid memory failed")
+            })?;
         }
         let node_op: NodeOp = Arc::new(move |at: &[usize]| {
             let at: [usize; N] = at
@@ -130,7 +134,14 @@ impl HostDriver {
             ranges: ranges.to_vec(),
             op: Arc::clone(&node_op),
         };
-        if let Some(recorded) = self.captures.record(stream, node) {
+        if !record {
+            if self.captures.status(stream).is_capturing() {
+                return Err(Error::capture(format!(
+                    "stream {} began a capture while a blocking call enqueued on it",
+                    stream.0
+                )));
+            }
+        } else if let Some(recorded) = self.captures.record(stream, node) {
             return recorded.map(|()| 0);
         }
         let ticket = s.enqueue_fallible(Box::new(move || node_op(&addrs)))?;

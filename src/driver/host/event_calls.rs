@@ -77,6 +77,7 @@ impl HostDriver {
     pub(super) fn host_event_destroy(&self, event: EventId) -> Result<()> {
         self.this_process()?;
         let e = self.events.remove(event.0)?;
+        self.captures.forget_point(event);
         if let Some((chunk, slot)) = e.owned_slot {
             self.event_pool.lock().give_back(chunk, slot);
         }
@@ -112,8 +113,9 @@ impl HostDriver {
 
     pub(super) fn host_event_query(&self, event: EventId) -> Result<bool> {
         self.this_process()?;
+        let e = self.event(event)?;
         self.captures.check_event(event, "event_query")?;
-        match &self.event(event)?.cell {
+        match &e.cell {
             HostCell::Own(cell) => Ok(cell.reached(cell.current_target())),
             HostCell::Foreign(cell) => cell.check(cell.target()),
         }
@@ -121,8 +123,9 @@ impl HostDriver {
 
     pub(super) fn host_event_synchronize(&self, event: EventId) -> Result<()> {
         self.this_process()?;
+        let e = self.event(event)?;
         self.captures.check_event(event, "event_synchronize")?;
-        match &self.event(event)?.cell {
+        match &e.cell {
             HostCell::Own(cell) => {
                 cell.wait_until(cell.current_target());
                 Ok(())

@@ -229,6 +229,20 @@ impl HostDriver {
         })
     }
 
+    /// As `enqueue_on_ranges`, for work a blocking call waits for (its ticket): never recorded —
+    /// a stream that became capturing since the caller's check refuses it.
+    fn enqueue_blocking_on_ranges<const N: usize>(
+        &self,
+        stream: StreamId,
+        ranges: [(DeviceAddr, u64); N],
+        op: impl Fn([usize; N]) + Send + Sync + 'static,
+    ) -> Result<u64> {
+        self.enqueue_ranges(stream, ranges, false, move |addrs| {
+            op(addrs);
+            Ok(())
+        })
+    }
+
     /// As `enqueue_on_ranges`, for work that can fail its stream. On a capturing stream the work
     /// is recorded as a node of the capture instead (`capture.rs`; ticket 0: nothing to wait for).
     fn enqueue_fallible_on_ranges<const N: usize>(
@@ -237,9 +251,20 @@ impl HostDriver {
         ranges: [(DeviceAddr, u64); N],
         op: impl Fn([usize; N]) -> Result<()> + Send + Sync + 'static,
     ) -> Result<u64> {
+        self.enqueue_ranges(stream, ranges, true, op)
+    }
+
+    /// The enqueue of both: recorded on a capturing stream when `record`, refused there otherwise.
+    fn enqueue_ranges<const N: usize>(
+        &self,
+        stream: StreamId,
+        ranges: [(DeviceAddr, u64); N],
+        record: bool,
+        op: impl Fn([usize; N]) -> Result<()> + Send + Sync + 'static,
+    ) -> Result<u64> {
         let s = self.stream(stream)?;
         if self.captures.any() {
-            return self.enqueue_or_record(&s, stream, ranges, op);
+            return self.enqueue_or_record(&s, stream, ranges, record, op);
         }
         let view = self.segments.view();
         let mut addrs = [0usize; N];
@@ -453,8 +478,10 @@ impl Driver for HostDriver {
                 stream.0
             )));
         }
-        let s = self.streams.remove(stream.0)?;
-        s.shutdown();
+        // Drain and stop it while it is still in the registry: a concurrent free or unmap
+        // (`synchronize_all`) must wait for its queued work before unmapping memory.
+        self.stream(stream)?.shutdown();
+        self.streams.remove(stream.0)?;
         Ok(())
     }
 
@@ -507,7 +534,7 @@ impl Driver for HostDriver {
             .check_blocking(stream, "a copy from host memory")?;
         let data = src.to_vec();
         let len = data.len();
-        let ticket = self.enqueue_on_ranges(stream, [(dst, len as u64)], move |[d]| {
+        let ticket = self.enqueue_blocking_on_ranges(stream, [(dst, len as u64)], move |[d]| {
             // SAFETY: `d..d+len` was checked to lie in a live segment, which stays mapped until
             // every stream drains; `data` is owned by this closure.
             unsafe { kernels::copy(d, data.as_ptr() as usize, len) }
@@ -522,7 +549,7 @@ impl Driver for HostDriver {
         let len = dst.len();
         let out = Arc::new(Mutex::new(vec![0u8; len]));
         let for_op = Arc::clone(&out);
-        let ticket = self.enqueue_on_ranges(stream, [(src, len as u64)], move |[s]| {
+        let ticket = self.enqueue_blocking_on_ranges(stream, [(src, len as u64)], move |[s]| {
             let mut buf = for_op.lock();
             // SAFETY: `s..s+len` is checked and stays mapped (see above); `buf` has `len` bytes.
             unsafe { kernels::copy(buf.as_mut_ptr() as usize, s, len) }
@@ -581,7 +608,7 @@ impl Driver for HostDriver {
         let n = checked_len(len)?;
         let result = Arc::new(AtomicU64::new(0));
         let for_op = Arc::clone(&result);
-        let ticket = self.enqueue_on_ranges(stream, [(src, len)], move |[s]| {
+        let ticket = self.enqueue_blocking_on_ranges(stream, [(src, len)], move |[s]| {
             // SAFETY: the range was checked and stays mapped until every stream drains.
             let count = unsafe { kernels::count_mismatches(s, n, seed) };
             for_op.store(count, Ordering::SeqCst);
@@ -635,6 +662,7 @@ impl Driver for HostDriver {
     fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
         self.this_process()?;
         self.check_device(device)?;
+        self.captures.check_unsafe("ipc_open_memory")?;
         let h = HostHandle::decode(HandleKind::Memory, &handle.0)?;
         if h.pid == self.pid {
             return Err(Error::invalid(
@@ -659,6 +687,7 @@ impl Driver for HostDriver {
 
     fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
         self.this_process()?;
+        self.captures.check_unsafe("ipc_close_memory")?;
         let segment = self.segments.remove_opened(ptr)?;
         self.release_segment(segment, false)
     }

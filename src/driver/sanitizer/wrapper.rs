@@ -228,7 +228,11 @@ impl Driver for SanitizedDriver {
     fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
         self.birth.check("this sanitized driver")?;
         if self.captured(stream) {
-            return self.inner.event_record(event, stream);
+            self.inner.event_record(event, stream)?;
+            // A point of the capture: the event no longer stands for its last real record, so a
+            // fork on it (a real stream's wait) orders nothing.
+            self.sanitizer.event_destroyed(event);
+            return Ok(());
         }
         self.sanitizer
             .event_record(event, stream, || self.inner.event_record(event, stream))
