@@ -248,9 +248,43 @@ fn history(c: &mut Criterion) {
     g.finish();
 }
 
+/// The cached pair three ways side by side: plain, with a memory pool's scope active, and inside
+/// a stream capture (the allocation routed to the graph's pool, uncached, while it runs).
+fn pools_and_capture(c: &mut Criterion) {
+    use cudalloc::{CaptureMode, MemPoolOptions};
+    let d = driver();
+    let a = allocator(&d);
+    let s = a.create_stream(0).unwrap();
+    let pool = a.mem_pool(MemPoolOptions::default()).unwrap();
+    let mut g = c.benchmark_group("pair_pools");
+    for size in [512u64, MIB] {
+        drop(a.allocate_on(s, size).unwrap());
+        g.bench_with_input(BenchmarkId::new("plain", size), &size, |b, &n| {
+            b.iter(|| black_box(a.allocate_on(s, n).unwrap()))
+        });
+        {
+            let _in_pool = a.use_mem_pool(&pool, 0).unwrap();
+            drop(a.allocate_on(s, size).unwrap());
+            g.bench_with_input(BenchmarkId::new("in-pool", size), &size, |b, &n| {
+                b.iter(|| black_box(a.allocate_on(s, n).unwrap()))
+            });
+        }
+        // Replays are not measured: a capture of nothing, its pool warmed by the first pair.
+        if d.as_host().is_some() {
+            let capture = a.begin_capture(s, None, CaptureMode::ThreadLocal).unwrap();
+            drop(a.allocate_on(s, size).unwrap());
+            g.bench_with_input(BenchmarkId::new("in-capture", size), &size, |b, &n| {
+                b.iter(|| black_box(a.allocate_on(s, n).unwrap()))
+            });
+            drop(capture.end().unwrap());
+        }
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
-    targets = pair, random_trace, threads, history
+    targets = pair, random_trace, threads, history, pools_and_capture
 }
 criterion_main!(benches);

@@ -8,9 +8,10 @@
 //! | freed / closed   | violation "use after free"; queued work that runs on it faults its stream |
 //! | never allocated  | violation "not device memory"                        |
 //!
-//! Device `d` allocates addresses from `(d + 1) << 40` upward, each allocation rounded up to
-//! 2 MiB and followed by a 2 MiB gap, so an access running past the end of an allocation never
-//! lands in the next one.
+//! Device `d` allocates addresses from `(d + 1) << 44` upward (16 TiB each: a test process makes
+//! thousands of expandable-segment reservations of twice the device's memory, none reused), each
+//! allocation rounded up to 2 MiB and followed by a 2 MiB gap, so an access running past the end
+//! of an allocation never lands in the next one.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -22,6 +23,8 @@ use crate::report::{Checked, Fail};
 
 /// Address granularity and guard gap.
 const GRANULE: u64 = 2 << 20;
+/// Each device's address space is `1 << SPACE_BITS` bytes, never reused.
+const SPACE_BITS: u32 = 44;
 
 /// Where an allocation came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,7 +129,7 @@ impl Memory {
             live: RwLock::new(BTreeMap::new()),
             released: Mutex::new(BTreeMap::new()),
             next_address: (0..devices)
-                .map(|d| Mutex::new((d as u64 + 1) << 40))
+                .map(|d| Mutex::new((d as u64 + 1) << SPACE_BITS))
                 .collect(),
             next_id: AtomicU64::new(1),
             opened: Mutex::new(HashMap::new()),
@@ -150,7 +153,7 @@ impl Memory {
             .and_then(|s| s.checked_add(GRANULE))
             .ok_or_else(oom)?;
         let end = base.checked_add(span).ok_or_else(oom)?;
-        if end > (device as u64 + 2) << 40 {
+        if end > (device as u64 + 2) << SPACE_BITS {
             return Err(oom());
         }
         *next = end;
