@@ -102,7 +102,6 @@ fn input(round: u64) -> Vec<u8> {
 
 fn main() -> Result<()> {
     let runtime = cudalloc::GLOBAL.get()?;
-    let runtime: &Arc<Runtime> = &runtime;
     let stream = runtime.create_stream(0)?;
     // The step's stream is current: storages' copies run on it, ordered with the replays.
     let _on = runtime.set_current_stream(stream)?;
