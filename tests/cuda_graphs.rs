@@ -339,3 +339,43 @@ fn a_capture_on_a_backend_without_graphs_is_a_clear_error() {
     a.empty_cache();
     assert_eq!(reserved(&a), 0);
 }
+
+/// Under the sanitizer a replay is checked like eager work: the capture's own temporaries (freed
+/// inside it, kept by the graph's pool) are no use after free, while an unordered write to the
+/// graph's output from another stream is a race.
+#[test]
+fn the_sanitizer_checks_replays_without_false_reports() {
+    let host = cudalloc::HostDriver::builder()
+        .devices(1)
+        .memory_per_device(256 * MIB)
+        .build()
+        .unwrap();
+    let a = CachingAllocator::builder()
+        .sanitize(cudalloc::Sanitize::On(cudalloc::SanitizeOptions::report()))
+        .build(Arc::new(host))
+        .unwrap();
+    let d = Arc::clone(a.driver());
+    let san = a.sanitizer().unwrap();
+    let (s, t) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
+    let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
+    let tmp = a.allocate_on(s, MIB).unwrap();
+    d.fill_pattern(s, tmp.ptr(), MIB, 1).unwrap();
+    let out = a.allocate_on(s, MIB).unwrap();
+    d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB)
+        .unwrap();
+    drop(tmp);
+    let graph = capture.end().unwrap();
+    for _ in 0..3 {
+        graph.replay(s).unwrap();
+    }
+    assert_eq!(d.count_pattern_mismatches(s, out.ptr(), MIB, 1).unwrap(), 0);
+    let reports: Vec<String> = san.take_reports().iter().map(|r| r.to_string()).collect();
+    assert!(reports.is_empty(), "{reports:#?}");
+    // Another stream writes the output with no order to the next replay: a race.
+    d.memset(t, out.ptr(), 0, MIB).unwrap();
+    let _ = graph.replay(s);
+    assert!(
+        !san.take_reports().is_empty(),
+        "the unordered replay was not reported"
+    );
+}

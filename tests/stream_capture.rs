@@ -492,3 +492,36 @@ fn concurrent_thread_local_captures_with_forks_and_a_malloc_thread() {
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     m.join().unwrap();
 }
+
+/// The sanitizer checks a replay like eager work: a replay writing memory that another stream
+/// writes with no order between them is reported; ordered through an event, it is not.
+#[test]
+fn the_sanitizer_checks_a_replay_like_eager_work() {
+    for ordered in [false, true] {
+        let inner: Arc<dyn Driver> = Arc::new(common::host_driver());
+        let d = SanitizedDriver::wrap(inner, SanitizeOptions::report());
+        let san = d.sanitizer().unwrap();
+        let (s, t) = (d.stream_create(0).unwrap(), d.stream_create(0).unwrap());
+        let x = d.malloc(0, 4096).unwrap();
+        d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+        d.memset(s, x, 1, 4096).unwrap();
+        let exec = d
+            .graph_instantiate(d.stream_end_capture(s).unwrap())
+            .unwrap();
+        d.memset(t, x, 2, 4096).unwrap();
+        if ordered {
+            let e = d.event_create(0, EventFlags::default()).unwrap();
+            d.event_record(e, t).unwrap();
+            d.stream_wait_event(s, e).unwrap();
+        }
+        san.take_reports();
+        let _ = d.graph_launch(exec, s);
+        let reports = san.take_reports();
+        assert_eq!(
+            reports.is_empty(),
+            ordered,
+            "ordered {ordered}: {:?}",
+            reports.iter().map(|r| r.to_string()).collect::<Vec<_>>()
+        );
+    }
+}

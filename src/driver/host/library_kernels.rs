@@ -147,9 +147,19 @@ impl HostDriver {
             .map(|_| ())
         };
         match self.attached_sanitizer() {
-            // Captured work does not run now, so it is not checked as if it did (the sanitizer
-            // does not check replays yet).
-            Some(_) if self.captures.status(stream).is_capturing() => enqueue(),
+            Some(sanitizer) if self.captures.status(stream).is_capturing() => {
+                // Captured work does not run now: its touches are kept for the replays.
+                enqueue()?;
+                if let Some(capture) = self.captures.status(stream).capture_id() {
+                    let touches = ranges.map(|r| Touch {
+                        start: r.addr.0,
+                        len: r.len,
+                        kind: r.kind,
+                    });
+                    sanitizer.captured(capture, &touches);
+                }
+                Ok(())
+            }
             Some(sanitizer) => {
                 let touches = ranges.map(|r| Touch {
                     start: r.addr.0,

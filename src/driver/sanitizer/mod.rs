@@ -78,6 +78,7 @@
 //! above).
 
 mod clock;
+mod graphs;
 mod options;
 mod report;
 mod shadow;
@@ -148,6 +149,8 @@ pub struct Sanitizer {
     options: SanitizeOptions,
     stacks: AtomicBool,
     state: Mutex<State>,
+    /// What captures recorded, for checking their replays (`graphs.rs`).
+    graphs: graphs::GraphTouches,
 }
 
 impl Sanitizer {
@@ -157,6 +160,7 @@ impl Sanitizer {
             options,
             stacks: AtomicBool::new(options.stacks),
             state: Mutex::new(State::default()),
+            graphs: graphs::GraphTouches::default(),
         }
     }
 

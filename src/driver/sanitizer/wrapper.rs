@@ -54,12 +54,17 @@ impl SanitizedDriver {
         })
     }
 
-    /// Whether `stream` is being captured: its work is recorded into a graph, not run, so it is
-    /// forwarded unchecked (the sanitizer does not check graph replays yet).
-    fn captured(&self, stream: StreamId) -> bool {
+    /// The capture `stream` takes part in: its work is recorded into a graph, not run, so it is
+    /// forwarded unchecked and its touches are kept for the graph's replays (`graphs.rs`).
+    fn capture_of(&self, stream: StreamId) -> Option<u64> {
         self.inner
             .stream_capture_status(stream)
-            .is_ok_and(|status| status.is_capturing())
+            .ok()
+            .and_then(|status| status.capture_id())
+    }
+
+    fn captured(&self, stream: StreamId) -> bool {
+        self.capture_of(stream).is_some()
     }
 
     /// Notes `stream` under its raw handle; a second id of the same raw stream becomes an alias
@@ -109,8 +114,10 @@ impl SanitizedDriver {
         touches: &[Touch],
         f: impl FnOnce() -> Result<T>,
     ) -> Result<T> {
-        if self.captured(stream) {
-            return f();
+        if let Some(capture) = self.capture_of(stream) {
+            let out = f()?;
+            self.sanitizer.captured(capture, touches);
+            return Ok(out);
         }
         self.sanitizer.enqueue(stream, what, touches, f)
     }
@@ -394,7 +401,16 @@ impl Driver for SanitizedDriver {
     }
     fn stream_end_capture(&self, stream: StreamId) -> Result<GraphId> {
         self.birth.check("this sanitized driver")?;
-        self.inner.stream_end_capture(stream)
+        let capture = self.capture_of(stream);
+        let ended = self.inner.stream_end_capture(stream);
+        if let Some(capture) = capture {
+            // Not the origin, or not this thread's: the capture goes on.
+            if self.capture_of(stream) != Some(capture) {
+                self.sanitizer
+                    .capture_ended(capture, ended.as_ref().ok().copied());
+            }
+        }
+        ended
     }
     fn stream_capture_status(&self, stream: StreamId) -> Result<CaptureStatus> {
         self.inner.stream_capture_status(stream)
@@ -403,17 +419,28 @@ impl Driver for SanitizedDriver {
         self.inner.exchange_capture_mode(mode)
     }
     fn graph_instantiate(&self, graph: GraphId) -> Result<GraphExecId> {
-        self.inner.graph_instantiate(graph)
+        let exec = self.inner.graph_instantiate(graph)?;
+        self.sanitizer.graph_instantiated(graph, exec);
+        Ok(exec)
     }
     fn graph_launch(&self, exec: GraphExecId, stream: StreamId) -> Result<()> {
         self.birth.check("this sanitized driver")?;
-        self.inner.graph_launch(exec, stream)
+        // A replay is checked and recorded like eager work: one operation touching everything
+        // the graph's nodes touch (inside a capture, its touches join that capture's).
+        let touches = self.sanitizer.exec_touches(exec);
+        self.checked(stream, "a graph replay", &touches, || {
+            self.inner.graph_launch(exec, stream)
+        })
     }
     fn graph_destroy(&self, graph: GraphId) -> Result<()> {
-        self.inner.graph_destroy(graph)
+        self.inner.graph_destroy(graph)?;
+        self.sanitizer.graph_destroyed(graph);
+        Ok(())
     }
     fn graph_exec_destroy(&self, exec: GraphExecId) -> Result<()> {
-        self.inner.graph_exec_destroy(exec)
+        self.inner.graph_exec_destroy(exec)?;
+        self.sanitizer.exec_destroyed(exec);
+        Ok(())
     }
     fn graph_node_count(&self, graph: GraphId) -> Result<usize> {
         self.inner.graph_node_count(graph)
