@@ -445,27 +445,7 @@ impl DeviceCore {
             *lender = Some(lending);
             return Ok(hit);
         }
-        self.ooms.fetch_add(1, Ordering::Relaxed);
-        let stats = self.stats();
-        let free = self
-            .driver
-            .mem_info(self.device)
-            .map(|m| m.free)
-            .unwrap_or(0);
-        self.trace
-            .record_oom(self.device, requested, shard.stream, free);
-        let facts = OutOfMemoryEvent {
-            device: self.device,
-            requested,
-            capacity: self.capacity,
-            free,
-            allocated: stats.allocated_bytes.all.current as u64,
-            reserved: stats.reserved_bytes.all.current as u64,
-            fraction: self.fraction(),
-            cause,
-        };
-        self.callbacks.observers.out_of_memory(&facts);
-        Err(oom::out_of_memory(&facts))
+        Err(self.out_of_memory(shard, requested, cause))
     }
 
     /// A miss while a capture is under way (`capturing.rs`): the driver's allocation alone —
@@ -494,11 +474,22 @@ impl DeviceCore {
         if let Some(hit) = got? {
             return Ok(hit);
         }
+        let cause = Some(format!(
+            "{} (during a stream capture: cached memory is not released while one is under way)",
+            cause.as_deref().unwrap_or("the device has no room")
+        ));
+        Err(self.out_of_memory(shard, requested, cause))
+    }
+
+    /// The end of a miss that found no memory: counted, traced, told to the observers, and the
+    /// error PyTorch's message describes.
+    #[cold]
+    fn out_of_memory(&self, shard: &Shard, requested: u64, cause: Option<String>) -> Error {
         self.ooms.fetch_add(1, Ordering::Relaxed);
+        let stats = self.stats();
         let free = self.driver.mem_info(self.device).map_or(0, |m| m.free);
         self.trace
             .record_oom(self.device, requested, shard.stream, free);
-        let stats = self.stats();
         let facts = OutOfMemoryEvent {
             device: self.device,
             requested,
@@ -507,13 +498,10 @@ impl DeviceCore {
             allocated: stats.allocated_bytes.all.current as u64,
             reserved: stats.reserved_bytes.all.current as u64,
             fraction: self.fraction(),
-            cause: Some(format!(
-                "{} (during a stream capture: cached memory is not released while one is under way)",
-                cause.as_deref().unwrap_or("the device has no room")
-            )),
+            cause,
         };
         self.callbacks.observers.out_of_memory(&facts);
-        Err(oom::out_of_memory(&facts))
+        oom::out_of_memory(&facts)
     }
 
     /// Records the events of block `id` of `st`, freed while used by `uses` (one per stream); a
