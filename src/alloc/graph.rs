@@ -25,7 +25,14 @@ use crate::process::Birth;
 use crate::sync::os::Arc;
 
 /// A stream capture under way (see [`CachingAllocator::begin_capture`]). Dropping it without
-/// [`Capture::end`] ends the driver's capture and discards what it recorded.
+/// [`Capture::end`] ends the driver's capture and discards what it recorded. It stays on the
+/// thread that began it:
+///
+/// ```compile_fail
+/// fn f(capture: cudalloc::Capture) {
+///     std::thread::spawn(move || drop(capture));
+/// }
+/// ```
 #[derive(Debug)]
 #[must_use = "the capture runs while this lives: end it with `.end()`"]
 pub struct Capture {
@@ -37,6 +44,9 @@ pub struct Capture {
     capture: Option<u64>,
     pool: MemPool,
     birth: Birth,
+    /// `!Send`: a capture ends on the thread that began it (the driver refuses another's, and
+    /// the allocator would stop routing while the driver's capture went on).
+    _this_thread: std::marker::PhantomData<*const ()>,
 }
 
 /// A captured and instantiated graph: [`Graph::replay`] runs the captured work again on any
@@ -81,14 +91,14 @@ impl CachingAllocator {
         let id = match began.map(|s| s.capture_id()) {
             Ok(Some(id)) => id,
             Ok(None) => {
-                self.capturing.ended(None);
+                self.capture_never_began();
                 return Err(Error::capture(format!(
                     "stream {} is not capturing after its capture began",
                     stream.raw()
                 )));
             }
             Err(err) => {
-                self.capturing.ended(None);
+                self.capture_never_began();
                 return Err(err);
             }
         };
@@ -101,7 +111,18 @@ impl CachingAllocator {
             capture: Some(id),
             pool,
             birth: self.birth,
+            _this_thread: std::marker::PhantomData,
         })
+    }
+
+    /// A capture counted by `begin_capture` did not begin: frees deferred meanwhile get their
+    /// events when it was the only one.
+    fn capture_never_began(&self) {
+        if self.capturing.ended(None) {
+            for device in &self.devices {
+                device.flush_deferred();
+            }
+        }
     }
 }
 
