@@ -150,7 +150,9 @@ fn main() -> Result<()> {
         // Eager work between replays never gets the graph's memory.
         let eager = Storage::new_on(runtime, stream, LEN)?;
         if pool.snapshot().segments.iter().any(|s| {
-            s.address <= eager.data_ptr().0 && eager.data_ptr().0 < s.address + s.total_size
+            s.blocks
+                .iter()
+                .any(|b| b.addr <= eager.data_ptr().0 && eager.data_ptr().0 < b.addr + b.size)
         }) {
             return Err(Error::InvalidArgument(format!(
                 "replay {round}: an eager tensor got graph memory"

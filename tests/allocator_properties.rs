@@ -144,10 +144,16 @@ fn check_pools(a: &cudalloc::Runtime, live: &[(Live, MemPoolId)], pools: &[Optio
     let snap = a.snapshot();
     for (l, pool) in live {
         let addr = l.data.ptr().0;
+        // By the segment's blocks: an expandable segment's mapped pages need not be contiguous,
+        // so its `total_size` does not bound its addresses.
         let seg = snap
             .segments
             .iter()
-            .find(|s| s.address <= addr && addr < s.address + s.total_size)
+            .find(|s| {
+                s.blocks
+                    .iter()
+                    .any(|b| b.addr <= addr && addr < b.addr + b.size)
+            })
             .expect("a live block lies in a segment");
         assert_eq!(
             seg.segment_pool_id, *pool,

@@ -44,8 +44,12 @@ fn reserved(a: &CachingAllocator) -> i64 {
 
 /// Whether `addr` lies in a segment of pool `pool`.
 fn in_pool(a: &CachingAllocator, pool: MemPoolId, addr: DeviceAddr) -> bool {
+    // By the segments' blocks: an expandable segment's mapped pages need not be contiguous.
     a.snapshot().segments.iter().any(|s| {
-        s.segment_pool_id == pool && s.address <= addr.0 && addr.0 < s.address + s.total_size
+        s.segment_pool_id == pool
+            && s.blocks
+                .iter()
+                .any(|b| b.addr <= addr.0 && addr.0 < b.addr + b.size)
     })
 }
 

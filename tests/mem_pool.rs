@@ -29,9 +29,14 @@ fn allocator() -> CachingAllocator {
 /// The pool whose segment holds `p` in `snap` (None: no segment holds it).
 fn pool_of(snap: &Snapshot, p: &DataPtr) -> Option<MemPoolId> {
     let addr = p.ptr().0;
+    // By the segments' blocks: an expandable segment's mapped pages need not be contiguous.
     snap.segments
         .iter()
-        .find(|s| s.address <= addr && addr < s.address + s.total_size)
+        .find(|s| {
+            s.blocks
+                .iter()
+                .any(|b| b.addr <= addr && addr < b.addr + b.size)
+        })
         .map(|s| s.segment_pool_id)
 }
 
@@ -440,11 +445,10 @@ fn storages_made_in_a_scope_live_in_the_pool() {
         s
     };
     let addr = s.data_ptr().0;
-    assert!(pool
-        .snapshot()
-        .segments
+    assert!(pool.snapshot().segments.iter().any(|seg| seg
+        .blocks
         .iter()
-        .any(|seg| seg.address <= addr && addr < seg.address + seg.total_size));
+        .any(|b| b.addr <= addr && addr < b.addr + b.size)));
     assert_eq!(s.count_pattern_mismatches(7).unwrap(), 0);
     // A lazy clone's first write inside a scope materializes its copy in the pool too.
     let clone = s.lazy_clone().unwrap();
@@ -453,11 +457,10 @@ fn storages_made_in_a_scope_live_in_the_pool() {
         clone.mutable_data_ptr().unwrap().0
     };
     assert_ne!(copied, addr);
-    assert!(pool
-        .snapshot()
-        .segments
+    assert!(pool.snapshot().segments.iter().any(|seg| seg
+        .blocks
         .iter()
-        .any(|seg| seg.address <= copied && copied < seg.address + seg.total_size));
+        .any(|b| b.addr <= copied && copied < b.addr + b.size)));
     assert_eq!(clone.count_pattern_mismatches(7).unwrap(), 0);
 }
 
