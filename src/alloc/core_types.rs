@@ -6,7 +6,8 @@
 //! | file | what it does with these types |
 //! |---|---|
 //! | `shard.rs` | one shard: the free path, orphaning, front-cache helpers, its teardown |
-//! | `device.rs` | one device: shard creation, the hit and miss paths, release, stats, snapshots |
+//! | `device_shards.rs` | one device's shards: creation per (stream, pool), retired shards, lending |
+//! | `device.rs` | one device: the hit and miss paths, release, stats, snapshots |
 //! | `expandable.rs` | expandable segments: growth and the release of whole pages |
 //! | `peaks.rs` | exact device-wide peaks: the book's reads, grants and reconciles |
 //!

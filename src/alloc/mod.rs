@@ -18,8 +18,9 @@
 //! * `shard.rs` — a shard's free path, its life after the allocator, front-cache helpers;
 //!   `thread.rs` — per-thread state: current streams and a cache of shard pointers (no lock, no
 //!   atomic on the hot path).
-//! * `snapshot.rs`, `invariants.rs` (the scanner tests run after every mutation), `device.rs` — a
-//!   device's shards and the device-wide paths (miss sequence, GC, `empty_cache`), `expandable.rs`
+//! * `snapshot.rs`, `invariants.rs` (the scanner tests run after every mutation),
+//!   `device_shards.rs` — which shards a device has (per stream and pool, retired ones, lending),
+//!   `device.rs` — the device-wide paths (miss sequence, GC, `empty_cache`), `expandable.rs`
 //!   (segments that grow by pages), `peaks.rs` (exact device-wide peaks), `summary.rs` (the summary
 //!   table), `pytorch_pickle.rs` (snapshots in PyTorch's pickled layout).
 //! * `data_ptr.rs` — [`DataPtr`] and its owners; upper layers attach theirs as trait objects.
@@ -42,6 +43,7 @@ mod capturing;
 mod core_types;
 mod data_ptr;
 mod device;
+mod device_shards;
 mod expandable;
 mod front;
 mod graph;

@@ -1,0 +1,192 @@
+//! Which shards a device has: one per (stream, memory pool) in its map, created on first use;
+//! the retired shards of dropped pools, reused by the next pool on their stream; the sets the
+//! device-wide paths visit (all of them, or only those whose cache may be released); the lending of
+//! a `use_on_oom` pool's free block (`mem_pool.rs` has the pools' state table).
+
+use super::block::Allocated;
+use super::core_types::{DeviceCore, Shard};
+use super::pool_id::{MemPoolId, MemPoolOptions};
+use super::size::PoolKind;
+use super::state::ShardState;
+use crate::driver::StreamId;
+use crate::error::{Error, Result};
+use crate::sync::os::atomic::{AtomicU64, Ordering};
+use crate::sync::os::{Arc, Mutex};
+
+/// Serials of shards (`Shard::serial`).
+static NEXT_SHARD_SERIAL: AtomicU64 = AtomicU64::new(1);
+
+impl DeviceCore {
+    /// The shard of `stream` in memory pool `pool`, created on first use — for a pool, from a
+    /// retired pool's empty shard of the same stream when there is one (`mem_pool.rs`).
+    pub fn shard_in(
+        self: &Arc<Self>,
+        stream: StreamId,
+        pool: MemPoolId,
+        options: MemPoolOptions,
+    ) -> Result<Arc<Shard>> {
+        if let Some(shard) = self.shards.read().get(&(stream, pool)) {
+            return Ok(Arc::clone(shard));
+        }
+        let device = self.driver.stream_device(stream)?;
+        if device != self.device {
+            return Err(Error::invalid(format!(
+                "stream {} belongs to device {device}, not device {}",
+                stream.raw(),
+                self.device
+            )));
+        }
+        let mut shards = self.shards.write();
+        if let Some(shard) = shards.get(&(stream, pool)) {
+            return Ok(Arc::clone(shard));
+        }
+        if !pool.is_default() {
+            if let Some((shard, bases)) = self.take_retired(stream, pool, options) {
+                shards.insert((stream, pool), Arc::clone(&shard));
+                drop(shards);
+                for base in bases {
+                    if let Err(err) = self
+                        .driver
+                        .vm_free_reservation(crate::driver::DeviceAddr(base))
+                    {
+                        tracing::error!(%err, base, "freeing an expandable segment's reservation failed");
+                    }
+                }
+                return Ok(shard);
+            }
+        }
+        let serial = NEXT_SHARD_SERIAL.fetch_add(1, Ordering::Relaxed);
+        let shard = Arc::new(Shard {
+            stream,
+            serial,
+            // A pool's blocks go back to the pool's shard directly: no thread front caches.
+            front_limit: if pool.is_default() {
+                self.config.thread_cache
+            } else {
+                0
+            },
+            birth: self.birth,
+            sanitizer: self.sanitizer.clone(),
+            state: Mutex::new(ShardState {
+                serial,
+                pool,
+                pool_options: options,
+                ..ShardState::default()
+            }),
+            core: Arc::clone(self),
+            fronts: Mutex::new(Default::default()),
+        });
+        shards.insert((stream, pool), Arc::clone(&shard));
+        drop(shards);
+        // In the peak book from its creation (the book's lock is taken after the map's).
+        self.register_for_peaks(&shard);
+        Ok(shard)
+    }
+
+    /// A free block of a live `use_on_oom` pool on `shard`'s stream, for an allocation of the
+    /// default pool that found no memory (PyTorch's `use_on_oom`), with the pool's shard.
+    pub(super) fn lend(
+        &self,
+        shard: &Shard,
+        pool: PoolKind,
+        rounded: u64,
+        requested: u64,
+    ) -> Option<(Arc<Shard>, Allocated)> {
+        if !shard.state.lock().pool.is_default() {
+            return None;
+        }
+        let lenders: Vec<Arc<Shard>> = self
+            .shards
+            .read()
+            .iter()
+            .filter(|((stream, p), _)| *stream == shard.stream && !p.is_default())
+            .map(|(_, s)| Arc::clone(s))
+            .collect();
+        lenders.into_iter().find_map(|lending| {
+            if !lending.state.lock().pool_options.use_on_oom {
+                return None;
+            }
+            let hit = self.try_fit(&lending, pool, rounded, requested)?;
+            Some((lending, hit))
+        })
+    }
+
+    /// A retired shard of `stream` that holds nothing (but expandable segments with no page
+    /// mapped, whose reservations are returned: the bases, to free outside the locks), made a
+    /// shard of `pool`, its accumulated counts from now on the new pool's.
+    fn take_retired(
+        &self,
+        stream: StreamId,
+        pool: MemPoolId,
+        options: MemPoolOptions,
+    ) -> Option<(Arc<Shard>, Vec<u64>)> {
+        let mut retired = self.retired.lock();
+        let at = retired.iter().position(|shard| {
+            shard.stream == stream && {
+                let st = shard.state.lock();
+                st.owners == 0
+                    && st
+                        .blocks
+                        .iter()
+                        .all(|(_, b)| b.state == super::block::BlockState::Unmapped)
+                    && st.pending.values().all(|q| q.is_empty())
+            }
+        })?;
+        let shard = retired.swap_remove(at);
+        let mut st = shard.state.lock();
+        let bases = st.take_empty_expandable();
+        st.pool = pool;
+        st.pool_options = options;
+        st.pool_base = st.stats.clone();
+        drop(st);
+        Some((shard, bases))
+    }
+
+    /// Every shard of the device: the default pool's, the live pools', the retired ones.
+    pub(super) fn all_shards(&self) -> Vec<Arc<Shard>> {
+        let mut all: Vec<_> = self.shards.read().values().cloned().collect();
+        all.extend(self.retired.lock().iter().cloned());
+        all
+    }
+
+    /// The shards whose cached memory the device may release (empty cache, out of memory,
+    /// garbage collection): the default pool's and the retired ones. A live pool keeps its cache
+    /// (a graph's replays use its free blocks' addresses) until it is emptied or dropped.
+    pub(super) fn releasable_shards(&self) -> Vec<Arc<Shard>> {
+        let mut out: Vec<_> = self
+            .shards
+            .read()
+            .iter()
+            .filter(|((_, pool), _)| pool.is_default())
+            .map(|(_, shard)| Arc::clone(shard))
+            .collect();
+        out.extend(self.retired.lock().iter().cloned());
+        out
+    }
+
+    /// The shards of live pool `pool`.
+    pub(super) fn pool_shards(&self, pool: MemPoolId) -> Vec<Arc<Shard>> {
+        self.shards
+            .read()
+            .iter()
+            .filter(|((_, p), _)| *p == pool)
+            .map(|(_, shard)| Arc::clone(shard))
+            .collect()
+    }
+
+    /// Pool `pool` was dropped: its shards leave the map for the retired list, giving their
+    /// cached memory back (blocks still handed out return to them and are released like the
+    /// default pool's).
+    pub(super) fn retire_pool(&self, pool: MemPoolId) {
+        // Released while still in the map (nothing allocates from a dropped pool), then moved
+        // to the retired list in one step under the map's lock: a shard is never in neither,
+        // where the allocator's teardown (and stats, snapshots) would miss it.
+        for shard in self.pool_shards(pool) {
+            self.release_shard(&shard, false);
+        }
+        let mut shards = self.shards.write();
+        let keys: Vec<_> = shards.keys().filter(|(_, p)| *p == pool).copied().collect();
+        let leaving: Vec<Arc<Shard>> = keys.iter().filter_map(|k| shards.remove(k)).collect();
+        self.retired.lock().extend(leaving);
+    }
+}
