@@ -383,3 +383,43 @@ fn the_sanitizer_checks_replays_without_false_reports() {
         "the unordered replay was not reported"
     );
 }
+
+/// Graphs meet thread front caches (`thread_cache_mb`): a block this thread's cache holds for the
+/// default pool is never what a capture on the same stream is handed; the capture's allocation
+/// comes from the graph's pool, and the cached block still serves eager work afterwards.
+#[test]
+fn a_capture_never_takes_a_block_from_the_threads_front_cache() {
+    let host = cudalloc::HostDriver::builder()
+        .devices(1)
+        .memory_per_device(256 * MIB)
+        .build()
+        .unwrap();
+    let driver: Arc<dyn Driver> = common::sanitized(Arc::new(host));
+    let a = CachingAllocator::builder()
+        .config(common::test_config("thread_cache_mb:64"))
+        .check_invariants(true)
+        .build(Arc::clone(&driver))
+        .unwrap();
+    let s = a.create_stream(0).unwrap();
+    let _on = a.set_current_stream(s).unwrap();
+    let cached = a.allocate(0, MIB).unwrap().ptr();
+    let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
+    let pool = capture.pool().id();
+    let inside = a.allocate(0, MIB).unwrap();
+    assert_ne!(
+        inside.ptr(),
+        cached,
+        "the capture got the front cache's block"
+    );
+    assert!(in_pool(&a, pool, inside.ptr()));
+    let graph = capture.end().unwrap();
+    let eager = a.allocate(0, MIB).unwrap();
+    assert!(in_pool(&a, MemPoolId::DEFAULT, eager.ptr()));
+    assert_eq!(
+        eager.ptr(),
+        cached,
+        "the cached block serves eager work again"
+    );
+    drop((inside, eager, graph));
+    a.check_invariants().unwrap();
+}
