@@ -48,6 +48,22 @@ pub const LAUNCH_OUT_OF_RESOURCES: CuResult = 701;
 pub const LAUNCH_FAILED: CuResult = 719;
 /// `CUDA_ERROR_NOT_SUPPORTED`.
 pub const NOT_SUPPORTED: CuResult = 801;
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`.
+pub const STREAM_CAPTURE_UNSUPPORTED: CuResult = 900;
+/// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`.
+pub const STREAM_CAPTURE_INVALIDATED: CuResult = 901;
+/// `CUDA_ERROR_STREAM_CAPTURE_MERGE`.
+pub const STREAM_CAPTURE_MERGE: CuResult = 902;
+/// `CUDA_ERROR_STREAM_CAPTURE_UNMATCHED`.
+pub const STREAM_CAPTURE_UNMATCHED: CuResult = 903;
+/// `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`.
+pub const STREAM_CAPTURE_UNJOINED: CuResult = 904;
+/// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`.
+pub const STREAM_CAPTURE_ISOLATION: CuResult = 905;
+/// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`.
+pub const STREAM_CAPTURE_IMPLICIT: CuResult = 906;
+/// `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`.
+pub const STREAM_CAPTURE_WRONG_THREAD: CuResult = 908;
 /// `CUDA_ERROR_UNKNOWN`.
 pub const UNKNOWN: CuResult = 999;
 
@@ -86,6 +102,38 @@ const DESCRIPTIONS: &[(CuResult, &str)] = &[
     ),
     (LAUNCH_FAILED, "unspecified launch failure\0"),
     (NOT_SUPPORTED, "operation not supported\0"),
+    (
+        STREAM_CAPTURE_UNSUPPORTED,
+        "operation not permitted when stream is capturing\0",
+    ),
+    (
+        STREAM_CAPTURE_INVALIDATED,
+        "operation failed due to a previous error during capture\0",
+    ),
+    (
+        STREAM_CAPTURE_MERGE,
+        "operation would result in a merge of separate capture sequences\0",
+    ),
+    (
+        STREAM_CAPTURE_UNMATCHED,
+        "capture was not ended in the same stream as it began\0",
+    ),
+    (
+        STREAM_CAPTURE_UNJOINED,
+        "capturing stream has unjoined work\0",
+    ),
+    (
+        STREAM_CAPTURE_ISOLATION,
+        "dependency created on uncaptured work in another stream\0",
+    ),
+    (
+        STREAM_CAPTURE_IMPLICIT,
+        "operation would make the legacy stream depend on a capturing blocking stream\0",
+    ),
+    (
+        STREAM_CAPTURE_WRONG_THREAD,
+        "attempt to terminate a thread-local capture sequence from another thread\0",
+    ),
     (UNKNOWN, "unknown error\0"),
 ];
 
@@ -121,6 +169,14 @@ pub fn name(code: CuResult) -> &'static str {
         LAUNCH_OUT_OF_RESOURCES => "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
         LAUNCH_FAILED => "CUDA_ERROR_LAUNCH_FAILED",
         NOT_SUPPORTED => "CUDA_ERROR_NOT_SUPPORTED",
+        STREAM_CAPTURE_UNSUPPORTED => "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+        STREAM_CAPTURE_INVALIDATED => "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+        STREAM_CAPTURE_MERGE => "CUDA_ERROR_STREAM_CAPTURE_MERGE",
+        STREAM_CAPTURE_UNMATCHED => "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED",
+        STREAM_CAPTURE_UNJOINED => "CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
+        STREAM_CAPTURE_ISOLATION => "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+        STREAM_CAPTURE_IMPLICIT => "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+        STREAM_CAPTURE_WRONG_THREAD => "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
         _ => "CUDA_ERROR_UNKNOWN",
     }
 }

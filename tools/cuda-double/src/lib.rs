@@ -28,6 +28,7 @@
 //! | event               | two counters in a cell, in shared memory when interprocess (`event.rs`) |
 //! | IPC handle          | `(pid, fd, id)` of the region, opened through `/proc/<pid>/fd`       |
 //! | module / kernel     | PTX parsed for its entries; launches run native code (`module.rs`, `kernels.rs`) |
+//! | stream capture, graph | nodes recorded per capture, replayed in order on the launch stream (`capture.rs`) |
 //! | devices             | `CUDA_DOUBLE_DEVICES` (default 2) of `CUDA_DOUBLE_MEMORY` bytes (default 1 GiB), counted per process |
 //!
 //! Where the double is stricter than some drivers it says so at the rule: work is submitted with
@@ -36,6 +37,7 @@
 //! This is test tooling, separate from the cudalloc library: it uses `std::sync` and `libc`
 //! directly (cudalloc's one-module rules for `memmap2`/`std::sync` apply to cudalloc).
 
+pub mod capture;
 pub mod codes;
 pub mod event;
 pub mod kernels;

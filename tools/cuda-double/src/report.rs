@@ -91,6 +91,16 @@ entries!(
     cuMemUnmap,
     cuMemExportToShareableHandle,
     cuMemImportFromShareableHandle,
+    cuStreamBeginCapture_v2,
+    cuStreamEndCapture,
+    cuStreamIsCapturing,
+    cuStreamGetCaptureInfo_v2,
+    cuThreadExchangeStreamCaptureMode,
+    cuGraphInstantiateWithFlags,
+    cuGraphLaunch,
+    cuGraphGetNodes,
+    cuGraphDestroy,
+    cuGraphExecDestroy,
 );
 
 /// How a failed call is classified.
@@ -295,8 +305,15 @@ impl Report {
     /// Records a failed call of `entry` (violations and rejected input; outcomes are not logged).
     pub fn record(&self, entry: Entry, fail: &Fail) {
         self.count_failure(entry);
+        let expected = fail.class == Class::Violation
+            && EXPECTED.with(|left| {
+                let n = left.get();
+                left.set(n.saturating_sub(1));
+                n > 0
+            });
         let file = match fail.class {
             Class::Outcome => return,
+            Class::Violation if expected => "expected.log",
             Class::Violation => "violations.log",
             Class::Rejected => "rejected.log",
         };
@@ -307,7 +324,7 @@ impl Report {
             codes::name(fail.code),
             fail.message.replace('\n', " ")
         );
-        if fail.class == Class::Violation {
+        if fail.class == Class::Violation && !expected {
             self.violations.fetch_add(1, Ordering::Relaxed);
             self.recent
                 .lock()
@@ -322,6 +339,23 @@ impl Report {
             None => {}
         }
     }
+}
+
+thread_local! {
+    /// Violations this thread announced it is about to commit on purpose
+    /// ([`expect_violations`]).
+    static EXPECTED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Announces that the next `n` violations recorded on this thread are committed on purpose (a
+/// test of a prohibition): they go to `expected.log` and are not counted. Replaces what was left.
+pub fn expect_violations(n: u64) {
+    EXPECTED.with(|left| left.set(n));
+}
+
+/// How many announced violations this thread has not committed (0 once all were reported).
+pub fn expected_left() -> u64 {
+    EXPECTED.with(std::cell::Cell::get)
 }
 
 /// Appends `line` with one write on an `O_APPEND` descriptor.

@@ -19,6 +19,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::capture::{Captures, Graph, Maker, Node};
 use crate::codes;
 use crate::event::Event;
 use crate::memory::Memory;
@@ -39,6 +40,10 @@ pub enum Kind {
     Module,
     /// `CUfunction`.
     Function,
+    /// `CUgraph`.
+    Graph,
+    /// `CUgraphExec`.
+    GraphExec,
 }
 
 /// An entry of the handle table.
@@ -54,6 +59,10 @@ pub enum Object {
     Module(Arc<Module>),
     /// A kernel of a module.
     Function(Arc<Function>),
+    /// A captured graph.
+    Graph(Arc<Graph>),
+    /// An instantiated graph.
+    GraphExec(Arc<Graph>),
     /// A handle destroyed by the caller.
     Destroyed(Kind),
 }
@@ -66,6 +75,8 @@ impl Object {
             Object::Event(_) => Kind::Event,
             Object::Module(_) => Kind::Module,
             Object::Function(_) => Kind::Function,
+            Object::Graph(_) => Kind::Graph,
+            Object::GraphExec(_) => Kind::GraphExec,
             Object::Destroyed(k) => *k,
         }
     }
@@ -131,6 +142,8 @@ pub struct Double {
     next_handle: AtomicUsize,
     /// Device memory.
     pub memory: Memory,
+    /// Stream captures (`capture.rs`).
+    pub captures: Captures,
 }
 
 static DOUBLE: OnceLock<Double> = OnceLock::new();
@@ -198,6 +211,7 @@ pub fn init() -> Checked<()> {
         objects: Mutex::new(objects),
         next_handle,
         memory,
+        captures: Captures::default(),
     });
     Ok(())
 }
@@ -451,9 +465,51 @@ impl Double {
         }
     }
 
+    /// Queues device work that a capture records: on a capturing stream, a node of the capture
+    /// (`capture.rs`); otherwise the work `make` builds now, queued as [`Self::enqueue`] does.
+    pub fn enqueue_node(
+        &self,
+        stream: &Arc<Stream>,
+        entry: crate::report::Entry,
+        ranges: Vec<(u64, u64)>,
+        make: Maker,
+    ) -> Checked<()> {
+        let node = || Node {
+            entry,
+            ranges: ranges.clone(),
+            make: make.clone(),
+        };
+        if let Some(outcome) = self.captures.record(stream, node) {
+            return outcome;
+        }
+        let work = make()?;
+        self.enqueue_now(stream, entry, ranges, || work)
+    }
+
+    /// The graph `handle` (captured, or instantiated when `exec`).
+    pub fn graph(&self, handle: *mut c_void, exec: bool) -> Checked<Arc<Graph>> {
+        let kind = if exec { Kind::GraphExec } else { Kind::Graph };
+        match self.lookup(handle, kind)? {
+            Object::Graph(g) | Object::GraphExec(g) => Ok(g),
+            _ => Err(Fail::violation(codes::INVALID_HANDLE, "not a graph")),
+        }
+    }
+
     /// Queues the work `make` builds on `stream`, behind the legacy stream's implicit
-    /// synchronization (see `stream.rs`).
+    /// synchronization (see `stream.rs`). Work a capture cannot record: on a capturing stream it
+    /// is a violation (`capture.rs`).
     pub fn enqueue(
+        &self,
+        stream: &Arc<Stream>,
+        entry: crate::report::Entry,
+        ranges: Vec<(u64, u64)>,
+        make: impl FnOnce() -> Box<dyn FnOnce() -> Checked<()> + Send>,
+    ) -> Checked<()> {
+        self.captures.check_uncapturable(stream, entry.name())?;
+        self.enqueue_now(stream, entry, ranges, make)
+    }
+
+    fn enqueue_now(
         &self,
         stream: &Arc<Stream>,
         entry: crate::report::Entry,

@@ -255,7 +255,9 @@ pub extern "C" fn cuCtxSetCurrent(ctx: *mut c_void) -> CuResult {
 #[no_mangle]
 pub extern "C" fn cuCtxSynchronize() -> CuResult {
     api(Entry::cuCtxSynchronize, || {
-        let ctx = double()?.current()?;
+        let d = double()?;
+        let ctx = d.current()?;
+        d.captures.check_context(ctx.handle, "cuCtxSynchronize")?;
         let mut first = Ok(());
         for s in ctx.all_streams() {
             let r = s.synchronize();

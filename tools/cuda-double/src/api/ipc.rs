@@ -120,6 +120,7 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
 ) -> CuResult {
     api(Entry::cuIpcOpenMemHandle_v2, || {
         let d = double()?;
+        d.captures.check_unsafe("cuIpcOpenMemHandle_v2")?;
         let ctx = d.current()?;
         if flags != 1 {
             return Err(Fail::violation(
@@ -173,6 +174,7 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
 pub extern "C" fn cuIpcCloseMemHandle(dptr: u64) -> CuResult {
     api(Entry::cuIpcCloseMemHandle, || {
         let d = double()?;
+        d.captures.check_unsafe("cuIpcCloseMemHandle")?;
         let removed = d.memory.remove(dptr, |a| match a.origin {
             Origin::Opened { .. } => Ok(()),
             Origin::Owned { .. } | Origin::Reserved => Err(Fail::violation(

@@ -10,7 +10,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::{api, put};
+use crate::capture::Maker;
 use crate::codes::{self, CuResult};
+use crate::kernels::Work;
 use crate::memory::{Allocation, Backing, Origin};
 use crate::region::{Header, Region};
 use crate::report::{Entry, Fail};
@@ -45,6 +47,7 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut u64, bytesize: usize) -> CuResult {
     api(Entry::cuMemAlloc_v2, || {
         let d = double()?;
+        d.captures.check_unsafe("cuMemAlloc_v2")?;
         let ctx = d.current()?;
         if dptr.is_null() || bytesize == 0 {
             return Err(Fail::violation(
@@ -105,6 +108,7 @@ pub extern "C" fn cuMemFree_v2(dptr: u64) -> CuResult {
             return Ok(());
         }
         let (allocation, _) = d.memory.resolve(dptr, 0)?;
+        d.captures.check_context(allocation.ctx, "cuMemFree_v2")?;
         for s in d.devices[allocation.device].context.all_streams() {
             let _ = s.synchronize();
         }
@@ -258,20 +262,22 @@ pub extern "C" fn cuMemcpyDtoDAsync_v2(
         if n == 0 {
             return Ok(());
         }
-        d.enqueue(
+        let make: Maker = Arc::new(move || {
+            let (to, from) = (to.clone(), from.clone());
+            Ok(Box::new(move || {
+                to.check_live("cuMemcpyDtoDAsync (destination)")?;
+                from.check_live("cuMemcpyDtoDAsync (source)")?;
+                // SAFETY: both ranges are inside live allocations; `copy` tolerates the same
+                // mapping appearing twice (overlap was refused above).
+                unsafe { std::ptr::copy(from.at(from_offset), to.at(to_offset), count) };
+                Ok(())
+            }) as Work)
+        });
+        d.enqueue_node(
             &s,
             Entry::cuMemcpyDtoDAsync_v2,
             vec![(dst, n), (src, n)],
-            || {
-                Box::new(move || {
-                    to.check_live("cuMemcpyDtoDAsync (destination)")?;
-                    from.check_live("cuMemcpyDtoDAsync (source)")?;
-                    // SAFETY: both ranges are inside live allocations; `copy` tolerates the same
-                    // mapping appearing twice (overlap was refused above).
-                    unsafe { std::ptr::copy(from.at(from_offset), to.at(to_offset), count) };
-                    Ok(())
-                })
-            },
+            make,
         )
     })
 }
@@ -292,18 +298,15 @@ pub extern "C" fn cuMemsetD8Async(
         if count == 0 {
             return Ok(());
         }
-        d.enqueue(
-            &s,
-            Entry::cuMemsetD8Async,
-            vec![(dst, count as u64)],
-            || {
-                Box::new(move || {
-                    a.check_live("cuMemsetD8Async")?;
-                    // SAFETY: the range is inside the live allocation.
-                    unsafe { std::ptr::write_bytes(a.at(offset), value, count) };
-                    Ok(())
-                })
-            },
-        )
+        let make: Maker = Arc::new(move || {
+            let a = a.clone();
+            Ok(Box::new(move || {
+                a.check_live("cuMemsetD8Async")?;
+                // SAFETY: the range is inside the live allocation.
+                unsafe { std::ptr::write_bytes(a.at(offset), value, count) };
+                Ok(())
+            }) as Work)
+        });
+        d.enqueue_node(&s, Entry::cuMemsetD8Async, vec![(dst, count as u64)], make)
     })
 }

@@ -3,6 +3,7 @@
 //! report before returning its code.
 
 pub mod device;
+pub mod graph;
 pub mod ipc;
 pub mod memory;
 pub mod module;
@@ -47,4 +48,19 @@ pub(crate) unsafe fn put<T>(out: *mut T, value: T, what: &str) -> Checked<()> {
 #[no_mangle]
 pub extern "C" fn cuda_double_violations() -> u64 {
     report().violations()
+}
+
+/// Announces that the next `n` violations on this thread are committed on purpose (a test of a
+/// prohibition, e.g. a call prohibited during a stream capture): they are logged to
+/// `expected.log`, not counted. Not a CUDA entry point; tests look it up with `dlsym`.
+#[no_mangle]
+pub extern "C" fn cuda_double_expect_violations(n: u64) {
+    crate::report::expect_violations(n);
+}
+
+/// Announced violations this thread has not committed yet: a test asserts 0 after the prohibited
+/// calls (the double did flag each one).
+#[no_mangle]
+pub extern "C" fn cuda_double_expected_left() -> u64 {
+    crate::report::expected_left()
 }

@@ -217,7 +217,10 @@ pub unsafe extern "C" fn cuLaunchKernel(
             };
             args.push(u64::from_le_bytes(word));
         }
-        let work = (native.build)(&d.memory, &args)?;
-        d.enqueue(&s, Entry::cuLaunchKernel, (native.ranges)(&args), || work)
+        // Built now (pointers resolved at the launch), and again for every replay of a capture.
+        let ranges = (native.ranges)(&args);
+        let build = native.build;
+        let make: crate::capture::Maker = Arc::new(move || build(&double()?.memory, &args));
+        d.enqueue_node(&s, Entry::cuLaunchKernel, ranges, make)
     })
 }

@@ -98,7 +98,10 @@ pub unsafe extern "C" fn cuStreamGetCtx(stream: *mut c_void, pctx: *mut *mut c_v
 #[no_mangle]
 pub extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CuResult {
     api(Entry::cuStreamSynchronize, || {
-        double()?.stream(stream)?.synchronize()
+        let d = double()?;
+        let s = d.stream(stream)?;
+        d.captures.check_blocking(&s, "cuStreamSynchronize")?;
+        s.synchronize()
     })
 }
 
@@ -106,7 +109,10 @@ pub extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CuResult {
 #[no_mangle]
 pub extern "C" fn cuStreamQuery(stream: *mut c_void) -> CuResult {
     api(Entry::cuStreamQuery, || {
-        if double()?.stream(stream)?.idle()? {
+        let d = double()?;
+        let s = d.stream(stream)?;
+        d.captures.check_blocking(&s, "cuStreamQuery")?;
+        if s.idle()? {
             Ok(())
         } else {
             Err(Fail::outcome(codes::NOT_READY, "work pending"))
@@ -133,6 +139,9 @@ pub extern "C" fn cuStreamWaitEvent(
         }
         let s = d.stream(stream)?;
         let e = d.event(event)?;
+        if let Some(outcome) = d.captures.wait(&s, e.handle) {
+            return outcome;
+        }
         d.enqueue(&s, Entry::cuStreamWaitEvent, Vec::new(), || {
             let target = e.cell().target();
             Box::new(move || {
@@ -188,6 +197,7 @@ pub extern "C" fn cuEventDestroy_v2(event: *mut c_void) -> CuResult {
     api(Entry::cuEventDestroy_v2, || {
         let d = double()?;
         let e = d.event(event)?;
+        d.captures.forget_point(e.handle);
         d.destroy(e.handle, Kind::Event);
         Ok(())
     })
@@ -209,6 +219,9 @@ pub extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) -> CuRe
                 ),
             ));
         }
+        if let Some(outcome) = d.captures.record_point(e.handle, &s) {
+            return outcome;
+        }
         d.enqueue(&s, Entry::cuEventRecord, Vec::new(), || {
             let n = e.cell().record();
             Box::new(move || {
@@ -223,7 +236,9 @@ pub extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) -> CuRe
 #[no_mangle]
 pub extern "C" fn cuEventQuery(event: *mut c_void) -> CuResult {
     api(Entry::cuEventQuery, || {
-        let e = double()?.event(event)?;
+        let d = double()?;
+        let e = d.event(event)?;
+        d.captures.check_event(e.handle, "cuEventQuery")?;
         let cell = e.cell();
         if cell.reached(cell.target()) {
             Ok(())
@@ -237,7 +252,9 @@ pub extern "C" fn cuEventQuery(event: *mut c_void) -> CuResult {
 #[no_mangle]
 pub extern "C" fn cuEventSynchronize(event: *mut c_void) -> CuResult {
     api(Entry::cuEventSynchronize, || {
-        let e = double()?.event(event)?;
+        let d = double()?;
+        let e = d.event(event)?;
+        d.captures.check_event(e.handle, "cuEventSynchronize")?;
         let cell = e.cell();
         cell.wait(cell.target());
         Ok(())

@@ -109,6 +109,7 @@ pub unsafe extern "C" fn cuMemAddressReserve(
 ) -> CuResult {
     api(Entry::cuMemAddressReserve, || {
         let d = double()?;
+        d.captures.check_unsafe("cuMemAddressReserve")?;
         let ctx = d.current()?;
         granular("cuMemAddressReserve", size as u64)?;
         if (alignment != 0 && !alignment.is_power_of_two())
@@ -144,6 +145,7 @@ pub unsafe extern "C" fn cuMemAddressReserve(
 pub extern "C" fn cuMemAddressFree(ptr: u64, size: usize) -> CuResult {
     api(Entry::cuMemAddressFree, || {
         let d = double()?;
+        d.captures.check_unsafe("cuMemAddressFree")?;
         d.memory.remove(ptr, |a| match a.reserved() {
             Some(vm) if a.size == size as u64 && vm.is_empty() => Ok(()),
             Some(_) if a.size != size as u64 => Err(Fail::violation(
@@ -179,6 +181,7 @@ pub unsafe extern "C" fn cuMemCreate(
 ) -> CuResult {
     api(Entry::cuMemCreate, || {
         let d = double()?;
+        d.captures.check_unsafe("cuMemCreate")?;
         d.current()?;
         if prop.is_null() || flags != 0 || handle.is_null() {
             return Err(Fail::violation(
@@ -232,6 +235,7 @@ pub unsafe extern "C" fn cuMemCreate(
 pub extern "C" fn cuMemRelease(handle: u64) -> CuResult {
     api(Entry::cuMemRelease, || {
         let d = double()?;
+        d.captures.check_unsafe("cuMemRelease")?;
         let c = chunk(d, handle)?;
         d.memory
             .chunks
@@ -256,6 +260,7 @@ pub extern "C" fn cuMemMap(
 ) -> CuResult {
     api(Entry::cuMemMap, || {
         let d = double()?;
+        d.captures.check_unsafe("cuMemMap")?;
         if offset != 0 || flags != 0 {
             return Err(Fail::violation(
                 codes::INVALID_VALUE,
@@ -290,6 +295,7 @@ pub unsafe extern "C" fn cuMemSetAccess(
 ) -> CuResult {
     api(Entry::cuMemSetAccess, || {
         let d = double()?;
+        d.captures.check_unsafe("cuMemSetAccess")?;
         if desc.is_null() || count == 0 {
             return Err(Fail::violation(
                 codes::INVALID_VALUE,
@@ -319,6 +325,7 @@ pub unsafe extern "C" fn cuMemSetAccess(
 pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CuResult {
     api(Entry::cuMemUnmap, || {
         let d = double()?;
+        d.captures.check_unsafe("cuMemUnmap")?;
         let (_, vm, at) = reservation(d, ptr, 0)?;
         let busy = d
             .devices

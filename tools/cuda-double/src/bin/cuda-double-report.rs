@@ -93,11 +93,14 @@ fn main() -> ExitCode {
     }
     let violations = lines(&dir.join("violations.log"));
     let rejected = lines(&dir.join("rejected.log"));
+    let expected = lines(&dir.join("expected.log"));
     println!(
-        "{} entry points used by the sources, {} violations, {} refused corrupt inputs",
+        "{} entry points used by the sources, {} violations, {} refused corrupt inputs, {} \
+         violations committed on purpose by tests of prohibitions",
         used.len(),
         violations.len(),
-        rejected.len()
+        rejected.len(),
+        expected.len()
     );
     for v in violations.iter().take(50) {
         println!("VIOLATION {v}");
