@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs cudalloc's CUDA backend (CudaDriver) on the contract double of the CUDA driver API
-# (tools/cuda-double): the conformance, allocator, COW and IPC (multi-process) suites with
-# CUDALLOC_BACKEND=cuda, then the double's verdict — fails on any contract violation or on any
+# (tools/cuda-double): the conformance, allocator, COW, IPC (multi-process), capture, graph and pool
+# suites with CUDALLOC_BACKEND=cuda, then the double's verdict — fails on any contract violation or on any
 # driver entry point that src/driver/cuda uses and the run never called.
 #
 # This proves the CUDA backend executes and honours the documented API contract; it does not prove
@@ -37,6 +37,11 @@ echo "== the allocator and IPC suites again with expandable segments (the driver
 CUDALLOC_TEST_EXPANDABLE=1 cargo test --no-fail-fast --test allocator_pytorch --test allocator_policy \
   --test allocator_properties --test allocator_stress --test cow --test expandable \
   --test ipc_multiprocess --test ipc_interplay
+echo "== stream capture, CUDA graphs and memory pools (one test at a time: a capture anywhere on the"
+echo "   device forbids a free, which synchronizes it, and the double's device is the process's)"
+cargo test --no-fail-fast --test stream_capture --test cuda_graphs --test mem_pool -- --test-threads=1
+CUDALLOC_TEST_EXPANDABLE=1 cargo test --no-fail-fast --test cuda_graphs --test mem_pool -- --test-threads=1
+CUDALLOC_SANITIZE=panic cargo test --no-fail-fast --test stream_capture --test cuda_graphs -- --test-threads=1
 echo "== cudarc views: a library's own context, stream and kernels on cudalloc storages"
 cargo test --features cudarc --test cudarc_views
 

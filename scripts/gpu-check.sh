@@ -78,7 +78,7 @@ done
 # The allocator and IPC suites again with expandable segments (the GPU's virtual-memory API;
 # sharing by page: cuMemExportToShareableHandle / cuMemImportFromShareableHandle across processes).
 for suite in allocator_pytorch allocator_policy allocator_properties allocator_stress cow expandable \
-             ipc_multiprocess ipc_interplay; do
+             ipc_multiprocess ipc_interplay cuda_graphs mem_pool; do
   exe="$bin_dir/$suite"
   [ -x "$exe" ] || continue
   if ! CUDALLOC_TEST_EXPANDABLE=1 "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi
@@ -86,7 +86,8 @@ for suite in allocator_pytorch allocator_policy allocator_properties allocator_s
 done
 # The stream sanitizer on a real GPU: the suites that drive streams, once more with every stream
 # operation checked (a race or a use after free panics), and the sanitizer's own tests.
-for suite in driver_conformance cow global_and_storage ipc_multiprocess cudarc_views sanitizer; do
+for suite in driver_conformance cow global_and_storage ipc_multiprocess cudarc_views sanitizer \
+             stream_capture cuda_graphs; do
   exe="$bin_dir/$suite"
   [ -x "$exe" ] || continue
   if ! CUDALLOC_SANITIZE=panic "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi

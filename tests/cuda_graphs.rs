@@ -1,4 +1,5 @@
-//! CUDA graphs through the allocator on the host backend: ports of PyTorch's `test_cuda.py`
+//! CUDA graphs through the allocator on the host backend (and on the CUDA backend in a CUDA run:
+//! the contract double in CI, a GPU in `scripts/gpu-check.sh`): ports of PyTorch's `test_cuda.py`
 //! graph tests (same names) and where graphs meet pools, frees with stream uses, out of memory and
 //! eager work. The allocator's own rules under test: a capture allocates from its graph's
 //! private pool; nothing outside that pool is ever handed its memory while the graph lives; no
@@ -17,15 +18,16 @@ use cudalloc::{
 const MIB: u64 = 1 << 20;
 
 fn setup() -> (Arc<dyn Driver>, CachingAllocator) {
-    let host = cudalloc::HostDriver::builder()
-        .devices(1)
-        .memory_per_device(256 * MIB)
-        .build()
-        .unwrap();
-    let driver: Arc<dyn Driver> = common::sanitized(Arc::new(host));
-    // Expandable segments in CI's second pass (`CUDALLOC_TEST_EXPANDABLE=1`).
+    setup_with("")
+}
+
+/// The host backend with 256 MiB, or in a CUDA run (the double, a GPU) the CUDA backend capped
+/// at 256 MiB; expandable segments in CI's second pass (`CUDALLOC_TEST_EXPANDABLE=1`).
+fn setup_with(conf: &str) -> (Arc<dyn Driver>, CachingAllocator) {
+    let (driver, cap) = common::sized_driver(256 * MIB);
+    let driver = common::sanitized(driver);
     let a = CachingAllocator::builder()
-        .config(common::test_config(""))
+        .config(common::test_config(&common::join_conf(conf, &cap)))
         .check_invariants(true)
         .build(Arc::clone(&driver))
         .unwrap();
@@ -349,14 +351,11 @@ fn a_capture_on_a_backend_without_graphs_is_a_clear_error() {
 /// graph's output from another stream is a race.
 #[test]
 fn the_sanitizer_checks_replays_without_false_reports() {
-    let host = cudalloc::HostDriver::builder()
-        .devices(1)
-        .memory_per_device(256 * MIB)
-        .build()
-        .unwrap();
+    let (driver, cap) = common::sized_driver(256 * MIB);
     let a = CachingAllocator::builder()
+        .config(cudalloc::AllocatorConfig::parse(&cap).unwrap())
         .sanitize(cudalloc::Sanitize::On(cudalloc::SanitizeOptions::report()))
-        .build(Arc::new(host))
+        .build(driver)
         .unwrap();
     let d = Arc::clone(a.driver());
     let san = a.sanitizer().unwrap();
@@ -389,17 +388,7 @@ fn the_sanitizer_checks_replays_without_false_reports() {
 /// comes from the graph's pool, and the cached block still serves eager work afterwards.
 #[test]
 fn a_capture_never_takes_a_block_from_the_threads_front_cache() {
-    let host = cudalloc::HostDriver::builder()
-        .devices(1)
-        .memory_per_device(256 * MIB)
-        .build()
-        .unwrap();
-    let driver: Arc<dyn Driver> = common::sanitized(Arc::new(host));
-    let a = CachingAllocator::builder()
-        .config(common::test_config("thread_cache_mb:64"))
-        .check_invariants(true)
-        .build(Arc::clone(&driver))
-        .unwrap();
+    let (_, a) = setup_with("thread_cache_mb:64");
     let s = a.create_stream(0).unwrap();
     let _on = a.set_current_stream(s).unwrap();
     let cached = a.allocate(0, MIB).unwrap().ptr();

@@ -1,6 +1,7 @@
 //! Private memory pools (PyTorch's `MemPool` / `use_mem_pool`): the ports of `test_cuda.py`'s
 //! pool tests (same names) and where pools meet the rest — out of memory, expandable segments,
-//! statistics, snapshots, storages, dropping a pool with live blocks.
+//! statistics, snapshots, storages, dropping a pool with live blocks. On the host backend, and on
+//! the CUDA backend in a CUDA run (the contract double in CI, a GPU in `scripts/gpu-check.sh`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -12,11 +13,13 @@ use cudalloc::{
     Sanitize, SegmentChange, SimDriver, Snapshot,
 };
 
+/// An allocator on the host backend with one device of `device_bytes`, or in a CUDA run (the
+/// double, a GPU) on the CUDA backend capped at `device_bytes`.
 fn allocator_with(conf: &str, device_bytes: u64) -> CachingAllocator {
-    let driver: Arc<dyn Driver> =
-        common::sanitized(Arc::new(SimDriver::new(1, device_bytes).unwrap()));
+    let (driver, cap) = common::sized_driver(device_bytes);
+    let driver = common::sanitized(driver);
     CachingAllocator::builder()
-        .config(AllocatorConfig::parse(conf).unwrap())
+        .config(AllocatorConfig::parse(&common::join_conf(conf, &cap)).unwrap())
         .check_invariants(true)
         .build(driver)
         .unwrap()
@@ -435,7 +438,7 @@ fn a_pool_of_another_allocator_is_refused() {
 /// path.
 #[test]
 fn storages_made_in_a_scope_live_in_the_pool() {
-    let driver: Arc<dyn Driver> = common::sanitized(Arc::new(common::host_driver()));
+    let driver: Arc<dyn Driver> = common::test_driver();
     let rt = Arc::new(cudalloc::Runtime::new(driver, AllocatorConfig::default()).unwrap());
     let pool = rt.mem_pool(MemPoolOptions::default()).unwrap();
     let s = {

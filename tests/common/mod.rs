@@ -72,13 +72,54 @@ pub fn cuda_suite() -> bool {
 /// host backend ([`host_driver`]). A CUDA run without a usable driver is a failure, not a skip:
 /// it was asked for explicitly.
 pub fn test_driver() -> Arc<dyn Driver> {
-    sanitized(if cuda_suite() {
+    sanitized(test_driver_unchecked())
+}
+
+/// A driver for a suite that sizes its device, unchecked by the sanitizer (callers wrap it with
+/// [`sanitized`] or their own options), and the setting that makes `bytes` the allocator's limit:
+/// the host backend with one device of `bytes` (no setting needed), or in a CUDA run the CUDA
+/// backend with `per_process_memory_fraction` capping the allocator at `bytes`, so out-of-memory
+/// cases mean the same on both. Run such suites one test at a time on the double (its device is
+/// shared by the tests of a process).
+pub fn sized_driver(bytes: u64) -> (Arc<dyn Driver>, String) {
+    if !cuda_suite() {
+        let host = HostDriver::builder()
+            .devices(1)
+            .memory_per_device(bytes)
+            .build()
+            .unwrap();
+        return (Arc::new(host), String::new());
+    }
+    let cuda: Arc<dyn Driver> = Arc::new(CudaDriver::new().unwrap_or_else(|e| {
+        panic!("CUDALLOC_BACKEND=cuda but the CUDA backend cannot start: {e}")
+    }));
+    let total = cuda.mem_info(0).unwrap().total;
+    assert!(
+        bytes <= total,
+        "{bytes} bytes asked of a {total}-byte device"
+    );
+    let fraction = bytes as f64 / total as f64;
+    (cuda, format!("per_process_memory_fraction:{fraction}"))
+}
+
+/// `a` and `b` joined as one allocator setting.
+pub fn join_conf(a: &str, b: &str) -> String {
+    match (a.is_empty(), b.is_empty()) {
+        (true, _) => b.to_owned(),
+        (_, true) => a.to_owned(),
+        _ => format!("{a},{b}"),
+    }
+}
+
+/// [`test_driver`] without the sanitizer (for tests that wrap it with options of their own).
+pub fn test_driver_unchecked() -> Arc<dyn Driver> {
+    if cuda_suite() {
         Arc::new(CudaDriver::new().unwrap_or_else(|e| {
             panic!("CUDALLOC_BACKEND=cuda but the CUDA backend cannot start: {e}")
         }))
     } else {
         Arc::new(host_driver())
-    })
+    }
 }
 
 /// The backend name [`test_driver`] uses (`"cuda"` or `"host"`).
@@ -90,24 +131,51 @@ pub fn test_backend() -> &'static str {
     }
 }
 
-/// Violations the CUDA contract double has recorded in this process, or `None` when the loaded
-/// `libcuda` is not the double (a real driver, or none).
-pub fn double_violations() -> Option<u64> {
-    // SAFETY: RTLD_NOLOAD only looks up an already loaded library; the symbol, when present, is
-    // the double's `extern "C" fn() -> u64`.
+/// The contract double's extra symbol `name` (not a CUDA entry point), when the loaded `libcuda`
+/// is the double.
+fn double_symbol(name: &std::ffi::CStr) -> Option<*mut libc::c_void> {
+    // SAFETY: RTLD_NOLOAD only looks up an already loaded library; dlclose balances the dlopen
+    // (the library stays loaded: the process holds it).
     unsafe {
         let lib = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY);
         if lib.is_null() {
             return None;
         }
-        let sym = libc::dlsym(lib, c"cuda_double_violations".as_ptr());
-        let count = (!sym.is_null()).then(|| {
-            let f: extern "C" fn() -> u64 = std::mem::transmute(sym);
-            f()
-        });
+        let sym = libc::dlsym(lib, name.as_ptr());
         libc::dlclose(lib);
-        count
+        (!sym.is_null()).then_some(sym)
     }
+}
+
+/// Violations the CUDA contract double has recorded in this process, or `None` when the loaded
+/// `libcuda` is not the double (a real driver, or none).
+pub fn double_violations() -> Option<u64> {
+    let sym = double_symbol(c"cuda_double_violations")?;
+    // SAFETY: the double's `extern "C" fn() -> u64`.
+    let f: extern "C" fn() -> u64 = unsafe { std::mem::transmute(sym) };
+    Some(f())
+}
+
+/// Announces to the contract double that this thread is about to commit `n` prohibited driver
+/// calls on purpose (a test of a prohibition): they are logged as expected, not as violations.
+/// Returns whether the double is loaded (elsewhere nothing is announced).
+pub fn expect_double_violations(n: u64) -> bool {
+    let Some(sym) = double_symbol(c"cuda_double_expect_violations") else {
+        return false;
+    };
+    // SAFETY: the double's `extern "C" fn(u64)`.
+    let f: extern "C" fn(u64) = unsafe { std::mem::transmute(sym) };
+    f(n);
+    true
+}
+
+/// Announced violations this thread has not committed yet (0: the double flagged every one), or
+/// `None` without the double.
+pub fn double_expected_left() -> Option<u64> {
+    let sym = double_symbol(c"cuda_double_expected_left")?;
+    // SAFETY: the double's `extern "C" fn() -> u64`.
+    let f: extern "C" fn() -> u64 = unsafe { std::mem::transmute(sym) };
+    Some(f())
 }
 
 /// Every backend present: the host backend always, CUDA when a driver and a device exist. Prints

@@ -63,6 +63,8 @@ impl CudaDriver {
 }
 
 impl Driver for CudaDriver {
+    crate::driver::forward_capture_methods!();
+
     fn backend(&self) -> Backend {
         Backend::Cuda
     }
@@ -151,12 +153,19 @@ impl Driver for CudaDriver {
                 None => return Err(ranges::not_a_segment_base(ptr)),
             }
         };
+        let device = entry.map_or(0, |e| e.device);
+        // Like the host backend (and cudaFree): queued work on the segment finishes first. A
+        // synchronize CUDA refuses (a stream of the device is being captured) leaves the segment
+        // live and in the table: nothing was freed.
+        if let Err(err) = self.synchronize_all() {
+            if let Some(e) = entry {
+                self.segments.write().insert(ptr.0, e);
+            }
+            return Err(err);
+        }
         if let Some(handle) = entry.and_then(|e| e.exported_as) {
             super::process_ipc::unexported(&handle);
         }
-        let device = entry.map_or(0, |e| e.device);
-        // Like the host backend (and cudaFree): queued work on the segment finishes first.
-        self.synchronize_all()?;
         self.bind(device)?;
         // SAFETY: `ptr` is the base of a live cuMemAlloc segment (checked and removed above).
         check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(ptr.0) })
@@ -434,13 +443,12 @@ impl Driver for CudaDriver {
         self.birth.check("this CUDA driver")?;
         let (_held, _) = self.hold_ranges([(src, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.count)?;
-        let mut counter = 0;
-        // SAFETY: out-pointer valid; context bound by launch_args.
-        check("cuMemAlloc_v2", unsafe {
-            sys::cuMemAlloc_v2(&mut counter, 8)
-        })?;
+        self.refuse_capturing(&s, "count_pattern_mismatches")?;
+        // A counter of this driver's pool (freed with the driver): no free here, which would
+        // synchronize the device — illegal while any stream of it is being captured.
+        let counter = self.take_counter(s.device)?;
         let result = (|| {
-            // SAFETY: `counter` is a fresh 8-byte allocation.
+            // SAFETY: `counter` is an 8-byte allocation this call holds alone.
             check("cuMemsetD8Async", unsafe {
                 sys::cuMemsetD8Async(counter, 0, 8, s.raw.0)
             })?;
@@ -463,11 +471,11 @@ impl Driver for CudaDriver {
             })?;
             Ok(host)
         })();
-        // SAFETY: allocated above, no work on it remains after the synchronize (or after an error
-        // cuMemFree synchronizes itself).
-        let freed = check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(counter) });
-        let count = result?;
-        freed.map(|()| count)
+        // Back to the pool only when no work of this call can still touch it.
+        if result.is_ok() {
+            self.counters.lock().push((s.device, counter));
+        }
+        result
     }
 
     fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {

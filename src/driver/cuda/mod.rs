@@ -22,6 +22,7 @@
 //!   and shared by every driver that opens it.
 //! * Kernels are compiled from `kernels/*.cu` with NVRTC on first use (`kernels.rs`).
 
+mod capture;
 pub mod kernels;
 mod process_ipc;
 mod vm;
@@ -76,6 +77,16 @@ cuda_handle!(
     FunctionHandle(sys::CUfunction),
     "functions of a loaded module may be launched from any thread"
 );
+cuda_handle!(
+    /// A captured graph (`CUgraph`).
+    GraphHandle(sys::CUgraph),
+    "graph calls are serialized by the driver's table lock or take the handle by value"
+);
+cuda_handle!(
+    /// An instantiated graph (`CUgraphExec`).
+    GraphExecHandle(sys::CUgraphExec),
+    "an instantiated graph may be launched from any thread with its context current"
+);
 
 fn check(call: &'static str, rc: CUresult) -> Result<()> {
     if rc == CUresult::CUDA_SUCCESS {
@@ -92,12 +103,33 @@ fn check(call: &'static str, rc: CUresult) -> Result<()> {
     } else {
         format!("{rc:?}")
     };
+    if is_capture_code(rc) {
+        // A call refused because of a stream capture: the same kind as the host backend's.
+        return Err(Error::capture(format!("{call}: {message} ({rc:?})")));
+    }
     Err(Error::Driver {
         source: None,
         backend: "cuda",
         call,
         message: format!("{message} ({rc:?})"),
     })
+}
+
+/// Whether `rc` is one of CUDA's stream-capture refusals.
+fn is_capture_code(rc: CUresult) -> bool {
+    use CUresult::*;
+    matches!(
+        rc,
+        CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+            | CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+            | CUDA_ERROR_STREAM_CAPTURE_MERGE
+            | CUDA_ERROR_STREAM_CAPTURE_UNMATCHED
+            | CUDA_ERROR_STREAM_CAPTURE_UNJOINED
+            | CUDA_ERROR_STREAM_CAPTURE_ISOLATION
+            | CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+            | CUDA_ERROR_CAPTURED_EVENT
+            | CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD
+    )
 }
 
 #[derive(Debug)]
@@ -157,6 +189,12 @@ pub struct CudaDriver {
     /// Reservations and mapped chunks (expandable segments); locked after `segments`.
     vm: RwLock<VmSpace<ChunkId>>,
     chunks: Registry<vm::CudaChunk>,
+    /// 8-byte device counters of `count_pattern_mismatches` not in use: `(device, address)`;
+    /// freed when the driver drops.
+    counters: Mutex<Vec<(usize, u64)>>,
+    /// Captured graphs and their instantiations (`capture.rs`).
+    graphs: Registry<capture::GraphEntry<GraphHandle>>,
+    graph_execs: Registry<capture::GraphEntry<GraphExecHandle>>,
     /// The process that loaded the driver: CUDA cannot be used in a forked child, whose calls are
     /// refused before any lock, and whose drop releases nothing (`process`).
     birth: Birth,
@@ -204,6 +242,9 @@ impl CudaDriver {
             opened_handles: Mutex::new(HashSet::new()),
             vm: RwLock::new(VmSpace::default()),
             chunks: Registry::new("chunk"),
+            counters: Mutex::new(Vec::new()),
+            graphs: Registry::new("graph"),
+            graph_execs: Registry::new("instantiated graph"),
             birth: Birth::now(),
         };
         for ordinal in 0..count {
@@ -257,6 +298,22 @@ impl CudaDriver {
         let ctx = self.device(device)?.context;
         // SAFETY: the context was retained in `new` and is released only in Drop.
         check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx.0) })
+    }
+
+    /// A device counter for `count_pattern_mismatches` (device `device` bound): one from the
+    /// pool, or a new 8-byte allocation.
+    fn take_counter(&self, device: usize) -> Result<u64> {
+        let mut pool = self.counters.lock();
+        if let Some(at) = pool.iter().position(|&(d, _)| d == device) {
+            return Ok(pool.swap_remove(at).1);
+        }
+        drop(pool);
+        let mut counter = 0;
+        // SAFETY: out-pointer valid; the device's context is bound by the caller.
+        check("cuMemAlloc_v2", unsafe {
+            sys::cuMemAlloc_v2(&mut counter, 8)
+        })?;
+        Ok(counter)
     }
 
     fn fresh_id(&self) -> u64 {
@@ -406,6 +463,11 @@ impl Drop for CudaDriver {
             ));
             std::mem::forget(std::mem::replace(&mut self.events, Registry::new("event")));
             std::mem::forget(std::mem::replace(&mut self.chunks, Registry::new("chunk")));
+            std::mem::forget(std::mem::replace(&mut self.graphs, Registry::new("graph")));
+            std::mem::forget(std::mem::replace(
+                &mut self.graph_execs,
+                Registry::new("instantiated graph"),
+            ));
             crate::process::leak_in_child(self.birth, &mut self.segments);
             crate::process::leak_in_child(self.birth, &mut self.vm);
             return;
@@ -420,6 +482,13 @@ impl Drop for CudaDriver {
             .collect();
         for ptr in opened {
             let _ = self.ipc_close_memory(DeviceAddr(ptr));
+        }
+        self.destroy_graphs_left();
+        for (device, counter) in std::mem::take(&mut *self.counters.lock()) {
+            if self.bind(device).is_ok() {
+                // SAFETY: a counter allocated by `take_counter`, no longer in use, freed once.
+                let _ = unsafe { sys::cuMemFree_v2(counter) };
+            }
         }
         let events = self.events.drain();
         for e in events {

@@ -91,7 +91,8 @@ pub struct Context {
     pub device: usize,
     /// `cuDevicePrimaryCtxRetain` minus `cuDevicePrimaryCtxRelease` calls.
     pub retains: Mutex<u32>,
-    /// Live streams (destroyed ones are removed).
+    /// Streams not yet destroyed, and destroyed ones whose queued work has not all run yet
+    /// (a context synchronize still waits for it, as CUDA's does); pruned when listed.
     pub streams: Mutex<Vec<Arc<Stream>>>,
     /// The legacy default stream (the null `CUstream`), made on first use.
     pub legacy: OnceLock<Arc<Stream>>,
@@ -108,11 +109,11 @@ impl Context {
 
     /// Every stream of the context (the legacy stream included, when made).
     pub fn all_streams(&self) -> Vec<Arc<Stream>> {
-        let mut all = self
-            .streams
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let mut all = {
+            let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+            streams.retain(|s| !s.finished());
+            streams.clone()
+        };
         all.extend(self.legacy.get().cloned());
         all
     }

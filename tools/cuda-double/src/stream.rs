@@ -204,6 +204,13 @@ impl Stream {
         Ok(q.completed == q.submitted)
     }
 
+    /// Whether the stream was destroyed and its queued work has all run (nothing of it is left to
+    /// wait for).
+    pub fn finished(&self) -> bool {
+        let q = self.lock();
+        q.closing && (q.completed == q.submitted || q.fault.is_some())
+    }
+
     /// Lets the worker exit once its queue is empty.
     pub fn close(&self) {
         self.lock().closing = true;

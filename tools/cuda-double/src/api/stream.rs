@@ -2,8 +2,6 @@
 
 use std::ffi::{c_uint, c_void};
 
-use std::sync::Arc;
-
 use super::{api, put};
 use crate::codes::{self, CuResult};
 use crate::event::CellStore;
@@ -57,7 +55,8 @@ pub unsafe extern "C" fn cuStreamCreate(ph_stream: *mut *mut c_void, flags: c_ui
     })
 }
 
-/// `cuStreamDestroy_v2`: returns at once; queued work still runs.
+/// `cuStreamDestroy_v2`: returns at once; queued work still runs (and a context synchronize or a
+/// `cuMemFree` still waits for it).
 #[no_mangle]
 pub extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CuResult {
     api(Entry::cuStreamDestroy_v2, || {
@@ -69,12 +68,7 @@ pub extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CuResult {
             ));
         }
         let s = d.stream(stream)?;
-        if let Object::Context(ctx) = d.lookup(as_ptr(s.ctx), Kind::Context)? {
-            ctx.streams
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .retain(|other| !Arc::ptr_eq(other, &s));
-        }
+        // The context keeps listing it until its queued work has run (`Context::streams`).
         s.close();
         d.destroy(s.handle, Kind::Stream);
         Ok(())
