@@ -40,11 +40,12 @@ mod sync;
 // `Runtime` it hands out; embedders with a driver of their own build a `CachingAllocator`. Every
 // public item has one path; `docs/public-api.txt` lists them (`tests/public_api.rs`).
 pub use alloc::{
-    format_size, trace_json_lines, CachingAllocator, CachingAllocatorBuilder, Capture, DataPtr,
-    DeviceStats, Frame, FreeMemoryCallback, Graph, HistoryMode, HistoryOptions, MemPool, MemPoolId,
-    MemPoolOptions, OutOfMemoryEvent, OutOfMemoryObserver, PoolScope, PoolStats, Sanitize,
-    SegmentChange, SegmentEvent, SegmentObserver, Snapshot, SnapshotBlock, SnapshotBlockState,
-    SnapshotSegment, Stat, StreamGuard, TraceAction, TraceEntry, POOL_NAMES,
+    format_size, trace_json_lines, CachingAllocator, CachingAllocatorBuilder, Capture,
+    CaptureRoute, DataPtr, DeviceStats, Frame, FreeMemoryCallback, Graph, HistoryMode,
+    HistoryOptions, MemPool, MemPoolId, MemPoolOptions, OutOfMemoryEvent, OutOfMemoryObserver,
+    PoolScope, PoolStats, Sanitize, SegmentChange, SegmentEvent, SegmentObserver, Snapshot,
+    SnapshotBlock, SnapshotBlockState, SnapshotSegment, Stat, StreamGuard, TraceAction, TraceEntry,
+    POOL_NAMES,
 };
 pub use config::{AllocatorConfig, DefaultStream, ROUNDUP_INTERVALS};
 pub use driver::cuda::driver_library_present;

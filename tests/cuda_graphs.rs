@@ -412,3 +412,50 @@ fn a_capture_never_takes_a_block_from_the_threads_front_cache() {
     drop((inside, eager, graph));
     a.check_invariants().unwrap();
 }
+
+/// A capture begun and ended by someone else (a library's own capture API; here the driver's
+/// calls directly) and routed with `route_capture`: allocations inside come from the routed
+/// pool, a free inside waits for the end, finishing is refused while the capture runs, the pool
+/// keeps the graph's memory out of eager hands, and a stream that is not capturing is refused.
+#[test]
+fn a_capture_begun_by_someone_else_is_routed_to_a_pool() {
+    let (d, a) = setup();
+    let s = a.create_stream(0).unwrap();
+    let err = a.route_capture(s, None).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::StreamCapture, "{err}");
+    d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
+    let mut route = a.route_capture(s, None).unwrap();
+    let pool = route.pool().id();
+    let tmp = a.allocate_on(s, MIB).unwrap();
+    let out = a.allocate_on(s, MIB).unwrap();
+    assert!(in_pool(&a, pool, tmp.ptr()) && in_pool(&a, pool, out.ptr()));
+    d.fill_pattern(s, tmp.ptr(), MIB, 4).unwrap();
+    d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB)
+        .unwrap();
+    drop(tmp);
+    let err = route.finish().unwrap_err();
+    assert!(err.to_string().contains("still being captured"), "{err}");
+    let graph = d.stream_end_capture(s).unwrap();
+    let kept = route.finish().unwrap();
+    assert!(route.finish().is_err(), "finished twice");
+    let exec = d.graph_instantiate(graph).unwrap();
+    for _ in 0..3 {
+        d.memset(s, out.ptr(), 0, MIB).unwrap();
+        let eager = a.allocate_on(s, MIB).unwrap();
+        assert!(
+            !in_pool(&a, pool, eager.ptr()),
+            "eager work got the graph's memory"
+        );
+        d.graph_launch(exec, s).unwrap();
+        assert_eq!(d.count_pattern_mismatches(s, out.ptr(), MIB, 4).unwrap(), 0);
+    }
+    d.graph_exec_destroy(exec).unwrap();
+    d.graph_destroy(graph).unwrap();
+    drop((out, kept, route));
+    a.empty_cache();
+    assert_eq!(
+        reserved(&a),
+        0,
+        "the pool went back once its holders were gone"
+    );
+}

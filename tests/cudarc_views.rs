@@ -241,3 +241,63 @@ fn device_ptr_on_another_stream_orders_it_after_the_views_stream() {
     let reports = runtime.sanitizer().unwrap().take_reports();
     assert!(reports.is_empty(), "{reports:#?}");
 }
+
+/// A library captures its own stream with cudarc (`CudaStream::begin_capture`, `end_capture`,
+/// `CudaGraph`) and tells the allocator (`route_capture`): a storage allocated inside the capture
+/// comes from the graph's private pool, a kernel launched through cudarc on a view of it is
+/// captured, and every replay rewrites it at the same address — also after eager work reused
+/// none of the pool's memory.
+#[test]
+fn a_cudarc_graph_captures_a_kernel_on_a_storage_allocated_inside_it() {
+    use cudalloc::cudarc::driver::sys;
+    let Some((ctx, stream, runtime)) = library("a_cudarc_graph_captures_a_kernel") else {
+        return;
+    };
+    let fill = kernel(&ctx, "pattern.cu", "cudalloc_fill_pattern");
+    // SAFETY: a live stream of device 0's primary context.
+    let id = unsafe { runtime.import_stream(0, stream.cu_stream() as usize as u64) }.unwrap();
+    // The storages' own work (fill, count) on the library's stream, in order with its replays.
+    let _on = runtime.set_current_stream(id).unwrap();
+    let n = MIB as usize;
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    let mut route = runtime.route_capture(id, None).unwrap();
+    let out = Storage::new_on(&runtime, id, MIB).unwrap();
+    {
+        let mut view = out.view_mut::<u8>(0..n, &stream).unwrap();
+        let (len, seed) = (n as u64, 5u64);
+        let mut launch = stream.launch_builder(&fill);
+        launch.arg(&mut view).arg(&len).arg(&seed);
+        // SAFETY: the kernel takes (u8*, u64, u64) and writes `len` bytes of the view.
+        unsafe { launch.launch(LaunchConfig::for_num_elems(256 * 64)) }.unwrap();
+    }
+    let err = route.finish().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::StreamCapture, "{err}");
+    let graph = stream
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    let pool = route.finish().unwrap();
+    let in_pool = |p: &Storage| {
+        runtime.snapshot().segments.iter().any(|s| {
+            s.segment_pool_id == pool.id()
+                && s.blocks
+                    .iter()
+                    .any(|b| b.addr <= p.data_ptr().0 && p.data_ptr().0 < b.addr + b.size)
+        })
+    };
+    assert!(in_pool(&out), "the storage came from the graph's pool");
+    for round in 0..3 {
+        out.fill_pattern(1).unwrap();
+        let eager = Storage::new_on(&runtime, id, MIB).unwrap();
+        assert!(
+            !in_pool(&eager),
+            "round {round}: eager work got the graph's memory"
+        );
+        graph.launch().unwrap();
+        synchronize(&runtime, &stream);
+        assert_eq!(out.count_pattern_mismatches(5).unwrap(), 0, "round {round}");
+    }
+    drop((graph, out, pool));
+}

@@ -15,6 +15,11 @@
 //! A capture that fails — out of memory inside it, a forbidden call — is an error of the call
 //! that failed; dropping the [`Capture`] (or calling [`Capture::end`], which then returns the
 //! error) ends the driver's capture, so the stream runs work again and nothing of it leaks.
+//!
+//! A library that captures with its own API (cudarc's `CudaStream::begin_capture` /
+//! `end_capture` and `CudaGraph`) tells the allocator with [`CachingAllocator::route_capture`]:
+//! the same routing, with the capture begun and ended by the library; the [`CaptureRoute`] gives
+//! the pool back when it finishes, for the library to keep beside its graph.
 
 use super::mem_pool::MemPool;
 use super::pool_id::MemPoolOptions;
@@ -70,6 +75,50 @@ impl CachingAllocator {
         pool: Option<&MemPool>,
         mode: CaptureMode,
     ) -> Result<Capture> {
+        let (id, pool) = self.start_route(stream, pool, || {
+            self.driver.stream_begin_capture(stream, mode)
+        })?;
+        Ok(Capture {
+            driver: Arc::clone(&self.driver),
+            capturing: Arc::clone(&self.capturing),
+            devices: self.devices.clone(),
+            stream,
+            capture: Some(id),
+            pool,
+            birth: self.birth,
+            _this_thread: std::marker::PhantomData,
+        })
+    }
+
+    /// Routes the capture *someone else* began on `stream` — a library's own capture, e.g.
+    /// cudarc's `CudaStream::begin_capture` on a stream imported with `import_stream` — to
+    /// `pool` (a fresh private pool when `None`), as [`Self::begin_capture`] routes its own:
+    /// allocations on the stream come from the pool, frees with stream uses wait for the
+    /// capture's end, no event is queried meanwhile. After the library ends its capture,
+    /// [`CaptureRoute::finish`] gives the pool back: keep it as long as the library's graph
+    /// lives, since the graph names its addresses. An error when the stream is not capturing.
+    pub fn route_capture(&self, stream: StreamId, pool: Option<&MemPool>) -> Result<CaptureRoute> {
+        let (id, pool) = self.start_route(stream, pool, || Ok(()))?;
+        Ok(CaptureRoute {
+            driver: Arc::clone(&self.driver),
+            capturing: Arc::clone(&self.capturing),
+            devices: self.devices.clone(),
+            stream,
+            capture: Some(id),
+            pool,
+            birth: self.birth,
+            _this_thread: std::marker::PhantomData,
+        })
+    }
+
+    /// Counts a capture starting, runs `begin`, and routes the capture then under way on
+    /// `stream` to `pool` (or a fresh private pool): its driver id and the pool.
+    fn start_route(
+        &self,
+        stream: StreamId,
+        pool: Option<&MemPool>,
+        begin: impl FnOnce() -> Result<()>,
+    ) -> Result<(u64, MemPool)> {
         self.birth.check("this allocator")?;
         let pool = match pool {
             Some(pool) => {
@@ -84,16 +133,13 @@ impl CachingAllocator {
             None => self.graph_pool(MemPoolOptions::default()),
         };
         self.capturing.starting();
-        let began = self
-            .driver
-            .stream_begin_capture(stream, mode)
-            .and_then(|()| self.driver.stream_capture_status(stream));
+        let began = begin().and_then(|()| self.driver.stream_capture_status(stream));
         let id = match began.map(|s| s.capture_id()) {
             Ok(Some(id)) => id,
             Ok(None) => {
                 self.capture_never_began();
                 return Err(Error::capture(format!(
-                    "stream {} is not capturing after its capture began",
+                    "stream {} is not being captured (begin its capture first)",
                     stream.raw()
                 )));
             }
@@ -103,16 +149,7 @@ impl CachingAllocator {
             }
         };
         self.capturing.route(id, pool.id(), pool.options());
-        Ok(Capture {
-            driver: Arc::clone(&self.driver),
-            capturing: Arc::clone(&self.capturing),
-            devices: self.devices.clone(),
-            stream,
-            capture: Some(id),
-            pool,
-            birth: self.birth,
-            _this_thread: std::marker::PhantomData,
-        })
+        Ok((id, pool))
     }
 
     /// A capture counted by `begin_capture` did not begin: frees deferred meanwhile get their
@@ -185,6 +222,67 @@ impl Drop for Capture {
             Err(err) => {
                 tracing::debug!(%err, "a capture dropped without its end ended with an error")
             }
+        }
+    }
+}
+
+/// A capture begun by someone else, routed to a pool ([`CachingAllocator::route_capture`]).
+/// Dropping it stops the routing, as [`CaptureRoute::finish`] does; like a [`Capture`] it stays on
+/// the thread that began it.
+#[derive(Debug)]
+#[must_use = "allocations on the stream come from the pool while this lives: finish it after the capture ends"]
+pub struct CaptureRoute {
+    driver: Arc<dyn Driver>,
+    capturing: Arc<super::capturing::CaptureRoutes>,
+    devices: Vec<Arc<DeviceCore>>,
+    stream: StreamId,
+    /// The driver's id of the capture (`None` once finished).
+    capture: Option<u64>,
+    pool: MemPool,
+    birth: Birth,
+    _this_thread: std::marker::PhantomData<*const ()>,
+}
+
+impl CaptureRoute {
+    /// The pool the capture allocates from.
+    pub fn pool(&self) -> &MemPool {
+        &self.pool
+    }
+
+    /// Stops routing once the capture has ended, and gives the pool back — keep it as long as
+    /// the captured graph lives. An error (the route stays) while the capture is still under
+    /// way: end it first.
+    pub fn finish(&mut self) -> Result<MemPool> {
+        self.birth.check("this capture route")?;
+        let Some(capture) = self.capture else {
+            return Err(Error::capture("the capture route already finished"));
+        };
+        if self.driver.stream_capture_status(self.stream)?.capture_id() == Some(capture) {
+            return Err(Error::capture(format!(
+                "stream {} is still being captured (capture {capture}): end the capture, then \
+                 finish its route",
+                self.stream.raw()
+            )));
+        }
+        self.stop();
+        Ok(self.pool.clone())
+    }
+
+    fn stop(&mut self) {
+        if let Some(capture) = self.capture.take() {
+            if self.capturing.ended(Some(capture)) {
+                for device in &self.devices {
+                    device.flush_deferred();
+                }
+            }
+        }
+    }
+}
+
+impl Drop for CaptureRoute {
+    fn drop(&mut self) {
+        if self.birth.is_current() {
+            self.stop();
         }
     }
 }
