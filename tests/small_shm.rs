@@ -164,3 +164,87 @@ fn small_shm_child() {
     again.fill_pattern(1).unwrap();
     ParentLink::new().send(&format!("oom after {n} storages"));
 }
+
+/// A capture while `/dev/shm` is full: the graph pool's miss is the same out-of-memory path,
+/// named as during a capture, never a SIGBUS; the capture ends cleanly and, with room again,
+/// the next capture's graph replays.
+#[test]
+fn a_capture_in_a_full_dev_shm_is_out_of_memory_and_ends_cleanly() {
+    let exe = std::env::current_exe().unwrap();
+    let Some(out) = in_small_shm(
+        "a_capture_in_a_full_dev_shm_is_out_of_memory_and_ends_cleanly",
+        exe.to_str().unwrap(),
+        &[
+            "--exact",
+            "small_shm_capture_child",
+            "--ignored",
+            "--nocapture",
+        ],
+    ) else {
+        return;
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "child failed ({}): {stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("@@cudalloc capture oom"), "{stdout}");
+}
+
+#[test]
+#[ignore = "child process entry: run by the tests of this file"]
+fn small_shm_capture_child() {
+    if std::env::var(ROLE_VAR).is_err() {
+        return;
+    }
+    let driver = Arc::new(
+        HostDriver::builder()
+            .devices(1)
+            .memory_per_device(64 << 20)
+            .build()
+            .unwrap(),
+    );
+    let a = Arc::new(
+        Runtime::builder()
+            .check_invariants(true)
+            .build(driver)
+            .unwrap(),
+    );
+    let s = a.create_stream(0).unwrap();
+    let _on = a.set_current_stream(s).unwrap();
+    // Eager storages until /dev/shm is the limit.
+    let mut held = Vec::new();
+    while let Ok(st) = Storage::new(&a, 0, 3 << 20) {
+        held.push(st);
+        assert!(held.len() < 64, "never ran out");
+    }
+    let capture = a
+        .begin_capture(s, None, cudalloc::CaptureMode::Global)
+        .unwrap();
+    let err = Storage::new(&a, 0, 3 << 20).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{err}");
+    assert!(err.to_string().contains("stream capture"), "{err}");
+    println!("@@cudalloc capture oom: {err}");
+    drop(capture);
+    assert_eq!(
+        a.driver().stream_capture_status(s).unwrap(),
+        cudalloc::CaptureStatus::None
+    );
+    // Room again (a capture never releases cached memory, so release it before): a capture
+    // allocates, and its graph replays.
+    held.clear();
+    a.empty_cache();
+    let capture = a
+        .begin_capture(s, None, cudalloc::CaptureMode::Global)
+        .unwrap();
+    let out = Storage::new(&a, 0, 3 << 20).unwrap();
+    out.fill_pattern(5).unwrap();
+    let graph = capture.end().unwrap();
+    graph.replay(s).unwrap();
+    assert_eq!(out.count_pattern_mismatches(5).unwrap(), 0);
+    drop((out, graph));
+    a.empty_cache();
+    a.check_invariants().unwrap();
+}

@@ -152,6 +152,16 @@ impl CachingAllocator {
         Ok((id, pool))
     }
 
+    /// Whether `stream` is being captured by a capture of this allocator's (one load while none
+    /// runs). Work the allocator does on its own on such a stream — a lazy clone's copy — is
+    /// recorded into the graph, so it must not be waited for or followed by an event.
+    pub(crate) fn stream_is_capturing(&self, stream: StreamId) -> Result<bool> {
+        if !self.capturing.any() {
+            return Ok(false);
+        }
+        Ok(self.driver.stream_capture_status(stream)?.is_capturing())
+    }
+
     /// A capture counted by `begin_capture` did not begin: frees deferred meanwhile get their
     /// events when it was the only one.
     fn capture_never_began(&self) {

@@ -187,6 +187,15 @@ fn copy_step(
 ) -> Result<DataPtr> {
     let driver = alloc.driver();
     let copy = alloc.allocate_on(stream, nbytes)?;
+    if alloc.stream_is_capturing(stream)? {
+        // The copy is recorded into the graph (its memory from the graph's pool), not run: no
+        // eager work will read the source for it, so a stealer has nothing to wait for — and an
+        // event recorded here would be a point of the capture, which a stealer's wait outside it
+        // would join. Each replay reads the source as it is then: the source is the graph's input.
+        driver.copy_device_to_device(stream, copy.ptr(), original.ptr(), nbytes)?;
+        alloc.record_stream(original, stream)?;
+        return Ok(copy);
+    }
     let event = driver.event_create(ctx.device, EventFlags::default())?;
     let ordered = driver
         .copy_device_to_device(stream, copy.ptr(), original.ptr(), nbytes)

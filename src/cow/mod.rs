@@ -45,6 +45,13 @@
 //! marks the source block as used by that stream (so a later free waits); a stealer makes its stream
 //! wait on every copier's event before returning; materializing on a stream other than the one that
 //! was current at lazy-clone time first waits for that stream.
+//!
+//! Inside a stream capture (`alloc/graph.rs`) a copier's copy is recorded into the graph — its
+//! memory from the graph's pool — and runs at every replay, reading the source as it is then (the
+//! source is an input of the graph: keep it alive while replaying). No copier event is recorded
+//! (it would be a point of the capture, and a stealer's wait on it outside the capture would join
+//! it), and `mutable_data_ptr()` does not wait for the copy (waiting is forbidden there; work
+//! captured after it runs after it). Tested in `tests/graphs_meet.rs`.
 
 pub mod cell;
 mod context;

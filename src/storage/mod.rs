@@ -155,7 +155,8 @@ impl Storage {
     /// The address for writing, safe to write from any stream. For a plain storage this is one
     /// atomic load. A COW storage is materialized first (see `src/cow/mod.rs`) on the current
     /// stream, and that copy is *complete* when this returns — so a kernel on any stream may
-    /// write at once (the first write of a lazy clone blocks once for its copy). Library code
+    /// write at once (the first write of a lazy clone blocks once for its copy; inside a stream
+    /// capture the copy becomes part of the graph instead, and nothing blocks). Library code
     /// that knows its stream uses [`Storage::mutable_data_ptr_on`] instead, which does not
     /// block. On error of the copy (out of memory) the storage stays a valid COW storage; an
     /// error of the synchronization after it (a failed stream) is returned with the storage
@@ -168,7 +169,11 @@ impl Storage {
         }
         let stream = self.stream()?;
         let ptr = self.with_data(|data| self.materialize_locked(data, stream))?;
-        self.runtime().driver().stream_synchronize(stream)?;
+        // Inside a capture the copy is a node of the graph, run by each replay before the
+        // captured work after it: there is nothing to wait for (and waiting is forbidden).
+        if !self.allocator().stream_is_capturing(stream)? {
+            self.runtime().driver().stream_synchronize(stream)?;
+        }
         Ok(ptr)
     }
 

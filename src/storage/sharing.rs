@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use super::{registry, Storage};
 use crate::alloc::DataPtr;
+use crate::driver::StreamId;
 use crate::error::{Error, Result};
 use crate::ipc::IpcHandle;
 use crate::runtime::Runtime;
@@ -44,10 +45,27 @@ fn eager_clone(storage: &Storage, data: &DataPtr) -> Result<Storage> {
     Ok(Storage::from_data_ptr(runtime, copy, storage.nbytes()))
 }
 
+/// An error when `stream` is being captured into a graph: sharing records the event consumers
+/// wait on, and receiving waits on the producer's — on a capturing stream the record would be a
+/// point of the capture, not a real record, and the wait one on work outside it (which CUDA
+/// refuses, invalidating the capture). Memory of a graph's pool may be shared once the capture
+/// has ended (`src/alloc/graph.rs`: replays keep rewriting it).
+fn refuse_while_capturing(runtime: &Runtime, stream: StreamId, what: &str) -> Result<()> {
+    if let Some(id) = runtime.driver().stream_capture_status(stream)?.capture_id() {
+        return Err(Error::capture(format!(
+            "a storage cannot be {what} on stream {}, which is being captured (capture {id}): \
+             end the capture first",
+            stream.raw()
+        )));
+    }
+    Ok(())
+}
+
 /// Shares `storage` (see [`Storage::share_ipc`]).
 pub(super) fn share(storage: &Storage) -> Result<IpcHandle> {
     let runtime = storage.runtime();
     let stream = runtime.current_stream(storage.device())?;
+    refuse_while_capturing(runtime, stream, "shared with another process")?;
     storage.with_data(|data| {
         if crate::cow::is_cow(data) {
             // A consumer may write: the shared memory must be this storage's own. Materialized
@@ -102,6 +120,8 @@ pub(super) fn receive(runtime: &Arc<Runtime>, handle: IpcHandle) -> Result<Stora
         return Ok(live);
     }
     received.retain(|_, w| w.is_alive());
+    let stream = runtime.current_stream(device)?;
+    refuse_while_capturing(runtime, stream, "received from another process")?;
     let data = crate::ipc::open(runtime.ipc(), runtime.allocator(), handle, device)?;
     let storage = Storage::from_data_ptr(runtime, data, nbytes);
     received.insert(key, storage.downgrade());
