@@ -459,3 +459,39 @@ fn a_capture_begun_by_someone_else_is_routed_to_a_pool() {
         "the pool went back once its holders were gone"
     );
 }
+
+/// A graph outliving its allocator: it keeps its pool — and the driver — so it still replays
+/// into its output, and once graph and output are gone every byte is back with the driver.
+#[test]
+fn a_graph_outliving_its_allocator_still_replays_and_gives_its_memory_back() {
+    let _alone = common::device_alone();
+    let (d, a) = setup();
+    let s = a.create_stream(0).unwrap();
+    // The CUDA backend keeps an 8-byte counter for pattern checks once it made one: make it now.
+    let warm = d.malloc(0, 4096).unwrap();
+    d.count_pattern_mismatches(s, warm, 8, 0).unwrap();
+    d.free(warm).unwrap();
+    let before = d.mem_info(0).unwrap().free;
+    let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
+    let tmp = a.allocate_on(s, MIB).unwrap();
+    d.fill_pattern(s, tmp.ptr(), MIB, 8).unwrap();
+    let out = a.allocate_on(s, MIB).unwrap();
+    d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB)
+        .unwrap();
+    drop(tmp);
+    let graph = capture.end().unwrap();
+    drop(a);
+    for _ in 0..2 {
+        d.memset(s, out.ptr(), 0, MIB).unwrap();
+        graph.replay(s).unwrap();
+        assert_eq!(d.count_pattern_mismatches(s, out.ptr(), MIB, 8).unwrap(), 0);
+    }
+    drop(out);
+    drop(graph);
+    d.stream_synchronize(s).unwrap();
+    assert_eq!(
+        d.mem_info(0).unwrap().free,
+        before,
+        "every segment went back once graph and output were gone"
+    );
+}

@@ -20,7 +20,11 @@
 //!   handle twice (callers cache); across the drivers of a process, `process_ipc.rs` keeps CUDA's
 //!   per-process rules: a handle exported here is refused, and a handle is mapped once per device
 //!   and shared by every driver that opens it.
-//! * Kernels are compiled from `kernels/*.cu` with NVRTC on first use (`kernels.rs`).
+//! * Kernels are compiled from `kernels/*.cu` with NVRTC on first use (`kernels.rs`). The 8-byte
+//!   counters of `count_pattern_mismatches` are kept by the driver (one per concurrent call) until
+//!   it drops: a free per call would synchronize the device, which a capture anywhere on it forbids.
+//! * Stream capture and graphs: `capture.rs` (CUDA enforces the prohibitions; its capture codes
+//!   are `StreamCapture` errors).
 
 mod capture;
 pub mod kernels;
