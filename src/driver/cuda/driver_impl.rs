@@ -97,8 +97,12 @@ impl Driver for CudaDriver {
         check("cuMemGetInfo_v2", unsafe {
             sys::cuMemGetInfo_v2(&mut free, &mut total)
         })?;
+        // The driver's counter page counts as free (see `mod.rs`).
+        let free = (free as u64)
+            .saturating_add(self.scratch_bytes(device))
+            .min(total as u64);
         Ok(MemInfo {
-            free: free as u64,
+            free,
             total: total as u64,
         })
     }
@@ -444,8 +448,8 @@ impl Driver for CudaDriver {
         let (_held, _) = self.hold_ranges([(src, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.count)?;
         self.refuse_capturing(&s, "count_pattern_mismatches")?;
-        // A counter of this driver's pool (freed with the driver): no free here, which would
-        // synchronize the device — illegal while any stream of it is being captured.
+        // A slot of the device's counter page (see `mod.rs`): no allocation or free here — a
+        // free would synchronize the device, illegal while any stream of it is being captured.
         let counter = self.take_counter(s.device)?;
         let result = (|| {
             // SAFETY: `counter` is an 8-byte allocation this call holds alone.
@@ -471,9 +475,10 @@ impl Driver for CudaDriver {
             })?;
             Ok(host)
         })();
-        // Back to the pool only when no work of this call can still touch it.
+        // Back to the free slots only when no work of this call can still touch it (a failed
+        // count's slot stays out: its kernel may still be queued).
         if result.is_ok() {
-            self.counters.lock().push((s.device, counter));
+            self.give_counter(s.device, counter);
         }
         result
     }

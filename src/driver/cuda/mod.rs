@@ -21,8 +21,11 @@
 //!   per-process rules: a handle exported here is refused, and a handle is mapped once per device
 //!   and shared by every driver that opens it.
 //! * Kernels are compiled from `kernels/*.cu` with NVRTC on first use (`kernels.rs`). The 8-byte
-//!   counters of `count_pattern_mismatches` are kept by the driver (one per concurrent call) until
-//!   it drops: a free per call would synchronize the device, which a capture anywhere on it forbids.
+//!   counters of `count_pattern_mismatches` are slots of one page per device, made by the first
+//!   count and freed when the driver drops ([`COUNTER_SLOTS`] concurrent counts per device): a
+//!   free per call would synchronize the device, which a capture anywhere on it forbids.
+//!   `mem_info` counts that page as free — it is the driver's scratch, fixed for its life — so
+//!   free memory returns to where it was once everything allocated through the driver is gone.
 //! * Stream capture and graphs: `capture.rs` (CUDA enforces the prohibitions; its capture codes
 //!   are `StreamCapture` errors).
 
@@ -148,6 +151,16 @@ struct Device {
     total: OnceLock<u64>,
 }
 
+/// Concurrent `count_pattern_mismatches` calls per device (8-byte slots of one page).
+pub(crate) const COUNTER_SLOTS: usize = 512;
+
+/// The counter pages (per device, made on first use) and the free slots `(device, address)`.
+#[derive(Debug, Default)]
+struct CounterSlots {
+    pages: Vec<Option<u64>>,
+    free: Vec<(usize, u64)>,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Kernels {
     fill: FunctionHandle,
@@ -193,9 +206,8 @@ pub struct CudaDriver {
     /// Reservations and mapped chunks (expandable segments); locked after `segments`.
     vm: RwLock<VmSpace<ChunkId>>,
     chunks: Registry<vm::CudaChunk>,
-    /// 8-byte device counters of `count_pattern_mismatches` not in use: `(device, address)`;
-    /// freed when the driver drops.
-    counters: Mutex<Vec<(usize, u64)>>,
+    /// The devices' counter pages and their free slots (`count_pattern_mismatches`).
+    counters: Mutex<CounterSlots>,
     /// Captured graphs and their instantiations (`capture.rs`).
     graphs: Registry<capture::GraphEntry<GraphHandle>>,
     graph_execs: Registry<capture::GraphEntry<GraphExecHandle>>,
@@ -246,7 +258,7 @@ impl CudaDriver {
             opened_handles: Mutex::new(HashSet::new()),
             vm: RwLock::new(VmSpace::default()),
             chunks: Registry::new("chunk"),
-            counters: Mutex::new(Vec::new()),
+            counters: Mutex::new(CounterSlots::default()),
             graphs: Registry::new("graph"),
             graph_execs: Registry::new("instantiated graph"),
             birth: Birth::now(),
@@ -270,6 +282,7 @@ impl CudaDriver {
                 granularity: OnceLock::new(),
                 total: OnceLock::new(),
             });
+            driver.counters.get_mut().pages.push(None);
         }
         // The default stream is the legacy NULL stream (a null CUstream), as for PyTorch and candle:
         // work a library launches without naming a stream is ordered with it.
@@ -304,20 +317,42 @@ impl CudaDriver {
         check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx.0) })
     }
 
-    /// A device counter for `count_pattern_mismatches` (device `device` bound): one from the
-    /// pool, or a new 8-byte allocation.
+    /// A free counter slot of `device` for `count_pattern_mismatches` (its context bound); the
+    /// device's page is made on first use.
     fn take_counter(&self, device: usize) -> Result<u64> {
-        let mut pool = self.counters.lock();
-        if let Some(at) = pool.iter().position(|&(d, _)| d == device) {
-            return Ok(pool.swap_remove(at).1);
+        let mut slots = self.counters.lock();
+        if slots.pages.get(device).is_some_and(Option::is_none) {
+            let mut page = 0;
+            // SAFETY: out-pointer valid; the device's context is bound by the caller.
+            check("cuMemAlloc_v2", unsafe {
+                sys::cuMemAlloc_v2(&mut page, 8 * COUNTER_SLOTS)
+            })?;
+            slots.pages[device] = Some(page);
+            slots
+                .free
+                .extend((0..COUNTER_SLOTS as u64).map(|i| (device, page + 8 * i)));
         }
-        drop(pool);
-        let mut counter = 0;
-        // SAFETY: out-pointer valid; the device's context is bound by the caller.
-        check("cuMemAlloc_v2", unsafe {
-            sys::cuMemAlloc_v2(&mut counter, 8)
-        })?;
-        Ok(counter)
+        let at = slots
+            .free
+            .iter()
+            .position(|&(d, _)| d == device)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "more than {COUNTER_SLOTS} pattern counts at once on device {device}"
+                ))
+            })?;
+        Ok(slots.free.swap_remove(at).1)
+    }
+
+    /// Gives a counter slot back (no work of its count can still touch it).
+    pub(super) fn give_counter(&self, device: usize, counter: u64) {
+        self.counters.lock().free.push((device, counter));
+    }
+
+    /// Bytes of `device` the driver holds for itself (its counter page, once made).
+    pub(super) fn scratch_bytes(&self, device: usize) -> u64 {
+        let made = self.counters.lock().pages.get(device).copied().flatten();
+        made.map_or(0, |_| 8 * COUNTER_SLOTS as u64)
     }
 
     fn fresh_id(&self) -> u64 {
@@ -488,10 +523,13 @@ impl Drop for CudaDriver {
             let _ = self.ipc_close_memory(DeviceAddr(ptr));
         }
         self.destroy_graphs_left();
-        for (device, counter) in std::mem::take(&mut *self.counters.lock()) {
+        let pages = std::mem::take(&mut self.counters.get_mut().pages);
+        for (device, page) in pages.into_iter().enumerate() {
+            let Some(page) = page else { continue };
             if self.bind(device).is_ok() {
-                // SAFETY: a counter allocated by `take_counter`, no longer in use, freed once.
-                let _ = unsafe { sys::cuMemFree_v2(counter) };
+                // SAFETY: the counter page allocated in `new`, freed once; its slots are no
+                // longer in use (every count synchronized its stream, or failed).
+                let _ = unsafe { sys::cuMemFree_v2(page) };
             }
         }
         let events = self.events.drain();
