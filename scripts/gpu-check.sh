@@ -78,7 +78,7 @@ done
 # The allocator and IPC suites again with expandable segments (the GPU's virtual-memory API;
 # sharing by page: cuMemExportToShareableHandle / cuMemImportFromShareableHandle across processes).
 for suite in allocator_pytorch allocator_policy allocator_properties allocator_stress cow expandable \
-             ipc_multiprocess ipc_interplay cuda_graphs mem_pool; do
+             ipc_multiprocess ipc_interplay cuda_graphs mem_pool graph_mix; do
   exe="$bin_dir/$suite"
   [ -x "$exe" ] || continue
   if ! CUDALLOC_TEST_EXPANDABLE=1 "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi
@@ -87,7 +87,7 @@ done
 # The stream sanitizer on a real GPU: the suites that drive streams, once more with every stream
 # operation checked (a race or a use after free panics), and the sanitizer's own tests.
 for suite in driver_conformance cow global_and_storage ipc_multiprocess cudarc_views sanitizer \
-             stream_capture cuda_graphs graphs_meet; do
+             stream_capture cuda_graphs graphs_meet graph_mix; do
   exe="$bin_dir/$suite"
   [ -x "$exe" ] || continue
   if ! CUDALLOC_SANITIZE=panic "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi

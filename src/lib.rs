@@ -41,7 +41,7 @@ mod sync;
 // public item has one path; `docs/public-api.txt` lists them (`tests/public_api.rs`).
 pub use alloc::{
     format_size, trace_json_lines, CachingAllocator, CachingAllocatorBuilder, Capture,
-    CaptureRoute, DataPtr, DeviceStats, Frame, FreeMemoryCallback, Graph, HistoryMode,
+    CaptureRoute, DataPtr, DeviceStats, Frame, FreeMemoryCallback, Graph, GraphPool, HistoryMode,
     HistoryOptions, MemPool, MemPoolId, MemPoolOptions, OutOfMemoryEvent, OutOfMemoryObserver,
     PoolScope, PoolStats, Sanitize, SegmentChange, SegmentEvent, SegmentObserver, Snapshot,
     SnapshotBlock, SnapshotBlockState, SnapshotSegment, Stat, StreamGuard, TraceAction, TraceEntry,

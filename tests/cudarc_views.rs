@@ -281,7 +281,7 @@ fn a_cudarc_graph_captures_a_kernel_on_a_storage_allocated_inside_it() {
     let pool = route.finish().unwrap();
     let in_pool = |p: &Storage| {
         runtime.snapshot().segments.iter().any(|s| {
-            s.segment_pool_id == pool.id()
+            s.segment_pool_id == pool.pool().id()
                 && s.blocks
                     .iter()
                     .any(|b| b.addr <= p.data_ptr().0 && p.data_ptr().0 < b.addr + b.size)

@@ -7,10 +7,19 @@
 //! | a free with stream uses | events recorded, polled later | deferred: the block stays pending; its events are recorded when the last capture ends (no event may be recorded or queried on a capturing stream) |
 //! | polling events | before best fit | skipped (a query could be a forbidden call) |
 //! | a miss | PyTorch's whole sequence | the driver's allocation alone — with the thread's capture mode relaxed around it when the stream is capturing, as PyTorch's `cudaMallocMaybeCapturing` — then out of memory: releasing cached memory would synchronize |
+//!
+//! A pool is *held by graphs* from the moment a capture begins routing to it until its last
+//! capture and last graph are gone ([`GraphHold`]). While held, its freed blocks stay the
+//! graphs': replays may touch them, so the stream sanitizer is not told of those frees (a replay
+//! would read as a use after free), `MemPool::empty_cache` keeps them, and `use_on_oom` lends
+//! none of them to eager work — found by the randomized capture/replay/eager mix
+//! (`tests/graph_mix.rs`).
+
+use std::collections::HashMap;
 
 use super::pool_id::{MemPoolId, MemPoolOptions};
 use crate::sync::os::atomic::{AtomicUsize, Ordering};
-use crate::sync::os::RwLock;
+use crate::sync::os::{Arc, RwLock};
 
 /// The captures of one allocator under way, by the driver's capture id.
 #[derive(Debug, Default)]
@@ -18,6 +27,37 @@ pub(crate) struct CaptureRoutes {
     /// Captures begun (counted before the driver's begin, so a free never misses one).
     active: AtomicUsize,
     routes: RwLock<Vec<(u64, MemPoolId, MemPoolOptions)>>,
+    /// Pools held by graphs: captures and graphs per pool (see the module docs).
+    held: RwLock<HashMap<MemPoolId, usize>>,
+    /// Whether any pool is held (one load when none is).
+    any_held: AtomicUsize,
+}
+
+/// One capture's or one graph's hold on its pool (see the module docs); released on drop.
+#[derive(Debug)]
+pub(crate) struct GraphHold {
+    routes: Arc<CaptureRoutes>,
+    pool: MemPoolId,
+}
+
+impl GraphHold {
+    /// Another hold on the same pool (a graph taking over from its capture).
+    pub(crate) fn another(&self) -> GraphHold {
+        CaptureRoutes::hold(&self.routes, self.pool)
+    }
+}
+
+impl Drop for GraphHold {
+    fn drop(&mut self) {
+        let mut held = self.routes.held.write();
+        if let Some(n) = held.get_mut(&self.pool) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.pool);
+                self.routes.any_held.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
 }
 
 impl CaptureRoutes {
@@ -44,6 +84,26 @@ impl CaptureRoutes {
             .iter()
             .find(|(c, ..)| *c == capture)
             .map(|&(_, pool, options)| (pool, options))
+    }
+
+    /// A hold of a capture or graph on `pool`.
+    pub(crate) fn hold(this: &Arc<CaptureRoutes>, pool: MemPoolId) -> GraphHold {
+        let mut held = this.held.write();
+        let n = held.entry(pool).or_insert(0);
+        if *n == 0 {
+            this.any_held.fetch_add(1, Ordering::AcqRel);
+        }
+        *n += 1;
+        GraphHold {
+            routes: Arc::clone(this),
+            pool,
+        }
+    }
+
+    /// Whether captures or graphs hold `pool` (one load while none holds any).
+    #[inline]
+    pub(crate) fn held_by_graphs(&self, pool: MemPoolId) -> bool {
+        self.any_held.load(Ordering::Acquire) != 0 && self.held.read().contains_key(&pool)
     }
 
     /// A capture ended (or never began: `capture` is `None`); returns whether none is left.

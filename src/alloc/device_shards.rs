@@ -40,7 +40,9 @@ impl DeviceCore {
         if let Some(shard) = shards.get(&(stream, pool)) {
             return Ok(Arc::clone(shard));
         }
-        if !pool.is_default() {
+        // Not while a capture runs: taking a retired shard frees its empty reservations, a call
+        // a global capture forbids (it invalidated the capture; found by tests/graph_mix.rs).
+        if !pool.is_default() && !self.capturing.any() {
             if let Some((shard, bases)) = self.take_retired(stream, pool, options) {
                 shards.insert((stream, pool), Arc::clone(&shard));
                 drop(shards);
@@ -103,7 +105,12 @@ impl DeviceCore {
             .map(|(_, s)| Arc::clone(s))
             .collect();
         lenders.into_iter().find_map(|lending| {
-            if !lending.state.lock().pool_options.use_on_oom {
+            let (options, pool_id) = {
+                let st = lending.state.lock();
+                (st.pool_options, st.pool)
+            };
+            // A pool graphs hold lends nothing: its free blocks are the graphs' (`capturing.rs`).
+            if !options.use_on_oom || self.capturing.held_by_graphs(pool_id) {
                 return None;
             }
             let hit = self.try_fit(&lending, pool, rounded, requested)?;

@@ -9,7 +9,7 @@
 //! | moment | the pool's memory | why |
 //! |---|---|---|
 //! | during the capture | allocations come from the pool; a block freed in the capture may serve a later allocation of the same capture | PyTorch's private pools |
-//! | while the graph lives | the pool keeps every block, freed or not: nothing outside the pool is ever handed its memory, and neither `empty_cache` nor out of memory releases it | replays write the addresses the capture saw |
+//! | while the graph lives | the pool keeps every block, freed or not: nothing outside the pool is ever handed its memory — neither `empty_cache`, the pool's own `empty_cache`, out of memory nor `use_on_oom` lending releases it — and the stream sanitizer is not told of frees in it (`capturing.rs`, [`GraphPool`]) | replays write the addresses the capture saw |
 //! | the graph (and every other holder of the pool) dropped | the pool is dropped: its cache goes back, blocks live storages still hold return as they are freed (`mem_pool.rs`) | PyTorch's `releasePool` |
 //!
 //! A capture that fails — out of memory inside it, a forbidden call — is an error of the call
@@ -21,6 +21,7 @@
 //! the same routing, with the capture begun and ended by the library; the [`CaptureRoute`] gives
 //! the pool back when it finishes, for the library to keep beside its graph.
 
+use super::capturing::{CaptureRoutes, GraphHold};
 use super::mem_pool::MemPool;
 use super::pool_id::MemPoolOptions;
 use super::{CachingAllocator, DeviceCore};
@@ -48,6 +49,7 @@ pub struct Capture {
     /// The driver's id of the capture (`None` once ended).
     capture: Option<u64>,
     pool: MemPool,
+    hold: GraphHold,
     birth: Birth,
     /// `!Send`: a capture ends on the thread that began it (the driver refuses another's, and
     /// the allocator would stop routing while the driver's capture went on).
@@ -61,8 +63,25 @@ pub struct Graph {
     driver: Arc<dyn Driver>,
     exec: GraphExecId,
     pool: MemPool,
+    _hold: GraphHold,
     nodes: usize,
     birth: Birth,
+}
+
+/// The pool of a graph someone else captured ([`CaptureRoute::finish`]): keep it as long as
+/// that graph lives — while it does, the pool's memory stays the graph's (no eager allocation,
+/// `MemPool::empty_cache` or `use_on_oom` lending takes it; `capturing.rs`).
+#[derive(Debug)]
+pub struct GraphPool {
+    pool: MemPool,
+    _hold: GraphHold,
+}
+
+impl GraphPool {
+    /// The pool (share it with a later capture).
+    pub fn pool(&self) -> &MemPool {
+        &self.pool
+    }
 }
 
 impl CachingAllocator {
@@ -75,7 +94,7 @@ impl CachingAllocator {
         pool: Option<&MemPool>,
         mode: CaptureMode,
     ) -> Result<Capture> {
-        let (id, pool) = self.start_route(stream, pool, || {
+        let (id, pool, hold) = self.start_route(stream, pool, || {
             self.driver.stream_begin_capture(stream, mode)
         })?;
         Ok(Capture {
@@ -85,6 +104,7 @@ impl CachingAllocator {
             stream,
             capture: Some(id),
             pool,
+            hold,
             birth: self.birth,
             _this_thread: std::marker::PhantomData,
         })
@@ -98,7 +118,7 @@ impl CachingAllocator {
     /// [`CaptureRoute::finish`] gives the pool back: keep it as long as the library's graph
     /// lives, since the graph names its addresses. An error when the stream is not capturing.
     pub fn route_capture(&self, stream: StreamId, pool: Option<&MemPool>) -> Result<CaptureRoute> {
-        let (id, pool) = self.start_route(stream, pool, || Ok(()))?;
+        let (id, pool, hold) = self.start_route(stream, pool, || Ok(()))?;
         Ok(CaptureRoute {
             driver: Arc::clone(&self.driver),
             capturing: Arc::clone(&self.capturing),
@@ -106,19 +126,21 @@ impl CachingAllocator {
             stream,
             capture: Some(id),
             pool,
+            hold,
             birth: self.birth,
             _this_thread: std::marker::PhantomData,
         })
     }
 
     /// Counts a capture starting, runs `begin`, and routes the capture then under way on
-    /// `stream` to `pool` (or a fresh private pool): its driver id and the pool.
+    /// `stream` to `pool` (or a fresh private pool): its driver id, the pool and the capture's
+    /// hold on it (`capturing.rs`).
     fn start_route(
         &self,
         stream: StreamId,
         pool: Option<&MemPool>,
         begin: impl FnOnce() -> Result<()>,
-    ) -> Result<(u64, MemPool)> {
+    ) -> Result<(u64, MemPool, GraphHold)> {
         self.birth.check("this allocator")?;
         let pool = match pool {
             Some(pool) => {
@@ -148,8 +170,9 @@ impl CachingAllocator {
                 return Err(err);
             }
         };
+        let hold = CaptureRoutes::hold(&self.capturing, pool.id());
         self.capturing.route(id, pool.id(), pool.options());
-        Ok((id, pool))
+        Ok((id, pool, hold))
     }
 
     /// Whether `stream` is being captured by a capture of this allocator's (one load while none
@@ -198,6 +221,7 @@ impl Capture {
             driver: Arc::clone(&self.driver),
             exec: made?,
             pool: self.pool.clone(),
+            _hold: self.hold.another(),
             nodes,
             birth: self.birth,
         })
@@ -249,6 +273,7 @@ pub struct CaptureRoute {
     /// The driver's id of the capture (`None` once finished).
     capture: Option<u64>,
     pool: MemPool,
+    hold: GraphHold,
     birth: Birth,
     _this_thread: std::marker::PhantomData<*const ()>,
 }
@@ -259,10 +284,10 @@ impl CaptureRoute {
         &self.pool
     }
 
-    /// Stops routing once the capture has ended, and gives the pool back — keep it as long as
-    /// the captured graph lives. An error (the route stays) while the capture is still under
-    /// way: end it first.
-    pub fn finish(&mut self) -> Result<MemPool> {
+    /// Stops routing once the capture has ended, and gives the graph's pool back — keep it as
+    /// long as the captured graph lives. An error (the route stays) while the capture is still
+    /// under way: end it first.
+    pub fn finish(&mut self) -> Result<GraphPool> {
         self.birth.check("this capture route")?;
         let Some(capture) = self.capture else {
             return Err(Error::capture("the capture route already finished"));
@@ -275,7 +300,10 @@ impl CaptureRoute {
             )));
         }
         self.stop();
-        Ok(self.pool.clone())
+        Ok(GraphPool {
+            pool: self.pool.clone(),
+            _hold: self.hold.another(),
+        })
     }
 
     fn stop(&mut self) {

@@ -9,7 +9,7 @@
 //!
 //! | pool state | its shards | cached memory released by |
 //! |---|---|---|
-//! | live (a `MemPool`, a clone, or a scope holds it) | in the device's map under `(stream, id)` | [`MemPool::empty_cache`] only — not `empty_cache`, out-of-memory or garbage collection (a graph's replays use a pool's free blocks) |
+//! | live (a `MemPool`, a clone, or a scope holds it) | in the device's map under `(stream, id)` | [`MemPool::empty_cache`] only — not `empty_cache`, out-of-memory or garbage collection — and not even that while captures or graphs hold the pool (their replays use its free blocks: `capturing.rs`) |
 //! | dropped (the last holder gone) | their cached memory given back at once, then moved to the device's retired list in one step under the map's lock (never in neither list, where the allocator's teardown would miss them) | every release of the default pool: blocks still handed out return to their shard and are released like the default pool's |
 //! | retired and empty (no block but pages never mapped) | kept for the allocator's life (a thread's shard cache may point at one) | taken again by the next pool used on the same stream — its empty expandable reservations given back, its accumulated counts left behind (`ShardState::pool_base`) — so dropping pools never grows the allocator |
 //!
@@ -20,7 +20,8 @@
 //!
 //! Options ([`MemPoolOptions`]): `no_split` hands every block out whole; `use_on_oom` lets an
 //! allocation of the default pool that found no memory — after the whole out-of-memory sequence
-//! — take a free block of the pool on its stream (the block stays the pool's).
+//! — take a free block of the pool on its stream (the block stays the pool's), unless captures or
+//! graphs hold the pool.
 //!
 //! A pool's statistics ([`MemPool::memory_stats`]) are the sums of its shards' — currents and
 //! accumulated counts, exact. Peaks are the device's (`peaks.rs` reconciles them across shards);
@@ -124,10 +125,17 @@ impl MemPool {
     }
 
     /// Waits for the pool's pending frees and gives its cached whole segments back to the
-    /// driver (the allocator's `empty_cache` leaves a live pool's cache alone).
+    /// driver (the allocator's `empty_cache` leaves a live pool's cache alone). Nothing while a
+    /// capture or a graph holds the pool: its free blocks are the graph's, which replays write
+    /// (`capturing.rs`).
     pub fn empty_cache(&self) {
         if !self.inner.birth.is_current() {
             return;
+        }
+        for device in &self.inner.devices {
+            if device.capturing.held_by_graphs(self.inner.id) {
+                return;
+            }
         }
         for device in &self.inner.devices {
             for shard in device.pool_shards(self.inner.id) {

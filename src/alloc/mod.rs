@@ -67,7 +67,7 @@ mod stats;
 mod summary;
 mod thread;
 
-pub use graph::{Capture, CaptureRoute, Graph};
+pub use graph::{Capture, CaptureRoute, Graph, GraphPool};
 pub use history::{trace_json_lines, HistoryMode, HistoryOptions, TraceAction, TraceEntry};
 pub use mem_pool::{MemPool, PoolScope};
 pub use observers::{

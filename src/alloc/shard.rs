@@ -48,7 +48,10 @@ impl Shard {
         );
         let uses = st.release(id, &core.config);
         if let Some(sanitizer) = &self.sanitizer {
-            sanitizer.free(ptr, size, self.stream, &uses);
+            // A block of a pool graphs hold stays theirs: replays may still touch it.
+            if !core.capturing.held_by_graphs(st.pool) {
+                sanitizer.free(ptr, size, self.stream, &uses);
+            }
         }
         if uses.is_empty() {
             core.trace.record(
