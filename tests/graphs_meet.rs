@@ -264,3 +264,59 @@ fn graphs_meet_child() {
         other => panic!("unknown role {other}"),
     }
 }
+
+/// Found by review: a lazy clone made on the default stream and first written inside a capture
+/// on another stream made the capturing stream wait on an event recorded outside the capture
+/// (CUDA's capture isolation): the capture was invalidated. The clone's stream is now waited
+/// for on the host (the thread's capture mode relaxed), and the copy is the graph's.
+#[test]
+fn a_clone_made_on_another_stream_is_first_written_inside_a_capture() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let rt = runtime();
+    let src = Storage::new(&rt, 0, MIB).unwrap();
+    src.fill_pattern(3).unwrap();
+    let clone = src.lazy_clone().unwrap(); // on the default stream
+    let s = rt.create_stream(0).unwrap();
+    let _on = rt.set_current_stream(s).unwrap();
+    let capture = rt.begin_capture(s, None, CaptureMode::Global).unwrap();
+    let write = clone.mutable_data_ptr();
+    let graph = capture.end();
+    assert!(write.is_ok(), "first write: {:?}", write.err());
+    let graph = graph.unwrap();
+    graph.replay(s).unwrap();
+    assert_eq!(clone.count_pattern_mismatches(3).unwrap(), 0);
+    drop((graph, clone, src));
+}
+
+/// Found by review: the last holder of a lazy clone's data, written inside a capture after a
+/// clone had copied eagerly, stole the data and made the capturing stream wait on that copier's
+/// event (recorded outside the capture), falling back to a host wait a global capture forbids:
+/// the write returned Ok, and only the end failed. The copiers are now waited for on the host,
+/// relaxed.
+#[test]
+fn a_steal_inside_a_capture_after_an_eager_copy_keeps_the_capture() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let rt = runtime();
+    let s = rt.create_stream(0).unwrap();
+    let _on = rt.set_current_stream(s).unwrap();
+    let src = Storage::new(&rt, 0, MIB).unwrap();
+    src.fill_pattern(3).unwrap();
+    let clone = src.lazy_clone().unwrap();
+    clone.mutable_data_ptr().unwrap(); // an eager copy, with its copier event
+    let capture = rt.begin_capture(s, None, CaptureMode::Global).unwrap();
+    let at = src.data_ptr();
+    let write = src.mutable_data_ptr(); // the last holder: steals
+    assert_eq!(write.as_ref().ok(), Some(&at), "stolen in place");
+    rt.driver().memset(s, at, 0x5A, 4096).unwrap();
+    let graph = capture.end().unwrap();
+    graph.replay(s).unwrap();
+    let mut head = vec![0u8; 4096];
+    src.copy_to_host(&mut head).unwrap();
+    assert!(head.iter().all(|&b| b == 0x5A));
+    assert_eq!(
+        clone.count_pattern_mismatches(3).unwrap(),
+        0,
+        "the copy kept the old bytes"
+    );
+    drop((graph, clone, src));
+}

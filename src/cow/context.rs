@@ -129,11 +129,24 @@ pub(crate) fn materialize(
             }
         };
     let ctx = Arc::clone(&owner.ctx);
+    // Inside a capture, work outside it cannot be waited for from the capturing stream (CUDA's
+    // capture isolation): it is waited for on the host, with this thread's capture mode relaxed.
+    let capturing = match alloc.stream_is_capturing(stream) {
+        Ok(capturing) => capturing,
+        Err(err) => {
+            *data = DataPtr::new(shared_ptr, device, Owner::Shared(owner));
+            return Err(err);
+        }
+    };
     // The copy step runs before the reference is given up; should it panic (the stream
     // sanitizer's panic mode), the storage gets its COW owner back before the panic goes on.
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         if stream != ctx.clone_stream {
-            wait_for_stream(driver, ctx.clone_stream, stream)?;
+            if capturing && !alloc.stream_is_capturing(ctx.clone_stream)? {
+                relaxed(driver, || driver.stream_synchronize(ctx.clone_stream))?;
+            } else {
+                wait_for_stream(driver, ctx.clone_stream, stream)?;
+            }
         }
         ctx.cell
             .materialize(|original| copy_step(alloc, &ctx, original, nbytes, stream))
@@ -148,9 +161,14 @@ pub(crate) fn materialize(
     let new_data = match outcome {
         Ok(Materialized::Stole(original)) => {
             // The reference is given up: from here nothing may fail. Our stream waits for
-            // every copier; if a wait cannot be enqueued, block on the event instead.
+            // every copier; if a wait cannot be enqueued, block on the event instead. Inside a
+            // capture the copiers' events (recorded outside it) are waited for on the host.
             for &e in ctx.copier_events.lock().iter() {
-                if let Err(err) = driver.stream_wait_event(stream, e) {
+                if capturing {
+                    if let Err(err) = relaxed(driver, || driver.event_synchronize(e)) {
+                        tracing::warn!(%err, "COW steal inside a capture: waiting for a copier failed");
+                    }
+                } else if let Err(err) = driver.stream_wait_event(stream, e) {
                     tracing::warn!(%err, "COW steal: waiting on the host instead");
                     let _ = driver.event_synchronize(e);
                 }
@@ -222,6 +240,15 @@ fn copy_step(
             Err(err)
         }
     }
+}
+
+/// Runs `f` with this thread's capture interaction mode relaxed (a host wait for work outside a
+/// capture, which a global capture would otherwise forbid), restoring it after.
+fn relaxed<R>(driver: &Arc<dyn Driver>, f: impl FnOnce() -> R) -> R {
+    let before = driver.exchange_capture_mode(crate::driver::CaptureMode::Relaxed);
+    let out = f();
+    driver.exchange_capture_mode(before);
+    out
 }
 
 fn wait_for_stream(driver: &Arc<dyn Driver>, waited: StreamId, waiter: StreamId) -> Result<()> {
