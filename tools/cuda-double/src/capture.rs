@@ -67,6 +67,9 @@ pub struct Graph {
     pub handle: usize,
     /// The recorded work, in order.
     pub nodes: Arc<[Node]>,
+    /// An instantiation's latest launch (its stream and operation count): CUDA runs one launch
+    /// of an instantiated graph at a time, each after the previous ones.
+    pub last_launch: Mutex<Option<(Arc<Stream>, u64)>>,
 }
 
 /// `CU_STREAM_CAPTURE_MODE_GLOBAL`.
@@ -558,6 +561,29 @@ impl Captures {
         Ok(capture.nodes)
     }
 
+    /// The error CUDA gives a capture-status query of the legacy stream while a blocking stream
+    /// of its context captures (`STREAM_CAPTURE_IMPLICIT`, an outcome: the query is legal).
+    pub fn status_of_legacy(&self, stream: &Arc<Stream>) -> Checked<()> {
+        if !self.any() || stream.handle != 0 {
+            return Ok(());
+        }
+        let table = self.lock();
+        match table
+            .streams
+            .values()
+            .find(|m| m.ctx == stream.ctx && m.blocking)
+        {
+            Some(m) => Err(Fail::outcome(
+                codes::STREAM_CAPTURE_IMPLICIT,
+                format!(
+                    "the legacy stream synchronizes with a blocking stream being captured                      (capture {})",
+                    m.capture
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// `cuStreamGetCaptureInfo_v2` / `cuStreamIsCapturing`: the status and the capture's id.
     pub fn status(&self, stream: &Arc<Stream>) -> (Status, u64) {
         if !self.any() {
@@ -571,6 +597,36 @@ impl Captures {
                 _ => (Status::Active, id),
             },
         }
+    }
+
+    /// `cuStreamDestroy_v2` of a stream taking part in a capture: the violation, after the
+    /// stream is taken out of it — a capture it began is gone (nobody could end it), one it
+    /// joined is invalidated — so that no prohibition outlives it.
+    pub fn forget_stream(&self, stream: &Arc<Stream>) -> Checked<()> {
+        if !self.any() {
+            return Ok(());
+        }
+        let mut table = self.lock();
+        let me = key(stream);
+        let Some(id) = table.streams.remove(&me).map(|m| m.capture) else {
+            return Ok(());
+        };
+        let origin = table.captures.get(&id).is_some_and(|c| c.origin == me);
+        if origin {
+            table.captures.remove(&id);
+            table.streams.retain(|_, m| m.capture != id);
+            table.points.retain(|_, p| p.capture != id);
+            self.active.fetch_sub(1, Ordering::AcqRel);
+        } else {
+            table.invalidate(id, "a stream that joined it was destroyed");
+        }
+        Err(Fail::violation(
+            codes::STREAM_CAPTURE_UNSUPPORTED,
+            format!(
+                "cuStreamDestroy of a stream taking part in capture {id} ({}): end the capture first",
+                if origin { "its origin; the capture is gone" } else { "joined; the capture is invalidated" }
+            ),
+        ))
     }
 
     /// A destroyed event marks no point any more.

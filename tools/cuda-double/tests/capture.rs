@@ -15,7 +15,9 @@ use std::ptr::null_mut;
 use cuda_double::api::device::*;
 use cuda_double::api::graph::*;
 use cuda_double::api::memory::*;
+use cuda_double::api::module::*;
 use cuda_double::api::stream::*;
+use cuda_double::api::vm::*;
 use cuda_double::api::{cuda_double_expect_violations, cuda_double_expected_left};
 use cuda_double::codes::{self, CuResult};
 use cuda_double::report::report;
@@ -46,6 +48,9 @@ fn read(ptr: u64, len: usize, stream: *mut c_void) -> Vec<u8> {
     clean(cuStreamSynchronize(stream), codes::SUCCESS);
     host
 }
+
+const PTX: &str = ".version 8.8\n.target sm_52\n.address_size 64\n\
+    .visible .entry cudalloc_sleep(\n.param .u64 n\n)\n{ ret; }\n\0";
 
 fn event() -> *mut c_void {
     let mut e = null_mut();
@@ -296,14 +301,120 @@ fn capture_rules_are_enforced_and_legitimate_captures_are_clean() {
             codes::SUCCESS,
         );
         clean(cuMemFree_v2(doomed), codes::SUCCESS);
-        // The fault is recorded by the stream's worker whenever it runs: read it after the
-        // synchronize only.
-        assert_eq!(cuGraphLaunch(exec, t), codes::SUCCESS);
-        let code = cuStreamSynchronize(t);
-        let recent = report().take_recent();
-        assert_ne!(code, codes::SUCCESS);
-        assert_eq!(recent.len(), 1, "{recent:?}");
-        assert!(recent[0].contains("cuGraphLaunch"), "{recent:?}");
+        // The launch builds the work again and finds the memory gone: a violation of the
+        // launch, before anything runs.
+        violates(cuGraphLaunch(exec, t), codes::INVALID_VALUE, "use after free");
+        clean(cuStreamSynchronize(t), codes::SUCCESS);
+
+        // Found by review: a replay of a memset captured over virtual memory that was unmapped
+        // since wrote a PROT_NONE page (SIGSEGV of the whole process); the work is now resolved
+        // again at each launch: a violation of that launch.
+        let prop = cuda_double::vm::AllocationProp {
+            type_: 1,
+            requested_handle_types: 1,
+            location: cuda_double::vm::MemLocation { type_: 1, id: 0 },
+            win32_handle_meta_data: null_mut(),
+            alloc_flags: [0; 8],
+        };
+        let mut g = 0usize;
+        clean(
+            cuMemGetAllocationGranularity(&mut g, &prop, 0),
+            codes::SUCCESS,
+        );
+        let (mut chunk, mut base) = (0u64, 0u64);
+        clean(cuMemCreate(&mut chunk, g, &prop, 0), codes::SUCCESS);
+        clean(cuMemAddressReserve(&mut base, g, 0, 0, 0), codes::SUCCESS);
+        clean(cuMemMap(base, g, 0, chunk, 0), codes::SUCCESS);
+        let access = cuda_double::vm::AccessDesc {
+            location: cuda_double::vm::MemLocation { type_: 1, id: 0 },
+            flags: 3,
+        };
+        clean(cuMemSetAccess(base, g, &access, 1), codes::SUCCESS);
+        clean(cuStreamBeginCapture_v2(s, 2), codes::SUCCESS);
+        clean(cuMemsetD8Async(base, 7, 64, s), codes::SUCCESS);
+        clean(cuStreamEndCapture(s, &mut graph), codes::SUCCESS);
+        clean(
+            cuGraphInstantiateWithFlags(&mut exec, graph, 0),
+            codes::SUCCESS,
+        );
+        clean(cuMemUnmap(base, g), codes::SUCCESS);
+        violates(cuGraphLaunch(exec, s), codes::ILLEGAL_ADDRESS, "not mapped");
+        clean(cuStreamSynchronize(s), codes::SUCCESS);
+        clean(cuMemAddressFree(base, g), codes::SUCCESS);
+        clean(cuMemRelease(chunk), codes::SUCCESS);
+
+        // Found by review: launches of one instantiated graph on two streams ran at once; CUDA
+        // runs them one at a time, in launch order. The first launch's stream is busy (a sleep
+        // kernel) when the second is made: the second, and the memset behind it on its stream,
+        // run after the first, so the memset's value is what stays (the sleep only makes the old
+        // overlap likely; in every interleaving the ordered double passes).
+        let mut module = null_mut();
+        clean(
+            cuModuleLoadData(&mut module, PTX.as_ptr().cast()),
+            codes::SUCCESS,
+        );
+        let mut sleeper = null_mut();
+        clean(
+            cuModuleGetFunction(&mut sleeper, module, c"cudalloc_sleep".as_ptr()),
+            codes::SUCCESS,
+        );
+        clean(cuStreamBeginCapture_v2(s, 1), codes::SUCCESS);
+        clean(cuMemsetD8Async(buf, 1, 4096, s), codes::SUCCESS);
+        clean(cuStreamEndCapture(s, &mut graph), codes::SUCCESS);
+        clean(
+            cuGraphInstantiateWithFlags(&mut exec, graph, 0),
+            codes::SUCCESS,
+        );
+        let mut nanos = 200_000_000u64;
+        let mut sleep_args = [(&mut nanos as *mut u64).cast::<c_void>()];
+        clean(
+            cuLaunchKernel(
+                sleeper,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                s,
+                sleep_args.as_mut_ptr(),
+                null_mut(),
+            ),
+            codes::SUCCESS,
+        );
+        clean(cuGraphLaunch(exec, s), codes::SUCCESS);
+        clean(cuGraphLaunch(exec, t), codes::SUCCESS);
+        clean(cuMemsetD8Async(buf, 2, 4096, t), codes::SUCCESS);
+        clean(cuStreamSynchronize(s), codes::SUCCESS);
+        assert!(
+            read(buf, 4096, t).iter().all(|&b| b == 2),
+            "the second launch overtook the first"
+        );
+
+        // Found by review: destroying a stream that takes part in a capture left a capture no one
+        // could end, whose prohibitions outlived it. Now a violation, and the capture is gone.
+        let mut doomed_stream = null_mut();
+        clean(cuStreamCreate(&mut doomed_stream, 1), codes::SUCCESS);
+        clean(cuStreamBeginCapture_v2(doomed_stream, 0), codes::SUCCESS);
+        violates(
+            cuStreamDestroy_v2(doomed_stream),
+            codes::STREAM_CAPTURE_UNSUPPORTED,
+            "taking part in capture",
+        );
+        let mut after = 0u64;
+        clean(cuMemAlloc_v2(&mut after, 4096), codes::SUCCESS);
+        clean(cuMemFree_v2(after), codes::SUCCESS);
+
+        // Found by review: the legacy stream's capture status while a blocking stream captures is
+        // CUDA's STREAM_CAPTURE_IMPLICIT (an outcome), not "not capturing".
+        clean(cuStreamBeginCapture_v2(blocking, 2), codes::SUCCESS);
+        clean(
+            cuStreamIsCapturing(null_mut(), &mut status),
+            codes::STREAM_CAPTURE_IMPLICIT,
+        );
+        clean(cuStreamEndCapture(blocking, &mut graph), codes::SUCCESS);
+        clean(cuStreamIsCapturing(null_mut(), &mut status), codes::SUCCESS);
 
         // Announced violations go to expected.log, not the count, and are consumed one by one.
         let before = report().violations();

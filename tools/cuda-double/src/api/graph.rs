@@ -36,11 +36,15 @@ pub unsafe extern "C" fn cuStreamEndCapture(
         if ph_graph.is_null() {
             return Err(Fail::violation(codes::INVALID_VALUE, "null phGraph"));
         }
+        // A failed end hands back no graph (CUDA writes a null one).
+        // SAFETY: checked non-null; the caller's out-pointer.
+        unsafe { ph_graph.write(std::ptr::null_mut()) };
         let nodes = d.captures.end(&s)?;
         let handle = d.insert(|handle| {
             Object::Graph(Arc::new(Graph {
                 handle,
                 nodes: nodes.into(),
+                last_launch: Default::default(),
             }))
         });
         // SAFETY: checked non-null; the caller's out-pointer.
@@ -61,6 +65,7 @@ pub unsafe extern "C" fn cuStreamIsCapturing(stream: *mut c_void, status: *mut c
     api(Entry::cuStreamIsCapturing, || {
         let d = double()?;
         let s = d.stream(stream)?;
+        d.captures.status_of_legacy(&s)?;
         let (now, _) = d.captures.status(&s);
         // SAFETY: the caller's out-pointer.
         unsafe { put(status, status_value(now), "captureStatus") }
@@ -91,6 +96,7 @@ pub unsafe extern "C" fn cuStreamGetCaptureInfo_v2(
                  (pass null for graph_out, dependencies_out and numDependencies_out)",
             ));
         }
+        d.captures.status_of_legacy(&s)?;
         let (now, capture) = d.captures.status(&s);
         // SAFETY: the caller's out-pointers (`id` only when non-null).
         unsafe {
@@ -147,7 +153,13 @@ pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
             return Err(Fail::violation(codes::INVALID_VALUE, "null phGraphExec"));
         }
         let nodes = g.nodes.clone();
-        let handle = d.insert(|handle| Object::GraphExec(Arc::new(Graph { handle, nodes })));
+        let handle = d.insert(|handle| {
+            Object::GraphExec(Arc::new(Graph {
+                handle,
+                nodes,
+                last_launch: Default::default(),
+            }))
+        });
         // SAFETY: checked non-null; the caller's out-pointer.
         unsafe { put(ph_exec, as_ptr(handle), "phGraphExec") }
     })
@@ -164,14 +176,29 @@ pub extern "C" fn cuGraphLaunch(exec: *mut c_void, stream: *mut c_void) -> CuRes
         d.require_current(&s, "cuGraphLaunch")?;
         let ranges = g.nodes.iter().flat_map(|n| n.ranges.clone()).collect();
         let nodes = g.nodes.clone();
+        // One launch of an instantiated graph at a time, in launch order (held across the
+        // enqueue, so two threads' launches are ordered as they were made).
+        let mut last = g.last_launch.lock().unwrap_or_else(|p| p.into_inner());
+        let prior = last.clone();
         let make: Maker = Arc::new(move || {
             let works = nodes
                 .iter()
                 .map(|n| (n.make)())
                 .collect::<Result<Vec<Work>, _>>()?;
-            Ok(Box::new(move || works.into_iter().try_for_each(|w| w())) as Work)
+            let prior = prior.clone();
+            Ok(Box::new(move || {
+                if let Some((stream, launch)) = prior {
+                    stream.wait_completed(launch);
+                }
+                works.into_iter().try_for_each(|w| w())
+            }) as Work)
         });
-        d.enqueue_node(&s, Entry::cuGraphLaunch, ranges, make)
+        let recorded = d.captures.status(&s).0 != Status::None;
+        d.enqueue_node(&s, Entry::cuGraphLaunch, ranges, make)?;
+        if !recorded {
+            *last = Some((s.clone(), s.submitted()));
+        }
+        Ok(())
     })
 }
 

@@ -251,8 +251,9 @@ pub extern "C" fn cuMemcpyDtoDAsync_v2(
         let s = d.stream(stream)?;
         d.require_current(&s, "cuMemcpyDtoDAsync")?;
         let n = count as u64;
-        let (to, to_offset) = d.memory.resolve(dst, n)?;
-        let (from, from_offset) = d.memory.resolve(src, n)?;
+        // Checked now (a bad range is the call's violation), resolved again by every build.
+        d.memory.resolve(dst, n)?;
+        d.memory.resolve(src, n)?;
         if n > 0 && dst < src.saturating_add(n) && src < dst.saturating_add(n) {
             return Err(Fail::violation(
                 codes::INVALID_VALUE,
@@ -262,8 +263,12 @@ pub extern "C" fn cuMemcpyDtoDAsync_v2(
         if n == 0 {
             return Ok(());
         }
+        // Resolved again whenever the work is built (a replay of a capture: memory unmapped or
+        // freed since is a violation of that launch, never a fault of the process).
         let make: Maker = Arc::new(move || {
-            let (to, from) = (to.clone(), from.clone());
+            let memory = &double()?.memory;
+            let (to, to_offset) = memory.resolve(dst, n)?;
+            let (from, from_offset) = memory.resolve(src, n)?;
             Ok(Box::new(move || {
                 to.check_live("cuMemcpyDtoDAsync (destination)")?;
                 from.check_live("cuMemcpyDtoDAsync (source)")?;
@@ -294,12 +299,13 @@ pub extern "C" fn cuMemsetD8Async(
         let d = double()?;
         let s = d.stream(stream)?;
         d.require_current(&s, "cuMemsetD8Async")?;
-        let (a, offset) = d.memory.resolve(dst, count as u64)?;
+        d.memory.resolve(dst, count as u64)?;
         if count == 0 {
             return Ok(());
         }
+        // Resolved again whenever the work is built (see cuMemcpyDtoDAsync_v2).
         let make: Maker = Arc::new(move || {
-            let a = a.clone();
+            let (a, offset) = double()?.memory.resolve(dst, count as u64)?;
             Ok(Box::new(move || {
                 a.check_live("cuMemsetD8Async")?;
                 // SAFETY: the range is inside the live allocation.

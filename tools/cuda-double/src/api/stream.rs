@@ -68,10 +68,11 @@ pub extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CuResult {
             ));
         }
         let s = d.stream(stream)?;
+        let captured = d.captures.forget_stream(&s);
         // The context keeps listing it until its queued work has run (`Context::streams`).
         s.close();
         d.destroy(s.handle, Kind::Stream);
-        Ok(())
+        captured
     })
 }
 
