@@ -320,3 +320,23 @@ fn a_steal_inside_a_capture_after_an_eager_copy_keeps_the_capture() {
     );
     drop((graph, clone, src));
 }
+
+/// Found by review: with a capture under way on another stream, sharing a lazy clone (which
+/// synchronizes) on a stream that was not capturing invalidated the capture. Sharing is refused
+/// while any capture of the runtime runs; the capture ends with its graph.
+#[test]
+fn sharing_while_another_stream_captures_is_refused_and_the_capture_survives() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let rt = runtime();
+    let src = Storage::new(&rt, 0, MIB).unwrap();
+    src.fill_pattern(1).unwrap();
+    let clone = src.lazy_clone().unwrap();
+    let s = rt.create_stream(0).unwrap();
+    let capture = rt.begin_capture(s, None, CaptureMode::Global).unwrap();
+    let err = clone.share_ipc().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::StreamCapture, "{err}");
+    assert!(err.to_string().contains("under way"), "{err}");
+    let graph = capture.end().unwrap();
+    let handle = clone.share_ipc().unwrap();
+    drop((handle, graph, clone, src));
+}

@@ -489,7 +489,7 @@ fn a_free_during_a_stream_destroy_waits_for_that_stream() {
 }
 
 /// Two threads capture (ThreadLocal) with forks and joins, launch and synchronize, while
-/// a third (Global mode, no capture) mallocs and frees: nothing is refused, nothing deadlocks.
+/// a third (Global mode, no capture) mallocs: nothing is refused, nothing deadlocks.
 #[test]
 fn concurrent_thread_local_captures_with_forks_and_a_malloc_thread() {
     let d = driver();
@@ -532,17 +532,12 @@ fn concurrent_thread_local_captures_with_forks_and_a_malloc_thread() {
     }
     let d3 = Arc::clone(&d);
     let stop3 = Arc::clone(&stop);
-    // On CUDA a free synchronizes the device, which a capture on it forbids: the CUDA run frees
-    // after the captures; the host backend's free waits only for the segment's streams.
+    // A free synchronizes every device (CUDA's cudaFree), which a capture forbids: the malloc
+    // thread frees after the captures.
     let m = std::thread::spawn(move || {
         let mut kept = Vec::new();
         while !stop3.load(std::sync::atomic::Ordering::SeqCst) {
-            let p = d3.malloc(0, 4096).unwrap();
-            if on_host() {
-                d3.free(p).unwrap();
-            } else {
-                kept.push(p);
-            }
+            kept.push(d3.malloc(0, 4096).unwrap());
         }
         kept
     });
@@ -585,4 +580,31 @@ fn the_sanitizer_checks_a_replay_like_eager_work() {
             reports.iter().map(|r| r.to_string()).collect::<Vec<_>>()
         );
     }
+}
+
+/// Found by review: a free during a relaxed capture worked on the host backend but on CUDA its
+/// device synchronize was refused and invalidated the capture (and the driver had already
+/// dropped the segment from its table). Both backends now refuse it before doing anything: the
+/// capture goes on, the segment stays live, and it is freed after the end.
+#[test]
+fn a_free_during_a_capture_is_refused_alike_and_leaves_the_capture_intact() {
+    let _alone = common::device_alone();
+    let d = driver();
+    let s = d.stream_create(0).unwrap();
+    let p = d.malloc(0, 1 << 20).unwrap();
+    d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
+    d.memset(s, p, 3, 1 << 20).unwrap();
+    let text = is_capture_error(d.free(p));
+    says(&text, &["free", "under way"]);
+    assert!(matches!(
+        d.stream_capture_status(s).unwrap(),
+        CaptureStatus::Active { .. }
+    ));
+    let graph = d.stream_end_capture(s).unwrap();
+    let exec = d.graph_instantiate(graph).unwrap();
+    d.graph_launch(exec, s).unwrap();
+    assert!(bytes(&d, s, p, 16).iter().all(|&x| x == 3));
+    d.graph_exec_destroy(exec).unwrap();
+    d.graph_destroy(graph).unwrap();
+    d.free(p).unwrap();
 }

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 
 use super::pool_id::{MemPoolId, MemPoolOptions};
 use crate::sync::os::atomic::{AtomicUsize, Ordering};
-use crate::sync::os::{Arc, RwLock};
+use crate::sync::os::{Arc, RwLock, RwLockReadGuard};
 
 /// The captures of one allocator under way, by the driver's capture id.
 #[derive(Debug, Default)]
@@ -31,6 +31,11 @@ pub(crate) struct CaptureRoutes {
     held: RwLock<HashMap<MemPoolId, usize>>,
     /// Whether any pool is held (one load when none is).
     any_held: AtomicUsize,
+    /// Held (read) by every driver free and unmap of cached memory, taken (write) by a capture
+    /// starting: a release in flight ends before a capture begins, and one after sees it
+    /// ([`CaptureRoutes::releasing`]; found by review — a release that checked before a capture
+    /// began on another thread freed during it, which CUDA refuses, invalidating the capture).
+    gate: RwLock<()>,
 }
 
 /// One capture's or one graph's hold on its pool (see the module docs); released on drop.
@@ -67,9 +72,17 @@ impl CaptureRoutes {
         self.active.load(Ordering::Acquire) != 0
     }
 
-    /// Counts a capture about to begin.
+    /// Counts a capture about to begin, once no release is in flight.
     pub(crate) fn starting(&self) {
+        let _no_release_in_flight = self.gate.write();
         self.active.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Permission to free or unmap cached memory: held for the driver calls, `None` while a
+    /// capture runs (the memory then waits for the next release after it).
+    pub(crate) fn releasing(&self) -> Option<RwLockReadGuard<'_, ()>> {
+        let gate = self.gate.read();
+        (!self.any()).then_some(gate)
     }
 
     /// Routes the allocations of driver capture `capture` to `pool`.

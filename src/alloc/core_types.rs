@@ -91,6 +91,9 @@ pub(crate) struct DeviceCore {
     pub(super) sync_all: AtomicU64,
     /// The recorded device-wide peaks (`peaks.rs`).
     pub(super) peaks: Mutex<PeakBook>,
+    /// Cached segments taken for release while a capture began: `(stream, base, size)`, freed
+    /// by the next release after the captures (`DeviceCore::free_segments`), or at the end.
+    pub(super) unfreed: Mutex<Vec<(StreamId, u64, u64)>>,
 }
 
 impl std::fmt::Debug for DeviceCore {

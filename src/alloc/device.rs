@@ -23,7 +23,7 @@ use super::observers::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
 use super::oom::{self, Callbacks};
 use super::size::{self, PoolKind};
 use super::snapshot::{self, SnapshotSegment};
-use super::state::{ReleaseOrder, ShardState};
+use super::state::ShardState;
 use super::stats::DeviceStats;
 use crate::config::AllocatorConfig;
 use crate::driver::{CaptureMode, Driver, EventFlags, EventId, StreamId};
@@ -55,6 +55,7 @@ impl DeviceCore {
             capturing,
             check_invariants,
             capacity,
+            unfreed: Mutex::new(Vec::new()),
             fraction_bits: AtomicU64::new(fraction.to_bits()),
             fraction_set: AtomicBool::new(fraction < 1.0),
             reserved: AtomicU64::new(0),
@@ -423,159 +424,6 @@ impl DeviceCore {
         );
         self.record_alloc(shard, ptr.0, rounded);
         Ok(Some(out))
-    }
-
-    /// Returns segments to the driver (outside every shard lock).
-    pub(super) fn free_segments(&self, stream: StreamId, segments: Vec<(u64, u64)>) {
-        for (ptr, size) in segments {
-            self.callbacks.observers.segment(SegmentEvent {
-                change: SegmentChange::Unmap,
-                device: self.device,
-                base: crate::driver::DeviceAddr(ptr),
-                size,
-                stream,
-            });
-            if let Err(err) = self.driver.free(crate::driver::DeviceAddr(ptr)) {
-                tracing::error!(%err, ptr, size, "driver free of a cached segment failed");
-            }
-            self.reserved.fetch_sub(size, Ordering::SeqCst);
-            self.trace
-                .record(TraceAction::SegmentFree, self.device, ptr, size, stream);
-        }
-    }
-
-    /// Frees oversize cached segments to make room for `rounded` bytes, as PyTorch's
-    /// `release_available_cached_blocks`: the smallest oversize segment of at least `rounded` bytes
-    /// if there is one, else oversize segments largest first. Only when `max_split_size` is set.
-    /// True when at least `rounded` bytes were freed.
-    fn release_oversize(&self, rounded: u64) -> bool {
-        let max_split = self.config.max_split_size;
-        if max_split == u64::MAX {
-            return false;
-        }
-        let single = rounded.max(max_split);
-        for shard in self.releasable_shards() {
-            let taken = self.take_from(
-                &shard,
-                |b| b.pool == PoolKind::Large && b.size >= single,
-                ReleaseOrder::Smallest,
-                |f| f > 0,
-            );
-            if !taken.is_empty() {
-                return true;
-            }
-        }
-        let mut freed = 0u64;
-        for shard in self.releasable_shards() {
-            freed += self
-                .take_from(
-                    &shard,
-                    |b| b.pool == PoolKind::Large && b.size >= max_split,
-                    ReleaseOrder::Largest,
-                    |f| f + freed >= rounded,
-                )
-                .iter()
-                .map(|s| s.1)
-                .sum::<u64>();
-            if freed >= rounded {
-                break;
-            }
-        }
-        freed >= rounded
-    }
-
-    /// Takes cached segments from one shard (see [`ShardState::take_free_segments`]) and returns
-    /// them to the driver after unlocking; returns what was released.
-    fn take_from(
-        &self,
-        shard: &Shard,
-        select: impl Fn(&super::block::Block) -> bool,
-        order: ReleaseOrder,
-        enough: impl Fn(u64) -> bool,
-    ) -> Vec<(u64, u64)> {
-        let taken = {
-            let mut st = shard.state.lock();
-            let taken = st.take_free_segments(&self.config, select, order, enough);
-            self.settle(st);
-            taken
-        };
-        self.free_segments(shard.stream, taken.clone());
-        taken
-    }
-
-    /// Frees every cached whole segment of the device; with `sync`, first waits for every pending
-    /// free's events (PyTorch's `synchronize_and_free_events`). Returns whether anything was freed.
-    pub fn release_cached(&self, sync: bool) -> bool {
-        if sync {
-            self.sync_all.fetch_add(1, Ordering::Relaxed);
-        }
-        let mut any = false;
-        for shard in self.releasable_shards() {
-            any |= self.release_shard(&shard, sync);
-        }
-        any
-    }
-
-    /// Frees every cached whole segment (and free page) of one shard, first waiting for its
-    /// pending frees' events with `sync`. Returns whether anything was freed.
-    pub(super) fn release_shard(&self, shard: &Shard, sync: bool) -> bool {
-        if self.capturing.any() {
-            // Releasing synchronizes and frees, which a capture forbids; the next release after
-            // the captures gives this memory back.
-            return false;
-        }
-        shard.flush_fronts();
-        let taken = {
-            let mut st = shard.state.lock();
-            if sync {
-                for e in st.pending_events() {
-                    if let Err(err) = self.free_events.event_synchronize(e) {
-                        tracing::warn!(%err, "event synchronize failed while draining pending frees");
-                    }
-                }
-            }
-            self.poll_events(shard, &mut st);
-            let taken =
-                st.take_free_segments(&self.config, |_| true, ReleaseOrder::Largest, |_| false);
-            self.settle(st);
-            taken
-        };
-        let any = !taken.is_empty();
-        self.free_segments(shard.stream, taken);
-        any | (self.release_pages(shard, |_| true, |_| false) > 0)
-    }
-
-    /// Reclaims the oldest cached segments while reserved memory exceeds the threshold share of
-    /// the allowed memory (only with `garbage_collection_threshold` and a memory fraction).
-    fn garbage_collect(&self) {
-        let threshold = self.config.garbage_collection_threshold;
-        let Some((_, allowed)) = self.fraction().filter(|_| threshold > 0.0) else {
-            return;
-        };
-        let limit = (allowed as f64 * threshold) as u64;
-        let reserved = self.reserved.load(Ordering::SeqCst);
-        if reserved <= limit {
-            return;
-        }
-        let target = reserved - limit;
-        let mut freed = 0u64;
-        for shard in self.releasable_shards() {
-            freed += self
-                .take_from(
-                    &shard,
-                    |_| true,
-                    ReleaseOrder::Oldest,
-                    |f| f + freed >= target,
-                )
-                .iter()
-                .map(|s| s.1)
-                .sum::<u64>();
-            let so_far = freed;
-            freed += self.release_pages(&shard, |_| true, |f| f + so_far >= target);
-            if freed >= target {
-                break;
-            }
-        }
     }
 
     /// An event for a pending free, recorded on `stream`.

@@ -516,6 +516,10 @@ impl DeviceCore {
         select: impl Fn(&super::block::Block) -> bool,
         enough: impl Fn(u64) -> bool,
     ) -> u64 {
+        // Held across the unmaps: a capture does not begin in between (`capturing.rs`).
+        let Some(_no_capture) = self.capturing.releasing() else {
+            return 0;
+        };
         let pages = {
             let mut st = shard.state.lock();
             let pages = st.take_free_pages(select, enough);

@@ -185,6 +185,11 @@ impl CachingAllocator {
         Ok(self.driver.stream_capture_status(stream)?.is_capturing())
     }
 
+    /// Whether any capture of this allocator is under way (one load).
+    pub(crate) fn captures_under_way(&self) -> bool {
+        self.capturing.any()
+    }
+
     /// A capture counted by `begin_capture` did not begin: frees deferred meanwhile get their
     /// events when it was the only one.
     fn capture_never_began(&self) {

@@ -20,7 +20,8 @@
 //!   atomic on the hot path).
 //! * `snapshot.rs`, `invariants.rs` (the scanner tests run after every mutation),
 //!   `device_shards.rs` — which shards a device has (per stream and pool, retired ones, lending),
-//!   `device.rs` — the device-wide paths (miss sequence, GC, `empty_cache`), `expandable.rs`
+//!   `device.rs` — the device-wide paths (miss sequence, stats, snapshots), `device_release.rs` —
+//!   giving cached memory back (`empty_cache`, the miss path's releases, GC), `expandable.rs`
 //!   (segments that grow by pages), `peaks.rs` (exact device-wide peaks), `summary.rs` (the summary
 //!   table), `pytorch_pickle.rs` (snapshots in PyTorch's pickled layout).
 //! * `data_ptr.rs` — [`DataPtr`] and its owners; upper layers attach theirs as trait objects.
@@ -43,6 +44,7 @@ mod capturing;
 mod core_types;
 mod data_ptr;
 mod device;
+mod device_release;
 mod device_shards;
 mod expandable;
 mod front;

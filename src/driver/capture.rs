@@ -15,6 +15,7 @@
 //! | `stream_wait_event` of an event recorded outside, on a capturing stream | error: a capture cannot wait on work outside it (the capture is invalidated) |
 //! | blocking calls that involve a capturing stream or a point of a capture (`stream_synchronize`, `stream_query`, `event_query`, `event_synchronize`, host copies, counting kernels) | error, whatever the mode (the capture is invalidated) |
 //! | *unsafe* calls (`malloc`, `free`, VM map/unmap, synchronizing or querying any stream or event) while the calling thread is prohibited (below) | error (the capture that prohibits it is invalidated) |
+//! | `free` while a capture of the same driver is under way (any mode, any stream) | error, nothing freed, the capture untouched: a free synchronizes every device on CUDA (`cudaFree`), which a capture forbids — the CUDA backend also refuses unmapping and closing IPC memory then, for the same synchronize |
 //! | `stream_end_capture` | the graph; an error if the capture was invalidated, a forked stream never joined back, or (modes other than relaxed) another thread ends it |
 //!
 //! When is a thread prohibited from unsafe calls? That depends on its *interaction mode*

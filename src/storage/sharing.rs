@@ -45,20 +45,29 @@ fn eager_clone(storage: &Storage, data: &DataPtr) -> Result<Storage> {
     Ok(Storage::from_data_ptr(runtime, copy, storage.nbytes()))
 }
 
-/// An error when `stream` is being captured into a graph: sharing records the event consumers
+/// An error while a capture of this runtime is under way: sharing records the event consumers
 /// wait on, and receiving waits on the producer's — on a capturing stream the record would be a
 /// point of the capture, not a real record, and the wait one on work outside it (which CUDA
-/// refuses, invalidating the capture). Memory of a graph's pool may be shared once the capture
-/// has ended (`src/alloc/graph.rs`: replays keep rewriting it).
+/// refuses, invalidating the capture); on any stream, sharing a lazy clone synchronizes and
+/// receiving opens memory, calls a global capture forbids (found by review). Memory of a
+/// graph's pool may be shared once the capture has ended (`src/alloc/graph.rs`: replays keep
+/// rewriting it).
 fn refuse_while_capturing(runtime: &Runtime, stream: StreamId, what: &str) -> Result<()> {
-    if let Some(id) = runtime.driver().stream_capture_status(stream)?.capture_id() {
+    if !runtime.allocator().captures_under_way() {
+        return Ok(());
+    }
+    let on_this_stream = runtime.driver().stream_capture_status(stream)?.capture_id();
+    if let Some(id) = on_this_stream {
         return Err(Error::capture(format!(
             "a storage cannot be {what} on stream {}, which is being captured (capture {id}): \
              end the capture first",
             stream.raw()
         )));
     }
-    Ok(())
+    Err(Error::capture(format!(
+        "a storage cannot be {what} while a stream capture of this runtime is under way (it \
+         would synchronize or open memory, which the capture forbids): end the capture first"
+    )))
 }
 
 /// Shares `storage` (see [`Storage::share_ipc`]).

@@ -58,7 +58,25 @@ impl CudaDriver {
         // SAFETY: live stream of this driver; its context is bound.
         check("cuStreamBeginCapture_v2", unsafe {
             sys::cuStreamBeginCapture_v2(s.raw.0, mode_of(mode))
-        })
+        })?;
+        self.captures_under_way
+            .fetch_add(1, crate::sync::os::atomic::Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// An error while captures begun through this driver are under way (`what` would
+    /// synchronize a capturing stream; see `synchronize_all`).
+    pub(super) fn refuse_during_captures(&self, what: &str) -> Result<()> {
+        let n = self
+            .captures_under_way
+            .load(crate::sync::os::atomic::Ordering::Acquire);
+        if n == 0 {
+            return Ok(());
+        }
+        Err(Error::capture(format!(
+            "{what} is not allowed while {n} stream capture(s) begun through this driver are \
+             under way: end them first (nothing was done)"
+        )))
     }
 
     pub(super) fn end_capture(&self, stream: StreamId) -> Result<GraphId> {
@@ -72,9 +90,15 @@ impl CudaDriver {
         }
         let mut graph = std::ptr::null_mut();
         // SAFETY: live stream; context bound; the out-pointer is valid.
-        check("cuStreamEndCapture", unsafe {
+        let ended = check("cuStreamEndCapture", unsafe {
             sys::cuStreamEndCapture(s.raw.0, &mut graph)
-        })?;
+        });
+        // The capture is over unless CUDA refused to end it here (another thread's, say).
+        if !matches!(self.raw_capture(&s), Ok(status) if status.is_capturing()) {
+            self.captures_under_way
+                .fetch_sub(1, crate::sync::os::atomic::Ordering::AcqRel);
+        }
+        ended?;
         if graph.is_null() {
             return Err(Error::capture(
                 "cuStreamEndCapture returned no graph (the capture was invalidated)",

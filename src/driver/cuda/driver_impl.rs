@@ -41,7 +41,13 @@ fn as_bytes(chars: &[std::ffi::c_char; IPC_HANDLE_SIZE]) -> [u8; IPC_HANDLE_SIZE
 }
 
 impl CudaDriver {
+    /// Synchronizes every device (what `cudaFree` does before freeing). Refused, before any
+    /// CUDA call, while a capture begun through this driver is under way: CUDA would refuse the
+    /// synchronize and invalidate that capture.
     pub(super) fn synchronize_all(&self) -> Result<()> {
+        self.refuse_during_captures(
+            "freeing or unmapping device memory (it synchronizes every device)",
+        )?;
         for device in 0..self.devices.len() {
             self.bind(device)?;
             // SAFETY: a context is current (bound above).

@@ -24,8 +24,9 @@
 //!   counters of `count_pattern_mismatches` are slots of one page per device, made by the first
 //!   count and freed when the driver drops ([`COUNTER_SLOTS`] concurrent counts per device): a
 //!   free per call would synchronize the device, which a capture anywhere on it forbids.
-//!   `mem_info` counts that page as free — it is the driver's scratch, fixed for its life — so
-//!   free memory returns to where it was once everything allocated through the driver is gone.
+//!   `mem_info` counts what that page took of free memory (measured when it was made) as free —
+//!   it is the driver's scratch, fixed for its life — so free memory returns to where it was once
+//!   everything allocated through the driver is gone.
 //! * Stream capture and graphs: `capture.rs` (CUDA enforces the prohibitions; its capture codes
 //!   are `StreamCapture` errors).
 
@@ -154,10 +155,11 @@ struct Device {
 /// Concurrent `count_pattern_mismatches` calls per device (8-byte slots of one page).
 pub(crate) const COUNTER_SLOTS: usize = 512;
 
-/// The counter pages (per device, made on first use) and the free slots `(device, address)`.
+/// The counter pages (per device, made on first use: address and the free memory it took) and
+/// the free slots `(device, address)`.
 #[derive(Debug, Default)]
 struct CounterSlots {
-    pages: Vec<Option<u64>>,
+    pages: Vec<Option<(u64, u64)>>,
     free: Vec<(usize, u64)>,
 }
 
@@ -208,6 +210,9 @@ pub struct CudaDriver {
     chunks: Registry<vm::CudaChunk>,
     /// The devices' counter pages and their free slots (`count_pattern_mismatches`).
     counters: Mutex<CounterSlots>,
+    /// Captures begun through this driver and not yet ended (`capture.rs`): frees and unmaps,
+    /// which synchronize every device, are refused meanwhile.
+    captures_under_way: crate::sync::os::atomic::AtomicUsize,
     /// Captured graphs and their instantiations (`capture.rs`).
     graphs: Registry<capture::GraphEntry<GraphHandle>>,
     graph_execs: Registry<capture::GraphEntry<GraphExecHandle>>,
@@ -259,6 +264,7 @@ impl CudaDriver {
             vm: RwLock::new(VmSpace::default()),
             chunks: Registry::new("chunk"),
             counters: Mutex::new(CounterSlots::default()),
+            captures_under_way: Default::default(),
             graphs: Registry::new("graph"),
             graph_execs: Registry::new("instantiated graph"),
             birth: Birth::now(),
@@ -322,12 +328,22 @@ impl CudaDriver {
     fn take_counter(&self, device: usize) -> Result<u64> {
         let mut slots = self.counters.lock();
         if slots.pages.get(device).is_some_and(Option::is_none) {
+            let free = || {
+                let (mut free, mut total) = (0usize, 0usize);
+                // SAFETY: valid out-pointers; the device's context is bound by the caller.
+                let rc = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+                check("cuMemGetInfo_v2", rc).map(|()| free as u64)
+            };
+            let before = free()?;
             let mut page = 0;
             // SAFETY: out-pointer valid; the device's context is bound by the caller.
             check("cuMemAlloc_v2", unsafe {
                 sys::cuMemAlloc_v2(&mut page, 8 * COUNTER_SLOTS)
             })?;
-            slots.pages[device] = Some(page);
+            // What the page took of free memory (a GPU rounds a small allocation up; another
+            // thread's allocation in between would be counted too: best effort).
+            let taken = before.saturating_sub(free().unwrap_or(before));
+            slots.pages[device] = Some((page, taken));
             slots
                 .free
                 .extend((0..COUNTER_SLOTS as u64).map(|i| (device, page + 8 * i)));
@@ -352,7 +368,7 @@ impl CudaDriver {
     /// Bytes of `device` the driver holds for itself (its counter page, once made).
     pub(super) fn scratch_bytes(&self, device: usize) -> u64 {
         let made = self.counters.lock().pages.get(device).copied().flatten();
-        made.map_or(0, |_| 8 * COUNTER_SLOTS as u64)
+        made.map_or(0, |(_, taken)| taken)
     }
 
     fn fresh_id(&self) -> u64 {
@@ -525,7 +541,7 @@ impl Drop for CudaDriver {
         self.destroy_graphs_left();
         let pages = std::mem::take(&mut self.counters.get_mut().pages);
         for (device, page) in pages.into_iter().enumerate() {
-            let Some(page) = page else { continue };
+            let Some((page, _)) = page else { continue };
             if self.bind(device).is_ok() {
                 // SAFETY: the counter page allocated in `new`, freed once; its slots are no
                 // longer in use (every count synchronized its stream, or failed).

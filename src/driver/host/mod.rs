@@ -425,6 +425,13 @@ impl Driver for HostDriver {
     fn free(&self, ptr: DeviceAddr) -> Result<()> {
         self.this_process()?;
         self.captures.check_unsafe("free")?;
+        if self.captures.any() {
+            // As on CUDA, where a free synchronizes every device, which a capture forbids.
+            return Err(Error::capture(
+                "free is not allowed while a stream capture of this driver is under way: end it \
+                 first (nothing was freed)",
+            ));
+        }
         let segment = self.segments.remove_owned(ptr)?;
         let (device, size) = (segment.device, segment.shm.len());
         let result = self.release_segment(segment, self.config.poison_on_free);

@@ -303,7 +303,11 @@ fn capture_rules_are_enforced_and_legitimate_captures_are_clean() {
         clean(cuMemFree_v2(doomed), codes::SUCCESS);
         // The launch builds the work again and finds the memory gone: a violation of the
         // launch, before anything runs.
-        violates(cuGraphLaunch(exec, t), codes::INVALID_VALUE, "use after free");
+        violates(
+            cuGraphLaunch(exec, t),
+            codes::INVALID_VALUE,
+            "use after free",
+        );
         clean(cuStreamSynchronize(t), codes::SUCCESS);
 
         // Found by review: a replay of a memset captured over virtual memory that was unmapped
