@@ -42,15 +42,7 @@ use crate::sync::os::Arc;
 #[derive(Debug)]
 #[must_use = "the capture runs while this lives: end it with `.end()`"]
 pub struct Capture {
-    driver: Arc<dyn Driver>,
-    capturing: Arc<super::capturing::CaptureRoutes>,
-    devices: Vec<Arc<DeviceCore>>,
-    stream: StreamId,
-    /// The driver's id of the capture (`None` once ended).
-    capture: Option<u64>,
-    pool: MemPool,
-    hold: GraphHold,
-    birth: Birth,
+    route: Route,
     /// `!Send`: a capture ends on the thread that began it (the driver refuses another's, and
     /// the allocator would stop routing while the driver's capture went on).
     _this_thread: std::marker::PhantomData<*const ()>,
@@ -94,18 +86,11 @@ impl CachingAllocator {
         pool: Option<&MemPool>,
         mode: CaptureMode,
     ) -> Result<Capture> {
-        let (id, pool, hold) = self.start_route(stream, pool, || {
+        let route = self.start_route(stream, pool, || {
             self.driver.stream_begin_capture(stream, mode)
         })?;
         Ok(Capture {
-            driver: Arc::clone(&self.driver),
-            capturing: Arc::clone(&self.capturing),
-            devices: self.devices.clone(),
-            stream,
-            capture: Some(id),
-            pool,
-            hold,
-            birth: self.birth,
+            route,
             _this_thread: std::marker::PhantomData,
         })
     }
@@ -118,29 +103,21 @@ impl CachingAllocator {
     /// [`CaptureRoute::finish`] gives the pool back: keep it as long as the library's graph
     /// lives, since the graph names its addresses. An error when the stream is not capturing.
     pub fn route_capture(&self, stream: StreamId, pool: Option<&MemPool>) -> Result<CaptureRoute> {
-        let (id, pool, hold) = self.start_route(stream, pool, || Ok(()))?;
+        let route = self.start_route(stream, pool, || Ok(()))?;
         Ok(CaptureRoute {
-            driver: Arc::clone(&self.driver),
-            capturing: Arc::clone(&self.capturing),
-            devices: self.devices.clone(),
-            stream,
-            capture: Some(id),
-            pool,
-            hold,
-            birth: self.birth,
+            route,
             _this_thread: std::marker::PhantomData,
         })
     }
 
     /// Counts a capture starting, runs `begin`, and routes the capture then under way on
-    /// `stream` to `pool` (or a fresh private pool): its driver id, the pool and the capture's
-    /// hold on it (`capturing.rs`).
+    /// `stream` to `pool` (or a fresh private pool).
     fn start_route(
         &self,
         stream: StreamId,
         pool: Option<&MemPool>,
         begin: impl FnOnce() -> Result<()>,
-    ) -> Result<(u64, MemPool, GraphHold)> {
+    ) -> Result<Route> {
         self.birth.check("this allocator")?;
         let pool = match pool {
             Some(pool) => {
@@ -172,7 +149,16 @@ impl CachingAllocator {
         };
         let hold = CaptureRoutes::hold(&self.capturing, pool.id());
         self.capturing.route(id, pool.id(), pool.options());
-        Ok((id, pool, hold))
+        Ok(Route {
+            driver: Arc::clone(&self.driver),
+            capturing: Arc::clone(&self.capturing),
+            devices: self.devices.clone(),
+            stream,
+            capture: Some(id),
+            pool,
+            hold,
+            birth: self.birth,
+        })
     }
 
     /// Whether `stream` is being captured by a capture of this allocator's (one load while none
@@ -201,62 +187,86 @@ impl CachingAllocator {
     }
 }
 
+/// What a capture's routing holds (a [`Capture`]'s or a [`CaptureRoute`]'s).
+#[derive(Debug)]
+struct Route {
+    driver: Arc<dyn Driver>,
+    capturing: Arc<CaptureRoutes>,
+    devices: Vec<Arc<DeviceCore>>,
+    stream: StreamId,
+    /// The driver's id of the capture (`None` once the routing stopped).
+    capture: Option<u64>,
+    pool: MemPool,
+    /// The capture's hold on its pool (`capturing.rs`).
+    hold: GraphHold,
+    birth: Birth,
+}
+
+impl Route {
+    /// Stops routing the capture, once; the frees deferred during captures get their events
+    /// when the last one stopped.
+    fn stop(&mut self) {
+        if let Some(capture) = self.capture.take() {
+            if self.capturing.ended(Some(capture)) {
+                for device in &self.devices {
+                    device.flush_deferred();
+                }
+            }
+        }
+    }
+}
+
 impl Capture {
     /// The pool the capture allocates from (share it with a later capture: PyTorch's
     /// `graph.pool()`).
     pub fn pool(&self) -> &MemPool {
-        &self.pool
+        &self.route.pool
     }
 
     /// The stream being captured.
     pub fn stream(&self) -> StreamId {
-        self.stream
+        self.route.stream
     }
 
     /// Ends the capture: the graph, instantiated — or the error that ended it (an invalidated
     /// capture, a forked stream never joined back).
     pub fn end(mut self) -> Result<Graph> {
         let graph = self.finish()?;
-        let made = self.driver.graph_instantiate(graph);
-        let nodes = self.driver.graph_node_count(graph).unwrap_or(0);
-        if let Err(err) = self.driver.graph_destroy(graph) {
+        let r = &self.route;
+        let made = r.driver.graph_instantiate(graph);
+        let nodes = r.driver.graph_node_count(graph).unwrap_or(0);
+        if let Err(err) = r.driver.graph_destroy(graph) {
             tracing::debug!(%err, "destroying a captured graph after instantiating it failed");
         }
         Ok(Graph {
-            driver: Arc::clone(&self.driver),
+            driver: Arc::clone(&r.driver),
             exec: made?,
-            pool: self.pool.clone(),
-            _hold: self.hold.another(),
+            pool: r.pool.clone(),
+            _hold: r.hold.another(),
             nodes,
-            birth: self.birth,
+            birth: r.birth,
         })
     }
 
-    /// Ends the driver's capture once; the frees deferred during captures get their events when
-    /// the last one ends.
+    /// Ends the driver's capture once and stops its routing.
     fn finish(&mut self) -> Result<crate::driver::GraphId> {
-        let capture = self
-            .capture
-            .take()
-            .ok_or_else(|| Error::capture("the capture already ended"))?;
-        let graph = self.driver.stream_end_capture(self.stream);
-        if self.capturing.ended(Some(capture)) {
-            for device in &self.devices {
-                device.flush_deferred();
-            }
+        if self.route.capture.is_none() {
+            return Err(Error::capture("the capture already ended"));
         }
+        let graph = self.route.driver.stream_end_capture(self.route.stream);
+        self.route.stop();
         graph
     }
 }
 
 impl Drop for Capture {
     fn drop(&mut self) {
-        if self.capture.is_none() || !self.birth.is_current() {
+        if self.route.capture.is_none() || !self.route.birth.is_current() {
             return;
         }
         match self.finish() {
             Ok(graph) => {
-                let _ = self.driver.graph_destroy(graph);
+                let _ = self.route.driver.graph_destroy(graph);
             }
             Err(err) => {
                 tracing::debug!(%err, "a capture dropped without its end ended with an error")
@@ -271,61 +281,44 @@ impl Drop for Capture {
 #[derive(Debug)]
 #[must_use = "allocations on the stream come from the pool while this lives: finish it after the capture ends"]
 pub struct CaptureRoute {
-    driver: Arc<dyn Driver>,
-    capturing: Arc<super::capturing::CaptureRoutes>,
-    devices: Vec<Arc<DeviceCore>>,
-    stream: StreamId,
-    /// The driver's id of the capture (`None` once finished).
-    capture: Option<u64>,
-    pool: MemPool,
-    hold: GraphHold,
-    birth: Birth,
+    route: Route,
     _this_thread: std::marker::PhantomData<*const ()>,
 }
 
 impl CaptureRoute {
     /// The pool the capture allocates from.
     pub fn pool(&self) -> &MemPool {
-        &self.pool
+        &self.route.pool
     }
 
     /// Stops routing once the capture has ended, and gives the graph's pool back — keep it as
     /// long as the captured graph lives. An error (the route stays) while the capture is still
     /// under way: end it first.
     pub fn finish(&mut self) -> Result<GraphPool> {
-        self.birth.check("this capture route")?;
-        let Some(capture) = self.capture else {
+        let r = &mut self.route;
+        r.birth.check("this capture route")?;
+        let Some(capture) = r.capture else {
             return Err(Error::capture("the capture route already finished"));
         };
-        if self.driver.stream_capture_status(self.stream)?.capture_id() == Some(capture) {
+        if r.driver.stream_capture_status(r.stream)?.capture_id() == Some(capture) {
             return Err(Error::capture(format!(
                 "stream {} is still being captured (capture {capture}): end the capture, then \
                  finish its route",
-                self.stream.raw()
+                r.stream.raw()
             )));
         }
-        self.stop();
+        r.stop();
         Ok(GraphPool {
-            pool: self.pool.clone(),
-            _hold: self.hold.another(),
+            pool: r.pool.clone(),
+            _hold: r.hold.another(),
         })
-    }
-
-    fn stop(&mut self) {
-        if let Some(capture) = self.capture.take() {
-            if self.capturing.ended(Some(capture)) {
-                for device in &self.devices {
-                    device.flush_deferred();
-                }
-            }
-        }
     }
 }
 
 impl Drop for CaptureRoute {
     fn drop(&mut self) {
-        if self.birth.is_current() {
-            self.stop();
+        if self.route.birth.is_current() {
+            self.route.stop();
         }
     }
 }

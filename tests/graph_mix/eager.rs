@@ -25,25 +25,7 @@ impl World<'_> {
         };
         let seed = self.seed();
         self.d.fill_pattern(h, ptr.ptr(), n, seed).unwrap();
-        let key = self.next_key;
-        self.next_key += 1;
-        self.note(format!(
-            "eager e{key}: {n} bytes at {:#x} on s{}, seed {seed}",
-            ptr.ptr().0,
-            self.sid(h)
-        ));
-        self.counts.eager_allocs += 1;
-        self.eager.insert(
-            key,
-            Eager {
-                ptr,
-                len: n,
-                seed,
-                home: h,
-                uses: Uses::written(h),
-                pins: 0,
-            },
-        );
+        self.adopt_eager(ptr, n, seed, h, format!("{n} bytes, seed {seed}"));
     }
 
     /// A large eager block (32 .. 224 MiB), held unwritten for a while: memory pressure, so that
@@ -189,25 +171,7 @@ impl World<'_> {
         }
         s.uses.read(h);
         let seed = s.seed;
-        let key = self.next_key;
-        self.next_key += 1;
-        self.note(format!(
-            "eager e{key}: copy of e{src} ({n} bytes) at {:#x} on s{}",
-            ptr.ptr().0,
-            self.sid(h)
-        ));
-        self.counts.eager_allocs += 1;
-        self.eager.insert(
-            key,
-            Eager {
-                ptr,
-                len: n,
-                seed,
-                home: h,
-                uses: Uses::written(h),
-                pins: 0,
-            },
-        );
+        self.adopt_eager(ptr, n, seed, h, format!("copy of e{src} ({n} bytes)"));
     }
 
     pub(super) fn eager_free(&mut self) {

@@ -159,24 +159,12 @@ impl World<'_> {
         g.output.uses.read(h);
         let (name, pool) = (g.name, g.pool);
         self.pool_users.entry(pool).or_default().push(h);
-        let key = self.next_key;
-        self.next_key += 1;
-        self.note(format!(
-            "eager e{key}: copy of g{name}'s output ({n} bytes) at {:#x} on s{}",
-            ptr.ptr().0,
-            self.sid(h)
-        ));
-        self.counts.eager_allocs += 1;
-        self.eager.insert(
-            key,
-            Eager {
-                ptr,
-                len: n,
-                seed,
-                home: h,
-                uses: Uses::written(h),
-                pins: 0,
-            },
+        self.adopt_eager(
+            ptr,
+            n,
+            seed,
+            h,
+            format!("copy of g{name}'s output ({n} bytes)"),
         );
     }
 

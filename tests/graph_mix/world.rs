@@ -219,6 +219,29 @@ fn is_oom(err: &cudalloc::Error) -> bool {
 }
 
 impl<'l> World<'l> {
+    /// Takes `ptr` (`n` bytes, written with `seed` on `h`) in as a new eager block, `what` it is
+    /// for the log.
+    fn adopt_eager(&mut self, ptr: DataPtr, n: u64, seed: u64, h: StreamId, what: String) {
+        let key = self.next_key;
+        self.next_key += 1;
+        self.note(format!(
+            "eager e{key}: {what} at {:#x} on s{}",
+            ptr.ptr().0,
+            self.sid(h)
+        ));
+        self.counts.eager_allocs += 1;
+        self.eager.insert(
+            key,
+            Eager {
+                ptr,
+                len: n,
+                seed,
+                home: h,
+                uses: Uses::written(h),
+                pins: 0,
+            },
+        );
+    }
     pub(crate) fn new(seed: u64, conf: &str, log: &'l RefCell<Vec<String>>) -> Self {
         let (driver, cap) = common::sized_driver(256 * MIB);
         let driver = common::sanitized(driver);
