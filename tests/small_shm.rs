@@ -95,20 +95,24 @@ fn the_demo_in_a_small_dev_shm_fails_cleanly() {
     );
 }
 
+/// One device of 64 MiB, more than the small `/dev/shm` can back: the file system is the limit.
+fn device_above_dev_shm() -> Arc<HostDriver> {
+    Arc::new(
+        HostDriver::builder()
+            .devices(1)
+            .memory_per_device(64 << 20)
+            .build()
+            .unwrap(),
+    )
+}
+
 #[test]
 #[ignore = "child process entry: run by the tests of this file"]
 fn small_shm_child() {
     if std::env::var(ROLE_VAR).is_err() {
         return;
     }
-    // Device capacity (64 MiB) above what /dev/shm can back: the file system is the limit.
-    let driver = Arc::new(
-        HostDriver::builder()
-            .devices(1)
-            .memory_per_device(64 << 20)
-            .build()
-            .unwrap(),
-    );
+    let driver = device_above_dev_shm();
     let free = driver.mem_info(0).unwrap().free;
     assert!(
         free <= SHM_MIB << 20,
@@ -190,13 +194,7 @@ fn small_shm_capture_child() {
     if std::env::var(ROLE_VAR).is_err() {
         return;
     }
-    let driver = Arc::new(
-        HostDriver::builder()
-            .devices(1)
-            .memory_per_device(64 << 20)
-            .build()
-            .unwrap(),
-    );
+    let driver = device_above_dev_shm();
     let a = Arc::new(
         Runtime::builder()
             .check_invariants(true)

@@ -9,9 +9,12 @@
     clippy::undocumented_unsafe_blocks
 )]
 
+mod common;
+
 use std::ffi::c_void;
 use std::ptr::null_mut;
 
+use common::{clean, violates};
 use cuda_double::api::device::*;
 use cuda_double::api::graph::*;
 use cuda_double::api::memory::*;
@@ -19,25 +22,8 @@ use cuda_double::api::module::*;
 use cuda_double::api::stream::*;
 use cuda_double::api::vm::*;
 use cuda_double::api::{cuda_double_expect_violations, cuda_double_expected_left};
-use cuda_double::codes::{self, CuResult};
+use cuda_double::codes;
 use cuda_double::report::report;
-
-fn violates(code: CuResult, expected: CuResult, rule: &str) {
-    let recent = report().take_recent();
-    assert_eq!(code, expected, "{}: {recent:?}", codes::name(code));
-    assert_eq!(
-        recent.len(),
-        1,
-        "one violation expected for {rule:?}: {recent:?}"
-    );
-    assert!(recent[0].contains(rule), "{rule:?} not in {:?}", recent[0]);
-}
-
-fn clean(code: CuResult, expected: CuResult) {
-    let recent = report().take_recent();
-    assert_eq!(code, expected, "{}: {recent:?}", codes::name(code));
-    assert!(recent.is_empty(), "unexpected violation: {recent:?}");
-}
 
 fn read(ptr: u64, len: usize, stream: *mut c_void) -> Vec<u8> {
     let mut host = vec![0u8; len];

@@ -8,36 +8,19 @@
     clippy::undocumented_unsafe_blocks
 )]
 
+mod common;
+
 use std::ffi::c_void;
 use std::ptr::null_mut;
 
+use common::{clean, violates};
 use cuda_double::api::device::*;
 use cuda_double::api::ipc::*;
 use cuda_double::api::memory::*;
 use cuda_double::api::module::*;
 use cuda_double::api::stream::*;
 use cuda_double::api::vm::*;
-use cuda_double::codes::{self, CuResult};
-use cuda_double::report::report;
-
-/// Asserts the result code and that exactly one violation mentioning `rule` was recorded.
-fn violates(code: CuResult, expected: CuResult, rule: &str) {
-    let recent = report().take_recent();
-    assert_eq!(code, expected, "{}: {recent:?}", codes::name(code));
-    assert_eq!(
-        recent.len(),
-        1,
-        "one violation expected for {rule:?}: {recent:?}"
-    );
-    assert!(recent[0].contains(rule), "{rule:?} not in {:?}", recent[0]);
-}
-
-/// Asserts the result code and that no violation was recorded.
-fn clean(code: CuResult, expected: CuResult) {
-    let recent = report().take_recent();
-    assert_eq!(code, expected, "{}: {recent:?}", codes::name(code));
-    assert!(recent.is_empty(), "unexpected violation: {recent:?}");
-}
+use cuda_double::codes;
 
 const PTX: &str = ".version 8.8\n.target sm_52\n.address_size 64\n\
     .visible .entry cudalloc_poison(\n.param .u64 p0,\n.param .u32 p1\n)\n{ ret; }\n\
