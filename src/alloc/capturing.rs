@@ -14,6 +14,11 @@
 //! would read as a use after free), `MemPool::empty_cache` keeps them, and `use_on_oom` lends
 //! none of them to eager work — found by the randomized capture/replay/eager mix
 //! (`tests/graph_mix.rs`).
+//!
+//! The capture gate ([`CaptureRoutes::releasing`]): every driver free and unmap of cached memory
+//! holds its read side, a capture's start its write side, so no release runs while a capture
+//! does. Segment observers are told of an unmap inside the gate: an observer must not begin a
+//! capture (nor wait for a thread that does), or the two wait on each other.
 
 use std::collections::HashMap;
 
