@@ -21,7 +21,8 @@ use crate::sync::os::{Arc, RwLock};
 pub enum SegmentChange {
     /// Mapped from the driver (reported after).
     Map,
-    /// About to be returned to the driver (reported before).
+    /// About to be returned to the driver (reported before, while no stream capture can
+    /// begin: an observer must not begin one, nor wait for a thread that does).
     Unmap,
 }
 
