@@ -149,7 +149,7 @@ pub(crate) fn materialize(
             }
         }
         ctx.cell
-            .materialize(|original| copy_step(alloc, &ctx, original, nbytes, stream))
+            .materialize(|original| copy_step(alloc, &ctx, original, nbytes, stream, capturing))
     }));
     let outcome = match outcome {
         Ok(outcome) => outcome,
@@ -195,17 +195,19 @@ pub(crate) fn materialize(
 /// waits) and records an event after the copy (a later stealer waits on it). The event is created
 /// before anything is enqueued; if the bookkeeping after the enqueue fails, the stream is
 /// synchronized (so the abandoned copy cannot read the source after a stealer writes it) and the
-/// error returned — the caller's storage stays COW.
+/// error returned — the caller's storage stays COW. `capturing`: `stream` is being captured (asked
+/// once by `materialize`), so the copy is the graph's and records no event.
 fn copy_step(
     alloc: &CachingAllocator,
     ctx: &CowContext,
     original: &DataPtr,
     nbytes: u64,
     stream: StreamId,
+    capturing: bool,
 ) -> Result<DataPtr> {
     let driver = alloc.driver();
     let copy = alloc.allocate_on(stream, nbytes)?;
-    if alloc.stream_is_capturing(stream)? {
+    if capturing {
         // The copy is recorded into the graph (its memory from the graph's pool), not run: no
         // eager work will read the source for it, so a stealer has nothing to wait for — and an
         // event recorded here would be a point of the capture, which a stealer's wait outside it
