@@ -126,6 +126,19 @@ fn run(conf: &str, seeds: std::ops::Range<u64>) {
     }
 }
 
+/// An allocator over a 64 MiB device (the run's backend, sanitized as the run asks), its driver
+/// and a stream of its own: the reductions' set-up.
+fn small_device() -> (CachingAllocator, Arc<dyn Driver>, StreamId) {
+    let (driver, cap) = common::sized_driver(64 * MIB);
+    let a = CachingAllocator::builder()
+        .config(common::test_config(&cap))
+        .build(common::sanitized(driver))
+        .unwrap();
+    let d = Arc::clone(a.driver());
+    let s = a.create_stream(0).unwrap();
+    (a, d, s)
+}
+
 #[test]
 fn randomized_capture_replay_eager_mix() {
     run("", 0..12);
@@ -235,13 +248,7 @@ fn a_capture_after_a_dropped_graph_pool_stays_valid_with_expandable_segments() {
 #[test]
 fn a_use_on_oom_pool_never_lends_a_live_graphs_memory() {
     let _device = common::device_alone();
-    let (driver, cap) = common::sized_driver(64 * MIB);
-    let a = CachingAllocator::builder()
-        .config(common::test_config(&cap))
-        .build(common::sanitized(driver))
-        .unwrap();
-    let d = Arc::clone(a.driver());
-    let s = a.create_stream(0).unwrap();
+    let (a, d, s) = small_device();
     let pool = a
         .mem_pool(cudalloc::MemPoolOptions::default().with_use_on_oom(true))
         .unwrap();
@@ -282,13 +289,7 @@ fn a_use_on_oom_pool_never_lends_a_live_graphs_memory() {
 #[test]
 fn a_live_graphs_pool_keeps_its_memory_through_its_own_empty_cache() {
     let _device = common::device_shared();
-    let (driver, cap) = common::sized_driver(64 * MIB);
-    let a = CachingAllocator::builder()
-        .config(common::test_config(&cap))
-        .build(common::sanitized(driver))
-        .unwrap();
-    let d = Arc::clone(a.driver());
-    let s = a.create_stream(0).unwrap();
+    let (a, d, s) = small_device();
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let tmp = a.allocate_on(s, 12 * MIB).unwrap();
     d.fill_pattern(s, tmp.ptr(), 12 * MIB, 7).unwrap();
