@@ -50,6 +50,11 @@ pub enum ErrorKind {
     /// A call that a stream capture forbids, or a capture that cannot go on (see
     /// `driver/capture.rs`): the capture it concerns is invalidated.
     StreamCapture,
+    /// A registrar (a transfer engine's registration of the allocator's memory) failed
+    /// ([`Error::Registration`]).
+    Registration,
+    /// A transfer engine refused or failed a transfer, or its peer is gone ([`Error::Transfer`]).
+    Transfer,
 }
 
 /// Why a wait on another process's interprocess event failed ([`Error::ForeignEvent`]).
@@ -150,6 +155,20 @@ pub enum Error {
         /// Details: the slot, the record waited for, what the cell said.
         message: String,
     },
+    /// A registrar failed to register a region of the allocator's memory (see
+    /// `alloc/registration.rs`): the allocation that mapped it fails, unless the registrar was
+    /// attached to count and skip its failures.
+    #[error("registration with {registrar} failed: {source}")]
+    Registration {
+        /// The registrar's name.
+        registrar: String,
+        /// What it said.
+        source: Cause,
+    },
+    /// A transfer engine refused or failed a transfer (or could not be set up); the message says
+    /// which transfer and why.
+    #[error("transfer: {0}")]
+    Transfer(String),
 }
 
 impl Error {
@@ -167,6 +186,8 @@ impl Error {
             Error::ForkedChild(_) => ErrorKind::ForkedChild,
             Error::ForeignEvent { .. } => ErrorKind::ForeignEvent,
             Error::Kernel { .. } => ErrorKind::Kernel,
+            Error::Registration { .. } => ErrorKind::Registration,
+            Error::Transfer(_) => ErrorKind::Transfer,
         }
     }
 
@@ -273,7 +294,24 @@ impl From<&str> for OsCause {
     }
 }
 
-impl Error {}
+impl Error {
+    /// The error of a registrar named `registrar` that failed with `err` (kept as the
+    /// [`source`](std::error::Error::source)).
+    pub fn registration(
+        registrar: impl fmt::Display,
+        err: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Error::Registration {
+            registrar: registrar.to_string(),
+            source: Cause::new(err),
+        }
+    }
+
+    /// Shorthand for [`Error::Transfer`].
+    pub fn transfer(message: impl fmt::Display) -> Self {
+        Error::Transfer(message.to_string())
+    }
+}
 
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -42,10 +42,11 @@ mod sync;
 pub use alloc::{
     format_size, trace_json_lines, CachingAllocator, CachingAllocatorBuilder, Capture,
     CaptureRoute, DataPtr, DeviceStats, Frame, FreeMemoryCallback, Graph, GraphPool, HistoryMode,
-    HistoryOptions, MemPool, MemPoolId, MemPoolOptions, OutOfMemoryEvent, OutOfMemoryObserver,
-    PoolScope, PoolStats, Sanitize, SegmentChange, SegmentEvent, SegmentObserver, Snapshot,
-    SnapshotBlock, SnapshotBlockState, SnapshotSegment, Stat, StreamGuard, TraceAction, TraceEntry,
-    POOL_NAMES,
+    HistoryOptions, MemPool, MemPoolId, MemPoolOptions, OnRegistrationFailure, OutOfMemoryEvent,
+    OutOfMemoryObserver, PoolScope, PoolStats, Region, RegionKind, RegisteredRegion, Registrar,
+    RegistrarId, RegistrarStats, RegistrationStats, Sanitize, SegmentChange, SegmentEvent,
+    SegmentId, SegmentObserver, Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment, Stat,
+    StreamGuard, TraceAction, TraceEntry, POOL_NAMES,
 };
 pub use config::{AllocatorConfig, DefaultStream, ROUNDUP_INTERVALS};
 pub use driver::cuda::driver_library_present;

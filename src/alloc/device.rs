@@ -21,6 +21,7 @@ use super::core_types::{DeviceCore, Shard};
 use super::history::{Trace, TraceAction};
 use super::observers::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
 use super::oom::{self, Callbacks};
+use super::registration::RegionKind;
 use super::size::{self, PoolKind};
 use super::snapshot::{self, SnapshotSegment};
 use super::state::ShardState;
@@ -403,6 +404,17 @@ impl DeviceCore {
                 };
             }
         };
+        // Registered before any block of it is handed out (`registration.rs`).
+        if let Err(err) = self.callbacks.registry.map(
+            self.device,
+            shard.stream,
+            RegionKind::Segment,
+            [(ptr.0, seg)],
+        ) {
+            drop(held);
+            self.return_unregistered(shard.stream, ptr.0, seg);
+            return Err(err);
+        }
         let mut st = held.unwrap_or_else(|| shard.state.lock());
         let head = st.add_segment(ptr.0, seg, pool, &self.config);
         let id = st.allocate(head, rounded, requested, &self.config);

@@ -25,6 +25,7 @@ impl DeviceCore {
             .into_iter()
             .chain(segments.into_iter().map(|(ptr, size)| (stream, ptr, size)));
         for (stream, ptr, size) in all {
+            self.callbacks.registry.unmap(self.device, ptr, size);
             self.callbacks.observers.segment(SegmentEvent {
                 change: SegmentChange::Unmap,
                 device: self.device,
@@ -39,6 +40,19 @@ impl DeviceCore {
             self.trace
                 .record(TraceAction::SegmentFree, self.device, ptr, size, stream);
         }
+    }
+
+    /// Gives back a segment that a registrar refused before anything else saw it (no observer
+    /// was told of it, nothing traced): at once, or with the next release while a capture runs.
+    pub(super) fn return_unregistered(&self, stream: StreamId, ptr: u64, size: u64) {
+        let Some(_no_capture) = self.capturing.releasing() else {
+            self.unfreed.lock().push((stream, ptr, size));
+            return;
+        };
+        if let Err(err) = self.driver.free(crate::driver::DeviceAddr(ptr)) {
+            tracing::error!(%err, ptr, size, "driver free of a refused segment failed");
+        }
+        self.reserved.fetch_sub(size, Ordering::SeqCst);
     }
 
     /// Frees oversize cached segments to make room for `rounded` bytes, as PyTorch's
@@ -183,6 +197,7 @@ impl Drop for DeviceCore {
             return;
         }
         for (_, ptr, size) in std::mem::take(&mut *self.unfreed.lock()) {
+            self.callbacks.registry.unmap(self.device, ptr, size);
             if let Err(err) = self.driver.free(crate::driver::DeviceAddr(ptr)) {
                 tracing::error!(%err, ptr, size, "driver free of a cached segment failed");
             }

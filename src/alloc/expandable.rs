@@ -27,6 +27,7 @@ use super::block::{Allocated, Block, BlockId, BlockState, ExpandablePages, Segme
 use super::core_types::{DeviceCore, Shard};
 use super::history::TraceAction;
 use super::observers::{SegmentChange, SegmentEvent};
+use super::registration::RegionKind;
 use super::size::PoolKind;
 use super::state::ShardState;
 use super::stats;
@@ -417,6 +418,18 @@ impl DeviceCore {
                 }
             }
         }
+        if failure.is_none() {
+            // Each page a region of its own, registered before the grown block is handed out.
+            let pages = mapped.iter().map(|&(at, _)| (at, page));
+            if let Err(err) = self.callbacks.registry.map(
+                self.device,
+                shard.stream,
+                RegionKind::ExpandablePage,
+                pages,
+            ) {
+                failure = Some(err);
+            }
+        }
         if let Some(err) = failure {
             // Give back what was mapped of this step; the request fails as out of memory (or
             // with the driver's error).
@@ -466,6 +479,7 @@ impl DeviceCore {
     /// Unmaps pages taken by [`ShardState::take_free_pages`] (outside every shard lock).
     pub(super) fn free_pages(&self, stream: StreamId, pages: Vec<PageRelease>) {
         for (addr, len, chunks) in pages {
+            self.callbacks.registry.unmap(self.device, addr, len);
             self.callbacks.observers.segment(SegmentEvent {
                 change: SegmentChange::Unmap,
                 device: self.device,

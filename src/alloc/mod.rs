@@ -8,7 +8,9 @@
 //!   captures under way and the pool each allocates from.
 //! * `block.rs` — blocks tiling segments, segment and page records; `pool.rs` — best-fit free pools.
 //! * `stacks.rs`, `history.rs` — recorded Rust stacks and the memory history (trace ring);
-//!   `observers.rs`, `oom.rs` — segment and out-of-memory observers, callbacks and the message.
+//!   `observers.rs`, `registration.rs`, `oom.rs` — segment and out-of-memory observers, the
+//!   registry of mapped regions and the registrars that register them with transfer engines,
+//!   callbacks and the message.
 //! * `state.rs` — one (device, stream)'s state under its lock: split/merge, pending frees.
 //! * `front.rs` — thread front caches (`thread_cache_mb`, off by default): a thread's freed blocks
 //!   reused by its own allocations without the stream's lock, the one deviation from PyTorch's
@@ -59,6 +61,7 @@ mod pool;
 mod pool_id;
 #[cfg(feature = "pickle")]
 mod pytorch_pickle;
+mod registration;
 mod reports;
 mod shard;
 pub mod size;
@@ -77,6 +80,10 @@ pub use observers::{
 };
 pub use oom::{format_size, FreeMemoryCallback};
 pub use pool_id::{MemPoolId, MemPoolOptions};
+pub use registration::{
+    OnRegistrationFailure, Region, RegionKind, RegisteredRegion, Registrar, RegistrarId,
+    RegistrarStats, RegistrationStats, SegmentId,
+};
 pub use snapshot::{Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment};
 pub use stacks::Frame;
 pub use stats::{DeviceStats, PoolStats, Stat, POOL_NAMES};
@@ -584,6 +591,41 @@ impl CachingAllocator {
             return;
         }
         self.callbacks.observers.add_segment(observer);
+    }
+
+    /// Attaches `registrar`: every region this allocator has mapped is registered with it now,
+    /// every region mapped later as it is mapped, and each is deregistered before its memory goes
+    /// (`src/alloc/registration.rs`). Several registrars may be attached at once. A failure on a
+    /// region already mapped fails the attach (leaving nothing registered with it) unless
+    /// `on_failure` counts and skips failures. Refused in a forked child.
+    pub fn attach_registrar(
+        &self,
+        registrar: Arc<dyn Registrar>,
+        on_failure: OnRegistrationFailure,
+    ) -> Result<RegistrarId> {
+        self.birth.check("this allocator")?;
+        self.callbacks.registry.attach(registrar, on_failure)
+    }
+
+    /// Detaches a registrar, deregistering every region it holds; false if it was not attached.
+    pub fn detach_registrar(&self, id: RegistrarId) -> bool {
+        self.callbacks.registry.detach(id)
+    }
+
+    /// The regions mapped now and each attached registrar's figures.
+    pub fn registration_stats(&self) -> RegistrationStats {
+        self.callbacks.registry.stats()
+    }
+
+    /// The mapped regions that hold bytes `[addr, addr + len)` of `device`, with the bytes in
+    /// each (several only in expandable segments, whose pages are regions of their own).
+    pub fn registered_regions(
+        &self,
+        device: usize,
+        addr: DeviceAddr,
+        len: u64,
+    ) -> Result<Vec<RegisteredRegion>> {
+        self.callbacks.registry.regions_of(device, addr.0, len)
     }
 
     /// Calls `observer` with the facts of every allocation that fails for lack of memory, before

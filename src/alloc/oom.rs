@@ -20,6 +20,8 @@ pub(crate) struct Callbacks {
     list: RwLock<Vec<FreeMemoryCallback>>,
     /// Segment and out-of-memory observers (`observers.rs`).
     pub observers: super::observers::Observers,
+    /// Every mapped region and the registrars attached (`registration.rs`).
+    pub registry: super::registration::Registry,
 }
 
 impl std::fmt::Debug for Callbacks {

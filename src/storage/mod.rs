@@ -152,6 +152,37 @@ impl Storage {
         DeviceAddr(self.inner.word.load(Ordering::Acquire) & !COW_TAG)
     }
 
+    /// The registered regions holding this storage's bytes, for a transfer that *reads* them
+    /// (never materializes a lazy clone): each is a region's token (its [`SegmentId`]) plus an
+    /// offset and a length — one region for a storage in a whole segment, one per page it spans
+    /// in an expandable one (`src/alloc/registration.rs`). An error for a received storage (its
+    /// memory is another process's to register) or an empty one.
+    ///
+    /// [`SegmentId`]: crate::SegmentId
+    pub fn registered_regions(&self) -> Result<Vec<crate::RegisteredRegion>> {
+        self.regions_at(self.data_ptr())
+    }
+
+    /// As [`registered_regions`](Self::registered_regions), for a transfer that *writes* the
+    /// storage: a lazy clone is materialized first, as by [`mutable_data_ptr`](Self::mutable_data_ptr).
+    pub fn registered_regions_mut(&self) -> Result<Vec<crate::RegisteredRegion>> {
+        let addr = self.mutable_data_ptr()?;
+        self.regions_at(addr)
+    }
+
+    fn regions_at(&self, addr: DeviceAddr) -> Result<Vec<crate::RegisteredRegion>> {
+        if self.inner.nbytes == 0 {
+            return Err(Error::invalid("an empty storage has no registered region"));
+        }
+        if self.is_received() {
+            return Err(Error::invalid(
+                "a received storage is another process's memory: that process registers it",
+            ));
+        }
+        self.allocator()
+            .registered_regions(self.inner.device, addr, self.inner.nbytes)
+    }
+
     /// The address for writing, safe to write from any stream. For a plain storage this is one
     /// atomic load. A COW storage is materialized first (see `src/cow/mod.rs`) on the current
     /// stream, and that copy is *complete* when this returns — so a kernel on any stream may

@@ -19,6 +19,27 @@ pub struct Faults {
     pub device_copies: AtomicBool,
     /// `event_create` fails.
     pub event_creation: AtomicBool,
+    /// Every memory call (`malloc`, `free`, `vm_map`, `vm_unmap`) as `(call, address, size)`, in
+    /// call order, with whatever else a test appends (to check what comes before what).
+    pub memory_calls: std::sync::Mutex<Vec<(&'static str, u64, u64)>>,
+}
+
+impl Faults {
+    /// Appends `(call, addr, size)` to [`Faults::memory_calls`].
+    pub fn log(&self, call: &'static str, addr: u64, size: u64) {
+        self.memory_calls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((call, addr, size));
+    }
+
+    /// A copy of [`Faults::memory_calls`].
+    pub fn calls(&self) -> Vec<(&'static str, u64, u64)> {
+        self.memory_calls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
 }
 
 /// See the module docs.
@@ -71,9 +92,12 @@ impl Driver for FaultyDriver {
         self.inner.mem_info(device)
     }
     fn malloc(&self, device: usize, size: u64) -> Result<DeviceAddr> {
-        self.inner.malloc(device, size)
+        let ptr = self.inner.malloc(device, size)?;
+        self.faults.log("malloc", ptr.0, size);
+        Ok(ptr)
     }
     fn free(&self, ptr: DeviceAddr) -> Result<()> {
+        self.faults.log("free", ptr.0, 0);
         self.inner.free(ptr)
     }
     fn default_stream(&self, device: usize) -> Result<StreamId> {
@@ -188,9 +212,12 @@ impl Driver for FaultyDriver {
         self.inner.vm_release_chunk(chunk)
     }
     fn vm_map(&self, addr: DeviceAddr, chunk: cudalloc::ChunkId) -> Result<()> {
-        self.inner.vm_map(addr, chunk)
+        self.inner.vm_map(addr, chunk)?;
+        self.faults.log("vm_map", addr.0, 0);
+        Ok(())
     }
     fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
+        self.faults.log("vm_unmap", addr.0, size);
         self.inner.vm_unmap(addr, size)
     }
     fn vm_export_chunk(&self, chunk: cudalloc::ChunkId) -> Result<cudalloc::ExportedChunk> {
