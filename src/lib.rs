@@ -27,6 +27,9 @@ mod driver;
 mod error;
 mod global;
 mod ipc;
+#[cfg(feature = "nixl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
+pub mod nixl;
 mod process;
 #[cfg(feature = "replay")]
 #[cfg_attr(docsrs, doc(cfg(feature = "replay")))]

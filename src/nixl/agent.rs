@@ -1,0 +1,494 @@
+//! [`NixlAgent`]: a runtime's NIXL agent — its registrar attached to the allocator, the peers whose
+//! metadata it loaded, storages described for peers, transfers and notifications.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use nixl_sys::{
+    Agent, AgentConfig, MemType, NotificationMap, OptArgs, ThreadSync, XferDescList, XferOp,
+};
+
+use super::descriptor::{pair, MemoryKind, RemoteStorage};
+use super::registrar::NixlRegistrar;
+use super::transfer::{backoff, touches, Actors, Transfer};
+use crate::alloc::{OnRegistrationFailure, RegistrarId};
+use crate::driver::{Backend, StreamId};
+use crate::error::{Error, ErrorKind, Result};
+use crate::runtime::Runtime;
+use crate::storage::Storage;
+use crate::sync::os::{Arc, Mutex};
+
+/// Largest peer metadata accepted (1,000 registered regions take about 44 KB).
+pub const MAX_METADATA_BYTES: usize = 16 << 20;
+/// Most notifications kept unread; past it the oldest are dropped (and counted).
+pub const MAX_PENDING_NOTIFICATIONS: usize = 65_536;
+
+/// Options of a [`NixlAgent`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct NixlOptions {
+    /// The agent's name, unique among the agents that talk to each other.
+    pub name: String,
+    /// What a failed registration of a new segment does (default: fails its allocation).
+    pub on_failure: OnRegistrationFailure,
+    /// How long NIXL's progress thread sleeps between polls, in µs. 0 spins a core; the default
+    /// (1,000) costs little CPU and still completes transfers and notifications promptly.
+    pub progress_delay_us: u64,
+}
+
+impl NixlOptions {
+    /// Options for an agent named `name`.
+    pub fn new(name: impl Into<String>) -> Self {
+        NixlOptions {
+            name: name.into(),
+            on_failure: OnRegistrationFailure::FailAllocation,
+            progress_delay_us: 1_000,
+        }
+    }
+
+    /// Sets what a failed registration does.
+    pub fn on_failure(mut self, on_failure: OnRegistrationFailure) -> Self {
+        self.on_failure = on_failure;
+        self
+    }
+
+    /// Sets the progress thread's sleep between polls.
+    pub fn progress_delay_us(mut self, us: u64) -> Self {
+        self.progress_delay_us = us;
+        self
+    }
+}
+
+/// A message a peer attached to its transfer (or sent alone).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Notification {
+    /// The peer agent's name.
+    pub from: String,
+    /// Its bytes.
+    pub message: Vec<u8>,
+}
+
+/// A runtime's NIXL agent over UCX (see the module docs of [`crate::nixl`]).
+pub struct NixlAgent {
+    runtime: Arc<Runtime>,
+    agent: Agent,
+    name: String,
+    registrar: Arc<NixlRegistrar>,
+    registrar_id: RegistrarId,
+    peers: Mutex<HashSet<String>>,
+    pending: Mutex<Vec<Notification>>,
+    dropped_notifications: Mutex<u64>,
+    actors: Option<Arc<Actors>>,
+}
+
+impl std::fmt::Debug for NixlAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlAgent")
+            .field("name", &self.name)
+            .field("registered", &self.registrar.registered())
+            .field("peers", &self.peers.lock().len())
+            .finish()
+    }
+}
+
+fn nixl_error(what: &str, err: nixl_sys::NixlError) -> Error {
+    Error::transfer(format!("{what}: NIXL said {err}"))
+}
+
+impl NixlAgent {
+    /// Creates the agent and its UCX backend, and attaches its registrar to `runtime`'s allocator:
+    /// every segment mapped so far is registered now, every later one as it is mapped. Fails with
+    /// [`Error::Transfer`] when NIXL's library cannot be loaded ([`super::load_library`]) or UCX
+    /// cannot start.
+    pub fn new(runtime: &Arc<Runtime>, options: NixlOptions) -> Result<Self> {
+        super::load_library(None)?;
+        if options.name.is_empty() || options.name.len() > super::MAX_AGENT_NAME {
+            return Err(Error::invalid(format!(
+                "a NIXL agent name of {} bytes (1 to {})",
+                options.name.len(),
+                super::MAX_AGENT_NAME
+            )));
+        }
+        let mem_type = match runtime.driver().backend() {
+            Backend::Host => MemType::Dram,
+            Backend::Cuda => MemType::Vram,
+            other => {
+                return Err(Error::invalid(format!(
+                    "NIXL transfers need real memory; the {other:?} backend backs none"
+                )))
+            }
+        };
+        let config = AgentConfig {
+            enable_prog_thread: true,
+            enable_listen_thread: false,
+            thread_sync: ThreadSync::Rw,
+            pthr_delay_us: options.progress_delay_us,
+            ..AgentConfig::default()
+        };
+        let agent = Agent::new_configured(&options.name, &config)
+            .map_err(|e| nixl_error("creating the agent", e))?;
+        let (_memories, params) = agent.get_plugin_params("UCX").map_err(|e| {
+            nixl_error(
+                "NIXL's UCX plugin (is its plugins folder beside the library?)",
+                e,
+            )
+        })?;
+        agent
+            .create_backend("UCX", &params)
+            .map_err(|e| nixl_error("starting the UCX backend", e))?;
+        let registrar = Arc::new(NixlRegistrar::new(agent.clone(), mem_type));
+        let registrar_id = runtime
+            .allocator()
+            .attach_registrar(registrar.clone(), options.on_failure)?;
+        let driver = runtime.driver();
+        let actors = driver.sanitizer().map(|sanitizer| {
+            Arc::new(Actors {
+                sanitizer,
+                driver: Arc::clone(driver),
+                free: Mutex::new(Vec::new()),
+                all: Mutex::new(Vec::new()),
+            })
+        });
+        Ok(NixlAgent {
+            runtime: Arc::clone(runtime),
+            agent,
+            name: options.name,
+            registrar,
+            registrar_id,
+            peers: Mutex::new(HashSet::new()),
+            pending: Mutex::new(Vec::new()),
+            dropped_notifications: Mutex::new(0),
+            actors,
+        })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The runtime whose memory it registers.
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self.runtime
+    }
+
+    /// Regions registered with this agent now.
+    pub fn registered_regions(&self) -> usize {
+        self.registrar.registered()
+    }
+
+    /// This agent's metadata (its registrations and how to reach it), for peers'
+    /// [`load_peer`](Self::load_peer): send it over any byte channel. Send it again after
+    /// segments were freed, so peers stop targeting memory that is gone.
+    pub fn metadata(&self) -> Result<Vec<u8>> {
+        self.agent
+            .get_local_md()
+            .map_err(|e| nixl_error("reading this agent's metadata", e))
+    }
+
+    /// Loads a peer's metadata (replacing what was loaded of it before) and returns its name.
+    /// The bytes are untrusted: over [`MAX_METADATA_BYTES`] or not NIXL's, they are an error.
+    pub fn load_peer(&self, metadata: &[u8]) -> Result<String> {
+        if metadata.is_empty() || metadata.len() > MAX_METADATA_BYTES {
+            return Err(Error::transfer(format!(
+                "peer metadata of {} bytes (1 to {MAX_METADATA_BYTES})",
+                metadata.len()
+            )));
+        }
+        let load = || self.agent.load_remote_md(metadata);
+        // nixl-sys panics on a peer name that is not UTF-8: that is bad input, not a bug here.
+        let name = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(load)) {
+            Ok(Ok(name)) => name,
+            Ok(Err(err)) => return Err(nixl_error("loading a peer's metadata", err)),
+            Err(_) => {
+                return Err(Error::transfer(
+                    "peer metadata names an agent that is not UTF-8",
+                ))
+            }
+        };
+        let mut peers = self.peers.lock();
+        if peers.contains(&name) {
+            // Metadata loaded again: NIXL keeps the first copy, so drop it and load the new one.
+            let _ = self.agent.invalidate_remote_md(&name);
+            self.agent
+                .load_remote_md(metadata)
+                .map_err(|e| nixl_error("reloading a peer's metadata", e))?;
+        }
+        peers.insert(name.clone());
+        Ok(name)
+    }
+
+    /// Forgets a peer's metadata (transfers with it are refused until it is loaded again).
+    pub fn forget_peer(&self, peer: &str) -> Result<()> {
+        self.peers.lock().remove(peer);
+        self.agent
+            .invalidate_remote_md(peer)
+            .map_err(|e| nixl_error("forgetting a peer", e))
+    }
+
+    /// Describes `storage` for a peer's transfers: its regions' address ranges under this agent.
+    /// `stream` is where its last work was queued: it is synchronized first, so a peer's transfer
+    /// comes after that work. The owner keeps the storage alive while peers may use the
+    /// description. A lazy clone is materialized (a peer may write it).
+    pub fn describe(&self, storage: &Storage, stream: StreamId) -> Result<RemoteStorage> {
+        let regions = storage.registered_regions_mut()?;
+        for piece in &regions {
+            if !self.registrar.holds(piece.region.id) {
+                return Err(Error::transfer(format!(
+                    "{} is not registered with NIXL (its registration failed and was skipped)",
+                    piece.region.id
+                )));
+            }
+        }
+        self.runtime.driver().stream_synchronize(stream)?;
+        let kind = match self.registrar.mem_type() {
+            MemType::Vram => MemoryKind::Vram,
+            _ => MemoryKind::Dram,
+        };
+        RemoteStorage::new(
+            self.name.clone(),
+            kind,
+            self.registrar.device_id(storage.device()),
+            regions.iter().map(|p| (p.addr().0, p.len)).collect(),
+        )
+    }
+
+    /// Writes each local storage into the remote storage paired with it (equal sizes), after the
+    /// work queued on `stream` so far; `notify` is delivered to the peer once every byte landed.
+    pub fn write(
+        &self,
+        stream: StreamId,
+        pairs: &[(&Storage, &RemoteStorage)],
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer> {
+        self.post(XferOp::Write, stream, pairs, notify)
+    }
+
+    /// Reads each remote storage into the local storage paired with it (equal sizes), after the
+    /// work queued on `stream` so far; `notify` tells the peer once the read is done.
+    pub fn read(
+        &self,
+        stream: StreamId,
+        pairs: &[(&Storage, &RemoteStorage)],
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer> {
+        self.post(XferOp::Read, stream, pairs, notify)
+    }
+
+    fn post(
+        &self,
+        op: XferOp,
+        stream: StreamId,
+        pairs: &[(&Storage, &RemoteStorage)],
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer> {
+        let what = match op {
+            XferOp::Write => "a NIXL write",
+            XferOp::Read => "a NIXL read",
+        };
+        let Some(peer) = pairs.first().map(|p| p.1.agent().to_owned()) else {
+            return Err(Error::invalid(format!("{what} of no storage")));
+        };
+        if !self.peers.lock().contains(&peer) {
+            return Err(Error::transfer(format!(
+                "{what} with {peer}, whose metadata this agent has not loaded"
+            )));
+        }
+        let device = self.runtime.driver().stream_device(stream)?;
+        let mem_type = self.registrar.mem_type();
+        let mut local = XferDescList::new(mem_type).map_err(|e| nixl_error(what, e))?;
+        let mut remote = XferDescList::new(mem_type).map_err(|e| nixl_error(what, e))?;
+        let mut ranges = Vec::new();
+        let mut bytes = 0u64;
+        for (storage, target) in pairs {
+            if target.agent() != peer {
+                return Err(Error::invalid(format!(
+                    "{what} names storages of two peers ({peer} and {}): one transfer, one peer",
+                    target.agent()
+                )));
+            }
+            if storage.device() != device {
+                return Err(Error::invalid(format!(
+                    "{what} on a stream of device {device} with a storage on device {}",
+                    storage.device()
+                )));
+            }
+            let pieces = match op {
+                XferOp::Write => storage.registered_regions()?,
+                XferOp::Read => storage.registered_regions_mut()?,
+            };
+            let mine: Vec<(u64, u64)> = pieces.iter().map(|p| (p.addr().0, p.len)).collect();
+            for (l, r, len) in pair(&mine, target.pieces())? {
+                local.add_desc(l as usize, len as usize, self.registrar.device_id(device));
+                remote.add_desc(r as usize, len as usize, target.device());
+            }
+            bytes += storage.nbytes();
+            ranges.extend(mine);
+        }
+        let mut args = OptArgs::new().map_err(|e| nixl_error(what, e))?;
+        if let Some(message) = notify {
+            args.set_notification_message(message)
+                .and_then(|()| args.set_has_notification(true))
+                .map_err(|e| nixl_error(what, e))?;
+        }
+        let request = self
+            .agent
+            .create_xfer_req(op, &local, &remote, &peer, Some(&args))
+            .map_err(|e| {
+                nixl_error(
+                    &format!("{what} of {bytes} bytes with {peer} (a descriptor outside registered memory on either side, or the peer's metadata is stale)"),
+                    e,
+                )
+            })?;
+        // Real order: the stream's work so far is done before NIXL touches the bytes.
+        self.runtime.driver().stream_synchronize(stream)?;
+        let post = || {
+            self.agent
+                .post_xfer_req(&request, None)
+                .map_err(|e| nixl_error(&format!("posting {what} with {peer}"), e))
+        };
+        let actor = match &self.actors {
+            None => {
+                post()?;
+                None
+            }
+            Some(actors) => {
+                let actor = actors.take(device)?;
+                actors.sanitizer.stream_waited(actor, stream);
+                let touched = touches(&ranges, matches!(op, XferOp::Read));
+                if let Err(err) = actors.sanitizer.enqueue(actor, what, &touched, post) {
+                    if err.kind() == ErrorKind::StreamRace {
+                        actors.discard(actor);
+                    } else {
+                        actors.finish(actor);
+                    }
+                    return Err(err);
+                }
+                Some((Arc::clone(actors), actor))
+            }
+        };
+        Ok(Transfer {
+            agent: self.agent.clone(),
+            request: Some(request),
+            local: pairs.iter().map(|p| p.0.clone()).collect(),
+            actor,
+            peer,
+            what,
+            bytes,
+            done: false,
+        })
+    }
+
+    /// Sends `message` to `peer` alone (no transfer).
+    pub fn notify(&self, peer: &str, message: &[u8]) -> Result<()> {
+        self.agent
+            .send_notification(peer, message, None)
+            .map_err(|e| nixl_error(&format!("notifying {peer}"), e))
+    }
+
+    /// Every notification that arrived since the last call (and those kept by
+    /// [`wait_notification`](Self::wait_notification)), oldest first.
+    pub fn notifications(&self) -> Result<Vec<Notification>> {
+        self.fetch()?;
+        Ok(std::mem::take(&mut *self.pending.lock()))
+    }
+
+    /// Waits at most `timeout` for the notification `message` from `from`, keeping the others
+    /// for later calls.
+    pub fn wait_notification(&self, from: &str, message: &[u8], timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut spins = 0;
+        loop {
+            self.fetch()?;
+            {
+                let mut pending = self.pending.lock();
+                if let Some(at) = pending
+                    .iter()
+                    .position(|n| n.from == from && n.message == message)
+                {
+                    pending.remove(at);
+                    return Ok(());
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::transfer(format!(
+                    "no notification {:?} from {from} within {timeout:?}",
+                    String::from_utf8_lossy(message)
+                )));
+            }
+            backoff(&mut spins);
+        }
+    }
+
+    fn fetch(&self) -> Result<()> {
+        let mut map = NotificationMap::new().map_err(|e| nixl_error("notifications", e))?;
+        self.agent
+            .get_notifications(&mut map, None)
+            .map_err(|e| nixl_error("reading notifications", e))?;
+        let mut fresh = Vec::new();
+        let agents: Vec<String> = map
+            .agents()
+            .filter_map(|a| a.ok().map(str::to_owned))
+            .collect();
+        for from in agents {
+            let count = map.get_notifications_size(&from).unwrap_or(0);
+            for i in 0..count {
+                if let Ok(message) = map.get_notification_bytes(&from, i) {
+                    fresh.push(Notification {
+                        from: from.clone(),
+                        message,
+                    });
+                }
+            }
+        }
+        let mut pending = self.pending.lock();
+        pending.extend(fresh);
+        if pending.len() > MAX_PENDING_NOTIFICATIONS {
+            let extra = pending.len() - MAX_PENDING_NOTIFICATIONS;
+            pending.drain(..extra);
+            *self.dropped_notifications.lock() += extra as u64;
+            tracing::warn!(
+                extra,
+                "unread NIXL notifications dropped (a peer sends more than is read)"
+            );
+        }
+        Ok(())
+    }
+
+    /// Tells the stream sanitizer (when on) that a peer's transfer wrote `storage` and that the
+    /// host learned it (by a notification): work queued on `stream` from now on is ordered after
+    /// it, and other streams must wait for `stream`. Without the sanitizer it does nothing.
+    pub fn received(&self, storage: &Storage, stream: StreamId) -> Result<()> {
+        let Some(actors) = &self.actors else {
+            return Ok(());
+        };
+        let ranges: Vec<(u64, u64)> = storage
+            .registered_regions()?
+            .iter()
+            .map(|p| (p.addr().0, p.len))
+            .collect();
+        let actor = actors.take(storage.device())?;
+        let outcome = actors.sanitizer.enqueue(
+            actor,
+            "a NIXL transfer from a peer",
+            &touches(&ranges, true),
+            || Ok(()),
+        );
+        if let Err(err) = outcome {
+            actors.discard(actor);
+            return Err(err);
+        }
+        actors.sanitizer.stream_waited(stream, actor);
+        actors.finish(actor);
+        Ok(())
+    }
+}
+
+impl Drop for NixlAgent {
+    /// Detaches the registrar (every region deregistered); NIXL's agent goes with the last
+    /// transfer that still holds it.
+    fn drop(&mut self) {
+        self.runtime.allocator().detach_registrar(self.registrar_id);
+    }
+}

@@ -1,0 +1,46 @@
+//! Transfers beyond one process or machine through NVIDIA's NIXL (over UCX), with the allocator's
+//! memory registered once per segment (feature `nixl`).
+//!
+//! A [`NixlAgent`] belongs to a [`Runtime`](crate::Runtime): it attaches a registrar to the
+//! runtime's allocator (`alloc/registration.rs`), so every region the allocator maps is registered
+//! with NIXL once — DRAM on the host backend (its device memory is real shared memory), VRAM on
+//! CUDA — and deregistered before its memory goes. A storage's transfer descriptor is then its
+//! region's registration plus an offset: no registration per tensor, ever.
+//!
+//! The files, from the ground up: `library.rs` (loading `libnixl_capi.so` and proving it is not
+//! nixl-sys's aborting stub), `descriptor.rs` ([`RemoteStorage`], its checked encoding, pairing
+//! local and remote regions), `registrar.rs` (the registrar), `transfer.rs` ([`Transfer`] and the
+//! stream sanitizer's view of it), `agent.rs` ([`NixlAgent`]).
+//!
+//! The protocol between two agents, over any byte channel:
+//!
+//! | step | owner of the storage | the other side |
+//! |---|---|---|
+//! | meet | sends [`NixlAgent::metadata`] | [`NixlAgent::load_peer`] |
+//! | offer | [`NixlAgent::describe`] (after its stream's work) and sends [`RemoteStorage::to_bytes`]; keeps the storage alive | [`RemoteStorage::from_bytes`] (untrusted input, checked) |
+//! | move | — | [`NixlAgent::write`] / [`NixlAgent::read`] on a stream, with a notification; [`Transfer::wait`] |
+//! | learn | [`NixlAgent::wait_notification`], then [`NixlAgent::received`] orders its stream after the bytes | — |
+//! | free | drops the storage; once its segment is released (deregistered first), sends fresh metadata | [`NixlAgent::load_peer`] again: NIXL then refuses transfers into the freed memory |
+//!
+//! **What NIXL does and does not check.** NIXL refuses a descriptor outside memory registered on
+//! either side, as it knows the peer's registrations from the last metadata it loaded. A peer that
+//! still holds *stale* metadata can still target memory the owner has deregistered (UCX moves the
+//! bytes while the memory is mapped, and over its tcp transport a write into memory the owner
+//! unmapped can crash the owner). So an owner keeps a storage alive while peers may target it, as
+//! with IPC handles, and sends fresh metadata after freeing; peers reload it before they transfer.
+//!
+//! **Streams.** NIXL has no streams; a transfer is ordered by the host around it (see
+//! `transfer.rs`), and is an access the stream sanitizer checks.
+
+mod agent;
+mod descriptor;
+mod library;
+mod registrar;
+mod transfer;
+
+pub use agent::{
+    NixlAgent, NixlOptions, Notification, MAX_METADATA_BYTES, MAX_PENDING_NOTIFICATIONS,
+};
+pub use descriptor::{MemoryKind, RemoteStorage, MAX_AGENT_NAME, MAX_PIECES};
+pub use library::{load_library, NixlLibrary, NIXL_LIB_DIR_VAR};
+pub use transfer::{Transfer, DROP_DEADLINE};

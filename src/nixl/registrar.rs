@@ -1,0 +1,146 @@
+//! [`NixlRegistrar`]: registers each region the allocator maps with one NIXL agent, once.
+//!
+//! A region is registered as one NIXL descriptor (DRAM on the host backend, whose device memory is
+//! real shared memory in this process; VRAM with the device's ordinal on CUDA), and its
+//! registration handle is kept under the region's [`SegmentId`] until the allocator deregisters it
+//! (before the memory goes) or the registrar is detached. NIXL refuses a transfer descriptor that is
+//! not inside memory registered with it, so a region that failed or was deregistered is never
+//! silently written.
+
+use std::collections::HashMap;
+
+use nixl_sys::{Agent, MemType, MemoryRegion, NixlDescriptor, RegistrationHandle};
+
+use crate::alloc::{Region, Registrar, SegmentId};
+use crate::error::{Error, Result};
+use crate::sync::os::Mutex;
+
+/// One region as NIXL sees it.
+#[derive(Debug)]
+pub(crate) struct NixlRegion {
+    pub addr: u64,
+    pub len: u64,
+    pub device: u64,
+    pub mem_type: MemType,
+}
+
+impl MemoryRegion for NixlRegion {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+
+    fn size(&self) -> usize {
+        self.len as usize
+    }
+}
+
+impl NixlDescriptor for NixlRegion {
+    fn mem_type(&self) -> MemType {
+        self.mem_type
+    }
+
+    fn device_id(&self) -> u64 {
+        self.device
+    }
+}
+
+/// NIXL said no (its error is kept as the registration error's source).
+#[derive(Debug, thiserror::Error)]
+#[error("NIXL refused to register {len} bytes at {addr:#x}: {cause}")]
+pub(crate) struct NixlRefused {
+    addr: u64,
+    len: u64,
+    cause: nixl_sys::NixlError,
+}
+
+/// Registers every region of an allocator with one NIXL agent (see the module docs).
+pub(crate) struct NixlRegistrar {
+    agent: Agent,
+    mem_type: MemType,
+    handles: Mutex<HashMap<SegmentId, RegistrationHandle>>,
+}
+
+impl std::fmt::Debug for NixlRegistrar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlRegistrar")
+            .field("mem_type", &self.mem_type)
+            .field("registered", &self.handles.lock().len())
+            .finish()
+    }
+}
+
+impl NixlRegistrar {
+    pub fn new(agent: Agent, mem_type: MemType) -> Self {
+        NixlRegistrar {
+            agent,
+            mem_type,
+            handles: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The NIXL descriptor of `len` bytes at `addr` on `device`, in this registrar's memory type.
+    pub fn region(&self, addr: u64, len: u64, device: usize) -> NixlRegion {
+        NixlRegion {
+            addr,
+            len,
+            device: self.device_id(device),
+            mem_type: self.mem_type,
+        }
+    }
+
+    /// NIXL's device id: the device ordinal for VRAM, 0 for DRAM.
+    pub fn device_id(&self, device: usize) -> u64 {
+        match self.mem_type {
+            MemType::Vram => device as u64,
+            _ => 0,
+        }
+    }
+
+    pub fn mem_type(&self) -> MemType {
+        self.mem_type
+    }
+
+    /// Whether region `id` is registered with this agent.
+    pub fn holds(&self, id: SegmentId) -> bool {
+        self.handles.lock().contains_key(&id)
+    }
+
+    /// Regions registered now.
+    pub fn registered(&self) -> usize {
+        self.handles.lock().len()
+    }
+}
+
+impl Registrar for NixlRegistrar {
+    fn name(&self) -> &str {
+        "nixl"
+    }
+
+    fn register(&self, region: &Region) -> Result<()> {
+        let descriptor = self.region(region.base.0, region.size, region.device);
+        let handle = self
+            .agent
+            .register_memory(&descriptor, None)
+            .map_err(|cause| {
+                Error::registration(
+                    "nixl",
+                    NixlRefused {
+                        addr: region.base.0,
+                        len: region.size,
+                        cause,
+                    },
+                )
+            })?;
+        self.handles.lock().insert(region.id, handle);
+        Ok(())
+    }
+
+    fn deregister(&self, region: &Region) {
+        let handle = self.handles.lock().remove(&region.id);
+        if let Some(mut handle) = handle {
+            if let Err(err) = handle.deregister() {
+                tracing::error!(%err, region = %region.id, "NIXL deregistration failed");
+            }
+        }
+    }
+}

@@ -1,0 +1,521 @@
+//! Transfers through the real NIXL engine over UCX on loopback, no GPU (feature `nixl`): two
+//! processes (and two runtimes in one process), each with its own NIXL agent, write and read
+//! storages of mixed sizes in whole and expandable segments; every byte is checked; registrations
+//! count segments, not storages; a freed segment is deregistered and a transfer into it refused; a
+//! lazy clone's first write after a transfer; a peer killed mid-transfer; the stream sanitizer
+//! sees transfers; hostile metadata and descriptions are errors.
+//!
+//! The engine is the point: without NIXL's library (`CUDALLOC_NIXL_LIB_DIR` or the library
+//! path) every test here **fails**, it never skips.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use common::*;
+use cudalloc::nixl::{NixlAgent, NixlOptions, RemoteStorage};
+use cudalloc::{
+    AllocatorConfig, ErrorKind, HostDriver, Runtime, Sanitize, SanitizeOptions, Storage, StreamId,
+};
+
+const MIB: u64 = 1 << 20;
+const WAIT: Duration = Duration::from_secs(60);
+/// Storage sizes, each twice in a row (so neighbours can be paired with each other).
+const SIZES: [u64; 12] = [
+    512,
+    4096,
+    100_003,
+    512,
+    65_536,
+    MIB,
+    3 * MIB + 17,
+    4096,
+    7 * MIB,
+    12 * MIB,
+    25 * MIB,
+    2048,
+];
+
+/// NIXL's agents and UCX's threads are process-wide: one test at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Takes the test lock, keeps UCX on the loopback device, and loads NIXL — a failure, not a skip.
+fn setup() -> MutexGuard<'static, ()> {
+    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
+    if std::env::var_os("UCX_NET_DEVICES").is_none() {
+        // Under the lock, before any agent exists: UCX reads it when an agent starts.
+        std::env::set_var("UCX_NET_DEVICES", "lo");
+    }
+    let library = cudalloc::nixl::load_library(None).unwrap_or_else(|e| {
+        panic!("the NIXL engine is required by this suite and could not be loaded: {e}")
+    });
+    eprintln!("NIXL loaded from {}", library.path.display());
+    guard
+}
+
+fn unique(role: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{role}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn runtime(conf: &str, sanitize: Sanitize) -> (Arc<Runtime>, String) {
+    let host = HostDriver::builder()
+        .devices(1)
+        .memory_per_device(1 << 30)
+        .build()
+        .unwrap();
+    let prefix = host.shm_name_prefix();
+    let rt = Runtime::builder()
+        .config(AllocatorConfig::parse(conf).unwrap())
+        .check_invariants(true)
+        .sanitize(sanitize)
+        .build(Arc::new(host))
+        .unwrap();
+    (Arc::new(rt), prefix)
+}
+
+fn sizes(n: usize) -> Vec<u64> {
+    (0..n).map(|i| SIZES[(i / 2) % SIZES.len()]).collect()
+}
+
+fn filled(rt: &Arc<Runtime>, stream: StreamId, sizes: &[u64], seed: u64) -> Vec<Storage> {
+    sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let s = Storage::new_on(rt, stream, n).unwrap();
+            s.fill_pattern(seed + i as u64).unwrap();
+            s
+        })
+        .collect()
+}
+
+fn wrong(s: &Storage, seed: u64) -> u64 {
+    s.count_pattern_mismatches(seed).unwrap()
+}
+
+/// Registrations are the mapped regions: whole segments (fewer than the storages), or in an
+/// expandable runtime its mapped pages.
+fn assert_registrations_are_segments(rt: &Runtime, agent: &NixlAgent, storages: usize) {
+    let stats = rt.registration_stats();
+    let nixl = &stats.registrars[0];
+    assert_eq!(nixl.name, "nixl");
+    assert_eq!(agent.registered_regions() as u64, stats.mapped_regions);
+    assert_eq!(nixl.registered_regions, stats.mapped_regions);
+    if !rt.allocator().config().expandable_segments {
+        assert!(
+            nixl.registrations < storages as u64,
+            "{} registrations for {storages} storages",
+            nixl.registrations
+        );
+    }
+    assert_eq!(nixl.failures, 0);
+}
+
+#[test]
+fn two_processes_write_and_read_every_byte_whole_into_expandable() {
+    two_processes("", "expandable_segments:True");
+}
+
+#[test]
+fn two_processes_write_and_read_every_byte_expandable_into_whole() {
+    two_processes("expandable_segments:True", "");
+}
+
+fn two_processes(mine: &str, theirs: &str) {
+    let _one = setup();
+    let n = 24;
+    let (rt, prefix) = runtime(mine, Sanitize::FromEnv);
+    let agent = NixlAgent::new(&rt, NixlOptions::new(unique("parent"))).unwrap();
+    let mut child = ChildProcess::spawn("child_entry", "peer", "host");
+    child.send(&format!("conf={theirs} name={}", unique("child")));
+    let hello = child.recv();
+    let peer = agent.load_peer(&unhex(field(&hello, "md"))).unwrap();
+    let child_prefix = field(&hello, "prefix").to_owned();
+
+    child.send(&format!("alloc n={n} seed=1000"));
+    let remote: Vec<RemoteStorage> = (0..n)
+        .map(|_| RemoteStorage::from_bytes(&unhex(field(&child.recv(), "desc"))).unwrap())
+        .collect();
+    let counts = child.recv();
+    assert_eq!(field(&counts, "registered"), field(&counts, "mapped"));
+    if theirs.is_empty() {
+        assert!(field(&counts, "registered").parse::<usize>().unwrap() < n);
+    }
+    assert!(remote.iter().all(|r| r.agent() == peer));
+    assert_eq!(agent.load_peer(&unhex(field(&counts, "md"))).unwrap(), peer);
+
+    let stream = rt.default_stream(0).unwrap();
+    let local = filled(&rt, stream, &sizes(n), 2000);
+    assert_registrations_are_segments(&rt, &agent, n);
+
+    // Even storages written into the peer's, odd ones read from it: one transfer each way.
+    let evens: Vec<(&Storage, &RemoteStorage)> =
+        (0..n).step_by(2).map(|i| (&local[i], &remote[i])).collect();
+    let odds: Vec<(&Storage, &RemoteStorage)> =
+        (1..n).step_by(2).map(|i| (&local[i], &remote[i])).collect();
+    let mut write = agent.write(stream, &evens, Some(b"wrote")).unwrap();
+    let mut read = agent.read(stream, &odds, Some(b"read")).unwrap();
+    write.wait(WAIT).unwrap();
+    read.wait(WAIT).unwrap();
+    assert_eq!(
+        write.bytes() + read.bytes(),
+        sizes(n).iter().sum::<u64>(),
+        "every byte of both sides moved once"
+    );
+    drop((write, read));
+    for (i, s) in local.iter().enumerate() {
+        let seed = if i % 2 == 0 { 2000 } else { 1000 } + i as u64;
+        assert_eq!(wrong(s, seed), 0, "local storage {i}");
+    }
+    child.send(&format!("check written=2000 from={}", agent.name()));
+    assert_eq!(field(&child.recv(), "wrong"), "0", "the peer's storages");
+
+    // A lazy clone read into: materialized first, its source untouched.
+    let into_clone = local[0].lazy_clone().unwrap();
+    let mut t = agent
+        .read(stream, &[(&into_clone, &remote[1])], None)
+        .unwrap();
+    t.wait(WAIT).unwrap();
+    drop(t);
+    assert!(!into_clone.is_cow());
+    assert_eq!(wrong(&into_clone, 1001), 0);
+    assert_eq!(wrong(&local[0], 2000), 0);
+    // A lazy clone written from: read in place, never materialized.
+    let from_clone = local[2].lazy_clone().unwrap();
+    let mut t = agent
+        .write(stream, &[(&from_clone, &remote[3])], None)
+        .unwrap();
+    t.wait(WAIT).unwrap();
+    drop(t);
+    assert!(
+        from_clone.is_cow(),
+        "a transfer that reads does not materialize"
+    );
+    // The first write of a clone of memory a transfer filled: the source keeps those bytes.
+    let clone = local[1].lazy_clone().unwrap();
+    clone.fill_pattern(77).unwrap();
+    assert_eq!(wrong(&clone, 77), 0);
+    assert_eq!(wrong(&local[1], 1001), 0);
+
+    // The peer frees its storages and releases their segments (deregistered first), then sends
+    // fresh metadata: a transfer into the freed memory is refused by NIXL.
+    child.send("free");
+    let freed = child.recv();
+    assert_eq!(field(&freed, "registered"), "0");
+    assert_eq!(agent.load_peer(&unhex(field(&freed, "md"))).unwrap(), peer);
+    let err = agent
+        .write(stream, &[(&local[4], &remote[4])], None)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Transfer, "{err}");
+    child.send("exit");
+    child.finish();
+    assert!(shm_names_with_prefix(&child_prefix).is_empty());
+
+    drop((into_clone, from_clone, clone, local));
+    drop(agent);
+    rt.empty_cache();
+    assert_eq!(rt.registration_stats().mapped_regions, 0);
+    drop(rt);
+    assert!(shm_names_with_prefix(&prefix).is_empty());
+}
+
+#[test]
+fn a_peer_killed_mid_transfer_fails_the_transfer_and_the_survivor_goes_on() {
+    let _one = setup();
+    let (rt, prefix) = runtime("", Sanitize::FromEnv);
+    let agent = NixlAgent::new(&rt, NixlOptions::new(unique("survivor"))).unwrap();
+    let mut child = ChildProcess::spawn("child_entry", "peer", "host");
+    child.send(&format!("conf= name={}", unique("victim")));
+    let hello = child.recv();
+    let peer = agent.load_peer(&unhex(field(&hello, "md"))).unwrap();
+    let child_prefix = field(&hello, "prefix").to_owned();
+    child.send("alloc n=1 seed=5");
+    let target = RemoteStorage::from_bytes(&unhex(field(&child.recv(), "desc"))).unwrap();
+    agent.load_peer(&unhex(field(&child.recv(), "md"))).unwrap();
+    let stream = rt.default_stream(0).unwrap();
+    let source = Storage::new_on(&rt, stream, 512).unwrap();
+    let big_source = Storage::new_on(&rt, stream, 64 * MIB).unwrap();
+    big_source.fill_pattern(9).unwrap();
+    // The peer's storage is 512 bytes: write the small one until the peer is killed (right
+    // after the third post), then every transfer fails — promptly, without a hang or a signal.
+    let mut child = Some(child);
+    let mut failures = 0;
+    for i in 0..200 {
+        let outcome = agent
+            .write(stream, &[(&source, &target)], Some(b"x"))
+            .and_then(|mut t| {
+                if i == 3 {
+                    child.take().unwrap().kill();
+                }
+                t.wait(WAIT)
+            });
+        match outcome {
+            Ok(()) => assert!(failures == 0, "a transfer to a dead peer succeeded"),
+            Err(err) => {
+                assert_eq!(err.kind(), ErrorKind::Transfer, "{err}");
+                failures += 1;
+                if failures == 3 {
+                    break;
+                }
+            }
+        }
+    }
+    assert_eq!(failures, 3, "transfers to a killed peer fail");
+    assert!(child.is_none());
+    agent.forget_peer(&peer).unwrap();
+    let err = agent
+        .write(stream, &[(&source, &target)], None)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Transfer);
+    // The survivor keeps working, and nothing of the dead peer stays in /dev/shm.
+    let s = Storage::new_on(&rt, stream, 5 * MIB).unwrap();
+    s.fill_pattern(4).unwrap();
+    assert_eq!(wrong(&s, 4), 0);
+    assert_eq!(wrong(&big_source, 9), 0);
+    cudalloc::sweep_orphans().unwrap();
+    assert!(shm_names_with_prefix(&child_prefix).is_empty());
+    drop((s, source, big_source, agent));
+    drop(rt);
+    assert!(shm_names_with_prefix(&prefix).is_empty());
+}
+
+/// Two runtimes and two agents in one process (the sanitizer on both, in report mode).
+struct Pair {
+    a: Arc<Runtime>,
+    b: Arc<Runtime>,
+    agent_a: NixlAgent,
+    agent_b: NixlAgent,
+}
+
+fn pair(conf_a: &str, conf_b: &str) -> Pair {
+    let report = Sanitize::On(SanitizeOptions::report());
+    let (a, _) = runtime(conf_a, report);
+    let (b, _) = runtime(conf_b, report);
+    let agent_a = NixlAgent::new(&a, NixlOptions::new(unique("a"))).unwrap();
+    let agent_b = NixlAgent::new(&b, NixlOptions::new(unique("b"))).unwrap();
+    agent_a.load_peer(&agent_b.metadata().unwrap()).unwrap();
+    agent_b.load_peer(&agent_a.metadata().unwrap()).unwrap();
+    Pair {
+        a,
+        b,
+        agent_a,
+        agent_b,
+    }
+}
+
+#[test]
+fn two_runtimes_in_one_process_and_the_sanitizer_sees_transfers() {
+    let _one = setup();
+    let p = pair("expandable_segments:True", "");
+    let (sa, sb) = (
+        p.a.default_stream(0).unwrap(),
+        p.b.default_stream(0).unwrap(),
+    );
+    let n = 8;
+    let src = filled(&p.a, sa, &sizes(n), 300);
+    let dst = filled(&p.b, sb, &sizes(n), 0);
+    let targets: Vec<RemoteStorage> = dst
+        .iter()
+        .map(|s| p.agent_b.describe(s, sb).unwrap())
+        .collect();
+    p.agent_a.load_peer(&p.agent_b.metadata().unwrap()).unwrap();
+    let pairs: Vec<(&Storage, &RemoteStorage)> = src.iter().zip(&targets).collect();
+    let mut t = p.agent_a.write(sa, &pairs, Some(b"done")).unwrap();
+
+    // While the transfer reads src[0], writing it on the transfer's own stream is a race: the
+    // stream is not ordered after a transfer before its completion was seen.
+    let err = src[0].fill_pattern(1).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
+    assert!(err.to_string().contains("a NIXL write"), "{err}");
+    t.wait(WAIT).unwrap();
+    drop(t);
+
+    p.agent_b
+        .wait_notification(p.agent_a.name(), b"done", WAIT)
+        .unwrap();
+    // Local work on a storage a peer may write, between its description and `received`, races
+    // with the peer's write: here a copy out of dst[1] queued on another stream first.
+    let other = p.b.create_stream(0).unwrap();
+    let scratch = Storage::new_on(&p.b, other, dst[1].nbytes()).unwrap();
+    p.b.driver()
+        .copy_device_to_device(
+            other,
+            scratch.data_ptr(),
+            dst[1].data_ptr(),
+            dst[1].nbytes(),
+        )
+        .unwrap();
+    let err = p.agent_b.received(&dst[1], sb).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
+    assert!(
+        err.to_string().contains("a NIXL transfer from a peer"),
+        "{err}"
+    );
+    for (i, d) in dst.iter().enumerate() {
+        if i != 1 {
+            p.agent_b.received(d, sb).unwrap();
+        }
+        assert_eq!(wrong(d, 300 + i as u64), 0, "storage {i}");
+    }
+
+    // A transfer on a stream that does not know another stream's pending write to its source:
+    // refused as a race before NIXL touches anything.
+    let side = p.a.create_stream(0).unwrap();
+    let fresh = Storage::new_on(&p.a, side, sizes(n)[2]).unwrap();
+    p.a.driver()
+        .fill_pattern(side, fresh.data_ptr(), fresh.nbytes(), 3)
+        .unwrap();
+    let err = p
+        .agent_a
+        .write(sa, &[(&fresh, &targets[2])], None)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
+    // Ordered (its own stream), it goes through.
+    let mut ok = p
+        .agent_a
+        .write(side, &[(&fresh, &targets[2])], None)
+        .unwrap();
+    ok.wait(WAIT).unwrap();
+}
+
+#[test]
+fn descriptors_outside_registered_memory_and_hostile_input_are_errors() {
+    let _one = setup();
+    let p = pair("", "expandable_segments:True");
+    let (sa, sb) = (
+        p.a.default_stream(0).unwrap(),
+        p.b.default_stream(0).unwrap(),
+    );
+    let src = Storage::new_on(&p.a, sa, MIB).unwrap();
+    src.fill_pattern(6).unwrap();
+    let dst = Storage::new_on(&p.b, sb, MIB).unwrap();
+    let good = p.agent_b.describe(&dst, sb).unwrap();
+    p.agent_a.load_peer(&p.agent_b.metadata().unwrap()).unwrap();
+
+    // The same storage description moved past the peer's registered memory.
+    let moved: Vec<(u64, u64)> = good
+        .pieces()
+        .iter()
+        .map(|&(a, l)| (a + (64 << 30), l))
+        .collect();
+    assert_ne!(moved, good.pieces());
+    let outside = forge(&good, moved);
+    let err = p.agent_a.write(sa, &[(&src, &outside)], None).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Transfer, "{err}");
+    // Sizes that differ, and a peer never loaded.
+    let small = Storage::new_on(&p.a, sa, 4096).unwrap();
+    assert!(p.agent_a.write(sa, &[(&small, &good)], None).is_err());
+    p.agent_a.forget_peer(p.agent_b.name()).unwrap();
+    let err = p.agent_a.write(sa, &[(&src, &good)], None).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Transfer);
+
+    // Metadata from nowhere: empty, oversized, truncated, damaged — errors, never a crash.
+    let md = p.agent_b.metadata().unwrap();
+    assert!(p.agent_a.load_peer(&[]).is_err());
+    assert!(p
+        .agent_a
+        .load_peer(&vec![0u8; cudalloc::nixl::MAX_METADATA_BYTES + 1])
+        .is_err());
+    for cut in [1, 7, md.len() / 3, md.len() / 2] {
+        assert!(p.agent_a.load_peer(&md[..cut]).is_err(), "cut at {cut}");
+    }
+    assert!(p.agent_a.load_peer(&[0xA5; 512]).is_err());
+    // The real metadata still loads, and the transfer then works.
+    p.agent_a.load_peer(&md).unwrap();
+    let mut t = p.agent_a.write(sa, &[(&src, &good)], None).unwrap();
+    t.wait(WAIT).unwrap();
+    drop(t);
+    assert_eq!(wrong(&dst, 6), 0);
+    // A received storage names no region of ours; an empty one none at all.
+    assert!(p
+        .agent_a
+        .describe(&Storage::new(&p.a, 0, 0).unwrap(), sa)
+        .is_err());
+}
+
+/// A description of `like`'s storage at other addresses (what a confused or hostile peer sends).
+fn forge(like: &RemoteStorage, pieces: Vec<(u64, u64)>) -> RemoteStorage {
+    RemoteStorage::new(like.agent().to_owned(), like.kind(), like.device(), pieces).unwrap()
+}
+
+/// The child: a runtime and an agent answering the parent's lines.
+#[test]
+#[ignore = "run by the tests above as a child process"]
+fn child_entry() {
+    let Ok(role) = std::env::var(ROLE_VAR) else {
+        return;
+    };
+    assert_eq!(role, "peer");
+    let _one = setup();
+    let mut link = ParentLink::new();
+    let hello = link.recv();
+    let conf = field(&hello, "conf").to_owned();
+    let (rt, prefix) = runtime(&conf, Sanitize::FromEnv);
+    let agent = NixlAgent::new(&rt, NixlOptions::new(field(&hello, "name"))).unwrap();
+    link.send(&format!(
+        "md={} prefix={prefix}",
+        hex(&agent.metadata().unwrap())
+    ));
+    let stream = rt.default_stream(0).unwrap();
+    let mut storages: Vec<Storage> = Vec::new();
+    while let Some(line) = link.recv_or_eof() {
+        let command = line.split(' ').next().unwrap_or_default();
+        match command {
+            "alloc" => {
+                let n: usize = field(&line, "n").parse().unwrap();
+                let seed: u64 = field(&line, "seed").parse().unwrap();
+                storages = filled(&rt, stream, &sizes(n), seed);
+                for s in &storages {
+                    let desc = agent.describe(s, stream).unwrap();
+                    link.send(&format!("desc={}", hex(&desc.to_bytes())));
+                }
+                let stats = rt.registration_stats();
+                // Fresh metadata after the new segments: the peer learns their registrations.
+                link.send(&format!(
+                    "registered={} mapped={} md={}",
+                    agent.registered_regions(),
+                    stats.mapped_regions,
+                    hex(&agent.metadata().unwrap())
+                ));
+            }
+            "check" => {
+                let written: u64 = field(&line, "written").parse().unwrap();
+                agent
+                    .wait_notification(field(&line, "from"), b"wrote", WAIT)
+                    .unwrap();
+                let mut bad = 0;
+                for (i, s) in storages.iter().enumerate() {
+                    if i % 2 == 0 {
+                        agent.received(s, stream).unwrap();
+                        bad += wrong(s, written + i as u64);
+                    } else {
+                        bad += wrong(s, 1000 + i as u64);
+                    }
+                }
+                link.send(&format!("wrong={bad}"));
+            }
+            "free" => {
+                storages.clear();
+                rt.empty_cache();
+                link.send(&format!(
+                    "registered={} md={}",
+                    agent.registered_regions(),
+                    hex(&agent.metadata().unwrap())
+                ));
+            }
+            "exit" => break,
+            other => panic!("unknown command {other:?}"),
+        }
+    }
+    drop(storages);
+    drop(agent);
+    drop(rt);
+}
