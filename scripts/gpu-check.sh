@@ -14,9 +14,11 @@ bin_dir=target/gpu-bin
 
 prepare() {
   mkdir -p "$bin_dir"
-  # --features cudarc: the cudarc views' tests (a kernel launched through cudarc on a storage).
-  { cargo test --release --features cudarc --no-run --message-format=json 2>/dev/null
-    cargo build --release --features cudarc --examples --message-format=json 2>/dev/null
+  # --features cudarc: the cudarc views' tests (a kernel launched through cudarc on a storage);
+  # nccl: the allocator's regions registered with an NCCL communicator (tests/nccl_gpu.rs; it
+  # needs libnccl.so.2, e.g. from the nvidia-nccl-cu12 wheel, on the library path).
+  { cargo test --release --features cudarc,nccl --no-run --message-format=json 2>/dev/null
+    cargo build --release --features cudarc,nccl --examples --message-format=json 2>/dev/null
     cargo bench --no-run --message-format=json 2>/dev/null; } \
     | python3 -c '
 import json, sys, shutil, os

@@ -27,6 +27,9 @@ mod driver;
 mod error;
 mod global;
 mod ipc;
+#[cfg(feature = "nccl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
+pub mod nccl;
 #[cfg(feature = "nixl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
 pub mod nixl;

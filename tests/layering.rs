@@ -11,7 +11,7 @@
 //! | 3    | cow, ipc | `cow`, `ipc` (not each other)   |
 //! | 4    | runtime, replay | `runtime`, `replay` (not each other) |
 //! | 5    | storage  | `storage`                       |
-//! | 6    | global, nixl | `global`, `nixl` (not each other) |
+//! | 6    | global, nixl, nccl | `global`, `nixl`, `nccl` (not each other) |
 //! | 7    | command  | `main.rs`, `cli/` (use the public API only) |
 //!
 //! **Inside every folder, one direction too** (issue 22): the files and subfolders of a folder —
@@ -34,7 +34,7 @@ fn rank(module: &str) -> Option<u32> {
         "cow" | "ipc" => 3,
         "runtime" | "replay" => 4,
         "storage" => 5,
-        "global" | "nixl" => 6,
+        "global" | "nixl" | "nccl" => 6,
         "cli" | "main" => 7,
         _ => return None,
     })

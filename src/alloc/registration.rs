@@ -41,6 +41,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Bound;
+use std::time::Instant;
 
 use crate::driver::{DeviceAddr, StreamId};
 use crate::error::{Error, Result};
@@ -144,6 +145,10 @@ pub struct RegistrarStats {
     pub registered_regions: u64,
     /// Bytes registered now.
     pub registered_bytes: u64,
+    /// Time spent in its `register` calls, in nanoseconds (failed ones included).
+    pub registration_ns: u64,
+    /// Time spent in its `deregister` calls, in nanoseconds.
+    pub deregistration_ns: u64,
 }
 
 /// The registration figures of an allocator ([`registration_stats`](crate::CachingAllocator::registration_stats)).
@@ -215,7 +220,10 @@ impl fmt::Debug for Registry {
 
 impl Attached {
     fn register(&mut self, record: &mut Record) -> Result<()> {
-        match self.registrar.register(&record.region) {
+        let started = Instant::now();
+        let outcome = self.registrar.register(&record.region);
+        self.stats.registration_ns += nanos(started);
+        match outcome {
             Ok(()) => {
                 self.stats.registrations += 1;
                 self.stats.registered_regions += 1;
@@ -241,11 +249,17 @@ impl Attached {
             return;
         };
         record.registered_with.swap_remove(at);
+        let started = Instant::now();
         self.registrar.deregister(&record.region);
+        self.stats.deregistration_ns += nanos(started);
         self.stats.deregistrations += 1;
         self.stats.registered_regions -= 1;
         self.stats.registered_bytes -= record.region.size;
     }
+}
+
+fn nanos(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl RegistryState {

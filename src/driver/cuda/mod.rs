@@ -32,6 +32,8 @@
 
 mod capture;
 pub mod kernels;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod process_ipc;
 mod vm;
 
