@@ -9,23 +9,23 @@
 //! (`alloc/registration.rs` has the lifetimes).
 //!
 //! The calls themselves are the CUDA backend's (`driver/cuda/nccl.rs`, the only place that names
-//! cudarc's NCCL); the registrar's bookkeeping is generic over [`CommRegistration`], so its
-//! lifetimes are tested without a GPU by a recording communicator, and on a GPU with NCCL by
-//! `tests/nccl_gpu.rs` (run by `scripts/gpu-check.sh`).
+//! cudarc's NCCL); the registrar's bookkeeping (`Handles`) is generic over a crate-private
+//! communicator trait, so its lifetimes are tested without a GPU by a recording communicator, and
+//! on a GPU with NCCL by `tests/nccl_gpu.rs` (run by `scripts/gpu-check.sh`). A storage that spans
+//! pages of an expandable segment spans registrations: NCCL's user-buffer paths apply within one.
 
 use std::collections::HashMap;
 
-pub use crate::driver::cuda::nccl::NcclComm;
+pub use crate::driver::cuda::nccl::{NcclComm, NcclExclusive, NCCL_MIN_VERSION};
 
 use crate::alloc::{Region, Registrar, SegmentId};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::sync::os::Mutex;
 
-/// What a registrar needs of a communicator: register a range, deregister by handle.
-pub trait CommRegistration: Send + Sync {
-    /// Registers `len` bytes at `addr`; the handle that deregisters them.
+/// What the registrar needs of a communicator (crate-private: nothing outside can deregister a
+/// handle the registrar holds).
+pub(crate) trait CommRegistration: Send + Sync {
     fn register(&self, addr: u64, len: u64) -> Result<u64>;
-    /// Deregisters `handle`.
     fn deregister(&self, handle: u64) -> Result<()>;
 }
 
@@ -39,59 +39,98 @@ impl CommRegistration for NcclComm {
     }
 }
 
-/// Registers every region of an allocator with one communicator (see the module docs).
-pub struct NcclRegistrar<C: CommRegistration = NcclComm> {
+/// The registrar's bookkeeping over any communicator: each region's handle, by its id.
+pub(crate) struct Handles<C> {
     comm: C,
-    handles: Mutex<HashMap<SegmentId, u64>>,
+    by_region: Mutex<HashMap<SegmentId, u64>>,
 }
 
-impl<C: CommRegistration> std::fmt::Debug for NcclRegistrar<C> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NcclRegistrar")
-            .field("registered", &self.handles.lock().len())
-            .finish()
-    }
-}
-
-impl<C: CommRegistration> NcclRegistrar<C> {
-    /// A registrar over `comm` (attach it with
-    /// [`attach_registrar`](crate::CachingAllocator::attach_registrar)).
-    pub fn new(comm: C) -> Self {
-        NcclRegistrar {
+impl<C: CommRegistration> Handles<C> {
+    pub(crate) fn new(comm: C) -> Self {
+        Handles {
             comm,
-            handles: Mutex::new(HashMap::new()),
+            by_region: Mutex::new(HashMap::new()),
         }
     }
 
-    /// NCCL's handle for region `id`, while it is registered.
-    pub fn handle(&self, id: SegmentId) -> Option<u64> {
-        self.handles.lock().get(&id).copied()
+    fn holds(&self, id: SegmentId) -> bool {
+        self.by_region.lock().contains_key(&id)
     }
 
-    /// Regions registered now.
-    pub fn registered(&self) -> usize {
-        self.handles.lock().len()
+    fn registered(&self) -> usize {
+        self.by_region.lock().len()
     }
 }
 
-impl<C: CommRegistration> Registrar for NcclRegistrar<C> {
+impl<C: CommRegistration> Registrar for Handles<C> {
     fn name(&self) -> &str {
         "nccl"
     }
 
     fn register(&self, region: &Region) -> Result<()> {
-        let handle = self.comm.register(region.base.0, region.size)?;
-        self.handles.lock().insert(region.id, handle);
+        let handle = self
+            .comm
+            .register(region.base.0, region.size)
+            .map_err(|e| Error::registration("nccl", e))?;
+        self.by_region.lock().insert(region.id, handle);
         Ok(())
     }
 
     fn deregister(&self, region: &Region) {
-        let handle = self.handles.lock().remove(&region.id);
+        let handle = self.by_region.lock().remove(&region.id);
         if let Some(handle) = handle {
             if let Err(err) = self.comm.deregister(handle) {
                 tracing::error!(%err, region = %region.id, "NCCL deregistration failed");
             }
         }
+    }
+}
+
+/// Registers every region of an allocator with one communicator (see the module docs).
+pub struct NcclRegistrar(Handles<NcclComm>);
+
+impl std::fmt::Debug for NcclRegistrar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclRegistrar")
+            .field("registered", &self.0.registered())
+            .finish()
+    }
+}
+
+impl NcclRegistrar {
+    /// A registrar over `comm` (attach it with
+    /// [`attach_registrar`](crate::CachingAllocator::attach_registrar)).
+    pub fn new(comm: NcclComm) -> Self {
+        NcclRegistrar(Handles::new(comm))
+    }
+
+    /// The communicator, to hold [`NcclComm::exclusive`] around your own calls on it.
+    pub fn comm(&self) -> &NcclComm {
+        &self.0.comm
+    }
+
+    /// Whether region `id` is registered now.
+    pub fn holds(&self, id: SegmentId) -> bool {
+        self.0.holds(id)
+    }
+
+    /// Regions registered now.
+    pub fn registered(&self) -> usize {
+        self.0.registered()
+    }
+}
+
+impl Registrar for NcclRegistrar {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+
+    fn register(&self, region: &Region) -> Result<()> {
+        self.0.register(region)
+    }
+
+    fn deregister(&self, region: &Region) {
+        self.0.deregister(region)
     }
 }
 
@@ -101,7 +140,7 @@ mod tests {
     use super::*;
     use crate::alloc::OnRegistrationFailure;
     use crate::driver::HostDriver;
-    use crate::error::{Error, ErrorKind};
+    use crate::error::ErrorKind;
     use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
     use crate::sync::os::Arc;
     use crate::{AllocatorConfig, Runtime, Storage};
@@ -118,10 +157,13 @@ mod tests {
     impl CommRegistration for Arc<Recording> {
         fn register(&self, addr: u64, len: u64) -> Result<u64> {
             if self.refuse.load(Ordering::SeqCst) {
-                return Err(Error::registration(
-                    "nccl",
-                    std::io::Error::other("ncclInvalidUsage (test)"),
-                ));
+                // What `NcclComm` returns for a refusal: a driver error naming the call.
+                return Err(Error::Driver {
+                    backend: "cuda",
+                    call: "ncclCommRegister",
+                    message: "NCCL said ncclInvalidUsage (test)".into(),
+                    source: None,
+                });
             }
             let handle = 0x1000 + self.next.fetch_add(1, Ordering::SeqCst);
             self.live.lock().insert(handle, (addr, len));
@@ -155,7 +197,7 @@ mod tests {
     fn each_expandable_page_is_registered_and_deregistered_by_its_handle() {
         let rt = runtime("expandable_segments:True");
         let comm = Arc::new(Recording::default());
-        let registrar = Arc::new(NcclRegistrar::new(Arc::clone(&comm)));
+        let registrar = Arc::new(Handles::new(Arc::clone(&comm)));
         rt.attach_registrar(registrar.clone(), OnRegistrationFailure::FailAllocation)
             .unwrap_or_else(|e| panic!("{e}"));
         let a = Storage::new(&rt, 0, 5 << 20).unwrap_or_else(|e| panic!("{e}"));
@@ -163,7 +205,7 @@ mod tests {
         let pieces = a.registered_regions().unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(pieces.len(), 3, "5 MiB over 2 MiB pages");
         for p in &pieces {
-            let handle = registrar.handle(p.region.id);
+            let handle = registrar.by_region.lock().get(&p.region.id).copied();
             let live = handle.and_then(|h| comm.live.lock().get(&h).copied());
             assert_eq!(live, Some((p.region.base.0, p.region.size)));
         }
@@ -183,7 +225,7 @@ mod tests {
         let rt = runtime("");
         let comm = Arc::new(Recording::default());
         comm.refuse.store(true, Ordering::SeqCst);
-        let strict = Arc::new(NcclRegistrar::new(Arc::clone(&comm)));
+        let strict = Arc::new(Handles::new(Arc::clone(&comm)));
         let id = rt
             .attach_registrar(strict, OnRegistrationFailure::FailAllocation)
             .unwrap_or_else(|e| panic!("{e}"));
@@ -191,7 +233,7 @@ mod tests {
         assert_eq!(err.kind(), ErrorKind::Registration);
         assert_eq!(rt.reserved_bytes(0).unwrap_or(1), 0);
         assert!(rt.detach_registrar(id));
-        let lenient = Arc::new(NcclRegistrar::new(Arc::clone(&comm)));
+        let lenient = Arc::new(Handles::new(Arc::clone(&comm)));
         rt.attach_registrar(lenient.clone(), OnRegistrationFailure::CountAndSkip)
             .unwrap_or_else(|e| panic!("{e}"));
         let s = Storage::new(&rt, 0, 1 << 20).unwrap_or_else(|e| panic!("{e}"));

@@ -59,7 +59,7 @@ fn regions_are_registered_with_a_communicator_and_deregistered_before_they_go() 
         );
         for s in &storages {
             for piece in s.registered_regions().unwrap() {
-                assert!(registrar.handle(piece.region.id).is_some(), "{conf}");
+                assert!(registrar.holds(piece.region.id), "{conf}");
             }
         }
         println!(

@@ -185,7 +185,7 @@ fn two_processes(mine: &str, theirs: &str) {
         .unwrap();
     t.wait(WAIT).unwrap();
     drop(t);
-    assert!(!into_clone.is_cow());
+    assert_ne!(into_clone.data_ptr(), local[0].data_ptr(), "materialized");
     assert_eq!(wrong(&into_clone, 1001), 0);
     assert_eq!(wrong(&local[0], 2000), 0);
     // A lazy clone written from: read in place, never materialized.
@@ -296,9 +296,12 @@ struct Pair {
 }
 
 fn pair(conf_a: &str, conf_b: &str) -> Pair {
-    let report = Sanitize::On(SanitizeOptions::report());
-    let (a, _) = runtime(conf_a, report);
-    let (b, _) = runtime(conf_b, report);
+    pair_sanitized(conf_a, conf_b, Sanitize::On(SanitizeOptions::report()))
+}
+
+fn pair_sanitized(conf_a: &str, conf_b: &str, sanitize: Sanitize) -> Pair {
+    let (a, _) = runtime(conf_a, sanitize);
+    let (b, _) = runtime(conf_b, sanitize);
     let agent_a = NixlAgent::new(&a, NixlOptions::new(unique("a"))).unwrap();
     let agent_b = NixlAgent::new(&b, NixlOptions::new(unique("b"))).unwrap();
     agent_a.load_peer(&agent_b.metadata().unwrap()).unwrap();
@@ -326,17 +329,27 @@ fn two_runtimes_in_one_process_and_the_sanitizer_sees_transfers() {
         .iter()
         .map(|s| p.agent_b.describe(s, sb).unwrap())
         .collect();
-    p.agent_a.load_peer(&p.agent_b.metadata().unwrap()).unwrap();
     let pairs: Vec<(&Storage, &RemoteStorage)> = src.iter().zip(&targets).collect();
+    // b's storages live in segments mapped after the metadata a loaded: a clear refusal.
+    let err = p.agent_a.write(sa, &pairs, None).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Transfer);
+    assert!(err.to_string().contains("fresh metadata"), "{err}");
+    p.agent_a.load_peer(&p.agent_b.metadata().unwrap()).unwrap();
     let mut t = p.agent_a.write(sa, &pairs, Some(b"done")).unwrap();
+    // While it is in flight (until a poll or wait saw its end), b's metadata cannot be replaced.
+    let err = p
+        .agent_a
+        .load_peer(&p.agent_b.metadata().unwrap())
+        .unwrap_err();
+    assert!(err.to_string().contains("in flight"), "{err}");
 
-    // While the transfer reads src[0], writing it on the transfer's own stream is a race: the
-    // stream is not ordered after a transfer before its completion was seen.
-    let err = src[0].fill_pattern(1).unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
-    assert!(err.to_string().contains("a NIXL write"), "{err}");
+    // Writing src[0] while the transfer reads it is no race: the transfer holds the memory as
+    // it was at the post, and the write materializes the storage elsewhere (the peer still gets
+    // the bytes of the post, checked below).
+    src[0].fill_pattern(1).unwrap();
     t.wait(WAIT).unwrap();
     drop(t);
+    assert_eq!(wrong(&src[0], 1), 0);
 
     p.agent_b
         .wait_notification(p.agent_a.name(), b"done", WAIT)
@@ -384,6 +397,67 @@ fn two_runtimes_in_one_process_and_the_sanitizer_sees_transfers() {
         .write(side, &[(&fresh, &targets[2])], None)
         .unwrap();
     ok.wait(WAIT).unwrap();
+    drop(ok);
+
+    // A read writes local memory: reading that memory before the read's end was seen (here a
+    // write of the storage, whose copy-on-write step reads the pinned memory) is a race.
+    let into = Storage::new_on(&p.a, sa, sizes(n)[3]).unwrap();
+    let mut reading = p.agent_a.read(sa, &[(&into, &targets[3])], None).unwrap();
+    let err = into.fill_pattern(5).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
+    assert!(err.to_string().contains("a NIXL read"), "{err}");
+    reading.wait(WAIT).unwrap();
+}
+
+#[test]
+fn a_transfer_keeps_its_memory_and_registrations_whatever_happens_to_its_storage_and_agent() {
+    let _one = setup();
+    // Without the sanitizer: it would refuse the racing write below before it moved anything.
+    let p = pair_sanitized("", "", Sanitize::Off);
+    let (sa, sb) = (
+        p.a.default_stream(0).unwrap(),
+        p.b.default_stream(0).unwrap(),
+    );
+    let src = Storage::new_on(&p.b, sb, 4 * MIB).unwrap();
+    src.fill_pattern(41).unwrap();
+    let described = p.agent_b.describe(&src, sb).unwrap();
+    p.agent_a.load_peer(&p.agent_b.metadata().unwrap()).unwrap();
+    let dst = Storage::new_on(&p.a, sa, 4 * MIB).unwrap();
+    let posted_at = dst.data_ptr();
+    let mut t = p.agent_a.read(sa, &[(&dst, &described)], None).unwrap();
+    // Meanwhile (a user's race) the storage is lazily cloned and written, so it moves to new
+    // memory, and the clone — now the only other holder of the old memory — is dropped: the
+    // memory NIXL writes stays allocated until the transfer ends, a new allocation of the same
+    // size does not get it.
+    let clone = dst.lazy_clone().unwrap();
+    dst.fill_pattern(1).unwrap();
+    assert_ne!(dst.data_ptr(), posted_at, "the written storage moved");
+    drop(clone);
+    let other = Storage::new_on(&p.a, sa, 4 * MIB).unwrap();
+    assert_ne!(
+        other.data_ptr(),
+        posted_at,
+        "memory under a transfer was handed out again"
+    );
+    // The agent goes too: its registrations stay while the transfer lives.
+    let Pair {
+        a,
+        b,
+        agent_a,
+        agent_b,
+    } = p;
+    drop(agent_a);
+    assert_eq!(a.registration_stats().registrars.len(), 1);
+    t.wait(WAIT).unwrap();
+    drop(t);
+    assert!(
+        a.registration_stats().registrars.is_empty(),
+        "detached with the last transfer"
+    );
+    drop((other, dst, agent_b, src));
+    a.empty_cache();
+    b.empty_cache();
+    assert_eq!(a.registration_stats().mapped_regions, 0);
 }
 
 #[test]
@@ -428,6 +502,24 @@ fn descriptors_outside_registered_memory_and_hostile_input_are_errors() {
         assert!(p.agent_a.load_peer(&md[..cut]).is_err(), "cut at {cut}");
     }
     assert!(p.agent_a.load_peer(&[0xA5; 512]).is_err());
+    // A name nixl-sys would panic on (not UTF-8), of the same length: refused before NIXL.
+    let name = p.agent_b.name().as_bytes().to_vec();
+    let at = md
+        .windows(name.len())
+        .position(|w| w == name.as_slice())
+        .unwrap();
+    let mut renamed = md.clone();
+    renamed[at..at + name.len()].fill(0xFF);
+    let err = p.agent_a.load_peer(&renamed).unwrap_err();
+    assert!(err.to_string().contains("UTF-8"), "{err}");
+    // NIXL's own bytes without cudalloc's envelope.
+    assert!(p.agent_a.load_peer(&md[16..]).is_err());
+    // Every damaged byte of the envelope and NIXL's header: an error or a load, never a crash.
+    for i in 0..64.min(md.len()) {
+        let mut b = md.clone();
+        b[i] ^= 0x41;
+        let _ = p.agent_a.load_peer(&b);
+    }
     // The real metadata still loads, and the transfer then works.
     p.agent_a.load_peer(&md).unwrap();
     let mut t = p.agent_a.write(sa, &[(&src, &good)], None).unwrap();

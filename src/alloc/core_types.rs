@@ -94,6 +94,9 @@ pub(crate) struct DeviceCore {
     /// Cached segments taken for release while a capture began: `(stream, base, size)`, freed
     /// by the next release after the captures (`DeviceCore::free_segments`), or at the end.
     pub(super) unfreed: Mutex<Vec<(StreamId, u64, u64)>>,
+    /// Segments a registrar refused while a capture ran: `(base, size)`, never seen by observers
+    /// or the trace, freed quietly by the next release or at the end (`return_unregistered`).
+    pub(super) refused: Mutex<Vec<(u64, u64)>>,
 }
 
 impl std::fmt::Debug for DeviceCore {

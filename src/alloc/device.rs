@@ -57,6 +57,7 @@ impl DeviceCore {
             check_invariants,
             capacity,
             unfreed: Mutex::new(Vec::new()),
+            refused: Mutex::new(Vec::new()),
             fraction_bits: AtomicU64::new(fraction.to_bits()),
             fraction_set: AtomicBool::new(fraction < 1.0),
             reserved: AtomicU64::new(0),
@@ -412,7 +413,7 @@ impl DeviceCore {
             [(ptr.0, seg)],
         ) {
             drop(held);
-            self.return_unregistered(shard.stream, ptr.0, seg);
+            self.return_unregistered(ptr.0, seg);
             return Err(err);
         }
         let mut st = held.unwrap_or_else(|| shard.state.lock());

@@ -20,6 +20,7 @@ impl DeviceCore {
             unfreed.extend(segments.into_iter().map(|(ptr, size)| (stream, ptr, size)));
             return;
         };
+        self.free_refused();
         let earlier = std::mem::take(&mut *self.unfreed.lock());
         let all = earlier
             .into_iter()
@@ -44,15 +45,22 @@ impl DeviceCore {
 
     /// Gives back a segment that a registrar refused before anything else saw it (no observer
     /// was told of it, nothing traced): at once, or with the next release while a capture runs.
-    pub(super) fn return_unregistered(&self, stream: StreamId, ptr: u64, size: u64) {
-        let Some(_no_capture) = self.capturing.releasing() else {
-            self.unfreed.lock().push((stream, ptr, size));
-            return;
-        };
-        if let Err(err) = self.driver.free(crate::driver::DeviceAddr(ptr)) {
-            tracing::error!(%err, ptr, size, "driver free of a refused segment failed");
+    pub(super) fn return_unregistered(&self, ptr: u64, size: u64) {
+        self.refused.lock().push((ptr, size));
+        if let Some(_no_capture) = self.capturing.releasing() {
+            self.free_refused();
         }
-        self.reserved.fetch_sub(size, Ordering::SeqCst);
+    }
+
+    /// Frees the refused segments waiting (the caller holds the capture gate, or the core is
+    /// going away).
+    fn free_refused(&self) {
+        for (ptr, size) in std::mem::take(&mut *self.refused.lock()) {
+            if let Err(err) = self.driver.free(crate::driver::DeviceAddr(ptr)) {
+                tracing::error!(%err, ptr, size, "driver free of a refused segment failed");
+            }
+            self.reserved.fetch_sub(size, Ordering::SeqCst);
+        }
     }
 
     /// Frees oversize cached segments to make room for `rounded` bytes, as PyTorch's
@@ -196,6 +204,7 @@ impl Drop for DeviceCore {
         if !self.birth.is_current() {
             return;
         }
+        self.free_refused();
         for (_, ptr, size) in std::mem::take(&mut *self.unfreed.lock()) {
             self.callbacks.registry.unmap(self.device, ptr, size);
             if let Err(err) = self.driver.free(crate::driver::DeviceAddr(ptr)) {

@@ -608,7 +608,11 @@ impl CachingAllocator {
     }
 
     /// Detaches a registrar, deregistering every region it holds; false if it was not attached.
+    /// In a forked child it does nothing (the registrations are the parent's).
     pub fn detach_registrar(&self, id: RegistrarId) -> bool {
+        if self.birth.ignored_in_child("detaching a registrar") {
+            return false;
+        }
         self.callbacks.registry.detach(id)
     }
 

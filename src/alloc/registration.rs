@@ -354,6 +354,15 @@ impl Registry {
             on_failure,
         };
         let mut st = self.state.lock();
+        let same = |a: &Attached| {
+            std::ptr::addr_eq(Arc::as_ptr(&a.registrar), Arc::as_ptr(&attached.registrar))
+        };
+        if st.registrars.iter().any(same) {
+            return Err(Error::invalid(format!(
+                "registrar {} is attached already (attached twice it would register every region twice)",
+                attached.stats.name
+            )));
+        }
         let mut failed = None;
         for record in st.regions.values_mut() {
             if let Err(err) = attached.register(record) {

@@ -1,19 +1,20 @@
 //! [`NixlAgent`]: a runtime's NIXL agent — its registrar attached to the allocator, the peers whose
 //! metadata it loaded, storages described for peers, transfers and notifications.
 
-use std::collections::HashSet;
+use std::mem::ManuallyDrop;
 use std::time::{Duration, Instant};
 
-use nixl_sys::{
-    Agent, AgentConfig, MemType, NotificationMap, OptArgs, ThreadSync, XferDescList, XferOp,
-};
+use nixl_sys::{Agent, AgentConfig, MemType, NotificationMap, ThreadSync};
 
-use super::descriptor::{pair, MemoryKind, RemoteStorage};
+use super::core::{nixl_error, Core};
+use super::descriptor::{MemoryKind, RemoteStorage};
+use super::peers::{self, Peers};
 use super::registrar::NixlRegistrar;
-use super::transfer::{backoff, touches, Actors, Transfer};
-use crate::alloc::{OnRegistrationFailure, RegistrarId};
+use super::transfer::{backoff, touches, Actors};
+use crate::alloc::OnRegistrationFailure;
 use crate::driver::{Backend, StreamId};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
+use crate::process::Birth;
 use crate::runtime::Runtime;
 use crate::storage::Storage;
 use crate::sync::os::{Arc, Mutex};
@@ -71,29 +72,21 @@ pub struct Notification {
 
 /// A runtime's NIXL agent over UCX (see the module docs of [`crate::nixl`]).
 pub struct NixlAgent {
-    runtime: Arc<Runtime>,
-    agent: Agent,
+    pub(crate) core: Arc<Core>,
     name: String,
-    registrar: Arc<NixlRegistrar>,
-    registrar_id: RegistrarId,
-    peers: Mutex<HashSet<String>>,
     pending: Mutex<Vec<Notification>>,
     dropped_notifications: Mutex<u64>,
-    actors: Option<Arc<Actors>>,
+    pub(crate) actors: Option<Arc<Actors>>,
 }
 
 impl std::fmt::Debug for NixlAgent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NixlAgent")
             .field("name", &self.name)
-            .field("registered", &self.registrar.registered())
-            .field("peers", &self.peers.lock().len())
+            .field("registered", &self.core.registrar.registered())
+            .field("peers", &self.core.peers.len())
             .finish()
     }
-}
-
-fn nixl_error(what: &str, err: nixl_sys::NixlError) -> Error {
-    Error::transfer(format!("{what}: NIXL said {err}"))
 }
 
 impl NixlAgent {
@@ -151,12 +144,15 @@ impl NixlAgent {
             })
         });
         Ok(NixlAgent {
-            runtime: Arc::clone(runtime),
-            agent,
+            core: Arc::new(Core {
+                runtime: Arc::clone(runtime),
+                agent: ManuallyDrop::new(agent),
+                registrar,
+                registrar_id,
+                peers: Peers::default(),
+                birth: Birth::now(),
+            }),
             name: options.name,
-            registrar,
-            registrar_id,
-            peers: Mutex::new(HashSet::new()),
             pending: Mutex::new(Vec::new()),
             dropped_notifications: Mutex::new(0),
             actors,
@@ -170,59 +166,77 @@ impl NixlAgent {
 
     /// The runtime whose memory it registers.
     pub fn runtime(&self) -> &Arc<Runtime> {
-        &self.runtime
+        &self.core.runtime
     }
 
     /// Regions registered with this agent now.
     pub fn registered_regions(&self) -> usize {
-        self.registrar.registered()
+        self.core.registrar.registered()
     }
 
-    /// This agent's metadata (its registrations and how to reach it), for peers'
-    /// [`load_peer`](Self::load_peer): send it over any byte channel. Send it again after
-    /// segments were freed, so peers stop targeting memory that is gone.
+    /// The registration generation: bumped by every registration and deregistration. Metadata
+    /// sent at an older generation than a description's makes peers refuse the description (with
+    /// an error that says so): after describing storages in new segments, or after segments were
+    /// freed, send [`metadata`](Self::metadata) again.
+    pub fn generation(&self) -> u64 {
+        self.core.registrar.generation()
+    }
+
+    /// This agent's metadata (its registrations and how to reach it, in cudalloc's envelope
+    /// with the generation; `peers.rs`), for peers' [`load_peer`](Self::load_peer): send it over
+    /// any byte channel.
     pub fn metadata(&self) -> Result<Vec<u8>> {
-        self.agent
+        let generation = self.generation();
+        let nixl = self
+            .core
+            .agent
             .get_local_md()
-            .map_err(|e| nixl_error("reading this agent's metadata", e))
+            .map_err(|e| nixl_error("reading this agent's metadata", e))?;
+        Ok(peers::seal(generation, &nixl))
     }
 
     /// Loads a peer's metadata (replacing what was loaded of it before) and returns its name.
-    /// The bytes are untrusted: over [`MAX_METADATA_BYTES`] or not NIXL's, they are an error.
+    /// The bytes are untrusted: checked before NIXL parses them (`peers.rs`). Refused while
+    /// transfers with that peer are in flight.
     pub fn load_peer(&self, metadata: &[u8]) -> Result<String> {
-        if metadata.is_empty() || metadata.len() > MAX_METADATA_BYTES {
+        let (generation, nixl, name) = peers::open(metadata, MAX_METADATA_BYTES)?;
+        if name == self.name {
             return Err(Error::transfer(format!(
-                "peer metadata of {} bytes (1 to {MAX_METADATA_BYTES})",
-                metadata.len()
+                "peer metadata names this agent ({name})"
             )));
         }
-        let load = || self.agent.load_remote_md(metadata);
-        // nixl-sys panics on a peer name that is not UTF-8: that is bad input, not a bug here.
-        let name = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(load)) {
-            Ok(Ok(name)) => name,
-            Ok(Err(err)) => return Err(nixl_error("loading a peer's metadata", err)),
-            Err(_) => {
-                return Err(Error::transfer(
-                    "peer metadata names an agent that is not UTF-8",
-                ))
-            }
-        };
-        let mut peers = self.peers.lock();
-        if peers.contains(&name) {
-            // Metadata loaded again: NIXL keeps the first copy, so drop it and load the new one.
-            let _ = self.agent.invalidate_remote_md(&name);
-            self.agent
-                .load_remote_md(metadata)
-                .map_err(|e| nixl_error("reloading a peer's metadata", e))?;
+        self.core.peers.may_replace(&name)?;
+        let agent = &self.core.agent;
+        if self.core.peers.forget(&name) {
+            // NIXL keeps the first copy of a peer's metadata: drop it, then load the new one.
+            let _ = agent.invalidate_remote_md(&name);
         }
-        peers.insert(name.clone());
+        let load = || agent.load_remote_md(nixl);
+        // The name was checked above; should nixl-sys still panic, that is bad input too.
+        let loaded = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(load)) {
+            Ok(Ok(loaded)) => loaded,
+            Ok(Err(err)) => return Err(nixl_error("loading a peer's metadata", err)),
+            Err(_) => return Err(Error::transfer("NIXL could not read the peer's metadata")),
+        };
+        if loaded != name {
+            let _ = agent.invalidate_remote_md(&loaded);
+            return Err(Error::transfer(format!(
+                "peer metadata names {name:?} but NIXL read {loaded:?}"
+            )));
+        }
+        self.core.peers.loaded(&name, generation);
         Ok(name)
     }
 
     /// Forgets a peer's metadata (transfers with it are refused until it is loaded again).
+    /// Refused while transfers with it are in flight.
     pub fn forget_peer(&self, peer: &str) -> Result<()> {
-        self.peers.lock().remove(peer);
-        self.agent
+        self.core.peers.may_replace(peer)?;
+        if !self.core.peers.forget(peer) {
+            return Err(Error::transfer(format!("{peer} is not a loaded peer")));
+        }
+        self.core
+            .agent
             .invalidate_remote_md(peer)
             .map_err(|e| nixl_error("forgetting a peer", e))
     }
@@ -234,155 +248,31 @@ impl NixlAgent {
     pub fn describe(&self, storage: &Storage, stream: StreamId) -> Result<RemoteStorage> {
         let regions = storage.registered_regions_mut()?;
         for piece in &regions {
-            if !self.registrar.holds(piece.region.id) {
+            if !self.core.registrar.holds(piece.region.id) {
                 return Err(Error::transfer(format!(
                     "{} is not registered with NIXL (its registration failed and was skipped)",
                     piece.region.id
                 )));
             }
         }
-        self.runtime.driver().stream_synchronize(stream)?;
-        let kind = match self.registrar.mem_type() {
+        self.core.runtime.driver().stream_synchronize(stream)?;
+        let kind = match self.core.registrar.mem_type() {
             MemType::Vram => MemoryKind::Vram,
             _ => MemoryKind::Dram,
         };
-        RemoteStorage::new(
+        Ok(RemoteStorage::new(
             self.name.clone(),
             kind,
-            self.registrar.device_id(storage.device()),
+            self.core.registrar.device_id(storage.device()),
             regions.iter().map(|p| (p.addr().0, p.len)).collect(),
-        )
-    }
-
-    /// Writes each local storage into the remote storage paired with it (equal sizes), after the
-    /// work queued on `stream` so far; `notify` is delivered to the peer once every byte landed.
-    pub fn write(
-        &self,
-        stream: StreamId,
-        pairs: &[(&Storage, &RemoteStorage)],
-        notify: Option<&[u8]>,
-    ) -> Result<Transfer> {
-        self.post(XferOp::Write, stream, pairs, notify)
-    }
-
-    /// Reads each remote storage into the local storage paired with it (equal sizes), after the
-    /// work queued on `stream` so far; `notify` tells the peer once the read is done.
-    pub fn read(
-        &self,
-        stream: StreamId,
-        pairs: &[(&Storage, &RemoteStorage)],
-        notify: Option<&[u8]>,
-    ) -> Result<Transfer> {
-        self.post(XferOp::Read, stream, pairs, notify)
-    }
-
-    fn post(
-        &self,
-        op: XferOp,
-        stream: StreamId,
-        pairs: &[(&Storage, &RemoteStorage)],
-        notify: Option<&[u8]>,
-    ) -> Result<Transfer> {
-        let what = match op {
-            XferOp::Write => "a NIXL write",
-            XferOp::Read => "a NIXL read",
-        };
-        let Some(peer) = pairs.first().map(|p| p.1.agent().to_owned()) else {
-            return Err(Error::invalid(format!("{what} of no storage")));
-        };
-        if !self.peers.lock().contains(&peer) {
-            return Err(Error::transfer(format!(
-                "{what} with {peer}, whose metadata this agent has not loaded"
-            )));
-        }
-        let device = self.runtime.driver().stream_device(stream)?;
-        let mem_type = self.registrar.mem_type();
-        let mut local = XferDescList::new(mem_type).map_err(|e| nixl_error(what, e))?;
-        let mut remote = XferDescList::new(mem_type).map_err(|e| nixl_error(what, e))?;
-        let mut ranges = Vec::new();
-        let mut bytes = 0u64;
-        for (storage, target) in pairs {
-            if target.agent() != peer {
-                return Err(Error::invalid(format!(
-                    "{what} names storages of two peers ({peer} and {}): one transfer, one peer",
-                    target.agent()
-                )));
-            }
-            if storage.device() != device {
-                return Err(Error::invalid(format!(
-                    "{what} on a stream of device {device} with a storage on device {}",
-                    storage.device()
-                )));
-            }
-            let pieces = match op {
-                XferOp::Write => storage.registered_regions()?,
-                XferOp::Read => storage.registered_regions_mut()?,
-            };
-            let mine: Vec<(u64, u64)> = pieces.iter().map(|p| (p.addr().0, p.len)).collect();
-            for (l, r, len) in pair(&mine, target.pieces())? {
-                local.add_desc(l as usize, len as usize, self.registrar.device_id(device));
-                remote.add_desc(r as usize, len as usize, target.device());
-            }
-            bytes += storage.nbytes();
-            ranges.extend(mine);
-        }
-        let mut args = OptArgs::new().map_err(|e| nixl_error(what, e))?;
-        if let Some(message) = notify {
-            args.set_notification_message(message)
-                .and_then(|()| args.set_has_notification(true))
-                .map_err(|e| nixl_error(what, e))?;
-        }
-        let request = self
-            .agent
-            .create_xfer_req(op, &local, &remote, &peer, Some(&args))
-            .map_err(|e| {
-                nixl_error(
-                    &format!("{what} of {bytes} bytes with {peer} (a descriptor outside registered memory on either side, or the peer's metadata is stale)"),
-                    e,
-                )
-            })?;
-        // Real order: the stream's work so far is done before NIXL touches the bytes.
-        self.runtime.driver().stream_synchronize(stream)?;
-        let post = || {
-            self.agent
-                .post_xfer_req(&request, None)
-                .map_err(|e| nixl_error(&format!("posting {what} with {peer}"), e))
-        };
-        let actor = match &self.actors {
-            None => {
-                post()?;
-                None
-            }
-            Some(actors) => {
-                let actor = actors.take(device)?;
-                actors.sanitizer.stream_waited(actor, stream);
-                let touched = touches(&ranges, matches!(op, XferOp::Read));
-                if let Err(err) = actors.sanitizer.enqueue(actor, what, &touched, post) {
-                    if err.kind() == ErrorKind::StreamRace {
-                        actors.discard(actor);
-                    } else {
-                        actors.finish(actor);
-                    }
-                    return Err(err);
-                }
-                Some((Arc::clone(actors), actor))
-            }
-        };
-        Ok(Transfer {
-            agent: self.agent.clone(),
-            request: Some(request),
-            local: pairs.iter().map(|p| p.0.clone()).collect(),
-            actor,
-            peer,
-            what,
-            bytes,
-            done: false,
-        })
+        )?
+        .with_generation(self.generation()))
     }
 
     /// Sends `message` to `peer` alone (no transfer).
     pub fn notify(&self, peer: &str, message: &[u8]) -> Result<()> {
-        self.agent
+        self.core
+            .agent
             .send_notification(peer, message, None)
             .map_err(|e| nixl_error(&format!("notifying {peer}"), e))
     }
@@ -423,7 +313,8 @@ impl NixlAgent {
 
     fn fetch(&self) -> Result<()> {
         let mut map = NotificationMap::new().map_err(|e| nixl_error("notifications", e))?;
-        self.agent
+        self.core
+            .agent
             .get_notifications(&mut map, None)
             .map_err(|e| nixl_error("reading notifications", e))?;
         let mut fresh = Vec::new();
@@ -482,13 +373,5 @@ impl NixlAgent {
         actors.sanitizer.stream_waited(stream, actor);
         actors.finish(actor);
         Ok(())
-    }
-}
-
-impl Drop for NixlAgent {
-    /// Detaches the registrar (every region deregistered); NIXL's agent goes with the last
-    /// transfer that still holds it.
-    fn drop(&mut self) {
-        self.runtime.allocator().detach_registrar(self.registrar_id);
     }
 }

@@ -15,13 +15,14 @@ const MAGIC: u32 = 0x4C58_4E43; // "CNXL"
 const VERSION: u16 = 1;
 const SEED: u64 = 0x6E69_786C_2D72_7331;
 /// Header: magic u32, version u16, name length u16, memory type u8, 7 reserved, device u64,
-/// piece count u32, 4 reserved.
-const HEADER: usize = 32;
+/// piece count u32, 4 reserved, the owner's registration generation u64.
+const HEADER: usize = 40;
 const PIECE: usize = 16;
 /// Longest agent name accepted.
 pub const MAX_AGENT_NAME: usize = 256;
-/// Most pieces (regions) one storage may span: a 64 GiB storage in 20 MiB pages needs 3,277.
-pub const MAX_PIECES: usize = 65_536;
+/// Most pieces (regions) one storage may span: one per 2 MiB page of an expandable segment, so
+/// storages up to 2 TiB (the encoding is then 16 MiB).
+pub const MAX_PIECES: usize = 1 << 20;
 
 /// NIXL's memory type of a [`RemoteStorage`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,6 +45,7 @@ pub struct RemoteStorage {
     device: u64,
     pieces: Vec<(u64, u64)>,
     nbytes: u64,
+    generation: u64,
 }
 
 impl RemoteStorage {
@@ -85,7 +87,22 @@ impl RemoteStorage {
             device,
             pieces,
             nbytes,
+            generation: 0,
         })
+    }
+
+    /// The same description, stamped with the owner's registration generation when it was made
+    /// (a peer whose copy of the owner's metadata is older refuses it with a clear error).
+    pub(crate) fn with_generation(mut self, generation: u64) -> Self {
+        self.generation = generation;
+        self
+    }
+
+    /// The owner's registration generation when it described the storage
+    /// ([`NixlAgent::generation`](super::NixlAgent::generation)); 0 for a description built with
+    /// [`RemoteStorage::new`].
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// The agent that owns it.
@@ -127,6 +144,7 @@ impl RemoteStorage {
         };
         put(&mut out, 16, &self.device.to_le_bytes());
         put(&mut out, 24, &(self.pieces.len() as u32).to_le_bytes());
+        put(&mut out, 32, &self.generation.to_le_bytes());
         put(&mut out, HEADER, name);
         let mut at = HEADER + name.len();
         for &(addr, len) in &self.pieces {
@@ -181,7 +199,8 @@ impl RemoteStorage {
                 (u64_at(bytes, at), u64_at(bytes, at + 8))
             })
             .collect();
-        RemoteStorage::new(agent, kind, u64_at(bytes, 16), pieces)
+        Ok(RemoteStorage::new(agent, kind, u64_at(bytes, 16), pieces)?
+            .with_generation(u64_at(bytes, 32)))
     }
 }
 
@@ -229,6 +248,7 @@ mod tests {
             vec![(0x1000, 0x800), (0x2000_0000, 0x100)],
         )
         .unwrap_or_else(|e| panic!("{e}"))
+        .with_generation(17)
     }
 
     #[test]

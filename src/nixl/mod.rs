@@ -9,15 +9,17 @@
 //!
 //! The files, from the ground up: `library.rs` (loading `libnixl_capi.so` and proving it is not
 //! nixl-sys's aborting stub), `descriptor.rs` ([`RemoteStorage`], its checked encoding, pairing
-//! local and remote regions), `registrar.rs` (the registrar), `transfer.rs` ([`Transfer`] and the
-//! stream sanitizer's view of it), `agent.rs` ([`NixlAgent`]).
+//! local and remote regions), `core.rs` (what an agent and its transfers share), `peers.rs` (the metadata envelope, checks on a peer's bytes before
+//! NIXL parses them, what is known of each peer), `registrar.rs` (the registrar), `transfer.rs`
+//! ([`Transfer`] and the stream sanitizer's view of it), `agent.rs` ([`NixlAgent`]: set-up,
+//! metadata, descriptions, notifications), `post.rs` (writes and reads).
 //!
 //! The protocol between two agents, over any byte channel:
 //!
 //! | step | owner of the storage | the other side |
 //! |---|---|---|
 //! | meet | sends [`NixlAgent::metadata`] | [`NixlAgent::load_peer`] |
-//! | offer | [`NixlAgent::describe`] (after its stream's work) and sends [`RemoteStorage::to_bytes`]; keeps the storage alive | [`RemoteStorage::from_bytes`] (untrusted input, checked) |
+//! | offer | [`NixlAgent::describe`] (after its stream's work) and sends [`RemoteStorage::to_bytes`], and its metadata again if its [`generation`](NixlAgent::generation) moved since it last sent it; keeps the storage alive | [`RemoteStorage::from_bytes`] (untrusted input, checked); [`NixlAgent::load_peer`] with the fresh metadata (a description newer than the metadata loaded is refused with an error that says so) |
 //! | move | — | [`NixlAgent::write`] / [`NixlAgent::read`] on a stream, with a notification; [`Transfer::wait`] |
 //! | learn | [`NixlAgent::wait_notification`], then [`NixlAgent::received`] orders its stream after the bytes | — |
 //! | free | drops the storage; once its segment is released (deregistered first), sends fresh metadata | [`NixlAgent::load_peer`] again: NIXL then refuses transfers into the freed memory |
@@ -33,8 +35,11 @@
 //! `transfer.rs`), and is an access the stream sanitizer checks.
 
 mod agent;
+mod core;
 mod descriptor;
 mod library;
+mod peers;
+mod post;
 mod registrar;
 mod transfer;
 

@@ -13,6 +13,7 @@ use nixl_sys::{Agent, MemType, MemoryRegion, NixlDescriptor, RegistrationHandle}
 
 use crate::alloc::{Region, Registrar, SegmentId};
 use crate::error::{Error, Result};
+use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::Mutex;
 
 /// One region as NIXL sees it.
@@ -58,6 +59,9 @@ pub(crate) struct NixlRegistrar {
     agent: Agent,
     mem_type: MemType,
     handles: Mutex<HashMap<SegmentId, RegistrationHandle>>,
+    /// Bumped by every registration and deregistration: metadata read at generation `g` knows
+    /// every region registered up to `g`.
+    generation: AtomicU64,
 }
 
 impl std::fmt::Debug for NixlRegistrar {
@@ -75,7 +79,13 @@ impl NixlRegistrar {
             agent,
             mem_type,
             handles: Mutex::new(HashMap::new()),
+            generation: AtomicU64::new(0),
         }
+    }
+
+    /// The registration generation (see the field).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
     }
 
     /// The NIXL descriptor of `len` bytes at `addr` on `device`, in this registrar's memory type.
@@ -132,11 +142,13 @@ impl Registrar for NixlRegistrar {
                 )
             })?;
         self.handles.lock().insert(region.id, handle);
+        self.generation.fetch_add(1, Ordering::AcqRel);
         Ok(())
     }
 
     fn deregister(&self, region: &Region) {
         let handle = self.handles.lock().remove(&region.id);
+        self.generation.fetch_add(1, Ordering::AcqRel);
         if let Some(mut handle) = handle {
             if let Err(err) = handle.deregister() {
                 tracing::error!(%err, region = %region.id, "NIXL deregistration failed");

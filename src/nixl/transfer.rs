@@ -10,14 +10,18 @@
 //! | [`Transfer::wait`] returns | the host saw the completion | the host knows the actor: whatever is enqueued after is ordered after the transfer |
 //! | peer's transfer noticed ([`NixlAgent::received`](super::NixlAgent::received)) | the host saw the peer's notification | an actor writes the bytes; `stream` waits for it |
 //!
-//! A transfer keeps its local storages alive. Dropped before it completed, it waits for the end
-//! (a peer that died fails it within milliseconds); if NIXL still reports it in flight after
-//! [`DROP_DEADLINE`], its storages are leaked rather than freed under a transfer.
+//! A transfer keeps its local memory alive and in place (the storages, and a pin of the memory as
+//! it was at the post: a storage written meanwhile moves, the pin does not), and the agent's core:
+//! the registrar stays attached while any transfer lives, so nothing is deregistered under one.
+//! Dropped before it completed, it waits for the end (a peer that died fails it within
+//! milliseconds); if NIXL still reports it in flight after [`DROP_DEADLINE`], its memory and the
+//! registrations are leaked rather than freed under a transfer.
 
 use std::time::{Duration, Instant};
 
 use nixl_sys::{XferRequest, XferStatus};
 
+use super::core::Core;
 use crate::driver::sanitizer::Touch;
 use crate::driver::{Sanitizer, StreamId};
 use crate::error::{Error, Result};
@@ -78,9 +82,11 @@ impl Drop for Actors {
 /// One posted transfer (see the module docs). Not `Send`: NIXL's request handle stays with the
 /// thread that made it.
 pub struct Transfer {
-    pub(crate) agent: nixl_sys::Agent,
+    pub(crate) core: Arc<Core>,
     pub(crate) request: Option<XferRequest>,
     pub(crate) local: Vec<Storage>,
+    /// Second holders of the local memory as it was at the post (`Storage::pin_memory`).
+    pub(crate) pins: Vec<Storage>,
     pub(crate) actor: Option<(Arc<Actors>, StreamId)>,
     pub(crate) peer: String,
     pub(crate) what: &'static str,
@@ -114,7 +120,7 @@ impl Transfer {
         let Some(request) = &self.request else {
             return Ok(true);
         };
-        match self.agent.get_xfer_status(request) {
+        match self.core.agent.get_xfer_status(request) {
             Ok(XferStatus::Success) => {
                 self.complete();
                 Ok(true)
@@ -147,11 +153,16 @@ impl Transfer {
         Ok(())
     }
 
-    fn complete(&mut self) {
+    /// The transfer ended (or never started): its actor is free, its peer may be reloaded.
+    pub(crate) fn complete(&mut self) {
+        if self.done {
+            return;
+        }
         self.done = true;
         if let Some((actors, actor)) = self.actor.take() {
             actors.finish(actor);
         }
+        self.core.peers.end(&self.peer);
     }
 }
 
@@ -176,10 +187,12 @@ impl Drop for Transfer {
                 tracing::warn!(%err, "a dropped transfer failed");
             }
             Err(err) => {
-                tracing::error!(%err, "a dropped transfer is still in flight: its storages are leaked, never freed under it");
-                for storage in self.local.drain(..) {
+                tracing::error!(%err, "a dropped transfer is still in flight: its memory and registrations are leaked, never freed under it");
+                for storage in self.local.drain(..).chain(self.pins.drain(..)) {
                     std::mem::forget(storage);
                 }
+                // The registrations too: the agent's core never goes, so nothing is deregistered.
+                std::mem::forget(Arc::clone(&self.core));
                 // The request too: releasing it would tell NIXL to drop a transfer it still runs.
                 if let Some(request) = self.request.take() {
                     std::mem::forget(request);

@@ -170,6 +170,14 @@ impl Storage {
         self.regions_at(addr)
     }
 
+    /// Keeps the storage's memory as it is now alive and in place for work outside stream order
+    /// (a transfer engine's): the returned pin holds it even if the storage is written (and so
+    /// materialized elsewhere) or dropped meanwhile. `None` when the storage alone keeps it.
+    #[cfg(feature = "nixl")]
+    pub(crate) fn pin_memory(&self) -> Result<Option<Storage>> {
+        sharing::pin_memory(self)
+    }
+
     fn regions_at(&self, addr: DeviceAddr) -> Result<Vec<crate::RegisteredRegion>> {
         if self.inner.nbytes == 0 {
             return Err(Error::invalid("an empty storage has no registered region"));

@@ -31,6 +31,29 @@ pub(super) fn lazy_clone(storage: &Storage) -> Result<Storage> {
     })
 }
 
+/// A second holder of `storage`'s memory as it is now, for work outside stream order that must
+/// not see it freed or moved (a NIXL transfer): a COW reference (converting a plain storage to COW,
+/// as a lazy clone does), or `None` for memory shared with other processes, which never moves (the
+/// storage itself keeps it).
+#[cfg(feature = "nixl")]
+pub(super) fn pin_memory(storage: &Storage) -> Result<Option<Storage>> {
+    if storage.nbytes() == 0 {
+        return Ok(None);
+    }
+    let runtime = storage.runtime();
+    storage.with_data(|data| {
+        let ptr = data.ptr();
+        Ok(
+            crate::cow::lazy_clone(runtime.allocator(), data)?.map(|pin| {
+                storage.set_cow_word(ptr, true);
+                let pin = Storage::from_data_ptr(runtime, pin, storage.nbytes());
+                pin.set_cow_word(ptr, true);
+                pin
+            }),
+        )
+    })
+}
+
 /// A lazy clone of memory shared with other processes is an eager copy on the current stream
 /// (the memory is an alias of their storages: see `cow/mod.rs`). The copy is complete when this
 /// returns: the caller asked for a lazy clone, which does no device work, so nothing it does next

@@ -7,19 +7,31 @@
 use cudarc::nccl::sys;
 
 use crate::error::{Error, Result};
+use crate::sync::os::{Mutex, MutexGuard};
+
+/// The communicator held for the caller's own calls ([`NcclComm::exclusive`]).
+#[derive(Debug)]
+pub struct NcclExclusive<'a>(#[allow(dead_code)] MutexGuard<'a, ()>);
+
+/// The first NCCL with `ncclCommRegister` / `ncclCommDeregister` (2.19.0, as `ncclGetVersion`
+/// encodes it).
+pub const NCCL_MIN_VERSION: i32 = 21_900;
 
 /// A communicator registrations are made on (not owned: the caller keeps it alive, and destroys
-/// it only after every registration made through this value was deregistered).
+/// it only after every registration made through this value was deregistered). Its calls are
+/// serialized by its own lock, which the caller also holds around its own use of the
+/// communicator from other threads ([`NcclComm::exclusive`]): NCCL communicators are not
+/// thread-safe.
 #[derive(Debug)]
 pub struct NcclComm {
     comm: sys::ncclComm_t,
+    lock: Mutex<()>,
 }
 
-// SAFETY: an NCCL communicator may be used from any thread; registration calls on one
-// communicator are serialized by the allocator's registry (one registrar, one lock).
+// SAFETY: the communicator is only reached through `register`/`deregister`, which hold `lock`;
+// the constructor's contract makes every other use of it hold the same lock (`exclusive`).
 unsafe impl Send for NcclComm {}
-// SAFETY: as above: `&NcclComm` only reaches `ncclCommRegister`/`ncclCommDeregister`, which the
-// registry calls one at a time.
+// SAFETY: as above: every call on the communicator through `&NcclComm` holds `lock`.
 unsafe impl Sync for NcclComm {}
 
 fn nccl_error(call: &'static str, err: impl std::fmt::Debug) -> Error {
@@ -32,11 +44,13 @@ fn nccl_error(call: &'static str, err: impl std::fmt::Debug) -> Error {
 }
 
 impl NcclComm {
-    /// Wraps a communicator for registrations, once NCCL's library is known to be loaded.
+    /// Wraps a communicator for registrations, once NCCL's library is known to be loaded and to
+    /// have the registration calls (2.19 or later).
     ///
     /// # Safety
     /// `comm` is a live communicator (from `ncclCommInitRank` or the like) that outlives this
-    /// value and every registration made through it.
+    /// value and every registration made through it, and that no other thread uses while not
+    /// holding [`NcclComm::exclusive`] (the allocator registers from whichever thread maps).
     pub unsafe fn new(comm: sys::ncclComm_t) -> Result<Self> {
         // SAFETY: only asks the loader whether libnccl can be opened.
         if !unsafe { sys::is_culib_present() } {
@@ -44,14 +58,33 @@ impl NcclComm {
                 "NCCL's library (libnccl.so.2) is not present".into(),
             ));
         }
+        // ncclGetVersion is in every NCCL; the registration calls only from 2.19 on (cudarc would
+        // panic on the missing symbol).
+        let version = cudarc::nccl::result::get_nccl_version()
+            .map_err(|e| nccl_error("ncclGetVersion", e))?;
+        if version < NCCL_MIN_VERSION {
+            return Err(Error::NoCudaDriver(format!(
+                "NCCL {version} has no buffer registration (ncclCommRegister needs 2.19, {NCCL_MIN_VERSION})"
+            )));
+        }
         if comm.is_null() {
             return Err(Error::invalid("a null NCCL communicator"));
         }
-        Ok(NcclComm { comm })
+        Ok(NcclComm {
+            comm,
+            lock: Mutex::new(()),
+        })
+    }
+
+    /// Hold this around your own calls on the communicator from any thread: the allocator's
+    /// registrations (from whichever thread maps memory) wait meanwhile.
+    pub fn exclusive(&self) -> NcclExclusive<'_> {
+        NcclExclusive(self.lock.lock())
     }
 
     /// Registers `len` bytes of device memory at `addr`; the handle NCCL gave back.
-    pub fn register(&self, addr: u64, len: u64) -> Result<u64> {
+    pub(crate) fn register(&self, addr: u64, len: u64) -> Result<u64> {
+        let _one_at_a_time = self.lock.lock();
         let len = usize::try_from(len).map_err(|_| Error::invalid("a region past usize"))?;
         let mut handle: *mut std::ffi::c_void = std::ptr::null_mut();
         // SAFETY: the communicator is live (constructor contract) and NCCL is loaded; `addr` is
@@ -67,7 +100,8 @@ impl NcclComm {
     }
 
     /// Deregisters what [`register`](Self::register) returned `handle` for.
-    pub fn deregister(&self, handle: u64) -> Result<()> {
+    pub(crate) fn deregister(&self, handle: u64) -> Result<()> {
+        let _one_at_a_time = self.lock.lock();
         // SAFETY: `handle` came from `ncclCommRegister` on this live communicator and is
         // deregistered once (the registrar forgets it here).
         let status = unsafe { sys::ncclCommDeregister(self.comm, handle as *mut std::ffi::c_void) };

@@ -1,0 +1,46 @@
+//! [`Core`]: what a [`NixlAgent`](super::NixlAgent) and its transfers share, and NIXL's errors as
+//! cudalloc's.
+
+use std::mem::ManuallyDrop;
+
+use nixl_sys::Agent;
+
+use super::peers::Peers;
+use super::registrar::NixlRegistrar;
+use crate::alloc::RegistrarId;
+use crate::error::Error;
+use crate::process::Birth;
+use crate::runtime::Runtime;
+use crate::sync::os::Arc;
+
+/// What an agent and its transfers share: the NIXL agent, its registrar's attachment and what is
+/// known of peers. Its last holder detaches the registrar, so no region is deregistered under a
+/// transfer that outlived its [`NixlAgent`].
+pub(crate) struct Core {
+    pub runtime: Arc<Runtime>,
+    pub agent: ManuallyDrop<Agent>,
+    pub registrar: Arc<NixlRegistrar>,
+    pub registrar_id: RegistrarId,
+    pub peers: Peers,
+    pub birth: Birth,
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        if !self.birth.is_current() {
+            // A forked child's copy: NIXL's threads and connections are the parent's; calling into
+            // it here could hang. The agent and the registrar (whose handles would deregister) are
+            // left alone; the child's registry never frees the parent's memory either.
+            std::mem::forget(Arc::clone(&self.registrar));
+            return;
+        }
+        self.runtime.allocator().detach_registrar(self.registrar_id);
+        // SAFETY: dropped once, here, and never used again (this is the core's own drop).
+        unsafe { ManuallyDrop::drop(&mut self.agent) };
+    }
+}
+
+/// NIXL's error as a transfer error saying what was being done.
+pub(crate) fn nixl_error(what: &str, err: nixl_sys::NixlError) -> Error {
+    Error::transfer(format!("{what}: NIXL said {err}"))
+}
