@@ -592,3 +592,60 @@ fn a_forked_child_cannot_attach_and_frees_nothing() {
     assert_eq!(verdict, Ok(()));
     assert_eq!(rec.held(), held_before);
 }
+
+#[test]
+fn memory_a_capture_maps_is_registered_and_a_refusal_inside_a_capture_is_freed_after_it() {
+    let _shared = shared();
+    let (driver, faults) = faulty();
+    let rt = runtime(driver, "");
+    let rec = Recorder::new("graphs", Some(faults.clone()));
+    rt.attach_registrar(rec.clone(), OnRegistrationFailure::FailAllocation)
+        .unwrap();
+    // Observers must see every unmap after its map (a refused segment is never announced).
+    let events: Arc<Mutex<Vec<cudalloc::SegmentEvent>>> = Arc::default();
+    let log = events.clone();
+    rt.register_segment_observer(Arc::new(move |e: &cudalloc::SegmentEvent| {
+        log.lock().unwrap().push(*e)
+    }));
+    let s = rt.create_stream(0).unwrap();
+    let capture = rt
+        .begin_capture(s, None, cudalloc::CaptureMode::Global)
+        .unwrap();
+    let out = rt.allocate_on(s, MIB).unwrap();
+    let region = rt.registered_regions(0, out.ptr(), MIB).unwrap()[0].region;
+    assert!(
+        rec.held().iter().any(|r| r.id == region.id),
+        "registered inside the capture"
+    );
+    // A refusal inside the capture: the allocation fails, its segment waits for the capture's end.
+    rec.fail.store(true, Ordering::SeqCst);
+    let err = rt.allocate_on(s, 30 * MIB).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Registration, "{err}");
+    rec.fail.store(false, Ordering::SeqCst);
+    let graph = capture.end().unwrap();
+    // The graph holds its pool: its freed output stays mapped and registered.
+    drop(out);
+    rt.empty_cache();
+    assert!(rec.held().iter().any(|r| r.id == region.id));
+    drop(graph);
+    rt.empty_cache();
+    assert!(rec.held().is_empty());
+    assert_eq!(
+        rt.reserved_bytes(0).unwrap(),
+        0,
+        "the refused segment went back too"
+    );
+    let mut mapped = std::collections::HashSet::new();
+    for e in events.lock().unwrap().iter() {
+        match e.change {
+            cudalloc::SegmentChange::Map => assert!(mapped.insert(e.base)),
+            _ => assert!(
+                mapped.remove(&e.base),
+                "unmap of {:#x} never mapped",
+                e.base.0
+            ),
+        }
+    }
+    rec.assert_clean();
+    assert_timeline(&faults.calls(), 1);
+}

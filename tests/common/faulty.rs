@@ -231,4 +231,31 @@ impl Driver for FaultyDriver {
     ) -> Result<cudalloc::ChunkId> {
         self.inner.vm_import_chunk(device, chunk, size)
     }
+    fn stream_begin_capture(&self, stream: StreamId, mode: cudalloc::CaptureMode) -> Result<()> {
+        self.inner.stream_begin_capture(stream, mode)
+    }
+    fn stream_end_capture(&self, stream: StreamId) -> Result<cudalloc::GraphId> {
+        self.inner.stream_end_capture(stream)
+    }
+    fn stream_capture_status(&self, stream: StreamId) -> Result<cudalloc::CaptureStatus> {
+        self.inner.stream_capture_status(stream)
+    }
+    fn exchange_capture_mode(&self, mode: cudalloc::CaptureMode) -> cudalloc::CaptureMode {
+        self.inner.exchange_capture_mode(mode)
+    }
+    fn graph_instantiate(&self, graph: cudalloc::GraphId) -> Result<cudalloc::GraphExecId> {
+        self.inner.graph_instantiate(graph)
+    }
+    fn graph_launch(&self, exec: cudalloc::GraphExecId, stream: StreamId) -> Result<()> {
+        self.inner.graph_launch(exec, stream)
+    }
+    fn graph_destroy(&self, graph: cudalloc::GraphId) -> Result<()> {
+        self.inner.graph_destroy(graph)
+    }
+    fn graph_exec_destroy(&self, exec: cudalloc::GraphExecId) -> Result<()> {
+        self.inner.graph_exec_destroy(exec)
+    }
+    fn graph_node_count(&self, graph: cudalloc::GraphId) -> Result<usize> {
+        self.inner.graph_node_count(graph)
+    }
 }
