@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use nixl_sys::{Agent, AgentConfig, MemType, NotificationMap, ThreadSync};
 
 use super::core::{nixl_error, Core};
-use super::descriptor::{MemoryKind, RemoteStorage};
+use super::descriptor::{MemoryKind, RemoteStorage, MAX_AGENT_NAME};
 use super::peers::{self, Peers};
 use super::registrar::NixlRegistrar;
 use super::transfer::{backoff, touches, Actors};
@@ -92,15 +92,15 @@ impl std::fmt::Debug for NixlAgent {
 impl NixlAgent {
     /// Creates the agent and its UCX backend, and attaches its registrar to `runtime`'s allocator:
     /// every segment mapped so far is registered now, every later one as it is mapped. Fails with
-    /// [`Error::Transfer`] when NIXL's library cannot be loaded ([`super::load_library`]) or UCX
+    /// [`Error::Transfer`] when NIXL's library cannot be loaded ([`load_library`](super::load_library)) or UCX
     /// cannot start.
     pub fn new(runtime: &Arc<Runtime>, options: NixlOptions) -> Result<Self> {
-        super::load_library(None)?;
-        if options.name.is_empty() || options.name.len() > super::MAX_AGENT_NAME {
+        super::library::load_library(None)?;
+        if options.name.is_empty() || options.name.len() > MAX_AGENT_NAME {
             return Err(Error::invalid(format!(
                 "a NIXL agent name of {} bytes (1 to {})",
                 options.name.len(),
-                super::MAX_AGENT_NAME
+                MAX_AGENT_NAME
             )));
         }
         let mem_type = match runtime.driver().backend() {

@@ -20,6 +20,7 @@
 
 use std::collections::HashMap;
 
+use super::descriptor::MAX_AGENT_NAME;
 use crate::codec::{put, u64_at};
 use crate::error::{Error, Result};
 use crate::sync::os::Mutex;
@@ -59,7 +60,7 @@ pub(crate) fn open(bytes: &[u8], max: usize) -> Result<(u64, &[u8], String)> {
     let start = NIXL_HEADER.len() + 8;
     let name_len = usize::try_from(len)
         .ok()
-        .filter(|&n| (1..=super::MAX_AGENT_NAME).contains(&n))
+        .filter(|&n| (1..=MAX_AGENT_NAME).contains(&n))
         .ok_or_else(|| bad(format!("an agent name of {len} bytes")))?;
     let name = nixl
         .get(start..start + name_len)
