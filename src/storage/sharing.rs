@@ -13,26 +13,17 @@ use crate::sync::os::Arc;
 
 /// A lazy clone of `storage` (converting it to COW in place on its first lazy clone).
 pub(super) fn lazy_clone(storage: &Storage) -> Result<Storage> {
-    let runtime = storage.runtime();
     if storage.nbytes() == 0 {
-        return Storage::new(runtime, storage.device(), 0);
+        return Storage::new(storage.runtime(), storage.device(), 0);
     }
-    storage.with_data(|data| {
-        let ptr = data.ptr();
-        match crate::cow::lazy_clone(runtime.allocator(), data)? {
-            Some(clone_data) => {
-                storage.set_cow_word(ptr, true);
-                let clone = Storage::from_data_ptr(runtime, clone_data, storage.nbytes());
-                clone.set_cow_word(ptr, true);
-                Ok(clone)
-            }
-            None => eager_clone(storage, data),
-        }
+    storage.with_data(|data| match cow_sibling(storage, data)? {
+        Some(clone) => Ok(clone),
+        None => eager_clone(storage, data),
     })
 }
 
 /// A second holder of `storage`'s memory as it is now, for work outside stream order that must
-/// not see it freed or moved (a NIXL transfer): a COW reference (converting a plain storage to COW,
+/// not see it freed or moved (a NIXL transfer): a COW sibling (converting a plain storage to COW,
 /// as a lazy clone does), or `None` for memory shared with other processes, which never moves (the
 /// storage itself keeps it).
 #[cfg(feature = "nixl")]
@@ -40,18 +31,22 @@ pub(super) fn pin_memory(storage: &Storage) -> Result<Option<Storage>> {
     if storage.nbytes() == 0 {
         return Ok(None);
     }
+    storage.with_data(|data| cow_sibling(storage, data))
+}
+
+/// A storage sharing `data` (the storage's, under its lock) copy-on-write, both tagged COW; `None`
+/// when the memory cannot be shared that way (it is shared with other processes).
+fn cow_sibling(storage: &Storage, data: &mut DataPtr) -> Result<Option<Storage>> {
     let runtime = storage.runtime();
-    storage.with_data(|data| {
-        let ptr = data.ptr();
-        Ok(
-            crate::cow::lazy_clone(runtime.allocator(), data)?.map(|pin| {
-                storage.set_cow_word(ptr, true);
-                let pin = Storage::from_data_ptr(runtime, pin, storage.nbytes());
-                pin.set_cow_word(ptr, true);
-                pin
-            }),
-        )
-    })
+    let ptr = data.ptr();
+    Ok(
+        crate::cow::lazy_clone(runtime.allocator(), data)?.map(|sibling| {
+            storage.set_cow_word(ptr, true);
+            let sibling = Storage::from_data_ptr(runtime, sibling, storage.nbytes());
+            sibling.set_cow_word(ptr, true);
+            sibling
+        }),
+    )
 }
 
 /// A lazy clone of memory shared with other processes is an eager copy on the current stream
