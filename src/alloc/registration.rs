@@ -30,9 +30,10 @@
 //!
 //! **Order and locks.** The registry's lock is held across a registrar's calls, so a region is
 //! registered with every registrar exactly once and deregistered before its memory goes, whatever
-//! the threads do. A registrar runs on the thread that maps or unmaps (a shard's lock may be held)
-//! and must not allocate or free through the same allocator, nor begin a stream capture. The lock
-//! is never held while a shard's lock is taken, so no order between the two can deadlock.
+//! the threads do. A registrar runs on the thread that maps or unmaps (a shard's lock may be held,
+//! as PyTorch holds its own across `cudaMalloc` unless `release_lock_on_cudamalloc`) and must not
+//! allocate or free through the same allocator, nor begin a stream capture. A shard's lock may be
+//! held when the registry's is taken, never the other way round, so the two cannot deadlock.
 //!
 //! **Processes.** Only this allocator's own memory is registered: memory received from another
 //! process is that process's to register. In a forked child the parent's segments are never
@@ -128,11 +129,11 @@ pub enum OnRegistrationFailure {
 pub struct RegistrarId(pub u64);
 
 /// One registrar's figures.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RegistrarStats {
     /// Its id.
-    pub id: Option<RegistrarId>,
+    pub id: RegistrarId,
     /// Its name.
     pub name: String,
     /// Successful registrations, ever.
@@ -346,9 +347,15 @@ impl Registry {
         let mut attached = Attached {
             id,
             stats: RegistrarStats {
-                id: Some(id),
+                id,
                 name: registrar.name().to_owned(),
-                ..RegistrarStats::default()
+                registrations: 0,
+                deregistrations: 0,
+                failures: 0,
+                registered_regions: 0,
+                registered_bytes: 0,
+                registration_ns: 0,
+                deregistration_ns: 0,
             },
             registrar,
             on_failure,
