@@ -611,3 +611,43 @@ fn child_entry() {
     drop(agent);
     drop(rt);
 }
+
+#[test]
+fn a_forked_child_never_calls_into_the_agent_it_inherited() {
+    let _one = setup();
+    let p = pair_sanitized("", "", Sanitize::Off);
+    let (sa, sb) = (
+        p.a.default_stream(0).unwrap(),
+        p.b.default_stream(0).unwrap(),
+    );
+    let src = Storage::new_on(&p.b, sb, MIB).unwrap();
+    src.fill_pattern(12).unwrap();
+    let described = p.agent_b.describe(&src, sb).unwrap();
+    let md = p.agent_b.metadata().unwrap();
+    p.agent_a.load_peer(&md).unwrap();
+    let dst = Storage::new_on(&p.a, sa, MIB).unwrap();
+    let t = p.agent_a.read(sa, &[(&dst, &described)], None).unwrap();
+    let verdict = common::forked::in_forked_child(|| {
+        let mut t = t;
+        let forked = |what: &str, r: cudalloc::Result<()>| match r {
+            Err(e) if e.kind() == ErrorKind::ForkedChild => Ok(()),
+            other => Err(format!("{what} in a forked child: {other:?}")),
+        };
+        forked("poll", t.poll().map(drop))?;
+        forked("metadata", p.agent_a.metadata().map(drop))?;
+        forked("load_peer", p.agent_a.load_peer(&md).map(drop))?;
+        forked(
+            "write",
+            p.agent_a.write(sa, &[(&dst, &described)], None).map(drop),
+        )?;
+        forked("notifications", p.agent_a.notifications().map(drop))?;
+        // Dropping the in-flight transfer touches neither its request nor NIXL.
+        drop(t);
+        Ok(())
+    });
+    assert_eq!(verdict, Ok(()));
+    // The parent's transfer (dropped with the closure, so waited for) and agent go on.
+    assert_eq!(wrong(&dst, 12), 0);
+    let mut again = p.agent_a.write(sa, &[(&dst, &described)], None).unwrap();
+    again.wait(WAIT).unwrap();
+}

@@ -75,7 +75,6 @@ pub struct NixlAgent {
     pub(crate) core: Arc<Core>,
     name: String,
     pending: Mutex<Vec<Notification>>,
-    dropped_notifications: Mutex<u64>,
     pub(crate) actors: Option<Arc<Actors>>,
 }
 
@@ -154,7 +153,6 @@ impl NixlAgent {
             }),
             name: options.name,
             pending: Mutex::new(Vec::new()),
-            dropped_notifications: Mutex::new(0),
             actors,
         })
     }
@@ -186,6 +184,7 @@ impl NixlAgent {
     /// with the generation; `peers.rs`), for peers' [`load_peer`](Self::load_peer): send it over
     /// any byte channel.
     pub fn metadata(&self) -> Result<Vec<u8>> {
+        self.core.alive()?;
         let generation = self.generation();
         let nixl = self
             .core
@@ -199,6 +198,7 @@ impl NixlAgent {
     /// The bytes are untrusted: checked before NIXL parses them (`peers.rs`). Refused while
     /// transfers with that peer are in flight.
     pub fn load_peer(&self, metadata: &[u8]) -> Result<String> {
+        self.core.alive()?;
         let (generation, nixl, name) = peers::open(metadata, MAX_METADATA_BYTES)?;
         if name == self.name {
             return Err(Error::transfer(format!(
@@ -231,6 +231,7 @@ impl NixlAgent {
     /// Forgets a peer's metadata (transfers with it are refused until it is loaded again).
     /// Refused while transfers with it are in flight.
     pub fn forget_peer(&self, peer: &str) -> Result<()> {
+        self.core.alive()?;
         self.core.peers.may_replace(peer)?;
         if !self.core.peers.forget(peer) {
             return Err(Error::transfer(format!("{peer} is not a loaded peer")));
@@ -246,6 +247,7 @@ impl NixlAgent {
     /// comes after that work. The owner keeps the storage alive while peers may use the
     /// description. A lazy clone is materialized (a peer may write it).
     pub fn describe(&self, storage: &Storage, stream: StreamId) -> Result<RemoteStorage> {
+        self.core.alive()?;
         let regions = storage.registered_regions_mut()?;
         for piece in &regions {
             if !self.core.registrar.holds(piece.region.id) {
@@ -271,6 +273,7 @@ impl NixlAgent {
 
     /// Sends `message` to `peer` alone (no transfer).
     pub fn notify(&self, peer: &str, message: &[u8]) -> Result<()> {
+        self.core.alive()?;
         self.core
             .agent
             .send_notification(peer, message, None)
@@ -312,6 +315,7 @@ impl NixlAgent {
     }
 
     fn fetch(&self) -> Result<()> {
+        self.core.alive()?;
         let mut map = NotificationMap::new().map_err(|e| nixl_error("notifications", e))?;
         self.core
             .agent
@@ -338,7 +342,6 @@ impl NixlAgent {
         if pending.len() > MAX_PENDING_NOTIFICATIONS {
             let extra = pending.len() - MAX_PENDING_NOTIFICATIONS;
             pending.drain(..extra);
-            *self.dropped_notifications.lock() += extra as u64;
             tracing::warn!(
                 extra,
                 "unread NIXL notifications dropped (a peer sends more than is read)"
@@ -351,6 +354,7 @@ impl NixlAgent {
     /// host learned it (by a notification): work queued on `stream` from now on is ordered after
     /// it, and other streams must wait for `stream`. Without the sanitizer it does nothing.
     pub fn received(&self, storage: &Storage, stream: StreamId) -> Result<()> {
+        self.core.alive()?;
         let Some(actors) = &self.actors else {
             return Ok(());
         };

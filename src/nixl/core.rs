@@ -40,6 +40,14 @@ impl Drop for Core {
     }
 }
 
+impl Core {
+    /// An error in a forked child: NIXL's threads and connections are the parent's, so a child
+    /// never calls into the agent it inherited.
+    pub fn alive(&self) -> crate::error::Result<()> {
+        self.birth.check("this NIXL agent")
+    }
+}
+
 /// NIXL's error as a transfer error saying what was being done.
 pub(crate) fn nixl_error(what: &str, err: nixl_sys::NixlError) -> Error {
     Error::transfer(format!("{what}: NIXL said {err}"))

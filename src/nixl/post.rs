@@ -57,6 +57,7 @@ impl NixlAgent {
             XferOp::Write => "a NIXL write",
             XferOp::Read => "a NIXL read",
         };
+        self.core.alive()?;
         let Some(first) = pairs.first().map(|p| p.1) else {
             return Err(Error::invalid(format!("{what} of no storage")));
         };

@@ -117,6 +117,7 @@ impl Transfer {
         if self.done {
             return Ok(true);
         }
+        self.core.alive()?;
         let Some(request) = &self.request else {
             return Ok(true);
         };
@@ -179,6 +180,13 @@ pub(crate) fn backoff(spins: &mut u32) {
 impl Drop for Transfer {
     fn drop(&mut self) {
         if self.done || self.request.is_none() {
+            return;
+        }
+        if self.core.alive().is_err() {
+            // A forked child's copy: the parent's NIXL runs the transfer; nothing here may touch
+            // the request or the actor (the storages free nothing in a child).
+            std::mem::forget(self.request.take());
+            std::mem::forget(self.actor.take());
             return;
         }
         match self.wait(DROP_DEADLINE) {
