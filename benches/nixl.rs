@@ -154,12 +154,6 @@ fn receiver() {
     let _ = std::io::stdin().read_line(&mut line);
 }
 
-fn unhex(text: &str) -> Vec<u8> {
-    (0..text.len() / 2)
-        .map(|i| u8::from_str_radix(&text[2 * i..2 * i + 2], 16).unwrap())
-        .collect()
-}
-
 fn transfer_group(c: &mut Criterion, group: &str, large: bool) {
     setup();
     let mut child = Command::new(std::env::current_exe().unwrap())
@@ -182,10 +176,10 @@ fn transfer_group(c: &mut Criterion, group: &str, large: bool) {
         from_child.read_line(&mut line).unwrap();
         let line = line.trim();
         if let Some(md) = line.strip_prefix("md ") {
-            agent.load_peer(&unhex(md)).unwrap();
+            agent.load_peer(&common::unhex(md)).unwrap();
             break;
         }
-        remote.push(RemoteStorage::from_bytes(&unhex(line)).unwrap());
+        remote.push(RemoteStorage::from_bytes(&common::unhex(line)).unwrap());
     }
     assert_eq!(remote.len(), local.len());
     let bytes: u64 = local.iter().map(Storage::nbytes).sum();

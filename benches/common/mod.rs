@@ -64,6 +64,13 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The bytes of `hex`'s text (the peer of a benchmark's child process).
+pub fn unhex(text: &str) -> Vec<u8> {
+    (0..text.len() / 2)
+        .map(|i| u8::from_str_radix(&text[2 * i..2 * i + 2], 16).unwrap())
+        .collect()
+}
+
 /// One step of the RMM trace: `Some(size)` to allocate, `None` to free the live allocation at
 /// `victim % live`.
 pub fn rmm_trace(max: u64, n: usize) -> Vec<(Option<u64>, u64)> {
