@@ -98,6 +98,16 @@ pub enum Error {
         /// The full explanation (capacity, free, allocated, ...).
         message: String,
     },
+    /// Not enough page-locked host memory (the host allocator's driver refused, a configured cap
+    /// was reached, or the operating system's limit on locked memory, `RLIMIT_MEMLOCK`, was; the
+    /// message says which). Retrying after freeing pinned buffers may succeed.
+    #[error("out of page-locked host memory: {message}")]
+    HostOutOfMemory {
+        /// Bytes that were requested.
+        requested: u64,
+        /// The full explanation.
+        message: String,
+    },
     /// The call itself is wrong; retrying the same call cannot help.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -175,7 +185,7 @@ impl Error {
     /// The coarse category of this error.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Error::OutOfMemory { .. } => ErrorKind::OutOfMemory,
+            Error::OutOfMemory { .. } | Error::HostOutOfMemory { .. } => ErrorKind::OutOfMemory,
             Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
             Error::InvalidIpcHandle(_) => ErrorKind::InvalidIpcHandle,
             Error::Config(_) => ErrorKind::Config,

@@ -27,7 +27,8 @@
 //! | operation                         | returns                         |
 //! |-----------------------------------|---------------------------------|
 //! | `copy_device_to_device`, `memset`, kernels, `event_record`, `stream_wait_event` | at once (enqueued) |
-//! | `copy_host_to_device`, `copy_device_to_host`, `count_pattern_mismatches` | when that work is done (stream-ordered, like an async copy followed by a stream synchronize) |
+//! | `copy_host_to_device`, `copy_device_to_host` (pageable memory), `count_pattern_mismatches` | when that work is done (stream-ordered, like an async copy followed by a stream synchronize) |
+//! | `copy_pinned_to_device`, `copy_device_to_pinned` (page-locked memory, `host_memory.rs`) | at once (enqueued) |
 //! | `free`, `ipc_close_memory`        | after every stream of the driver drained (CUDA's `cuMemFree` synchronizes too) |
 //!
 //! Every stream — the per-device default stream included — is independent: there is no legacy
@@ -37,6 +38,7 @@
 pub mod capture;
 pub mod cuda;
 pub mod host;
+pub mod host_memory;
 pub mod pattern;
 mod ranges;
 pub(crate) mod registry;
@@ -49,6 +51,7 @@ use std::fmt;
 pub use capture::{CaptureMode, CaptureStatus, GraphExecId, GraphId};
 pub use cuda::CudaDriver;
 pub use host::{HostDriver, HostDriverBuilder};
+pub use host_memory::HostAddr;
 pub use sanitizer::{SanitizeOptions, SanitizedDriver, Sanitizer};
 pub use sim::SimDriver;
 
@@ -350,6 +353,59 @@ pub trait Driver: Send + Sync + fmt::Debug {
     fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle>;
     /// Opens another process's interprocess event; destroy it with [`Driver::event_destroy`].
     fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId>;
+
+    // Page-locked host memory (`host_memory.rs`). A backend without it says so on every call.
+
+    /// Allocates `size` bytes of page-locked host memory that every device's copies can use
+    /// (CUDA: `cuMemHostAlloc` with `CU_MEMHOSTALLOC_PORTABLE`); contents unspecified.
+    fn host_alloc(&self, size: u64) -> Result<HostAddr> {
+        let _ = size;
+        Err(host_memory::unsupported(self.backend()))
+    }
+    /// Frees memory from [`Driver::host_alloc`]; waits for queued work first.
+    fn host_free(&self, ptr: HostAddr) -> Result<()> {
+        let _ = ptr;
+        Err(host_memory::unsupported(self.backend()))
+    }
+    /// Page-locks `[ptr, ptr + size)` of the caller's memory for the async copies (CUDA:
+    /// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_PORTABLE`). A range overlapping another
+    /// registration or a [`Driver::host_alloc`] is an error.
+    ///
+    /// # Safety
+    /// The range must be memory of this process, readable and writable, that stays allocated
+    /// until [`Driver::host_unregister`] returns: the driver's streams read and write it.
+    unsafe fn host_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
+        let _ = (ptr, size);
+        Err(host_memory::unsupported(self.backend()))
+    }
+    /// Ends the registration that starts at `ptr`; waits for queued work first.
+    fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
+        let _ = ptr;
+        Err(host_memory::unsupported(self.backend()))
+    }
+    /// Enqueues a copy of `len` bytes of page-locked host memory at `src` to `dst` on `stream`
+    /// (the whole source inside one allocation or registration of this driver).
+    fn copy_pinned_to_device(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        src: HostAddr,
+        len: u64,
+    ) -> Result<()> {
+        let _ = (stream, dst, src, len);
+        Err(host_memory::unsupported(self.backend()))
+    }
+    /// Enqueues a copy of `len` bytes at `src` into page-locked host memory at `dst` on `stream`.
+    fn copy_device_to_pinned(
+        &self,
+        stream: StreamId,
+        dst: HostAddr,
+        src: DeviceAddr,
+        len: u64,
+    ) -> Result<()> {
+        let _ = (stream, dst, src, len);
+        Err(host_memory::unsupported(self.backend()))
+    }
 
     // Virtual memory (expandable segments). Sizes and offsets are multiples of the granularity.
     // Memory operations accept any range mapped throughout, across adjacent chunks.

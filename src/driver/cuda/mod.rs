@@ -31,6 +31,7 @@
 //!   are `StreamCapture` errors).
 
 mod capture;
+mod host_memory;
 pub mod kernels;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -218,6 +219,8 @@ pub struct CudaDriver {
     /// Captured graphs and their instantiations (`capture.rs`).
     graphs: Registry<capture::GraphEntry<GraphHandle>>,
     graph_execs: Registry<capture::GraphEntry<GraphExecHandle>>,
+    /// Page-locked host memory this driver allocated or registered (`host_memory.rs`).
+    pinned: RwLock<host_memory::PinnedTable>,
     /// The process that loaded the driver: CUDA cannot be used in a forked child, whose calls are
     /// refused before any lock, and whose drop releases nothing (`process`).
     birth: Birth,
@@ -269,6 +272,7 @@ impl CudaDriver {
             captures_under_way: Default::default(),
             graphs: Registry::new("graph"),
             graph_execs: Registry::new("instantiated graph"),
+            pinned: RwLock::new(BTreeMap::new()),
             birth: Birth::now(),
         };
         for ordinal in 0..count {
@@ -527,6 +531,7 @@ impl Drop for CudaDriver {
             ));
             crate::process::leak_in_child(self.birth, &mut self.segments);
             crate::process::leak_in_child(self.birth, &mut self.vm);
+            crate::process::leak_in_child(self.birth, &mut self.pinned);
             return;
         }
         // Mappings this driver opened give up their process-wide user (the last one unmaps).
@@ -541,6 +546,7 @@ impl Drop for CudaDriver {
             let _ = self.ipc_close_memory(DeviceAddr(ptr));
         }
         self.destroy_graphs_left();
+        self.drop_pinned();
         let pages = std::mem::take(&mut self.counters.get_mut().pages);
         for (device, page) in pages.into_iter().enumerate() {
             let Some((page, _)) = page else { continue };

@@ -1,7 +1,8 @@
 //! Host-backend configuration: how many virtual devices, how many bytes each, whether freed
-//! segments are poisoned, and how long a wait on another process's event may last. From the
-//! environment (`CUDALLOC_HOST_DEVICES`, `CUDALLOC_HOST_MEMORY`, `CUDALLOC_IPC_EVENT_TIMEOUT_S`)
-//! or from [`HostDriverBuilder`].
+//! segments are poisoned, how long a wait on another process's event may last, and how much host
+//! memory may be page-locked. From the environment (`CUDALLOC_HOST_DEVICES`,
+//! `CUDALLOC_HOST_MEMORY`, `CUDALLOC_IPC_EVENT_TIMEOUT_S`, `CUDALLOC_HOST_PINNED_MEMORY`) or from
+//! [`HostDriverBuilder`].
 
 use std::time::Duration;
 
@@ -29,6 +30,9 @@ pub struct HostDriverBuilder {
     pub(crate) memory_per_device: u64,
     pub(crate) poison_on_free: bool,
     pub(crate) ipc_event_timeout: Option<Duration>,
+    /// Most bytes of page-locked host memory the driver allocates and registers together
+    /// (`u64::MAX`: as much as the operating system locks).
+    pub(crate) pinned_memory: u64,
 }
 
 impl Default for HostDriverBuilder {
@@ -38,6 +42,7 @@ impl Default for HostDriverBuilder {
             memory_per_device: DEFAULT_MEMORY,
             poison_on_free: true,
             ipc_event_timeout: Some(DEFAULT_IPC_EVENT_TIMEOUT),
+            pinned_memory: u64::MAX,
         }
     }
 }
@@ -48,8 +53,8 @@ impl HostDriverBuilder {
         Self::default()
     }
 
-    /// Starts from `CUDALLOC_HOST_DEVICES`, `CUDALLOC_HOST_MEMORY` and
-    /// `CUDALLOC_IPC_EVENT_TIMEOUT_S` where set.
+    /// Starts from `CUDALLOC_HOST_DEVICES`, `CUDALLOC_HOST_MEMORY`,
+    /// `CUDALLOC_IPC_EVENT_TIMEOUT_S` and `CUDALLOC_HOST_PINNED_MEMORY` where set.
     pub fn from_env() -> Result<Self> {
         let mut b = Self::default();
         if let Some(v) = env_var("CUDALLOC_HOST_DEVICES")? {
@@ -68,6 +73,11 @@ impl HostDriverBuilder {
                 Error::Config(format!("CUDALLOC_IPC_EVENT_TIMEOUT_S={v:?}: {why}"))
             })?;
         }
+        if let Some(v) = env_var("CUDALLOC_HOST_PINNED_MEMORY")? {
+            b.pinned_memory = parse_byte_size(&v).map_err(|why| {
+                Error::Config(format!("CUDALLOC_HOST_PINNED_MEMORY={v:?}: {why}"))
+            })?;
+        }
         b.validate()?;
         Ok(b)
     }
@@ -81,6 +91,15 @@ impl HostDriverBuilder {
     /// Capacity of each device in bytes.
     pub fn memory_per_device(mut self, bytes: u64) -> Self {
         self.memory_per_device = bytes;
+        self
+    }
+
+    /// Most bytes of page-locked host memory ([`Driver::host_alloc`](crate::Driver::host_alloc)
+    /// and [`Driver::host_register`](crate::Driver::host_register) together, charged in whole
+    /// pages) before either is out of memory; default: as much as the operating system locks
+    /// (`RLIMIT_MEMLOCK` without `CAP_IPC_LOCK`). Also `CUDALLOC_HOST_PINNED_MEMORY`.
+    pub fn pinned_memory(mut self, bytes: u64) -> Self {
+        self.pinned_memory = bytes;
         self
     }
 

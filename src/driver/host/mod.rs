@@ -9,6 +9,7 @@
 //! | IPC event handle    | names the chunk cell *and the record exported*; the opener's waits are checked and bounded (`foreign_event.rs`) |
 //! | IPC memory handle   | names the segment's object; another process maps it (`handle.rs`) |
 //! | kernels             | native fill / verify / poison / sleep (`kernels.rs`)                |
+//! | page-locked host memory | anonymous mappings locked with `mlock`, and the caller's memory locked in place; copies from and to it enqueued (`pinned.rs`) |
 //! | stream capture, graphs | work on a capturing stream recorded as re-runnable nodes; a launch re-checks their memory and runs them in order (`capture.rs`) |
 //!
 //! Stricter and louder than CUDA: freed segments are poisoned before they are unmapped (another
@@ -36,6 +37,7 @@ mod foreign_event;
 mod handle;
 mod kernels;
 pub mod library_kernels;
+mod pinned;
 mod segments;
 mod stream;
 mod vm;
@@ -56,8 +58,8 @@ use self::segments::{Origin, Segment, SegmentTable};
 use self::stream::HostStream;
 use crate::driver::registry::{IdCounter, Registry};
 use crate::driver::{
-    Backend, DeviceAddr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
-    OpenedSegment, StreamId,
+    Backend, DeviceAddr, Driver, EventFlags, EventId, HostAddr, IpcEventHandle, IpcMemHandle,
+    MemInfo, OpenedSegment, StreamId,
 };
 use crate::error::{Error, Result};
 use crate::process::Birth;
@@ -88,6 +90,8 @@ pub struct HostDriver {
     sanitizer: OnceLock<Arc<crate::driver::Sanitizer>>,
     /// Stream captures under way and the graphs they made (`capture.rs`).
     captures: capture::Captures,
+    /// Page-locked host memory (`pinned.rs`).
+    pinned: pinned::PinnedTable,
 }
 
 impl std::fmt::Debug for HostDriver {
@@ -129,6 +133,7 @@ impl HostDriver {
             foreign_chunks: Mutex::new(HashMap::new()),
             sanitizer: OnceLock::new(),
             captures: capture::Captures::default(),
+            pinned: pinned::PinnedTable::default(),
             config,
         };
         for device in 0..driver.config.devices {
@@ -314,12 +319,16 @@ impl Drop for HostDriver {
             crate::process::leak_in_child(birth, &mut self.segments);
             crate::process::leak_in_child(birth, &mut self.event_pool);
             crate::process::leak_in_child(birth, &mut self.foreign_chunks);
+            // The parent's locked pages: the child's copies are not locked (locks are not
+            // inherited) and unmapping them is harmless, but leave them as the rest.
+            crate::process::leak_in_child(birth, &mut self.pinned);
             return;
         }
         let streams = self.streams.drain();
         for s in &streams {
             s.shutdown();
         }
+        self.drop_pinned();
         let leftover = self.segments.drain();
         if leftover
             .iter()
@@ -564,6 +573,43 @@ impl Driver for HostDriver {
         self.wait_ticket(stream, ticket)?;
         dst.copy_from_slice(&out.lock());
         Ok(())
+    }
+
+    fn host_alloc(&self, size: u64) -> Result<HostAddr> {
+        self.pinned_alloc(size)
+    }
+
+    fn host_free(&self, ptr: HostAddr) -> Result<()> {
+        self.pinned_free(ptr)
+    }
+
+    unsafe fn host_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
+        // SAFETY: the caller's contract is the trait's.
+        unsafe { self.pinned_register(ptr, size) }
+    }
+
+    fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
+        self.pinned_unregister(ptr)
+    }
+
+    fn copy_pinned_to_device(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        src: HostAddr,
+        len: u64,
+    ) -> Result<()> {
+        self.pinned_copy(stream, dst, src, len, true)
+    }
+
+    fn copy_device_to_pinned(
+        &self,
+        stream: StreamId,
+        dst: HostAddr,
+        src: DeviceAddr,
+        len: u64,
+    ) -> Result<()> {
+        self.pinned_copy(stream, src, dst, len, false)
     }
 
     fn copy_device_to_device(

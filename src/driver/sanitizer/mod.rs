@@ -79,6 +79,7 @@
 
 mod clock;
 mod graphs;
+mod host;
 mod options;
 mod report;
 mod shadow;
@@ -251,6 +252,19 @@ impl Sanitizer {
         let slot = st.sticky(stream)?;
         let mut k = st.knowledge(slot);
         k.tick(slot);
+        self.check_touches(st, slot, &k, what, touches)?;
+        Ok((slot, k))
+    }
+
+    /// Checks `touches` by actor `slot` carrying clock `k` against what the bytes remember.
+    fn check_touches(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        slot: usize,
+        k: &VectorClock,
+        what: &str,
+        touches: &[Touch],
+    ) -> Result<()> {
         for t in touches.iter().filter(|t| t.len > 0) {
             let end = t.start.saturating_add(t.len);
             if let Some((at, free)) = st.freed_in(t.start, end) {
@@ -278,7 +292,7 @@ impl Sanitizer {
                 };
                 return Err(self.fail(st, slot, report));
             }
-            if let Some(earlier) = st.conflict(t.start, end, slot, &k, t.kind) {
+            if let Some(earlier) = st.conflict(t.start, end, slot, k, t.kind) {
                 let later = AccessReport {
                     kind: t.kind.name(),
                     what: format!("{what} on {}", st.actors[slot].name),
@@ -296,7 +310,7 @@ impl Sanitizer {
                 return Err(self.fail(st, slot, report));
             }
         }
-        Ok((slot, k))
+        Ok(())
     }
 
     fn commit(
@@ -588,6 +602,11 @@ impl Sanitizer {
             let slot = st.slot(s);
             clock.join(&st.actors[slot].clock);
         }
+        Self::free_at(&mut st, start, len, owner, clock);
+    }
+
+    /// Marks `[start, start + len)` freed by `owner`, reusable once `clock` is known.
+    fn free_at(st: &mut State, start: u64, len: u64, owner: usize, clock: VectorClock) {
         let what = format!(
             "the free of {} (bytes [{start:#x}, {:#x}))",
             st.allocation_at(start)
@@ -615,6 +634,11 @@ impl Sanitizer {
     pub(crate) fn hand_out(&self, start: u64, len: u64, stream: StreamId) {
         let mut st = self.state.lock();
         let owner = st.slot(stream);
+        self.hand_out_at(&mut st, start, len, owner);
+    }
+
+    /// [`Sanitizer::hand_out`] to actor `owner`.
+    fn hand_out_at(&self, st: &mut MutexGuard<'_, State>, start: u64, len: u64, owner: usize) {
         // What the block's stream knows now: an access the host or the stream waited for after
         // the free is ordered before the reuse too.
         let now = st.knowledge(owner);
@@ -661,7 +685,7 @@ impl Sanitizer {
                 },
                 free: Some(free),
             };
-            let _sticky = self.fail(&mut st, owner, report);
+            let _sticky = self.fail(st, owner, report);
         }
     }
 }

@@ -10,7 +10,8 @@ use crate::driver::{EventId, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::Arc;
 
-/// An actor: a stream, or another process's writes before one of its events.
+/// An actor: a stream, the host (touching page-locked memory), or another process's writes
+/// before one of its events.
 #[derive(Debug)]
 pub(super) struct Actor {
     pub(super) clock: VectorClock,
@@ -42,6 +43,8 @@ pub(super) struct State {
     pub(super) segments: HashMap<u64, u64>,
     pub(super) reports: Vec<HazardReport>,
     pub(super) hazards: u64,
+    /// The host's actor, once it touched page-locked memory (`host.rs`).
+    pub(super) host_actor: Option<usize>,
 }
 
 impl State {
@@ -57,6 +60,21 @@ impl State {
             sticky: None,
         });
         self.streams.insert(stream, slot);
+        slot
+    }
+
+    /// The host's actor (made on first use); its clock is [`State::host`].
+    pub(super) fn host_slot(&mut self) -> usize {
+        if let Some(slot) = self.host_actor {
+            return slot;
+        }
+        let slot = self.actors.len();
+        self.actors.push(Actor {
+            clock: VectorClock::default(),
+            name: "the host".to_owned(),
+            sticky: None,
+        });
+        self.host_actor = Some(slot);
         slot
     }
 

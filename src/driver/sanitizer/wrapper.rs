@@ -3,8 +3,8 @@
 use super::{SanitizeOptions, Sanitizer, Touch};
 use crate::driver::{
     Backend, CaptureMode, CaptureStatus, ChunkId, DeviceAddr, Driver, EventFlags, EventId,
-    ExportedChunk, GraphExecId, GraphId, HostDriver, IpcEventHandle, IpcMemHandle, MemInfo,
-    OpenedSegment, StreamId,
+    ExportedChunk, GraphExecId, GraphId, HostAddr, HostDriver, IpcEventHandle, IpcMemHandle,
+    MemInfo, OpenedSegment, StreamId,
 };
 use crate::error::Result;
 use crate::process::Birth;
@@ -275,6 +275,57 @@ impl Driver for SanitizedDriver {
         let touch = [Touch::read(src.0, dst.len() as u64)];
         self.checked_blocking(stream, "copy_device_to_host", &touch, || {
             self.inner.copy_device_to_host(stream, dst, src)
+        })
+    }
+    fn host_alloc(&self, size: u64) -> Result<HostAddr> {
+        self.birth.check("this sanitized driver")?;
+        let ptr = self.inner.host_alloc(size)?;
+        self.sanitizer.mapped(ptr.0, size);
+        Ok(ptr)
+    }
+    fn host_free(&self, ptr: HostAddr) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.host_free(ptr)?;
+        self.sanitizer.unmapped_segment(ptr.0);
+        Ok(())
+    }
+    unsafe fn host_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
+        // SAFETY: the caller's contract is the trait's.
+        unsafe { self.inner.host_register(ptr, size) }?;
+        self.sanitizer.mapped(ptr.0, size);
+        Ok(())
+    }
+    fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.host_unregister(ptr)?;
+        self.sanitizer.unmapped_segment(ptr.0);
+        Ok(())
+    }
+    fn copy_pinned_to_device(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        src: HostAddr,
+        len: u64,
+    ) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
+        let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
+        self.checked(stream, "copy_pinned_to_device", &touches, || {
+            self.inner.copy_pinned_to_device(stream, dst, src, len)
+        })
+    }
+    fn copy_device_to_pinned(
+        &self,
+        stream: StreamId,
+        dst: HostAddr,
+        src: DeviceAddr,
+        len: u64,
+    ) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
+        let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
+        self.checked(stream, "copy_device_to_pinned", &touches, || {
+            self.inner.copy_device_to_pinned(stream, dst, src, len)
         })
     }
     fn copy_device_to_device(

@@ -1,0 +1,56 @@
+//! Page-locked ("pinned") host memory in the device layer: what the pinned host allocator
+//! (`crate::pinned`) needs from a driver.
+//!
+//! | call | CUDA | host backend | returns |
+//! |---|---|---|---|
+//! | [`Driver::host_alloc`](super::Driver::host_alloc) | `cuMemHostAlloc(PORTABLE)` | an anonymous mapping, locked with `mlock` | at once |
+//! | [`Driver::host_register`](super::Driver::host_register) | `cuMemHostRegister(PORTABLE)` | `mlock` of the pages under the range (counted per page) | at once |
+//! | [`Driver::host_free`](super::Driver::host_free), [`Driver::host_unregister`](super::Driver::host_unregister) | `cuMemFreeHost`, `cuMemHostUnregister` | out of the table, every stream drained, unlocked (and unmapped) | after queued work |
+//! | [`Driver::copy_pinned_to_device`](super::Driver::copy_pinned_to_device), [`Driver::copy_device_to_pinned`](super::Driver::copy_device_to_pinned) | `cuMemcpyHtoDAsync`, `cuMemcpyDtoHAsync` | a copy enqueued on the stream's worker | at once (stream-ordered) |
+//! | `copy_host_to_device`, `copy_device_to_host` (pageable memory) | the same copies, then a stream synchronize | a staging copy, enqueued and waited for | when done |
+//!
+//! So, as on CUDA, a copy from page-locked memory is asynchronous and a copy from pageable memory
+//! is synchronous. The async copies accept only memory the driver page-locked (allocated or
+//! registered, the whole range inside one allocation or registration): anything else is an
+//! [`Error::InvalidArgument`] — stricter than CUDA, which silently makes such a copy synchronous.
+//!
+//! The driver never forms a Rust reference to pinned memory: it reads and writes it through raw
+//! pointers on its streams. Whoever hands out references to it (the allocator's `PinnedBuffer`)
+//! orders them after the copies that touch the bytes.
+
+use std::fmt;
+
+use super::Backend;
+use crate::error::Error;
+
+/// The address, in this process, of page-locked host memory a driver allocated or registered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct HostAddr(pub u64);
+
+impl HostAddr {
+    /// The address `bytes` past this one, or an error if that overflows.
+    pub fn offset(self, bytes: u64) -> crate::error::Result<HostAddr> {
+        self.0.checked_add(bytes).map(HostAddr).ok_or_else(|| {
+            Error::invalid(format!("host pointer {:#x} + {bytes} overflows", self.0))
+        })
+    }
+
+    /// The address as a pointer.
+    pub fn as_ptr(self) -> *mut u8 {
+        self.0 as usize as *mut u8
+    }
+}
+
+impl fmt::Display for HostAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// The error of a backend without page-locked host memory (the simulated device).
+pub(crate) fn unsupported(backend: Backend) -> Error {
+    Error::invalid(format!(
+        "the {} backend has no page-locked host memory",
+        backend.name()
+    ))
+}
