@@ -19,7 +19,10 @@
 //! | `thread_cache_mb` | integer ≥ 0 (MiB; cudalloc's own key): each thread keeps up to this many bytes (and 32 blocks) of the blocks it freed, per stream, and hands them back to its own allocations of the same size without the stream's lock — two threads on one stream then scale; **changes PyTorch's reuse order** (see `alloc/front.rs`) | 0 (off: PyTorch's exact order) |
 //! | `max_non_split_rounding_mb` | integer ≥ 0 (MiB): an oversize request takes a cached oversize block only if the block is less than this much larger | 20 |
 //! | `backend` | `native` (PyTorch's `cudaMallocAsync` is refused: cudalloc is the native caching allocator) | `native` |
-//! | `pinned_use_cuda_host_register`, `pinned_num_register_threads`, `pinned_use_background_threads` | PyTorch's pinned host-memory keys: validated, then ignored (cudalloc has no pinned host allocator) | — |
+//! | `pinned_use_cuda_host_register` (also `pinned_use_host_register`) | `True`/`False`: the pinned host allocator (`crate::pinned`) takes ordinary pages, faults them in and registers them with the driver (`cuMemHostRegister`) instead of allocating page-locked memory (`cuMemHostAlloc`) | `False` |
+//! | `pinned_num_register_threads` | power of two ≤ 128: threads that fault in the pages of one registration | 1 |
+//! | `pinned_reserve_segment_size_mb` | integer ≥ 0 (MiB): one page-locked segment made on the first pinned allocation, from which later ones are carved before the driver is asked (never given back; `pinned/memory.rs`) | 0 (off) |
+//! | `pinned_use_background_threads` | `True`/`False`: validated; cudalloc polls the pinned allocator's events on every allocation and free, so no background thread is started | `False` |
 
 use crate::error::{Error, Result};
 
@@ -75,6 +78,15 @@ pub struct AllocatorConfig {
     /// the block is less than this many bytes larger (PyTorch's `max_non_split_rounding_mb`;
     /// 20 MiB).
     pub max_non_split_rounding: u64,
+    /// Pinned host memory from ordinary pages registered with the driver, not from the driver's
+    /// page-locked allocation (`pinned_use_cuda_host_register`).
+    pub pinned_use_host_register: bool,
+    /// Threads that fault in the pages of one registration (`pinned_num_register_threads`).
+    pub pinned_num_register_threads: u64,
+    /// Bytes of the pinned reserve segment (`pinned_reserve_segment_size_mb`; 0: none).
+    pub pinned_reserve_segment_size: u64,
+    /// `pinned_use_background_threads` as given (validated; events are polled inline).
+    pub pinned_use_background_threads: bool,
 }
 
 impl Default for AllocatorConfig {
@@ -91,6 +103,10 @@ impl Default for AllocatorConfig {
             oom_snapshot_path: None,
             thread_cache: 0,
             max_non_split_rounding: 20 * MIB,
+            pinned_use_host_register: false,
+            pinned_num_register_threads: 1,
+            pinned_reserve_segment_size: 0,
+            pinned_use_background_threads: false,
         }
     }
 }
@@ -348,11 +364,18 @@ impl AllocatorConfig {
                     }
                     _ => return Err(bad(key, value, "native (cudaMallocAsync is not available)")),
                 },
-                "pinned_use_cuda_host_register" | "pinned_use_background_threads" => {
-                    parse_bool(key, value)?;
+                "pinned_use_cuda_host_register" | "pinned_use_host_register" => {
+                    config.pinned_use_host_register = parse_bool(key, value)?;
+                }
+                "pinned_use_background_threads" => {
+                    config.pinned_use_background_threads = parse_bool(key, value)?;
                 }
                 "pinned_num_register_threads" => {
-                    parse_power_of_two(key, "threads", value, 128)?;
+                    config.pinned_num_register_threads =
+                        parse_power_of_two(key, "threads", value, 128)?;
+                }
+                "pinned_reserve_segment_size_mb" => {
+                    config.pinned_reserve_segment_size = parse_mib(key, value)?;
                 }
                 _ => {
                     return Err(Error::Config(format!(
@@ -360,7 +383,8 @@ impl AllocatorConfig {
                          roundup_power2_divisions, expandable_segments, release_lock_on_cudamalloc, \
                          per_process_memory_fraction, ipc_handle_ttl_s, default_stream, oom_snapshot_path, thread_cache_mb, \
                          max_non_split_rounding_mb, backend, pinned_use_cuda_host_register, \
-                         pinned_num_register_threads, pinned_use_background_threads"
+                         pinned_num_register_threads, pinned_reserve_segment_size_mb, \
+                         pinned_use_background_threads"
                     )))
                 }
             }

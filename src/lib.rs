@@ -33,6 +33,7 @@ pub mod nccl;
 #[cfg(feature = "nixl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
 pub mod nixl;
+mod pinned;
 mod process;
 #[cfg(feature = "replay")]
 #[cfg_attr(docsrs, doc(cfg(feature = "replay")))]
@@ -65,9 +66,9 @@ pub use driver::sanitizer::{AccessKind, AccessReport, HazardKind, HazardReport, 
 pub use driver::sim::MAX_SIM_DEVICES;
 pub use driver::{
     Backend, BackendChoice, CaptureMode, CaptureStatus, ChunkId, CudaDriver, DeviceAddr, Driver,
-    EventFlags, EventId, ExportedChunk, GraphExecId, GraphId, HostDriver, HostDriverBuilder,
-    IpcEventHandle, IpcMemHandle, MemInfo, OpenedSegment, SanitizeOptions, SanitizedDriver,
-    Sanitizer, SelectedBackend, SimDriver, StreamId, IPC_HANDLE_SIZE,
+    EventFlags, EventId, ExportedChunk, GraphExecId, GraphId, HostAddr, HostDriver,
+    HostDriverBuilder, IpcEventHandle, IpcMemHandle, MemInfo, OpenedSegment, SanitizeOptions,
+    SanitizedDriver, Sanitizer, SelectedBackend, SimDriver, StreamId, IPC_HANDLE_SIZE,
 };
 pub use error::{Cause, Error, ErrorKind, ForeignEventFailure, Result};
 pub use global::{Global, GLOBAL};
@@ -75,6 +76,7 @@ pub use ipc::{
     Drained, IpcHandle, PageSocketLimits, WireHandle, WirePages, DEFAULT_EVENT_BUDGET,
     PAGE_SECRET_SIZE, WIRE_SIZE,
 };
+pub use pinned::{DurationStat, HostAllocator, HostMemoryStats, PinnedBuffer, PinnedOptions};
 pub use runtime::{Runtime, RuntimeBuilder};
 pub use shm::sweep_orphans;
 #[cfg(feature = "cudarc")]

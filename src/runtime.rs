@@ -7,6 +7,8 @@
 //! `/dev/shm` when it starts, and at teardown keeps memory consumers still count on out of the
 //! cache. [`Storage`](crate::Storage)s hold a runtime.
 //!
+//! It also holds the process's pinned host allocator (`pinned`), over the same driver.
+//!
 //! It dereferences to its [`CachingAllocator`], so allocation, streams, stats and snapshots are
 //! called on it directly.
 
@@ -17,6 +19,7 @@ use crate::config::AllocatorConfig;
 use crate::driver::Driver;
 use crate::error::Result;
 use crate::ipc::{Drained, IpcState};
+use crate::pinned::{HostAllocator, PinnedBuffer, PinnedOptions};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::Arc;
 
@@ -77,6 +80,7 @@ impl RuntimeBuilder {
         if let Err(err) = crate::shm::sweep_orphans() {
             tracing::debug!(%err, "sweeping orphaned shared-memory objects failed");
         }
+        let check_invariants = self.allocator.checks_invariants();
         let allocator = Arc::new(self.allocator.build(Arc::clone(&driver))?);
         // The allocator's driver: sanitized when the allocator is (the IPC layer's events and
         // copies are checked too).
@@ -94,10 +98,16 @@ impl RuntimeBuilder {
                 .upgrade()
                 .is_some_and(|ipc| ipc.drain().storages > 0)
         }));
+        let host = HostAllocator::build(
+            Arc::clone(allocator.driver()),
+            PinnedOptions::from_config(allocator.config()),
+            check_invariants,
+        );
         Ok(Runtime {
             id: NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed),
             allocator,
             ipc,
+            host,
         })
     }
 }
@@ -107,6 +117,8 @@ pub struct Runtime {
     id: u64,
     allocator: Arc<CachingAllocator>,
     ipc: Arc<IpcState>,
+    /// The pinned host allocator (`pinned`), over the same driver.
+    host: Arc<HostAllocator>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -140,6 +152,17 @@ impl Runtime {
     /// The allocator.
     pub fn allocator(&self) -> &Arc<CachingAllocator> {
         &self.allocator
+    }
+
+    /// The caching allocator of page-locked host memory (`src/pinned/mod.rs`), configured by the
+    /// `pinned_*` keys of the runtime's configuration.
+    pub fn host_allocator(&self) -> &Arc<HostAllocator> {
+        &self.host
+    }
+
+    /// A pinned host buffer of at least `len` bytes ([`HostAllocator::allocate`]).
+    pub fn pinned(&self, len: usize) -> Result<PinnedBuffer> {
+        self.host.allocate(len)
     }
 
     /// A number unique to this runtime in the process (keys of the storage layer's caches).

@@ -8,7 +8,7 @@
 //! | 0    | ground   | `error`, `sync`, `process`, `config`, `shm`, `codec` |
 //! | 1    | driver   | `driver`                        |
 //! | 2    | alloc    | `alloc`                         |
-//! | 3    | cow, ipc | `cow`, `ipc` (not each other)   |
+//! | 3    | cow, ipc, pinned | `cow`, `ipc`, `pinned` (not each other) |
 //! | 4    | runtime, replay | `runtime`, `replay` (not each other) |
 //! | 5    | storage  | `storage`                       |
 //! | 6    | global, nixl, nccl | `global`, `nixl`, `nccl` (not each other) |
@@ -31,7 +31,7 @@ fn rank(module: &str) -> Option<u32> {
         "error" | "sync" | "process" | "config" | "shm" | "codec" => 0,
         "driver" => 1,
         "alloc" => 2,
-        "cow" | "ipc" => 3,
+        "cow" | "ipc" | "pinned" => 3,
         "runtime" | "replay" => 4,
         "storage" => 5,
         "global" | "nixl" | "nccl" => 6,

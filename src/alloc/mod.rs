@@ -145,6 +145,11 @@ impl CachingAllocatorBuilder {
         self
     }
 
+    /// Whether the invariant scanner runs (the runtime's pinned allocator follows it).
+    pub(crate) fn checks_invariants(&self) -> bool {
+        self.check_invariants
+    }
+
     /// Checks the driver with the stream sanitizer (default: as `CUDALLOC_SANITIZE` says).
     pub fn sanitize(mut self, sanitize: Sanitize) -> Self {
         self.sanitize = sanitize;

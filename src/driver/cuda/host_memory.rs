@@ -81,14 +81,16 @@ impl CudaDriver {
         let mut table = self.pinned.write();
         match table.get(&ptr.0) {
             Some(e) if e.registered == registered => {}
-            Some(_) => return Err(Error::invalid(format!(
+            Some(_) => {
+                return Err(Error::invalid(format!(
                 "{want}: {ptr} was {} (free memory with the call that matches how it was locked)",
                 if registered {
                     "allocated with host_alloc: use host_free"
                 } else {
                     "registered: use host_unregister"
                 }
-            ))),
+            )))
+            }
             None => {
                 return Err(Error::invalid(format!(
                     "{want}: {ptr} is not the start of page-locked memory of this driver"

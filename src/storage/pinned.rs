@@ -1,0 +1,101 @@
+//! Copies between a [`Storage`] and a [`PinnedBuffer`], on a stream, without blocking.
+//!
+//! | call | storage | buffer |
+//! |---|---|---|
+//! | `copy_to_pinned` | read at its current address: a lazy clone is **not** materialized | written (`&mut`): host borrows wait for the copy |
+//! | `copy_from_pinned` | written: a lazy clone is materialized first, on the copy's stream | read: host writes and the buffer's reuse wait for the copy |
+//!
+//! Both record the stream for the storage's memory when it is not the storage's own (its free
+//! then waits for the copy, as with [`Storage::record_stream`]).
+
+use super::Storage;
+use crate::driver::StreamId;
+use crate::error::{Error, Result};
+use crate::pinned::PinnedBuffer;
+
+impl Storage {
+    /// Checks `[offset, offset + len)` of the storage and that `stream` is of its device.
+    fn pinned_range(&self, offset: u64, len: u64, stream: StreamId) -> Result<()> {
+        let end = offset
+            .checked_add(len)
+            .filter(|&end| end <= self.inner.nbytes)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "bytes [{offset}, {offset} + {len}) are outside a storage of {} bytes",
+                    self.inner.nbytes
+                ))
+            })?;
+        let _ = end;
+        if stream.device() != self.inner.device {
+            return Err(Error::invalid(format!(
+                "stream {} is on device {}, the storage on device {}",
+                stream.raw(),
+                stream.device(),
+                self.inner.device
+            )));
+        }
+        Ok(())
+    }
+
+    /// Its memory is used on `stream`: recorded unless that is its own stream.
+    fn used_on(&self, stream: StreamId) -> Result<()> {
+        if self.allocation_stream() == Some(stream) {
+            return Ok(());
+        }
+        self.record_stream(stream)
+    }
+
+    /// Enqueues a copy of `len` bytes of the storage from `offset` into `dst` at `dst_offset`
+    /// on `stream`; returns at once. Reads: a lazy clone is not materialized. `dst`'s host
+    /// borrows wait for the copy.
+    pub fn copy_to_pinned(
+        &self,
+        offset: u64,
+        dst: &mut PinnedBuffer,
+        dst_offset: usize,
+        len: usize,
+        stream: StreamId,
+    ) -> Result<()> {
+        let n = len as u64;
+        self.pinned_range(offset, n, stream)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let src = self.data_ptr().offset(offset)?;
+        let end = dst_offset
+            .checked_add(len)
+            .ok_or_else(|| Error::invalid("pinned range overflows"))?;
+        let driver = self.runtime().driver();
+        dst.enqueue_write(stream, dst_offset..end, |host, bytes| {
+            driver.copy_device_to_pinned(stream, host, src, bytes)
+        })?;
+        self.used_on(stream)
+    }
+
+    /// Enqueues a copy of `len` bytes of `src` from `src_offset` into the storage at `offset`
+    /// on `stream`; returns at once. Writes: a lazy clone is materialized first, on `stream`.
+    /// `src`'s host writes and its reuse wait for the copy.
+    pub fn copy_from_pinned(
+        &self,
+        offset: u64,
+        src: &PinnedBuffer,
+        src_offset: usize,
+        len: usize,
+        stream: StreamId,
+    ) -> Result<()> {
+        let n = len as u64;
+        self.pinned_range(offset, n, stream)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let dst = self.mutable_data_ptr_on(stream)?.offset(offset)?;
+        let end = src_offset
+            .checked_add(len)
+            .ok_or_else(|| Error::invalid("pinned range overflows"))?;
+        let driver = self.runtime().driver();
+        src.enqueue_read(stream, src_offset..end, |host, bytes| {
+            driver.copy_pinned_to_device(stream, dst, host, bytes)
+        })?;
+        self.used_on(stream)
+    }
+}
