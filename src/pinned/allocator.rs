@@ -80,6 +80,11 @@ impl HostAllocator {
         })
     }
 
+    /// Whether this is the process that made it (not a forked child).
+    pub(super) fn in_its_process(&self) -> bool {
+        self.birth.is_current()
+    }
+
     /// Its options.
     pub fn options(&self) -> PinnedOptions {
         self.options
@@ -271,17 +276,25 @@ impl HostAllocator {
             return;
         }
         loop {
-            let Some(next) = self.lock().events.pop_front() else {
+            // The oldest event stays queued while it is queried (without the lock), so the books
+            // never show a waiting block without its events; whoever finds it done first takes it.
+            let Some(next) = self.lock().events.front().copied() else {
                 return;
             };
             // A query fails inside a capture that forbids it, or on a failed stream: not ready.
             if !self.driver.event_query(next.event).unwrap_or(false) {
-                self.lock().events.push_front(next);
                 return;
             }
-            self.pending.fetch_sub(1, Ordering::Relaxed);
-            self.return_event(next.device, next.event);
             let mut state = self.lock();
+            if state.events.front().is_none_or(|f| f.event != next.event) {
+                continue;
+            }
+            state.events.pop_front();
+            self.pending.fetch_sub(1, Ordering::Relaxed);
+            if state.event_pool.len() <= next.device {
+                state.event_pool.resize_with(next.device + 1, Vec::new);
+            }
+            state.event_pool[next.device].push(next.event);
             state.event_done(next.block);
             self.checked(&state);
         }

@@ -255,6 +255,10 @@ impl Drop for PinnedBuffer {
         let Some(block) = self.block else {
             return;
         };
+        if !self.alloc.in_its_process() {
+            // A forked child: the block is the parent's; nothing is touched here.
+            return;
+        }
         let uses = std::mem::take(&mut *self.uses.lock());
         let mut events: Vec<Pending> = uses
             .pending

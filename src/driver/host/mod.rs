@@ -697,6 +697,7 @@ impl Driver for HostDriver {
 
     fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
         self.this_process()?;
+        self.pinned.refuse_export(ptr)?;
         let (device, object, size) = self.segments.view().owned_at(ptr)?;
         let device =
             u16::try_from(device).map_err(|_| Error::invalid("device ordinal too large"))?;

@@ -149,6 +149,17 @@ impl PinnedTable {
         self.used.fetch_sub(bytes, Ordering::SeqCst);
     }
 
+    /// An IPC export of `ptr` is refused with a reason when it is page-locked host memory.
+    pub(super) fn refuse_export(&self, ptr: DeviceAddr) -> Result<()> {
+        match self.view().check(HostAddr(ptr.0), 1) {
+            Ok(_) => Err(Error::invalid(format!(
+                "{ptr} is page-locked host memory: IPC shares device memory only (a pinned \
+                 buffer is not shared across processes; copy it into a storage and share that)"
+            ))),
+            Err(_) => Ok(()),
+        }
+    }
+
     /// Bytes charged now.
     pub(super) fn used(&self) -> u64 {
         self.used.load(Ordering::SeqCst)

@@ -40,6 +40,7 @@
 pub mod capture;
 pub mod codes;
 pub mod event;
+pub mod host;
 pub mod kernels;
 pub mod memory;
 pub mod module;

@@ -145,6 +145,8 @@ pub struct Double {
     pub memory: Memory,
     /// Stream captures (`capture.rs`).
     pub captures: Captures,
+    /// Page-locked host memory (`host.rs`).
+    pub host: crate::host::PinnedHost,
 }
 
 static DOUBLE: OnceLock<Double> = OnceLock::new();
@@ -213,6 +215,7 @@ pub fn init() -> Checked<()> {
         next_handle,
         memory,
         captures: Captures::default(),
+        host: crate::host::PinnedHost::default(),
     });
     Ok(())
 }

@@ -1,8 +1,9 @@
 //! Allocation, free, address queries, copies and memset.
 //!
-//! Copies follow the documented pageable-memory behaviour: `cuMemcpyHtoDAsync` stages the host
-//! bytes before returning (the caller may reuse its buffer), the device write happens in stream
-//! order; `cuMemcpyDtoHAsync` writes the host buffer when the stream reaches it — so a caller
+//! Copies follow the documented behaviour: from pageable memory `cuMemcpyHtoDAsync` stages the
+//! host bytes before returning (the caller may reuse its buffer), from page-locked memory
+//! (`host.rs`) it reads them when the stream reaches the copy, which must find them still locked;
+//! the device write happens in stream order; `cuMemcpyDtoHAsync` writes the host buffer when the stream reaches it — so a caller
 //! that reads the buffer without synchronizing reads stale bytes, as it may on a GPU.
 
 use std::ffi::c_void;
@@ -177,6 +178,28 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
         if src.is_null() {
             return Err(Fail::violation(codes::INVALID_VALUE, "null host source"));
         }
+        let host = src as usize;
+        if let Some(locked) = d.host.containing(host, count) {
+            // Page-locked: read when the stream reaches the copy, as a GPU's DMA does.
+            return d.enqueue(
+                &s,
+                Entry::cuMemcpyHtoDAsync_v2,
+                vec![(dst, count as u64)],
+                || {
+                    let (a, locked) = (Arc::clone(&a), Arc::clone(&locked));
+                    Box::new(move || {
+                        a.check_live("cuMemcpyHtoDAsync")?;
+                        check_locked(&locked, "cuMemcpyHtoDAsync")?;
+                        // SAFETY: the source is page-locked memory still locked (checked); the
+                        // destination is inside the live allocation.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(host as *const u8, a.at(offset), count)
+                        };
+                        Ok(())
+                    })
+                },
+            );
+        }
         // SAFETY: the caller's buffer holds `count` readable bytes; staged now (pageable).
         let staged = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), count) }.to_vec();
         d.enqueue(
@@ -221,13 +244,18 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
             ));
         }
         let host = dst as usize;
+        let locked = d.host.containing(host, count);
         d.enqueue(
             &s,
             Entry::cuMemcpyDtoHAsync_v2,
             vec![(src, count as u64)],
             || {
+                let locked = locked.clone();
                 Box::new(move || {
                     a.check_live("cuMemcpyDtoHAsync")?;
+                    if let Some(locked) = &locked {
+                        check_locked(locked, "cuMemcpyDtoHAsync")?;
+                    }
                     // SAFETY: the source is inside the live allocation; the caller keeps `dst` valid
                     // until the stream reaches this copy (the async copy contract).
                     unsafe { std::ptr::copy_nonoverlapping(a.at(offset), host as *mut u8, count) };
@@ -315,4 +343,16 @@ pub extern "C" fn cuMemsetD8Async(
         });
         d.enqueue_node(&s, Entry::cuMemsetD8Async, vec![(dst, count as u64)], make)
     })
+}
+
+/// A queued copy's page-locked host range must still be locked when the stream reaches it.
+fn check_locked(locked: &crate::host::Locked, call: &str) -> crate::report::Checked<()> {
+    if locked.live.load(Ordering::Acquire) {
+        Ok(())
+    } else {
+        Err(Fail::violation(
+            codes::INVALID_VALUE,
+            format!("{call} ran after its page-locked host memory was freed or unregistered"),
+        ))
+    }
 }

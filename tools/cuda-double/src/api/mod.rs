@@ -4,6 +4,7 @@
 
 pub mod device;
 pub mod graph;
+pub mod host;
 pub mod ipc;
 pub mod memory;
 pub mod module;
