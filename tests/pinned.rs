@@ -105,7 +105,7 @@ fn pinned_with_register(b: &TestBackend, rt: &Arc<Runtime>, sizes: &[usize]) {
         let bytes = t.as_mut_slice().unwrap();
         bytes.fill(7);
         let stream = rt.default_stream(0).unwrap();
-        let gpu = Storage::new_on(&rt, stream, len as u64).unwrap();
+        let gpu = Storage::new_on(rt, stream, len as u64).unwrap();
         gpu.copy_from_pinned(0, &t, 0, len, stream).unwrap();
         let mut back = rt.pinned(len).unwrap();
         gpu.copy_to_pinned(0, &mut back, 0, len, stream).unwrap();

@@ -15,7 +15,7 @@
 
 use std::ops::Range;
 
-use super::allocator::HostAllocator;
+use super::host_allocator::HostAllocator;
 use super::state::Pending;
 use crate::driver::sanitizer::Touch;
 use crate::driver::{HostAddr, StreamId};

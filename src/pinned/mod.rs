@@ -45,16 +45,18 @@
 //!   leak there.
 //! * Copies on a capturing stream are refused (`buffer.rs`).
 //!
-//! Files: `allocator.rs` (the API), `buffer.rs` ([`PinnedBuffer`]), `memory.rs` (where memory
-//! comes from), `state.rs` (the books and their invariants), `stats.rs`
-//! ([`HostMemoryStats`]).
+//! Files, lowest first: `stats.rs` ([`HostMemoryStats`]), `state.rs` (the books and their
+//! invariants), `memory.rs` (where memory comes from), `host_allocator.rs` (the [`HostAllocator`]
+//! type, frees and event polling), `buffer.rs` ([`PinnedBuffer`]), `allocate.rs` (handing buffers
+//! out, `empty_cache`, statistics).
 
-mod allocator;
+mod allocate;
 mod buffer;
+mod host_allocator;
 mod memory;
 mod state;
 mod stats;
 
-pub use allocator::{HostAllocator, PinnedOptions};
 pub use buffer::PinnedBuffer;
+pub use host_allocator::{HostAllocator, PinnedOptions};
 pub use stats::{DurationStat, HostMemoryStats};

@@ -1,0 +1,184 @@
+//! Handing out [`PinnedBuffer`]s: the cache, the reserve segment, the driver and the
+//! out-of-memory path; `empty_cache` and statistics (the policy is described in
+//! `pinned/mod.rs`).
+
+use super::buffer::PinnedBuffer;
+use super::host_allocator::HostAllocator;
+use super::memory::{self, Reserve, Source};
+use super::state::Block;
+use super::stats::HostMemoryStats;
+use crate::driver::HostAddr;
+use crate::error::{Error, Result};
+use crate::sync::os::atomic::Ordering;
+use crate::sync::os::Arc;
+
+impl HostAllocator {
+    /// A buffer of at least `len` bytes of page-locked memory, from the cache when a block of its
+    /// size class is free (its streams' work completed), else from the driver. `len` 0 is an
+    /// empty buffer.
+    pub fn allocate(self: &Arc<Self>, len: usize) -> Result<PinnedBuffer> {
+        self.birth.check("this pinned host allocator")?;
+        if len == 0 {
+            return Ok(PinnedBuffer::empty(Arc::clone(self)));
+        }
+        let size = u64::try_from(len)
+            .ok()
+            .and_then(u64::checked_next_power_of_two)
+            .ok_or_else(|| {
+                Error::invalid(format!("a pinned buffer of {len} bytes is too large"))
+            })?;
+        if self.pending.load(Ordering::Relaxed) > 0 {
+            self.process_events();
+        }
+        let cached = {
+            let mut state = self.lock();
+            let got = state.take_cached(size);
+            self.checked(&state);
+            got
+        };
+        let (block, addr) = match cached {
+            Some(found) => found,
+            None => self.allocate_new(size)?,
+        };
+        if let Some(sanitizer) = self.driver.sanitizer() {
+            sanitizer.hand_out_host(addr.0, size);
+        }
+        Ok(PinnedBuffer::new(Arc::clone(self), block, addr, len, size))
+    }
+
+    /// The slow path: the reserve segment, else the driver; on out of memory, what the cache
+    /// holds goes back and the driver is asked once more.
+    fn allocate_new(&self, size: u64) -> Result<(usize, HostAddr)> {
+        if let Some(found) = self.carve(size)? {
+            return Ok(found);
+        }
+        let made = match self.make(size) {
+            Err(err) if err.kind() == crate::ErrorKind::OutOfMemory => {
+                self.process_events();
+                let released = self.empty_cache()?;
+                if released == 0 {
+                    return Err(self.out_of_memory(size, err));
+                }
+                self.make(size)
+                    .map_err(|again| self.out_of_memory(size, again))?
+            }
+            other => other?,
+        };
+        let (addr, source) = made;
+        let mut state = self.lock();
+        let index = state.insert(addr, size, source);
+        self.checked(&state);
+        Ok((index, addr))
+    }
+
+    /// Asks the driver for `size` bytes (timed and counted).
+    fn make(&self, size: u64) -> Result<(HostAddr, Source)> {
+        let (addr, source, took) = memory::make(
+            &*self.driver,
+            size,
+            self.options.use_host_register,
+            self.options.register_threads,
+        )?;
+        let mut state = self.lock();
+        state.stats.num_host_alloc += 1;
+        state.stats.host_alloc_time.add(took);
+        Ok((addr, source))
+    }
+
+    /// A block from the reserve segment (made on first use), if it has room.
+    fn carve(&self, size: u64) -> Result<Option<(usize, HostAddr)>> {
+        let want = self.options.reserve_segment_size;
+        if want == 0 {
+            return Ok(None);
+        }
+        if self.lock().reserve.is_none() {
+            let (base, source) = self.make(want)?;
+            let mut state = self.lock();
+            if state.reserve.is_none() {
+                state.reserve = Some(Reserve {
+                    base,
+                    size: want,
+                    used: 0,
+                    source,
+                });
+            } else {
+                drop(state);
+                // Another thread made it first.
+                memory::release(&*self.driver, base, want, source)?;
+            }
+        }
+        let mut state = self.lock();
+        let carved = state.reserve.as_mut().and_then(|r| r.carve(size));
+        Ok(carved.map(|addr| {
+            let index = state.insert(addr, size, Source::Reserve);
+            self.checked(&state);
+            (index, addr)
+        }))
+    }
+
+    fn out_of_memory(&self, size: u64, cause: Error) -> Error {
+        let stats = self.stats();
+        Error::HostOutOfMemory {
+            requested: size,
+            message: format!(
+                "a pinned block of {size} bytes: {cause}; the pinned allocator holds {} bytes in \
+                 {} blocks, {} bytes of them in use or waiting for their streams (its cache was \
+                 emptied and the driver asked again)",
+                stats.allocated_bytes.current,
+                stats.allocations.current,
+                stats.active_bytes.current
+            ),
+        }
+    }
+
+    /// Gives every cached block back to the driver (blocks carved from the reserve segment stay
+    /// cached); returns the bytes released. Blocks in use or waiting for their streams stay.
+    pub fn empty_cache(&self) -> Result<u64> {
+        self.birth.check("this pinned host allocator")?;
+        self.process_events();
+        let blocks = {
+            let mut state = self.lock();
+            let out = state.take_releasable();
+            self.checked(&state);
+            out
+        };
+        let mut released = 0;
+        let mut first_error = None;
+        for Block {
+            addr, size, source, ..
+        } in blocks
+        {
+            match memory::release(&*self.driver, addr, size, source) {
+                Ok(took) => {
+                    released += size;
+                    let mut state = self.lock();
+                    state.stats.num_host_free += 1;
+                    state.stats.host_free_time.add(took);
+                }
+                Err(err) => {
+                    tracing::warn!(%addr, size, %err, "releasing a pinned block failed");
+                    first_error.get_or_insert(err);
+                }
+            }
+        }
+        match first_error {
+            Some(err) => Err(err),
+            None => Ok(released),
+        }
+    }
+
+    /// Its statistics (PyTorch's `host_memory_stats`; keys: [`HostMemoryStats::to_map`]).
+    pub fn stats(&self) -> HostMemoryStats {
+        self.lock().stats
+    }
+
+    /// Resets the peaks to the current values.
+    pub fn reset_peak_stats(&self) {
+        self.lock().stats.reset_peak();
+    }
+
+    /// Resets the accumulated counts (allocated, freed, driver calls and times).
+    pub fn reset_accumulated_stats(&self) {
+        self.lock().stats.reset_accumulated();
+    }
+}
