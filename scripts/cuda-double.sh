@@ -28,7 +28,7 @@ export CUDALLOC_BACKEND=cuda
 export CUDA_DOUBLE_REPORT="$root/report"
 
 suites=(driver_conformance allocator_pytorch allocator_policy allocator_properties allocator_stress cow
-        ipc_multiprocess ipc_interplay ipc_expandable global_and_storage cuda_contract expandable pinned)
+        ipc_multiprocess ipc_interplay ipc_expandable global_and_storage cuda_contract expandable pinned pinned_properties)
 args=()
 for s in "${suites[@]}"; do args+=(--test "$s"); done
 echo "== CUDA backend on the contract double: ${suites[*]}"
