@@ -39,6 +39,7 @@
 //! | hand-out of bytes | every access to them on an actor other than `o` must be ordered before `F`, else a **use after free** (reported even without `record_stream`); those accesses are then dropped (the allocator waited for them), accesses on `o` stay (a later access on another stream must still be ordered after them) |
 //! | release of freed memory to the driver (`empty_cache`, the out-of-memory path, page release) | the hand-out's check, then the bytes are forgotten: a forgotten `record_stream` is reported whether the block is reused or released first |
 //! | a COW copy, an IPC event | ordinary driver calls, checked as above |
+//! | pinned host memory: host borrows of a `PinnedBuffer`, the pinned allocator's frees and hand-outs | the host is an actor too (`host.rs`): a borrow racing a copy, or a block reused while a copy still reads it, is reported |
 //!
 //! A receipt of another process's storage marks its bytes as written by the producer's event
 //! actor: a consumer stream that did not wait for the event (the current stream at receipt does)
