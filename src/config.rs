@@ -484,6 +484,11 @@ mod tests {
                 "pinned_num_register_threads:3",
                 "pinned_num_register_threads",
             ),
+            (
+                "pinned_reserve_segment_size_mb:-1",
+                "pinned_reserve_segment_size_mb",
+            ),
+            ("pinned_use_host_register:yes", "pinned_use_host_register"),
             ("roundup_power2_divisions:3", "roundup_power2_divisions"),
             (
                 "roundup_power2_divisions:[100:1,>:2]",

@@ -30,6 +30,29 @@ fn read_back(s: &Storage, len: usize) -> Vec<u8> {
     out
 }
 
+/// PyTorch's check that a pinned block is not reused while a copy on `device` still reads it:
+/// `t` (holding `[1, 0, 0, 0]`) is copied on a held stream and dropped; a new buffer must get
+/// other memory, and the copy must see the original bytes. Returns a buffer allocated meanwhile.
+fn not_reused_while_read(
+    b: &TestBackend,
+    rt: &Arc<Runtime>,
+    t: cudalloc::PinnedBuffer,
+    device: usize,
+) -> cudalloc::PinnedBuffer {
+    let ptr = t.addr();
+    let stream = rt.create_stream(device).unwrap();
+    let gpu = Storage::new_on(rt, stream, 4).unwrap();
+    let hold = hold_stream(b, stream);
+    gpu.copy_from_pinned(0, &t, 0, 4, stream).unwrap();
+    drop(t);
+    let t2 = rt.pinned(4).unwrap();
+    assert_ne!(t2.addr(), ptr, "{}: allocation re-used too soon", b.name);
+    drop(hold);
+    rt.driver().stream_synchronize(stream).unwrap();
+    assert_eq!(read_back(&gpu, 4), [1, 0, 0, 0], "{}", b.name);
+    t2
+}
+
 #[test]
 fn test_caching_pinned_memory() {
     for b in backends("test_caching_pinned_memory") {
@@ -44,16 +67,7 @@ fn test_caching_pinned_memory() {
         assert_eq!(t.addr(), ptr, "{}: allocation not reused", b.name);
         t.as_mut_slice().unwrap().copy_from_slice(&[1, 0, 0, 0]);
         // Not reused while a copy still reads it.
-        let stream = rt.create_stream(0).unwrap();
-        let gpu = Storage::new_on(&rt, stream, 4).unwrap();
-        let hold = hold_stream(&b, stream);
-        gpu.copy_from_pinned(0, &t, 0, 4, stream).unwrap();
-        drop(t);
-        let t2 = rt.pinned(4).unwrap();
-        assert_ne!(t2.addr(), ptr, "{}: allocation re-used too soon", b.name);
-        drop(hold);
-        rt.driver().stream_synchronize(stream).unwrap();
-        assert_eq!(read_back(&gpu, 4), [1, 0, 0, 0], "{}", b.name);
+        let t2 = not_reused_while_read(&b, &rt, t, 0);
         // Once the copy completed, the first block is cached again: no third one is made.
         drop(t2);
         let (t3, t4) = (rt.pinned(4).unwrap(), rt.pinned(4).unwrap());
@@ -82,17 +96,7 @@ fn test_caching_pinned_memory_multi_gpu() {
         let rt = runtime(&b, "");
         let mut t = rt.pinned(4).unwrap();
         t.as_mut_slice().unwrap().copy_from_slice(&[1, 0, 0, 0]);
-        let ptr = t.addr();
-        let stream = rt.create_stream(1).unwrap();
-        let gpu = Storage::new_on(&rt, stream, 4).unwrap();
-        let hold = hold_stream(&b, stream);
-        gpu.copy_from_pinned(0, &t, 0, 4, stream).unwrap();
-        drop(t);
-        let t2 = rt.pinned(4).unwrap();
-        assert_ne!(t2.addr(), ptr, "{}: allocation re-used too soon", b.name);
-        drop(hold);
-        rt.driver().stream_synchronize(stream).unwrap();
-        assert_eq!(read_back(&gpu, 4), [1, 0, 0, 0], "{}", b.name);
+        drop(not_reused_while_read(&b, &rt, t, 1));
     }
 }
 
@@ -600,4 +604,70 @@ fn a_forked_child_cannot_allocate() {
         0,
         "the parent's copy went back"
     );
+}
+
+#[test]
+fn pinned_keys_configure_the_runtime() {
+    let config = cudalloc::AllocatorConfig::parse(
+        "pinned_use_host_register:True,pinned_num_register_threads:16,\
+         pinned_reserve_segment_size_mb:8,pinned_use_background_threads:True",
+    )
+    .unwrap();
+    let options = PinnedOptions::from_config(&config);
+    assert!(options.use_host_register);
+    assert_eq!(options.register_threads, 16);
+    assert_eq!(options.reserve_segment_size, 8 << 20);
+    let rt = Runtime::new(Arc::new(common::host_driver()), config).unwrap();
+    assert_eq!(rt.host_allocator().options(), options);
+    // The reserve segment is made on the first allocation and carved: one driver call.
+    let (a, b) = (rt.pinned(4096).unwrap(), rt.pinned(100_000).unwrap());
+    let stats = rt.host_allocator().stats();
+    assert_eq!(stats.num_host_alloc, 1);
+    assert_eq!(stats.allocations.current, 2);
+    drop((a, b));
+    // Carved blocks stay cached through empty_cache.
+    assert_eq!(rt.host_allocator().empty_cache().unwrap(), 0);
+    assert_eq!(rt.host_allocator().stats().allocations.current, 2);
+}
+
+#[test]
+fn two_runtimes_share_one_driver() {
+    // Each runtime has its own pinned allocator; buffers and storages of either meet on the
+    // driver they share.
+    for b in backends("two_runtimes_share_one_driver") {
+        let _device = common::device_shared();
+        let (one, two) = (runtime(&b, ""), runtime(&b, ""));
+        let stream = two.default_stream(0).unwrap();
+        let mut buf = one.pinned(MIB).unwrap();
+        buf.as_mut_slice().unwrap().fill(5);
+        let s = Storage::new_on(&two, stream, MIB as u64).unwrap();
+        s.copy_from_pinned(0, &buf, 0, MIB, stream).unwrap();
+        let mut back = two.pinned(MIB).unwrap();
+        s.copy_to_pinned(0, &mut back, 0, MIB, stream).unwrap();
+        assert!(
+            back.as_slice().unwrap().iter().all(|&x| x == 5),
+            "{}",
+            b.name
+        );
+        assert_eq!(one.host_allocator().stats().allocations.current, 1);
+        assert_eq!(two.host_allocator().stats().allocations.current, 1);
+    }
+}
+
+#[test]
+fn copies_on_a_capturing_stream_are_refused() {
+    let rt = checked_allocator(Arc::new(common::host_driver()), "");
+    let stream = rt.create_stream(0).unwrap();
+    let s = Storage::new_on(&rt, stream, 4096).unwrap();
+    let buf = rt.pinned(4096).unwrap();
+    rt.driver()
+        .stream_begin_capture(stream, cudalloc::CaptureMode::ThreadLocal)
+        .unwrap();
+    let err = s.copy_from_pinned(0, &buf, 0, 4096, stream).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::StreamCapture, "{err}");
+    assert!(err.to_string().contains("pinned buffer"), "{err}");
+    let graph = rt.driver().stream_end_capture(stream).unwrap();
+    rt.driver().graph_destroy(graph).unwrap();
+    // After the capture the same copy runs.
+    s.copy_from_pinned(0, &buf, 0, 4096, stream).unwrap();
 }

@@ -54,3 +54,53 @@ pub(crate) fn unsupported(backend: Backend) -> Error {
         backend.name()
     ))
 }
+
+/// The page-locked memory methods of [`Driver`](super::Driver), forwarded to a backend's inherent
+/// methods of the same meaning (`pinned_alloc`, `pinned_free`, `pinned_register`,
+/// `pinned_unregister`, and `pinned_copy(stream, device, host, len, to_device)`) — both
+/// backends implement them that way.
+macro_rules! forward_host_memory_methods {
+    () => {
+        fn host_alloc(&self, size: u64) -> $crate::error::Result<$crate::driver::HostAddr> {
+            self.pinned_alloc(size)
+        }
+
+        fn host_free(&self, ptr: $crate::driver::HostAddr) -> $crate::error::Result<()> {
+            self.pinned_free(ptr)
+        }
+
+        unsafe fn host_register(
+            &self,
+            ptr: $crate::driver::HostAddr,
+            size: u64,
+        ) -> $crate::error::Result<()> {
+            // SAFETY: the caller's contract is the trait's.
+            unsafe { self.pinned_register(ptr, size) }
+        }
+
+        fn host_unregister(&self, ptr: $crate::driver::HostAddr) -> $crate::error::Result<()> {
+            self.pinned_unregister(ptr)
+        }
+
+        fn copy_pinned_to_device(
+            &self,
+            stream: $crate::driver::StreamId,
+            dst: $crate::driver::DeviceAddr,
+            src: $crate::driver::HostAddr,
+            len: u64,
+        ) -> $crate::error::Result<()> {
+            self.pinned_copy(stream, dst, src, len, true)
+        }
+
+        fn copy_device_to_pinned(
+            &self,
+            stream: $crate::driver::StreamId,
+            dst: $crate::driver::HostAddr,
+            src: $crate::driver::DeviceAddr,
+            len: u64,
+        ) -> $crate::error::Result<()> {
+            self.pinned_copy(stream, src, dst, len, false)
+        }
+    };
+}
+pub(crate) use forward_host_memory_methods;

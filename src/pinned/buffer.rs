@@ -267,6 +267,7 @@ impl Drop for PinnedBuffer {
                 event: u.event,
                 device: u.stream.device(),
                 block,
+                ticket: 0,
             })
             .collect();
         let driver = self.alloc.driver();
@@ -280,6 +281,7 @@ impl Drop for PinnedBuffer {
                     event,
                     device: stream.device(),
                     block,
+                    ticket: 0,
                 }),
                 Err(err) => {
                     // Reuse must still wait: for the whole stream, now.

@@ -127,7 +127,11 @@ impl HostAllocator {
                 b.state = BlockState::Waiting(u32::try_from(events.len()).unwrap_or(u32::MAX));
             }
             self.pending.fetch_add(events.len(), Ordering::Relaxed);
-            state.events.extend(events);
+            for mut pending in events {
+                pending.ticket = state.next_ticket;
+                state.next_ticket += 1;
+                state.events.push_back(pending);
+            }
         }
         self.checked(&state);
     }
@@ -167,7 +171,7 @@ impl HostAllocator {
                 return;
             }
             let mut state = self.lock();
-            if state.events.front().is_none_or(|f| f.event != next.event) {
+            if state.events.front().is_none_or(|f| f.ticket != next.ticket) {
                 continue;
             }
             state.events.pop_front();

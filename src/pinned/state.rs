@@ -38,6 +38,9 @@ pub(super) struct Pending {
     pub(super) event: EventId,
     pub(super) device: usize,
     pub(super) block: usize,
+    /// The entry's number in the queue (never reused): an event id comes back from the pool for
+    /// other blocks, so a poller that queried an entry recognizes it by this, not by the event.
+    pub(super) ticket: u64,
 }
 
 #[derive(Debug, Default)]
@@ -49,6 +52,8 @@ pub(super) struct State {
     pub(super) events: VecDeque<Pending>,
     /// Idle events per device.
     pub(super) event_pool: Vec<Vec<EventId>>,
+    /// The next queue entry's ticket.
+    pub(super) next_ticket: u64,
     pub(super) reserve: Option<Reserve>,
     pub(super) stats: HostMemoryStats,
 }
@@ -119,10 +124,11 @@ impl State {
                 block.state = BlockState::Waiting(n - 1);
                 false
             }
-            _ => {
+            BlockState::Waiting(_) => {
                 self.cache(index);
                 true
             }
+            BlockState::InUse | BlockState::Cached => false,
         }
     }
 

@@ -8,24 +8,32 @@
 //! Both record the stream for the storage's memory when it is not the storage's own (its free
 //! then waits for the copy, as with [`Storage::record_stream`]).
 
+use std::ops::Range;
+
 use super::Storage;
 use crate::driver::StreamId;
 use crate::error::{Error, Result};
 use crate::pinned::PinnedBuffer;
 
 impl Storage {
-    /// Checks `[offset, offset + len)` of the storage and that `stream` is of its device.
-    fn pinned_range(&self, offset: u64, len: u64, stream: StreamId) -> Result<()> {
-        let end = offset
-            .checked_add(len)
-            .filter(|&end| end <= self.inner.nbytes)
-            .ok_or_else(|| {
-                Error::invalid(format!(
-                    "bytes [{offset}, {offset} + {len}) are outside a storage of {} bytes",
-                    self.inner.nbytes
-                ))
-            })?;
-        let _ = end;
+    /// Checks `[offset, offset + len)` of the storage and that `stream` is of its device;
+    /// returns the buffer's range from `buffer_offset`, or `None` when there is nothing to copy.
+    fn pinned_ranges(
+        &self,
+        offset: u64,
+        len: usize,
+        buffer_offset: usize,
+        stream: StreamId,
+    ) -> Result<Option<Range<usize>>> {
+        let fits = offset
+            .checked_add(len as u64)
+            .is_some_and(|end| end <= self.inner.nbytes);
+        if !fits {
+            return Err(Error::invalid(format!(
+                "bytes [{offset}, {offset} + {len}) are outside a storage of {} bytes",
+                self.inner.nbytes
+            )));
+        }
         if stream.device() != self.inner.device {
             return Err(Error::invalid(format!(
                 "stream {} is on device {}, the storage on device {}",
@@ -34,7 +42,13 @@ impl Storage {
                 self.inner.device
             )));
         }
-        Ok(())
+        if len == 0 {
+            return Ok(None);
+        }
+        let end = buffer_offset
+            .checked_add(len)
+            .ok_or_else(|| Error::invalid("pinned range overflows"))?;
+        Ok(Some(buffer_offset..end))
     }
 
     /// Its memory is used on `stream`: recorded unless that is its own stream.
@@ -56,17 +70,12 @@ impl Storage {
         len: usize,
         stream: StreamId,
     ) -> Result<()> {
-        let n = len as u64;
-        self.pinned_range(offset, n, stream)?;
-        if len == 0 {
+        let Some(range) = self.pinned_ranges(offset, len, dst_offset, stream)? else {
             return Ok(());
-        }
+        };
         let src = self.data_ptr().offset(offset)?;
-        let end = dst_offset
-            .checked_add(len)
-            .ok_or_else(|| Error::invalid("pinned range overflows"))?;
         let driver = self.runtime().driver();
-        dst.enqueue_write(stream, dst_offset..end, |host, bytes| {
+        dst.enqueue_write(stream, range, |host, bytes| {
             driver.copy_device_to_pinned(stream, host, src, bytes)
         })?;
         self.used_on(stream)
@@ -83,17 +92,12 @@ impl Storage {
         len: usize,
         stream: StreamId,
     ) -> Result<()> {
-        let n = len as u64;
-        self.pinned_range(offset, n, stream)?;
-        if len == 0 {
+        let Some(range) = self.pinned_ranges(offset, len, src_offset, stream)? else {
             return Ok(());
-        }
+        };
         let dst = self.mutable_data_ptr_on(stream)?.offset(offset)?;
-        let end = src_offset
-            .checked_add(len)
-            .ok_or_else(|| Error::invalid("pinned range overflows"))?;
         let driver = self.runtime().driver();
-        src.enqueue_read(stream, src_offset..end, |host, bytes| {
+        src.enqueue_read(stream, range, |host, bytes| {
             driver.copy_pinned_to_device(stream, dst, host, bytes)
         })?;
         self.used_on(stream)

@@ -7,8 +7,8 @@ use cudarc::driver::sys::{self, CUresult};
 
 use super::{check, CudaDriver, EventEntry, EventHandle, SegmentEntry, StreamEntry, StreamHandle};
 use crate::driver::{
-    ranges, Backend, DeviceAddr, Driver, EventFlags, EventId, HostAddr, IpcEventHandle,
-    IpcMemHandle, MemInfo, OpenedSegment, StreamId, IPC_HANDLE_SIZE,
+    ranges, Backend, DeviceAddr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle,
+    MemInfo, OpenedSegment, StreamId, IPC_HANDLE_SIZE,
 };
 use crate::error::{Error, Result};
 
@@ -398,42 +398,7 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn host_alloc(&self, size: u64) -> Result<HostAddr> {
-        self.pinned_alloc(size)
-    }
-
-    fn host_free(&self, ptr: HostAddr) -> Result<()> {
-        self.pinned_free(ptr)
-    }
-
-    unsafe fn host_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
-        // SAFETY: the caller's contract is the trait's.
-        unsafe { self.pinned_register(ptr, size) }
-    }
-
-    fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
-        self.pinned_unregister(ptr)
-    }
-
-    fn copy_pinned_to_device(
-        &self,
-        stream: StreamId,
-        dst: DeviceAddr,
-        src: HostAddr,
-        len: u64,
-    ) -> Result<()> {
-        self.pinned_copy(stream, dst, src, len, true)
-    }
-
-    fn copy_device_to_pinned(
-        &self,
-        stream: StreamId,
-        dst: HostAddr,
-        src: DeviceAddr,
-        len: u64,
-    ) -> Result<()> {
-        self.pinned_copy(stream, src, dst, len, false)
-    }
+    crate::driver::host_memory::forward_host_memory_methods!();
 
     fn copy_device_to_device(
         &self,

@@ -58,8 +58,8 @@ use self::segments::{Origin, Segment, SegmentTable};
 use self::stream::HostStream;
 use crate::driver::registry::{IdCounter, Registry};
 use crate::driver::{
-    Backend, DeviceAddr, Driver, EventFlags, EventId, HostAddr, IpcEventHandle, IpcMemHandle,
-    MemInfo, OpenedSegment, StreamId,
+    Backend, DeviceAddr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
+    OpenedSegment, StreamId,
 };
 use crate::error::{Error, Result};
 use crate::process::Birth;
@@ -575,42 +575,7 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    fn host_alloc(&self, size: u64) -> Result<HostAddr> {
-        self.pinned_alloc(size)
-    }
-
-    fn host_free(&self, ptr: HostAddr) -> Result<()> {
-        self.pinned_free(ptr)
-    }
-
-    unsafe fn host_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
-        // SAFETY: the caller's contract is the trait's.
-        unsafe { self.pinned_register(ptr, size) }
-    }
-
-    fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
-        self.pinned_unregister(ptr)
-    }
-
-    fn copy_pinned_to_device(
-        &self,
-        stream: StreamId,
-        dst: DeviceAddr,
-        src: HostAddr,
-        len: u64,
-    ) -> Result<()> {
-        self.pinned_copy(stream, dst, src, len, true)
-    }
-
-    fn copy_device_to_pinned(
-        &self,
-        stream: StreamId,
-        dst: HostAddr,
-        src: DeviceAddr,
-        len: u64,
-    ) -> Result<()> {
-        self.pinned_copy(stream, src, dst, len, false)
-    }
+    crate::driver::host_memory::forward_host_memory_methods!();
 
     fn copy_device_to_device(
         &self,

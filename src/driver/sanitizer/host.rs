@@ -12,11 +12,9 @@
 //! A hazard found at a host access is returned (and panics in panic mode); no stream is failed.
 
 use super::clock::VectorClock;
-use super::shadow::Access;
 use super::{Sanitizer, Touch};
 use crate::driver::{EventId, StreamId};
 use crate::error::Result;
-use crate::sync::os::Arc;
 
 impl Sanitizer {
     /// The host (CPU) touches `touches` of page-locked memory now (`what` names the access in
@@ -31,24 +29,7 @@ impl Sanitizer {
         self.check_touches(&mut st, h, &k, what, touches)?;
         let epoch = k.get(h);
         st.host = k;
-        let stack = touches
-            .iter()
-            .any(|t| t.len > 0)
-            .then(|| self.stack())
-            .flatten();
-        for t in touches.iter().filter(|t| t.len > 0) {
-            let access = Access {
-                slot: h,
-                epoch,
-                kind: t.kind,
-                what: format!("{what} on the host"),
-                start: t.start,
-                len: t.len.min(u64::MAX - t.start),
-                allocation: st.allocation_at(t.start),
-                stack: stack.clone(),
-            };
-            st.record(Arc::new(access));
-        }
+        self.record_touches(&mut st, h, epoch, what, touches);
         Ok(())
     }
 

@@ -324,6 +324,18 @@ impl Sanitizer {
     ) {
         let epoch = k.get(slot);
         st.actors[slot].clock = k;
+        self.record_touches(st, slot, epoch, what, touches);
+    }
+
+    /// Records `touches` as accesses of actor `slot` at `epoch` (`what` on the actor's name).
+    fn record_touches(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        slot: usize,
+        epoch: u64,
+        what: &str,
+        touches: &[Touch],
+    ) {
         let stack = touches
             .iter()
             .any(|t| t.len > 0)
