@@ -347,15 +347,13 @@ fn copies_check_their_ranges() {
         );
         // Pageable memory is not accepted by the async copies.
         let pageable = vec![0u8; 4096];
-        let err = rt
-            .driver()
-            .copy_pinned_to_device(
-                stream,
-                s.data_ptr(),
-                cudalloc::HostAddr(pageable.as_ptr() as u64),
-                4096,
-            )
-            .unwrap_err();
+        let host = cudalloc::HostAddr(pageable.as_ptr() as u64);
+        // SAFETY: refused before anything is enqueued (the range is not page-locked).
+        let refused = unsafe {
+            rt.driver()
+                .copy_pinned_to_device(stream, s.data_ptr(), host, 4096)
+        };
+        let err = refused.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{}", b.name);
         assert!(err.to_string().contains("page-locked"), "{err}");
     }
@@ -429,9 +427,9 @@ fn sanitizer_reports_a_block_reused_while_a_copy_reads_it() {
     let addr = buf.addr();
     let gate = host.gate_stream(stream).unwrap();
     // A copy the buffer does not know of (a raw driver call, as a library's own launch).
-    driver
-        .copy_pinned_to_device(stream, s.data_ptr(), addr, 4096)
-        .unwrap();
+    // SAFETY: nothing borrows the buffer (or its block's next owner) while the copy may run.
+    let copied = unsafe { driver.copy_pinned_to_device(stream, s.data_ptr(), addr, 4096) };
+    copied.unwrap();
     drop(buf);
     let again = rt.pinned(4096).unwrap();
     assert_eq!(again.addr(), addr, "nothing told the allocator to wait");
@@ -452,9 +450,9 @@ fn sanitizer_reports_a_host_borrow_racing_a_copy() {
     let s = Storage::new_on(&rt, stream, 4096).unwrap();
     let buf = rt.pinned(4096).unwrap();
     let gate = host.gate_stream(stream).unwrap();
-    driver
-        .copy_device_to_pinned(stream, buf.addr(), s.data_ptr(), 4096)
-        .unwrap();
+    // SAFETY: the only borrow tried while the copy may run is the one the sanitizer refuses.
+    let copied = unsafe { driver.copy_device_to_pinned(stream, buf.addr(), s.data_ptr(), 4096) };
+    copied.unwrap();
     let err = buf.as_slice().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
     assert!(sanitizer
@@ -515,28 +513,50 @@ fn out_of_memory_empties_the_cache_then_says_what_it_holds() {
 #[test]
 fn host_register_contract() {
     let host = common::host_driver();
-    let mut memory = vec![0u8; 3 * 4096];
-    let base = cudalloc::HostAddr(memory.as_mut_ptr() as u64);
-    // SAFETY: `memory` outlives the registration (unregistered below).
+    let mut memory = vec![0u8; 4 * 4096];
+    let page = (memory.as_mut_ptr() as u64 + 4095) & !4095;
+    let base = cudalloc::HostAddr(page);
+    // SAFETY: `memory` outlives every registration (each is ended below).
     unsafe { host.host_register(base, 4096).unwrap() };
     // SAFETY: as above.
     let overlap = unsafe { host.host_register(base.offset(100).unwrap(), 10) }.unwrap_err();
     assert!(overlap.to_string().contains("overlaps"), "{overlap}");
-    // Bytes past it in a shared page are a registration of their own.
+    // SAFETY: as above; nothing references the memory.
+    let wrong = unsafe { host.host_free(base) }.unwrap_err();
+    assert_eq!(
+        wrong.kind(),
+        ErrorKind::InvalidArgument,
+        "registered memory is unregistered"
+    );
+    // SAFETY: as above.
+    unsafe { host.host_unregister(base).unwrap() };
+    assert_eq!(host.pinned_bytes(), 0);
+    // Two registrations in one page: the page stays locked (and counted) until both are gone.
     // SAFETY: as above.
     unsafe {
-        host.host_register(base.offset(4096).unwrap(), 4096)
-            .unwrap()
-    };
+        host.host_register(base, 100).unwrap();
+        host.host_register(base.offset(200).unwrap(), 100).unwrap();
+    }
+    assert_eq!(host.pinned_bytes(), 4096);
+    // SAFETY: as above.
+    unsafe { host.host_unregister(base).unwrap() };
     assert_eq!(
-        host.host_free(base).unwrap_err().kind(),
-        ErrorKind::InvalidArgument,
-        "registered memory is unregistered, not freed"
+        host.pinned_bytes(),
+        4096,
+        "the page is still locked for the second"
     );
-    host.host_unregister(base).unwrap();
-    host.host_unregister(base.offset(4096).unwrap()).unwrap();
+    // SAFETY: as above.
+    unsafe { host.host_register(base, 100).unwrap() };
+    assert_eq!(host.pinned_bytes(), 4096);
+    // SAFETY: as above.
+    unsafe {
+        host.host_unregister(base.offset(200).unwrap()).unwrap();
+        host.host_unregister(base).unwrap();
+    }
     assert_eq!(host.pinned_bytes(), 0);
-    assert!(host.host_unregister(base).is_err());
+    // SAFETY: as above.
+    let again = unsafe { host.host_unregister(base) };
+    assert!(again.is_err());
     drop(memory);
 }
 

@@ -16,7 +16,9 @@
 //!
 //! The driver never forms a Rust reference to pinned memory: it reads and writes it through raw
 //! pointers on its streams. Whoever hands out references to it (the allocator's `PinnedBuffer`)
-//! orders them after the copies that touch the bytes.
+//! orders them after the copies that touch the bytes — which is why the copies, the free and
+//! the unregistration are `unsafe`: safe code holding a slice of a buffer must not be able to
+//! start a copy into it, or unmap it.
 
 use std::fmt;
 
@@ -65,7 +67,7 @@ macro_rules! forward_host_memory_methods {
             self.pinned_alloc(size)
         }
 
-        fn host_free(&self, ptr: $crate::driver::HostAddr) -> $crate::error::Result<()> {
+        unsafe fn host_free(&self, ptr: $crate::driver::HostAddr) -> $crate::error::Result<()> {
             self.pinned_free(ptr)
         }
 
@@ -78,11 +80,14 @@ macro_rules! forward_host_memory_methods {
             unsafe { self.pinned_register(ptr, size) }
         }
 
-        fn host_unregister(&self, ptr: $crate::driver::HostAddr) -> $crate::error::Result<()> {
+        unsafe fn host_unregister(
+            &self,
+            ptr: $crate::driver::HostAddr,
+        ) -> $crate::error::Result<()> {
             self.pinned_unregister(ptr)
         }
 
-        fn copy_pinned_to_device(
+        unsafe fn copy_pinned_to_device(
             &self,
             stream: $crate::driver::StreamId,
             dst: $crate::driver::DeviceAddr,
@@ -92,7 +97,7 @@ macro_rules! forward_host_memory_methods {
             self.pinned_copy(stream, dst, src, len, true)
         }
 
-        fn copy_device_to_pinned(
+        unsafe fn copy_device_to_pinned(
             &self,
             stream: $crate::driver::StreamId,
             dst: $crate::driver::HostAddr,

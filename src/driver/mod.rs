@@ -363,7 +363,10 @@ pub trait Driver: Send + Sync + fmt::Debug {
         Err(host_memory::unsupported(self.backend()))
     }
     /// Frees memory from [`Driver::host_alloc`]; waits for queued work first.
-    fn host_free(&self, ptr: HostAddr) -> Result<()> {
+    ///
+    /// # Safety
+    /// No reference into the memory may outlive the call (it is unmapped).
+    unsafe fn host_free(&self, ptr: HostAddr) -> Result<()> {
         let _ = ptr;
         Err(host_memory::unsupported(self.backend()))
     }
@@ -379,13 +382,20 @@ pub trait Driver: Send + Sync + fmt::Debug {
         Err(host_memory::unsupported(self.backend()))
     }
     /// Ends the registration that starts at `ptr`; waits for queued work first.
-    fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
+    ///
+    /// # Safety
+    /// As [`Driver::host_free`] for what the registration covered, when the caller frees it next.
+    unsafe fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
         let _ = ptr;
         Err(host_memory::unsupported(self.backend()))
     }
     /// Enqueues a copy of `len` bytes of page-locked host memory at `src` to `dst` on `stream`
     /// (the whole source inside one allocation or registration of this driver).
-    fn copy_pinned_to_device(
+    ///
+    /// # Safety
+    /// The source bytes are read when the stream reaches the copy: until then no `&mut`
+    /// reference to them may exist, and nothing may write them.
+    unsafe fn copy_pinned_to_device(
         &self,
         stream: StreamId,
         dst: DeviceAddr,
@@ -396,7 +406,11 @@ pub trait Driver: Send + Sync + fmt::Debug {
         Err(host_memory::unsupported(self.backend()))
     }
     /// Enqueues a copy of `len` bytes at `src` into page-locked host memory at `dst` on `stream`.
-    fn copy_device_to_pinned(
+    ///
+    /// # Safety
+    /// The destination bytes are written when the stream reaches the copy: until then no
+    /// reference to them may exist, and nothing may read or write them.
+    unsafe fn copy_device_to_pinned(
         &self,
         stream: StreamId,
         dst: HostAddr,

@@ -5,7 +5,6 @@
 use super::buffer::PinnedBuffer;
 use super::host_allocator::HostAllocator;
 use super::memory::{self, Reserve, Source};
-use super::state::Block;
 use super::stats::HostMemoryStats;
 use crate::driver::HostAddr;
 use crate::error::{Error, Result};
@@ -91,20 +90,32 @@ impl HostAllocator {
         if want == 0 {
             return Ok(None);
         }
-        if self.lock().reserve.is_none() {
-            let (base, source) = self.make(want)?;
-            let mut state = self.lock();
-            if state.reserve.is_none() {
-                state.reserve = Some(Reserve {
-                    base,
-                    size: want,
-                    used: 0,
-                    source,
-                });
-            } else {
-                drop(state);
-                // Another thread made it first.
-                memory::release(&*self.driver, base, want, source)?;
+        let missing = {
+            let state = self.lock();
+            state.reserve.is_none() && !state.reserve_failed
+        };
+        if missing {
+            match self.make(want) {
+                Ok((base, source)) => {
+                    let mut state = self.lock();
+                    if state.reserve.is_none() {
+                        state.reserve = Some(Reserve {
+                            base,
+                            size: want,
+                            used: 0,
+                            source,
+                        });
+                    } else {
+                        drop(state);
+                        // Another thread made it first.
+                        self.release_counted(base, want, source);
+                    }
+                }
+                Err(err) => {
+                    // Not fatal: every allocation takes the ordinary path instead.
+                    tracing::warn!(%err, bytes = want, "the pinned reserve segment could not be made");
+                    self.lock().reserve_failed = true;
+                }
             }
         }
         let mut state = self.lock();
@@ -114,6 +125,19 @@ impl HostAllocator {
             self.checked(&state);
             (index, addr)
         }))
+    }
+
+    /// Gives memory back to the driver, counted as a free (a failure is logged: the memory
+    /// stays with the driver's table, unused).
+    fn release_counted(&self, addr: HostAddr, size: u64, source: Source) {
+        match memory::release(&*self.driver, addr, size, source) {
+            Ok(took) => {
+                let mut state = self.lock();
+                state.stats.num_host_free += 1;
+                state.stats.host_free_time.add(took);
+            }
+            Err(err) => tracing::warn!(%addr, size, %err, "releasing pinned memory failed"),
+        }
     }
 
     fn out_of_memory(&self, size: u64, cause: Error) -> Error {
@@ -144,19 +168,20 @@ impl HostAllocator {
         };
         let mut released = 0;
         let mut first_error = None;
-        for Block {
-            addr, size, source, ..
-        } in blocks
-        {
-            match memory::release(&*self.driver, addr, size, source) {
+        for block in blocks {
+            match memory::release(&*self.driver, block.addr, block.size, block.source) {
                 Ok(took) => {
-                    released += size;
+                    released += block.size;
                     let mut state = self.lock();
                     state.stats.num_host_free += 1;
                     state.stats.host_free_time.add(took);
                 }
                 Err(err) => {
-                    tracing::warn!(%addr, size, %err, "releasing a pinned block failed");
+                    // Still the allocator's (the driver kept it): back in the cache.
+                    tracing::warn!(addr = %block.addr, size = block.size, %err, "releasing a pinned block failed");
+                    let mut state = self.lock();
+                    state.restore(block);
+                    self.checked(&state);
                     first_error.get_or_insert(err);
                 }
             }

@@ -11,7 +11,8 @@
 //! | drop | the block goes back with the events of its uses (and one fresh event per recorded stream): cached once all completed |
 //!
 //! Borrowing rules do the rest: a device write can only be enqueued through `&mut self`, so no
-//! slice of the buffer is alive while one is in flight.
+//! slice of the buffer is alive while one is in flight. (`enqueue_*` are `unsafe`: their launch
+//! must touch only the range it is given, on the stream it names.)
 
 use std::ops::Range;
 
@@ -109,6 +110,7 @@ impl PinnedBuffer {
         if self.len == 0 {
             return Ok(&[]);
         }
+        self.alloc.birth.check("this pinned buffer")?;
         self.wait(|u| u.writes)?;
         self.host_access(Touch::read(self.addr.0, self.len as u64))?;
         // SAFETY: the block is this buffer's (in use until drop) and holds `len` bytes of
@@ -122,6 +124,7 @@ impl PinnedBuffer {
         if self.len == 0 {
             return Ok(&mut []);
         }
+        self.alloc.birth.check("this pinned buffer")?;
         self.wait(|_| true)?;
         self.host_access(Touch::write(self.addr.0, self.len as u64))?;
         // SAFETY: as in `as_slice`; every stream access completed, and the exclusive borrow
@@ -183,7 +186,11 @@ impl PinnedBuffer {
 
     /// Enqueues stream work that reads bytes `range` of the buffer: `launch(address, len)`
     /// enqueues it on `stream`; later host writes and the buffer's reuse wait for it.
-    pub fn enqueue_read(
+    ///
+    /// # Safety
+    /// `launch` enqueues, on `stream` only, work that only reads `len` bytes at `address` (host
+    /// borrows that read may be alive meanwhile; none that writes is).
+    pub unsafe fn enqueue_read(
         &self,
         stream: StreamId,
         range: Range<usize>,
@@ -194,7 +201,11 @@ impl PinnedBuffer {
 
     /// Enqueues stream work that writes bytes `range` of the buffer: later host borrows and the
     /// buffer's reuse wait for it.
-    pub fn enqueue_write(
+    ///
+    /// # Safety
+    /// `launch` enqueues, on `stream` only, work that touches no bytes but the `len` at
+    /// `address`.
+    pub unsafe fn enqueue_write(
         &mut self,
         stream: StreamId,
         range: Range<usize>,
@@ -221,7 +232,7 @@ impl PinnedBuffer {
                  recorded after each copy, which a capture would only record into its graph",
             ));
         }
-        launch(addr, len)?;
+        // The event first: once the work is enqueued, it must be tracked.
         let mut uses = self.uses.lock();
         let existing = uses
             .pending
@@ -231,6 +242,12 @@ impl PinnedBuffer {
             Some(i) => uses.pending[i].event,
             None => self.alloc.take_event(stream.device())?,
         };
+        if let Err(err) = launch(addr, len) {
+            if existing.is_none() {
+                self.alloc.return_event(stream.device(), event);
+            }
+            return Err(err);
+        }
         if let Err(err) = driver.event_record(event, stream) {
             // The work is enqueued but cannot be tracked: wait for it here instead.
             if existing.is_none() {

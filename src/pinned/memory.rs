@@ -133,9 +133,12 @@ pub(super) fn release(
 ) -> Result<std::time::Duration> {
     let started = Instant::now();
     match source {
-        Source::Driver => driver.host_free(addr)?,
+        // SAFETY: the block (or reserve segment) is out of the allocator's books: no buffer
+        // refers to it, and the events of its last copies completed.
+        Source::Driver => unsafe { driver.host_free(addr) }?,
         Source::Registered => {
-            driver.host_unregister(addr)?;
+            // SAFETY: as above; the mapping is unmapped right after, by this function alone.
+            unsafe { driver.host_unregister(addr) }?;
             // SAFETY: the mapping made by `make` for this registration, which just ended.
             unsafe { rustix::mm::munmap(addr.as_ptr().cast::<c_void>(), size as usize) }
                 .map_err(|err| Error::host_os("munmap", std::io::Error::from(err)))?;

@@ -55,6 +55,8 @@ pub(super) struct State {
     /// The next queue entry's ticket.
     pub(super) next_ticket: u64,
     pub(super) reserve: Option<Reserve>,
+    /// Making the reserve segment failed once: not tried again.
+    pub(super) reserve_failed: bool,
     pub(super) stats: HostMemoryStats,
 }
 
@@ -149,6 +151,24 @@ impl State {
             }
         }
         out
+    }
+
+    /// A block `take_releasable` took that could not be released: cached again.
+    pub(super) fn restore(&mut self, block: Block) {
+        // Undoes `take_releasable`'s count: the block never left.
+        let bytes = i64::try_from(block.size).unwrap_or(i64::MAX);
+        self.stats.allocations.current += 1;
+        self.stats.allocations.freed -= 1;
+        self.stats.allocated_bytes.current += bytes;
+        self.stats.allocated_bytes.freed -= bytes;
+        let class = class_of(block.size);
+        let index = self.blocks.insert(Block {
+            state: BlockState::Cached,
+            ..block
+        });
+        if let Some(list) = self.free.get_mut(class) {
+            list.push(index);
+        }
     }
 
     /// The invariants: every block is in exactly one place its state names; the free lists hold

@@ -75,9 +75,12 @@ impl Storage {
         };
         let src = self.data_ptr().offset(offset)?;
         let driver = self.runtime().driver();
-        dst.enqueue_write(stream, range, |host, bytes| {
-            driver.copy_device_to_pinned(stream, host, src, bytes)
-        })?;
+        // SAFETY: the launch enqueues one copy on `stream` that writes exactly the range given.
+        unsafe {
+            dst.enqueue_write(stream, range, |host, bytes| {
+                driver.copy_device_to_pinned(stream, host, src, bytes)
+            })
+        }?;
         self.used_on(stream)
     }
 
@@ -97,9 +100,12 @@ impl Storage {
         };
         let dst = self.mutable_data_ptr_on(stream)?.offset(offset)?;
         let driver = self.runtime().driver();
-        src.enqueue_read(stream, range, |host, bytes| {
-            driver.copy_pinned_to_device(stream, dst, host, bytes)
-        })?;
+        // SAFETY: the launch enqueues one copy on `stream` that reads exactly the range given.
+        unsafe {
+            src.enqueue_read(stream, range, |host, bytes| {
+                driver.copy_pinned_to_device(stream, dst, host, bytes)
+            })
+        }?;
         self.used_on(stream)
     }
 }

@@ -216,8 +216,16 @@ impl HostDriver {
     /// Drains every stream (for a free or close about to unmap memory): a failed stream is an
     /// error, a fault (a failed foreign wait, `stream.rs`) is not — it concerns other memory.
     fn synchronize_all(&self) -> Result<()> {
-        let streams = self.streams.values();
-        streams.iter().try_for_each(|s| s.drain())
+        // Every stream, even after one failed: a caller about to unmap must know the work
+        // queued on all of them is done (the first error is returned).
+        let mut first = Ok(());
+        for stream in self.streams.values() {
+            let drained = stream.drain();
+            if first.is_ok() {
+                first = drained;
+            }
+        }
+        first
     }
 
     /// Checks `ranges` and enqueues `op` on `stream` while the ranges are guaranteed mapped.

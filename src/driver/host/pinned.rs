@@ -45,8 +45,6 @@ enum Origin {
 struct Locked {
     len: u64,
     origin: Origin,
-    /// Bytes charged to the pinned budget (whole pages newly locked).
-    charged: u64,
 }
 
 #[derive(Debug, Default)]
@@ -167,7 +165,7 @@ impl PinnedTable {
 
     /// Locks the pages of `[ptr, ptr + len)` not locked yet and records the range; returns the
     /// bytes newly locked (charged by the caller first).
-    fn insert(&self, tables: &mut Tables, ptr: u64, len: u64, origin: Origin, charged: u64) {
+    fn insert(&self, tables: &mut Tables, ptr: u64, len: u64, origin: Origin) {
         if let Ok((first, end)) = page_span(ptr, len) {
             let mut page = first;
             while page < end {
@@ -175,14 +173,7 @@ impl PinnedTable {
                 page += PAGE;
             }
         }
-        tables.by_base.insert(
-            ptr,
-            Locked {
-                len,
-                origin,
-                charged,
-            },
-        );
+        tables.by_base.insert(ptr, Locked { len, origin });
     }
 
     /// Pages of `[ptr, ptr + len)` no other range locks.
@@ -243,6 +234,11 @@ impl PinnedTable {
         }
         Ok((locked, runs))
     }
+}
+
+/// Bytes in runs of pages.
+fn run_bytes(runs: &[(u64, u64)]) -> u64 {
+    runs.iter().map(|(start, end)| end - start).sum()
 }
 
 /// Unlocks each run of pages (best effort: an unlock failure leaves pages locked, never unsafe).
@@ -306,22 +302,33 @@ impl HostDriver {
         let base = ptr as usize as u64;
         let mut tables = self.pinned.inner.write();
         self.pinned
-            .insert(&mut tables, base, size, Origin::Allocated, charged);
+            .insert(&mut tables, base, size, Origin::Allocated);
         Ok(HostAddr(base))
     }
 
     pub(super) fn pinned_free(&self, ptr: HostAddr) -> Result<()> {
         self.this_process()?;
-        let (locked, runs) = self.pinned.remove(ptr, "host_free")?;
-        // Out of the table: nothing new can name it. Drain what was queued.
-        let drained = self.synchronize_all();
+        let (locked, runs) = self.drained_removal(ptr, "host_free")?;
         unlock(&runs);
         // SAFETY: the mapping was made by `pinned_alloc` with this base and length, every stream
         // drained, and it is out of the table.
         let unmapped = unsafe { rustix::mm::munmap(ptr.as_ptr().cast(), locked.len as usize) };
-        self.pinned.uncharge(locked.charged);
-        drained?;
+        self.pinned.uncharge(run_bytes(&runs));
         unmapped.map_err(|err| Error::host_os("munmap", std::io::Error::from(err)))
+    }
+
+    /// Takes the range at `ptr` out of the table (no new copy can name it) and drains every
+    /// stream; when a stream fails to drain, the range goes back and the error is returned —
+    /// nothing is unlocked or unmapped under a copy that may still run.
+    fn drained_removal(&self, ptr: HostAddr, want: &str) -> Result<(Locked, Vec<(u64, u64)>)> {
+        let (locked, runs) = self.pinned.remove(ptr, want)?;
+        if let Err(err) = self.synchronize_all() {
+            let mut tables = self.pinned.inner.write();
+            self.pinned
+                .insert(&mut tables, ptr.0, locked.len, locked.origin);
+            return Err(err);
+        }
+        Ok((locked, runs))
     }
 
     /// # Safety
@@ -370,7 +377,7 @@ impl HostDriver {
             }
         }
         self.pinned
-            .insert(&mut tables, ptr.0, size, Origin::Registered, charged);
+            .insert(&mut tables, ptr.0, size, Origin::Registered);
         Ok(())
     }
 
@@ -395,11 +402,10 @@ impl HostDriver {
 
     pub(super) fn pinned_unregister(&self, ptr: HostAddr) -> Result<()> {
         self.this_process()?;
-        let (locked, runs) = self.pinned.remove(ptr, "host_unregister")?;
-        let drained = self.synchronize_all();
+        let (_, runs) = self.drained_removal(ptr, "host_unregister")?;
         unlock(&runs);
-        self.pinned.uncharge(locked.charged);
-        drained
+        self.pinned.uncharge(run_bytes(&runs));
+        Ok(())
     }
 
     /// Enqueues a copy between pinned memory and the device on `stream`.

@@ -10,6 +10,8 @@
 //! | the pinned allocator hands a block out | as a device hand-out, to the host: an access on a stream not ordered before `F` (or before `H` now) is a **use after free** |
 //!
 //! A hazard found at a host access is returned (and panics in panic mode); no stream is failed.
+//! A hazard found at a pinned hand-out is reported — kept, logged, a panic in panic mode — but
+//! not returned: the allocation itself succeeded, and no stream did the reuse.
 
 use super::clock::VectorClock;
 use super::{Sanitizer, Touch};

@@ -283,9 +283,10 @@ impl Driver for SanitizedDriver {
         self.sanitizer.mapped(ptr.0, size);
         Ok(ptr)
     }
-    fn host_free(&self, ptr: HostAddr) -> Result<()> {
+    unsafe fn host_free(&self, ptr: HostAddr) -> Result<()> {
         self.birth.check("this sanitized driver")?;
-        self.inner.host_free(ptr)?;
+        // SAFETY: the caller's contract is the trait's.
+        unsafe { self.inner.host_free(ptr) }?;
         self.sanitizer.unmapped_segment(ptr.0);
         Ok(())
     }
@@ -296,13 +297,14 @@ impl Driver for SanitizedDriver {
         self.sanitizer.mapped(ptr.0, size);
         Ok(())
     }
-    fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
+    unsafe fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
         self.birth.check("this sanitized driver")?;
-        self.inner.host_unregister(ptr)?;
+        // SAFETY: the caller's contract is the trait's.
+        unsafe { self.inner.host_unregister(ptr) }?;
         self.sanitizer.unmapped_segment(ptr.0);
         Ok(())
     }
-    fn copy_pinned_to_device(
+    unsafe fn copy_pinned_to_device(
         &self,
         stream: StreamId,
         dst: DeviceAddr,
@@ -312,10 +314,11 @@ impl Driver for SanitizedDriver {
         self.birth.check("this sanitized driver")?;
         let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
         self.checked(stream, "copy_pinned_to_device", &touches, || {
-            self.inner.copy_pinned_to_device(stream, dst, src, len)
+            // SAFETY: the caller's contract is the trait's.
+            unsafe { self.inner.copy_pinned_to_device(stream, dst, src, len) }
         })
     }
-    fn copy_device_to_pinned(
+    unsafe fn copy_device_to_pinned(
         &self,
         stream: StreamId,
         dst: HostAddr,
@@ -325,7 +328,8 @@ impl Driver for SanitizedDriver {
         self.birth.check("this sanitized driver")?;
         let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
         self.checked(stream, "copy_device_to_pinned", &touches, || {
-            self.inner.copy_device_to_pinned(stream, dst, src, len)
+            // SAFETY: the caller's contract is the trait's.
+            unsafe { self.inner.copy_device_to_pinned(stream, dst, src, len) }
         })
     }
     fn copy_device_to_device(
