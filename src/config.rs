@@ -22,7 +22,7 @@
 //! | `pinned_use_cuda_host_register` (also `pinned_use_host_register`) | `True`/`False`: the pinned host allocator (`crate::pinned`) takes ordinary pages, faults them in and registers them with the driver (`cuMemHostRegister`) instead of allocating page-locked memory (`cuMemHostAlloc`) | `False` |
 //! | `pinned_num_register_threads` | power of two ≤ 128: threads that fault in the pages of one registration | 1 |
 //! | `pinned_reserve_segment_size_mb` | integer ≥ 0 (MiB): one page-locked segment made on the first pinned allocation, from which later ones are carved before the driver is asked (never given back; `pinned/memory.rs`) | 0 (off) |
-//! | `pinned_use_background_threads` | `True`/`False`: validated; cudalloc polls the pinned allocator's events on every allocation and free, so no background thread is started | `False` |
+//! | `pinned_use_background_threads` | `True`/`False`: validated; cudalloc polls the pinned allocator's events on every allocation that finds some queued (one atomic load when none) and in `empty_cache`, so no background thread is started | `False` |
 
 use crate::error::{Error, Result};
 
