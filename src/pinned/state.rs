@@ -116,21 +116,15 @@ impl State {
         }
     }
 
-    /// One of block `index`'s events completed; returns whether the block was cached.
-    pub(super) fn event_done(&mut self, index: usize) -> bool {
+    /// One of block `index`'s events completed: cached at its last.
+    pub(super) fn event_done(&mut self, index: usize) {
         let Some(block) = self.blocks.get_mut(index) else {
-            return false;
+            return;
         };
         match block.state {
-            BlockState::Waiting(n) if n > 1 => {
-                block.state = BlockState::Waiting(n - 1);
-                false
-            }
-            BlockState::Waiting(_) => {
-                self.cache(index);
-                true
-            }
-            BlockState::InUse | BlockState::Cached => false,
+            BlockState::Waiting(n) if n > 1 => block.state = BlockState::Waiting(n - 1),
+            BlockState::Waiting(_) => self.cache(index),
+            BlockState::InUse | BlockState::Cached => {}
         }
     }
 

@@ -188,13 +188,6 @@ impl CudaDriver {
         to_device: bool,
     ) -> Result<()> {
         self.birth.check("this CUDA driver")?;
-        // The host backend does not capture these copies either; a pinned buffer's events would
-        // not track a captured one.
-        if crate::driver::Driver::stream_capture_status(self, stream)?.is_capturing() {
-            return Err(Error::capture(
-                "a copy between page-locked host memory and the device on a capturing stream",
-            ));
-        }
         let (_held, n) = self.hold_ranges([(device, len)])?;
         let pinned = self.pinned.read();
         ranges::containing(&pinned, |e| e.len, DeviceAddr(host.0), len).map_err(|_| {
