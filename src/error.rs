@@ -15,6 +15,7 @@
 //! | [`ErrorKind::StreamRace`]   | no: the program's stream order is wrong (the sanitizer found two unordered accesses); sticky on the stream |
 //! | [`ErrorKind::ForkedChild`]  | no: the object belongs to the parent of this forked process; build a runtime in the child |
 //! | [`ErrorKind::StreamCapture`] | no: the call is not allowed while a stream is being captured into a graph (or the capture was already invalidated by one); end the capture first |
+//! | [`ErrorKind::Asleep`]      | yes, after `wake_up` of the tag: the memory is asleep (offloaded or discarded, its pages given back); the call did nothing |
 //! | [`ErrorKind::ForeignEvent`] | no: another process's event failed the work that waited for it (its producer exited, its cell was written by a third party, or the wait passed its deadline); the storage it guards is not ready — drop it, the stream stays usable |
 
 use std::fmt;
@@ -55,6 +56,9 @@ pub enum ErrorKind {
     Registration,
     /// A transfer engine refused or failed a transfer, or its peer is gone ([`Error::Transfer`]).
     Transfer,
+    /// The memory concerned belongs to a tag that is asleep, or the tag is not in the state the
+    /// call needs ([`Error::Asleep`]).
+    Asleep,
 }
 
 /// Why a wait on another process's interprocess event failed ([`Error::ForeignEvent`]).
@@ -179,6 +183,16 @@ pub enum Error {
     /// which transfer and why.
     #[error("transfer: {0}")]
     Transfer(String),
+    /// Memory of a sleeping tag was asked for, used or shared, or a tag was put to sleep or woken
+    /// in the wrong state (`Runtime::sleep`, `alloc/sleep.rs`); the message says which and what
+    /// to do. Nothing was done.
+    #[error("tag {tag:?}: {message}")]
+    Asleep {
+        /// The tag.
+        tag: String,
+        /// What was refused and why.
+        message: String,
+    },
 }
 
 impl Error {
@@ -198,6 +212,7 @@ impl Error {
             Error::Kernel { .. } => ErrorKind::Kernel,
             Error::Registration { .. } => ErrorKind::Registration,
             Error::Transfer(_) => ErrorKind::Transfer,
+            Error::Asleep { .. } => ErrorKind::Asleep,
         }
     }
 

@@ -77,7 +77,7 @@ pub use ipc::{
     PAGE_SECRET_SIZE, WIRE_SIZE,
 };
 pub use pinned::{DurationStat, HostAllocator, HostMemoryStats, PinnedBuffer, PinnedOptions};
-pub use runtime::{Runtime, RuntimeBuilder};
+pub use runtime::{Runtime, RuntimeBuilder, SleepReport, WakeOptions, WakeReport};
 pub use shm::sweep_orphans;
 #[cfg(feature = "cudarc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]

@@ -85,6 +85,9 @@ pub(crate) struct ExpandablePages {
     pub page: u64,
     /// Mapped pages: address → chunk.
     pub chunks: BTreeMap<u64, ChunkId>,
+    /// The segment sleeps (`sleep.rs`): the pages to map back at wake, in address order
+    /// (`chunks` is empty meanwhile).
+    pub asleep: Option<Vec<u64>>,
 }
 
 /// A block handed out by a shard, its address and the rounded size of the request it serves.

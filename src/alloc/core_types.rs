@@ -9,6 +9,7 @@
 //! | `device_shards.rs` | one device's shards: creation per (stream, pool), retired shards, lending |
 //! | `device.rs` | one device: the hit and miss paths, release, stats, snapshots |
 //! | `expandable.rs` | expandable segments: growth and the release of whole pages |
+//! | `sleep.rs` | sleep and wake of a tag's shards: their pages unmapped and mapped back |
 //! | `peaks.rs` | exact device-wide peaks: the book's reads, grants and reconciles |
 //!
 //! So no file of `alloc/` names a file above it, and these definitions are all that the others
@@ -22,7 +23,7 @@ use super::capturing::CaptureRoutes;
 use super::front::FrontRegistry;
 use super::history::Trace;
 use super::oom::Callbacks;
-use super::pool_id::MemPoolId;
+use super::pool_id::{MemPoolId, TagBook};
 use super::state::ShardState;
 use super::stats::PEAK_STATS;
 use crate::config::AllocatorConfig;
@@ -52,6 +53,10 @@ pub(crate) struct Shard {
     pub core: Arc<DeviceCore>,
     /// Every thread's front cache of this shard (`front.rs`; empty unless `thread_cache_mb`).
     pub fronts: Mutex<FrontRegistry>,
+    /// The shard's pool is a tag that sleeps (`sleep.rs`): allocations are refused. Set before
+    /// the shard's lock is taken to collect what to offload, read on every allocation of the
+    /// shard (once before, once under the lock), cleared when the tag is awake again.
+    pub sleeping: AtomicBool,
 }
 
 /// Everything an allocator keeps per device.
@@ -65,6 +70,8 @@ pub(crate) struct DeviceCore {
     pub trace: Arc<Trace>,
     /// The allocator's captures under way (`capturing.rs`).
     pub capturing: Arc<CaptureRoutes>,
+    /// The allocator's tags and which sleep (`sleep.rs`).
+    pub tags: Arc<TagBook>,
     pub check_invariants: bool,
     /// The stream sanitizer, when the driver is sanitized: told of every hand-out and free.
     pub sanitizer: Option<Arc<crate::driver::Sanitizer>>,

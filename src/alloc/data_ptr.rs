@@ -101,6 +101,16 @@ impl BlockOwner {
         self.shard().pages_under(self.block(), len)
     }
 
+    /// An [`Error::Asleep`] when the block's tag sleeps (`sleep.rs`): `what` was refused.
+    #[inline]
+    pub(crate) fn check_awake(&self, what: &str) -> Result<()> {
+        let shard = self.shard();
+        if shard.sleeping.load(Ordering::Acquire) {
+            return Err(shard.core.asleep_error(shard, what));
+        }
+        Ok(())
+    }
+
     /// Bytes a thread may keep in its front cache of this block's shard (0: not this block).
     #[inline]
     fn front_limit(&mut self) -> u64 {
@@ -161,6 +171,15 @@ pub(crate) trait SharedOwner: Any + Send + Sync + fmt::Debug {
     /// The allocator block this owner keeps allocated, if any.
     fn block(&self) -> Option<&BlockOwner> {
         None
+    }
+
+    /// An [`Error::Asleep`] when the memory this owner keeps belongs to a sleeping tag
+    /// (through [`SharedOwner::block`] unless the owner keeps it elsewhere).
+    fn check_awake(&self, what: &str) -> Result<()> {
+        match self.block() {
+            Some(b) => b.check_awake(what),
+            None => Ok(()),
+        }
     }
 
     /// Makes the release of this memory wait for the work queued on `stream` so far.
@@ -264,6 +283,18 @@ impl DataPtr {
         match self.block_owner() {
             Some(b) => b.pages_under(len),
             None => Ok(None),
+        }
+    }
+
+    /// An [`Error::Asleep`] when the memory belongs to a tag that sleeps (or is on its way to
+    /// or from sleep): a library call about to use it (`what`) is refused instead of touching
+    /// unmapped memory.
+    #[inline]
+    pub(crate) fn check_awake(&self, what: &str) -> Result<()> {
+        match &self.owner {
+            Owner::Block(b) => b.check_awake(what),
+            Owner::Shared(s) => s.check_awake(what),
+            Owner::None => Ok(()),
         }
     }
 

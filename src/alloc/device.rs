@@ -21,6 +21,7 @@ use super::core_types::{DeviceCore, Shard};
 use super::history::{Trace, TraceAction};
 use super::observers::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
 use super::oom::{self, Callbacks};
+use super::pool_id::TagBook;
 use super::registration::RegionKind;
 use super::size::{self, PoolKind};
 use super::snapshot::{self, SnapshotSegment};
@@ -33,14 +34,20 @@ use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex, MutexGuard, RwLock};
 
+/// What an allocator's devices share: callbacks, history, captures and tags.
+pub(crate) struct AllocatorWide {
+    pub callbacks: Arc<Callbacks>,
+    pub trace: Arc<Trace>,
+    pub capturing: Arc<CaptureRoutes>,
+    pub tags: Arc<TagBook>,
+}
+
 impl DeviceCore {
     pub fn new(
         device: usize,
         driver: Arc<dyn Driver>,
         config: Arc<AllocatorConfig>,
-        callbacks: Arc<Callbacks>,
-        trace: Arc<Trace>,
-        capturing: Arc<CaptureRoutes>,
+        wide: &AllocatorWide,
         check_invariants: bool,
     ) -> Result<Self> {
         let capacity = driver.mem_info(device)?.total;
@@ -51,9 +58,10 @@ impl DeviceCore {
             sanitizer: driver.sanitizer(),
             free_events: driver.unsanitized().unwrap_or_else(|| Arc::clone(&driver)),
             driver,
-            callbacks,
-            trace,
-            capturing,
+            callbacks: Arc::clone(&wide.callbacks),
+            trace: Arc::clone(&wide.trace),
+            capturing: Arc::clone(&wide.capturing),
+            tags: Arc::clone(&wide.tags),
             check_invariants,
             capacity,
             unfreed: Mutex::new(Vec::new()),
@@ -172,6 +180,11 @@ impl DeviceCore {
         requested: u64,
     ) -> Option<Allocated> {
         let mut st = shard.state.lock();
+        // Under the lock: a tag falling asleep sets the flag before it locks to list what to
+        // offload, so this sees it or the sleep sees the block (`sleep.rs`).
+        if shard.sleeping.load(Ordering::Relaxed) {
+            return None;
+        }
         self.poll_events(shard, &mut st);
         let id = st.allocate_best_fit(pool, rounded, requested, &self.config)?;
         let out = st.allocated(id, rounded);
@@ -224,6 +237,9 @@ impl DeviceCore {
         lender: &mut Option<Arc<Shard>>,
     ) -> Result<Allocated> {
         size::check_request(self.device, requested)?;
+        if shard.sleeping.load(Ordering::Acquire) {
+            return Err(self.asleep_error(shard, "an allocation"));
+        }
         let rounded = size::round_size(requested, &self.config);
         let pool = PoolKind::for_size(rounded);
         if let Some(hit) = self.try_fit(shard, pool, rounded, requested) {
@@ -240,6 +256,10 @@ impl DeviceCore {
         requested: u64,
         lender: &mut Option<Arc<Shard>>,
     ) -> Result<Allocated> {
+        if shard.sleeping.load(Ordering::Acquire) {
+            // The tag fell asleep after the first check (`try_fit` saw it under the lock).
+            return Err(self.asleep_error(shard, "an allocation"));
+        }
         if self.capturing.any() {
             return self.allocate_while_capturing(shard, pool, rounded, requested);
         }
@@ -368,7 +388,8 @@ impl DeviceCore {
         requested: u64,
         cause: &mut Option<String>,
     ) -> Result<Option<Allocated>> {
-        if self.config.expandable_segments {
+        let own_expandable = shard.state.lock().pool_options.expandable_segments;
+        if self.config.expandable_segments || own_expandable {
             self.grow_expandable(shard, pool, rounded, requested, cause)
         } else {
             self.allocate_segment(shard, pool, seg, rounded, requested, cause)

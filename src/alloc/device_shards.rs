@@ -10,7 +10,7 @@ use super::size::PoolKind;
 use super::state::ShardState;
 use crate::driver::StreamId;
 use crate::error::{Error, Result};
-use crate::sync::os::atomic::{AtomicU64, Ordering};
+use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex};
 
 /// Serials of shards (`Shard::serial`).
@@ -44,6 +44,9 @@ impl DeviceCore {
         // a global capture forbids (it invalidated the capture; found by tests/graph_mix.rs).
         if !pool.is_default() && !self.capturing.any() {
             if let Some((shard, bases)) = self.take_retired(stream, pool, options) {
+                shard
+                    .sleeping
+                    .store(self.tags.is_sleeping(pool), Ordering::SeqCst);
                 shards.insert((stream, pool), Arc::clone(&shard));
                 drop(shards);
                 for base in bases {
@@ -77,6 +80,9 @@ impl DeviceCore {
             }),
             core: Arc::clone(self),
             fronts: Mutex::new(Default::default()),
+            // Read under the map's write lock: a tag put to sleep marks itself before it lists
+            // its shards (under the read lock), so a shard made meanwhile is listed or asleep.
+            sleeping: AtomicBool::new(self.tags.is_sleeping(pool)),
         });
         shards.insert((stream, pool), Arc::clone(&shard));
         drop(shards);

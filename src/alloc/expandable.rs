@@ -61,6 +61,10 @@ impl Shard {
         let Some(pages) = st.expandable.get(&block.segment) else {
             return Ok(None);
         };
+        if pages.asleep.is_some() {
+            drop(st);
+            return Err(self.core.asleep_error(self, "sharing a storage"));
+        }
         let page = pages.page;
         let end = block
             .ptr
@@ -125,6 +129,7 @@ impl ShardState {
             ExpandablePages {
                 page,
                 chunks: BTreeMap::new(),
+                asleep: None,
             },
         );
         self.over_budget |= stats::increase(&mut self.stats.segment, pool, 1);
@@ -134,7 +139,11 @@ impl ShardState {
     /// start of the lowest unmapped block that can hold it with the free block before it.
     pub fn growth_plan(&self, pool: PoolKind, rounded: u64) -> Option<(u64, u64)> {
         let base = self.expandable_base(pool)?;
-        let page = self.expandable.get(&base)?.page;
+        let pages = self.expandable.get(&base)?;
+        if pages.asleep.is_some() {
+            return None;
+        }
+        let page = pages.page;
         let mut at = Some(self.segments.get(&base)?.head);
         while let Some(id) = at {
             let b = &self.blocks[id];
@@ -189,7 +198,11 @@ impl ShardState {
             .free_blocks()
             .filter(|&id| {
                 let b = &self.blocks[id];
-                self.expandable.contains_key(&b.segment) && select(b)
+                // A sleeping segment's pages are unmapped already (`sleep.rs`).
+                self.expandable
+                    .get(&b.segment)
+                    .is_some_and(|p| p.asleep.is_none())
+                    && select(b)
             })
             .collect();
         let mut released = Vec::new();
@@ -361,6 +374,10 @@ impl DeviceCore {
         cause: &mut Option<String>,
     ) -> Result<Option<Allocated>> {
         let mut st = shard.state.lock();
+        if shard.sleeping.load(Ordering::Relaxed) {
+            drop(st);
+            return Err(self.asleep_error(shard, "an allocation"));
+        }
         if st.expandable_base(pool).is_none() {
             let granularity = self.driver.vm_granularity(self.device)?;
             let page = page_size(granularity);
@@ -386,6 +403,10 @@ impl DeviceCore {
             |f| f >= len,
         );
         let mut st = shard.state.lock();
+        if shard.sleeping.load(Ordering::Relaxed) {
+            drop(st);
+            return Err(self.asleep_error(shard, "an allocation"));
+        }
         let Some((addr, len)) = st.growth_plan(pool, rounded) else {
             *cause = Some(full.into());
             return Ok(None);

@@ -97,6 +97,13 @@ impl ShardState {
                     seg.size
                 ));
             }
+            if let Some(pages) = self.expandable.get(&base).filter(|p| p.asleep.is_some()) {
+                // A sleeping segment maps nothing (`sleep.rs`).
+                if !pages.chunks.is_empty() {
+                    return Err(format!("segment {base:#x} sleeps with pages mapped"));
+                }
+                mapped = 0;
+            }
             bump(&mut recount.segment, seg.pool, 1);
             bump(&mut recount.reserved_bytes, seg.pool, mapped);
         }

@@ -65,11 +65,13 @@ mod registration;
 mod reports;
 mod shard;
 pub mod size;
+mod sleep;
 mod snapshot;
 mod stacks;
 mod state;
 mod stats;
 mod summary;
+mod tags;
 mod thread;
 
 pub use graph::{Capture, CaptureRoute, Graph, GraphPool};
@@ -91,19 +93,23 @@ pub use stats::{DeviceStats, PoolStats, Stat, POOL_NAMES};
 pub use data_ptr::DataPtr;
 pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
 pub(crate) use expandable::PagesUnder;
+pub(crate) use tags::{SleepStart, TagRange};
 
 use self::block::Allocated;
 use self::capturing::CaptureRoutes;
 use self::core_types::DeviceCore;
 use self::core_types::Shard;
+use self::device::AllocatorWide;
 use self::history::Trace;
 use self::oom::Callbacks;
+use self::pool_id::TagBook;
 use crate::config::{AllocatorConfig, DefaultStream};
 use crate::driver::{DeviceAddr, Driver, SanitizeOptions, SanitizedDriver, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex};
+use std::collections::HashMap;
 
 static NEXT_ALLOCATOR_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -171,15 +177,20 @@ impl CachingAllocatorBuilder {
         let callbacks = Arc::new(Callbacks::default());
         let trace = Arc::new(Trace::default());
         let capturing = Arc::new(CaptureRoutes::default());
+        let tag_book = Arc::new(TagBook::default());
+        let wide = AllocatorWide {
+            callbacks: Arc::clone(&callbacks),
+            trace: Arc::clone(&trace),
+            capturing: Arc::clone(&capturing),
+            tags: Arc::clone(&tag_book),
+        };
         let devices = (0..driver.device_count())
             .map(|d| {
                 DeviceCore::new(
                     d,
                     Arc::clone(&driver),
                     Arc::clone(&config),
-                    Arc::clone(&callbacks),
-                    Arc::clone(&trace),
-                    Arc::clone(&capturing),
+                    &wide,
                     self.check_invariants,
                 )
                 .map(Arc::new)
@@ -212,6 +223,8 @@ impl CachingAllocatorBuilder {
             callbacks,
             trace,
             capturing,
+            tag_book,
+            tags: Mutex::new(HashMap::new()),
             #[cfg(feature = "pickle")]
             oom_dump: Mutex::new(()),
         })
@@ -239,6 +252,10 @@ pub struct CachingAllocator {
     trace: Arc<Trace>,
     /// The captures under way and their pools (`capturing.rs`, `graph.rs`).
     capturing: Arc<CaptureRoutes>,
+    /// Tags' names and which sleep, shared with the devices (`sleep.rs`).
+    tag_book: Arc<TagBook>,
+    /// The tags by name: their pools and where each stands (`tags.rs`).
+    tags: Mutex<HashMap<String, tags::TagEntry>>,
     /// Serializes the snapshots written on out-of-memory (`oom_snapshot_path`).
     #[cfg(feature = "pickle")]
     oom_dump: Mutex<()>,

@@ -1,9 +1,11 @@
 //! Names and options of memory pools (PyTorch's `MempoolId_t` and `MemPool` arguments): the
 //! part of `mem_pool.rs` that the shard state and snapshots need, below them.
 
+use std::collections::HashMap;
 use std::fmt;
 
 use crate::sync::os::atomic::{AtomicU64, Ordering};
+use crate::sync::os::{Arc, RwLock};
 
 /// The id of a memory pool: PyTorch's `MempoolId_t`, a pair. Pools a program makes
 /// ([`CachingAllocator::mem_pool`](super::CachingAllocator::mem_pool), PyTorch's `MemPool()` and
@@ -77,6 +79,10 @@ pub struct MemPoolOptions {
     /// Blocks of this pool are never split: every allocation gets a block of its own, whole (what
     /// memory registered with a communication library needs).
     pub no_split: bool,
+    /// The pool's memory lives on expandable segments of its own (pages mapped into a reserved
+    /// address range), whatever `expandable_segments` says: what sleep and wake by tag need
+    /// (`alloc/sleep.rs`; a tag's pool always has it).
+    pub expandable_segments: bool,
 }
 
 impl MemPoolOptions {
@@ -90,5 +96,43 @@ impl MemPoolOptions {
     pub fn with_no_split(mut self, on: bool) -> Self {
         self.no_split = on;
         self
+    }
+
+    /// A pool whose memory lives on expandable segments of its own.
+    pub fn with_expandable_segments(mut self, on: bool) -> Self {
+        self.expandable_segments = on;
+        self
+    }
+}
+
+/// The pools that are tags, by id: their names, and which are asleep (`alloc/sleep.rs`). One per
+/// allocator, shared by its devices: a shard made for a sleeping tag starts asleep, and the
+/// refusal of an allocation names the tag.
+#[derive(Debug, Default)]
+pub(crate) struct TagBook {
+    entries: RwLock<HashMap<MemPoolId, (Arc<str>, bool)>>,
+}
+
+impl TagBook {
+    /// Enters tag `name`, whose pool is `pool` (awake).
+    pub(crate) fn insert(&self, pool: MemPoolId, name: &str) {
+        self.entries.write().insert(pool, (Arc::from(name), false));
+    }
+
+    /// The name of the tag whose pool is `pool`.
+    pub(crate) fn name_of(&self, pool: MemPoolId) -> Option<Arc<str>> {
+        self.entries.read().get(&pool).map(|(n, _)| Arc::clone(n))
+    }
+
+    /// Whether `pool` is a tag that sleeps (or is falling asleep, or waking).
+    pub(crate) fn is_sleeping(&self, pool: MemPoolId) -> bool {
+        self.entries.read().get(&pool).is_some_and(|&(_, s)| s)
+    }
+
+    /// Marks tag `pool` sleeping or awake.
+    pub(crate) fn set_sleeping(&self, pool: MemPoolId, sleeping: bool) {
+        if let Some(entry) = self.entries.write().get_mut(&pool) {
+            entry.1 = sleeping;
+        }
     }
 }

@@ -267,7 +267,10 @@ impl Drop for Shard {
         for addr in starts {
             st.finish_release(addr);
         }
-        for base in st.take_empty_expandable() {
+        let mut bases = st.take_empty_expandable();
+        // Segments of a tag still asleep map nothing: their reservations go back too.
+        bases.extend(st.take_asleep_segments());
+        for base in bases {
             if let Err(err) = self
                 .core
                 .driver

@@ -101,15 +101,17 @@ pub fn segment_size(rounded: u64) -> u64 {
     }
 }
 
-/// Whether a free block of `block_size` serving `rounded` bytes is split, leaving the remainder free.
+/// Whether a free block of `block_size` serving `rounded` bytes is split, leaving the remainder
+/// free (`expandable`: the block lies in an expandable segment).
 pub fn should_split(
     pool: PoolKind,
     block_size: u64,
     rounded: u64,
     config: &AllocatorConfig,
+    expandable: bool,
 ) -> bool {
     let remaining = block_size - rounded;
-    if config.expandable_segments {
+    if expandable {
         // As PyTorch: a remainder in an expandable segment is worth keeping, whatever its size —
         // its pages can be unmapped or grown into.
         return remaining >= MIN_BLOCK_SIZE;
@@ -179,12 +181,24 @@ mod tests {
     #[test]
     fn split_and_oversize_rules() {
         let c = AllocatorConfig::default();
-        assert!(should_split(PoolKind::Small, 1024, 512, &c));
-        assert!(!should_split(PoolKind::Small, 1024, 1024, &c));
-        assert!(!should_split(PoolKind::Large, 3 << 20, 2 << 20, &c)); // remainder exactly 1 MiB
-        assert!(should_split(PoolKind::Large, 3 << 20, (2 << 20) - 512, &c));
+        assert!(should_split(PoolKind::Small, 1024, 512, &c, false));
+        assert!(!should_split(PoolKind::Small, 1024, 1024, &c, false));
+        assert!(!should_split(PoolKind::Large, 3 << 20, 2 << 20, &c, false)); // remainder exactly 1 MiB
+        assert!(should_split(
+            PoolKind::Large,
+            3 << 20,
+            (2 << 20) - 512,
+            &c,
+            false
+        ));
         let m = AllocatorConfig::parse("max_split_size_mb:40").unwrap();
-        assert!(!should_split(PoolKind::Large, 100 << 20, 50 << 20, &m));
+        assert!(!should_split(
+            PoolKind::Large,
+            100 << 20,
+            50 << 20,
+            &m,
+            m.expandable_segments
+        ));
         assert!(!fits_oversize_rules(50 << 20, 2 << 20, &m));
         assert!(fits_oversize_rules(50 << 20, 45 << 20, &m));
         assert!(!fits_oversize_rules(70 << 20, 45 << 20, &m));

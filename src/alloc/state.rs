@@ -219,7 +219,10 @@ impl ShardState {
         config: &AllocatorConfig,
     ) -> BlockId {
         let (pool, block_size) = (self.blocks[id].pool, self.blocks[id].size);
-        if !self.pool_options.no_split && size::should_split(pool, block_size, rounded, config) {
+        let expandable = config.expandable_segments || self.pool_options.expandable_segments;
+        if !self.pool_options.no_split
+            && size::should_split(pool, block_size, rounded, config, expandable)
+        {
             let rest = self.split_off(id, rounded, BlockState::Free);
             self.blocks[rest].freed_at = self.tick;
             self.insert_free(rest);

@@ -60,6 +60,13 @@ impl SharedOwner for CowOwner {
             None => Ok(()),
         })
     }
+
+    fn check_awake(&self, what: &str) -> Result<()> {
+        self.ctx.cell.with_data(|original| match original {
+            Some(d) => d.check_awake(what),
+            None => Ok(()),
+        })
+    }
 }
 
 /// Whether `data` is a COW view (its owner is a reference on a COW context).
@@ -114,6 +121,8 @@ pub(crate) fn materialize(
     nbytes: u64,
     stream: StreamId,
 ) -> Result<DeviceAddr> {
+    // The source's tag sleeps: nothing to copy from (`src/runtime/sleep.rs`).
+    data.check_awake("materializing a lazy clone")?;
     let device = data.device();
     let shared_ptr = data.ptr();
     let driver = alloc.driver();

@@ -125,6 +125,29 @@ impl Registry {
         Ok(())
     }
 
+    /// The first address of a shared span overlapping `[start, end)` that somebody still counts
+    /// on (a consumer holds it, or a handle to it is unopened): memory that must stay mapped.
+    pub(super) fn counted_span_in(&self, start: u64, end: u64) -> Option<u64> {
+        let spans = self.spans.lock();
+        spans.iter().find_map(|((_, slot, generation), served)| {
+            let p = &served.pages;
+            let span_end = p
+                .first
+                .saturating_add(p.page.saturating_mul(p.chunks.len() as u64));
+            let overlaps = p.first < end && start < span_end;
+            // Held only by dead consumers (no lock on the slot) counts as nobody.
+            let counted = served.file.slot(*slot).is_ok_and(|cell| {
+                cell.generation() == *generation
+                    && match cell.counts() {
+                        (0, 0) => false,
+                        (0, _) => served.file.is_locked(*slot).unwrap_or(true),
+                        _ => true,
+                    }
+            });
+            (overlaps && counted).then_some(p.first)
+        })
+    }
+
     /// Exports the chunks of pages `start .. start + n` of the span `request` names — under the
     /// registry lock, so the span cannot be unregistered (and its chunks released) meanwhile.
     pub(super) fn export(

@@ -60,6 +60,11 @@ impl PageServer {
         Registry::register(&self.registry, key, pages, file)
     }
 
+    /// The first address of a counted shared span overlapping `[start, end)`.
+    pub(crate) fn counted_span_in(&self, start: u64, end: u64) -> Option<u64> {
+        self.registry.counted_span_in(start, end)
+    }
+
     /// Lets the thread serve until the process exits (storages stayed in limbo at teardown).
     pub(crate) fn serve_until_exit(mut self) {
         if let Some(stop) = self.stop.take() {

@@ -172,6 +172,16 @@ impl IpcState {
         }
     }
 
+    /// The first address of memory in `[start, end)` shared with other processes that somebody
+    /// still counts on (a consumer holds it, or a handle to it is unopened), if any: memory
+    /// that a sleep must not unmap (`runtime/sleep.rs`).
+    pub fn shared_in(&self, start: u64, end: u64) -> Option<u64> {
+        self.page_server
+            .lock()
+            .as_ref()
+            .and_then(|server| server.counted_span_in(start, end))
+    }
+
     /// Takes a free slot (creating a file when every file is full).
     pub fn take_slot(&self) -> Result<SlotRef> {
         self.check_process()?;

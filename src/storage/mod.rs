@@ -185,6 +185,7 @@ impl Storage {
         if self.inner.nbytes == 0 {
             return Err(Error::invalid("an empty storage has no registered region"));
         }
+        self.check_awake("a lookup of registered regions")?;
         if self.is_received() {
             return Err(Error::invalid(
                 "a received storage is another process's memory: that process registers it",
@@ -310,12 +311,19 @@ impl Storage {
         self.inner.runtime.current_stream(self.inner.device)
     }
 
+    /// [`Error::Asleep`] when the storage's memory belongs to a tag that sleeps: `what` is
+    /// refused before it touches unmapped memory (`src/runtime/sleep.rs`).
+    pub(crate) fn check_awake(&self, what: &str) -> Result<()> {
+        self.inner.data.lock().check_awake(what)
+    }
+
     /// Copies `src` to the start of the storage on the current stream (returns when done).
     pub fn copy_from_host(&self, src: &[u8]) -> Result<()> {
         self.check_len(src.len())?;
         if src.is_empty() {
             return Ok(());
         }
+        self.check_awake("a copy from the host")?;
         let stream = self.stream()?;
         let dst = self.mutable_data_ptr_on(stream)?;
         self.inner
@@ -330,6 +338,7 @@ impl Storage {
         if dst.is_empty() {
             return Ok(());
         }
+        self.check_awake("a copy to the host")?;
         self.inner
             .runtime
             .driver()
@@ -341,6 +350,7 @@ impl Storage {
         if self.inner.nbytes == 0 {
             return Ok(());
         }
+        self.check_awake("the fill kernel")?;
         let stream = self.stream()?;
         let dst = self.mutable_data_ptr_on(stream)?;
         self.inner
@@ -354,6 +364,7 @@ impl Storage {
         if self.inner.nbytes == 0 {
             return Ok(0);
         }
+        self.check_awake("the verify kernel")?;
         self.inner.runtime.driver().count_pattern_mismatches(
             self.stream()?,
             self.data_ptr(),

@@ -73,6 +73,7 @@ impl Storage {
         let Some(range) = self.pinned_ranges(offset, len, dst_offset, stream)? else {
             return Ok(());
         };
+        self.check_awake("a copy to pinned memory")?;
         let src = self.data_ptr().offset(offset)?;
         let driver = self.runtime().driver();
         // SAFETY: the launch enqueues one copy on `stream` that writes exactly the range given.
@@ -98,6 +99,7 @@ impl Storage {
         let Some(range) = self.pinned_ranges(offset, len, src_offset, stream)? else {
             return Ok(());
         };
+        self.check_awake("a copy from pinned memory")?;
         let dst = self.mutable_data_ptr_on(stream)?.offset(offset)?;
         let driver = self.runtime().driver();
         // SAFETY: the launch enqueues one copy on `stream` that reads exactly the range given.

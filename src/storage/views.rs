@@ -160,6 +160,7 @@ impl Storage {
         range: Range<usize>,
         stream: &Arc<CudaStream>,
     ) -> Result<StorageView<'_, T>> {
+        self.check_awake("a read view")?;
         let (ptr, len) = locate::<T>(self, self.data_ptr().0, &range)?;
         let id = adopt(self, stream)?;
         self.record_stream(id)?;
@@ -181,6 +182,7 @@ impl Storage {
         range: Range<usize>,
         stream: &Arc<CudaStream>,
     ) -> Result<StorageViewMut<'_, T>> {
+        self.check_awake("a write view")?;
         locate::<T>(self, self.data_ptr().0, &range)?;
         let id = adopt(self, stream)?;
         // The private copy is queued on the view's own stream, so the kernel is ordered after

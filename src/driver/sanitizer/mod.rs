@@ -39,6 +39,7 @@
 //! | hand-out of bytes | every access to them on an actor other than `o` must be ordered before `F`, else a **use after free** (reported even without `record_stream`); those accesses are then dropped (the allocator waited for them), accesses on `o` stay (a later access on another stream must still be ordered after them) |
 //! | release of freed memory to the driver (`empty_cache`, the out-of-memory path, page release) | the hand-out's check, then the bytes are forgotten: a forgotten `record_stream` is reported whether the block is reused or released first |
 //! | a COW copy, an IPC event | ordinary driver calls, checked as above |
+//! | a tag's pages put to sleep, mapped back at wake (`asleep.rs`) | any work on a sleeping range is refused with [`Error::Asleep`] and reported as an access while asleep |
 //! | pinned host memory: host borrows of a `PinnedBuffer`, the pinned allocator's frees and hand-outs | the host is an actor too (`host.rs`): a borrow racing a copy, or a block reused while a copy still reads it, is reported |
 //!
 //! A receipt of another process's storage marks its bytes as written by the producer's event
@@ -78,6 +79,7 @@
 //! did would too. The allocator's own reuse is covered instead by the free's clock (the table
 //! above).
 
+mod asleep;
 mod clock;
 mod graphs;
 mod host;
@@ -266,6 +268,7 @@ impl Sanitizer {
         what: &str,
         touches: &[Touch],
     ) -> Result<()> {
+        self.check_awake(st, slot, what, touches)?;
         for t in touches.iter().filter(|t| t.len > 0) {
             let end = t.start.saturating_add(t.len);
             if let Some((at, free)) = st.freed_in(t.start, end) {

@@ -16,6 +16,9 @@ pub enum HazardKind {
     /// was not ordered before its free — a forgotten `record_stream`, or a free while another
     /// stream still reads or writes.
     UseAfterFree,
+    /// Work on memory of a tag that is asleep (its pages given back, its addresses kept): the
+    /// call was refused (`asleep.rs`).
+    AccessWhileAsleep,
 }
 
 impl HazardKind {
@@ -24,6 +27,7 @@ impl HazardKind {
         match self {
             HazardKind::Race => "race",
             HazardKind::UseAfterFree => "use after free",
+            HazardKind::AccessWhileAsleep => "access while asleep",
         }
     }
 }
@@ -116,6 +120,11 @@ impl fmt::Display for HazardReport {
                 self.later,
                 self.earlier,
                 self.free.as_deref().unwrap_or("its free")
+            ),
+            HazardKind::AccessWhileAsleep => write!(
+                f,
+                "access while asleep: {}\n  touches memory put to sleep by {} (refused; wake_up the tag first)",
+                self.later, self.earlier.what
             ),
         }
     }

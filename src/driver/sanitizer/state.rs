@@ -45,6 +45,8 @@ pub(super) struct State {
     pub(super) hazards: u64,
     /// The host's actor, once it touched page-locked memory (`host.rs`).
     pub(super) host_actor: Option<usize>,
+    /// Ranges of sleeping tags: start → (end, tag) (`asleep.rs`).
+    pub(super) asleep: BTreeMap<u64, (u64, Arc<str>)>,
 }
 
 impl State {

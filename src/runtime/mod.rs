@@ -7,10 +7,13 @@
 //! `/dev/shm` when it starts, and at teardown keeps memory consumers still count on out of the
 //! cache. [`Storage`](crate::Storage)s hold a runtime.
 //!
-//! It also holds the process's pinned host allocator (`pinned`), over the same driver.
+//! It also holds the process's pinned host allocator (`pinned`), over the same driver, and with
+//! it puts tags to sleep and wakes them (`sleep.rs`).
 //!
 //! It dereferences to its [`CachingAllocator`], so allocation, streams, stats and snapshots are
 //! called on it directly.
+
+mod sleep;
 
 use std::ops::Deref;
 
@@ -21,7 +24,9 @@ use crate::error::Result;
 use crate::ipc::{Drained, IpcState};
 use crate::pinned::{HostAllocator, PinnedBuffer, PinnedOptions};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
-use crate::sync::os::Arc;
+use crate::sync::os::{Arc, Mutex};
+
+pub use sleep::{SleepReport, WakeOptions, WakeReport};
 
 static NEXT_RUNTIME_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -108,6 +113,7 @@ impl RuntimeBuilder {
             allocator,
             ipc,
             host,
+            sleepers: Mutex::new(sleep::Sleepers::default()),
         })
     }
 }
@@ -119,6 +125,8 @@ pub struct Runtime {
     ipc: Arc<IpcState>,
     /// The pinned host allocator (`pinned`), over the same driver.
     host: Arc<HostAllocator>,
+    /// The sleeping tags' offloaded bytes (`sleep.rs`).
+    sleepers: Mutex<sleep::Sleepers>,
 }
 
 impl std::fmt::Debug for Runtime {

@@ -1,0 +1,317 @@
+//! Sleep and wake of a tag's shards: every mapped page of their expandable segments unmapped and
+//! its physical memory released, the reservations kept — then pages created and mapped back at
+//! the same addresses. `tags.rs` runs the protocol over a tag's shards; the runtime copies the
+//! offloaded bytes (`runtime/sleep.rs`).
+//!
+//! A tag's pool always lives on expandable segments (`MemPoolOptions::expandable_segments`),
+//! which is what makes this possible: its blocks' addresses are in a reservation, independent of
+//! the chunks mapped under them.
+//!
+//! | segment state | `ExpandablePages` | blocks | reserved bytes (stats, device) | registrars |
+//! |---|---|---|---|---|
+//! | awake | `chunks`: the mapped pages; `asleep: None` | as ever | count the mapped pages | each page registered |
+//! | asleep | `chunks` empty; `asleep`: the pages to map back | unchanged: allocated blocks stay allocated (their owners hold the addresses), free ones stay free but are never handed out (the shard refuses allocations) | no longer count them | deregistered before the unmap |
+//!
+//! What keeps the segment's free blocks and pages out of every other path while it sleeps: the
+//! shard's `sleeping` flag refuses allocations (checked before and under the lock), the release
+//! paths skip asleep segments (`take_free_pages`), growth plans skip them, and `pages_under`
+//! (sharing) refuses them. Frees proceed: a block freed while asleep becomes free as usual, and
+//! the wake leaves its bytes undefined (only blocks still allocated get their bytes back).
+//!
+//! The stream sanitizer is told of each sleeping range: an access to it is reported and refused
+//! (`driver/sanitizer/asleep.rs`).
+
+use super::block::BlockState;
+use super::core_types::{DeviceCore, Shard};
+use super::history::TraceAction;
+use super::observers::{SegmentChange, SegmentEvent};
+use super::registration::RegionKind;
+use super::state::ShardState;
+use super::stats;
+use crate::driver::{ChunkId, DeviceAddr, StreamId};
+use crate::error::{Error, Result};
+use crate::sync::os::atomic::Ordering;
+
+/// The pages of one segment taken for sleep or mapped for a wake: the segment's base, its page
+/// size, and `(address, chunk)`s.
+type SegmentPages = (u64, u64, Vec<(u64, ChunkId)>);
+
+impl ShardState {
+    /// What a sleep offloads and waits for: the allocated blocks `(address, size)`, and the
+    /// streams that may still use memory of the shard (`own`, every stream recorded on an
+    /// allocated or pending block, every stream with pending-free events).
+    pub fn sleep_inventory(&self, own: StreamId) -> (Vec<(u64, u64)>, Vec<StreamId>) {
+        let mut ranges = Vec::new();
+        let mut streams = vec![own];
+        for (_, b) in &self.blocks {
+            if matches!(b.state, BlockState::Allocated | BlockState::PendingFree) {
+                if b.state == BlockState::Allocated {
+                    ranges.push((b.ptr, b.size));
+                }
+                streams.extend(b.stream_uses.iter().copied());
+            }
+        }
+        streams.extend(self.pending.keys().copied());
+        streams.sort_unstable_by_key(|s| s.raw());
+        streams.dedup();
+        ranges.sort_unstable();
+        (ranges, streams)
+    }
+
+    /// The allocated blocks now, `(address, size)` by address: the bytes a wake restores.
+    pub fn allocated_ranges(&self) -> Vec<(u64, u64)> {
+        let mut out: Vec<(u64, u64)> = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.state == BlockState::Allocated)
+            .map(|(_, b)| (b.ptr, b.size))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Puts every expandable segment of the shard to sleep: its mapped pages leave `chunks` (for
+    /// the caller to unmap and release) and are remembered for the wake; reserved bytes drop by
+    /// them.
+    pub fn take_pages_for_sleep(&mut self) -> Vec<SegmentPages> {
+        let mut out = Vec::new();
+        for (base, pages) in self.expandable.iter_mut() {
+            if pages.asleep.is_some() {
+                continue;
+            }
+            let taken: Vec<(u64, ChunkId)> =
+                std::mem::take(&mut pages.chunks).into_iter().collect();
+            pages.asleep = Some(taken.iter().map(|&(at, _)| at).collect());
+            let Some(pool) = self.segments.get(base).map(|s| s.pool) else {
+                continue;
+            };
+            if !taken.is_empty() {
+                let len = taken.len() as u64 * pages.page;
+                stats::decrease(&mut self.stats.reserved_bytes, pool, len);
+                self.stats.num_device_free += 1;
+            }
+            out.push((*base, pages.page, taken));
+        }
+        out
+    }
+
+    /// The asleep segments' pages to map back: `(base, page size, addresses)`.
+    pub fn pages_to_wake(&self) -> Vec<(u64, u64, Vec<u64>)> {
+        self.expandable
+            .iter()
+            .filter_map(|(&base, p)| p.asleep.as_ref().map(|a| (base, p.page, a.clone())))
+            .collect()
+    }
+
+    /// The pages of asleep segment `base` are mapped again with `chunks`: awake.
+    pub fn commit_wake(&mut self, base: u64, chunks: Vec<(u64, ChunkId)>) {
+        let Some(pool) = self.segments.get(&base).map(|s| s.pool) else {
+            return;
+        };
+        let Some(pages) = self.expandable.get_mut(&base) else {
+            return;
+        };
+        pages.asleep = None;
+        let len = chunks.len() as u64 * pages.page;
+        pages.chunks.extend(chunks);
+        if len > 0 {
+            self.over_budget |= stats::increase(&mut self.stats.reserved_bytes, pool, len);
+            self.stats.num_device_alloc += 1;
+        }
+    }
+
+    /// Teardown of a shard whose segments still sleep (the allocator dropped before the wake):
+    /// those that hold no allocated block are removed, their bases returned for the caller to
+    /// free the reservations (no page is mapped).
+    pub fn take_asleep_segments(&mut self) -> Vec<u64> {
+        let idle: Vec<u64> = self
+            .expandable
+            .iter()
+            .filter(|(_, p)| p.asleep.is_some())
+            .map(|(&base, _)| base)
+            .filter(|&base| {
+                self.blocks.iter().all(|(_, b)| {
+                    b.segment != base || matches!(b.state, BlockState::Free | BlockState::Unmapped)
+                })
+            })
+            .collect();
+        for &base in &idle {
+            self.remove_segment_blocks(base);
+            self.expandable.remove(&base);
+        }
+        idle
+    }
+
+    /// Removes segment `base` and all its blocks (free or unmapped), counting it out.
+    fn remove_segment_blocks(&mut self, base: u64) {
+        let Some(seg) = self.segments.remove(&base) else {
+            return;
+        };
+        let mut at = Some(seg.head);
+        while let Some(id) = at {
+            at = self.blocks[id].next;
+            if self.blocks[id].state == BlockState::Free {
+                self.remove_free(id);
+            }
+            self.blocks.remove(id);
+        }
+        stats::decrease(&mut self.stats.segment, seg.pool, 1);
+    }
+}
+
+impl DeviceCore {
+    /// The error of a refused use of sleeping memory of `shard`'s pool.
+    pub(super) fn asleep_error(&self, shard: &Shard, what: &str) -> Error {
+        let pool = shard.state.lock().pool;
+        let tag = self
+            .tags
+            .name_of(pool)
+            .map_or_else(|| pool.to_string(), |n| n.to_string());
+        Error::Asleep {
+            tag,
+            message: format!(
+                "{what} on device {}: the tag's memory is asleep (its pages are given back); \
+                 wake_up the tag first",
+                self.device
+            ),
+        }
+    }
+
+    /// Unmaps and releases every mapped page of `shard`'s expandable segments, keeping the
+    /// reservations (`tag` names them to the sanitizer); returns the bytes given back. Pages
+    /// are deregistered first; a failing unmap is logged, as on the release paths.
+    pub(super) fn sleep_shard(&self, shard: &Shard, tag: &str) -> u64 {
+        let taken = {
+            let mut st = shard.state.lock();
+            let taken = st.take_pages_for_sleep();
+            self.verify(&st);
+            taken
+        };
+        let mut released = 0u64;
+        for (_base, page, pages) in taken {
+            for (at, chunk) in pages {
+                self.callbacks.registry.unmap(self.device, at, page);
+                self.callbacks.observers.segment(SegmentEvent {
+                    change: SegmentChange::Unmap,
+                    device: self.device,
+                    base: DeviceAddr(at),
+                    size: page,
+                    stream: shard.stream,
+                });
+                if let Err(err) = self
+                    .driver
+                    .vm_unmap(DeviceAddr(at), page)
+                    .and_then(|()| self.driver.vm_release_chunk(chunk))
+                {
+                    tracing::error!(%err, at, "unmapping a page of a sleeping tag failed");
+                }
+                if let Some(sanitizer) = &self.sanitizer {
+                    sanitizer.asleep(at, page, tag);
+                }
+                self.reserved.fetch_sub(page, Ordering::SeqCst);
+                self.trace.record(
+                    TraceAction::SegmentUnmap,
+                    self.device,
+                    at,
+                    page,
+                    shard.stream,
+                );
+                released += page;
+            }
+        }
+        self.tell_peaks(shard);
+        released
+    }
+
+    /// Maps fresh pages back under `shard`'s asleep segments, at the same addresses, and
+    /// registers them; returns the bytes mapped. All or nothing: on a failure (out of memory,
+    /// a registrar) what was mapped is given back and the segments stay asleep.
+    pub(super) fn wake_shard(&self, shard: &Shard) -> Result<u64> {
+        let plan = shard.state.lock().pages_to_wake();
+        let total: u64 = plan.iter().map(|(_, page, a)| page * a.len() as u64).sum();
+        if !self.try_reserve(total) {
+            return Err(Error::OutOfMemory {
+                device: self.device,
+                requested: total,
+                message: format!("waking {total} bytes would pass the per-process memory fraction"),
+            });
+        }
+        let mut mapped: Vec<SegmentPages> = Vec::new();
+        let mut failure = None;
+        'segments: for (base, page, addresses) in &plan {
+            let mut chunks = Vec::with_capacity(addresses.len());
+            for &at in addresses {
+                let step = self
+                    .driver
+                    .vm_create_chunk(self.device, *page)
+                    .and_then(|chunk| match self.driver.vm_map(DeviceAddr(at), chunk) {
+                        Ok(()) => Ok(chunk),
+                        Err(err) => {
+                            let _ = self.driver.vm_release_chunk(chunk);
+                            Err(err)
+                        }
+                    });
+                match step {
+                    Ok(chunk) => chunks.push((at, chunk)),
+                    Err(err) => {
+                        failure = Some(err);
+                        mapped.push((*base, *page, chunks));
+                        break 'segments;
+                    }
+                }
+            }
+            mapped.push((*base, *page, chunks));
+        }
+        if failure.is_none() {
+            let regions = mapped
+                .iter()
+                .flat_map(|(_, page, chunks)| chunks.iter().map(move |&(at, _)| (at, *page)));
+            if let Err(err) = self.callbacks.registry.map(
+                self.device,
+                shard.stream,
+                RegionKind::ExpandablePage,
+                regions,
+            ) {
+                failure = Some(err);
+            }
+        }
+        if let Some(err) = failure {
+            for (_, page, chunks) in &mapped {
+                for &(at, chunk) in chunks {
+                    let _ = self.driver.vm_unmap(DeviceAddr(at), *page);
+                    let _ = self.driver.vm_release_chunk(chunk);
+                }
+            }
+            self.reserved.fetch_sub(total, Ordering::SeqCst);
+            return Err(err);
+        }
+        for (_, page, chunks) in &mapped {
+            for &(at, _) in chunks {
+                if let Some(sanitizer) = &self.sanitizer {
+                    sanitizer.awake(at, *page);
+                }
+                self.callbacks.observers.segment(SegmentEvent {
+                    change: SegmentChange::Map,
+                    device: self.device,
+                    base: DeviceAddr(at),
+                    size: *page,
+                    stream: shard.stream,
+                });
+                self.trace.record(
+                    TraceAction::SegmentMap,
+                    self.device,
+                    at,
+                    *page,
+                    shard.stream,
+                );
+            }
+        }
+        let mut st = shard.state.lock();
+        for (base, _, chunks) in mapped {
+            st.commit_wake(base, chunks);
+        }
+        self.settle(st);
+        self.tell_peaks(shard);
+        Ok(total)
+    }
+}

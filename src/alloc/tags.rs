@@ -1,0 +1,328 @@
+//! Tags: named memory pools that can be put to sleep and woken (vLLM's `CuMemAllocator` tags,
+//! SGLang's `torch_memory_saver` regions). A tag is a [`MemPool`] of the allocator, made on first
+//! use, whose memory lives on expandable segments of its own; a thread allocates into it inside
+//! [`CachingAllocator::use_tag`] (a [`PoolScope`]), or through the pool itself.
+//!
+//! The protocol (one tag; `runtime/sleep.rs` runs it over several and copies the bytes):
+//!
+//! | phase | allocations of the tag | pages | entered by | left by |
+//! |---|---|---|---|---|
+//! | awake | served | mapped | making the tag; a finished wake | [`CachingAllocator::begin_sleep`] |
+//! | falling asleep | refused ([`Error::Asleep`]) | mapped; its free pages given back, its streams waited for | `begin_sleep` (refused while a capture is under way) | `finish_sleep` (pages unmapped and released), `cancel_sleep` (awake again) |
+//! | asleep | refused | unmapped, released; reservations kept | `finish_sleep` | `begin_wake` |
+//! | waking | refused | mapped again at the same addresses, registered | `begin_wake` (on failure: asleep again, nothing mapped) | `finish_wake` (after the bytes are back) |
+//!
+//! The shards' `sleeping` flag is set on the way into "falling asleep" *before* any shard lock is
+//! taken to list what to offload, and cleared when "awake" is entered again; allocations read it
+//! before and under the lock (`device.rs`), so an allocation racing a sleep either finishes
+//! before the listing (its block is offloaded) or is refused.
+
+use super::core_types::Shard;
+use super::mem_pool::{MemPool, PoolScope};
+use super::pool_id::MemPoolOptions;
+use super::CachingAllocator;
+use crate::driver::StreamId;
+use crate::error::{Error, Result};
+use crate::sync::os::atomic::Ordering;
+use crate::sync::os::Arc;
+
+/// Where a tag stands (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    Awake,
+    FallingAsleep,
+    Asleep,
+    Waking,
+}
+
+/// A tag: its pool and phase.
+#[derive(Debug)]
+pub(crate) struct TagEntry {
+    pool: MemPool,
+    phase: Phase,
+}
+
+/// One block of a tag to offload (or restore): where, how long, and the stream of its shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TagRange {
+    pub device: usize,
+    pub stream: StreamId,
+    pub addr: u64,
+    pub len: u64,
+}
+
+/// A tag falling asleep: its shards, and the blocks to offload (their streams already waited
+/// for).
+#[derive(Debug)]
+pub(crate) struct SleepStart {
+    pub tag: String,
+    pool: MemPool,
+    shards: Vec<(usize, Arc<Shard>)>,
+    pub ranges: Vec<TagRange>,
+}
+
+/// A tag waking: its shards (pages mapped back), and the blocks still allocated, whose bytes
+/// are to be restored.
+#[derive(Debug)]
+pub(crate) struct WakeStart {
+    pub tag: String,
+    pool: MemPool,
+    shards: Vec<(usize, Arc<Shard>)>,
+    pub ranges: Vec<TagRange>,
+    /// Bytes mapped again.
+    pub mapped_bytes: u64,
+}
+
+fn asleep(tag: &str, message: impl Into<String>) -> Error {
+    Error::Asleep {
+        tag: tag.to_owned(),
+        message: message.into(),
+    }
+}
+
+impl CachingAllocator {
+    /// The memory pool of tag `name`, made on first use: its memory lives on expandable segments
+    /// of its own, so that [`Runtime::sleep`](crate::Runtime::sleep) can give its physical
+    /// memory back and [`Runtime::wake_up`](crate::Runtime::wake_up) map it back at the same
+    /// addresses. Allocate into it with [`CachingAllocator::use_tag`] (or
+    /// [`CachingAllocator::use_mem_pool`] with this pool). Tags live as long as the allocator.
+    pub fn tag(&self, name: &str) -> Result<MemPool> {
+        self.birth.check("this allocator")?;
+        if name.is_empty() || name.len() > 256 {
+            return Err(Error::invalid(format!(
+                "a tag's name is 1 to 256 bytes, not {}",
+                name.len()
+            )));
+        }
+        let mut tags = self.tags.lock();
+        if let Some(entry) = tags.get(name) {
+            return Ok(entry.pool.clone());
+        }
+        let pool = self.mem_pool(MemPoolOptions::default().with_expandable_segments(true))?;
+        self.tag_book.insert(pool.id(), name);
+        tags.insert(
+            name.to_owned(),
+            TagEntry {
+                pool: pool.clone(),
+                phase: Phase::Awake,
+            },
+        );
+        Ok(pool)
+    }
+
+    /// Makes this thread allocate into tag `name` on `device`, on every stream, until the scope
+    /// drops (vLLM's `use_memory_pool(tag=…)`); the tag is made on first use.
+    pub fn use_tag(&self, name: &str, device: usize) -> Result<PoolScope> {
+        let pool = self.tag(name)?;
+        self.use_mem_pool(&pool, device)
+    }
+
+    /// The tags made so far, by name.
+    pub fn tag_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.tags.lock().keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// Whether tag `name` is asleep (or on its way to or from sleep); an error for an unknown
+    /// tag.
+    pub fn is_asleep(&self, name: &str) -> Result<bool> {
+        let tags = self.tags.lock();
+        let entry = tags
+            .get(name)
+            .ok_or_else(|| Error::invalid(format!("no tag {name:?} (tags: {:?})", tags.keys())))?;
+        Ok(entry.phase != Phase::Awake)
+    }
+
+    /// Moves tag `name` from `from` to `to`; the tag's pool.
+    fn step(&self, name: &str, from: Phase, to: Phase) -> Result<MemPool> {
+        let mut tags = self.tags.lock();
+        let entry = tags
+            .get_mut(name)
+            .ok_or_else(|| Error::invalid(format!("no tag {name:?}")))?;
+        if entry.phase != from {
+            return Err(asleep(
+                name,
+                format!("the tag is {:?}, not {from:?}", entry.phase).to_lowercase(),
+            ));
+        }
+        entry.phase = to;
+        Ok(entry.pool.clone())
+    }
+
+    /// Every shard of `pool` on every device.
+    fn tag_shards(&self, pool: &MemPool) -> Vec<(usize, Arc<Shard>)> {
+        self.devices
+            .iter()
+            .flat_map(|d| d.pool_shards(pool.id()).into_iter().map(|s| (d.device, s)))
+            .collect()
+    }
+
+    /// Starts putting tag `name` to sleep: its allocations refused from now on, its cached free
+    /// pages given back, every stream that used its memory waited for; returns the blocks to
+    /// offload. Refused while a capture is under way (unmapping is forbidden then).
+    pub(crate) fn begin_sleep(&self, name: &str) -> Result<SleepStart> {
+        self.birth.check("this allocator")?;
+        let pool = self.step(name, Phase::Awake, Phase::FallingAsleep)?;
+        let started = self.prepare_sleep(name, &pool);
+        if started.is_err() {
+            self.end_phase(&pool, name, Phase::Awake, &self.tag_shards(&pool));
+        }
+        started
+    }
+
+    fn prepare_sleep(&self, name: &str, pool: &MemPool) -> Result<SleepStart> {
+        if self.capturing.any() {
+            return Err(Error::capture(format!(
+                "tag {name:?} cannot sleep while a stream capture is under way (unmapping memory \
+                 would invalidate it); end the capture first"
+            )));
+        }
+        // Marked before the shards are listed: a shard made meanwhile starts asleep.
+        self.tag_book.set_sleeping(pool.id(), true);
+        let shards = self.tag_shards(pool);
+        for (_, shard) in &shards {
+            shard.sleeping.store(true, Ordering::SeqCst);
+        }
+        let mut ranges = Vec::new();
+        for (device, shard) in &shards {
+            let core = &self.devices[*device];
+            // Cached free pages first: they need no copy (and pending frees are waited for).
+            core.release_shard(shard, true);
+            let (blocks, streams) = shard.state.lock().sleep_inventory(shard.stream);
+            for stream in streams {
+                self.driver.stream_synchronize(stream)?;
+            }
+            ranges.extend(blocks.into_iter().map(|(addr, len)| TagRange {
+                device: *device,
+                stream: shard.stream,
+                addr,
+                len,
+            }));
+        }
+        Ok(SleepStart {
+            tag: name.to_owned(),
+            pool: pool.clone(),
+            shards,
+            ranges,
+        })
+    }
+
+    /// Ends a sleep begun with [`Self::begin_sleep`] (the bytes to keep are copied out): every
+    /// mapped page of the tag unmapped and released; returns the bytes given back. Refused (the
+    /// caller cancels) when a capture began meanwhile.
+    pub(crate) fn finish_sleep(&self, start: &SleepStart) -> Result<u64> {
+        // Held across the unmaps: a capture does not begin in between (`capturing.rs`).
+        let Some(_no_capture) = self.capturing.releasing() else {
+            return Err(Error::capture(format!(
+                "tag {:?} cannot sleep while a stream capture is under way; end it first",
+                start.tag
+            )));
+        };
+        let mut released = 0;
+        for (device, shard) in &start.shards {
+            released += self.devices[*device].sleep_shard(shard, &start.tag);
+        }
+        if let Some(entry) = self.tags.lock().get_mut(&start.tag) {
+            entry.phase = Phase::Asleep;
+        }
+        Ok(released)
+    }
+
+    /// Gives up a sleep begun with [`Self::begin_sleep`]: the tag is awake again.
+    pub(crate) fn cancel_sleep(&self, start: SleepStart) {
+        self.end_phase(&start.pool, &start.tag, Phase::Awake, &start.shards);
+    }
+
+    /// Starts waking tag `name`: fresh pages mapped at the same addresses and registered;
+    /// returns the blocks still allocated (whose bytes are to be restored). On a failure the
+    /// tag stays asleep and nothing is mapped.
+    pub(crate) fn begin_wake(&self, name: &str) -> Result<WakeStart> {
+        self.birth.check("this allocator")?;
+        let pool = self.step(name, Phase::Asleep, Phase::Waking)?;
+        let shards = self.tag_shards(&pool);
+        let mut woken: Vec<(usize, Arc<Shard>)> = Vec::new();
+        let mut mapped_bytes = 0;
+        let mut failure = None;
+        // Held across the maps: a capture does not begin in between.
+        let no_capture = self.capturing.releasing();
+        if no_capture.is_none() {
+            failure = Some(Error::capture(format!(
+                "tag {name:?} cannot wake while a stream capture is under way; end it first"
+            )));
+        }
+        for (device, shard) in shards.iter().filter(|_| failure.is_none()) {
+            match self.devices[*device].wake_shard(shard) {
+                Ok(bytes) => {
+                    mapped_bytes += bytes;
+                    woken.push((*device, Arc::clone(shard)));
+                }
+                Err(err) => {
+                    failure = Some(err);
+                    break;
+                }
+            }
+        }
+        if let Some(err) = failure {
+            // Back to sleep: what was woken holds nothing restored yet.
+            for (device, shard) in &woken {
+                self.devices[*device].sleep_shard(shard, name);
+            }
+            self.end_phase(&pool, name, Phase::Asleep, &[]);
+            return Err(err);
+        }
+        drop(no_capture);
+        let ranges = shards
+            .iter()
+            .flat_map(|(device, shard)| {
+                let stream = shard.stream;
+                let device = *device;
+                shard
+                    .state
+                    .lock()
+                    .allocated_ranges()
+                    .into_iter()
+                    .map(move |(addr, len)| TagRange {
+                        device,
+                        stream,
+                        addr,
+                        len,
+                    })
+            })
+            .collect();
+        Ok(WakeStart {
+            tag: name.to_owned(),
+            pool,
+            shards,
+            ranges,
+            mapped_bytes,
+        })
+    }
+
+    /// Ends a wake begun with [`Self::begin_wake`] (the bytes are back): the tag is awake.
+    pub(crate) fn finish_wake(&self, start: WakeStart) {
+        self.end_phase(&start.pool, &start.tag, Phase::Awake, &start.shards);
+    }
+
+    /// Gives up a wake begun with [`Self::begin_wake`] (its bytes could not be restored): the
+    /// pages are unmapped again and the tag is asleep.
+    pub(crate) fn sleep_again(&self, start: WakeStart) {
+        for (device, shard) in &start.shards {
+            self.devices[*device].sleep_shard(shard, &start.tag);
+        }
+        self.end_phase(&start.pool, &start.tag, Phase::Asleep, &start.shards);
+    }
+
+    /// Sets the tag's phase to `to`; when awake, its shards serve allocations again.
+    fn end_phase(&self, pool: &MemPool, name: &str, to: Phase, shards: &[(usize, Arc<Shard>)]) {
+        if to == Phase::Awake {
+            self.tag_book.set_sleeping(pool.id(), false);
+            for (_, shard) in shards {
+                shard.sleeping.store(false, Ordering::SeqCst);
+            }
+        }
+        if let Some(entry) = self.tags.lock().get_mut(name) {
+            entry.phase = to;
+        }
+    }
+}

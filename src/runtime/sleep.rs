@@ -1,0 +1,290 @@
+//! Sleep and wake by tag ([`Runtime::sleep`], [`Runtime::wake_up`]): vLLM's sleep mode and
+//! SGLang's memory saver, on the allocator's tags (`alloc/tags.rs`) and the pinned host allocator.
+//!
+//! `sleep(offload, discard)`:
+//!
+//! 1. each tag starts falling asleep (`begin_sleep`): allocations of it are refused, its cached
+//!    free pages are given back, every stream that used its memory is waited for;
+//! 2. memory shared with other processes that somebody still counts on is refused (below);
+//! 3. each allocated block of an offloaded tag is copied into a pinned host buffer on its own
+//!    stream, and those streams are waited for;
+//! 4. every mapped page of the tags is deregistered, unmapped and released (`finish_sleep`);
+//!    the reservations stay, so every address handed out stays valid for later.
+//!
+//! A failure before step 4 leaves every tag awake, as it was. `wake_up(tags)` maps fresh pages at
+//! the same addresses and registers them (on failure — out of memory — the tag stays asleep and
+//! its offloaded bytes stay kept for a retry), copies the offloaded bytes back into the blocks
+//! still allocated, zeroes discarded ones when [`WakeOptions::zero_discarded`] asks, waits for
+//! those copies, and only then serves allocations of the tag again.
+//!
+//! | memory of a sleeping tag | what happens |
+//! |---|---|
+//! | a new allocation in it | refused: [`Error::Asleep`] |
+//! | work on it (a copy, a kernel, a COW materialization, sharing it) | refused with [`Error::Asleep`] under the stream sanitizer (and reported); without it, the host backend refuses the unmapped address (a typed error, never a signal); on a GPU it faults, as vLLM's does |
+//! | a free of a block in it | as ever; the wake does not restore it |
+//! | a graph captured over it | replays after the wake: the addresses are the same |
+//! | storages shared with other processes | a sleep is refused while a consumer holds one or a handle to one is unopened (it would unmap memory the consumer maps); `ipc_collect` reclaims what dead consumers held |
+//!
+//! Why refuse shared memory rather than let consumers see it vanish: a consumer maps the
+//! producer's chunks; releasing them would not give the memory back (the consumer's mapping
+//! keeps it) and would leave the consumer reading bytes the producer no longer keeps.
+
+use std::collections::{HashMap, HashSet};
+
+use super::Runtime;
+use crate::alloc::{SleepStart, TagRange};
+use crate::driver::{DeviceAddr, StreamId};
+use crate::error::{Error, Result};
+use crate::pinned::PinnedBuffer;
+
+/// What [`Runtime::sleep`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SleepReport {
+    /// Bytes of allocated blocks copied to pinned host memory.
+    pub offloaded_bytes: u64,
+    /// Bytes of allocated blocks whose contents were dropped.
+    pub discarded_bytes: u64,
+    /// Device memory given back to the driver (cached free pages included).
+    pub released_bytes: u64,
+}
+
+/// What [`Runtime::wake_up`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WakeReport {
+    /// Device memory mapped again.
+    pub mapped_bytes: u64,
+    /// Offloaded bytes copied back.
+    pub restored_bytes: u64,
+    /// Bytes of discarded blocks set to zero ([`WakeOptions::zero_discarded`]).
+    pub zeroed_bytes: u64,
+}
+
+/// How [`Runtime::wake_up_with`] wakes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WakeOptions {
+    /// Set the blocks of discarded tags to zero (default: their bytes are undefined, as on a
+    /// fresh allocation).
+    pub zero_discarded: bool,
+}
+
+impl WakeOptions {
+    /// Zeroes discarded blocks at wake.
+    pub fn zero_discarded(mut self, on: bool) -> Self {
+        self.zero_discarded = on;
+        self
+    }
+}
+
+/// A sleeping tag's kept bytes: one pinned buffer per block offloaded (none when discarded).
+#[derive(Debug, Default)]
+pub(super) struct Kept {
+    offloaded: bool,
+    buffers: Vec<(TagRange, PinnedBuffer)>,
+}
+
+/// The sleeping tags' kept bytes, by tag.
+pub(super) type Sleepers = HashMap<String, Kept>;
+
+impl Runtime {
+    /// Puts tags to sleep: `offload` tags keep their bytes in pinned host memory, `discard`
+    /// tags drop them; the physical memory of both is given back while every address stays
+    /// reserved (see `src/runtime/sleep.rs`). Tags are made with
+    /// [`CachingAllocator::tag`](crate::CachingAllocator::tag). All or nothing: on an error no
+    /// tag sleeps.
+    pub fn sleep(&self, offload: &[&str], discard: &[&str]) -> Result<SleepReport> {
+        let mut seen = HashSet::new();
+        for name in offload.iter().chain(discard) {
+            self.is_asleep(name)?;
+            if !seen.insert(*name) {
+                return Err(Error::invalid(format!(
+                    "tag {name:?} is named twice (offload {offload:?}, discard {discard:?})"
+                )));
+            }
+        }
+        let mut started: Vec<(SleepStart, bool)> = Vec::new();
+        let plan = offload
+            .iter()
+            .map(|n| (*n, true))
+            .chain(discard.iter().map(|n| (*n, false)));
+        for (name, keep) in plan {
+            match self.begin_sleep(name) {
+                Ok(start) => started.push((start, keep)),
+                Err(err) => return Err(self.cancel_all(started, err)),
+            }
+        }
+        if let Err(err) = self.refuse_shared(&started) {
+            return Err(self.cancel_all(started, err));
+        }
+        let kept = match self.offload(&started) {
+            Ok(kept) => kept,
+            Err(err) => return Err(self.cancel_all(started, err)),
+        };
+        let mut report = SleepReport::default();
+        let mut kept = kept.into_iter();
+        let mut sleepers = self.sleepers.lock();
+        for (i, (start, keep)) in started.iter().enumerate() {
+            let bytes: u64 = start.ranges.iter().map(|r| r.len).sum();
+            match self.finish_sleep(start) {
+                Ok(released) => report.released_bytes += released,
+                Err(err) => {
+                    // A capture began meanwhile: the tags before this one sleep, the rest not.
+                    drop(sleepers);
+                    let rest = started.into_iter().skip(i).collect();
+                    return Err(self.cancel_all(rest, err));
+                }
+            }
+            let buffers = kept.next().unwrap_or_default();
+            if *keep {
+                report.offloaded_bytes += bytes;
+            } else {
+                report.discarded_bytes += bytes;
+            }
+            sleepers.insert(
+                start.tag.clone(),
+                Kept {
+                    offloaded: *keep,
+                    buffers,
+                },
+            );
+        }
+        Ok(report)
+    }
+
+    /// Wakes `tags` (every sleeping tag when empty): their memory mapped back at the same
+    /// addresses, offloaded bytes restored, discarded bytes undefined.
+    pub fn wake_up(&self, tags: &[&str]) -> Result<WakeReport> {
+        self.wake_up_with(tags, WakeOptions::default())
+    }
+
+    /// [`Runtime::wake_up`] with options. Tag by tag: on an error (out of memory) the tags
+    /// before it are awake, it and the rest still asleep with their bytes kept.
+    pub fn wake_up_with(&self, tags: &[&str], options: WakeOptions) -> Result<WakeReport> {
+        let names: Vec<String> = if tags.is_empty() {
+            let mut all: Vec<String> = self.sleepers.lock().keys().cloned().collect();
+            all.sort();
+            all
+        } else {
+            tags.iter().map(|t| (*t).to_owned()).collect()
+        };
+        let mut report = WakeReport::default();
+        for name in names {
+            self.wake_one(&name, options, &mut report)?;
+        }
+        Ok(report)
+    }
+
+    fn wake_one(&self, name: &str, options: WakeOptions, report: &mut WakeReport) -> Result<()> {
+        let start = self.begin_wake(name)?;
+        let kept = self.sleepers.lock().remove(name).unwrap_or_default();
+        report.mapped_bytes += start.mapped_bytes;
+        let live: HashSet<(usize, u64)> = start.ranges.iter().map(|r| (r.device, r.addr)).collect();
+        let driver = self.allocator().driver();
+        let mut streams: Vec<StreamId> = Vec::new();
+        let mut restore = || -> Result<()> {
+            for (range, buffer) in &kept.buffers {
+                if !live.contains(&(range.device, range.addr)) {
+                    continue; // freed while asleep
+                }
+                // SAFETY: the copy reads only the buffer's first `len` bytes, on `range.stream`;
+                // the buffer lives in `kept` until that stream is synchronized below.
+                unsafe {
+                    buffer.enqueue_read(range.stream, 0..buffer.len(), |src, len| {
+                        driver.copy_pinned_to_device(range.stream, DeviceAddr(range.addr), src, len)
+                    })?;
+                }
+                streams.push(range.stream);
+                report.restored_bytes += range.len;
+            }
+            if !kept.offloaded && options.zero_discarded {
+                for range in &start.ranges {
+                    driver.memset(range.stream, DeviceAddr(range.addr), 0, range.len)?;
+                    streams.push(range.stream);
+                    report.zeroed_bytes += range.len;
+                }
+            }
+            streams.sort_unstable_by_key(|s| s.raw());
+            streams.dedup();
+            for &stream in &streams {
+                driver.stream_synchronize(stream)?;
+            }
+            Ok(())
+        };
+        let restored = restore();
+        if let Err(err) = restored {
+            // The memory is mapped; its bytes are not all back. Keep them for a retry of the
+            // copy by the caller's next wake: the tag goes back to sleep.
+            self.sleep_again(start);
+            self.sleepers.lock().insert(name.to_owned(), kept);
+            return Err(err);
+        }
+        self.finish_wake(start);
+        Ok(())
+    }
+
+    /// Copies the blocks of the offloaded tags into pinned buffers and waits for the copies;
+    /// one list of buffers per started tag (empty for discarded ones).
+    fn offload(
+        &self,
+        started: &[(SleepStart, bool)],
+    ) -> Result<Vec<Vec<(TagRange, PinnedBuffer)>>> {
+        let driver = self.allocator().driver();
+        let mut out = Vec::with_capacity(started.len());
+        let mut streams: Vec<StreamId> = Vec::new();
+        for (start, keep) in started {
+            let mut buffers = Vec::new();
+            for range in start.ranges.iter().filter(|_| *keep) {
+                let len = usize::try_from(range.len)
+                    .map_err(|_| Error::invalid("a block larger than the address space"))?;
+                let mut buffer = self.host_allocator().allocate(len)?;
+                // SAFETY: the copy writes only the buffer's `len` bytes, on `range.stream`; the
+                // buffer is not borrowed, and lives until that stream is synchronized below.
+                unsafe {
+                    buffer.enqueue_write(range.stream, 0..len, |dst, n| {
+                        driver.copy_device_to_pinned(range.stream, dst, DeviceAddr(range.addr), n)
+                    })?;
+                }
+                streams.push(range.stream);
+                buffers.push((*range, buffer));
+            }
+            out.push(buffers);
+        }
+        streams.sort_unstable_by_key(|s| s.raw());
+        streams.dedup();
+        for stream in streams {
+            driver.stream_synchronize(stream)?;
+        }
+        Ok(out)
+    }
+
+    /// Refuses tags whose memory other processes still count on.
+    fn refuse_shared(&self, started: &[(SleepStart, bool)]) -> Result<()> {
+        for (start, _) in started {
+            for range in &start.ranges {
+                let end = range.addr.saturating_add(range.len);
+                if let Some(at) = self.ipc().shared_in(range.addr, end) {
+                    return Err(Error::Asleep {
+                        tag: start.tag.clone(),
+                        message: format!(
+                            "cannot sleep: memory at {at:#x} is shared with other processes and \
+                             still held there (or a handle to it is unopened); unmapping it would \
+                             pull it from under them — release it there (or run ipc_collect \
+                             once they exited) and sleep again"
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives up every started sleep; returns `err`.
+    fn cancel_all(&self, started: Vec<(SleepStart, bool)>, err: Error) -> Error {
+        for (start, _) in started {
+            self.cancel_sleep(start);
+        }
+        err
+    }
+}
