@@ -67,7 +67,9 @@ if [ -x "$bin_dir/tensor_library-example" ]; then
   if ! "$bin_dir/tensor_library-example"; then status=1; fi
 fi
 # Every suite, the pinned host allocator's (pinned, pinned_properties: cuMemHostAlloc,
-# cuMemHostRegister and async copies from page-locked memory) included.
+# cuMemHostRegister and async copies from page-locked memory) and sleep and wake by tag
+# (sleep_wake: cuMemUnmap/cuMemRelease of a tag's pages, cuMemCreate/cuMemMap at the same
+# addresses, a graph replayed after wake) included.
 for exe in "$bin_dir"/*; do
   suite=$(basename "$exe")
   case "$suite" in *-bench|*-example) continue ;; esac
@@ -91,7 +93,7 @@ done
 # The stream sanitizer on a real GPU: the suites that drive streams, once more with every stream
 # operation checked (a race or a use after free panics), and the sanitizer's own tests.
 for suite in driver_conformance cow global_and_storage ipc_multiprocess cudarc_views sanitizer \
-             stream_capture cuda_graphs graphs_meet graph_mix pinned pinned_properties; do
+             stream_capture cuda_graphs graphs_meet graph_mix pinned pinned_properties sleep_wake; do
   exe="$bin_dir/$suite"
   [ -x "$exe" ] || continue
   if ! CUDALLOC_SANITIZE=panic "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi

@@ -21,7 +21,8 @@ use cudalloc::{
 const MIB: u64 = 1 << 20;
 const PAGE: u64 = 2 << 20;
 
-/// One test at a time on the CUDA backend's one device (its free memory is measured).
+/// One test at a time: the CUDA backend's one device (its free memory is measured), and a
+/// fork happens only while no other test of this binary runs.
 fn device() -> std::sync::RwLockWriteGuard<'static, ()> {
     device_alone()
 }
@@ -410,6 +411,7 @@ fn registrars_see_the_pages_go_and_come_back() {
 
 #[test]
 fn a_tag_spans_devices() {
+    let _device = device();
     if cuda_suite() {
         println!("skipped: the CUDA run has one device");
         return;
@@ -435,6 +437,7 @@ fn a_tag_spans_devices() {
 
 #[test]
 fn the_sanitizer_reports_work_on_sleeping_memory() {
+    let _device = device();
     if cuda_suite() {
         // The same path as on the host backend: the check is the sanitizer's, before the driver.
         println!("skipped on the CUDA run: backend-independent (run on the host backend)");
@@ -479,6 +482,7 @@ fn the_sanitizer_reports_work_on_sleeping_memory() {
 
 #[test]
 fn without_the_sanitizer_the_host_backend_refuses_sleeping_addresses() {
+    let _device = device();
     if cuda_suite() {
         println!("skipped on the CUDA run: a GPU faults on an unmapped address (as vLLM's does)");
         return;
@@ -632,6 +636,7 @@ fn sleep_child() {
 
 #[test]
 fn a_host_driver_without_pinned_budget_fails_offload_and_stays_awake() {
+    let _device = device();
     if cuda_suite() {
         println!("skipped on the CUDA run: the pinned budget is the host backend's");
         return;
@@ -655,4 +660,27 @@ fn a_host_driver_without_pinned_budget_fails_offload_and_stays_awake() {
     rt.wake_up(&[]).unwrap();
     let fresh = tagged(&rt, "weights", &[MIB], 111);
     assert_eq!(mismatches(&fresh, 111), vec![0]);
+}
+
+#[test]
+fn a_forked_child_neither_sleeps_nor_wakes_its_parents_tags() {
+    let _device = device();
+    let rt = checked_allocator(test_driver(), "");
+    let weights = tagged(&rt, "weights", &[MIB], 120);
+    let child_rt = rt.clone();
+    let verdict = common::forked::in_forked_child(move || {
+        let slept = child_rt.sleep(&["weights"], &[]).unwrap_err();
+        let woken = child_rt.wake_up(&["weights"]).unwrap_err();
+        for err in [slept, woken] {
+            if err.kind() != ErrorKind::ForkedChild {
+                return Err(format!("in a forked child: {err}"));
+            }
+        }
+        Ok(())
+    });
+    verdict.unwrap();
+    assert!(!rt.is_asleep("weights").unwrap());
+    rt.sleep(&["weights"], &[]).unwrap();
+    rt.wake_up(&[]).unwrap();
+    assert_eq!(mismatches(&weights, 120), vec![0]);
 }

@@ -24,11 +24,13 @@
 //!   `device_shards.rs` — which shards a device has (per stream and pool, retired ones, lending),
 //!   `device.rs` — the device-wide paths (miss sequence, stats, snapshots), `device_release.rs` —
 //!   giving cached memory back (`empty_cache`, the miss path's releases, GC), `expandable.rs`
-//!   (segments that grow by pages), `peaks.rs` (exact device-wide peaks), `summary.rs` (the summary
+//!   (segments that grow by pages), `sleep.rs` (a sleeping tag's pages unmapped, released and
+//!   mapped back at the same addresses), `peaks.rs` (exact device-wide peaks), `summary.rs` (the summary
 //!   table), `pytorch_pickle.rs` (snapshots in PyTorch's pickled layout).
 //! * `data_ptr.rs` — [`DataPtr`] and its owners; upper layers attach theirs as trait objects.
 //! * `mem_pool.rs` — private memory pools ([`MemPool`], `use_mem_pool`): shards of their own,
-//!   retired when a pool drops; `graph.rs` — CUDA graphs through the allocator ([`Capture`],
+//!   retired when a pool drops; `tags.rs` — tags (named pools on expandable segments of their
+//!   own) and the phases of their sleep; `graph.rs` — CUDA graphs through the allocator ([`Capture`],
 //!   [`Graph`]): a capture's private pool, replays, the pool kept while the graph lives.
 //! * this file — [`CachingAllocator`], the builder and the allocator's public face.
 //!

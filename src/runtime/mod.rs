@@ -118,7 +118,7 @@ impl RuntimeBuilder {
     }
 }
 
-/// A caching allocator with the IPC state of the storages it shares (see `src/runtime.rs`).
+/// A caching allocator with the IPC state of the storages it shares (see `src/runtime/mod.rs`).
 pub struct Runtime {
     id: u64,
     allocator: Arc<CachingAllocator>,
