@@ -8,9 +8,15 @@
 //!   the bytes copied to pinned host memory and back;
 //! * `two plain copies`: the same bytes copied device → pinned and pinned → device with the
 //!   driver's async copies into pinned buffers made beforehand (the floor an offload cannot
-//!   beat), each copy's stream synchronized.
+//!   beat), each copy's stream synchronized;
+//! * `copy out, free, allocate, copy in`: what a program does without sleep — the same bytes of 16
+//!   storages of the default pool copied to pinned buffers, the storages dropped and the cache
+//!   emptied (the memory back to the driver), 16 storages allocated afresh and the bytes copied
+//!   back: the same copies plus the same physical-memory work as a sleep and a wake, without
+//!   keeping the addresses.
 //!
-//! It also prints the device's free memory before, during and after a sleep.
+//! It also prints the device's free memory before, during and after a sleep. With
+//! `CUDALLOC_BENCH_BACKEND=cuda` it runs on the CUDA backend (`scripts/gpu-check.sh` on a GPU).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::sync::Arc;
@@ -23,16 +29,35 @@ const MIB: u64 = 1 << 20;
 const STORAGES: u64 = 16;
 const EACH: u64 = 64 * MIB;
 
+fn on_cuda() -> bool {
+    std::env::var("CUDALLOC_BENCH_BACKEND").is_ok_and(|b| b == "cuda")
+}
+
 fn runtime() -> Arc<Runtime> {
-    let driver: Arc<dyn Driver> = Arc::new(
-        HostDriver::builder()
-            .devices(1)
-            .memory_per_device(2 << 30)
-            .poison_on_free(false)
-            .build()
-            .unwrap(),
-    );
+    let driver: Arc<dyn Driver> = if on_cuda() {
+        Arc::new(cudalloc::CudaDriver::new().unwrap())
+    } else {
+        Arc::new(
+            HostDriver::builder()
+                .devices(1)
+                .memory_per_device(3 << 30)
+                .poison_on_free(false)
+                .build()
+                .unwrap(),
+        )
+    };
     Arc::new(Runtime::new(driver, Default::default()).unwrap())
+}
+
+/// `STORAGES` storages of `EACH` bytes of the default pool, each with its pattern.
+fn plain_storages(rt: &Arc<Runtime>) -> Vec<Storage> {
+    (0..STORAGES)
+        .map(|i| {
+            let s = Storage::new(rt, 0, EACH).unwrap();
+            s.fill_pattern(i).unwrap();
+            s
+        })
+        .collect()
 }
 
 fn free(rt: &Runtime) -> u64 {
@@ -74,7 +99,7 @@ fn sleep_wake(c: &mut Criterion) {
         .collect();
     let mut g = c.benchmark_group("sleep_wake_1GiB");
     g.sample_size(10)
-        .measurement_time(Duration::from_secs(30))
+        .measurement_time(Duration::from_secs(if on_cuda() { 10 } else { 30 }))
         .throughput(Throughput::Bytes(tagged));
     g.bench_function("sleep+wake discard", |b| {
         b.iter(|| {
@@ -119,7 +144,29 @@ fn sleep_wake(c: &mut Criterion) {
             driver.stream_synchronize(stream).unwrap();
         })
     });
+    let mut plain = plain_storages(&rt);
+    g.bench_function("copy out, free, allocate, copy in", |b| {
+        b.iter(|| {
+            for (s, buf) in plain.iter().zip(buffers.iter_mut()) {
+                s.copy_to_pinned(0, buf, 0, EACH as usize, stream).unwrap();
+            }
+            driver.stream_synchronize(stream).unwrap();
+            plain.clear();
+            rt.empty_cache();
+            plain = (0..STORAGES)
+                .map(|_| Storage::new(&rt, 0, EACH).unwrap())
+                .collect();
+            for (s, buf) in plain.iter().zip(buffers.iter()) {
+                s.copy_from_pinned(0, buf, 0, EACH as usize, stream)
+                    .unwrap();
+            }
+            driver.stream_synchronize(stream).unwrap();
+        })
+    });
     g.finish();
+    for (i, s) in plain.iter().enumerate() {
+        assert_eq!(s.count_pattern_mismatches(i as u64).unwrap(), 0);
+    }
     for (i, s) in weights.iter().enumerate() {
         assert_eq!(s.count_pattern_mismatches(i as u64).unwrap(), 0);
     }

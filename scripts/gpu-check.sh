@@ -100,6 +100,14 @@ for suite in driver_conformance cow global_and_storage ipc_multiprocess cudarc_v
   grep -E 'test result' "$log" | sed "s/^/  $suite (CUDALLOC_SANITIZE=panic): /"
 done
 rm -f "$log"
+# Sleep and wake of 1 GiB on the GPU against two plain copies and against copying out, freeing,
+# allocating afresh and copying back (issue 26's target: sleep + wake <= 1.5x two plain copies).
+if [ -x "$bin_dir/sleep-bench" ]; then
+  echo
+  echo "== sleep and wake by tag, 1 GiB (CUDA)"
+  CUDALLOC_BENCH_BACKEND=cuda "$bin_dir/sleep-bench" --bench 2>&1 \
+    | grep -E 'free memory|^sleep_wake|time:' | grep -v 'change' | sed 's/^/  /'
+fi
 # PyTorch side: torch's caching allocator pair and CUDA IPC round trip beside ours, same run.
 median_ns() { # criterion's "time: [lo median hi]" line -> median in ns
   awk '/time:/ { v=$5; u=$6; if (u=="ps") v/=1000; if (u=="µs"||u=="us") v*=1000; if (u=="ms") v*=1e6; print v; exit }'

@@ -37,25 +37,19 @@ use crate::sync::os::atomic::Ordering;
 type SegmentPages = (u64, u64, Vec<(u64, ChunkId)>);
 
 impl ShardState {
-    /// What a sleep offloads and waits for: the allocated blocks `(address, size)`, and the
-    /// streams that may still use memory of the shard (`own`, every stream recorded on an
-    /// allocated or pending block, every stream with pending-free events).
-    pub fn sleep_inventory(&self, own: StreamId) -> (Vec<(u64, u64)>, Vec<StreamId>) {
-        let mut ranges = Vec::new();
+    /// The streams a sleep waits for: `own`, every stream recorded on an allocated or pending
+    /// block, every stream with pending-free events.
+    pub fn sleep_streams(&self, own: StreamId) -> Vec<StreamId> {
         let mut streams = vec![own];
         for (_, b) in &self.blocks {
             if matches!(b.state, BlockState::Allocated | BlockState::PendingFree) {
-                if b.state == BlockState::Allocated {
-                    ranges.push((b.ptr, b.size));
-                }
                 streams.extend(b.stream_uses.iter().copied());
             }
         }
         streams.extend(self.pending.keys().copied());
         streams.sort_unstable_by_key(|s| s.raw());
         streams.dedup();
-        ranges.sort_unstable();
-        (ranges, streams)
+        streams
     }
 
     /// The allocated blocks now, `(address, size)` by address: the bytes a wake restores.
@@ -189,34 +183,37 @@ impl DeviceCore {
         };
         let mut released = 0u64;
         for (_base, page, pages) in taken {
-            for (at, chunk) in pages {
-                self.callbacks.registry.unmap(self.device, at, page);
+            // Runs of neighbouring pages: one unmap each (one drain of the streams).
+            for run in pages.chunk_by(|a, b| b.0 == a.0 + page) {
+                let (at, len) = (run[0].0, page * run.len() as u64);
+                self.callbacks.registry.unmap(self.device, at, len);
                 self.callbacks.observers.segment(SegmentEvent {
                     change: SegmentChange::Unmap,
                     device: self.device,
                     base: DeviceAddr(at),
-                    size: page,
+                    size: len,
                     stream: shard.stream,
                 });
-                if let Err(err) = self
-                    .driver
-                    .vm_unmap(DeviceAddr(at), page)
-                    .and_then(|()| self.driver.vm_release_chunk(chunk))
-                {
-                    tracing::error!(%err, at, "unmapping a page of a sleeping tag failed");
+                if let Err(err) = self.driver.vm_unmap(DeviceAddr(at), len) {
+                    tracing::error!(%err, at, len, "unmapping pages of a sleeping tag failed");
+                }
+                for &(_, chunk) in run {
+                    if let Err(err) = self.driver.vm_release_chunk(chunk) {
+                        tracing::error!(%err, at, "releasing a page of a sleeping tag failed");
+                    }
                 }
                 if let Some(sanitizer) = &self.sanitizer {
-                    sanitizer.asleep(at, page, tag);
+                    sanitizer.asleep(at, len, tag);
                 }
-                self.reserved.fetch_sub(page, Ordering::SeqCst);
+                self.reserved.fetch_sub(len, Ordering::SeqCst);
                 self.trace.record(
                     TraceAction::SegmentUnmap,
                     self.device,
                     at,
-                    page,
+                    len,
                     shard.stream,
                 );
-                released += page;
+                released += len;
             }
         }
         self.tell_peaks(shard);

@@ -159,19 +159,31 @@ impl CachingAllocator {
     }
 
     /// Starts putting tag `name` to sleep: its allocations refused from now on, its cached free
-    /// pages given back, every stream that used its memory waited for; returns the blocks to
-    /// offload. Refused while a capture is under way (unmapping is forbidden then).
-    pub(crate) fn begin_sleep(&self, name: &str) -> Result<SleepStart> {
+    /// pages given back, every stream that used its memory waited for; then, under each shard's
+    /// lock, `offload` is called for every allocated block (to enqueue its copy on the block's
+    /// stream: a free racing the sleep then waits for the lock, and its stream orders it after
+    /// the copy). Refused while a capture is under way (unmapping is forbidden then); an error
+    /// of `offload` gives the sleep up (the tag is awake).
+    pub(crate) fn begin_sleep(
+        &self,
+        name: &str,
+        offload: impl FnMut(&TagRange) -> Result<()>,
+    ) -> Result<SleepStart> {
         self.birth.check("this allocator")?;
         let pool = self.step(name, Phase::Awake, Phase::FallingAsleep)?;
-        let started = self.prepare_sleep(name, &pool);
+        let started = self.prepare_sleep(name, &pool, offload);
         if started.is_err() {
-            self.end_phase(&pool, name, Phase::Awake, &self.tag_shards(&pool));
+            self.end_phase(&pool, name, Phase::Awake);
         }
         started
     }
 
-    fn prepare_sleep(&self, name: &str, pool: &MemPool) -> Result<SleepStart> {
+    fn prepare_sleep(
+        &self,
+        name: &str,
+        pool: &MemPool,
+        mut offload: impl FnMut(&TagRange) -> Result<()>,
+    ) -> Result<SleepStart> {
         if self.capturing.any() {
             return Err(Error::capture(format!(
                 "tag {name:?} cannot sleep while a stream capture is under way (unmapping memory \
@@ -189,16 +201,21 @@ impl CachingAllocator {
             let core = &self.devices[*device];
             // Cached free pages first: they need no copy (and pending frees are waited for).
             core.release_shard(shard, true);
-            let (blocks, streams) = shard.state.lock().sleep_inventory(shard.stream);
+            let streams = shard.state.lock().sleep_streams(shard.stream);
             for stream in streams {
                 self.driver.stream_synchronize(stream)?;
             }
-            ranges.extend(blocks.into_iter().map(|(addr, len)| TagRange {
-                device: *device,
-                stream: shard.stream,
-                addr,
-                len,
-            }));
+            let st = shard.state.lock();
+            for (addr, len) in st.allocated_ranges() {
+                let range = TagRange {
+                    device: *device,
+                    stream: shard.stream,
+                    addr,
+                    len,
+                };
+                offload(&range)?;
+                ranges.push(range);
+            }
         }
         Ok(SleepStart {
             tag: name.to_owned(),
@@ -231,7 +248,7 @@ impl CachingAllocator {
 
     /// Gives up a sleep begun with [`Self::begin_sleep`]: the tag is awake again.
     pub(crate) fn cancel_sleep(&self, start: SleepStart) {
-        self.end_phase(&start.pool, &start.tag, Phase::Awake, &start.shards);
+        self.end_phase(&start.pool, &start.tag, Phase::Awake);
     }
 
     /// Starts waking tag `name`: fresh pages mapped at the same addresses and registered;
@@ -268,7 +285,7 @@ impl CachingAllocator {
             for (device, shard) in &woken {
                 self.devices[*device].sleep_shard(shard, name);
             }
-            self.end_phase(&pool, name, Phase::Asleep, &[]);
+            self.end_phase(&pool, name, Phase::Asleep);
             return Err(err);
         }
         drop(no_capture);
@@ -301,7 +318,7 @@ impl CachingAllocator {
 
     /// Ends a wake begun with [`Self::begin_wake`] (the bytes are back): the tag is awake.
     pub(crate) fn finish_wake(&self, start: WakeStart) {
-        self.end_phase(&start.pool, &start.tag, Phase::Awake, &start.shards);
+        self.end_phase(&start.pool, &start.tag, Phase::Awake);
     }
 
     /// Gives up a wake begun with [`Self::begin_wake`] (its bytes could not be restored): the
@@ -310,14 +327,16 @@ impl CachingAllocator {
         for (device, shard) in &start.shards {
             self.devices[*device].sleep_shard(shard, &start.tag);
         }
-        self.end_phase(&start.pool, &start.tag, Phase::Asleep, &start.shards);
+        self.end_phase(&start.pool, &start.tag, Phase::Asleep);
     }
 
-    /// Sets the tag's phase to `to`; when awake, its shards serve allocations again.
-    fn end_phase(&self, pool: &MemPool, name: &str, to: Phase, shards: &[(usize, Arc<Shard>)]) {
+    /// Sets the tag's phase to `to`; when awake, its shards serve allocations again — every
+    /// shard listed after the book says so (a shard made meanwhile, which read the book while
+    /// it said asleep, is listed too: it was inserted under the map's lock before the listing).
+    fn end_phase(&self, pool: &MemPool, name: &str, to: Phase) {
         if to == Phase::Awake {
             self.tag_book.set_sleeping(pool.id(), false);
-            for (_, shard) in shards {
+            for (_, shard) in self.tag_shards(pool) {
                 shard.sleeping.store(false, Ordering::SeqCst);
             }
         }

@@ -5,9 +5,11 @@
 //!
 //! 1. each tag starts falling asleep (`begin_sleep`): allocations of it are refused, its cached
 //!    free pages are given back, every stream that used its memory is waited for;
-//! 2. memory shared with other processes that somebody still counts on is refused (below);
-//! 3. each allocated block of an offloaded tag is copied into a pinned host buffer on its own
-//!    stream, and those streams are waited for;
+//! 2. under each of its shards' locks, every allocated block is checked — memory shared with
+//!    other processes that somebody still counts on is refused (below) — and, for an offloaded
+//!    tag, its copy into a pinned host buffer is enqueued on the block's stream (a free racing
+//!    the sleep waits for the lock, and is ordered after the copy by that stream);
+//! 3. the copies' streams are waited for;
 //! 4. every mapped page of the tags is deregistered, unmapped and released (`finish_sleep`);
 //!    the reservations stay, so every address handed out stays valid for later.
 //!
@@ -88,6 +90,9 @@ pub(super) struct Kept {
 /// The sleeping tags' kept bytes, by tag.
 pub(super) type Sleepers = HashMap<String, Kept>;
 
+/// A tag falling asleep: its start, whether it is offloaded, its buffers so far.
+type Started = (SleepStart, bool, Vec<(TagRange, PinnedBuffer)>);
+
 impl Runtime {
     /// Puts tags to sleep: `offload` tags keep their bytes in pinned host memory, `discard`
     /// tags drop them; the physical memory of both is given back while every address stays
@@ -104,40 +109,53 @@ impl Runtime {
                 )));
             }
         }
-        let mut started: Vec<(SleepStart, bool)> = Vec::new();
         let plan = offload
             .iter()
             .map(|n| (*n, true))
             .chain(discard.iter().map(|n| (*n, false)));
+        let mut started: Vec<Started> = Vec::new();
+        let mut streams: Vec<StreamId> = Vec::new();
         for (name, keep) in plan {
-            match self.begin_sleep(name) {
-                Ok(start) => started.push((start, keep)),
+            let mut buffers = Vec::new();
+            let begun = self.begin_sleep(name, |range| {
+                self.refuse_shared(name, range)?;
+                if keep {
+                    buffers.push((*range, self.offload(range)?));
+                    streams.push(range.stream);
+                }
+                Ok(())
+            });
+            match begun {
+                Ok(start) => started.push((start, keep, buffers)),
                 Err(err) => return Err(self.cancel_all(started, err)),
             }
         }
-        if let Err(err) = self.refuse_shared(&started) {
+        streams.sort_unstable_by_key(|s| s.raw());
+        streams.dedup();
+        let driver = self.allocator().driver();
+        if let Err(err) = streams
+            .iter()
+            .try_for_each(|&s| driver.stream_synchronize(s))
+        {
             return Err(self.cancel_all(started, err));
         }
-        let kept = match self.offload(&started) {
-            Ok(kept) => kept,
-            Err(err) => return Err(self.cancel_all(started, err)),
-        };
         let mut report = SleepReport::default();
-        let mut kept = kept.into_iter();
         let mut sleepers = self.sleepers.lock();
-        for (i, (start, keep)) in started.iter().enumerate() {
-            let bytes: u64 = start.ranges.iter().map(|r| r.len).sum();
-            match self.finish_sleep(start) {
+        let mut started = started.into_iter();
+        while let Some((start, keep, buffers)) = started.next() {
+            match self.finish_sleep(&start) {
                 Ok(released) => report.released_bytes += released,
                 Err(err) => {
                     // A capture began meanwhile: the tags before this one sleep, the rest not.
                     drop(sleepers);
-                    let rest = started.into_iter().skip(i).collect();
+                    let rest = std::iter::once((start, keep, buffers))
+                        .chain(started)
+                        .collect();
                     return Err(self.cancel_all(rest, err));
                 }
             }
-            let buffers = kept.next().unwrap_or_default();
-            if *keep {
+            let bytes: u64 = start.ranges.iter().map(|r| r.len).sum();
+            if keep {
                 report.offloaded_bytes += bytes;
             } else {
                 report.discarded_bytes += bytes;
@@ -145,7 +163,7 @@ impl Runtime {
             sleepers.insert(
                 start.tag.clone(),
                 Kept {
-                    offloaded: *keep,
+                    offloaded: keep,
                     buffers,
                 },
             );
@@ -224,65 +242,42 @@ impl Runtime {
         Ok(())
     }
 
-    /// Copies the blocks of the offloaded tags into pinned buffers and waits for the copies;
-    /// one list of buffers per started tag (empty for discarded ones).
-    fn offload(
-        &self,
-        started: &[(SleepStart, bool)],
-    ) -> Result<Vec<Vec<(TagRange, PinnedBuffer)>>> {
+    /// A pinned buffer for `range` and the copy of its bytes into it, enqueued on the block's
+    /// stream (waited for by the caller).
+    fn offload(&self, range: &TagRange) -> Result<PinnedBuffer> {
         let driver = self.allocator().driver();
-        let mut out = Vec::with_capacity(started.len());
-        let mut streams: Vec<StreamId> = Vec::new();
-        for (start, keep) in started {
-            let mut buffers = Vec::new();
-            for range in start.ranges.iter().filter(|_| *keep) {
-                let len = usize::try_from(range.len)
-                    .map_err(|_| Error::invalid("a block larger than the address space"))?;
-                let mut buffer = self.host_allocator().allocate(len)?;
-                // SAFETY: the copy writes only the buffer's `len` bytes, on `range.stream`; the
-                // buffer is not borrowed, and lives until that stream is synchronized below.
-                unsafe {
-                    buffer.enqueue_write(range.stream, 0..len, |dst, n| {
-                        driver.copy_device_to_pinned(range.stream, dst, DeviceAddr(range.addr), n)
-                    })?;
-                }
-                streams.push(range.stream);
-                buffers.push((*range, buffer));
-            }
-            out.push(buffers);
+        let len = usize::try_from(range.len)
+            .map_err(|_| Error::invalid("a block larger than the address space"))?;
+        let mut buffer = self.host_allocator().allocate(len)?;
+        // SAFETY: the copy writes only the buffer's `len` bytes, on `range.stream`; the buffer
+        // is not borrowed, and is kept until that stream is synchronized.
+        unsafe {
+            buffer.enqueue_write(range.stream, 0..len, |dst, n| {
+                driver.copy_device_to_pinned(range.stream, dst, DeviceAddr(range.addr), n)
+            })?;
         }
-        streams.sort_unstable_by_key(|s| s.raw());
-        streams.dedup();
-        for stream in streams {
-            driver.stream_synchronize(stream)?;
-        }
-        Ok(out)
+        Ok(buffer)
     }
 
-    /// Refuses tags whose memory other processes still count on.
-    fn refuse_shared(&self, started: &[(SleepStart, bool)]) -> Result<()> {
-        for (start, _) in started {
-            for range in &start.ranges {
-                let end = range.addr.saturating_add(range.len);
-                if let Some(at) = self.ipc().shared_in(range.addr, end) {
-                    return Err(Error::Asleep {
-                        tag: start.tag.clone(),
-                        message: format!(
-                            "cannot sleep: memory at {at:#x} is shared with other processes and \
-                             still held there (or a handle to it is unopened); unmapping it would \
-                             pull it from under them — release it there (or run ipc_collect \
-                             once they exited) and sleep again"
-                        ),
-                    });
-                }
-            }
+    /// Refuses to put `tag` to sleep when other processes still count on the memory of `range`.
+    fn refuse_shared(&self, tag: &str, range: &TagRange) -> Result<()> {
+        let end = range.addr.saturating_add(range.len);
+        match self.ipc().shared_in(range.addr, end) {
+            None => Ok(()),
+            Some(at) => Err(Error::Asleep {
+                tag: tag.to_owned(),
+                message: format!(
+                    "cannot sleep: memory at {at:#x} is shared with other processes and still held \
+                     there (or a handle to it is unopened); unmapping it would pull it from under \
+                     them — release it there (or run ipc_collect once they exited) and sleep again"
+                ),
+            }),
         }
-        Ok(())
     }
 
     /// Gives up every started sleep; returns `err`.
-    fn cancel_all(&self, started: Vec<(SleepStart, bool)>, err: Error) -> Error {
-        for (start, _) in started {
+    fn cancel_all(&self, started: Vec<Started>, err: Error) -> Error {
+        for (start, _, _) in started {
             self.cancel_sleep(start);
         }
         err
