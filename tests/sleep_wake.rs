@@ -435,6 +435,30 @@ fn a_tag_spans_devices() {
     assert_eq!(b.count_pattern_mismatches(2).unwrap(), 0);
 }
 
+/// A host runtime checked (or not) by the sanitizer, with a tag "weights" of one storage filled
+/// with `seed`, asleep; and the error of a raw memset on that storage's address meanwhile.
+fn raw_work_while_asleep(
+    sanitize: Sanitize,
+    seed: u64,
+) -> (Arc<Runtime>, Storage, cudalloc::Error) {
+    let host: Arc<dyn Driver> = Arc::new(host_driver());
+    let rt = Arc::new(
+        Runtime::builder()
+            .sanitize(sanitize)
+            .check_invariants(true)
+            .build(host)
+            .unwrap(),
+    );
+    let weights = tagged(&rt, "weights", &[MIB], seed).remove(0);
+    let stream = rt.current_stream(0).unwrap();
+    rt.sleep(&["weights"], &[]).unwrap();
+    let err = rt
+        .driver()
+        .memset(stream, weights.data_ptr(), 0, 64)
+        .unwrap_err();
+    (rt, weights, err)
+}
+
 #[test]
 fn the_sanitizer_reports_work_on_sleeping_memory() {
     let _device = device();
@@ -443,23 +467,9 @@ fn the_sanitizer_reports_work_on_sleeping_memory() {
         println!("skipped on the CUDA run: backend-independent (run on the host backend)");
         return;
     }
-    let host: Arc<dyn Driver> = Arc::new(host_driver());
     // Not in panic mode, whatever the environment says: an access while asleep is refused, and
     // never panics anyway.
-    let rt = Arc::new(
-        Runtime::builder()
-            .sanitize(Sanitize::On(SanitizeOptions::default()))
-            .check_invariants(true)
-            .build(host)
-            .unwrap(),
-    );
-    let weights = tagged(&rt, "weights", &[MIB], 80);
-    let stream = rt.current_stream(0).unwrap();
-    rt.sleep(&["weights"], &[]).unwrap();
-    let err = rt
-        .driver()
-        .memset(stream, weights[0].data_ptr(), 0, 64)
-        .unwrap_err();
+    let (rt, weights, err) = raw_work_while_asleep(Sanitize::On(SanitizeOptions::default()), 80);
     assert_eq!(err.kind(), ErrorKind::Asleep, "{err}");
     let sanitizer = rt.driver().sanitizer().unwrap();
     let reports = sanitizer.reports();
@@ -473,10 +483,11 @@ fn the_sanitizer_reports_work_on_sleeping_memory() {
     let other = Storage::new(&rt, 0, MIB).unwrap();
     other.fill_pattern(1).unwrap();
     rt.wake_up(&[]).unwrap();
-    assert_eq!(weights[0].count_pattern_mismatches(80).unwrap(), 0);
+    assert_eq!(weights.count_pattern_mismatches(80).unwrap(), 0);
     // After the wake the same call is fine.
+    let stream = rt.current_stream(0).unwrap();
     rt.driver()
-        .memset(stream, weights[0].data_ptr(), 0, 64)
+        .memset(stream, weights.data_ptr(), 0, 64)
         .unwrap();
 }
 
@@ -487,25 +498,11 @@ fn without_the_sanitizer_the_host_backend_refuses_sleeping_addresses() {
         println!("skipped on the CUDA run: a GPU faults on an unmapped address (as vLLM's does)");
         return;
     }
-    let host: Arc<dyn Driver> = Arc::new(host_driver());
-    let rt = Arc::new(
-        Runtime::builder()
-            .sanitize(Sanitize::Off)
-            .check_invariants(true)
-            .build(host)
-            .unwrap(),
-    );
-    let weights = tagged(&rt, "weights", &[MIB], 90);
-    let stream = rt.current_stream(0).unwrap();
-    rt.sleep(&["weights"], &[]).unwrap();
     // A raw driver call on the address: a typed error, not a SIGBUS.
-    let err = rt
-        .driver()
-        .memset(stream, weights[0].data_ptr(), 0, 64)
-        .unwrap_err();
+    let (rt, weights, err) = raw_work_while_asleep(Sanitize::Off, 90);
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
     rt.wake_up(&[]).unwrap();
-    assert_eq!(weights[0].count_pattern_mismatches(90).unwrap(), 0);
+    assert_eq!(weights.count_pattern_mismatches(90).unwrap(), 0);
 }
 
 #[test]

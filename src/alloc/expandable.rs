@@ -421,17 +421,7 @@ impl DeviceCore {
         let mut mapped: Vec<(u64, ChunkId)> = Vec::new();
         let mut failure = None;
         for at in (addr..addr + len).step_by(page as usize) {
-            let step = self
-                .driver
-                .vm_create_chunk(self.device, page)
-                .and_then(|chunk| match self.driver.vm_map(DeviceAddr(at), chunk) {
-                    Ok(()) => Ok(chunk),
-                    Err(err) => {
-                        let _ = self.driver.vm_release_chunk(chunk);
-                        Err(err)
-                    }
-                });
-            match step {
+            match self.map_fresh_page(at, page) {
                 Ok(chunk) => mapped.push((at, chunk)),
                 Err(err) => {
                     failure = Some(err);
@@ -495,6 +485,18 @@ impl DeviceCore {
         );
         self.record_alloc(shard, out.ptr, rounded);
         Ok(Some(out))
+    }
+
+    /// A fresh chunk of `page` bytes mapped at `at` (nothing left behind on failure).
+    pub(super) fn map_fresh_page(&self, at: u64, page: u64) -> Result<ChunkId> {
+        let chunk = self.driver.vm_create_chunk(self.device, page)?;
+        match self.driver.vm_map(DeviceAddr(at), chunk) {
+            Ok(()) => Ok(chunk),
+            Err(err) => {
+                let _ = self.driver.vm_release_chunk(chunk);
+                Err(err)
+            }
+        }
     }
 
     /// Unmaps pages taken by [`ShardState::take_free_pages`] (outside every shard lock).

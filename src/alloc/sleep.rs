@@ -238,17 +238,7 @@ impl DeviceCore {
         'segments: for (base, page, addresses) in &plan {
             let mut chunks = Vec::with_capacity(addresses.len());
             for &at in addresses {
-                let step = self
-                    .driver
-                    .vm_create_chunk(self.device, *page)
-                    .and_then(|chunk| match self.driver.vm_map(DeviceAddr(at), chunk) {
-                        Ok(()) => Ok(chunk),
-                        Err(err) => {
-                            let _ = self.driver.vm_release_chunk(chunk);
-                            Err(err)
-                        }
-                    });
-                match step {
+                match self.map_fresh_page(at, *page) {
                     Ok(chunk) => chunks.push((at, chunk)),
                     Err(err) => {
                         failure = Some(err);

@@ -63,14 +63,7 @@ impl Sanitizer {
                     allocation: None,
                     stack: None,
                 },
-                later: AccessReport {
-                    kind: t.kind.name(),
-                    what: format!("{what} on {}", st.actors[slot].name),
-                    start: t.start,
-                    len: t.len,
-                    allocation: None,
-                    stack: self.stack().as_ref().map(|s| s.render_now()),
-                },
+                later: self.later_access(st, slot, what, t, None),
                 free: None,
             };
             let text = report.to_string();

@@ -284,27 +284,14 @@ impl Sanitizer {
                         allocation: None,
                         stack: None,
                     },
-                    later: AccessReport {
-                        kind: t.kind.name(),
-                        what: format!("{what} on {}", st.actors[slot].name),
-                        start: t.start,
-                        len: t.len,
-                        allocation: None,
-                        stack: self.stack().as_ref().map(|s| s.render_now()),
-                    },
+                    later: self.later_access(st, slot, what, t, None),
                     free: Some(free.what.clone()),
                 };
                 return Err(self.fail(st, slot, report));
             }
             if let Some(earlier) = st.conflict(t.start, end, slot, k, t.kind) {
-                let later = AccessReport {
-                    kind: t.kind.name(),
-                    what: format!("{what} on {}", st.actors[slot].name),
-                    start: t.start,
-                    len: t.len,
-                    allocation: st.allocation_at(t.start),
-                    stack: self.stack().as_ref().map(|s| s.render_now()),
-                };
+                let allocation = st.allocation_at(t.start);
+                let later = self.later_access(st, slot, what, t, allocation);
                 let report = HazardReport {
                     kind: HazardKind::Race,
                     earlier: AccessReport::of(&earlier),
@@ -315,6 +302,25 @@ impl Sanitizer {
             }
         }
         Ok(())
+    }
+
+    /// The report of access `t` (`what`) by actor `slot`, found to be the later of a hazard.
+    fn later_access(
+        &self,
+        st: &State,
+        slot: usize,
+        what: &str,
+        t: &Touch,
+        allocation: Option<String>,
+    ) -> AccessReport {
+        AccessReport {
+            kind: t.kind.name(),
+            what: format!("{what} on {}", st.actors[slot].name),
+            start: t.start,
+            len: t.len,
+            allocation,
+            stack: self.stack().as_ref().map(|s| s.render_now()),
+        }
     }
 
     fn commit(
