@@ -89,6 +89,11 @@ fn offloaded_bytes_come_back_at_the_same_addresses() {
         assert_eq!(report.discarded_bytes, 0);
         assert_eq!(report.released_bytes, reserved as u64, "{}", b.name);
         assert_eq!(tag_reserved(&rt, "weights"), 0, "{}", b.name);
+        assert!(
+            rt.tag("weights").unwrap().snapshot().segments.is_empty(),
+            "{}: a sleeping tag's snapshot shows no memory",
+            b.name
+        );
         let given_back = free_memory(&rt) - free_awake;
         assert!(
             given_back * 100 >= reserved as u64 * 99,

@@ -102,6 +102,14 @@ pub(crate) fn shard_segments(
     out: &mut Vec<SnapshotSegment>,
 ) {
     for (&address, seg) in &state.segments {
+        if state
+            .expandable
+            .get(&address)
+            .is_some_and(|p| p.asleep.is_some())
+        {
+            // A sleeping tag's segment holds no memory (`sleep.rs`): as reserved_bytes says.
+            continue;
+        }
         let mut blocks = Vec::new();
         let mut at = Some(seg.head);
         let (mut allocated_size, mut active_size, mut mapped) = (0, 0, 0);
