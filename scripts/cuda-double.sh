@@ -28,7 +28,7 @@ export CUDALLOC_BACKEND=cuda
 export CUDA_DOUBLE_REPORT="$root/report"
 
 suites=(driver_conformance allocator_pytorch allocator_policy allocator_properties allocator_stress cow
-        ipc_multiprocess ipc_interplay ipc_expandable global_and_storage cuda_contract expandable pinned pinned_properties sleep_wake)
+        ipc_multiprocess ipc_interplay ipc_expandable global_and_storage cuda_contract expandable pinned pinned_properties sleep_wake sleep_meets)
 args=()
 for s in "${suites[@]}"; do args+=(--test "$s"); done
 echo "== CUDA backend on the contract double: ${suites[*]}"
@@ -56,7 +56,7 @@ echo "== the stream suites again under the stream sanitizer (CUDALLOC_SANITIZE=p
 # One test at a time: the sanitized tests are slower and overlap more on the double's one device per
 # process (the tests that measure its free memory hold it alone anyway: tests/common device_alone).
 CUDALLOC_SANITIZE=panic cargo test --no-fail-fast --features cudarc --test driver_conformance \
-  --test cow --test global_and_storage --test ipc_interplay --test cudarc_views --test pinned --test sleep_wake \
+  --test cow --test global_and_storage --test ipc_interplay --test cudarc_views --test pinned --test sleep_wake --test sleep_meets \
   -- --test-threads=1
 
 echo "== the double's verdict"

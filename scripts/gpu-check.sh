@@ -93,7 +93,7 @@ done
 # The stream sanitizer on a real GPU: the suites that drive streams, once more with every stream
 # operation checked (a race or a use after free panics), and the sanitizer's own tests.
 for suite in driver_conformance cow global_and_storage ipc_multiprocess cudarc_views sanitizer \
-             stream_capture cuda_graphs graphs_meet graph_mix pinned pinned_properties sleep_wake; do
+             stream_capture cuda_graphs graphs_meet graph_mix pinned pinned_properties sleep_wake sleep_meets; do
   exe="$bin_dir/$suite"
   [ -x "$exe" ] || continue
   if ! CUDALLOC_SANITIZE=panic "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi

@@ -61,7 +61,7 @@ impl Shard {
         let Some(pages) = st.expandable.get(&block.segment) else {
             return Ok(None);
         };
-        if pages.asleep.is_some() {
+        if pages.asleep.is_some() || self.sleeping.load(Ordering::SeqCst) {
             drop(st);
             return Err(self.core.asleep_error(self, "sharing a storage"));
         }

@@ -268,8 +268,14 @@ impl Drop for Shard {
             st.finish_release(addr);
         }
         let mut bases = st.take_empty_expandable();
-        // Segments of a tag still asleep map nothing: their reservations go back too.
-        bases.extend(st.take_asleep_segments());
+        // Segments of a tag still asleep map nothing: their reservations go back too, and the
+        // sanitizer forgets that they slept (the addresses may serve anyone next).
+        for (base, size) in st.take_asleep_segments() {
+            if let Some(sanitizer) = &self.sanitizer {
+                sanitizer.awake(base, size);
+            }
+            bases.push(base);
+        }
         for base in bases {
             if let Err(err) = self
                 .core

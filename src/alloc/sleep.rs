@@ -115,9 +115,9 @@ impl ShardState {
     }
 
     /// Teardown of a shard whose segments still sleep (the allocator dropped before the wake):
-    /// those that hold no allocated block are removed, their bases returned for the caller to
-    /// free the reservations (no page is mapped).
-    pub fn take_asleep_segments(&mut self) -> Vec<u64> {
+    /// those that hold no allocated block are removed, their `(base, size)` returned for the
+    /// caller to free the reservations (no page is mapped) and tell the sanitizer.
+    pub fn take_asleep_segments(&mut self) -> Vec<(u64, u64)> {
         let idle: Vec<u64> = self
             .expandable
             .iter()
@@ -129,11 +129,15 @@ impl ShardState {
                 })
             })
             .collect();
-        for &base in &idle {
+        let mut out = Vec::with_capacity(idle.len());
+        for base in idle {
+            if let Some(size) = self.segments.get(&base).map(|s| s.size) {
+                out.push((base, size));
+            }
             self.remove_segment_blocks(base);
             self.expandable.remove(&base);
         }
-        idle
+        out
     }
 
     /// Removes segment `base` and all its blocks (free or unmapped), counting it out.

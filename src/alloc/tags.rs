@@ -21,7 +21,7 @@ use super::core_types::Shard;
 use super::mem_pool::{MemPool, PoolScope};
 use super::pool_id::MemPoolOptions;
 use super::CachingAllocator;
-use crate::driver::StreamId;
+use crate::driver::{ChunkId, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::Ordering;
 use crate::sync::os::Arc;
@@ -59,6 +59,8 @@ pub(crate) struct SleepStart {
     pool: MemPool,
     shards: Vec<(usize, Arc<Shard>)>,
     pub ranges: Vec<TagRange>,
+    /// Bytes of cached free pages given back on the way (before any copy).
+    pub released_cached: u64,
 }
 
 /// A tag waking: its shards (pages mapped back), and the blocks still allocated, whose bytes
@@ -71,6 +73,30 @@ pub(crate) struct WakeStart {
     pub ranges: Vec<TagRange>,
     /// Bytes mapped again.
     pub mapped_bytes: u64,
+}
+
+impl WakeStart {
+    /// The chunks now mapped under the `count` pages of `page` bytes from `first`, when they lie
+    /// in this tag's memory (`None` otherwise): what a shared span of it is served with after
+    /// the wake.
+    pub(crate) fn chunks_under(&self, first: u64, page: u64, count: u64) -> Option<Vec<ChunkId>> {
+        for (_, shard) in &self.shards {
+            let st = shard.state.lock();
+            let found = st
+                .expandable
+                .values()
+                .find(|p| p.page == page && p.chunks.contains_key(&first));
+            if let Some(pages) = found {
+                return (0..count)
+                    .map(|i| {
+                        let at = first.checked_add(i.checked_mul(page)?)?;
+                        pages.chunks.get(&at).copied()
+                    })
+                    .collect();
+            }
+        }
+        None
+    }
 }
 
 fn asleep(tag: &str, message: impl Into<String>) -> Error {
@@ -197,10 +223,14 @@ impl CachingAllocator {
             shard.sleeping.store(true, Ordering::SeqCst);
         }
         let mut ranges = Vec::new();
+        let mut released_cached = 0;
         for (device, shard) in &shards {
             let core = &self.devices[*device];
             // Cached free pages first: they need no copy (and pending frees are waited for).
+            let reserved = || shard.state.lock().stats.reserved_bytes.all.current;
+            let before = reserved();
             core.release_shard(shard, true);
+            released_cached += u64::try_from(before - reserved()).unwrap_or(0);
             let streams = shard.state.lock().sleep_streams(shard.stream);
             for stream in streams {
                 self.driver.stream_synchronize(stream)?;
@@ -222,28 +252,33 @@ impl CachingAllocator {
             pool: pool.clone(),
             shards,
             ranges,
+            released_cached,
         })
     }
 
-    /// Ends a sleep begun with [`Self::begin_sleep`] (the bytes to keep are copied out): every
-    /// mapped page of the tag unmapped and released; returns the bytes given back. Refused (the
-    /// caller cancels) when a capture began meanwhile.
-    pub(crate) fn finish_sleep(&self, start: &SleepStart) -> Result<u64> {
+    /// Ends the sleeps begun with [`Self::begin_sleep`] (the bytes to keep are copied out): every
+    /// mapped page of the tags unmapped and released; returns the bytes given back by each
+    /// (cached pages included). All under one hold of the capture gate, so a capture cannot
+    /// begin between two tags: refused as a whole (the caller cancels) when one is under way.
+    pub(crate) fn finish_sleeps(&self, starts: &[&SleepStart]) -> Result<Vec<u64>> {
         // Held across the unmaps: a capture does not begin in between (`capturing.rs`).
         let Some(_no_capture) = self.capturing.releasing() else {
-            return Err(Error::capture(format!(
-                "tag {:?} cannot sleep while a stream capture is under way; end it first",
-                start.tag
-            )));
+            return Err(Error::capture(
+                "tags cannot sleep while a stream capture is under way; end it first",
+            ));
         };
-        let mut released = 0;
-        for (device, shard) in &start.shards {
-            released += self.devices[*device].sleep_shard(shard, &start.tag);
+        let mut out = Vec::with_capacity(starts.len());
+        for start in starts {
+            let mut released = start.released_cached;
+            for (device, shard) in &start.shards {
+                released += self.devices[*device].sleep_shard(shard, &start.tag);
+            }
+            if let Some(entry) = self.tags.lock().get_mut(&start.tag) {
+                entry.phase = Phase::Asleep;
+            }
+            out.push(released);
         }
-        if let Some(entry) = self.tags.lock().get_mut(&start.tag) {
-            entry.phase = Phase::Asleep;
-        }
-        Ok(released)
+        Ok(out)
     }
 
     /// Gives up a sleep begun with [`Self::begin_sleep`]: the tag is awake again.
@@ -258,37 +293,22 @@ impl CachingAllocator {
         self.birth.check("this allocator")?;
         let pool = self.step(name, Phase::Asleep, Phase::Waking)?;
         let shards = self.tag_shards(&pool);
-        let mut woken: Vec<(usize, Arc<Shard>)> = Vec::new();
-        let mut mapped_bytes = 0;
-        let mut failure = None;
-        // Held across the maps: a capture does not begin in between.
-        let no_capture = self.capturing.releasing();
-        if no_capture.is_none() {
-            failure = Some(Error::capture(format!(
-                "tag {name:?} cannot wake while a stream capture is under way; end it first"
-            )));
-        }
-        for (device, shard) in shards.iter().filter(|_| failure.is_none()) {
-            match self.devices[*device].wake_shard(shard) {
-                Ok(bytes) => {
-                    mapped_bytes += bytes;
-                    woken.push((*device, Arc::clone(shard)));
-                }
-                Err(err) => {
-                    failure = Some(err);
-                    break;
-                }
+        let mut mapped = self.map_back(name, &shards);
+        if matches!(mapped, Err(Error::OutOfMemory { .. })) {
+            // As an allocation would: free-memory callbacks, then every cache, then once more.
+            self.callbacks.run();
+            for device in &self.devices {
+                device.release_cached(true);
             }
+            mapped = self.map_back(name, &shards);
         }
-        if let Some(err) = failure {
-            // Back to sleep: what was woken holds nothing restored yet.
-            for (device, shard) in &woken {
-                self.devices[*device].sleep_shard(shard, name);
+        let mapped_bytes = match mapped {
+            Ok(bytes) => bytes,
+            Err(err) => {
+                self.end_phase(&pool, name, Phase::Asleep);
+                return Err(err);
             }
-            self.end_phase(&pool, name, Phase::Asleep);
-            return Err(err);
-        }
-        drop(no_capture);
+        };
         let ranges = shards
             .iter()
             .flat_map(|(device, shard)| {
@@ -314,6 +334,36 @@ impl CachingAllocator {
             ranges,
             mapped_bytes,
         })
+    }
+
+    /// Maps the pages of `shards` back (all or nothing: on an error what was mapped is unmapped
+    /// again); the bytes mapped.
+    fn map_back(&self, name: &str, shards: &[(usize, Arc<Shard>)]) -> Result<u64> {
+        // Held across the maps: a capture does not begin in between.
+        let Some(_no_capture) = self.capturing.releasing() else {
+            return Err(Error::capture(format!(
+                "tag {name:?} cannot wake while a stream capture is under way; end it first"
+            )));
+        };
+        let mut woken: Vec<&(usize, Arc<Shard>)> = Vec::new();
+        let mut mapped_bytes = 0;
+        for entry in shards {
+            let (device, shard) = entry;
+            match self.devices[*device].wake_shard(shard) {
+                Ok(bytes) => {
+                    mapped_bytes += bytes;
+                    woken.push(entry);
+                }
+                Err(err) => {
+                    // Back to sleep: what was woken holds nothing restored yet.
+                    for (device, shard) in woken {
+                        self.devices[*device].sleep_shard(shard, name);
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        Ok(mapped_bytes)
     }
 
     /// Ends a wake begun with [`Self::begin_wake`] (the bytes are back): the tag is awake.

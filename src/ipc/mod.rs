@@ -108,6 +108,9 @@ pub(crate) fn share(
         let touch = crate::driver::sanitizer::Touch::read(data.ptr().0, nbytes);
         sanitizer.check_ordered(stream, "sharing with another process", &[touch])?;
     }
+    // Memory of a sleeping tag is not shared (`runtime/sleep.rs`); checked again below, once
+    // the share counts, against a sleep that began meanwhile.
+    data.check_awake("sharing a storage")?;
     let mut first_share = None;
     if let Owner::Block(_) = data.owner() {
         let segment = data.segment().ok_or_else(|| Error::invalid("no segment"))?;
@@ -192,6 +195,9 @@ pub(crate) fn share(
             "only memory from a caching allocator (or received through IPC) can be shared",
         ));
     };
+    // A sleep that began after the check above: either it sees this share's count (and refuses
+    // to sleep) or this sees its flag (and the handle is dropped, giving the count back).
+    data.check_awake("sharing a storage")?;
     Ok(Shared {
         handle,
         first_share,

@@ -148,6 +148,18 @@ impl Registry {
         })
     }
 
+    /// Replaces the chunks of every span `lookup` knows (`lookup(first, page, count)`: the chunks
+    /// mapped there now) — after a sleeping tag's pages were mapped again with new chunks.
+    pub(super) fn rechunk(&self, lookup: impl Fn(u64, u64, u64) -> Option<Vec<ChunkId>>) {
+        let mut spans = self.spans.lock();
+        for served in spans.values_mut() {
+            let p = &mut served.pages;
+            if let Some(chunks) = lookup(p.first, p.page, p.chunks.len() as u64) {
+                p.chunks = chunks;
+            }
+        }
+    }
+
     /// Exports the chunks of pages `start .. start + n` of the span `request` names — under the
     /// registry lock, so the span cannot be unregistered (and its chunks released) meanwhile.
     pub(super) fn export(

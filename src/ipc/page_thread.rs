@@ -8,6 +8,7 @@ use super::page_server::{Registry, SpanRegistration};
 use super::refcount::RefCounterFile;
 use super::SharedKey;
 use crate::alloc::PagesUnder;
+use crate::driver::ChunkId;
 use crate::driver::Driver;
 use crate::error::{Error, Result};
 use crate::process::Birth;
@@ -63,6 +64,11 @@ impl PageServer {
     /// The first address of a counted shared span overlapping `[start, end)`.
     pub(crate) fn counted_span_in(&self, start: u64, end: u64) -> Option<u64> {
         self.registry.counted_span_in(start, end)
+    }
+
+    /// Replaces the chunks of the spans `lookup` knows (see `Registry::rechunk`).
+    pub(crate) fn rechunk(&self, lookup: impl Fn(u64, u64, u64) -> Option<Vec<ChunkId>>) {
+        self.registry.rechunk(lookup);
     }
 
     /// Lets the thread serve until the process exits (storages stayed in limbo at teardown).

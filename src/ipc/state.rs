@@ -15,7 +15,7 @@ use super::refcount::RefCounterFile;
 use super::wire::WirePages;
 use super::SharedKey;
 use crate::alloc::{DataPtr, PagesUnder};
-use crate::driver::{Backend, Driver, EventId, IPC_HANDLE_SIZE};
+use crate::driver::{Backend, ChunkId, Driver, EventId, IPC_HANDLE_SIZE};
 use crate::error::Result;
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
@@ -180,6 +180,15 @@ impl IpcState {
             .lock()
             .as_ref()
             .and_then(|server| server.counted_span_in(start, end))
+    }
+
+    /// Serves the shared spans that `lookup` knows with the chunks it gives (`lookup(first,
+    /// page, count)`): a sleeping tag's pages were mapped again with new chunks
+    /// (`runtime/sleep.rs`).
+    pub fn refresh_served(&self, lookup: impl Fn(u64, u64, u64) -> Option<Vec<ChunkId>>) {
+        if let Some(server) = self.page_server.lock().as_ref() {
+            server.rechunk(lookup);
+        }
     }
 
     /// Takes a free slot (creating a file when every file is full).

@@ -139,35 +139,33 @@ impl Runtime {
         {
             return Err(self.cancel_all(started, err));
         }
+        let finished = {
+            let starts: Vec<&SleepStart> = started.iter().map(|(start, ..)| start).collect();
+            self.finish_sleeps(&starts)
+        };
+        let released = match finished {
+            Ok(released) => released,
+            Err(err) => return Err(self.cancel_all(started, err)),
+        };
         let mut report = SleepReport::default();
-        let mut sleepers = self.sleepers.lock();
-        let mut started = started.into_iter();
-        while let Some((start, keep, buffers)) = started.next() {
-            match self.finish_sleep(&start) {
-                Ok(released) => report.released_bytes += released,
-                Err(err) => {
-                    // A capture began meanwhile: the tags before this one sleep, the rest not.
-                    drop(sleepers);
-                    let rest = std::iter::once((start, keep, buffers))
-                        .chain(started)
-                        .collect();
-                    return Err(self.cancel_all(rest, err));
-                }
-            }
+        let mut kept = Vec::with_capacity(started.len());
+        for ((start, keep, buffers), released) in started.into_iter().zip(released) {
             let bytes: u64 = start.ranges.iter().map(|r| r.len).sum();
+            report.released_bytes += released;
             if keep {
                 report.offloaded_bytes += bytes;
             } else {
                 report.discarded_bytes += bytes;
             }
-            sleepers.insert(
-                start.tag.clone(),
+            kept.push((
+                start.tag,
                 Kept {
                     offloaded: keep,
                     buffers,
                 },
-            );
+            ));
         }
+        self.sleepers.lock().extend(kept);
         Ok(report)
     }
 
@@ -189,13 +187,21 @@ impl Runtime {
         };
         let mut report = WakeReport::default();
         for name in names {
-            self.wake_one(&name, options, &mut report)?;
+            match self.wake_one(&name, options, &mut report) {
+                // Every sleeping tag: one another thread woke meanwhile is not an error.
+                Err(Error::Asleep { .. })
+                    if tags.is_empty() && !self.is_asleep(&name).unwrap_or(true) => {}
+                other => other?,
+            }
         }
         Ok(report)
     }
 
     fn wake_one(&self, name: &str, options: WakeOptions, report: &mut WakeReport) -> Result<()> {
         let start = self.begin_wake(name)?;
+        // Storages of the tag shared earlier are served with the new pages' chunks from now on.
+        self.ipc()
+            .refresh_served(|first, page, count| start.chunks_under(first, page, count));
         let kept = self.sleepers.lock().remove(name).unwrap_or_default();
         report.mapped_bytes += start.mapped_bytes;
         let live: HashSet<(usize, u64)> = start.ranges.iter().map(|r| (r.device, r.addr)).collect();

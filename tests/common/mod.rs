@@ -493,3 +493,23 @@ pub fn filled_on(
     rt.driver().fill_pattern(stream, ptr, len, seed).unwrap();
     s
 }
+
+/// Storages of `sizes` allocated in tag `tag` on device 0, each filled with the pattern of
+/// `seed` plus its index (sleep and wake suites).
+pub fn tagged(
+    rt: &Arc<cudalloc::Runtime>,
+    tag: &str,
+    sizes: &[u64],
+    seed: u64,
+) -> Vec<cudalloc::Storage> {
+    let _in = rt.use_tag(tag, 0).unwrap();
+    sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let s = cudalloc::Storage::new(rt, 0, n).unwrap();
+            s.fill_pattern(seed + i as u64).unwrap();
+            s
+        })
+        .collect()
+}
