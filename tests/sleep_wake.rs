@@ -520,7 +520,7 @@ fn allocations_frees_and_empty_cache_racing_sleeps() {
                     let mut n = 0u64;
                     while !stop.load(Ordering::SeqCst) || n < 50 {
                         n += 1;
-                        if n % 7 == 0 {
+                        if n.is_multiple_of(7) {
                             rt.tag("weights").unwrap().empty_cache();
                         }
                         match Storage::new(&rt, 0, 4096 * (1 + (n * 37 + t) % 700)) {
