@@ -15,7 +15,7 @@
 //! | [`ErrorKind::StreamRace`]   | no: the program's stream order is wrong (the sanitizer found two unordered accesses); sticky on the stream |
 //! | [`ErrorKind::ForkedChild`]  | no: the object belongs to the parent of this forked process; build a runtime in the child |
 //! | [`ErrorKind::StreamCapture`] | no: the call is not allowed while a stream is being captured into a graph (or the capture was already invalidated by one); end the capture first |
-//! | [`ErrorKind::Asleep`]      | yes, after `wake_up` of the tag: the memory is asleep (offloaded or discarded, its pages given back); the call did nothing |
+//! | [`ErrorKind::Asleep`]      | memory of a sleeping tag (its pages given back): yes, after `wake_up` of the tag; a tag in the wrong phase for the call (sleeping an asleep tag, waking an awake one, one on its way) or memory other processes hold: when that changes — the message says which; the call did nothing |
 //! | [`ErrorKind::ForeignEvent`] | no: another process's event failed the work that waited for it (its producer exited, its cell was written by a third party, or the wait passed its deadline); the storage it guards is not ready — drop it, the stream stays usable |
 
 use std::fmt;

@@ -246,3 +246,35 @@ fn meets_child() {
     }
     let _ = parent.recv_or_eof();
 }
+
+/// Found by review: the offloaded bytes were filed for the wake only after the tag was marked
+/// asleep, so a wake on another thread in between restored nothing (and said so with `Ok`).
+/// One thread puts the tag to sleep 20 times, another wakes it 20 times, each retrying while
+/// the tag is in the other state; every byte survives.
+#[test]
+fn sleeps_and_wakes_from_two_threads_keep_every_byte() {
+    let _device = device_alone();
+    let rt = checked_allocator(test_driver(), "");
+    let weights = tagged(&rt, "weights", &[3 * MIB, MIB], 40);
+    let successes = |op: fn(&Runtime) -> cudalloc::Result<()>, rt: Arc<Runtime>| {
+        std::thread::spawn(move || {
+            let mut done = 0;
+            while done < 20 {
+                match op(&rt) {
+                    Ok(()) => done += 1,
+                    Err(err) => {
+                        assert_eq!(err.kind(), ErrorKind::Asleep, "{err}");
+                        std::thread::yield_now();
+                    }
+                }
+            }
+        })
+    };
+    let sleeper = successes(|rt| rt.sleep(&["weights"], &[]).map(drop), rt.clone());
+    let waker = successes(|rt| rt.wake_up(&["weights"]).map(drop), rt.clone());
+    sleeper.join().unwrap();
+    waker.join().unwrap();
+    assert!(!rt.is_asleep("weights").unwrap());
+    assert_eq!(weights[0].count_pattern_mismatches(40).unwrap(), 0);
+    assert_eq!(weights[1].count_pattern_mismatches(41).unwrap(), 0);
+}

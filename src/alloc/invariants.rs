@@ -97,6 +97,7 @@ impl ShardState {
                     seg.size
                 ));
             }
+            self.check_pages(base)?;
             if let Some(pages) = self.expandable.get(&base).filter(|p| p.asleep.is_some()) {
                 // A sleeping segment maps nothing (`sleep.rs`).
                 if !pages.chunks.is_empty() {
@@ -144,6 +145,53 @@ impl ShardState {
             ));
         }
         recount.compare(&self.stats)
+    }
+}
+
+impl ShardState {
+    /// An expandable segment's page records against its blocks: the pages under blocks that
+    /// hold memory (neither unmapped nor releasing) are exactly the mapped ones — or, while the
+    /// segment sleeps, exactly the ones its wake maps back (`sleep.rs`).
+    fn check_pages(&self, base: u64) -> Result<(), String> {
+        let (Some(pages), Some(seg)) = (self.expandable.get(&base), self.segments.get(&base))
+        else {
+            return Ok(());
+        };
+        let page = pages.page.max(1);
+        let mut expected = Vec::new();
+        let mut at = Some(seg.head);
+        while let Some(id) = at {
+            let b = &self.blocks[id];
+            if !matches!(b.state, BlockState::Unmapped | BlockState::Releasing) {
+                let first = base + (b.ptr - base) / page * page;
+                let end = base + (b.ptr + b.size - base).div_ceil(page) * page;
+                let mut p = first;
+                while p < end {
+                    if expected.last() != Some(&p) {
+                        expected.push(p);
+                    }
+                    p += page;
+                }
+            }
+            at = b.next;
+        }
+        let recorded: Vec<u64> = match &pages.asleep {
+            Some(asleep) => asleep.clone(),
+            None => pages.chunks.keys().copied().collect(),
+        };
+        if recorded != expected {
+            return Err(format!(
+                "segment {base:#x}: {} page(s) recorded ({}) but its blocks hold {}",
+                recorded.len(),
+                if pages.asleep.is_some() {
+                    "asleep"
+                } else {
+                    "mapped"
+                },
+                expected.len()
+            ));
+        }
+        Ok(())
     }
 }
 

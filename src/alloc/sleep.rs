@@ -70,15 +70,15 @@ impl ShardState {
     pub fn take_pages_for_sleep(&mut self) -> Vec<SegmentPages> {
         let mut out = Vec::new();
         for (base, pages) in self.expandable.iter_mut() {
+            let Some(pool) = self.segments.get(base).map(|s| s.pool) else {
+                continue;
+            };
             if pages.asleep.is_some() {
                 continue;
             }
             let taken: Vec<(u64, ChunkId)> =
                 std::mem::take(&mut pages.chunks).into_iter().collect();
             pages.asleep = Some(taken.iter().map(|&(at, _)| at).collect());
-            let Some(pool) = self.segments.get(base).map(|s| s.pool) else {
-                continue;
-            };
             if !taken.is_empty() {
                 let len = taken.len() as u64 * pages.page;
                 stats::decrease(&mut self.stats.reserved_bytes, pool, len);

@@ -21,6 +21,8 @@ use super::core_types::Shard;
 use super::mem_pool::{MemPool, PoolScope};
 use super::pool_id::MemPoolOptions;
 use super::CachingAllocator;
+use std::collections::BTreeMap;
+
 use crate::driver::{ChunkId, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::Ordering;
@@ -33,6 +35,17 @@ pub(crate) enum Phase {
     FallingAsleep,
     Asleep,
     Waking,
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Phase::Awake => "awake",
+            Phase::FallingAsleep => "falling asleep",
+            Phase::Asleep => "asleep",
+            Phase::Waking => "waking",
+        })
+    }
 }
 
 /// A tag: its pool and phase.
@@ -75,27 +88,30 @@ pub(crate) struct WakeStart {
     pub mapped_bytes: u64,
 }
 
-impl WakeStart {
-    /// The chunks now mapped under the `count` pages of `page` bytes from `first`, when they lie
-    /// in this tag's memory (`None` otherwise): what a shared span of it is served with after
-    /// the wake.
-    pub(crate) fn chunks_under(&self, first: u64, page: u64, count: u64) -> Option<Vec<ChunkId>> {
-        for (_, shard) in &self.shards {
-            let st = shard.state.lock();
-            let found = st
-                .expandable
-                .values()
-                .find(|p| p.page == page && p.chunks.contains_key(&first));
-            if let Some(pages) = found {
-                return (0..count)
-                    .map(|i| {
-                        let at = first.checked_add(i.checked_mul(page)?)?;
-                        pages.chunks.get(&at).copied()
-                    })
-                    .collect();
-            }
+/// The pages mapped now under `shards`' expandable segments: address → chunk.
+fn mapped_pages(shards: &[(usize, Arc<Shard>)]) -> BTreeMap<u64, ChunkId> {
+    let mut out = BTreeMap::new();
+    for (_, shard) in shards {
+        let st = shard.state.lock();
+        for pages in st.expandable.values() {
+            out.extend(pages.chunks.iter().map(|(&at, &c)| (at, c)));
         }
-        None
+    }
+    out
+}
+
+impl SleepStart {
+    /// The tag's pages mapped now (before the sleep unmaps them): what its shared spans are
+    /// served with again when the sleep is given up.
+    pub(crate) fn mapped_pages(&self) -> BTreeMap<u64, ChunkId> {
+        mapped_pages(&self.shards)
+    }
+}
+
+impl WakeStart {
+    /// The tag's pages mapped again: what its shared spans are served with after the wake.
+    pub(crate) fn mapped_pages(&self) -> BTreeMap<u64, ChunkId> {
+        mapped_pages(&self.shards)
     }
 }
 
@@ -169,7 +185,7 @@ impl CachingAllocator {
         if entry.phase != from {
             return Err(asleep(
                 name,
-                format!("the tag is {:?}, not {from:?}", entry.phase).to_lowercase(),
+                format!("the tag is {}, not {from}", entry.phase),
             ));
         }
         entry.phase = to;

@@ -63,6 +63,9 @@ struct Served {
     secret: [u8; PAGE_SECRET_SIZE],
     /// The storage's ref-counter file (its slot is the key's).
     file: Arc<RefCounterFile>,
+    /// Its pages are asleep (`runtime/sleep.rs`): their chunks are released, nothing is served
+    /// until the wake names the new ones.
+    paused: bool,
 }
 
 /// Shared page spans by storage key.
@@ -90,6 +93,7 @@ impl Registry {
             pages,
             secret,
             file,
+            paused: false,
         };
         registry.spans.lock().insert(key.clone(), served);
         Ok(SpanRegistration {
@@ -107,6 +111,9 @@ impl Registry {
         let served = spans.get(&key).ok_or(Refusal::NotShared)?;
         if !same_secret(&served.secret, &request.pages.secret) {
             return Err(Refusal::Unauthorized);
+        }
+        if served.paused {
+            return Err(Refusal::NotShared);
         }
         let counted = served
             .file
@@ -149,13 +156,30 @@ impl Registry {
     }
 
     /// Replaces the chunks of every span `lookup` knows (`lookup(first, page, count)`: the chunks
-    /// mapped there now) — after a sleeping tag's pages were mapped again with new chunks.
+    /// mapped there now) and serves it again — after a sleeping tag's pages were mapped again
+    /// with new chunks, or a sleep was given up.
     pub(super) fn rechunk(&self, lookup: impl Fn(u64, u64, u64) -> Option<Vec<ChunkId>>) {
         let mut spans = self.spans.lock();
         for served in spans.values_mut() {
             let p = &mut served.pages;
             if let Some(chunks) = lookup(p.first, p.page, p.chunks.len() as u64) {
                 p.chunks = chunks;
+                served.paused = false;
+            }
+        }
+    }
+
+    /// Serves nothing of the spans that `inside(first, end)` picks until they are rechunked:
+    /// their pages are about to be released (a sleep).
+    pub(super) fn pause(&self, inside: impl Fn(u64, u64) -> bool) {
+        let mut spans = self.spans.lock();
+        for served in spans.values_mut() {
+            let p = &served.pages;
+            let end = p
+                .first
+                .saturating_add(p.page.saturating_mul(p.chunks.len() as u64));
+            if inside(p.first, end) {
+                served.paused = true;
             }
         }
     }
@@ -172,7 +196,8 @@ impl Registry {
         let key = (request.ref_file.clone(), request.slot, request.generation);
         let spans = self.spans.lock();
         let served = spans.get(&key).ok_or(Refusal::NotShared)?;
-        if !same_secret(&served.secret, &request.pages.secret)
+        if served.paused
+            || !same_secret(&served.secret, &request.pages.secret)
             || served.pages.chunks.len() as u64 != request.pages.count
         {
             return Err(Refusal::OtherPages);

@@ -71,6 +71,11 @@ impl PageServer {
         self.registry.rechunk(lookup);
     }
 
+    /// Serves nothing of the spans `inside` picks until rechunked (see `Registry::pause`).
+    pub(crate) fn pause(&self, inside: impl Fn(u64, u64) -> bool) {
+        self.registry.pause(inside);
+    }
+
     /// Lets the thread serve until the process exits (storages stayed in limbo at teardown).
     pub(crate) fn serve_until_exit(mut self) {
         if let Some(stop) = self.stop.take() {

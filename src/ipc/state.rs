@@ -191,6 +191,14 @@ impl IpcState {
         }
     }
 
+    /// Serves nothing of the shared spans `inside(first, end)` picks until
+    /// [`Self::refresh_served`] names their chunks again: a sleeping tag's pages are released.
+    pub fn pause_served(&self, inside: impl Fn(u64, u64) -> bool) {
+        if let Some(server) = self.page_server.lock().as_ref() {
+            server.pause(inside);
+        }
+    }
+
     /// Takes a free slot (creating a file when every file is full).
     pub fn take_slot(&self) -> Result<SlotRef> {
         self.check_process()?;

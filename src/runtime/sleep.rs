@@ -31,11 +31,11 @@
 //! producer's chunks; releasing them would not give the memory back (the consumer's mapping
 //! keeps it) and would leave the consumer reading bytes the producer no longer keeps.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::Runtime;
 use crate::alloc::{SleepStart, TagRange};
-use crate::driver::{DeviceAddr, StreamId};
+use crate::driver::{ChunkId, DeviceAddr, StreamId};
 use crate::error::{Error, Result};
 use crate::pinned::PinnedBuffer;
 
@@ -99,6 +99,14 @@ impl Runtime {
     /// reserved (see `src/runtime/sleep.rs`). Tags are made with
     /// [`CachingAllocator::tag`](crate::CachingAllocator::tag). All or nothing: on an error no
     /// tag sleeps.
+    ///
+    /// Offloaded bytes go to one pinned buffer per allocated block, from the runtime's pinned
+    /// host allocator (sizes rounded up to powers of two, as every pinned buffer is); after the
+    /// wake those buffers return to its cache, ready for the next sleep —
+    /// `host_allocator().empty_cache()` gives them back. They live in this runtime: dropping it
+    /// while tags sleep drops them, and the tags' memory then goes back with the allocator.
+    /// Tags already asleep (or on their way) are refused with [`Error::Asleep`]; so is memory
+    /// other processes still count on.
     pub fn sleep(&self, offload: &[&str], discard: &[&str]) -> Result<SleepReport> {
         let mut seen = HashSet::new();
         for name in offload.iter().chain(discard) {
@@ -139,33 +147,51 @@ impl Runtime {
         {
             return Err(self.cancel_all(started, err));
         }
+        // The kept bytes are in place before any tag can be woken (a wake needs the tag asleep,
+        // which `finish_sleeps` makes it); the tags' shared spans are served nothing while
+        // their pages are released (a stale handle is refused, never given a released chunk).
+        {
+            let mut sleepers = self.sleepers.lock();
+            for (start, keep, buffers) in started.iter_mut() {
+                let kept = Kept {
+                    offloaded: *keep,
+                    buffers: std::mem::take(buffers),
+                };
+                sleepers.insert(start.tag.clone(), kept);
+            }
+        }
+        let ranges: Vec<&TagRange> = started.iter().flat_map(|(s, ..)| &s.ranges).collect();
+        self.ipc().pause_served(|first, end| {
+            ranges
+                .iter()
+                .any(|r| r.addr < end && first < r.addr.saturating_add(r.len))
+        });
         let finished = {
             let starts: Vec<&SleepStart> = started.iter().map(|(start, ..)| start).collect();
             self.finish_sleeps(&starts)
         };
         let released = match finished {
             Ok(released) => released,
-            Err(err) => return Err(self.cancel_all(started, err)),
+            Err(err) => {
+                let mut sleepers = self.sleepers.lock();
+                for (start, ..) in &started {
+                    sleepers.remove(&start.tag);
+                    self.serve_spans_from(&start.mapped_pages());
+                }
+                drop(sleepers);
+                return Err(self.cancel_all(started, err));
+            }
         };
         let mut report = SleepReport::default();
-        let mut kept = Vec::with_capacity(started.len());
-        for ((start, keep, buffers), released) in started.into_iter().zip(released) {
+        for ((start, keep, _), released) in started.iter().zip(released) {
             let bytes: u64 = start.ranges.iter().map(|r| r.len).sum();
             report.released_bytes += released;
-            if keep {
+            if *keep {
                 report.offloaded_bytes += bytes;
             } else {
                 report.discarded_bytes += bytes;
             }
-            kept.push((
-                start.tag,
-                Kept {
-                    offloaded: keep,
-                    buffers,
-                },
-            ));
         }
-        self.sleepers.lock().extend(kept);
         Ok(report)
     }
 
@@ -178,19 +204,19 @@ impl Runtime {
     /// [`Runtime::wake_up`] with options. Tag by tag: on an error (out of memory) the tags
     /// before it are awake, it and the rest still asleep with their bytes kept.
     pub fn wake_up_with(&self, tags: &[&str], options: WakeOptions) -> Result<WakeReport> {
-        let names: Vec<String> = if tags.is_empty() {
-            let mut all: Vec<String> = self.sleepers.lock().keys().cloned().collect();
-            all.sort();
-            all
+        let mut names: Vec<String> = if tags.is_empty() {
+            self.sleepers.lock().keys().cloned().collect()
         } else {
             tags.iter().map(|t| (*t).to_owned()).collect()
         };
+        names.sort();
+        names.dedup();
         let mut report = WakeReport::default();
         for name in names {
             match self.wake_one(&name, options, &mut report) {
-                // Every sleeping tag: one another thread woke meanwhile is not an error.
-                Err(Error::Asleep { .. })
-                    if tags.is_empty() && !self.is_asleep(&name).unwrap_or(true) => {}
+                // Every sleeping tag: one another thread is waking (or woke) meanwhile is not an
+                // error (`begin_wake` refuses a tag that is not asleep with `Error::Asleep`).
+                Err(Error::Asleep { .. }) if tags.is_empty() => {}
                 other => other?,
             }
         }
@@ -199,9 +225,6 @@ impl Runtime {
 
     fn wake_one(&self, name: &str, options: WakeOptions, report: &mut WakeReport) -> Result<()> {
         let start = self.begin_wake(name)?;
-        // Storages of the tag shared earlier are served with the new pages' chunks from now on.
-        self.ipc()
-            .refresh_served(|first, page, count| start.chunks_under(first, page, count));
         let kept = self.sleepers.lock().remove(name).unwrap_or_default();
         report.mapped_bytes += start.mapped_bytes;
         let live: HashSet<(usize, u64)> = start.ranges.iter().map(|r| (r.device, r.addr)).collect();
@@ -240,10 +263,13 @@ impl Runtime {
         if let Err(err) = restored {
             // The memory is mapped; its bytes are not all back. Keep them for a retry of the
             // copy by the caller's next wake: the tag goes back to sleep.
-            self.sleep_again(start);
             self.sleepers.lock().insert(name.to_owned(), kept);
+            self.sleep_again(start);
             return Err(err);
         }
+        // Storages of the tag shared earlier are served with the new pages' chunks from now on
+        // (read before the page registry's lock is taken: no shard lock under it).
+        self.serve_spans_from(&start.mapped_pages());
         self.finish_wake(start);
         Ok(())
     }
@@ -279,6 +305,18 @@ impl Runtime {
                 ),
             }),
         }
+    }
+
+    /// Serves the shared spans lying on `pages` with those chunks (address → chunk).
+    fn serve_spans_from(&self, pages: &BTreeMap<u64, ChunkId>) {
+        self.ipc().refresh_served(|first, page, count| {
+            (0..count)
+                .map(|i| {
+                    let at = first.checked_add(i.checked_mul(page)?)?;
+                    pages.get(&at).copied()
+                })
+                .collect()
+        });
     }
 
     /// Gives up every started sleep; returns `err`.
