@@ -9,16 +9,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use common::*;
-use cudalloc::{
-    Driver, ErrorKind, HostDriver, IpcHandle, Runtime, SegmentChange, SegmentEvent, Storage,
-};
+use cudalloc::{Driver, ErrorKind, HostDriver, Runtime, SegmentChange, SegmentEvent, Storage};
 
 const MIB: u64 = 1 << 20;
 const CHILD: &str = "meets_child";
-
-fn offer(s: &Storage, seed: u64) -> String {
-    format!("{seed}:{}", hex(&s.share_ipc().unwrap().into_bytes()))
-}
 
 /// A consumer process opens `offer` and says what it read ("ok mismatches=N" or the error).
 fn consumer_reads(offer: &str) -> String {
@@ -48,14 +42,20 @@ fn a_storage_shared_before_a_sleep_is_shared_again_after_the_wake() {
     let _device = device_alone();
     let rt = checked_allocator(test_driver(), "");
     let shared = tagged(&rt, "weights", &[3 * MIB], 100);
-    assert_eq!(consumer_reads(&offer(&shared[0], 100)), "ok mismatches=0");
+    assert_eq!(
+        consumer_reads(&offer_word(&shared[0], 100)),
+        "ok mismatches=0"
+    );
     rt.ipc_collect();
     rt.sleep(&["weights"], &[]).unwrap();
     let err = shared[0].share_ipc().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Asleep, "{err}");
     rt.wake_up(&[]).unwrap();
     assert_eq!(shared[0].count_pattern_mismatches(100).unwrap(), 0);
-    assert_eq!(consumer_reads(&offer(&shared[0], 100)), "ok mismatches=0");
+    assert_eq!(
+        consumer_reads(&offer_word(&shared[0], 100)),
+        "ok mismatches=0"
+    );
 }
 
 /// Found by review: a share made while the sleep was under way (after its check of shared
@@ -95,8 +95,8 @@ fn a_share_during_the_sleep_is_refused() {
         vec![ErrorKind::Asleep, ErrorKind::Asleep]
     );
     rt.wake_up(&[]).unwrap();
-    assert_eq!(consumer_reads(&offer(&a[0], 1)), "ok mismatches=0");
-    assert_eq!(consumer_reads(&offer(&b[0], 2)), "ok mismatches=0");
+    assert_eq!(consumer_reads(&offer_word(&a[0], 1)), "ok mismatches=0");
+    assert_eq!(consumer_reads(&offer_word(&b[0], 2)), "ok mismatches=0");
 }
 
 /// Found by review: a wake failed for lack of memory that the default pool only cached; it now
@@ -237,10 +237,7 @@ fn meets_child() {
     let rt = Arc::new(Runtime::new(child_test_driver(), Default::default()).unwrap());
     let mut parent = ParentLink::new();
     let line = parent.recv();
-    let (seed, handle) = line.split_once(':').unwrap();
-    let seed: u64 = seed.parse().unwrap();
-    let opened = IpcHandle::from_bytes(&unhex(handle)).and_then(|h| Storage::from_ipc(&rt, h));
-    match opened.and_then(|s| s.count_pattern_mismatches(seed)) {
+    match open_offered(&rt, &line).and_then(|(s, seed)| s.count_pattern_mismatches(seed)) {
         Ok(n) => parent.send(&format!("ok mismatches={n}")),
         Err(err) => parent.send(&format!("failed: {err}")),
     }

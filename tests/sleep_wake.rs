@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use cudalloc::{
-    CaptureMode, DeviceAddr, Driver, ErrorKind, HazardKind, HostDriver, IpcHandle, Region,
-    Registrar, Runtime, Sanitize, SanitizeOptions, SegmentId, Storage, WakeOptions,
+    CaptureMode, DeviceAddr, Driver, ErrorKind, HazardKind, HostDriver, Region, Registrar, Runtime,
+    Sanitize, SanitizeOptions, SegmentId, Storage, WakeOptions,
 };
 
 const MIB: u64 = 1 << 20;
@@ -577,12 +577,10 @@ fn memory_a_consumer_holds_keeps_its_tag_awake_until_the_consumer_is_gone() {
     let plain = Storage::new(&rt, 0, MIB).unwrap();
     plain.fill_pattern(101).unwrap();
     let mut child = ChildProcess::spawn(CHILD, "hold", test_backend());
-    let offer =
-        |s: &Storage, seed: u64| format!("{seed}:{}", hex(&s.share_ipc().unwrap().into_bytes()));
     child.send(&format!(
         "{} {}",
-        offer(&shared[0], 100),
-        offer(&plain, 101)
+        offer_word(&shared[0], 100),
+        offer_word(&plain, 101)
     ));
     assert_eq!(child.recv(), "mismatches=0,0");
     let err = rt.sleep(&["weights"], &[]).unwrap_err();
@@ -619,11 +617,7 @@ fn sleep_child() {
     let line = parent.recv();
     let held: Vec<(Storage, u64)> = line
         .split(' ')
-        .map(|word| {
-            let (seed, handle) = word.split_once(':').unwrap();
-            let h = IpcHandle::from_bytes(&unhex(handle)).unwrap();
-            (Storage::from_ipc(&rt, h).unwrap(), seed.parse().unwrap())
-        })
+        .map(|word| open_offered(&rt, word).unwrap())
         .collect();
     let bad: Vec<String> = held
         .iter()

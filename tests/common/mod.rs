@@ -513,3 +513,23 @@ pub fn tagged(
         })
         .collect()
 }
+
+/// `seed:handle` (hex) for a consumer: `s` shared, the pattern seed it holds.
+pub fn offer_word(s: &cudalloc::Storage, seed: u64) -> String {
+    format!("{seed}:{}", hex(&s.share_ipc().unwrap().into_bytes()))
+}
+
+/// The storage a `seed:handle` word ([`offer_word`]) names, opened on `rt`, and its seed.
+pub fn open_offered(
+    rt: &Arc<cudalloc::Runtime>,
+    word: &str,
+) -> cudalloc::Result<(cudalloc::Storage, u64)> {
+    let (seed, handle) = word
+        .split_once(':')
+        .ok_or_else(|| cudalloc::Error::InvalidArgument(format!("not seed:handle: {word}")))?;
+    let seed = seed
+        .parse()
+        .map_err(|_| cudalloc::Error::InvalidArgument(format!("bad seed in {word}")))?;
+    let handle = cudalloc::IpcHandle::from_bytes(&unhex(handle))?;
+    Ok((cudalloc::Storage::from_ipc(rt, handle)?, seed))
+}
