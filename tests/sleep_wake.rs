@@ -678,3 +678,40 @@ fn a_forked_child_neither_sleeps_nor_wakes_its_parents_tags() {
     rt.wake_up(&[]).unwrap();
     assert_eq!(mismatches(&weights, 120), vec![0]);
 }
+
+/// A graph captured into a tag's pool (its temporaries are the tag's): the free blocks the graph
+/// keeps for its replays are not given back by the sleep — only unmapped and mapped back with
+/// the rest — so a replay after the wake finds its temporaries' pages mapped.
+#[test]
+fn a_graph_captured_into_a_tag_replays_after_wake() {
+    for b in backends("a_graph_captured_into_a_tag_replays_after_wake") {
+        let _device = device();
+        let rt = runtime(&b, "");
+        let s = rt.create_stream(0).unwrap();
+        let _on = rt.set_current_stream(s).unwrap();
+        let pool = rt.tag("graph").unwrap();
+        let src = Storage::new(&rt, 0, 2 * MIB).unwrap();
+        src.fill_pattern(5).unwrap();
+        let out = Storage::new(&rt, 0, 2 * MIB).unwrap();
+        let capture = rt
+            .begin_capture(s, Some(&pool), CaptureMode::Global)
+            .unwrap();
+        {
+            // A temporary of the graph, freed inside the capture: its block stays the graph's.
+            let tmp = Storage::new(&rt, 0, 4 * MIB).unwrap();
+            let d = rt.driver();
+            d.copy_device_to_device(s, tmp.mutable_data_ptr().unwrap(), src.data_ptr(), 2 * MIB)
+                .unwrap();
+            d.copy_device_to_device(s, out.mutable_data_ptr().unwrap(), tmp.data_ptr(), 2 * MIB)
+                .unwrap();
+        }
+        let graph = capture.end().unwrap();
+        rt.sleep(&[], &["graph"]).unwrap();
+        assert_eq!(tag_reserved(&rt, "graph"), 0, "{}", b.name);
+        rt.wake_up(&[]).unwrap();
+        out.fill_pattern(1).unwrap();
+        graph.replay(s).unwrap();
+        rt.driver().stream_synchronize(s).unwrap();
+        assert_eq!(out.count_pattern_mismatches(5).unwrap(), 0, "{}", b.name);
+    }
+}

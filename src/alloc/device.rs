@@ -237,9 +237,8 @@ impl DeviceCore {
         lender: &mut Option<Arc<Shard>>,
     ) -> Result<Allocated> {
         size::check_request(self.device, requested)?;
-        if shard.sleeping.load(Ordering::Acquire) {
-            return Err(self.asleep_error(shard, "an allocation"));
-        }
+        // A sleeping tag's shard: `try_fit` finds nothing (it reads the flag under the lock)
+        // and the slow path says why — no load here on the hot path.
         let rounded = size::round_size(requested, &self.config);
         let pool = PoolKind::for_size(rounded);
         if let Some(hit) = self.try_fit(shard, pool, rounded, requested) {
@@ -257,7 +256,7 @@ impl DeviceCore {
         lender: &mut Option<Arc<Shard>>,
     ) -> Result<Allocated> {
         if shard.sleeping.load(Ordering::Acquire) {
-            // The tag fell asleep after the first check (`try_fit` saw it under the lock).
+            // The shard's tag sleeps (`try_fit` saw it under the lock): refused, not a miss.
             return Err(self.asleep_error(shard, "an allocation"));
         }
         if self.capturing.any() {
@@ -388,8 +387,7 @@ impl DeviceCore {
         requested: u64,
         cause: &mut Option<String>,
     ) -> Result<Option<Allocated>> {
-        let own_expandable = shard.state.lock().pool_options.expandable_segments;
-        if self.config.expandable_segments || own_expandable {
+        if self.config.expandable_segments || shard.state.lock().pool_options.expandable_segments {
             self.grow_expandable(shard, pool, rounded, requested, cause)
         } else {
             self.allocate_segment(shard, pool, seg, rounded, requested, cause)

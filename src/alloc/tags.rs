@@ -242,11 +242,15 @@ impl CachingAllocator {
         let mut released_cached = 0;
         for (device, shard) in &shards {
             let core = &self.devices[*device];
-            // Cached free pages first: they need no copy (and pending frees are waited for).
-            let reserved = || shard.state.lock().stats.reserved_bytes.all.current;
-            let before = reserved();
-            core.release_shard(shard, true);
-            released_cached += u64::try_from(before - reserved()).unwrap_or(0);
+            // Cached free pages first: they need no copy (and pending frees are waited for) —
+            // unless graphs hold the pool: their replays write its free blocks, whose pages must
+            // come back with the wake, so they sleep with the rest.
+            if !self.capturing.held_by_graphs(pool.id()) {
+                let reserved = || shard.state.lock().stats.reserved_bytes.all.current;
+                let before = reserved();
+                core.release_shard(shard, true);
+                released_cached += u64::try_from(before - reserved()).unwrap_or(0);
+            }
             let streams = shard.state.lock().sleep_streams(shard.stream);
             for stream in streams {
                 self.driver.stream_synchronize(stream)?;
