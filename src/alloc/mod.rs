@@ -257,7 +257,7 @@ pub struct CachingAllocator {
     /// Tags' names and which sleep, shared with the devices (`sleep.rs`).
     tag_book: Arc<TagBook>,
     /// The tags by name: their pools and where each stands (`tags.rs`).
-    tags: Mutex<HashMap<String, tags::TagEntry>>,
+    tags: Mutex<HashMap<String, MemPool>>,
     /// Serializes the snapshots written on out-of-memory (`oom_snapshot_path`).
     #[cfg(feature = "pickle")]
     oom_dump: Mutex<()>,

@@ -105,18 +105,40 @@ impl MemPoolOptions {
     }
 }
 
-/// The pools that are tags, by id: their names, and which are asleep (`alloc/sleep.rs`). One per
-/// allocator, shared by its devices: a shard made for a sleeping tag starts asleep, and the
+/// Where a tag stands in its sleep (`tags.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    Awake,
+    FallingAsleep,
+    Asleep,
+    Waking,
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Phase::Awake => "awake",
+            Phase::FallingAsleep => "falling asleep",
+            Phase::Asleep => "asleep",
+            Phase::Waking => "waking",
+        })
+    }
+}
+
+/// The pools that are tags, by id: their names and phases (`tags.rs`). One per allocator,
+/// shared by its devices: a shard made for a tag that is not awake starts asleep, and the
 /// refusal of an allocation names the tag.
 #[derive(Debug, Default)]
 pub(crate) struct TagBook {
-    entries: RwLock<HashMap<MemPoolId, (Arc<str>, bool)>>,
+    entries: RwLock<HashMap<MemPoolId, (Arc<str>, Phase)>>,
 }
 
 impl TagBook {
     /// Enters tag `name`, whose pool is `pool` (awake).
     pub(crate) fn insert(&self, pool: MemPoolId, name: &str) {
-        self.entries.write().insert(pool, (Arc::from(name), false));
+        self.entries
+            .write()
+            .insert(pool, (Arc::from(name), Phase::Awake));
     }
 
     /// The name of the tag whose pool is `pool`.
@@ -124,15 +146,39 @@ impl TagBook {
         self.entries.read().get(&pool).map(|(n, _)| Arc::clone(n))
     }
 
-    /// Whether `pool` is a tag that sleeps (or is falling asleep, or waking).
-    pub(crate) fn is_sleeping(&self, pool: MemPoolId) -> bool {
-        self.entries.read().get(&pool).is_some_and(|&(_, s)| s)
+    /// The phase of tag `pool` (awake for a pool that is no tag).
+    pub(crate) fn phase(&self, pool: MemPoolId) -> Phase {
+        self.entries
+            .read()
+            .get(&pool)
+            .map_or(Phase::Awake, |&(_, p)| p)
     }
 
-    /// Marks tag `pool` sleeping or awake.
-    pub(crate) fn set_sleeping(&self, pool: MemPoolId, sleeping: bool) {
+    /// Whether `pool` is a tag that is not awake (asleep, or on its way to or from sleep).
+    pub(crate) fn is_sleeping(&self, pool: MemPoolId) -> bool {
+        self.phase(pool) != Phase::Awake
+    }
+
+    /// Moves tag `pool` from `from` to `to`; its phase when that is not `from`.
+    pub(crate) fn step(
+        &self,
+        pool: MemPoolId,
+        from: Phase,
+        to: Phase,
+    ) -> std::result::Result<(), Phase> {
+        let mut entries = self.entries.write();
+        let phase = entries.get_mut(&pool).map(|(_, p)| p).ok_or(Phase::Awake)?;
+        if *phase != from {
+            return Err(*phase);
+        }
+        *phase = to;
+        Ok(())
+    }
+
+    /// Sets the phase of tag `pool`.
+    pub(crate) fn set_phase(&self, pool: MemPoolId, to: Phase) {
         if let Some(entry) = self.entries.write().get_mut(&pool) {
-            entry.1 = sleeping;
+            entry.1 = to;
         }
     }
 }

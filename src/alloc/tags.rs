@@ -19,7 +19,7 @@
 
 use super::core_types::Shard;
 use super::mem_pool::{MemPool, PoolScope};
-use super::pool_id::MemPoolOptions;
+use super::pool_id::{MemPoolOptions, Phase};
 use super::CachingAllocator;
 use std::collections::BTreeMap;
 
@@ -27,33 +27,6 @@ use crate::driver::{ChunkId, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::Ordering;
 use crate::sync::os::Arc;
-
-/// Where a tag stands (see the module docs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Phase {
-    Awake,
-    FallingAsleep,
-    Asleep,
-    Waking,
-}
-
-impl std::fmt::Display for Phase {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Phase::Awake => "awake",
-            Phase::FallingAsleep => "falling asleep",
-            Phase::Asleep => "asleep",
-            Phase::Waking => "waking",
-        })
-    }
-}
-
-/// A tag: its pool and phase.
-#[derive(Debug)]
-pub(crate) struct TagEntry {
-    pool: MemPool,
-    phase: Phase,
-}
 
 /// One block of a tag to offload (or restore): where, how long, and the stream of its shard.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,18 +110,12 @@ impl CachingAllocator {
             )));
         }
         let mut tags = self.tags.lock();
-        if let Some(entry) = tags.get(name) {
-            return Ok(entry.pool.clone());
+        if let Some(pool) = tags.get(name) {
+            return Ok(pool.clone());
         }
         let pool = self.mem_pool(MemPoolOptions::default().with_expandable_segments(true))?;
         self.tag_book.insert(pool.id(), name);
-        tags.insert(
-            name.to_owned(),
-            TagEntry {
-                pool: pool.clone(),
-                phase: Phase::Awake,
-            },
-        );
+        tags.insert(name.to_owned(), pool.clone());
         Ok(pool)
     }
 
@@ -170,26 +137,25 @@ impl CachingAllocator {
     /// tag.
     pub fn is_asleep(&self, name: &str) -> Result<bool> {
         let tags = self.tags.lock();
-        let entry = tags
+        let pool = tags
             .get(name)
             .ok_or_else(|| Error::invalid(format!("no tag {name:?} (tags: {:?})", tags.keys())))?;
-        Ok(entry.phase != Phase::Awake)
+        Ok(self.tag_book.is_sleeping(pool.id()))
     }
 
     /// Moves tag `name` from `from` to `to`; the tag's pool.
     fn step(&self, name: &str, from: Phase, to: Phase) -> Result<MemPool> {
-        let mut tags = self.tags.lock();
-        let entry = tags
-            .get_mut(name)
+        // Under the tags' lock, as `end_phase`: a step never falls between a wake's "awake"
+        // and its clearing of the shards' flags.
+        let tags = self.tags.lock();
+        let pool = tags
+            .get(name)
+            .cloned()
             .ok_or_else(|| Error::invalid(format!("no tag {name:?}")))?;
-        if entry.phase != from {
-            return Err(asleep(
-                name,
-                format!("the tag is {}, not {from}", entry.phase),
-            ));
-        }
-        entry.phase = to;
-        Ok(entry.pool.clone())
+        self.tag_book
+            .step(pool.id(), from, to)
+            .map_err(|now| asleep(name, format!("the tag is {now}, not {from}")))?;
+        Ok(pool)
     }
 
     /// Every shard of `pool` on every device.
@@ -215,7 +181,7 @@ impl CachingAllocator {
         let pool = self.step(name, Phase::Awake, Phase::FallingAsleep)?;
         let started = self.prepare_sleep(name, &pool, offload);
         if started.is_err() {
-            self.end_phase(&pool, name, Phase::Awake);
+            self.end_phase(&pool, Phase::Awake);
         }
         started
     }
@@ -232,8 +198,8 @@ impl CachingAllocator {
                  would invalidate it); end the capture first"
             )));
         }
-        // Marked before the shards are listed: a shard made meanwhile starts asleep.
-        self.tag_book.set_sleeping(pool.id(), true);
+        // Not awake in the book since `step`, before the shards are listed: a shard made
+        // meanwhile starts asleep.
         let shards = self.tag_shards(pool);
         for (_, shard) in &shards {
             shard.sleeping.store(true, Ordering::SeqCst);
@@ -293,9 +259,7 @@ impl CachingAllocator {
             for (device, shard) in &start.shards {
                 released += self.devices[*device].sleep_shard(shard, &start.tag);
             }
-            if let Some(entry) = self.tags.lock().get_mut(&start.tag) {
-                entry.phase = Phase::Asleep;
-            }
+            self.tag_book.set_phase(start.pool.id(), Phase::Asleep);
             out.push(released);
         }
         Ok(out)
@@ -303,7 +267,7 @@ impl CachingAllocator {
 
     /// Gives up a sleep begun with [`Self::begin_sleep`]: the tag is awake again.
     pub(crate) fn cancel_sleep(&self, start: SleepStart) {
-        self.end_phase(&start.pool, &start.tag, Phase::Awake);
+        self.end_phase(&start.pool, Phase::Awake);
     }
 
     /// Starts waking tag `name`: fresh pages mapped at the same addresses and registered;
@@ -325,7 +289,7 @@ impl CachingAllocator {
         let mapped_bytes = match mapped {
             Ok(bytes) => bytes,
             Err(err) => {
-                self.end_phase(&pool, name, Phase::Asleep);
+                self.end_phase(&pool, Phase::Asleep);
                 return Err(err);
             }
         };
@@ -388,7 +352,7 @@ impl CachingAllocator {
 
     /// Ends a wake begun with [`Self::begin_wake`] (the bytes are back): the tag is awake.
     pub(crate) fn finish_wake(&self, start: WakeStart) {
-        self.end_phase(&start.pool, &start.tag, Phase::Awake);
+        self.end_phase(&start.pool, Phase::Awake);
     }
 
     /// Gives up a wake begun with [`Self::begin_wake`] (its bytes could not be restored): the
@@ -397,21 +361,21 @@ impl CachingAllocator {
         for (device, shard) in &start.shards {
             self.devices[*device].sleep_shard(shard, &start.tag);
         }
-        self.end_phase(&start.pool, &start.tag, Phase::Asleep);
+        self.end_phase(&start.pool, Phase::Asleep);
     }
 
     /// Sets the tag's phase to `to`; when awake, its shards serve allocations again — every
     /// shard listed after the book says so (a shard made meanwhile, which read the book while
     /// it said asleep, is listed too: it was inserted under the map's lock before the listing).
-    fn end_phase(&self, pool: &MemPool, name: &str, to: Phase) {
+    /// Under the tags' lock, so that a sleep's `step` cannot set the flags in between and see
+    /// them cleared.
+    fn end_phase(&self, pool: &MemPool, to: Phase) {
+        let _no_step = self.tags.lock();
+        self.tag_book.set_phase(pool.id(), to);
         if to == Phase::Awake {
-            self.tag_book.set_sleeping(pool.id(), false);
             for (_, shard) in self.tag_shards(pool) {
                 shard.sleeping.store(false, Ordering::SeqCst);
             }
-        }
-        if let Some(entry) = self.tags.lock().get_mut(name) {
-            entry.phase = to;
         }
     }
 }
