@@ -11,7 +11,11 @@ mod common;
 
 use common::*;
 use cudalloc::pattern;
-use cudalloc::{DeviceAddr, Driver, ErrorKind, EventFlags, IpcEventHandle, IpcMemHandle};
+use std::sync::Arc;
+
+use cudalloc::{
+    DeviceAddr, Driver, ErrorKind, EventFlags, IpcEventHandle, IpcMemHandle, SimDriver,
+};
 
 const MIB: u64 = 1 << 20;
 
@@ -727,6 +731,75 @@ fn virtual_memory_maps_chunks_into_reservations_and_shares_them_by_descriptor() 
             b.name
         );
         d.vm_free_reservation(base).unwrap();
+    }
+}
+
+/// Work on a plain segment that begins exactly where a reservation ends: the address is the
+/// segment's, not one past the reservation's (a CI run failed a copy this way when the operating
+/// system placed a new reservation right below a segment). The simulator places them so always;
+/// the other backends are asked for pairs until one is adjacent (or say that none was).
+#[test]
+fn a_segment_right_after_a_reservation_is_its_own() {
+    let _device = device_shared();
+    let sim: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 256 * MIB).unwrap());
+    let sim = TestBackend {
+        name: "sim",
+        driver: sim,
+        host: None,
+    };
+    for b in backends("a_segment_right_after_a_reservation_is_its_own")
+        .into_iter()
+        .chain([sim])
+    {
+        let d = b.driver.as_ref();
+        let s = d.default_stream(0).unwrap();
+        let g = d.vm_granularity(0).unwrap();
+        let (mut reservations, mut segments, mut adjacent) = (Vec::new(), Vec::new(), None);
+        for attempt in 0..16 {
+            // Both orders: a reservation made after a segment lands below it when mappings grow
+            // down, one made before lies below the next segment when they grow up.
+            let (r, m) = if attempt % 2 == 0 {
+                let m = d.malloc(0, g).unwrap();
+                (d.vm_reserve(0, g).unwrap(), m)
+            } else {
+                let r = d.vm_reserve(0, g).unwrap();
+                (r, d.malloc(0, g).unwrap())
+            };
+            reservations.push(r);
+            segments.push(m);
+            if r.offset(g).unwrap() == m {
+                adjacent = Some((r, m));
+                break;
+            }
+        }
+        match adjacent {
+            Some((r, m)) => {
+                let chunk = d.vm_create_chunk(0, g).unwrap();
+                d.vm_map(r, chunk).unwrap();
+                d.memset(s, m, 7, g).unwrap();
+                d.copy_device_to_device(s, r, m, g).unwrap();
+                d.memset(s, m.offset(g - 1).unwrap(), 7, 1).unwrap();
+                if b.name != "sim" {
+                    assert_eq!(read(d, r, 16), vec![7u8; 16], "{}", b.name);
+                }
+                // A range running from the reservation into the segment is still refused.
+                let err = d.memset(s, r.offset(g / 2).unwrap(), 0, g).unwrap_err();
+                assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{}: {err}", b.name);
+                d.stream_synchronize(s).unwrap();
+                d.vm_unmap(r, g).unwrap();
+                d.vm_release_chunk(chunk).unwrap();
+            }
+            None => {
+                assert_ne!(b.name, "sim", "the simulator places them adjacent");
+                println!("{}: no segment landed right after a reservation", b.name);
+            }
+        }
+        for r in reservations {
+            d.vm_free_reservation(r).unwrap();
+        }
+        for m in segments {
+            d.free(m).unwrap();
+        }
     }
 }
 

@@ -177,7 +177,7 @@ impl SimDriver {
     fn check_range(&self, stream: StreamId, ptr: DeviceAddr, len: u64) -> Result<()> {
         let st = self.state.lock();
         Self::stream_of(&st, stream)?;
-        if st.vm.contains(ptr.0) {
+        if st.vm.contains(ptr.0, len) {
             return st.vm.covered(ptr, len);
         }
         ranges::containing(&st.segments, |s| s.1, ptr, len).map(|_| ())

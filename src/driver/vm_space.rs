@@ -85,9 +85,19 @@ impl<C> VmSpace<C> {
         Ok(self.holding(addr, 0)?.1.device)
     }
 
-    /// Whether `addr` lies in any reservation (range checks then use [`VmSpace::covered`]).
-    pub(crate) fn contains(&self, addr: u64) -> bool {
-        self.holding(addr, 0).is_ok()
+    /// Whether the range `[addr, addr + len)` belongs to the reservations (range checks then use
+    /// [`VmSpace::covered`]) rather than to a plain segment: its first byte lies inside one. An
+    /// address equal to a reservation's end belongs to whatever follows — the operating system
+    /// and the simulator may place a plain segment right there — except for an empty range, which
+    /// may end a reservation's last block.
+    pub(crate) fn contains(&self, addr: u64, len: u64) -> bool {
+        self.reservations
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&b, r)| {
+                let end = b.saturating_add(r.size);
+                addr < end || (len == 0 && addr == end)
+            })
     }
 
     /// Checks that `chunk_len` bytes may be mapped at `addr` (aligned to `granularity`, inside a
@@ -257,6 +267,19 @@ mod tests {
             "no reservation"
         );
         assert!(s.check_map(0x12000, 0x2000, 0x2000).is_ok());
+    }
+
+    #[test]
+    fn an_address_at_a_reservations_end_belongs_to_what_follows() {
+        let s = space();
+        assert!(s.contains(0x10000, 1));
+        assert!(s.contains(0x17fff, 1));
+        assert!(!s.contains(0x18000, 0x2000), "a segment placed right after");
+        assert!(
+            s.contains(0x18000, 0),
+            "an empty range ending the last block"
+        );
+        assert!(!s.contains(0xffff, 1));
     }
 
     #[test]

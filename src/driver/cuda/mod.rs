@@ -405,7 +405,7 @@ impl CudaDriver {
         let table = self.segments.read();
         let vm = self.vm.read();
         for &(ptr, len) in &ranges {
-            if vm.contains(ptr.0) {
+            if vm.contains(ptr.0, len) {
                 vm.covered(ptr, len)?;
             } else {
                 ranges::containing(&table, |s| s.size, ptr, len)?;

@@ -87,7 +87,7 @@ impl SegmentsView<'_> {
     /// Checks that `[ptr, ptr + len)` lies inside one segment, or is mapped throughout inside a
     /// reservation; returns the address to access.
     pub(crate) fn check(&self, ptr: DeviceAddr, len: u64) -> Result<usize> {
-        if self.tables.vm.space.contains(ptr.0) {
+        if self.tables.vm.space.contains(ptr.0, len) {
             self.tables.vm.space.covered(ptr, len)?;
         } else {
             let (_, segment) = ranges::containing(&self.tables.by_base, |s| s.shm.len(), ptr, len)?;
