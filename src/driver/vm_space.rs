@@ -207,6 +207,9 @@ impl<C> VmSpace<C> {
     /// Checks that `[ptr, ptr + len)` is mapped throughout (across adjacent chunks).
     pub(crate) fn covered(&self, ptr: DeviceAddr, len: u64) -> Result<()> {
         let (_, r) = self.holding(ptr.0, len)?;
+        if len == 0 {
+            return Ok(()); // touches nothing, mapped or not
+        }
         let end = ptr.0 + len;
         let unmapped = |at: u64| {
             Error::invalid(format!(

@@ -462,15 +462,55 @@ pub fn with_test_settings(conf: &str) -> String {
 
 /// Holds `stream` busy: a gate on the host backend (deterministic), a 300 ms sleep kernel on CUDA.
 /// Opening (or dropping) the returned value releases a gate; a sleep releases itself.
-pub fn hold_stream(
-    b: &TestBackend,
-    stream: cudalloc::StreamId,
-) -> Option<cudalloc::internals::StreamGate> {
+pub fn hold_stream(b: &TestBackend, stream: cudalloc::StreamId) -> Hold {
     match &b.host {
-        Some(h) => Some(h.gate_stream(stream).unwrap()),
+        Some(h) => Hold {
+            gate: Some(h.gate_stream(stream).unwrap()),
+            marker: None,
+        },
         None => {
             b.driver.sleep(stream, 300_000).unwrap();
-            None
+            let event = b
+                .driver
+                .event_create(
+                    b.driver.stream_device(stream).unwrap(),
+                    cudalloc::EventFlags::default(),
+                )
+                .unwrap();
+            b.driver.event_record(event, stream).unwrap();
+            Hold {
+                gate: None,
+                marker: Some((Arc::clone(&b.driver), event)),
+            }
+        }
+    }
+}
+
+/// A stream held by [`hold_stream`]: a gate on the host backend (held until dropped), and
+/// elsewhere a sleep kernel followed by a marker event, which says whether the sleep still runs.
+pub struct Hold {
+    gate: Option<cudalloc::internals::StreamGate>,
+    marker: Option<(Arc<dyn Driver>, cudalloc::EventId)>,
+}
+
+impl Hold {
+    /// Whether the stream is still held now. Work queued on it after the hold has not run, so
+    /// asked after an allocation, `true` proves it was held throughout that allocation. A hold
+    /// that ran out (a loaded machine slept longer than the kernel) proves nothing: the test
+    /// skips the claim instead of failing on timing.
+    pub fn still_held(&self) -> bool {
+        match &self.marker {
+            Some((driver, event)) => !driver.event_query(*event).unwrap(),
+            None => self.gate.is_some(),
+        }
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        drop(self.gate.take());
+        if let Some((driver, event)) = self.marker.take() {
+            let _ = driver.event_destroy(event);
         }
     }
 }
