@@ -53,6 +53,9 @@ fn fill(rt: &Arc<Runtime>) -> (u64, Vec<Storage>, cudalloc::Error) {
 
 #[test]
 fn a_low_descriptor_limit_still_fills_the_device() {
+    if !common::forked::alone("a_low_descriptor_limit_still_fills_the_device") {
+        return; // it forks: run alone, in a re-executed test binary
+    }
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let verdict = in_forked_child(|| {
         lower_descriptor_limit(64)?;
@@ -82,6 +85,9 @@ fn a_low_descriptor_limit_still_fills_the_device() {
 
 #[test]
 fn running_out_of_descriptors_is_out_of_memory_saying_why() {
+    if !common::forked::alone("running_out_of_descriptors_is_out_of_memory_saying_why") {
+        return; // it forks: run alone, in a re-executed test binary
+    }
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let verdict = in_forked_child(|| {
         let rt = expandable_runtime()?;

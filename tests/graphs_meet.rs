@@ -187,6 +187,11 @@ fn a_lazy_clones_first_write_inside_a_capture_is_part_of_the_graph() {
 /// drops see another process and release nothing; the parent's capture ends and its graphs replay.
 #[test]
 fn graphs_and_captures_dropped_in_a_forked_child_leave_the_parents_intact() {
+    if !common::forked::alone(
+        "graphs_and_captures_dropped_in_a_forked_child_leave_the_parents_intact",
+    ) {
+        return; // it forks: run alone, in a re-executed test binary
+    }
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     if cuda_suite() {
         println!("forking a CUDA process is undefined: the host backend's case only");

@@ -611,6 +611,9 @@ fn memlock_child() {
 
 #[test]
 fn a_forked_child_cannot_allocate() {
+    if !common::forked::alone("a_forked_child_cannot_allocate") {
+        return; // it forks: run alone, in a re-executed test binary
+    }
     let rt = checked_allocator(Arc::new(common::host_driver()), "");
     let kept = rt.pinned(4096).unwrap();
     let child_rt = rt.clone();

@@ -75,6 +75,9 @@ fn own_objects(tag: &str) -> Vec<String> {
 
 #[test]
 fn a_truncated_segment_is_an_error_for_its_storages_not_a_signal() {
+    if !common::forked::alone("a_truncated_segment_is_an_error_for_its_storages_not_a_signal") {
+        return; // it forks: run alone, in a re-executed test binary
+    }
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let verdict = in_forked_child(|| {
         let rt = whole_segments_runtime();
@@ -119,6 +122,11 @@ fn a_truncated_segment_is_an_error_for_its_storages_not_a_signal() {
 
 #[test]
 fn a_truncated_ref_counter_file_keeps_held_storages_and_fails_new_opens() {
+    if !common::forked::alone(
+        "a_truncated_ref_counter_file_keeps_held_storages_and_fails_new_opens",
+    ) {
+        return; // it forks: run alone, in a re-executed test binary
+    }
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let verdict = in_forked_child(|| {
         let rt = runtime();
@@ -173,6 +181,9 @@ fn a_truncated_ref_counter_file_keeps_held_storages_and_fails_new_opens() {
 
 #[test]
 fn a_truncated_event_chunk_leaves_its_owner_working() {
+    if !common::forked::alone("a_truncated_event_chunk_leaves_its_owner_working") {
+        return; // it forks: run alone, in a re-executed test binary
+    }
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let verdict = in_forked_child(|| {
         let driver = Arc::new(host_driver());
@@ -232,6 +243,11 @@ fn forged_sigbus(addr: u64) {
 
 #[test]
 fn a_sent_sigbus_neither_cuts_a_live_mapping_nor_switches_the_guard_off() {
+    if !common::forked::alone(
+        "a_sent_sigbus_neither_cuts_a_live_mapping_nor_switches_the_guard_off",
+    ) {
+        return; // it forks: run alone, in a re-executed test binary
+    }
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let verdict = in_forked_child(|| {
         let rt = whole_segments_runtime();

@@ -4,6 +4,33 @@
 
 use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
+use std::process::Command;
+
+/// Environment variable naming the one test a re-executed test binary runs.
+const ALONE_VAR: &str = "CUDALLOC_TEST_ALONE";
+
+/// Runs test `name` alone, for a test that forks in a binary whose other tests run meanwhile:
+/// `true` in the test binary re-executed to run that test with one test thread (the caller goes
+/// on), `false` in the caller's own run, after the re-executed one passed (the caller returns).
+pub fn alone(name: &str) -> bool {
+    if std::env::var(ALONE_VAR).as_deref() == Ok(name) {
+        return true;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--test-threads=1", "--nocapture"])
+        .env(ALONE_VAR, name)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    print!("{stdout}");
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{name}, run alone, failed");
+    assert!(
+        stdout.contains("test result: ok. 1 passed"),
+        "{name}, run alone, ran no test (is the name right?)"
+    );
+    false
+}
 
 /// Seconds a forked child may run before `SIGALRM` ends it (a hang is a failure, not a wait).
 pub const CHILD_DEADLINE_S: u32 = 60;
@@ -11,8 +38,9 @@ pub const CHILD_DEADLINE_S: u32 = 60;
 /// Forks; the child runs `f` and `_exit`s (0 if `f` returned `Ok`). Returns the child's verdict:
 /// `Ok`, or what failed (its message, its panic, or the signal that ended it).
 ///
-/// Fork only while no other thread of the test binary runs test code (a test of a binary whose
-/// tests all hold one lock while forking); the allocator's own threads are the point.
+/// Fork only while no other thread of the test binary runs test code — a lock every test of the
+/// binary holds, or the test run [`alone`] — so the child inherits no lock another test's thread
+/// held at the fork; the allocator's own threads are the point.
 pub fn in_forked_child(f: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
     let mut fds = [0; 2];
     // SAFETY: `fds` is a valid out-array of two descriptors.
