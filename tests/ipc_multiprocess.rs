@@ -333,7 +333,8 @@ fn test_cuda_send_many() {
 fn test_cuda_ipc_deadlock() {
     // A bounded channel (one message in flight, the line protocol waits for each answer), 100
     // iterations of share / receive / release while the producer frees and drains. A watchdog
-    // kills the child after 10 s, which fails the test instead of hanging CI.
+    // kills the child after 60 s (a hang, not a slow machine), which fails the test instead of
+    // hanging CI.
     let (a, prefix) = producer();
     let mut child = ChildProcess::spawn(CHILD, "echo", test_backend());
     let pid = child.pid();
@@ -341,7 +342,7 @@ fn test_cuda_ipc_deadlock() {
     let watchdog = {
         let done = done.clone();
         std::thread::spawn(move || {
-            for _ in 0..100 {
+            for _ in 0..600 {
                 std::thread::sleep(std::time::Duration::from_millis(100));
                 if done.load(std::sync::atomic::Ordering::SeqCst) {
                     return false;
