@@ -341,6 +341,23 @@ impl Error {
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The message of a caught panic (its `&str` or `String` payload).
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_owned())
+}
+
+/// Runs code the allocator calls back into — a registrar, an observer, a free-memory callback —
+/// with its panic caught and turned into its message: the path that called it goes on with its
+/// state whole (a lock it holds is not left mid-change, a sleeping tag not left mid-transition).
+pub(crate) fn caught<T>(callback: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(callback))
+        .map_err(|panic| panic_message(&*panic))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

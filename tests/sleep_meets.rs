@@ -8,8 +8,11 @@ mod common;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use common::faulty::FaultyDriver;
 use common::*;
-use cudalloc::{Driver, ErrorKind, HostDriver, Runtime, SegmentChange, SegmentEvent, Storage};
+use cudalloc::{
+    Driver, ErrorKind, HostDriver, Region, Registrar, Runtime, SegmentChange, SegmentEvent, Storage,
+};
 
 const MIB: u64 = 1 << 20;
 const CHILD: &str = "meets_child";
@@ -73,7 +76,7 @@ fn a_share_during_the_sleep_is_refused() {
         tagged(&rt, "weights", &[3 * MIB], 2)
     };
     let both = vec![a[0].clone(), b[0].clone()];
-    let refused: Arc<Mutex<Vec<ErrorKind>>> = Arc::default();
+    let refused: Arc<Mutex<Vec<Result<(), ErrorKind>>>> = Arc::default();
     let fired = Arc::new(AtomicBool::new(false));
     {
         let (refused, fired) = (refused.clone(), fired.clone());
@@ -82,17 +85,16 @@ fn a_share_during_the_sleep_is_refused() {
                 return;
             }
             for s in &both {
-                match s.share_ipc() {
-                    Ok(_) => panic!("memory shared while its tag was put to sleep"),
-                    Err(err) => refused.lock().unwrap().push(err.kind()),
-                }
+                let shared = s.share_ipc().map(drop).map_err(|err| err.kind());
+                refused.lock().unwrap().push(shared);
             }
         }));
     }
     rt.sleep(&["weights"], &[]).unwrap();
     assert_eq!(
         *refused.lock().unwrap(),
-        vec![ErrorKind::Asleep, ErrorKind::Asleep]
+        vec![Err(ErrorKind::Asleep), Err(ErrorKind::Asleep)],
+        "memory shared while its tag was put to sleep"
     );
     rt.wake_up(&[]).unwrap();
     assert_eq!(consumer_reads(&offer_word(&a[0], 1)), "ok mismatches=0");
@@ -274,4 +276,89 @@ fn sleeps_and_wakes_from_two_threads_keep_every_byte() {
     assert!(!rt.is_asleep("weights").unwrap());
     assert_eq!(weights[0].count_pattern_mismatches(40).unwrap(), 0);
     assert_eq!(weights[1].count_pattern_mismatches(41).unwrap(), 0);
+}
+
+/// A registrar that panics on demand.
+#[derive(Default)]
+struct Panicky {
+    on_register: AtomicBool,
+    on_deregister: AtomicBool,
+}
+
+impl Registrar for Panicky {
+    fn name(&self) -> &str {
+        "panicky"
+    }
+    fn register(&self, _: &Region) -> cudalloc::Result<()> {
+        assert!(!self.on_register.load(Ordering::SeqCst), "register panics");
+        Ok(())
+    }
+    fn deregister(&self, _: &Region) {
+        assert!(
+            !self.on_deregister.load(Ordering::SeqCst),
+            "deregister panics"
+        );
+    }
+}
+
+/// Panics where a sleep or a wake calls out: a registrar, an observer and a free-memory callback
+/// are caught (the step goes on, or fails with the registrar's error); a driver that panics in
+/// the copies (the stream sanitizer's panic mode) unwinds to the caller with the tag as it was —
+/// awake after a sleep's, asleep with its bytes kept after a wake's. Before, each left the tag
+/// half-way, its allocations refused for good.
+#[test]
+fn panics_mid_sleep_or_wake_leave_the_tag_whole() {
+    let _device = device_shared();
+    let driver = Arc::new(FaultyDriver::new(Arc::new(host_driver())));
+    let faults = driver.faults.clone();
+    let rt = checked_allocator(driver, "");
+    let registrar = Arc::new(Panicky::default());
+    rt.attach_registrar(registrar.clone(), Default::default())
+        .unwrap();
+    rt.register_segment_observer(Arc::new(|_: &SegmentEvent| panic!("an observer panics")));
+    rt.register_out_of_memory_observer(Arc::new(|_: &cudalloc::OutOfMemoryEvent| {
+        panic!("an observer panics")
+    }));
+    rt.register_free_memory_callback(Arc::new(|| panic!("a callback panics")));
+    let weights = tagged(&rt, "weights", &[3 * MIB], 40);
+    let unwinds = |f: &dyn Fn()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err();
+
+    // The driver panics in the offload copy: awake, allocations served.
+    faults.pinned_copies_panic.store(true, Ordering::SeqCst);
+    assert!(unwinds(&|| drop(rt.sleep(&["weights"], &[]))));
+    faults.pinned_copies_panic.store(false, Ordering::SeqCst);
+    assert!(!rt.is_asleep("weights").unwrap());
+    let more = tagged(&rt, "weights", &[MIB], 41);
+
+    // A registrar panicking on deregister: the sleep goes on, the panic counted.
+    registrar.on_deregister.store(true, Ordering::SeqCst);
+    rt.sleep(&["weights"], &[]).unwrap();
+    registrar.on_deregister.store(false, Ordering::SeqCst);
+    let failures = rt.registration_stats().registrars[0].failures;
+    assert!(failures > 0, "{failures}");
+
+    // Panicking on register at the wake: the registrar's error, the tag still asleep.
+    registrar.on_register.store(true, Ordering::SeqCst);
+    let err = rt.wake_up(&[]).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Registration, "{err}");
+    assert!(err.to_string().contains("panicked"), "{err}");
+    registrar.on_register.store(false, Ordering::SeqCst);
+    assert!(rt.is_asleep("weights").unwrap());
+
+    // The driver panics in the restore copy: asleep again, its bytes kept for the next wake.
+    faults.pinned_copies_panic.store(true, Ordering::SeqCst);
+    assert!(unwinds(&|| drop(rt.wake_up(&[]))));
+    faults.pinned_copies_panic.store(false, Ordering::SeqCst);
+    assert!(rt.is_asleep("weights").unwrap());
+    rt.wake_up(&[]).unwrap();
+    assert_eq!(weights[0].count_pattern_mismatches(40).unwrap(), 0);
+    assert_eq!(more[0].count_pattern_mismatches(41).unwrap(), 0);
+
+    // Out of memory with a panicking callback and observer: the error, nothing else.
+    let err = Storage::new(&rt, 0, 1 << 40).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{err}");
+    rt.check_invariants().unwrap();
+    drop((weights, more));
+    rt.sleep(&[], &["weights"]).unwrap();
+    rt.wake_up(&[]).unwrap();
 }

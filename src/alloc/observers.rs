@@ -9,10 +9,12 @@
 //!
 //! Observers run on the thread that caused the event, with no allocator lock held; they may read
 //! stats or take a snapshot, but must not allocate or free through the same allocator (an
-//! observer that does would recurse into the path that called it). A panicking observer is a bug
-//! in the observer and unwinds into the caller.
+//! observer that does would recurse into the path that called it). A panicking observer is caught
+//! and logged, and the path that told it goes on (a segment mapped is still handed out, one
+//! unmapped still freed): the allocator's state never depends on an observer returning.
 
 use crate::driver::{DeviceAddr, StreamId};
+use crate::error::caught;
 use crate::sync::os::{Arc, RwLock};
 
 /// Whether a segment appeared or is about to go.
@@ -98,7 +100,9 @@ impl Observers {
     pub fn segment(&self, event: SegmentEvent) {
         let list: Vec<_> = self.segments.read().clone();
         for observer in list {
-            observer(&event);
+            if let Err(panic) = caught(|| observer(&event)) {
+                tracing::warn!(%panic, "a segment observer panicked");
+            }
         }
     }
 
@@ -106,7 +110,9 @@ impl Observers {
     pub fn out_of_memory(&self, event: &OutOfMemoryEvent) {
         let list: Vec<_> = self.out_of_memory.read().clone();
         for observer in list {
-            observer(event);
+            if let Err(panic) = caught(|| observer(event)) {
+                tracing::warn!(%panic, "an out-of-memory observer panicked");
+            }
         }
     }
 }

@@ -8,7 +8,7 @@
 //! that must stay IPC-exportable cannot use.
 
 use super::observers::OutOfMemoryEvent;
-use crate::error::Error;
+use crate::error::{caught, Error};
 use crate::sync::os::{Arc, RwLock};
 
 /// A free-memory callback: frees what it can and says whether it freed anything.
@@ -35,10 +35,17 @@ impl Callbacks {
         self.list.write().push(callback);
     }
 
-    /// Runs every callback; true if any freed something.
+    /// Runs every callback; true if any freed something. A panicking callback is caught and
+    /// logged, and counts as having freed nothing.
     pub fn run(&self) -> bool {
         let list: Vec<_> = self.list.read().clone();
-        list.iter().fold(false, |freed, cb| cb() | freed)
+        list.iter().fold(false, |freed, cb| {
+            let this = caught(|| cb()).unwrap_or_else(|panic| {
+                tracing::warn!(%panic, "a free-memory callback panicked");
+                false
+            });
+            this | freed
+        })
     }
 }
 

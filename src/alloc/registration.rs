@@ -26,7 +26,11 @@
 //! that took it and given back to the driver), unless it was attached with
 //! [`OnRegistrationFailure::CountAndSkip`]: then the failure is counted and the region simply is
 //! not registered with that registrar (a transfer through it is refused by the engine). Attaching
-//! fails the same way on a region already mapped, and then leaves nothing registered.
+//! fails the same way on a region already mapped, and then leaves nothing registered. A registrar
+//! that panics is caught: a panic in `register` is that registrar's failure (as an error it
+//! returned), one in `deregister` is counted in [`RegistrarStats::failures`] and logged, and the
+//! region goes as it would have. The allocation, free, `empty_cache`, sleep or wake that called it
+//! goes on with its state whole.
 //!
 //! **Order and locks.** The registry's lock is held across a registrar's calls, so a region is
 //! registered with every registrar exactly once and deregistered before its memory goes, whatever
@@ -45,7 +49,7 @@ use std::ops::Bound;
 use std::time::Instant;
 
 use crate::driver::{DeviceAddr, StreamId};
-use crate::error::{Error, Result};
+use crate::error::{caught, Error, Result};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex};
 
@@ -140,7 +144,8 @@ pub struct RegistrarStats {
     pub registrations: u64,
     /// Deregistrations, ever.
     pub deregistrations: u64,
-    /// Registrations that failed, ever (each failed an allocation or was skipped, as attached).
+    /// Registrations that failed, ever (each failed an allocation or was skipped, as attached;
+    /// a panic in `register` counts as one), and deregistrations that panicked.
     pub failures: u64,
     /// Regions registered now.
     pub registered_regions: u64,
@@ -222,7 +227,12 @@ impl fmt::Debug for Registry {
 impl Attached {
     fn register(&mut self, record: &mut Record) -> Result<()> {
         let started = Instant::now();
-        let outcome = self.registrar.register(&record.region);
+        let outcome = caught(|| self.registrar.register(&record.region)).unwrap_or_else(|panic| {
+            Err(Error::registration(
+                &self.stats.name,
+                std::io::Error::other(format!("the registrar panicked: {panic}")),
+            ))
+        });
         self.stats.registration_ns += nanos(started);
         match outcome {
             Ok(()) => {
@@ -251,7 +261,12 @@ impl Attached {
         };
         record.registered_with.swap_remove(at);
         let started = Instant::now();
-        self.registrar.deregister(&record.region);
+        if let Err(panic) = caught(|| self.registrar.deregister(&record.region)) {
+            // The region goes anyway: counted as deregistered, the panic as a failure.
+            self.stats.failures += 1;
+            tracing::warn!(registrar = %self.stats.name, region = %record.region.id, %panic,
+                "deregistering a region panicked");
+        }
         self.stats.deregistration_ns += nanos(started);
         self.stats.deregistrations += 1;
         self.stats.registered_regions -= 1;

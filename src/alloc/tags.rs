@@ -12,6 +12,11 @@
 //! | asleep | refused | unmapped, released; reservations kept | `finish_sleep` | `begin_wake` |
 //! | waking | refused | mapped again at the same addresses, registered | `begin_wake` (on failure: asleep again, nothing mapped) | `finish_wake` (after the bytes are back) |
 //!
+//! A step that fails — an error, or a panic unwinding through it (a driver in the stream
+//! sanitizer's panic mode) — leaves the tag in the phase it started from (`PhaseUndo`). Code the
+//! allocator calls back into (registrars, observers, free-memory callbacks) cannot unwind
+//! through a step: its panics are caught where it is called.
+//!
 //! The shards' `sleeping` flag is set on the way into "falling asleep" *before* any shard lock is
 //! taken to list what to offload, and cleared when "awake" is entered again; allocations read it
 //! before and under the lock (`device.rs`), so an allocation racing a sleep either finishes
@@ -59,6 +64,40 @@ pub(crate) struct WakeStart {
     pub ranges: Vec<TagRange>,
     /// Bytes mapped again.
     pub mapped_bytes: u64,
+}
+
+/// Sets a tag's phase back when dropped armed: a step that did not get through — an error, or a
+/// panic unwinding through it (a driver in the stream sanitizer's panic mode) — leaves the tag
+/// as it was before the step, never stuck half-way with its allocations refused.
+struct PhaseUndo<'a> {
+    alloc: &'a CachingAllocator,
+    pool: &'a MemPool,
+    to: Phase,
+    armed: bool,
+}
+
+impl<'a> PhaseUndo<'a> {
+    fn new(alloc: &'a CachingAllocator, pool: &'a MemPool, to: Phase) -> Self {
+        PhaseUndo {
+            alloc,
+            pool,
+            to,
+            armed: true,
+        }
+    }
+
+    /// The step got through: nothing to undo.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for PhaseUndo<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.alloc.end_phase(self.pool, self.to);
+        }
+    }
 }
 
 /// The pages mapped now under `shards`' expandable segments: address → chunk.
@@ -179,11 +218,10 @@ impl CachingAllocator {
     ) -> Result<SleepStart> {
         self.birth.check("this allocator")?;
         let pool = self.step(name, Phase::Awake, Phase::FallingAsleep)?;
-        let started = self.prepare_sleep(name, &pool, offload);
-        if started.is_err() {
-            self.end_phase(&pool, Phase::Awake);
-        }
-        started
+        let undo = PhaseUndo::new(self, &pool, Phase::Awake);
+        let start = self.prepare_sleep(name, &pool, offload)?;
+        undo.disarm();
+        Ok(start)
     }
 
     fn prepare_sleep(
@@ -276,6 +314,7 @@ impl CachingAllocator {
     pub(crate) fn begin_wake(&self, name: &str) -> Result<WakeStart> {
         self.birth.check("this allocator")?;
         let pool = self.step(name, Phase::Asleep, Phase::Waking)?;
+        let undo = PhaseUndo::new(self, &pool, Phase::Asleep);
         let shards = self.tag_shards(&pool);
         let mut mapped = self.map_back(name, &shards);
         if matches!(mapped, Err(Error::OutOfMemory { .. })) {
@@ -286,13 +325,7 @@ impl CachingAllocator {
             }
             mapped = self.map_back(name, &shards);
         }
-        let mapped_bytes = match mapped {
-            Ok(bytes) => bytes,
-            Err(err) => {
-                self.end_phase(&pool, Phase::Asleep);
-                return Err(err);
-            }
-        };
+        let mapped_bytes = mapped?;
         let ranges = shards
             .iter()
             .flat_map(|(device, shard)| {
@@ -311,6 +344,7 @@ impl CachingAllocator {
                     })
             })
             .collect();
+        undo.disarm();
         Ok(WakeStart {
             tag: name.to_owned(),
             pool,

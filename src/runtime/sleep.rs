@@ -13,7 +13,8 @@
 //! 4. every mapped page of the tags is deregistered, unmapped and released (`finish_sleep`);
 //!    the reservations stay, so every address handed out stays valid for later.
 //!
-//! A failure before step 4 leaves every tag awake, as it was. `wake_up(tags)` maps fresh pages at
+//! A failure before step 4 — an error, or a panic unwinding through it (a driver in the stream
+//! sanitizer's panic mode) — leaves every tag awake, as it was. `wake_up(tags)` maps fresh pages at
 //! the same addresses and registers them (on failure — out of memory — the tag stays asleep and
 //! its offloaded bytes stay kept for a retry), copies the offloaded bytes back into the blocks
 //! still allocated, zeroes discarded ones when [`WakeOptions::zero_discarded`] asks, waits for
@@ -32,6 +33,7 @@
 //! keeps it) and would leave the consumer reading bytes the producer no longer keeps.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use super::Runtime;
 use crate::alloc::{SleepStart, TagRange};
@@ -117,13 +119,26 @@ impl Runtime {
                 )));
             }
         }
-        let plan = offload
+        let plan: Vec<(&str, bool)> = offload
             .iter()
             .map(|n| (*n, true))
-            .chain(discard.iter().map(|n| (*n, false)));
+            .chain(discard.iter().map(|n| (*n, false)))
+            .collect();
+        // The tags on their way to sleep live out here: should a panic unwind through the
+        // steps before the unmaps (a driver in the stream sanitizer's panic mode), every one is
+        // awake again, as on an error.
         let mut started: Vec<Started> = Vec::new();
+        let outcome = catch_unwind(AssertUnwindSafe(|| self.sleep_tags(&plan, &mut started)));
+        outcome.unwrap_or_else(|panic| {
+            self.abandon(std::mem::take(&mut started));
+            resume_unwind(panic)
+        })
+    }
+
+    /// [`Runtime::sleep`]'s steps; `started` is emptied once the tags are handed to the unmaps.
+    fn sleep_tags(&self, plan: &[(&str, bool)], started: &mut Vec<Started>) -> Result<SleepReport> {
         let mut streams: Vec<StreamId> = Vec::new();
-        for (name, keep) in plan {
+        for &(name, keep) in plan {
             let mut buffers = Vec::new();
             let begun = self.begin_sleep(name, |range| {
                 self.refuse_shared(name, range)?;
@@ -135,7 +150,7 @@ impl Runtime {
             });
             match begun {
                 Ok(start) => started.push((start, keep, buffers)),
-                Err(err) => return Err(self.cancel_all(started, err)),
+                Err(err) => return Err(self.cancel_all(std::mem::take(started), err)),
             }
         }
         streams.sort_unstable_by_key(|s| s.raw());
@@ -145,7 +160,7 @@ impl Runtime {
             .iter()
             .try_for_each(|&s| driver.stream_synchronize(s))
         {
-            return Err(self.cancel_all(started, err));
+            return Err(self.cancel_all(std::mem::take(started), err));
         }
         // The kept bytes are in place before any tag can be woken (a wake needs the tag asleep,
         // which `finish_sleeps` makes it); the tags' shared spans are served nothing while
@@ -166,6 +181,8 @@ impl Runtime {
                 .iter()
                 .any(|r| r.addr < end && first < r.addr.saturating_add(r.len))
         });
+        // From here the unmaps own the tags: a panic in them is not undone here.
+        let started = std::mem::take(started);
         let finished = {
             let starts: Vec<&SleepStart> = started.iter().map(|(start, ..)| start).collect();
             self.finish_sleeps(&starts)
@@ -173,13 +190,8 @@ impl Runtime {
         let released = match finished {
             Ok(released) => released,
             Err(err) => {
-                let mut sleepers = self.sleepers.lock();
-                for (start, ..) in &started {
-                    sleepers.remove(&start.tag);
-                    self.serve_spans_from(&start.mapped_pages());
-                }
-                drop(sleepers);
-                return Err(self.cancel_all(started, err));
+                self.abandon(started);
+                return Err(err);
             }
         };
         let mut report = SleepReport::default();
@@ -230,7 +242,7 @@ impl Runtime {
         let live: HashSet<(usize, u64)> = start.ranges.iter().map(|r| (r.device, r.addr)).collect();
         let driver = self.allocator().driver();
         let mut streams: Vec<StreamId> = Vec::new();
-        let mut restore = || -> Result<()> {
+        let restore = || -> Result<()> {
             for (range, buffer) in &kept.buffers {
                 if !live.contains(&(range.device, range.addr)) {
                     continue; // freed while asleep
@@ -259,13 +271,21 @@ impl Runtime {
             }
             Ok(())
         };
-        let restored = restore();
-        if let Err(err) = restored {
-            // The memory is mapped; its bytes are not all back. Keep them for a retry of the
-            // copy by the caller's next wake: the tag goes back to sleep.
+        let failed = match catch_unwind(AssertUnwindSafe(restore)) {
+            Ok(Ok(())) => None,
+            Ok(Err(err)) => Some(Ok(err)),
+            Err(panic) => Some(Err(panic)),
+        };
+        if let Some(failure) = failed {
+            // The memory is mapped; its bytes are not all back (an error, or a panic of the
+            // driver: the stream sanitizer's panic mode). Keep them for a retry of the copy by
+            // the caller's next wake: the tag goes back to sleep.
             self.sleepers.lock().insert(name.to_owned(), kept);
             self.sleep_again(start);
-            return Err(err);
+            return match failure {
+                Ok(err) => Err(err),
+                Err(panic) => resume_unwind(panic),
+            };
         }
         // Storages of the tag shared earlier are served with the new pages' chunks from now on
         // (read before the page registry's lock is taken: no shard lock under it).
@@ -317,6 +337,20 @@ impl Runtime {
                 })
                 .collect()
         });
+    }
+
+    /// Gives up started sleeps whose bytes may be filed and whose spans paused already: the
+    /// filed bytes dropped, the spans served again, every tag awake.
+    fn abandon(&self, started: Vec<Started>) {
+        let mut sleepers = self.sleepers.lock();
+        for (start, ..) in &started {
+            sleepers.remove(&start.tag);
+            self.serve_spans_from(&start.mapped_pages());
+        }
+        drop(sleepers);
+        for (start, ..) in started {
+            self.cancel_sleep(start);
+        }
     }
 
     /// Gives up every started sleep; returns `err`.

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use cudalloc::HostDriver;
 use cudalloc::{
-    Backend, DeviceAddr, Driver, Error, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
-    OpenedSegment, Result, StreamId,
+    Backend, DeviceAddr, Driver, Error, EventFlags, EventId, HostAddr, IpcEventHandle,
+    IpcMemHandle, MemInfo, OpenedSegment, Result, StreamId,
 };
 
 /// Operations a [`FaultyDriver`] can be told to fail.
@@ -19,6 +19,9 @@ pub struct Faults {
     pub device_copies: AtomicBool,
     /// `event_create` fails.
     pub event_creation: AtomicBool,
+    /// The copies to and from pinned host memory panic before enqueueing anything (as a driver
+    /// in the stream sanitizer's panic mode does on a hazard).
+    pub pinned_copies_panic: AtomicBool,
     /// Every memory call (`malloc`, `free`, `vm_map`, `vm_unmap`) as `(call, address, size)`, in
     /// call order, with whatever else a test appends (to check what comes before what).
     pub memory_calls: std::sync::Mutex<Vec<(&'static str, u64, u64)>>,
@@ -180,6 +183,49 @@ impl Driver for FaultyDriver {
     }
     fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
         self.inner.sleep(stream, micros)
+    }
+    fn host_alloc(&self, size: u64) -> Result<HostAddr> {
+        self.inner.host_alloc(size)
+    }
+    unsafe fn host_free(&self, ptr: HostAddr) -> Result<()> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.host_free(ptr) }
+    }
+    unsafe fn host_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.host_register(ptr, size) }
+    }
+    unsafe fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.host_unregister(ptr) }
+    }
+    unsafe fn copy_pinned_to_device(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        src: HostAddr,
+        len: u64,
+    ) -> Result<()> {
+        assert!(
+            !self.faults.pinned_copies_panic.load(Ordering::SeqCst),
+            "panic injected by the test (copy_pinned_to_device)"
+        );
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.copy_pinned_to_device(stream, dst, src, len) }
+    }
+    unsafe fn copy_device_to_pinned(
+        &self,
+        stream: StreamId,
+        dst: HostAddr,
+        src: DeviceAddr,
+        len: u64,
+    ) -> Result<()> {
+        assert!(
+            !self.faults.pinned_copies_panic.load(Ordering::SeqCst),
+            "panic injected by the test (copy_device_to_pinned)"
+        );
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.inner.copy_device_to_pinned(stream, dst, src, len) }
     }
     fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
         self.inner.ipc_export_memory(ptr)

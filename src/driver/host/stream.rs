@@ -47,7 +47,7 @@ use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::thread::JoinHandle;
 
-use crate::error::{Error, Result};
+use crate::error::{panic_message, Error, Result};
 use crate::sync::os::{Arc, Condvar, Mutex, MutexGuard};
 
 /// One unit of stream work that cannot fail.
@@ -137,14 +137,6 @@ impl std::fmt::Debug for HostStream {
             .field("faults", &q.faults.len())
             .finish()
     }
-}
-
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".to_owned())
 }
 
 /// What running one unit of work came to.
