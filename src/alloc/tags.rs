@@ -12,10 +12,15 @@
 //! | asleep | refused | unmapped, released; reservations kept | `finish_sleep` | `begin_wake` |
 //! | waking | refused | mapped again at the same addresses, registered | `begin_wake` (on failure: asleep again, nothing mapped) | `finish_wake` (after the bytes are back) |
 //!
-//! A step that fails — an error, or a panic unwinding through it (a driver in the stream
-//! sanitizer's panic mode) — leaves the tag in the phase it started from (`PhaseUndo`). Code the
+//! Beginning a sleep or a wake is undone when it fails — an error, or a panic unwinding through
+//! it (a driver in the stream sanitizer's panic mode) — and leaves the tag in the phase it
+//! started from (`PhaseUndo`; a wake's shards already mapped go back to sleep). Code the
 //! allocator calls back into (registrars, observers, free-memory callbacks) cannot unwind
-//! through a step: its panics are caught where it is called.
+//! through any step: its panics are caught where it is called. What could still unwind through
+//! the unmaps that end a sleep, or through one shard's maps, is the allocator's own invariant
+//! checker (`check_invariants`: a bug report) or a driver that panics in `vm_map` or `vm_unmap`
+//! (none of this crate's does, the sanitizer's panic mode included); the tag then stays where it
+//! stopped.
 //!
 //! The shards' `sleeping` flag is set on the way into "falling asleep" *before* any shard lock is
 //! taken to list what to offload, and cleared when "awake" is entered again; allocations read it
@@ -27,6 +32,7 @@ use super::mem_pool::{MemPool, PoolScope};
 use super::pool_id::{MemPoolOptions, Phase};
 use super::CachingAllocator;
 use std::collections::BTreeMap;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use crate::driver::{ChunkId, StreamId};
 use crate::error::{Error, Result};
@@ -367,19 +373,20 @@ impl CachingAllocator {
         let mut mapped_bytes = 0;
         for entry in shards {
             let (device, shard) = entry;
-            match self.devices[*device].wake_shard(shard) {
-                Ok(bytes) => {
-                    mapped_bytes += bytes;
-                    woken.push(entry);
-                }
-                Err(err) => {
-                    // Back to sleep: what was woken holds nothing restored yet.
-                    for (device, shard) in woken {
-                        self.devices[*device].sleep_shard(shard, name);
-                    }
-                    return Err(err);
-                }
+            let woke = catch_unwind(AssertUnwindSafe(|| self.devices[*device].wake_shard(shard)));
+            if let Ok(Ok(bytes)) = woke {
+                mapped_bytes += bytes;
+                woken.push(entry);
+                continue;
             }
+            // Back to sleep, on an error or an unwind: what was woken holds nothing restored yet.
+            for (device, shard) in woken {
+                self.devices[*device].sleep_shard(shard, name);
+            }
+            return match woke {
+                Err(panic) => resume_unwind(panic),
+                Ok(outcome) => outcome,
+            };
         }
         Ok(mapped_bytes)
     }

@@ -242,11 +242,16 @@ impl PinnedBuffer {
             Some(i) => uses.pending[i].event,
             None => self.alloc.take_event(stream.device())?,
         };
-        if let Err(err) = launch(addr, len) {
-            if existing.is_none() {
-                self.alloc.return_event(stream.device(), event);
-            }
-            return Err(err);
+        // A launch that fails or panics (a driver in the sanitizer's panic mode) enqueued nothing:
+        // a fresh event goes back to the pool either way.
+        let launched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| launch(addr, len)));
+        if !matches!(launched, Ok(Ok(()))) && existing.is_none() {
+            self.alloc.return_event(stream.device(), event);
+        }
+        match launched {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => return Err(err),
+            Err(panic) => std::panic::resume_unwind(panic),
         }
         if let Err(err) = driver.event_record(event, stream) {
             // The work is enqueued but cannot be tracked: wait for it here instead.

@@ -19,6 +19,8 @@ pub struct Faults {
     pub device_copies: AtomicBool,
     /// `event_create` fails.
     pub event_creation: AtomicBool,
+    /// Events created so far.
+    pub events_created: std::sync::atomic::AtomicU64,
     /// The copies to and from pinned host memory panic before enqueueing anything (as a driver
     /// in the stream sanitizer's panic mode does on a hazard).
     pub pinned_copies_panic: AtomicBool,
@@ -130,6 +132,7 @@ impl Driver for FaultyDriver {
     }
     fn event_create(&self, device: usize, flags: EventFlags) -> Result<EventId> {
         check(&self.faults.event_creation, "event_create")?;
+        self.faults.events_created.fetch_add(1, Ordering::SeqCst);
         self.inner.event_create(device, flags)
     }
     fn event_destroy(&self, event: EventId) -> Result<()> {
