@@ -105,7 +105,7 @@ impl BlockOwner {
     #[inline]
     pub(crate) fn check_awake(&self, what: &str) -> Result<()> {
         let shard = self.shard();
-        if shard.sleeping.load(Ordering::Acquire) {
+        if shard.sleeping.load(Ordering::SeqCst) {
             return Err(shard.core.asleep_error(shard, what));
         }
         Ok(())

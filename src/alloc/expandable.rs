@@ -61,7 +61,7 @@ impl Shard {
         let Some(pages) = st.expandable.get(&block.segment) else {
             return Ok(None);
         };
-        if pages.asleep.is_some() || self.sleeping.load(Ordering::SeqCst) {
+        if pages.asleep.is_some() {
             drop(st);
             return Err(self.core.asleep_error(self, "sharing a storage"));
         }
@@ -499,7 +499,11 @@ impl DeviceCore {
         }
     }
 
-    /// Unmaps pages taken by [`ShardState::take_free_pages`] (outside every shard lock).
+    /// Unmaps pages taken by [`ShardState::take_free_pages`] or a sleep (outside every shard
+    /// lock): each release is neighbouring pages, deregistered and told to the observers first,
+    /// then unmapped in one call (one drain of the streams) and its chunks released. A failing
+    /// unmap or release is logged (the chunks are released anyway: the driver keeps a released
+    /// chunk's memory until its last mapping goes).
     pub(super) fn free_pages(&self, stream: StreamId, pages: Vec<PageRelease>) {
         for (addr, len, chunks) in pages {
             self.callbacks.registry.unmap(self.device, addr, len);
@@ -510,18 +514,12 @@ impl DeviceCore {
                 size: len,
                 stream,
             });
-            let page = if chunks.is_empty() {
-                len
-            } else {
-                len / chunks.len() as u64
-            };
+            if let Err(err) = self.driver.vm_unmap(DeviceAddr(addr), len) {
+                tracing::error!(%err, addr, len, "unmapping pages of an expandable segment failed");
+            }
             for (at, chunk) in chunks {
-                if let Err(err) = self
-                    .driver
-                    .vm_unmap(DeviceAddr(at), page)
-                    .and_then(|()| self.driver.vm_release_chunk(chunk))
-                {
-                    tracing::error!(%err, at, "unmapping a page of an expandable segment failed");
+                if let Err(err) = self.driver.vm_release_chunk(chunk) {
+                    tracing::error!(%err, at, "releasing a page of an expandable segment failed");
                 }
             }
             self.reserved.fetch_sub(len, Ordering::SeqCst);

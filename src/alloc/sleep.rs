@@ -13,7 +13,7 @@
 //! | asleep | `chunks` empty; `asleep`: the pages to map back | unchanged: allocated blocks stay allocated (their owners hold the addresses), free ones stay free but are never handed out (the shard refuses allocations) | no longer count them | deregistered before the unmap |
 //!
 //! What keeps the segment's free blocks and pages out of every other path while it sleeps: the
-//! shard's `sleeping` flag refuses allocations (checked before and under the lock), the release
+//! shard's `sleeping` flag refuses allocations (read under the shard's lock), the release
 //! paths skip asleep segments (`take_free_pages`), growth plans skip them, and `pages_under`
 //! (sharing) refuses them. Frees proceed: a block freed while asleep becomes free as usual, and
 //! the wake leaves its bytes undefined (only blocks still allocated get their bytes back).
@@ -23,6 +23,7 @@
 
 use super::block::BlockState;
 use super::core_types::{DeviceCore, Shard};
+use super::expandable::PageRelease;
 use super::history::TraceAction;
 use super::observers::{SegmentChange, SegmentEvent};
 use super::registration::RegionKind;
@@ -185,43 +186,24 @@ impl DeviceCore {
             self.verify(&st);
             taken
         };
-        let mut released = 0u64;
-        for (_base, page, pages) in taken {
-            // Runs of neighbouring pages: one unmap each (one drain of the streams).
-            for run in pages.chunk_by(|a, b| b.0 == a.0 + page) {
-                let (at, len) = (run[0].0, page * run.len() as u64);
-                self.callbacks.registry.unmap(self.device, at, len);
-                self.callbacks.observers.segment(SegmentEvent {
-                    change: SegmentChange::Unmap,
-                    device: self.device,
-                    base: DeviceAddr(at),
-                    size: len,
-                    stream: shard.stream,
-                });
-                if let Err(err) = self.driver.vm_unmap(DeviceAddr(at), len) {
-                    tracing::error!(%err, at, len, "unmapping pages of a sleeping tag failed");
-                }
-                for &(_, chunk) in run {
-                    if let Err(err) = self.driver.vm_release_chunk(chunk) {
-                        tracing::error!(%err, at, "releasing a page of a sleeping tag failed");
-                    }
-                }
-                if let Some(sanitizer) = &self.sanitizer {
-                    sanitizer.asleep(at, len, tag);
-                }
-                self.reserved.fetch_sub(len, Ordering::SeqCst);
-                self.trace.record(
-                    TraceAction::SegmentUnmap,
-                    self.device,
-                    at,
-                    len,
-                    shard.stream,
-                );
-                released += len;
+        // Runs of neighbouring pages: one release each, unmapped in one call.
+        let runs: Vec<PageRelease> = taken
+            .iter()
+            .flat_map(|&(_, page, ref pages)| {
+                pages
+                    .chunk_by(move |a, b| b.0 == a.0 + page)
+                    .map(move |run| (run[0].0, page * run.len() as u64, run.to_vec()))
+            })
+            .collect();
+        let spans: Vec<(u64, u64)> = runs.iter().map(|&(at, len, _)| (at, len)).collect();
+        self.free_pages(shard.stream, runs);
+        if let Some(sanitizer) = &self.sanitizer {
+            for &(at, len) in &spans {
+                sanitizer.asleep(at, len, tag);
             }
         }
         self.tell_peaks(shard);
-        released
+        spans.iter().map(|&(_, len)| len).sum()
     }
 
     /// Maps fresh pages back under `shard`'s asleep segments, at the same addresses, and

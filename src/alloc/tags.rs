@@ -8,8 +8,8 @@
 //! | phase | allocations of the tag | pages | entered by | left by |
 //! |---|---|---|---|---|
 //! | awake | served | mapped | making the tag; a finished wake | [`CachingAllocator::begin_sleep`] |
-//! | falling asleep | refused ([`Error::Asleep`]) | mapped; its free pages given back, its streams waited for | `begin_sleep` (refused while a capture is under way) | `finish_sleep` (pages unmapped and released), `cancel_sleep` (awake again) |
-//! | asleep | refused | unmapped, released; reservations kept | `finish_sleep` | `begin_wake` |
+//! | falling asleep | refused ([`Error::Asleep`]) | mapped; its free pages given back (kept when graphs hold the tag: they sleep with the rest), its streams waited for | `begin_sleep` (refused while a capture is under way) | `finish_sleeps` (pages unmapped and released), `cancel_sleep` (awake again) |
+//! | asleep | refused | unmapped, released; reservations kept | `finish_sleeps` | `begin_wake` |
 //! | waking | refused | mapped again at the same addresses, registered | `begin_wake` (on failure: asleep again, nothing mapped) | `finish_wake` (after the bytes are back) |
 //!
 //! Beginning a sleep or a wake is undone when it fails — an error, or a panic unwinding through
@@ -24,8 +24,9 @@
 //!
 //! The shards' `sleeping` flag is set on the way into "falling asleep" *before* any shard lock is
 //! taken to list what to offload, and cleared when "awake" is entered again; allocations read it
-//! before and under the lock (`device.rs`), so an allocation racing a sleep either finishes
-//! before the listing (its block is offloaded) or is refused.
+//! under the shard's lock (`try_fit`, then the slow path says why: `device.rs`), so an
+//! allocation racing a sleep either finishes before the listing (its block is offloaded) or is
+//! refused.
 
 use super::core_types::Shard;
 use super::mem_pool::{MemPool, PoolScope};

@@ -91,13 +91,7 @@ impl<C> VmSpace<C> {
     /// and the simulator may place a plain segment right there — except for an empty range, which
     /// may end a reservation's last block.
     pub(crate) fn contains(&self, addr: u64, len: u64) -> bool {
-        self.reservations
-            .range(..=addr)
-            .next_back()
-            .is_some_and(|(&b, r)| {
-                let end = b.saturating_add(r.size);
-                addr < end || (len == 0 && addr == end)
-            })
+        self.holding(addr, len.min(1)).is_ok()
     }
 
     /// Checks that `chunk_len` bytes may be mapped at `addr` (aligned to `granularity`, inside a

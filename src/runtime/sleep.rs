@@ -10,7 +10,7 @@
 //!    tag, its copy into a pinned host buffer is enqueued on the block's stream (a free racing
 //!    the sleep waits for the lock, and is ordered after the copy by that stream);
 //! 3. the copies' streams are waited for;
-//! 4. every mapped page of the tags is deregistered, unmapped and released (`finish_sleep`);
+//! 4. every mapped page of the tags is deregistered, unmapped and released (`finish_sleeps`);
 //!    the reservations stay, so every address handed out stays valid for later.
 //!
 //! A failure before step 4 — an error, or a panic unwinding through it (a driver in the stream
@@ -225,18 +225,26 @@ impl Runtime {
         names.dedup();
         let mut report = WakeReport::default();
         for name in names {
-            match self.wake_one(&name, options, &mut report) {
-                // Every sleeping tag: one another thread is waking (or woke) meanwhile is not an
-                // error (`begin_wake` refuses a tag that is not asleep with `Error::Asleep`).
-                Err(Error::Asleep { .. }) if tags.is_empty() => {}
-                other => other?,
-            }
+            self.wake_one(&name, options, tags.is_empty(), &mut report)?;
         }
         Ok(report)
     }
 
-    fn wake_one(&self, name: &str, options: WakeOptions, report: &mut WakeReport) -> Result<()> {
-        let start = self.begin_wake(name)?;
+    /// Wakes tag `name`; when `every` (waking every sleeping tag), one another thread is waking
+    /// or woke meanwhile is skipped (`begin_wake` refuses a tag that is not asleep with
+    /// `Error::Asleep`) — only that refusal, never an error of the restore.
+    fn wake_one(
+        &self,
+        name: &str,
+        options: WakeOptions,
+        every: bool,
+        report: &mut WakeReport,
+    ) -> Result<()> {
+        let start = match self.begin_wake(name) {
+            Ok(start) => start,
+            Err(Error::Asleep { .. }) if every => return Ok(()),
+            Err(err) => return Err(err),
+        };
         let kept = self.sleepers.lock().remove(name).unwrap_or_default();
         report.mapped_bytes += start.mapped_bytes;
         let live: HashSet<(usize, u64)> = start.ranges.iter().map(|r| (r.device, r.addr)).collect();
