@@ -44,8 +44,20 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 # NVRTC: the CUDA toolkit, or the nvidia-cuda-nvrtc-cu12 wheel that PyTorch installs.
 nvrtc_dir=$(python3 -c 'import nvidia.cuda_nvrtc as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null \
   || dirname "$(find / -name 'libnvrtc.so*' -not -path '*/proc/*' 2>/dev/null | head -n 1)" 2>/dev/null || true)
+if [ -z "$nvrtc_dir" ] || ! ls "$nvrtc_dir"/libnvrtc.so* >/dev/null 2>&1; then
+  # CUDA 13's wheels keep their libraries elsewhere (nvidia/cu13/lib).
+  nvrtc_dir=$(dirname "$(find / -name 'libnvrtc.so*' -not -path '/proc/*' 2>/dev/null | head -n 1)" 2>/dev/null || true)
+fi
 if [ -n "$nvrtc_dir" ] && [ -d "$nvrtc_dir" ]; then
   export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # cudarc looks for libnvrtc.so or libnvrtc.so.12; a newer toolkit ships only libnvrtc.so.13.
+  if [ ! -e "$nvrtc_dir/libnvrtc.so" ] && [ ! -e "$nvrtc_dir/libnvrtc.so.12" ]; then
+    versioned=$(ls "$nvrtc_dir"/libnvrtc.so.* 2>/dev/null | head -n 1)
+    link_dir=$(mktemp -d)
+    ln -s "$versioned" "$link_dir/libnvrtc.so"
+    export LD_LIBRARY_PATH="$link_dir:$LD_LIBRARY_PATH"
+    echo "NVRTC: $versioned (as libnvrtc.so)"
+  fi
   echo "NVRTC: $nvrtc_dir"
 else
   echo "NVRTC: not found (kernel tests will fail on CUDA)"
@@ -73,7 +85,10 @@ fi
 for exe in "$bin_dir"/*; do
   suite=$(basename "$exe")
   case "$suite" in *-bench|*-example) continue ;; esac
-  if ! "$exe" --test-threads=1 --nocapture >"$log" 2>&1; then status=1; fi
+  # A suite that hangs on a GPU must not eat the whole check: each has a deadline.
+  if ! timeout "${GPU_CHECK_SUITE_TIMEOUT:-300}" "$exe" --test-threads=1 --nocapture >"$log" 2>&1; then
+    status=1
+  fi
   grep -E '^test .* \.\.\. ' "$log" | sed -E 's/^test (.*) \.\.\. (.*)$/\1|\2/' \
     | while IFS='|' read -r name result; do printf '%-58s %s\n' "$suite::$name" "$result"; done
   if grep -q 'skipped: no CUDA driver' "$log"; then

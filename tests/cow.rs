@@ -283,24 +283,27 @@ fn stress_four_threads_of_concurrent_materializations() {
 
 #[test]
 fn a_failed_copy_leaves_the_storage_a_valid_cow_storage() {
-    // The copy step (allocate, enqueue, order) runs before the reference is given up: a device copy
-    // that cannot be enqueued, or a copier event that cannot be created, is an error and the storage
-    // stays COW with its bytes — it never hands back a "copy" that holds stale bytes.
+    // The copy step (allocate, enqueue, record the copier's stream on the source) runs before the
+    // reference is given up: a device copy that cannot be enqueued is an error and the storage
+    // stays COW with its bytes — it never hands back a "copy" that holds stale bytes. (The step
+    // creates no event: a stealer waits for the streams recorded on the source, `handover.rs`.)
     let faulty = Arc::new(common::faulty::FaultyDriver::new(Arc::new(host_driver())));
     let faults = faulty.faults.clone();
     let a = Arc::new(Runtime::builder().build(faulty).unwrap());
     let s = Storage::new(&a, 0, 8192).unwrap();
     s.fill_pattern(3).unwrap();
     let c = s.lazy_clone().unwrap();
-    for fault in [&faults.device_copies, &faults.event_creation] {
-        fault.store(true, std::sync::atomic::Ordering::SeqCst);
-        let err = c.copy_from_host(&[1, 2, 3]).unwrap_err();
-        assert!(err.to_string().contains("injected"), "{err}");
-        fault.store(false, std::sync::atomic::Ordering::SeqCst);
-        assert!(c.is_cow(), "still a COW storage");
-        assert_eq!(c.data_ptr(), s.data_ptr(), "still sharing");
-        assert_eq!(c.count_pattern_mismatches(3).unwrap(), 0);
-    }
+    faults
+        .device_copies
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let err = c.copy_from_host(&[1, 2, 3]).unwrap_err();
+    assert!(err.to_string().contains("injected"), "{err}");
+    faults
+        .device_copies
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    assert!(c.is_cow(), "still a COW storage");
+    assert_eq!(c.data_ptr(), s.data_ptr(), "still sharing");
+    assert_eq!(c.count_pattern_mismatches(3).unwrap(), 0);
     c.copy_from_host(&[1, 2, 3]).unwrap();
     assert!(!c.is_cow());
     let mut head = [0u8; 8192];

@@ -86,6 +86,13 @@ impl BlockOwner {
         shard.record_use(self.block(), stream)
     }
 
+    /// Its bytes go to a new owner that uses them on `to` next, without a free between
+    /// (`handover.rs`): `to` waits for every stream the block was used on.
+    pub(crate) fn hand_over_in_place(&self, to: StreamId, to_capturing: bool) {
+        self.shard()
+            .hand_over_in_place(self.block(), to, to_capturing);
+    }
+
     /// The stream the block was allocated on.
     pub(crate) fn stream(&self) -> StreamId {
         self.shard().stream
@@ -137,9 +144,7 @@ impl BlockOwner {
             class,
         };
         if super::thread::keep_in_front(self.shard(), entry, limit) {
-            if let Some(sanitizer) = &self.shard().sanitizer {
-                sanitizer.free(ptr, entry.bytes(), self.shard().stream, &[]);
-            }
+            self.shard().leave_to_front(ptr, entry.bytes());
             // For the history the program freed the block (its next hand-out records an alloc).
             self.shard()
                 .core

@@ -17,6 +17,9 @@
 //!   reuse order, opt-in.
 //! * `core_types.rs` — `Shard`, `DeviceCore` and the peak book: the types that point at each other,
 //!   their fields only. Their methods live above, by concern:
+//! * `handover.rs` — when a block's bytes change owner and what the next owner waits for: the
+//!   one place that decides it (free, a lazy clone's steal, front caches), with the block's
+//!   lifecycle as a state table.
 //! * `shard.rs` — a shard's free path, its life after the allocator, front-cache helpers;
 //!   `thread.rs` — per-thread state: current streams and a cache of shard pointers (no lock, no
 //!   atomic on the hot path).
@@ -53,6 +56,7 @@ mod device_shards;
 mod expandable;
 mod front;
 mod graph;
+mod handover;
 mod history;
 mod invariants;
 mod mem_pool;
@@ -95,6 +99,7 @@ pub use stats::{DeviceStats, PoolStats, Stat, POOL_NAMES};
 pub use data_ptr::DataPtr;
 pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
 pub(crate) use expandable::PagesUnder;
+pub(crate) use handover::relaxed;
 pub(crate) use tags::{SleepStart, TagRange};
 
 use self::block::Allocated;

@@ -46,13 +46,8 @@ impl Shard {
             size,
             self.stream,
         );
-        let uses = st.release(id, &core.config);
-        if let Some(sanitizer) = &self.sanitizer {
-            // A block of a pool graphs hold stays theirs: replays may still touch it.
-            if !core.capturing.held_by_graphs(st.pool) {
-                sanitizer.free(ptr, size, self.stream, &uses);
-            }
-        }
+        // What the block's next owner waits for is decided in `handover.rs`.
+        let uses = self.leave(&mut st, id);
         if uses.is_empty() {
             core.trace.record(
                 TraceAction::FreeCompleted,

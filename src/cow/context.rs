@@ -1,34 +1,25 @@
 //! The COW context of device memory: the generic [`CowCell`] holding the original `DataPtr`, plus
-//! what stream ordering needs (the stream current at lazy-clone time, the copiers' events).
+//! what stream ordering needs (the stream current at lazy-clone time).
+//!
+//! A copier records its stream on the original (as `record_stream` would), and so does every
+//! clone read on another stream. The last reference's steal is a change of owner without a free:
+//! the allocator's hand-over (`alloc/handover.rs`) makes the stealing stream wait for every stream
+//! recorded on the original — copiers and readers of clones dropped since alike.
 
 use super::cell::{CowCell, Materialized};
-use crate::alloc::{take_shared, CachingAllocator, DataPtr, Owner, SharedOwner};
-use crate::driver::{DeviceAddr, Driver, EventFlags, EventId, StreamId};
+use crate::alloc::{relaxed, take_shared, CachingAllocator, DataPtr, Owner, SharedOwner};
+use crate::driver::{DeviceAddr, Driver, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
-use crate::sync::os::{Arc, Mutex};
+use crate::sync::os::Arc;
 
 /// Shared state of a set of COW storages.
 #[derive(Debug)]
 pub(crate) struct CowContext {
     cell: CowCell<DataPtr>,
-    device: usize,
     clone_stream: StreamId,
-    copier_events: Mutex<Vec<EventId>>,
-    driver: Arc<dyn Driver>,
     /// The process of the lazy clone: a forked child's copy releases nothing (`process`).
     birth: Birth,
-}
-
-impl Drop for CowContext {
-    fn drop(&mut self) {
-        crate::process::leak_in_child(self.birth, &mut self.copier_events);
-        for e in self.copier_events.lock().drain(..) {
-            if let Err(err) = self.driver.event_destroy(e) {
-                tracing::warn!(%err, "destroying a COW copier event failed");
-            }
-        }
-    }
 }
 
 /// The owner of a COW storage's `DataPtr`: one reference on the context.
@@ -90,10 +81,7 @@ pub(crate) fn lazy_clone(alloc: &CachingAllocator, data: &mut DataPtr) -> Result
         let ctx = Arc::new(CowContext {
             cell: CowCell::new(original, 2),
             birth: Birth::now(),
-            device,
             clone_stream,
-            copier_events: Mutex::new(Vec::new()),
-            driver: Arc::clone(alloc.driver()),
         });
         *data = DataPtr::new(ptr, device, cow_owner(&ctx));
         ctx
@@ -158,7 +146,7 @@ pub(crate) fn materialize(
             }
         }
         ctx.cell
-            .materialize(|original| copy_step(alloc, &ctx, original, nbytes, stream, capturing))
+            .materialize(|original| copy_step(alloc, original, nbytes, stream, capturing))
     }));
     let outcome = match outcome {
         Ok(outcome) => outcome,
@@ -169,18 +157,10 @@ pub(crate) fn materialize(
     };
     let new_data = match outcome {
         Ok(Materialized::Stole(original)) => {
-            // The reference is given up: from here nothing may fail. Our stream waits for
-            // every copier; if a wait cannot be enqueued, block on the event instead. Inside a
-            // capture the copiers' events (recorded outside it) are waited for on the host.
-            for &e in ctx.copier_events.lock().iter() {
-                if capturing {
-                    if let Err(err) = relaxed(driver, || driver.event_synchronize(e)) {
-                        tracing::warn!(%err, "COW steal inside a capture: waiting for a copier failed");
-                    }
-                } else if let Err(err) = driver.stream_wait_event(stream, e) {
-                    tracing::warn!(%err, "COW steal: waiting on the host instead");
-                    let _ = driver.event_synchronize(e);
-                }
+            // The reference is given up: from here nothing may fail. A change of owner without
+            // a free: our stream waits for every stream that used the memory (`alloc/handover.rs`).
+            if let Some(block) = original.block_owner() {
+                block.hand_over_in_place(stream, capturing);
             }
             original
         }
@@ -200,15 +180,15 @@ pub(crate) fn materialize(
 }
 
 /// Copier: the whole fallible copy step, done before the reference is given up. Allocates the
-/// copy on `stream`, enqueues the device copy there, marks the source as used by `stream` (its free
-/// waits) and records an event after the copy (a later stealer waits on it). The event is created
-/// before anything is enqueued; if the bookkeeping after the enqueue fails, the stream is
-/// synchronized (so the abandoned copy cannot read the source after a stealer writes it) and the
-/// error returned — the caller's storage stays COW. `capturing`: `stream` is being captured (asked
-/// once by `materialize`), so the copy is the graph's and records no event.
+/// copy on `stream`, enqueues the device copy there and marks the source as used by `stream` (its
+/// free, or a stealer, waits for it: `alloc/handover.rs`). If marking fails after the enqueue, the
+/// stream is synchronized (so the abandoned copy cannot read the source after a stealer writes
+/// it) and the error returned — the caller's storage stays COW. `capturing`: `stream` is being
+/// captured (asked once by `materialize`): the copy is recorded into the graph (its memory from
+/// the graph's pool), not run, and each replay reads the source as it is then — the source is
+/// the graph's input.
 fn copy_step(
     alloc: &CachingAllocator,
-    ctx: &CowContext,
     original: &DataPtr,
     nbytes: u64,
     stream: StreamId,
@@ -216,50 +196,16 @@ fn copy_step(
 ) -> Result<DataPtr> {
     let driver = alloc.driver();
     let copy = alloc.allocate_on(stream, nbytes)?;
-    if capturing {
-        // The copy is recorded into the graph (its memory from the graph's pool), not run: no
-        // eager work will read the source for it, so a stealer has nothing to wait for — and an
-        // event recorded here would be a point of the capture, which a stealer's wait outside it
-        // would join. Each replay reads the source as it is then: the source is the graph's input.
-        driver.copy_device_to_device(stream, copy.ptr(), original.ptr(), nbytes)?;
-        alloc.record_stream(original, stream)?;
-        return Ok(copy);
-    }
-    let event = driver.event_create(ctx.device, EventFlags::default())?;
-    let ordered = driver
-        .copy_device_to_device(stream, copy.ptr(), original.ptr(), nbytes)
-        .and_then(|()| {
-            let after_enqueue = alloc
-                .record_stream(original, stream)
-                .and_then(|()| driver.event_record(event, stream));
-            if after_enqueue.is_err() {
-                if let Err(err) = driver.stream_synchronize(stream) {
-                    tracing::warn!(%err, "COW: synchronizing after a failed copy step failed");
-                }
+    driver.copy_device_to_device(stream, copy.ptr(), original.ptr(), nbytes)?;
+    if let Err(err) = alloc.record_stream(original, stream) {
+        if !capturing {
+            if let Err(err) = driver.stream_synchronize(stream) {
+                tracing::warn!(%err, "COW: synchronizing after a failed copy step failed");
             }
-            after_enqueue
-        });
-    match ordered {
-        Ok(()) => {
-            ctx.copier_events.lock().push(event);
-            Ok(copy)
         }
-        Err(err) => {
-            if let Err(destroy) = driver.event_destroy(event) {
-                tracing::warn!(%destroy, "COW: destroying an unused copier event failed");
-            }
-            Err(err)
-        }
+        return Err(err);
     }
-}
-
-/// Runs `f` with this thread's capture interaction mode relaxed (a host wait for work outside a
-/// capture, which a global capture would otherwise forbid), restoring it after.
-fn relaxed<R>(driver: &Arc<dyn Driver>, f: impl FnOnce() -> R) -> R {
-    let before = driver.exchange_capture_mode(crate::driver::CaptureMode::Relaxed);
-    let out = f();
-    driver.exchange_capture_mode(before);
-    out
+    Ok(copy)
 }
 
 fn wait_for_stream(driver: &Arc<dyn Driver>, waited: StreamId, waiter: StreamId) -> Result<()> {

@@ -41,16 +41,20 @@
 //! This layer works on `DataPtr`s (`lazy_clone`, `materialize`, `is_cow`); the storage layer
 //! holds the lock and publishes the address word.
 //!
-//! Stream order: a copier enqueues its copy on its current stream, records an event after it and
-//! marks the source block as used by that stream (so a later free waits); a stealer makes its stream
-//! wait on every copier's event before returning; materializing on a stream other than the one that
-//! was current at lazy-clone time first waits for that stream.
+//! Stream order: a copier enqueues its copy on its current stream and marks the source block as
+//! used by that stream (as `record_stream` would: a later free waits for it); so does a read of a
+//! clone on another stream (`record_stream`, copies to pinned memory). A stealer's change of owner
+//! goes through the allocator's hand-over (`alloc/handover.rs`): its stream waits for the block's
+//! own stream and every stream recorded on it — copiers, and readers of clones dropped since (a
+//! steal that waited only for the copiers let a dropped clone's late reader see the new bytes:
+//! `tests/lifecycle_handover.rs`). Materializing on a stream other than the one that was current
+//! at lazy-clone time first waits for that stream.
 //!
 //! Inside a stream capture (`alloc/graph.rs`) a copier's copy is recorded into the graph — its
 //! memory from the graph's pool — and runs at every replay, reading the source as it is then (the
-//! source is an input of the graph: keep it alive while replaying). No copier event is recorded
-//! (it would be a point of the capture, and a stealer's wait on it outside the capture would join
-//! it), and `mutable_data_ptr()` does not wait for the copy (waiting is forbidden there; work
+//! source is an input of the graph: keep it alive while replaying). A stealer outside the capture
+//! does not wait for the capturing stream (its copy runs only at replays; a wait would join the
+//! capture), and `mutable_data_ptr()` does not wait for the copy (waiting is forbidden there; work
 //! captured after it runs after it). Tested in `tests/graphs_meet.rs`.
 
 pub mod cell;

@@ -13,7 +13,7 @@
 //! |---|---|---|
 //! | a capture (origin, mode, thread, nodes, member streams, coverage) | `stream_begin_capture` | `stream_end_capture` (a graph, or an error) |
 //! | a point (event → capture, stream, nodes so far, what that stream covers) | `event_record` on a capturing stream | the capture's end, or a real record of the event |
-//! | a graph / an instantiated graph (shared nodes) | the end / `graph_instantiate` | `graph_destroy` / `graph_exec_destroy` |
+//! | a graph / an instantiated graph (shared nodes; its latest launch) | the end / `graph_instantiate` | `graph_destroy` / `graph_exec_destroy` |
 //!
 //! Join bookkeeping: every member stream but the origin has an *activity* (the node count when it
 //! joined or last recorded work); a wait on a point of stream `s` covers `s` up to the point's node
@@ -62,6 +62,17 @@ struct Capture {
     invalid: Option<String>,
 }
 
+/// Waits until a launch's last node has run (on the host, from another stream's worker).
+pub(super) type LaunchDone = Arc<dyn Fn() + Send + Sync>;
+
+/// An instantiated graph: its nodes, and its latest launch (the stream and a wait for its end).
+/// CUDA runs the launches of one executable graph one after the other, whatever their streams:
+/// a launch on another stream first waits for the latest one (`capture_calls.rs`).
+pub(super) struct Exec {
+    pub(super) nodes: Arc<[Node]>,
+    pub(super) latest: Mutex<Option<(StreamId, LaunchDone)>>,
+}
+
 /// An event recorded inside a capture.
 struct Point {
     capture: u64,
@@ -76,7 +87,7 @@ struct Table {
     streams: HashMap<StreamId, u64>,
     points: HashMap<EventId, Point>,
     graphs: HashMap<u64, Arc<[Node]>>,
-    execs: HashMap<u64, Arc<[Node]>>,
+    execs: HashMap<u64, Arc<Exec>>,
     next_id: u64,
 }
 
@@ -408,12 +419,13 @@ impl Captures {
             .cloned()
             .ok_or_else(|| Error::invalid(format!("{graph} does not exist")))?;
         let exec = table.fresh();
-        table.execs.insert(exec, nodes);
+        let latest = Mutex::new(None);
+        table.execs.insert(exec, Arc::new(Exec { nodes, latest }));
         Ok(GraphExecId(exec))
     }
 
-    /// The nodes of an instantiated graph, to launch.
-    pub(super) fn exec_nodes(&self, exec: GraphExecId) -> Result<Arc<[Node]>> {
+    /// An instantiated graph, to launch.
+    pub(super) fn exec(&self, exec: GraphExecId) -> Result<Arc<Exec>> {
         self.table
             .lock()
             .execs

@@ -41,9 +41,14 @@ impl HostDriver {
     /// ranges against the live segments (all of them before any is enqueued: a graph whose memory
     /// was freed is an error of the launch, and nothing of it runs). On a capturing stream the
     /// nodes are recorded into that capture instead (a graph inside a graph).
+    ///
+    /// Launches of one instantiated graph run one after the other, as CUDA runs them: a launch on
+    /// another stream than the latest one's first waits for it (held across the enqueue, so two
+    /// threads' launches are ordered as they were made).
     pub(super) fn launch_graph(&self, exec: GraphExecId, stream: StreamId) -> Result<()> {
         self.this_process()?;
-        let nodes = self.captures.exec_nodes(exec)?;
+        let graph = self.captures.exec(exec)?;
+        let nodes = &graph.nodes;
         let s = self.stream(stream)?;
         if self.captures.status(stream).is_capturing() {
             for node in nodes.iter() {
@@ -73,20 +78,29 @@ impl HostDriver {
             };
             ready.push(addrs);
         }
+        let mut latest = graph.latest.lock();
+        if let Some((previous, done)) = latest.as_ref().filter(|(on, _)| *on != stream) {
+            let done = Arc::clone(done);
+            tracing::trace!(%exec, "launch waits for the latest launch on stream {}", previous.0);
+            s.enqueue_control(Box::new(move || done()))?;
+        }
+        let mut last = None;
         for (node, addrs) in nodes.iter().zip(ready) {
-            match node {
+            last = Some(match node {
                 Node::Device { op, .. } => {
                     let op = Arc::clone(op);
-                    s.enqueue_fallible(Box::new(move || op(&addrs)))?;
+                    s.enqueue_fallible(Box::new(move || op(&addrs)))?
                 }
-                &Node::Sleep(micros) => {
-                    s.enqueue(Box::new(move || {
-                        std::thread::sleep(std::time::Duration::from_micros(micros))
-                    }))?;
-                }
-            }
+                &Node::Sleep(micros) => s.enqueue(Box::new(move || {
+                    std::thread::sleep(std::time::Duration::from_micros(micros))
+                }))?,
+            });
         }
         drop(view);
+        if let Some(ticket) = last {
+            let on = Arc::clone(&s);
+            *latest = Some((stream, Arc::new(move || on.wait_done(ticket))));
+        }
         Ok(())
     }
 

@@ -332,6 +332,12 @@ impl HostStream {
         }
     }
 
+    /// Blocks until the operation with `ticket` has finished, whatever its outcome (for another
+    /// stream's ordering: a failure is reported on this stream).
+    pub(crate) fn wait_done(&self, ticket: u64) {
+        drop(self.finished(ticket));
+    }
+
     /// Blocks until everything enqueued so far has finished.
     pub(crate) fn synchronize(&self) -> Result<()> {
         let ticket = self.queue.lock().submitted;

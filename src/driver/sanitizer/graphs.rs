@@ -7,7 +7,7 @@
 //! | work recorded into capture `c` (forwarded unchecked: it does not run now) | its touches, under `c` |
 //! | capture `c` ends with graph `g` (or fails) | the touches move to `g` (or are dropped) |
 //! | `g` instantiated as `x` | `x` shares `g`'s touches |
-//! | `x` launched on stream `s` | checked and recorded on `s` as "a graph replay" (a race with unordered work is reported as for any enqueue) |
+//! | `x` launched on stream `s` | ordered after `x`'s previous launch, whatever its stream (as CUDA runs them); checked and recorded on `s` as "a graph replay" (a race with unordered work is reported as for any enqueue; bytes freed into a pool live graphs hold are the graph's to touch) |
 //! | `x` launched inside capture `c'` | its touches join `c'`'s |
 //! | `g` / `x` destroyed | forgotten |
 
@@ -81,5 +81,6 @@ impl Sanitizer {
     /// `exec` was destroyed.
     pub(crate) fn exec_destroyed(&self, exec: GraphExecId) {
         self.graphs.tables.lock().execs.remove(&exec.0);
+        self.state.lock().launches.remove(&exec.0);
     }
 }

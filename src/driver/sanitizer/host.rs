@@ -28,7 +28,7 @@ impl Sanitizer {
         let h = st.host_slot();
         let mut k = st.host.clone();
         k.tick(h);
-        self.check_touches(&mut st, h, &k, what, touches)?;
+        self.check_touches(&mut st, h, &k, what, touches, false)?;
         let epoch = k.get(h);
         st.host = k;
         self.record_touches(&mut st, h, epoch, what, touches);
@@ -56,7 +56,7 @@ impl Sanitizer {
             let slot = st.slot(s);
             clock.join(&st.actors[slot].clock);
         }
-        Self::free_at(&mut st, start, len, h, clock);
+        Self::free_at(&mut st, start, len, h, clock, false);
     }
 
     /// The pinned allocator hands `[start, start + len)` to the host.

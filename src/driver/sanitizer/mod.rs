@@ -18,6 +18,7 @@
 //! | any work enqueued on stream `s` (copy, memset, kernel, host kernel, view) | `C[s] ⊔= H`; `C[s][s] += 1`: the work's epoch |
 //! | `event_record(e, s)` | `E[e] := C[s] ⊔ H` |
 //! | `stream_wait_event(s, e)` | `C[s] ⊔= E[e]` |
+//! | `graph_launch(x, s)` (an instantiated graph) | `C[s] ⊔= L[x]` (CUDA runs one executable graph's launches one after the other), then as any work; `L[x] := C[s]` |
 //! | `stream_synchronize(s)`, a blocking copy or verify on `s` | `H ⊔= C[s]` (as of the call) |
 //! | `event_synchronize(e)` | `H ⊔= E[e]` |
 //! | `free`, `ipc_close_memory`, `vm_unmap` (the allocator's and the IPC layer's own steps, when memory pressure says) | nothing: the bytes are forgotten (a race straddling them is still one) |
@@ -35,7 +36,7 @@
 //!
 //! | allocator step | sanitizer |
 //! |---|---|
-//! | free of a block (its own stream `o`, recorded streams `r…`) | the bytes are *freed* with `F = C[o] ⊔ C[r…] ⊔ H`: what the allocator's events guarantee before reuse |
+//! | free of a block (its own stream `o`, recorded streams `r…`; `alloc/handover.rs` tells every free) | the bytes are *freed* with `F = C[o] ⊔ C[r…] ⊔ H`: what the allocator's events guarantee before reuse; in a pool live graphs hold, the graphs' replays may still touch them |
 //! | hand-out of bytes | every access to them on an actor other than `o` must be ordered before `F`, else a **use after free** (reported even without `record_stream`); those accesses are then dropped (the allocator waited for them), accesses on `o` stay (a later access on another stream must still be ordered after them) |
 //! | release of freed memory to the driver (`empty_cache`, the out-of-memory path, page release) | the hand-out's check, then the bytes are forgotten: a forgotten `record_stream` is reported whether the block is reused or released first |
 //! | a COW copy, an IPC event | ordinary driver calls, checked as above |
@@ -99,7 +100,7 @@ use self::clock::VectorClock;
 use self::shadow::{Access, Free};
 use self::stack::Stack;
 use self::state::{Actor, Allocation, State};
-use crate::driver::{EventId, StreamId};
+use crate::driver::{EventId, GraphExecId, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicBool, Ordering};
 use crate::sync::os::{Arc, Mutex, MutexGuard};
@@ -255,8 +256,35 @@ impl Sanitizer {
         let slot = st.sticky(stream)?;
         let mut k = st.knowledge(slot);
         k.tick(slot);
-        self.check_touches(st, slot, &k, what, touches)?;
+        self.check_touches(st, slot, &k, what, touches, false)?;
         Ok((slot, k))
+    }
+
+    /// A launch of the instantiated graph `exec` on `stream`, touching `touches`, with `enqueue`
+    /// the real launch. CUDA runs the launches of one executable graph one after the other,
+    /// whatever their streams: this launch is ordered after the previous one (its stream's clock
+    /// joins the previous launch's). Checked and recorded like eager work, except that bytes
+    /// freed into a pool that live graphs hold are the graph's to touch (not a use after free).
+    pub(crate) fn launch<T>(
+        &self,
+        exec: GraphExecId,
+        stream: StreamId,
+        touches: &[Touch],
+        enqueue: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        const WHAT: &str = "a graph replay";
+        let mut st = self.state.lock();
+        let slot = st.sticky(stream)?;
+        let mut k = st.knowledge(slot);
+        if let Some(previous) = st.launches.get(&exec.0) {
+            k.join(previous);
+        }
+        k.tick(slot);
+        self.check_touches(&mut st, slot, &k, WHAT, touches, true)?;
+        let out = enqueue()?;
+        self.commit(&mut st, slot, k.clone(), WHAT, touches);
+        st.launches.insert(exec.0, k);
+        Ok(out)
     }
 
     /// Checks `touches` by actor `slot` carrying clock `k` against what the bytes remember.
@@ -267,11 +295,15 @@ impl Sanitizer {
         k: &VectorClock,
         what: &str,
         touches: &[Touch],
+        replay: bool,
     ) -> Result<()> {
         self.check_awake(st, slot, what, touches)?;
         for t in touches.iter().filter(|t| t.len > 0) {
             let end = t.start.saturating_add(t.len);
-            if let Some((at, free)) = st.freed_in(t.start, end) {
+            if let Some((at, free)) = st
+                .freed_in(t.start, end)
+                .filter(|(_, free)| !(replay && free.graph_held))
+            {
                 // Work enqueued on memory the allocator holds as free: a use after free,
                 // whatever the stream (the block may be handed out to anyone next).
                 let report = HazardReport {
@@ -615,8 +647,16 @@ impl Sanitizer {
     }
 
     /// The allocator freed the block `[start, start + len)` of `stream`, whose reuse waits for
-    /// the work `used_by` had queued (record_stream).
-    pub(crate) fn free(&self, start: u64, len: u64, stream: StreamId, used_by: &[StreamId]) {
+    /// the work `used_by` had queued (record_stream). `graph_held`: the block's pool is held by
+    /// live graphs, whose replays may still touch it.
+    pub(crate) fn free(
+        &self,
+        start: u64,
+        len: u64,
+        stream: StreamId,
+        used_by: &[StreamId],
+        graph_held: bool,
+    ) {
         let mut st = self.state.lock();
         let owner = st.slot(stream);
         let mut clock = st.knowledge(owner);
@@ -624,11 +664,18 @@ impl Sanitizer {
             let slot = st.slot(s);
             clock.join(&st.actors[slot].clock);
         }
-        Self::free_at(&mut st, start, len, owner, clock);
+        Self::free_at(&mut st, start, len, owner, clock, graph_held);
     }
 
     /// Marks `[start, start + len)` freed by `owner`, reusable once `clock` is known.
-    fn free_at(st: &mut State, start: u64, len: u64, owner: usize, clock: VectorClock) {
+    fn free_at(
+        st: &mut State,
+        start: u64,
+        len: u64,
+        owner: usize,
+        clock: VectorClock,
+        graph_held: bool,
+    ) {
         let what = format!(
             "the free of {} (bytes [{start:#x}, {:#x}))",
             st.allocation_at(start)
@@ -639,6 +686,7 @@ impl Sanitizer {
             clock,
             owner_slot: owner,
             what,
+            graph_held,
         });
         let end = start.saturating_add(len);
         for (_, cell) in st.shadow.existing(start, end) {

@@ -58,6 +58,9 @@ pub(crate) struct Free {
     /// The block's own stream (its later hand-outs are on it).
     pub owner_slot: usize,
     pub what: String,
+    /// Freed into a pool that live graphs hold: their replays may still touch the bytes (the
+    /// graph owns its addresses), so a replay is not a use after free; anything else is.
+    pub graph_held: bool,
 }
 
 #[derive(Clone, Debug, Default)]

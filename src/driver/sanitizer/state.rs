@@ -34,6 +34,9 @@ pub(super) struct State {
     pub(super) actors: Vec<Actor>,
     pub(super) host: VectorClock,
     pub(super) events: HashMap<EventId, VectorClock>,
+    /// The clock after the latest launch of each instantiated graph: its next launch, on any
+    /// stream, is ordered after it (`Sanitizer::launch`).
+    pub(super) launches: HashMap<u64, VectorClock>,
     /// The actor of each producer process whose IPC events were opened.
     pub(super) producers: HashMap<u32, usize>,
     pub(super) shadow: Shadow,
