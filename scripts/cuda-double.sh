@@ -28,7 +28,8 @@ export CUDALLOC_BACKEND=cuda
 export CUDA_DOUBLE_REPORT="$root/report"
 
 suites=(driver_conformance allocator_pytorch allocator_policy allocator_properties allocator_stress cow
-        ipc_multiprocess ipc_interplay ipc_expandable global_and_storage cuda_contract expandable pinned pinned_properties sleep_wake sleep_meets)
+        ipc_multiprocess ipc_interplay ipc_expandable global_and_storage cuda_contract expandable pinned pinned_properties sleep_wake sleep_meets
+        lifecycle_handover)
 args=()
 for s in "${suites[@]}"; do args+=(--test "$s"); done
 echo "== CUDA backend on the contract double: ${suites[*]}"
@@ -57,6 +58,7 @@ echo "== the stream suites again under the stream sanitizer (CUDALLOC_SANITIZE=p
 # process (the tests that measure its free memory hold it alone anyway: tests/common device_alone).
 CUDALLOC_SANITIZE=panic cargo test --no-fail-fast --features cudarc --test driver_conformance \
   --test cow --test global_and_storage --test ipc_interplay --test cudarc_views --test pinned --test sleep_wake --test sleep_meets \
+  --test lifecycle_handover \
   -- --test-threads=1
 
 echo "== the double's verdict"

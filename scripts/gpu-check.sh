@@ -8,6 +8,11 @@
 #                                    target/gpu-bin/; finds NVRTC; runs every suite with the CUDA
 #                                    backend present and prints a table. Exit code 1 if anything failed
 #                                    or a CUDA case was skipped.
+#
+# GPU_CHECK_ONLY="a b …" runs only those suites and parts (a device lease is short: split the check
+# over calls), GPU_CHECK_SKIP="a b …" all but those; the parts are named `examples`, `expandable`
+# (the allocator suites again with expandable segments), `sanitized` (the stream suites under the
+# sanitizer) and `benches`. GPU_CHECK_SUITE_TIMEOUT (300 s) bounds each suite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin_dir=target/gpu-bin
@@ -46,9 +51,10 @@ nvrtc_dir=$(python3 -c 'import nvidia.cuda_nvrtc as m, os; print(os.path.join(li
   || dirname "$(find / -name 'libnvrtc.so*' -not -path '*/proc/*' 2>/dev/null | head -n 1)" 2>/dev/null || true)
 if [ -z "$nvrtc_dir" ] || ! ls "$nvrtc_dir"/libnvrtc.so* >/dev/null 2>&1; then
   # CUDA 13's wheels keep their libraries elsewhere (nvidia/cu13/lib).
-  nvrtc_dir=$(dirname "$(find / -name 'libnvrtc.so*' -not -path '/proc/*' 2>/dev/null | head -n 1)" 2>/dev/null || true)
+  found=$(find / -name 'libnvrtc.so*' -not -path '/proc/*' 2>/dev/null | head -n 1)
+  nvrtc_dir=${found:+$(dirname "$found")}
 fi
-if [ -n "$nvrtc_dir" ] && [ -d "$nvrtc_dir" ]; then
+if [ -n "$nvrtc_dir" ] && ls "$nvrtc_dir"/libnvrtc.so* >/dev/null 2>&1; then
   export LD_LIBRARY_PATH="$nvrtc_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   # cudarc looks for libnvrtc.so or libnvrtc.so.12; a newer toolkit ships only libnvrtc.so.13.
   if [ ! -e "$nvrtc_dir/libnvrtc.so" ] && [ ! -e "$nvrtc_dir/libnvrtc.so.12" ]; then
@@ -63,18 +69,23 @@ else
   echo "NVRTC: not found (kernel tests will fail on CUDA)"
 fi
 
-if command -v cargo >/dev/null 2>&1 && cargo test --release --no-run >/dev/null 2>&1; then
+if [ -z "${GPU_CHECK_NO_BUILD:-}" ] && command -v cargo >/dev/null 2>&1 \
+    && cargo test --release --no-run >/dev/null 2>&1; then
   echo "== building test binaries with cargo"
   prepare >/dev/null
 fi
 [ -d "$bin_dir" ] || { echo "no test binaries: run scripts/gpu-check.sh --prepare first"; exit 1; }
+
+only=${GPU_CHECK_ONLY:-}
+skip=${GPU_CHECK_SKIP:-}
+wanted() { { [ -z "$only" ] || [[ " $only " == *" $1 "* ]]; } && [[ " $skip " != *" $1 "* ]]; }
 
 export CUDALLOC_BACKEND=cuda
 log=$(mktemp)
 status=0
 printf '\n%-58s %s\n' "test" "result"
 # The tensor-library example, on CUDA through cudarc (its host twin runs in CI).
-if [ -x "$bin_dir/tensor_library-example" ]; then
+if wanted examples && [ -x "$bin_dir/tensor_library-example" ]; then
   echo "== examples/tensor_library on CUDA"
   if ! "$bin_dir/tensor_library-example"; then status=1; fi
 fi
@@ -85,6 +96,7 @@ fi
 for exe in "$bin_dir"/*; do
   suite=$(basename "$exe")
   case "$suite" in *-bench|*-example) continue ;; esac
+  wanted "$suite" || continue
   # A suite that hangs on a GPU must not eat the whole check: each has a deadline.
   if ! timeout "${GPU_CHECK_SUITE_TIMEOUT:-300}" "$exe" --test-threads=1 --nocapture >"$log" 2>&1; then
     status=1
@@ -98,26 +110,28 @@ for exe in "$bin_dir"/*; do
 done
 # The allocator and IPC suites again with expandable segments (the GPU's virtual-memory API;
 # sharing by page: cuMemExportToShareableHandle / cuMemImportFromShareableHandle across processes).
-for suite in allocator_pytorch allocator_policy allocator_properties allocator_stress cow expandable \
-             ipc_multiprocess ipc_interplay cuda_graphs mem_pool graph_mix; do
+wanted expandable || expandable_suites=""
+for suite in ${expandable_suites-allocator_pytorch allocator_policy allocator_properties allocator_stress cow expandable \
+             ipc_multiprocess ipc_interplay cuda_graphs mem_pool graph_mix}; do
   exe="$bin_dir/$suite"
   [ -x "$exe" ] || continue
-  if ! CUDALLOC_TEST_EXPANDABLE=1 "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi
+  if ! CUDALLOC_TEST_EXPANDABLE=1 timeout "${GPU_CHECK_SUITE_TIMEOUT:-300}" "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi
   grep -E 'test result' "$log" | sed "s/^/  $suite (expandable): /"
 done
 # The stream sanitizer on a real GPU: the suites that drive streams, once more with every stream
 # operation checked (a race or a use after free panics), and the sanitizer's own tests.
-for suite in driver_conformance cow global_and_storage ipc_multiprocess cudarc_views sanitizer \
-             stream_capture cuda_graphs graphs_meet graph_mix pinned pinned_properties sleep_wake sleep_meets; do
+wanted sanitized || sanitized_suites=""
+for suite in ${sanitized_suites-driver_conformance cow global_and_storage lifecycle_handover ipc_multiprocess cudarc_views sanitizer \
+             stream_capture cuda_graphs graphs_meet graph_mix pinned pinned_properties sleep_wake sleep_meets}; do
   exe="$bin_dir/$suite"
   [ -x "$exe" ] || continue
-  if ! CUDALLOC_SANITIZE=panic "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi
+  if ! CUDALLOC_SANITIZE=panic timeout "${GPU_CHECK_SUITE_TIMEOUT:-300}" "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi
   grep -E 'test result' "$log" | sed "s/^/  $suite (CUDALLOC_SANITIZE=panic): /"
 done
 rm -f "$log"
 # Sleep and wake of 1 GiB on the GPU against two plain copies and against copying out, freeing,
 # allocating afresh and copying back (issue 26's target: sleep + wake <= 1.5x two plain copies).
-if [ -x "$bin_dir/sleep-bench" ]; then
+if wanted benches && [ -x "$bin_dir/sleep-bench" ]; then
   echo
   echo "== sleep and wake by tag, 1 GiB (CUDA)"
   CUDALLOC_BENCH_BACKEND=cuda "$bin_dir/sleep-bench" --bench 2>&1 \
@@ -127,7 +141,9 @@ fi
 median_ns() { # criterion's "time: [lo median hi]" line -> median in ns
   awk '/time:/ { v=$5; u=$6; if (u=="ps") v/=1000; if (u=="µs"||u=="us") v*=1000; if (u=="ms") v*=1e6; print v; exit }'
 }
-if [ -x "$bin_dir/alloc-bench" ] && python3 -c 'import torch' 2>/dev/null; then
+if ! wanted benches; then
+  :
+elif [ -x "$bin_dir/alloc-bench" ] && python3 -c 'import torch' 2>/dev/null; then
   echo
   echo "== cudalloc vs PyTorch (CUDA, medians in ns)"
   torch_out=$(python3 scripts/torch_peer.py 2>&1)
