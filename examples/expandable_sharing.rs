@@ -106,7 +106,7 @@ fn main() {
         .collect();
     let segments = a.snapshot().segments;
     let mapped: u64 = segments.iter().map(|s| s.total_size).sum();
-    // An expandable segment reserves twice the device's capacity (src/alloc/expandable.rs).
+    // An expandable segment reserves twice the device's capacity (src/alloc/engine/expandable.rs).
     let reservation = 2 * device;
     let page = 2u64 << 20;
     let chunk_rounded: u64 = storages

@@ -61,7 +61,7 @@ pub struct AllocatorConfig {
     /// Call the driver's malloc without holding the shard lock.
     pub release_lock_on_cudamalloc: bool,
     /// Expandable segments: one growing segment per stream and pool on the driver's virtual
-    /// memory, mapped and unmapped in pages (`alloc/expandable.rs`).
+    /// memory, mapped and unmapped in pages (`alloc/engine/expandable.rs`).
     pub expandable_segments: bool,
     /// Fraction of each device's memory this process may reserve.
     pub per_process_memory_fraction: f64,

@@ -184,7 +184,7 @@ pub enum Error {
     #[error("transfer: {0}")]
     Transfer(String),
     /// Memory of a sleeping tag was asked for, used or shared, or a tag was put to sleep or woken
-    /// in the wrong state (`Runtime::sleep`, `alloc/sleep.rs`); the message says which and what
+    /// in the wrong state (`Runtime::sleep`, `alloc/engine/sleep.rs`); the message says which and what
     /// to do. Nothing was done.
     #[error("tag {tag:?}: {message}")]
     Asleep {

@@ -1,5 +1,5 @@
 //! Device-wide peaks are exact with any number of streams (PyTorch's `max_memory_allocated`), kept
-//! by per-shard budgets instead of a device-wide lock (`alloc/peaks.rs`).
+//! by per-shard budgets instead of a device-wide lock (`alloc/engine/peaks.rs`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;

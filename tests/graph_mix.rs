@@ -155,7 +155,7 @@ fn randomized_mix_with_front_caches_and_split_limits() {
 /// replay of the first graph a use after free (and fails the stream: the replay returns the
 /// error). A later capture into the pool takes the first graph's freed temporary and frees it
 /// again — inside that capture, or as the second graph's output when that graph is dropped. The
-/// allocator reports such a free to the sanitizer like an eager one (`src/alloc/shard.rs`,
+/// allocator reports such a free to the sanitizer like an eager one (`src/alloc/engine/shard.rs`,
 /// `Shard::free`); the first graph's replays touched those bytes, so the free marks them
 /// (`Sanitizer::free` marks only bytes with a shadow) and any later touch of marked bytes is a
 /// use after free (`src/driver/sanitizer/mod.rs`, `Sanitizer::check`). Temporaries freed inside
@@ -208,7 +208,7 @@ fn a_replay_after_a_sharing_capture_reused_its_temporary_is_no_use_after_free() 
 /// Found by the mix (`CUDALLOC_TEST_EXPANDABLE=1`: most seeds, 0 and 2 to 9 among them): with
 /// expandable segments, the first allocation of a capture's pool on a stream takes the empty
 /// shard a dropped pool left there and frees its address reservations right away
-/// (`src/alloc/device_shards.rs`, `DeviceCore::shard_in`, the `take_retired` branch) —
+/// (`src/alloc/engine/device_shards.rs`, `DeviceCore::shard_in`, the `take_retired` branch) —
 /// `vm_free_reservation`, an unsafe call, inside a Global capture: the driver refuses it and
 /// invalidates the capture (the allocation itself succeeds; the next captured work and the end
 /// fail), and the refused reservation is forgotten by the allocator.

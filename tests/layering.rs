@@ -19,7 +19,7 @@
 //! A reference is a `crate::…`, `super::…` or `self::…` path resolved to the child of the folder
 //! it lands in (through the folder's `mod.rs` re-exports when it names an item); the test fails
 //! on a circle and prints it, file by file. Method calls name no file and are not arrows: types
-//! may be given methods in the files above them (`alloc/core_types.rs` holds the allocator's
+//! may be given methods in the files above them (`alloc/engine/mod.rs` holds the allocator's
 //! types that point at each other; their methods live above it).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -419,12 +419,11 @@ fn inside_every_folder_the_files_point_one_way() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let arrows = arrows_inside_folders(&src);
     assert!(
-        arrows.get(&vec!["alloc".to_owned()]).is_some_and(|e| e
-            .keys()
-            .filter(|(from, _)| from == "device")
-            .count()
-            >= 5),
-        "the arrows inside folders were read (alloc/device.rs names at least five of its siblings)"
+        arrows
+            .get(&vec!["alloc".to_owned(), "engine".to_owned()])
+            .is_some_and(|e| e.keys().filter(|(from, _)| from == "device").count() >= 4),
+        "the arrows inside folders were read (alloc/engine/device.rs names at least four of its \
+         siblings)"
     );
     let mut circles = Vec::new();
     for (folder, edges) in &arrows {

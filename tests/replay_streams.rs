@@ -222,7 +222,7 @@ fn peaks_stay_exact_when_nothing_reads_the_statistics_between_operations() {
     // Sixteen streams on a device small enough to fill up (cache releases and retries), with
     // oversize releases and expandable segments in turn. What a lock-protected allocator would
     // see: the summed currents read after every operation. (Garbage collection visits streams in
-    // no fixed order, so two of its runs differ; `alloc/peaks.rs` tests it within one run.)
+    // no fixed order, so two of its runs differ; `alloc/engine/peaks.rs` tests it within one run.)
     let ops = random_ops(0x2545_f491_4f6c_dd1d, 16, 4000);
     let trace = replay::parse(json_lines(&ops).as_bytes()).unwrap();
     for conf in ["", "max_split_size_mb:32", "expandable_segments:True"] {

@@ -1,4 +1,4 @@
-//! Sleep and wake by tag (`src/alloc/tags.rs`, `src/alloc/sleep.rs`, `src/runtime/sleep.rs`):
+//! Sleep and wake by tag (`src/alloc/tags.rs`, `src/alloc/engine/sleep.rs`, `src/runtime/sleep.rs`):
 //! offload and discard, addresses kept, bytes restored, physical memory given back, many cycles,
 //! and where sleep meets the rest — graphs, COW, registrars, sharing with a killed consumer, the
 //! sanitizer, several devices, allocations racing a sleep on another thread. Runs on the host

@@ -21,7 +21,7 @@ use super::block::Allocated;
 use super::block::BlockId;
 use super::front::{self, FrontEntry};
 
-use super::core_types::Shard;
+use super::engine::Shard;
 use crate::driver::{DeviceAddr, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicU32, Ordering};
@@ -79,7 +79,7 @@ impl BlockOwner {
     /// Its free waits for the work queued on `stream` so far.
     pub(crate) fn record_use(&self, stream: StreamId) -> Result<()> {
         let shard = self.shard();
-        if stream != shard.stream {
+        if stream != shard.stream() {
             // Not for a front cache any more: the free has to record events.
             self.class.store(0, Ordering::Relaxed);
         }
@@ -95,7 +95,7 @@ impl BlockOwner {
 
     /// The stream the block was allocated on.
     pub(crate) fn stream(&self) -> StreamId {
-        self.shard().stream
+        self.shard().stream()
     }
 
     /// Base and size of the block's segment.
@@ -112,8 +112,8 @@ impl BlockOwner {
     #[inline]
     pub(crate) fn check_awake(&self, what: &str) -> Result<()> {
         let shard = self.shard();
-        if shard.sleeping.load(Ordering::SeqCst) {
-            return Err(shard.core.asleep_error(shard, what));
+        if shard.is_sleeping() {
+            return Err(shard.asleep_error(what));
         }
         Ok(())
     }
@@ -125,11 +125,11 @@ impl BlockOwner {
             return 0;
         }
         let shard = self.shard();
-        if !shard.birth.is_current() {
+        if !shard.birth().is_current() {
             // A forked child's block: dropped as it is, which leaks it (below).
             return 0;
         }
-        shard.front_limit
+        shard.front_limit()
     }
 
     /// Hands the block at `ptr` to this thread's front cache of its shard, if it has room within
@@ -143,12 +143,8 @@ impl BlockOwner {
             ptr,
             class,
         };
-        if super::thread::keep_in_front(self.shard(), entry, limit) {
+        if super::engine::thread::keep_in_front(self.shard(), entry, limit) {
             self.shard().leave_to_front(ptr, entry.bytes());
-            // For the history the program freed the block (its next hand-out records an alloc).
-            self.shard()
-                .core
-                .record_front_free(self.shard(), ptr, entry.bytes());
             // The front cache owns the block now (it is still counted among the shard's owners).
             std::mem::forget(self);
             return None;
@@ -159,7 +155,7 @@ impl BlockOwner {
 
 impl Drop for BlockOwner {
     fn drop(&mut self) {
-        if !self.shard().birth.is_current() {
+        if !self.shard().birth().is_current() {
             // A forked child's copy of the parent's block: the parent frees it (`process`).
             return;
         }

@@ -27,10 +27,11 @@
 //! accumulated counts, exact. Peaks are the device's (`peaks.rs` reconciles them across shards);
 //! a pool's `peak` fields are its currents.
 
+use super::engine::snapshot::Snapshot;
+use super::engine::thread;
 use super::pool_id::{MemPoolId, MemPoolOptions};
-use super::snapshot::{self, Snapshot};
 use super::stats::DeviceStats;
-use super::{thread, CachingAllocator, DeviceCore};
+use super::{CachingAllocator, DeviceCore};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::Arc;
@@ -88,12 +89,7 @@ impl MemPool {
         let mut segments = Vec::new();
         for device in &self.inner.devices {
             for shard in device.pool_shards(self.inner.id) {
-                snapshot::shard_segments(
-                    &shard.state.lock(),
-                    device.device,
-                    shard.stream,
-                    &mut segments,
-                );
+                shard.segments_into(&mut segments);
             }
         }
         segments.sort_by_key(|s| (s.device, s.address));
@@ -115,10 +111,7 @@ impl MemPool {
         })?;
         let mut total = DeviceStats::default();
         for shard in core.pool_shards(self.inner.id) {
-            let st = shard.state.lock();
-            let mut own = st.stats.clone();
-            own.subtract_accumulated(&st.pool_base);
-            total.accumulate(&own);
+            total.accumulate(&shard.pool_stats());
         }
         total.for_each_peak_stat_mut(|_, s| s.peak = s.current);
         Ok(total)
@@ -133,7 +126,7 @@ impl MemPool {
             return;
         }
         for device in &self.inner.devices {
-            if device.capturing.held_by_graphs(self.inner.id) {
+            if device.held_by_graphs(self.inner.id) {
                 return;
             }
         }

@@ -11,25 +11,16 @@
 //!   `observers.rs`, `registration.rs`, `oom.rs` — segment and out-of-memory observers, the
 //!   registry of mapped regions and the registrars that register them with transfer engines,
 //!   callbacks and the message.
-//! * `state.rs` — one (device, stream)'s state under its lock: split/merge, pending frees.
 //! * `front.rs` — thread front caches (`thread_cache_mb`, off by default): a thread's freed blocks
 //!   reused by its own allocations without the stream's lock, the one deviation from PyTorch's
 //!   reuse order, opt-in.
-//! * `core_types.rs` — `Shard`, `DeviceCore` and the peak book: the types that point at each other,
-//!   their fields only. Their methods live above, by concern:
-//! * `handover.rs` — when a block's bytes change owner and what the next owner waits for: the
-//!   one place that decides it (free, a lazy clone's steal, front caches), with the block's
-//!   lifecycle as a state table.
-//! * `shard.rs` — a shard's free path, its life after the allocator, front-cache helpers;
-//!   `thread.rs` — per-thread state: current streams and a cache of shard pointers (no lock, no
-//!   atomic on the hot path).
-//! * `snapshot.rs`, `invariants.rs` (the scanner tests run after every mutation),
-//!   `device_shards.rs` — which shards a device has (per stream and pool, retired ones, lending),
-//!   `device.rs` — the device-wide paths (miss sequence, stats, snapshots), `device_release.rs` —
-//!   giving cached memory back (`empty_cache`, the miss path's releases, GC), `expandable.rs`
-//!   (segments that grow by pages), `sleep.rs` (a sleeping tag's pages unmapped, released and
-//!   mapped back at the same addresses), `peaks.rs` (exact device-wide peaks), `summary.rs` (the summary
-//!   table), `pytorch_pickle.rs` (snapshots in PyTorch's pickled layout).
+//! * `engine/` — the engine: `Shard`, `ShardState`, `DeviceCore` and the peak book with private
+//!   fields, and their concerns as child modules (the shard's state and free path, the one
+//!   hand-over of a block's bytes, per-thread shard caches, the device-wide paths — miss
+//!   sequence, release, expandable segments, sleep, exact peaks —, snapshots and invariants).
+//!   Its module docs list the files; the rest of `alloc/` uses a handful of its methods.
+//! * `summary.rs` (the summary table), `pytorch_pickle.rs` (snapshots in PyTorch's pickled
+//!   layout), `reports.rs` (what the allocator reports, PyTorch's names for it).
 //! * `data_ptr.rs` — [`DataPtr`] and its owners; upper layers attach theirs as trait objects.
 //! * `mem_pool.rs` — private memory pools ([`MemPool`], `use_mem_pool`): shards of their own,
 //!   retired when a pool drops; `tags.rs` — tags (named pools on expandable segments of their
@@ -48,38 +39,27 @@
 
 mod block;
 mod capturing;
-mod core_types;
 mod data_ptr;
-mod device;
-mod device_release;
-mod device_shards;
-mod expandable;
+mod engine;
 mod front;
 mod graph;
-mod handover;
 mod history;
-mod invariants;
 mod mem_pool;
 pub mod observers;
 mod oom;
-mod peaks;
 mod pool;
 mod pool_id;
 #[cfg(feature = "pickle")]
 mod pytorch_pickle;
 mod registration;
 mod reports;
-mod shard;
 pub mod size;
-mod sleep;
-mod snapshot;
 mod stacks;
-mod state;
 mod stats;
 mod summary;
 mod tags;
-mod thread;
 
+pub use engine::snapshot::{Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment};
 pub use graph::{Capture, CaptureRoute, Graph, GraphPool};
 pub use history::{trace_json_lines, HistoryMode, HistoryOptions, TraceAction, TraceEntry};
 pub use mem_pool::{MemPool, PoolScope};
@@ -92,21 +72,20 @@ pub use registration::{
     OnRegistrationFailure, Region, RegionKind, RegisteredRegion, Registrar, RegistrarId,
     RegistrarStats, RegistrationStats, SegmentId,
 };
-pub use snapshot::{Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment};
 pub use stacks::Frame;
 pub use stats::{DeviceStats, PoolStats, Stat, POOL_NAMES};
 
 pub use data_ptr::DataPtr;
 pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
-pub(crate) use expandable::PagesUnder;
-pub(crate) use handover::relaxed;
+pub(crate) use engine::expandable::PagesUnder;
+pub(crate) use engine::handover::relaxed;
 pub(crate) use tags::{SleepStart, TagRange};
 
 use self::block::Allocated;
 use self::capturing::CaptureRoutes;
-use self::core_types::DeviceCore;
-use self::core_types::Shard;
-use self::device::AllocatorWide;
+use self::engine::device::AllocatorWide;
+use self::engine::DeviceCore;
+use self::engine::Shard;
 use self::history::Trace;
 use self::oom::Callbacks;
 use self::pool_id::TagBook;
@@ -303,7 +282,7 @@ impl std::fmt::Debug for CachingAllocator {
 ///     let runtime = cudalloc::GLOBAL.get()?;
 ///     let side = runtime.create_stream(0)?;
 ///     let on = runtime.set_current_stream(side)?;
-///     std::thread::spawn(move || drop(on));
+///     std::engine::thread::spawn(move || drop(on));
 ///     Ok(())
 /// }
 /// ```
@@ -318,7 +297,7 @@ pub struct StreamGuard {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        thread::set_current_stream(self.key.0, self.key.1, self.previous);
+        engine::thread::set_current_stream(self.key.0, self.key.1, self.previous);
     }
 }
 
@@ -383,12 +362,12 @@ impl CachingAllocator {
         if self.config.default_stream != DefaultStream::PerThread {
             return Ok(shared);
         }
-        if let Some(stream) = thread::per_thread_stream(self.id, device) {
+        if let Some(stream) = engine::thread::per_thread_stream(self.id, device) {
             return Ok(stream);
         }
         let stream = self.driver.stream_create(device)?;
         self.owned_streams.lock().push(stream);
-        thread::set_per_thread_stream(self.id, device, stream);
+        engine::thread::set_per_thread_stream(self.id, device, stream);
         Ok(stream)
     }
 
@@ -448,14 +427,14 @@ impl CachingAllocator {
         if self.capturing.any() {
             return self.shard_while_capturing(stream);
         }
-        let shard = match thread::cached_shard(self.id, stream) {
+        let shard = match engine::thread::cached_shard(self.id, stream) {
             Some(shard) => shard,
             None => {
                 let (pool, options) =
-                    thread::current_pool(self.id, stream.device()).unwrap_or_default();
+                    engine::thread::current_pool(self.id, stream.device()).unwrap_or_default();
                 let device = self.device(stream.device())?;
                 let shard = Arc::as_ptr(&device.shard_in(stream, pool, options)?);
-                thread::cache_shard(self.id, stream, shard);
+                engine::thread::cache_shard(self.id, stream, shard);
                 shard
             }
         };
@@ -477,7 +456,7 @@ impl CachingAllocator {
             .capture_id()
             .and_then(|id| self.capturing.pool_of(id));
         let (pool, options) = captured
-            .or_else(|| thread::current_pool(self.id, stream.device()))
+            .or_else(|| engine::thread::current_pool(self.id, stream.device()))
             .unwrap_or_default();
         let device = self.device(stream.device())?;
         let shard = Arc::as_ptr(&device.shard_in(stream, pool, options)?);
@@ -492,7 +471,7 @@ impl CachingAllocator {
 
     /// This thread's current stream on `device` (the default stream unless set).
     pub fn current_stream(&self, device: usize) -> Result<StreamId> {
-        match thread::current_stream(self.id, device) {
+        match engine::thread::current_stream(self.id, device) {
             Some(stream) => Ok(stream),
             None => self.default_stream(device),
         }
@@ -501,7 +480,7 @@ impl CachingAllocator {
     /// Makes `stream` this thread's current stream on its device until the guard drops.
     pub fn set_current_stream(&self, stream: StreamId) -> Result<StreamGuard> {
         let device = self.driver.stream_device(stream)?;
-        let previous = thread::set_current_stream(self.id, device, Some(stream));
+        let previous = engine::thread::set_current_stream(self.id, device, Some(stream));
         Ok(StreamGuard {
             key: (self.id, device),
             previous,
@@ -525,12 +504,12 @@ impl CachingAllocator {
             return self.allocate_in(shard, size);
         }
         let generation = self.default_generation.load(Ordering::Acquire);
-        let shard = match thread::current_shard(self.id, device, generation) {
+        let shard = match engine::thread::current_shard(self.id, device, generation) {
             // SAFETY: as in `shard_of`: a shard of this allocator, alive while `&self` is.
             Some(shard) => unsafe { &*shard },
             None => {
                 let shard = self.shard_of(self.current_stream(device)?)?;
-                thread::cache_current_shard(self.id, device, generation, shard);
+                engine::thread::cache_current_shard(self.id, device, generation, shard);
                 shard
             }
         };
@@ -549,13 +528,13 @@ impl CachingAllocator {
     /// Allocates `size` (> 0) bytes from `shard`.
     #[inline]
     fn allocate_in(&self, shard: &Shard, size: u64) -> Result<DataPtr> {
-        if shard.front_limit > 0 {
-            if let Some(hit) = shard.core.take_from_front(shard, size) {
+        if shard.front_limit() > 0 {
+            if let Some(hit) = shard.take_from_front(size) {
                 return self.data_ptr(shard, &hit);
             }
         }
         let mut lender = None;
-        let a = match shard.core.allocate(shard, size, &mut lender) {
+        let a = match shard.allocate(size, &mut lender) {
             Ok(a) => a,
             Err(err) => {
                 if matches!(err, Error::OutOfMemory { .. }) {
@@ -574,13 +553,11 @@ impl CachingAllocator {
         // SAFETY: the shard (or a front cache of it) just handed `a.block` out, counted in its
         // owners; this is its only owner.
         let data = match unsafe { BlockOwner::new(shard, a) } {
-            Some(owner) => DataPtr::new(DeviceAddr(a.ptr), shard.core.device, Owner::Block(owner)),
+            Some(owner) => DataPtr::new(DeviceAddr(a.ptr), shard.device(), Owner::Block(owner)),
             None => return Err(shard.refuse_block(a.block)),
         };
-        if let Some(sanitizer) = &shard.sanitizer {
-            // After the pointer owns the block: in panic mode the unwinding frees it.
-            sanitizer.hand_out(a.ptr, a.rounded, shard.stream);
-        }
+        // After the pointer owns the block: in the sanitizer's panic mode the unwinding frees it.
+        shard.handed_out(a.ptr, a.rounded);
         Ok(data)
     }
 

@@ -81,7 +81,7 @@ pub struct MemPoolOptions {
     pub no_split: bool,
     /// The pool's memory lives on expandable segments of its own (pages mapped into a reserved
     /// address range), whatever `expandable_segments` says: what sleep and wake by tag need
-    /// (`alloc/sleep.rs`; a tag's pool always has it).
+    /// (`alloc/engine/sleep.rs`; a tag's pool always has it).
     pub expandable_segments: bool,
 }
 

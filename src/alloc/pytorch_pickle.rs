@@ -18,8 +18,8 @@ use std::collections::BTreeMap;
 
 use serde_pickle::{HashableValue as H, Value as V};
 
+use super::engine::snapshot::{Snapshot, SnapshotBlockState};
 use super::history::{TraceAction, TraceEntry};
-use super::snapshot::{Snapshot, SnapshotBlockState};
 use super::stacks::Frame;
 use crate::config::AllocatorConfig;
 use crate::error::{Error, Result};

@@ -5,8 +5,8 @@
 
 use std::collections::BTreeMap;
 
+use super::engine::snapshot::SnapshotBlockState;
 use super::history::TraceAction;
-use super::snapshot::SnapshotBlockState;
 use super::{summary, CachingAllocator, DeviceStats, HistoryMode, HistoryOptions, Snapshot};
 use crate::driver::StreamId;
 use crate::error::Result;
@@ -122,10 +122,10 @@ impl CachingAllocator {
         if let Some(first) = self.devices.first() {
             let stream = self
                 .driver
-                .default_stream(first.device)
+                .default_stream(first.device())
                 .unwrap_or(StreamId(0));
             self.trace
-                .record(TraceAction::Snapshot, first.device, 0, 0, stream);
+                .record(TraceAction::Snapshot, first.device(), 0, 0, stream);
         }
         let (trace, live) = self.trace.entries_and_live_frames();
         if !live.is_empty() {

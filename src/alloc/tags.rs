@@ -28,7 +28,7 @@
 //! allocation racing a sleep either finishes before the listing (its block is offloaded) or is
 //! refused.
 
-use super::core_types::Shard;
+use super::engine::Shard;
 use super::mem_pool::{MemPool, PoolScope};
 use super::pool_id::{MemPoolOptions, Phase};
 use super::CachingAllocator;
@@ -37,7 +37,6 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use crate::driver::{ChunkId, StreamId};
 use crate::error::{Error, Result};
-use crate::sync::os::atomic::Ordering;
 use crate::sync::os::Arc;
 
 /// One block of a tag to offload (or restore): where, how long, and the stream of its shard.
@@ -111,10 +110,7 @@ impl Drop for PhaseUndo<'_> {
 fn mapped_pages(shards: &[(usize, Arc<Shard>)]) -> BTreeMap<u64, ChunkId> {
     let mut out = BTreeMap::new();
     for (_, shard) in shards {
-        let st = shard.state.lock();
-        for pages in st.expandable.values() {
-            out.extend(pages.chunks.iter().map(|(&at, &c)| (at, c)));
-        }
+        shard.mapped_pages_into(&mut out);
     }
     out
 }
@@ -208,7 +204,11 @@ impl CachingAllocator {
     fn tag_shards(&self, pool: &MemPool) -> Vec<(usize, Arc<Shard>)> {
         self.devices
             .iter()
-            .flat_map(|d| d.pool_shards(pool.id()).into_iter().map(|s| (d.device, s)))
+            .flat_map(|d| {
+                d.pool_shards(pool.id())
+                    .into_iter()
+                    .map(|s| (d.device(), s))
+            })
             .collect()
     }
 
@@ -247,7 +247,7 @@ impl CachingAllocator {
         // meanwhile starts asleep.
         let shards = self.tag_shards(pool);
         for (_, shard) in &shards {
-            shard.sleeping.store(true, Ordering::SeqCst);
+            shard.set_sleeping(true);
         }
         let mut ranges = Vec::new();
         let mut released_cached = 0;
@@ -257,26 +257,24 @@ impl CachingAllocator {
             // unless graphs hold the pool: their replays write its free blocks, whose pages must
             // come back with the wake, so they sleep with the rest.
             if !self.capturing.held_by_graphs(pool.id()) {
-                let reserved = || shard.state.lock().stats.reserved_bytes.all.current;
-                let before = reserved();
+                let before = shard.reserved_bytes();
                 core.release_shard(shard, true);
-                released_cached += u64::try_from(before - reserved()).unwrap_or(0);
+                released_cached += u64::try_from(before - shard.reserved_bytes()).unwrap_or(0);
             }
-            let streams = shard.state.lock().sleep_streams(shard.stream);
-            for stream in streams {
+            for stream in shard.sleep_streams() {
                 self.driver.stream_synchronize(stream)?;
             }
-            let st = shard.state.lock();
-            for (addr, len) in st.allocated_ranges() {
+            shard.offload_allocated(|addr, len| {
                 let range = TagRange {
                     device: *device,
-                    stream: shard.stream,
+                    stream: shard.stream(),
                     addr,
                     len,
                 };
                 offload(&range)?;
                 ranges.push(range);
-            }
+                Ok(())
+            })?;
         }
         Ok(SleepStart {
             tag: name.to_owned(),
@@ -336,11 +334,9 @@ impl CachingAllocator {
         let ranges = shards
             .iter()
             .flat_map(|(device, shard)| {
-                let stream = shard.stream;
+                let stream = shard.stream();
                 let device = *device;
                 shard
-                    .state
-                    .lock()
                     .allocated_ranges()
                     .into_iter()
                     .map(move |(addr, len)| TagRange {
@@ -416,7 +412,7 @@ impl CachingAllocator {
         self.tag_book.set_phase(pool.id(), to);
         if to == Phase::Awake {
             for (_, shard) in self.tag_shards(pool) {
-                shard.sleeping.store(false, Ordering::SeqCst);
+                shard.set_sleeping(false);
             }
         }
     }

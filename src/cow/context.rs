@@ -3,7 +3,7 @@
 //!
 //! A copier records its stream on the original (as `record_stream` would), and so does every
 //! clone read on another stream. The last reference's steal is a change of owner without a free:
-//! the allocator's hand-over (`alloc/handover.rs`) makes the stealing stream wait for every stream
+//! the allocator's hand-over (`alloc/engine/handover.rs`) makes the stealing stream wait for every stream
 //! recorded on the original — copiers and readers of clones dropped since alike.
 
 use super::cell::{CowCell, Materialized};
@@ -158,7 +158,7 @@ pub(crate) fn materialize(
     let new_data = match outcome {
         Ok(Materialized::Stole(original)) => {
             // The reference is given up: from here nothing may fail. A change of owner without
-            // a free: our stream waits for every stream that used the memory (`alloc/handover.rs`).
+            // a free: our stream waits for every stream that used the memory (`alloc/engine/handover.rs`).
             if let Some(block) = original.block_owner() {
                 block.hand_over_in_place(stream, capturing);
             }
@@ -181,7 +181,7 @@ pub(crate) fn materialize(
 
 /// Copier: the whole fallible copy step, done before the reference is given up. Allocates the
 /// copy on `stream`, enqueues the device copy there and marks the source as used by `stream` (its
-/// free, or a stealer, waits for it: `alloc/handover.rs`). If marking fails after the enqueue, the
+/// free, or a stealer, waits for it: `alloc/engine/handover.rs`). If marking fails after the enqueue, the
 /// stream is synchronized (so the abandoned copy cannot read the source after a stealer writes
 /// it) and the error returned — the caller's storage stays COW. `capturing`: `stream` is being
 /// captured (asked once by `materialize`): the copy is recorded into the graph (its memory from

@@ -44,7 +44,7 @@
 //! Stream order: a copier enqueues its copy on its current stream and marks the source block as
 //! used by that stream (as `record_stream` would: a later free waits for it); so does a read of a
 //! clone on another stream (`record_stream`, copies to pinned memory). A stealer's change of owner
-//! goes through the allocator's hand-over (`alloc/handover.rs`): its stream waits for the block's
+//! goes through the allocator's hand-over (`alloc/engine/handover.rs`): its stream waits for the block's
 //! own stream and every stream recorded on it — copiers, and readers of clones dropped since (a
 //! steal that waited only for the copiers let a dropped clone's late reader see the new bytes:
 //! `tests/lifecycle_handover.rs`). Materializing on a stream other than the one that was current

@@ -5,7 +5,7 @@
 //! (stream 0 is the device's default stream, others are created as they appear). After each
 //! operation the device's current allocated and reserved bytes are read, so the peaks are exact
 //! whatever the number of streams — per device and summed over the devices. The read costs what
-//! changed since the last one, not a pass over every stream (`alloc/peaks.rs`), so a trace of
+//! changed since the last one, not a pass over every stream (`alloc/engine/peaks.rs`), so a trace of
 //! thousands of streams replays as fast as one of a few. An allocation that runs out of memory is
 //! counted (the first one is reported with its position) and skipped; its free is skipped too.
 //! Time is measured around the allocator's calls only.

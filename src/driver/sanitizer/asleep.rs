@@ -1,4 +1,4 @@
-//! Memory of a sleeping tag (`alloc/sleep.rs`): its pages are unmapped while the addresses stay
+//! Memory of a sleeping tag (`alloc/engine/sleep.rs`): its pages are unmapped while the addresses stay
 //! handed out, so any work on them is a bug of the program — one that on a GPU faults (or, with
 //! new memory mapped there by someone else, corrupts), and that the host backend refuses.
 //!

@@ -36,7 +36,7 @@
 //!
 //! | allocator step | sanitizer |
 //! |---|---|
-//! | free of a block (its own stream `o`, recorded streams `r…`; `alloc/handover.rs` tells every free) | the bytes are *freed* with `F = C[o] ⊔ C[r…] ⊔ H`: what the allocator's events guarantee before reuse; in a pool live graphs hold, the graphs' replays may still touch them |
+//! | free of a block (its own stream `o`, recorded streams `r…`; `alloc/engine/handover.rs` tells every free) | the bytes are *freed* with `F = C[o] ⊔ C[r…] ⊔ H`: what the allocator's events guarantee before reuse; in a pool live graphs hold, the graphs' replays may still touch them |
 //! | hand-out of bytes | every access to them on an actor other than `o` must be ordered before `F`, else a **use after free** (reported even without `record_stream`); those accesses are then dropped (the allocator waited for them), accesses on `o` stay (a later access on another stream must still be ordered after them) |
 //! | release of freed memory to the driver (`empty_cache`, the out-of-memory path, page release) | the hand-out's check, then the bytes are forgotten: a forgotten `record_stream` is reported whether the block is reused or released first |
 //! | a COW copy, an IPC event | ordinary driver calls, checked as above |

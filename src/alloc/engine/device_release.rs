@@ -3,17 +3,17 @@
 //! oversize release, `release_cached` / `release_shard` (`empty_cache`), garbage collection, and
 //! what a capture kept from its release, freed with the device core at the end.
 
-use super::core_types::{DeviceCore, Shard};
-use super::history::TraceAction;
-use super::observers::{SegmentChange, SegmentEvent};
-use super::size::PoolKind;
 use super::state::ReleaseOrder;
+use super::{DeviceCore, Shard};
+use crate::alloc::history::TraceAction;
+use crate::alloc::observers::{SegmentChange, SegmentEvent};
+use crate::alloc::size::PoolKind;
 use crate::driver::StreamId;
 use crate::sync::os::atomic::Ordering;
 
 impl DeviceCore {
     /// Returns segments to the driver (outside every shard lock).
-    pub(super) fn free_segments(&self, stream: StreamId, segments: Vec<(u64, u64)>) {
+    pub(in crate::alloc) fn free_segments(&self, stream: StreamId, segments: Vec<(u64, u64)>) {
         let Some(_no_capture) = self.capturing.releasing() else {
             // A capture began after these were taken: they wait for the next release.
             let mut unfreed = self.unfreed.lock();
@@ -45,7 +45,7 @@ impl DeviceCore {
 
     /// Gives back a segment that a registrar refused before anything else saw it (no observer
     /// was told of it, nothing traced): at once, or with the next release while a capture runs.
-    pub(super) fn return_unregistered(&self, ptr: u64, size: u64) {
+    pub(in crate::alloc) fn return_unregistered(&self, ptr: u64, size: u64) {
         self.refused.lock().push((ptr, size));
         if let Some(_no_capture) = self.capturing.releasing() {
             self.free_refused();
@@ -67,7 +67,7 @@ impl DeviceCore {
     /// `release_available_cached_blocks`: the smallest oversize segment of at least `rounded` bytes
     /// if there is one, else oversize segments largest first. Only when `max_split_size` is set.
     /// True when at least `rounded` bytes were freed.
-    pub(super) fn release_oversize(&self, rounded: u64) -> bool {
+    pub(in crate::alloc) fn release_oversize(&self, rounded: u64) -> bool {
         let max_split = self.config.max_split_size;
         if max_split == u64::MAX {
             return false;
@@ -108,7 +108,7 @@ impl DeviceCore {
     fn take_from(
         &self,
         shard: &Shard,
-        select: impl Fn(&super::block::Block) -> bool,
+        select: impl Fn(&crate::alloc::block::Block) -> bool,
         order: ReleaseOrder,
         enough: impl Fn(u64) -> bool,
     ) -> Vec<(u64, u64)> {
@@ -137,7 +137,7 @@ impl DeviceCore {
 
     /// Frees every cached whole segment (and free page) of one shard, first waiting for its
     /// pending frees' events with `sync`. Returns whether anything was freed.
-    pub(super) fn release_shard(&self, shard: &Shard, sync: bool) -> bool {
+    pub(in crate::alloc) fn release_shard(&self, shard: &Shard, sync: bool) -> bool {
         if self.capturing.any() {
             // Releasing synchronizes and frees, which a capture forbids; the next release after
             // the captures gives this memory back.
@@ -166,7 +166,7 @@ impl DeviceCore {
 
     /// Reclaims the oldest cached segments while reserved memory exceeds the threshold share of
     /// the allowed memory (only with `garbage_collection_threshold` and a memory fraction).
-    pub(super) fn garbage_collect(&self) {
+    pub(in crate::alloc) fn garbage_collect(&self) {
         let threshold = self.config.garbage_collection_threshold;
         let Some((_, allowed)) = self.fraction().filter(|_| threshold > 0.0) else {
             return;

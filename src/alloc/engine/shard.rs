@@ -1,6 +1,6 @@
 //! One (device, stream) shard's own paths: the free of a handed-out block, the shard's life
 //! after its allocator (orphaning, the last free's release, its teardown), and the helpers of the
-//! front caches registered with it. The shard's fields are in `core_types.rs`, the state under its lock
+//! front caches registered with it. The shard's fields are in `engine/mod.rs`, the state under its lock
 //! and that state's operations in `state.rs`.
 //!
 //! **Lifetime without reference counts on the hot path** (issue 14). A `BlockOwner` (inside a
@@ -22,15 +22,89 @@
 
 use std::ptr::NonNull;
 
-use super::block::BlockId;
-use super::core_types::{DeviceCore, Shard};
-use super::front::FrontCache;
-use super::history::TraceAction;
+use super::snapshot::SnapshotSegment;
 use super::state::ReleaseOrder;
-use super::stats::{self, DeviceStats};
+use super::{DeviceCore, Shard};
+use crate::alloc::block::{Allocated, BlockId};
+use crate::alloc::front::FrontCache;
+use crate::alloc::history::TraceAction;
+use crate::alloc::stats::{self, DeviceStats};
 use crate::driver::StreamId;
 use crate::error::{Error, Result};
+use crate::process::Birth;
+use crate::sync::os::atomic::Ordering;
 use crate::sync::os::Arc;
+
+/// The shard's face to the rest of `alloc/`: its fields are the engine's own.
+impl Shard {
+    /// The stream whose blocks this shard holds.
+    #[inline]
+    pub(crate) fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    /// The device of the shard.
+    #[inline]
+    pub(crate) fn device(&self) -> usize {
+        self.core.device
+    }
+
+    /// `thread_cache_mb` in bytes (0: no front caches).
+    #[inline]
+    pub(crate) fn front_limit(&self) -> u64 {
+        self.front_limit
+    }
+
+    /// The process of the allocator: a forked child's blocks release nothing.
+    #[inline]
+    pub(crate) fn birth(&self) -> Birth {
+        self.birth
+    }
+
+    /// Whether the shard's pool is a tag that sleeps (`sleep.rs`).
+    #[inline]
+    pub(crate) fn is_sleeping(&self) -> bool {
+        self.sleeping.load(Ordering::SeqCst)
+    }
+
+    /// The error of a refused use of this shard's sleeping memory: `what` was refused.
+    #[cold]
+    pub(crate) fn asleep_error(&self, what: &str) -> Error {
+        self.core.asleep_error(self, what)
+    }
+
+    /// A block for `requested` bytes from the calling thread's front cache of this shard.
+    #[inline]
+    pub(crate) fn take_from_front(&self, requested: u64) -> Option<Allocated> {
+        self.core.take_from_front(self, requested)
+    }
+
+    /// Allocates `requested` bytes on this shard's stream: PyTorch's whole sequence on a miss
+    /// (`device.rs`); `lender` as [`DeviceCore::allocate`] says.
+    #[inline]
+    pub(crate) fn allocate(
+        &self,
+        requested: u64,
+        lender: &mut Option<Arc<Shard>>,
+    ) -> Result<Allocated> {
+        self.core.allocate(self, requested, lender)
+    }
+
+    /// Appends this shard's segments to `out` (a pool's snapshot).
+    pub(crate) fn segments_into(&self, out: &mut Vec<SnapshotSegment>) {
+        let st = self.state.lock();
+        super::snapshot::shard_segments(&st, self.core.device, self.stream, out);
+    }
+
+    /// This shard's statistics as its pool's: the accumulated counts of earlier pools that held
+    /// the shard left out.
+    pub(crate) fn pool_stats(&self) -> DeviceStats {
+        let st = self.state.lock();
+        let mut own = st.stats.clone();
+        own.subtract_accumulated(&st.pool_base);
+        own
+    }
+}
 
 impl Shard {
     /// The owner dropped block `id` (the `DataPtr` free path). Returns true when this released

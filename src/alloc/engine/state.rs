@@ -9,53 +9,16 @@
 //! are polled lazily ([`ShardState::complete_events`]) before each allocation of the shard, and
 //! waited for in `empty_cache` and the last out-of-memory step.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use crate::alloc::block::{Allocated, Block, BlockId, BlockState, SegmentInfo};
+use crate::alloc::pool::FreePool;
 
-use slab::Slab;
-
-use super::block::{Allocated, Block, BlockId, BlockState, ExpandablePages, SegmentInfo};
-use super::pool::FreePool;
-use super::pool_id::{MemPoolId, MemPoolOptions};
-use super::size::{self, PoolKind};
-use super::stats::{self, DeviceStats};
+use crate::alloc::size::{self, PoolKind};
+use crate::alloc::stats;
 use crate::config::AllocatorConfig;
 use crate::driver::{EventId, StreamId};
 use crate::error::Result;
 
-/// The mutable state of one shard.
-#[derive(Debug, Default)]
-pub(crate) struct ShardState {
-    /// The shard's serial (`Shard::serial`), for what knows only the state (`peaks.rs`).
-    pub serial: u64,
-    pub blocks: Slab<Block>,
-    pub free_small: FreePool,
-    pub free_large: FreePool,
-    pub segments: BTreeMap<u64, SegmentInfo>,
-    /// Pending-free events, per stream that used the blocks, oldest first.
-    pub pending: HashMap<StreamId, VecDeque<(EventId, BlockId)>>,
-    pub stats: DeviceStats,
-    /// Allocations served so far (age clock of garbage collection).
-    pub tick: u64,
-    /// The pages of each expandable segment (at most one per pool), by base (`expandable.rs`).
-    pub expandable: HashMap<u64, ExpandablePages>,
-    /// A statistic went past its limit since the flag was last taken (`peaks.rs`).
-    pub over_budget: bool,
-    /// Blocks handed out and not yet released: each has a `BlockOwner` pointing at this shard.
-    pub owners: u64,
-    /// The allocator is gone while blocks were out: the last release drops the shard.
-    pub orphaned: bool,
-    /// The memory pool whose blocks this shard holds (`mem_pool.rs`; the default pool unless the
-    /// shard serves one). Under the lock: a retired pool's empty shard serves the next pool.
-    pub pool: MemPoolId,
-    /// The pool's options (`MemPoolOptions::no_split`: blocks are handed out whole).
-    pub pool_options: MemPoolOptions,
-    /// The accumulated counts `stats` held when a retired shard was taken by `pool`: the earlier
-    /// pools' (the device's totals keep them, the pool's statistics leave them out).
-    pub pool_base: DeviceStats,
-    /// Blocks freed with stream uses while a capture was under way, and those streams: pending
-    /// until the last capture ends, when their events are recorded (`capturing.rs`).
-    pub deferred: Vec<(BlockId, Vec<StreamId>)>,
-}
+use super::ShardState;
 
 /// The order in which [`ShardState::take_free_segments`] visits candidate segments.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,7 +60,7 @@ impl ShardState {
     }
 
     /// Every free block, small pool first.
-    pub(super) fn free_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+    pub(in crate::alloc) fn free_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
         self.free_small
             .iter()
             .chain(self.free_large.iter())
@@ -105,7 +68,7 @@ impl ShardState {
     }
 
     /// Puts free block `id` in its pool (and counts it as inactive if its segment is split).
-    pub(super) fn insert_free(&mut self, id: BlockId) {
+    pub(in crate::alloc) fn insert_free(&mut self, id: BlockId) {
         let b = &self.blocks[id];
         debug_assert_eq!(b.state, BlockState::Free);
         let (pool, size, ptr, split) = (b.pool, b.size, b.ptr, b.is_split());
@@ -114,7 +77,7 @@ impl ShardState {
     }
 
     /// Takes free block `id` out of its pool.
-    pub(super) fn remove_free(&mut self, id: BlockId) {
+    pub(in crate::alloc) fn remove_free(&mut self, id: BlockId) {
         let b = &self.blocks[id];
         debug_assert_eq!(b.state, BlockState::Free);
         let (pool, size, ptr, split) = (b.pool, b.size, b.ptr, b.is_split());
@@ -305,7 +268,12 @@ impl ShardState {
 
     /// Splits `len` bytes off the front of block `id`; the rest becomes a new block in `state`
     /// (not put in any pool), returned.
-    pub(super) fn split_off(&mut self, id: BlockId, len: u64, state: BlockState) -> BlockId {
+    pub(in crate::alloc) fn split_off(
+        &mut self,
+        id: BlockId,
+        len: u64,
+        state: BlockState,
+    ) -> BlockId {
         let b = &self.blocks[id];
         let rest = Block {
             ptr: b.ptr + len,
@@ -347,7 +315,7 @@ impl ShardState {
 
     /// Merges free block `id` (not yet in a pool) with free neighbours and puts the result in its
     /// pool.
-    pub(super) fn merge_free(&mut self, id: BlockId) {
+    pub(in crate::alloc) fn merge_free(&mut self, id: BlockId) {
         let mut id = id;
         if let Some(prev) = self.blocks[id]
             .prev
@@ -370,7 +338,7 @@ impl ShardState {
     }
 
     /// Block `id` takes over the block after it.
-    pub(super) fn absorb_next(&mut self, id: BlockId) {
+    pub(in crate::alloc) fn absorb_next(&mut self, id: BlockId) {
         let Some(next) = self.blocks[id].next else {
             return;
         };

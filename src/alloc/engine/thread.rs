@@ -31,10 +31,10 @@ use std::cell::RefCell;
 use std::num::NonZeroU32;
 use std::ptr::NonNull;
 
-use super::block::BlockId;
-use super::core_types::Shard;
-use super::front::{FrontCache, FrontEntry};
-use super::pool_id::{MemPoolId, MemPoolOptions};
+use super::Shard;
+use crate::alloc::block::BlockId;
+use crate::alloc::front::{FrontCache, FrontEntry};
+use crate::alloc::pool_id::{MemPoolId, MemPoolOptions};
 use crate::driver::StreamId;
 use crate::sync::os::Arc;
 

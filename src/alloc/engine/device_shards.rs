@@ -3,11 +3,11 @@
 //! device-wide paths visit (all of them, or only those whose cache may be released); the lending of
 //! a `use_on_oom` pool's free block (`mem_pool.rs` has the pools' state table).
 
-use super::block::Allocated;
-use super::core_types::{DeviceCore, Shard};
-use super::pool_id::{MemPoolId, MemPoolOptions};
-use super::size::PoolKind;
-use super::state::ShardState;
+use super::ShardState;
+use super::{DeviceCore, Shard};
+use crate::alloc::block::Allocated;
+use crate::alloc::pool_id::{MemPoolId, MemPoolOptions};
+use crate::alloc::size::PoolKind;
 use crate::driver::StreamId;
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -93,7 +93,7 @@ impl DeviceCore {
 
     /// A free block of a live `use_on_oom` pool on `shard`'s stream, for an allocation of the
     /// default pool that found no memory (PyTorch's `use_on_oom`), with the pool's shard.
-    pub(super) fn lend(
+    pub(in crate::alloc) fn lend(
         &self,
         shard: &Shard,
         pool: PoolKind,
@@ -141,7 +141,7 @@ impl DeviceCore {
                     && st
                         .blocks
                         .iter()
-                        .all(|(_, b)| b.state == super::block::BlockState::Unmapped)
+                        .all(|(_, b)| b.state == crate::alloc::block::BlockState::Unmapped)
                     && st.pending.values().all(|q| q.is_empty())
             }
         })?;
@@ -156,7 +156,7 @@ impl DeviceCore {
     }
 
     /// Every shard of the device: the default pool's, the live pools', the retired ones.
-    pub(super) fn all_shards(&self) -> Vec<Arc<Shard>> {
+    pub(in crate::alloc) fn all_shards(&self) -> Vec<Arc<Shard>> {
         let mut all: Vec<_> = self.shards.read().values().cloned().collect();
         all.extend(self.retired.lock().iter().cloned());
         all
@@ -165,7 +165,7 @@ impl DeviceCore {
     /// The shards whose cached memory the device may release (empty cache, out of memory,
     /// garbage collection): the default pool's and the retired ones. A live pool keeps its cache
     /// (a graph's replays use its free blocks' addresses) until it is emptied or dropped.
-    pub(super) fn releasable_shards(&self) -> Vec<Arc<Shard>> {
+    pub(in crate::alloc) fn releasable_shards(&self) -> Vec<Arc<Shard>> {
         let mut out: Vec<_> = self
             .shards
             .read()
@@ -178,7 +178,7 @@ impl DeviceCore {
     }
 
     /// The shards of live pool `pool`.
-    pub(super) fn pool_shards(&self, pool: MemPoolId) -> Vec<Arc<Shard>> {
+    pub(in crate::alloc) fn pool_shards(&self, pool: MemPoolId) -> Vec<Arc<Shard>> {
         self.shards
             .read()
             .iter()
@@ -190,7 +190,7 @@ impl DeviceCore {
     /// Pool `pool` was dropped: its shards leave the map for the retired list, giving their
     /// cached memory back (blocks still handed out return to them and are released like the
     /// default pool's).
-    pub(super) fn retire_pool(&self, pool: MemPoolId) {
+    pub(in crate::alloc) fn retire_pool(&self, pool: MemPoolId) {
         // Released while still in the map (nothing allocates from a dropped pool), then moved
         // to the retired list in one step under the map's lock: a shard is never in neither,
         // where the allocator's teardown (and stats, snapshots) would miss it.

@@ -23,14 +23,14 @@
 
 use std::collections::BTreeMap;
 
-use super::block::{Allocated, Block, BlockId, BlockState, ExpandablePages, SegmentInfo};
-use super::core_types::{DeviceCore, Shard};
-use super::history::TraceAction;
-use super::observers::{SegmentChange, SegmentEvent};
-use super::registration::RegionKind;
-use super::size::PoolKind;
-use super::state::ShardState;
-use super::stats;
+use super::ShardState;
+use super::{DeviceCore, Shard};
+use crate::alloc::block::{Allocated, Block, BlockId, BlockState, ExpandablePages, SegmentInfo};
+use crate::alloc::history::TraceAction;
+use crate::alloc::observers::{SegmentChange, SegmentEvent};
+use crate::alloc::registration::RegionKind;
+use crate::alloc::size::PoolKind;
+use crate::alloc::stats;
 use crate::driver::{ChunkId, DeviceAddr, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::Ordering;
@@ -365,7 +365,7 @@ impl DeviceCore {
     /// The expandable miss path: maps just enough pages of the shard's expandable segment of
     /// `pool` (made on first use) for `rounded` bytes, then allocates from it. `Ok(None)` when the
     /// device (or the memory fraction, or the reservation) has no room.
-    pub(super) fn grow_expandable(
+    pub(in crate::alloc) fn grow_expandable(
         &self,
         shard: &Shard,
         pool: PoolKind,
@@ -488,7 +488,7 @@ impl DeviceCore {
     }
 
     /// A fresh chunk of `page` bytes mapped at `at` (nothing left behind on failure).
-    pub(super) fn map_fresh_page(&self, at: u64, page: u64) -> Result<ChunkId> {
+    pub(in crate::alloc) fn map_fresh_page(&self, at: u64, page: u64) -> Result<ChunkId> {
         let chunk = self.driver.vm_create_chunk(self.device, page)?;
         match self.driver.vm_map(DeviceAddr(at), chunk) {
             Ok(()) => Ok(chunk),
@@ -504,7 +504,7 @@ impl DeviceCore {
     /// then unmapped in one call (one drain of the streams) and its chunks released. A failing
     /// unmap or release is logged (the chunks are released anyway: the driver keeps a released
     /// chunk's memory until its last mapping goes).
-    pub(super) fn free_pages(&self, stream: StreamId, pages: Vec<PageRelease>) {
+    pub(in crate::alloc) fn free_pages(&self, stream: StreamId, pages: Vec<PageRelease>) {
         for (addr, len, chunks) in pages {
             self.callbacks.registry.unmap(self.device, addr, len);
             self.callbacks.observers.segment(SegmentEvent {
@@ -534,10 +534,10 @@ impl DeviceCore {
     ///
     /// Every cache release calls this for each shard it visits, after its other changes there:
     /// it tells the device's peak book that the shard changed without settling (`peaks.rs`).
-    pub(super) fn release_pages(
+    pub(in crate::alloc) fn release_pages(
         &self,
         shard: &Shard,
-        select: impl Fn(&super::block::Block) -> bool,
+        select: impl Fn(&crate::alloc::block::Block) -> bool,
         enough: impl Fn(u64) -> bool,
     ) -> u64 {
         let freed = self.release_free_pages(shard, select, enough);
@@ -548,7 +548,7 @@ impl DeviceCore {
     fn release_free_pages(
         &self,
         shard: &Shard,
-        select: impl Fn(&super::block::Block) -> bool,
+        select: impl Fn(&crate::alloc::block::Block) -> bool,
         enough: impl Fn(u64) -> bool,
     ) -> u64 {
         // Held across the unmaps: a capture does not begin in between (`capturing.rs`).

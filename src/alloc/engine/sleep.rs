@@ -21,14 +21,16 @@
 //! The stream sanitizer is told of each sleeping range: an access to it is reported and refused
 //! (`driver/sanitizer/asleep.rs`).
 
-use super::block::BlockState;
-use super::core_types::{DeviceCore, Shard};
+use std::collections::BTreeMap;
+
 use super::expandable::PageRelease;
-use super::history::TraceAction;
-use super::observers::{SegmentChange, SegmentEvent};
-use super::registration::RegionKind;
-use super::state::ShardState;
-use super::stats;
+use super::ShardState;
+use super::{DeviceCore, Shard};
+use crate::alloc::block::BlockState;
+use crate::alloc::history::TraceAction;
+use crate::alloc::observers::{SegmentChange, SegmentEvent};
+use crate::alloc::registration::RegionKind;
+use crate::alloc::stats;
 use crate::driver::{ChunkId, DeviceAddr, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::Ordering;
@@ -158,9 +160,54 @@ impl ShardState {
     }
 }
 
+/// A shard's part in its tag's sleep, for the tag's steps (`tags.rs`).
+impl Shard {
+    /// Refuses (or admits again) the shard's allocations: its tag falls asleep (or woke).
+    pub(crate) fn set_sleeping(&self, asleep: bool) {
+        self.sleeping.store(asleep, Ordering::SeqCst);
+    }
+
+    /// Bytes of the shard's live segments.
+    pub(crate) fn reserved_bytes(&self) -> i64 {
+        self.state.lock().stats.reserved_bytes.all.current
+    }
+
+    /// The streams a sleep waits for (see [`ShardState::sleep_streams`]).
+    pub(crate) fn sleep_streams(&self) -> Vec<StreamId> {
+        self.state.lock().sleep_streams(self.stream)
+    }
+
+    /// Calls `offload` with `(address, size)` of every allocated block, by address, under the
+    /// shard's lock: a free racing the sleep waits for it, and its stream orders it after the
+    /// copies `offload` enqueued on the shard's stream.
+    pub(crate) fn offload_allocated(
+        &self,
+        mut offload: impl FnMut(u64, u64) -> Result<()>,
+    ) -> Result<()> {
+        let st = self.state.lock();
+        for (addr, len) in st.allocated_ranges() {
+            offload(addr, len)?;
+        }
+        Ok(())
+    }
+
+    /// The allocated blocks now, `(address, size)` by address.
+    pub(crate) fn allocated_ranges(&self) -> Vec<(u64, u64)> {
+        self.state.lock().allocated_ranges()
+    }
+
+    /// Adds the pages mapped now under the shard's expandable segments to `out`: address → chunk.
+    pub(crate) fn mapped_pages_into(&self, out: &mut BTreeMap<u64, ChunkId>) {
+        let st = self.state.lock();
+        for pages in st.expandable.values() {
+            out.extend(pages.chunks.iter().map(|(&at, &c)| (at, c)));
+        }
+    }
+}
+
 impl DeviceCore {
     /// The error of a refused use of sleeping memory of `shard`'s pool.
-    pub(super) fn asleep_error(&self, shard: &Shard, what: &str) -> Error {
+    pub(in crate::alloc) fn asleep_error(&self, shard: &Shard, what: &str) -> Error {
         let pool = shard.state.lock().pool;
         let tag = self
             .tags
@@ -179,7 +226,7 @@ impl DeviceCore {
     /// Unmaps and releases every mapped page of `shard`'s expandable segments, keeping the
     /// reservations (`tag` names them to the sanitizer); returns the bytes given back. Pages
     /// are deregistered first; a failing unmap is logged, as on the release paths.
-    pub(super) fn sleep_shard(&self, shard: &Shard, tag: &str) -> u64 {
+    pub(in crate::alloc) fn sleep_shard(&self, shard: &Shard, tag: &str) -> u64 {
         let taken = {
             let mut st = shard.state.lock();
             let taken = st.take_pages_for_sleep();
@@ -209,7 +256,7 @@ impl DeviceCore {
     /// Maps fresh pages back under `shard`'s asleep segments, at the same addresses, and
     /// registers them; returns the bytes mapped. All or nothing: on a failure (out of memory,
     /// a registrar) what was mapped is given back and the segments stay asleep.
-    pub(super) fn wake_shard(&self, shard: &Shard) -> Result<u64> {
+    pub(in crate::alloc) fn wake_shard(&self, shard: &Shard) -> Result<u64> {
         let plan = shard.state.lock().pages_to_wake();
         let total: u64 = plan.iter().map(|(_, page, a)| page * a.len() as u64).sum();
         if !self.try_reserve(total) {

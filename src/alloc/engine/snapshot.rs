@@ -1,11 +1,11 @@
 //! Snapshots: every segment with its blocks and their states (PyTorch's names), and the history
 //! recorded so far (`history.rs`). `pytorch_pickle.rs` writes them in PyTorch's layout.
 
-use super::block::BlockState;
-use super::history::TraceEntry;
-use super::pool_id::MemPoolId;
-use super::stacks::Frame;
-use super::state::ShardState;
+use super::ShardState;
+use crate::alloc::block::BlockState;
+use crate::alloc::history::TraceEntry;
+use crate::alloc::pool_id::MemPoolId;
+use crate::alloc::stacks::Frame;
 use crate::driver::StreamId;
 
 /// State of a block in a snapshot (PyTorch's names).
@@ -153,8 +153,8 @@ pub(crate) fn shard_segments(
             allocated_size,
             active_size,
             segment_type: match seg.pool {
-                super::size::PoolKind::Small => "small",
-                super::size::PoolKind::Large => "large",
+                crate::alloc::size::PoolKind::Small => "small",
+                crate::alloc::size::PoolKind::Large => "large",
             },
             is_expandable: state.expandable.contains_key(&address),
             segment_pool_id: state.pool,

@@ -17,9 +17,9 @@
 //! tag's offload (`runtime/sleep.rs`), memory other processes count on (`ipc/limbo.rs`), pinned
 //! host blocks (`pinned/`).
 
-use super::block::BlockId;
-use super::core_types::Shard;
-use super::state::ShardState;
+use super::Shard;
+use super::ShardState;
+use crate::alloc::block::BlockId;
 use crate::driver::{CaptureMode, Driver, StreamId};
 use crate::error::Result;
 use crate::sync::os::Arc;
@@ -39,10 +39,22 @@ impl Shard {
     }
 
     /// A thread's front cache takes over the `bytes` at `ptr` of a block only this shard's stream
-    /// used: the same thread takes it next on the same stream, so nothing is waited for.
-    pub(super) fn leave_to_front(&self, ptr: u64, bytes: u64) {
+    /// used: the same thread takes it next on the same stream, so nothing is waited for. For the
+    /// sanitizer and the history the program freed the block (its next hand-out is an alloc).
+    pub(crate) fn leave_to_front(&self, ptr: u64, bytes: u64) {
         if let Some(sanitizer) = &self.sanitizer {
             sanitizer.free(ptr, bytes, self.stream, &[], false);
+        }
+        self.core.record_front_free(self, ptr, bytes);
+    }
+
+    /// Bytes `[ptr, ptr + len)` of this shard were handed out to a new owner (from its pools or
+    /// a front cache): the sanitizer checks that every access on another stream was ordered
+    /// before their free.
+    #[inline]
+    pub(crate) fn handed_out(&self, ptr: u64, len: u64) {
+        if let Some(sanitizer) = &self.sanitizer {
+            sanitizer.hand_out(ptr, len, self.stream);
         }
     }
 

@@ -3,10 +3,10 @@
 //! neighbours were left unmerged, that pending frees match their events, and that every stat's
 //! `current` equals a recount.
 
-use super::block::BlockState;
-use super::size::PoolKind;
-use super::state::ShardState;
-use super::stats::{DeviceStats, PoolStats};
+use super::ShardState;
+use crate::alloc::block::BlockState;
+use crate::alloc::size::PoolKind;
+use crate::alloc::stats::{DeviceStats, PoolStats};
 
 fn pool_slot(pool: PoolKind) -> usize {
     match pool {

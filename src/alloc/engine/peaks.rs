@@ -39,10 +39,10 @@
 
 use std::cell::Cell;
 
-use super::core_types::{DeviceCore, Figures, PeakBook, PeakEntry, Shard};
-use super::state::ShardState;
-use super::stats::{DeviceStats, PEAK_STATS, RESERVED_BYTES_ALL};
-use super::CachingAllocator;
+use super::ShardState;
+use super::{DeviceCore, Figures, PeakBook, PeakEntry, Shard};
+use crate::alloc::stats::{DeviceStats, PEAK_STATS, RESERVED_BYTES_ALL};
+use crate::alloc::CachingAllocator;
 use crate::sync::os::atomic::Ordering;
 use crate::sync::os::Arc;
 
@@ -229,13 +229,13 @@ impl ShardState {
 
 impl DeviceCore {
     /// Enters `shard` in the peak book (at its creation; see the module docs).
-    pub(super) fn register_for_peaks(&self, shard: &Arc<Shard>) {
+    pub(in crate::alloc) fn register_for_peaks(&self, shard: &Arc<Shard>) {
         self.peaks.lock().register(shard);
     }
 
     /// Tells the book that `shard`'s statistics may have changed on a path that does not settle
     /// (a cache release).
-    pub(super) fn tell_peaks(&self, shard: &Shard) {
+    pub(in crate::alloc) fn tell_peaks(&self, shard: &Shard) {
         self.peaks.lock().tell(key_of(shard));
     }
 
@@ -282,7 +282,7 @@ impl DeviceCore {
     /// The device's current totals of the statistics with a peak, exact, after reading the
     /// shards that changed since the book last read them (not every shard).
     #[cfg(feature = "replay")]
-    pub(super) fn current_totals(&self) -> [i64; PEAK_STATS] {
+    pub(in crate::alloc) fn current_totals(&self) -> [i64; PEAK_STATS] {
         let (sums, reads) = {
             let mut book = self.peaks.lock();
             let reads = self.sync(&mut book);
@@ -363,7 +363,7 @@ impl CachingAllocator {
     /// after every operation (`replay/run.rs`).
     #[cfg(feature = "replay")]
     pub(crate) fn usage_now(&self, device: usize) -> crate::error::Result<[u64; 3]> {
-        use super::stats::{ALLOCATED_BYTES_ALL, SEGMENT_ALL};
+        use crate::alloc::stats::{ALLOCATED_BYTES_ALL, SEGMENT_ALL};
         let get = |v: i64| u64::try_from(v).unwrap_or(0);
         if self.config.thread_cache > 0 {
             // Front caches hide their blocks from the totals only when all are summed.

@@ -15,18 +15,18 @@
 
 use std::collections::HashMap;
 
-use super::block::{Allocated, BlockId};
-use super::capturing::CaptureRoutes;
-use super::core_types::{DeviceCore, Shard};
-use super::history::{Trace, TraceAction};
-use super::observers::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
-use super::oom::{self, Callbacks};
-use super::pool_id::TagBook;
-use super::registration::RegionKind;
-use super::size::{self, PoolKind};
 use super::snapshot::{self, SnapshotSegment};
-use super::state::ShardState;
-use super::stats::DeviceStats;
+use super::ShardState;
+use super::{DeviceCore, Shard};
+use crate::alloc::block::{Allocated, BlockId};
+use crate::alloc::capturing::CaptureRoutes;
+use crate::alloc::history::{Trace, TraceAction};
+use crate::alloc::observers::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
+use crate::alloc::oom::{self, Callbacks};
+use crate::alloc::pool_id::{MemPoolId, TagBook};
+use crate::alloc::registration::RegionKind;
+use crate::alloc::size::{self, PoolKind};
+use crate::alloc::stats::DeviceStats;
 use crate::config::AllocatorConfig;
 use crate::driver::{CaptureMode, Driver, EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
@@ -43,6 +43,17 @@ pub(crate) struct AllocatorWide {
 }
 
 impl DeviceCore {
+    /// The device this core serves.
+    #[inline]
+    pub(crate) fn device(&self) -> usize {
+        self.device
+    }
+
+    /// Whether a capture or a live graph holds `pool` (its free blocks are the graphs').
+    pub(crate) fn held_by_graphs(&self, pool: MemPoolId) -> bool {
+        self.capturing.held_by_graphs(pool)
+    }
+
     pub fn new(
         device: usize,
         driver: Arc<dyn Driver>,
@@ -93,7 +104,7 @@ impl DeviceCore {
         Ok(())
     }
 
-    pub(super) fn fraction(&self) -> Option<(f64, u64)> {
+    pub(in crate::alloc) fn fraction(&self) -> Option<(f64, u64)> {
         if !self.fraction_set.load(Ordering::Relaxed) {
             return None;
         }
@@ -103,7 +114,7 @@ impl DeviceCore {
 
     /// Ends a change of a shard's state: checks the invariants (when asked), releases the lock,
     /// and reconciles the device's peaks if a statistic went past its budget (`peaks.rs`).
-    pub(super) fn settle(&self, mut state: MutexGuard<'_, ShardState>) {
+    pub(in crate::alloc) fn settle(&self, mut state: MutexGuard<'_, ShardState>) {
         self.verify(&state);
         let over = state.take_over_budget();
         drop(state);
@@ -115,7 +126,10 @@ impl DeviceCore {
     /// [`Self::settle`] for a caller that owns nothing of the shard once `state` is unlocked (a
     /// free): the peaks are reconciled through a reference taken under the lock, since the shard
     /// and this core may be dropped by another thread as soon as the lock is released.
-    pub(super) fn settle_leaving(core: &Arc<Self>, mut state: MutexGuard<'_, ShardState>) {
+    pub(in crate::alloc) fn settle_leaving(
+        core: &Arc<Self>,
+        mut state: MutexGuard<'_, ShardState>,
+    ) {
         core.verify(&state);
         let over = state.take_over_budget();
         let kept = over.then(|| Arc::clone(core));
@@ -127,7 +141,7 @@ impl DeviceCore {
 
     /// Counts `len` more bytes as reserved on the device, unless that passes the per-process
     /// memory fraction (then `false`, nothing counted).
-    pub(super) fn try_reserve(&self, len: u64) -> bool {
+    pub(in crate::alloc) fn try_reserve(&self, len: u64) -> bool {
         let limit = self.fraction().map_or(u64::MAX, |(_, allowed)| allowed);
         self.reserved
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
@@ -136,7 +150,7 @@ impl DeviceCore {
             .is_ok()
     }
 
-    pub(super) fn verify(&self, state: &ShardState) {
+    pub(in crate::alloc) fn verify(&self, state: &ShardState) {
         if self.check_invariants && !std::thread::panicking() {
             if let Err(broken) = state.check_invariants() {
                 // A test asked for this check: a violated invariant is a bug to stop at.
@@ -149,7 +163,7 @@ impl DeviceCore {
     }
 
     #[inline]
-    pub(super) fn poll_events(&self, shard: &Shard, state: &mut ShardState) {
+    pub(in crate::alloc) fn poll_events(&self, shard: &Shard, state: &mut ShardState) {
         // No query while a capture runs: it could be a forbidden call (`capturing.rs`).
         if state.has_pending() && !self.capturing.any() {
             self.complete_pending(shard, state);
@@ -172,7 +186,7 @@ impl DeviceCore {
     }
 
     /// Best fit in the shard (after polling its events), allocating on success.
-    pub(super) fn try_fit(
+    pub(in crate::alloc) fn try_fit(
         &self,
         shard: &Shard,
         pool: PoolKind,
@@ -195,14 +209,14 @@ impl DeviceCore {
 
     /// Records an allocation of `rounded` bytes at `ptr` in the history (when it is on).
     #[inline]
-    pub(super) fn record_alloc(&self, shard: &Shard, ptr: u64, rounded: u64) {
+    pub(in crate::alloc) fn record_alloc(&self, shard: &Shard, ptr: u64, rounded: u64) {
         self.trace
             .record(TraceAction::Alloc, self.device, ptr, rounded, shard.stream);
     }
 
     /// Records the free of `rounded` bytes at `ptr` that a front cache took (requested and
     /// completed at once, as a free with no other stream is).
-    pub(super) fn record_front_free(&self, shard: &Shard, ptr: u64, rounded: u64) {
+    pub(in crate::alloc) fn record_front_free(&self, shard: &Shard, ptr: u64, rounded: u64) {
         for action in [TraceAction::FreeRequested, TraceAction::FreeCompleted] {
             self.trace
                 .record(action, self.device, ptr, rounded, shard.stream);
@@ -216,7 +230,8 @@ impl DeviceCore {
             return None;
         }
         let rounded = size::round_size(requested, &self.config);
-        let (block, ptr) = super::thread::take_from_front(shard, super::front::class_of(rounded)?)?;
+        let (block, ptr) =
+            super::thread::take_from_front(shard, crate::alloc::front::class_of(rounded)?)?;
         self.record_alloc(shard, ptr, rounded);
         Some(Allocated {
             block,
@@ -351,7 +366,12 @@ impl DeviceCore {
 
     /// Records the events of block `id` of `st`, freed while used by `uses` (one per stream); a
     /// stream whose event cannot be recorded is synchronized instead.
-    pub(super) fn insert_free_events(&self, st: &mut ShardState, id: BlockId, uses: Vec<StreamId>) {
+    pub(in crate::alloc) fn insert_free_events(
+        &self,
+        st: &mut ShardState,
+        id: BlockId,
+        uses: Vec<StreamId>,
+    ) {
         for stream in uses {
             match self.record_free_event(stream) {
                 Ok(event) => st.add_pending(id, stream, event),
@@ -367,7 +387,7 @@ impl DeviceCore {
     }
 
     /// The last capture ended: the frees deferred meanwhile get their events now.
-    pub(super) fn flush_deferred(&self) {
+    pub(in crate::alloc) fn flush_deferred(&self) {
         for shard in self.all_shards() {
             let mut st = shard.state.lock();
             for (id, uses) in std::mem::take(&mut st.deferred) {

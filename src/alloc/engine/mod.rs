@@ -1,0 +1,213 @@
+//! The allocator's engine: the types that point at each other — a [`Shard`] (one (device,
+//! stream, pool)'s lock and [`ShardState`]) holds its [`DeviceCore`]; the core holds its shards
+//! and the [`PeakBook`] that knows each shard by a weak reference — defined here with **private
+//! fields**, and their concerns as child modules, which see those fields (the pattern of
+//! `driver/host/`). The rest of `alloc/` (the allocator's face in `mod.rs`, pools, tags, graphs,
+//! `DataPtr`) reaches them through a handful of methods: a shard's stream, device, birth and front
+//! limit, its allocation and hand-out, its part in a sleep, a pool's view of it. A shard's lock is
+//! taken in this folder only.
+//!
+//! | file | what it does with these types |
+//! |---|---|
+//! | `state.rs` | the operations on one shard's state under its lock: split/merge, pending frees |
+//! | `handover.rs` | when a block's bytes change owner and what the next owner waits for: the one place that decides it, with the block's lifecycle as a state table |
+//! | `shard.rs` | one shard: its face to the rest of `alloc/`, the free path, orphaning, front-cache helpers, its teardown |
+//! | `thread.rs` | per-thread state: current streams and a cache of shard pointers (no lock, no atomic on the hot path) |
+//! | `snapshot.rs`, `invariants.rs` | a shard's segments as a snapshot; the scanner tests run after every mutation |
+//! | `device_shards.rs` | one device's shards: creation per (stream, pool), retired shards, lending |
+//! | `device.rs` | one device: the hit and miss paths, release, stats, snapshots |
+//! | `device_release.rs` | giving cached memory back (`empty_cache`, the miss path's releases, GC) |
+//! | `expandable.rs` | expandable segments: growth and the release of whole pages |
+//! | `sleep.rs` | sleep and wake of a tag's shards: their pages unmapped and mapped back |
+//! | `peaks.rs` | exact device-wide peaks: the book's reads, grants and reconciles |
+//!
+//! The fields' own types live below the engine (`block.rs`, `pool.rs`, `front.rs`, `stats.rs`,
+//! …); no file of the engine names a file of `alloc/` above it.
+
+pub(in crate::alloc) mod device;
+mod device_release;
+mod device_shards;
+pub(in crate::alloc) mod expandable;
+pub(in crate::alloc) mod handover;
+mod invariants;
+mod peaks;
+mod shard;
+mod sleep;
+pub(in crate::alloc) mod snapshot;
+pub(in crate::alloc) mod state;
+pub(in crate::alloc) mod thread;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use slab::Slab;
+
+use super::block::{Block, BlockId, ExpandablePages, SegmentInfo};
+use super::capturing::CaptureRoutes;
+use super::front::FrontRegistry;
+use super::history::Trace;
+use super::oom::Callbacks;
+use super::pool::FreePool;
+use super::pool_id::MemPoolOptions;
+use super::pool_id::{MemPoolId, TagBook};
+use super::stats::DeviceStats;
+use super::stats::PEAK_STATS;
+use crate::config::AllocatorConfig;
+use crate::driver::{Driver, EventId, StreamId};
+use crate::process::Birth;
+use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::os::{Arc, Mutex, RwLock, Weak};
+
+/// One (device, stream) shard. Aligned to 128 bytes (two cache lines: the adjacent-line
+/// prefetcher pairs them) so that two shards' locks and hot state never share a line, wherever the
+/// heap puts them.
+#[derive(Debug)]
+#[repr(align(128))]
+pub(crate) struct Shard {
+    stream: StreamId,
+    /// Unique in the process, never reused: tells this shard from a later one at the same address
+    /// (thread-local caches compare it; `thread.rs`).
+    serial: u64,
+    /// `thread_cache_mb` in bytes (0: no front caches), next to the lock the free path takes.
+    front_limit: u64,
+    /// The process the allocator belongs to, next to the hot fields: a forked child's frees
+    /// release nothing (`process`).
+    birth: Birth,
+    /// The stream sanitizer (when on), next to the hot fields: told of hand-outs and frees.
+    sanitizer: Option<Arc<crate::driver::Sanitizer>>,
+    state: Mutex<ShardState>,
+    core: Arc<DeviceCore>,
+    /// Every thread's front cache of this shard (`front.rs`; empty unless `thread_cache_mb`).
+    fronts: Mutex<FrontRegistry>,
+    /// The shard's pool is a tag that sleeps (`sleep.rs`): allocations are refused. Set before
+    /// the shard's lock is taken to collect what to offload, read on every allocation of the
+    /// shard (once before, once under the lock), cleared when the tag is awake again.
+    sleeping: AtomicBool,
+}
+
+/// Everything an allocator keeps per device.
+pub(crate) struct DeviceCore {
+    device: usize,
+    /// The process the allocator belongs to (see `process`).
+    birth: Birth,
+    driver: Arc<dyn Driver>,
+    config: Arc<AllocatorConfig>,
+    callbacks: Arc<Callbacks>,
+    trace: Arc<Trace>,
+    /// The allocator's captures under way (`capturing.rs`).
+    capturing: Arc<CaptureRoutes>,
+    /// The allocator's tags and which sleep (`sleep.rs`).
+    tags: Arc<TagBook>,
+    check_invariants: bool,
+    /// The stream sanitizer, when the driver is sanitized: told of every hand-out and free.
+    sanitizer: Option<Arc<crate::driver::Sanitizer>>,
+    /// The driver for the events of pending frees: the unsanitized one under a sanitizer (the
+    /// allocator's polls and waits on them are its own, not the program's synchronization; the
+    /// sanitizer covers that reuse with the free's clock).
+    free_events: Arc<dyn Driver>,
+    capacity: u64,
+    /// `f64` bits of the per-process memory fraction; `fraction_set` says whether one was chosen.
+    fraction_bits: AtomicU64,
+    fraction_set: AtomicBool,
+    /// Bytes of live segments on this device (all shards).
+    reserved: AtomicU64,
+    /// The shards by (stream, memory pool): one per stream for the default pool, one per stream
+    /// a pool is used on (`mem_pool.rs`).
+    shards: RwLock<HashMap<(StreamId, MemPoolId), Arc<Shard>>>,
+    /// Shards of dropped pools: kept for the allocator's life (thread caches may still point at
+    /// them), released like the default pool's, and taken again by the next pool on their stream
+    /// once empty.
+    retired: Mutex<Vec<Arc<Shard>>>,
+    events: Mutex<Vec<EventId>>,
+    alloc_retries: AtomicU64,
+    ooms: AtomicU64,
+    sync_all: AtomicU64,
+    /// The recorded device-wide peaks (`peaks.rs`).
+    peaks: Mutex<PeakBook>,
+    /// Cached segments taken for release while a capture began: `(stream, base, size)`, freed
+    /// by the next release after the captures (`DeviceCore::free_segments`), or at the end.
+    unfreed: Mutex<Vec<(StreamId, u64, u64)>>,
+    /// Segments a registrar refused while a capture ran: `(base, size)`, never seen by observers
+    /// or the trace, freed quietly by the next release or at the end (`return_unregistered`).
+    refused: Mutex<Vec<(u64, u64)>>,
+}
+
+impl std::fmt::Debug for DeviceCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceCore")
+            .field("device", &self.device)
+            .field("reserved", &self.reserved.load(Ordering::Relaxed))
+            .field("shards", &self.shards.read().len())
+            .finish()
+    }
+}
+
+/// The mutable state of one shard.
+#[derive(Debug, Default)]
+pub(crate) struct ShardState {
+    /// The shard's serial (`Shard::serial`), for what knows only the state (`peaks.rs`).
+    serial: u64,
+    blocks: Slab<Block>,
+    free_small: FreePool,
+    free_large: FreePool,
+    segments: BTreeMap<u64, SegmentInfo>,
+    /// Pending-free events, per stream that used the blocks, oldest first.
+    pending: HashMap<StreamId, VecDeque<(EventId, BlockId)>>,
+    stats: DeviceStats,
+    /// Allocations served so far (age clock of garbage collection).
+    tick: u64,
+    /// The pages of each expandable segment (at most one per pool), by base (`expandable.rs`).
+    expandable: HashMap<u64, ExpandablePages>,
+    /// A statistic went past its limit since the flag was last taken (`peaks.rs`).
+    over_budget: bool,
+    /// Blocks handed out and not yet released: each has a `BlockOwner` pointing at this shard.
+    owners: u64,
+    /// The allocator is gone while blocks were out: the last release drops the shard.
+    orphaned: bool,
+    /// The memory pool whose blocks this shard holds (`mem_pool.rs`; the default pool unless the
+    /// shard serves one). Under the lock: a retired pool's empty shard serves the next pool.
+    pool: MemPoolId,
+    /// The pool's options (`MemPoolOptions::no_split`: blocks are handed out whole).
+    pool_options: MemPoolOptions,
+    /// The accumulated counts `stats` held when a retired shard was taken by `pool`: the earlier
+    /// pools' (the device's totals keep them, the pool's statistics leave them out).
+    pool_base: DeviceStats,
+    /// Blocks freed with stream uses while a capture was under way, and those streams: pending
+    /// until the last capture ends, when their events are recorded (`capturing.rs`).
+    deferred: Vec<(BlockId, Vec<StreamId>)>,
+}
+
+/// Statistics, one value per statistic with a peak.
+pub(in crate::alloc) type Figures = [i64; PEAK_STATS];
+
+/// What the book knows of one shard.
+#[derive(Debug)]
+pub(in crate::alloc) struct PeakEntry {
+    pub(in crate::alloc) shard: Weak<Shard>,
+    pub(in crate::alloc) key: usize,
+    /// Currents as last read.
+    pub(in crate::alloc) current: Figures,
+    /// Limits as last set.
+    pub(in crate::alloc) limit: Figures,
+    /// Told of a change since the last read (listed in `PeakBook::unread`).
+    pub(in crate::alloc) unread: bool,
+    /// Some limit above its current (listed in `PeakBook::holders`).
+    pub(in crate::alloc) holder: bool,
+}
+
+/// The device's recorded peaks and what it knows of each shard (see the module docs).
+#[derive(Debug, Default)]
+pub(crate) struct PeakBook {
+    peaks: Figures,
+    /// Σ of the entries' `current`.
+    sums: Figures,
+    /// Σ of the entries' `limit`.
+    limits: Figures,
+    entries: Slab<PeakEntry>,
+    by_key: HashMap<usize, usize>,
+    /// Entries told of a change since their last read (a slot may repeat or be stale).
+    unread: Vec<usize>,
+    /// Entries holding some limit above their current (a slot may repeat or be stale).
+    holders: Vec<usize>,
+    /// A change the book could not place: the next reconcile reads every shard.
+    stale: bool,
+}
