@@ -4,6 +4,7 @@
 //! same group (the baseline the COW copy-materialize target is measured against).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+use cudalloc::capability::Kernels;
 use std::time::Duration;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};

@@ -8,6 +8,7 @@
 //!   against the same copy from pageable memory (staged and waited for, as CUDA does).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+use cudalloc::capability::PinnedHost;
 use std::alloc::Layout;
 use std::sync::Arc;
 use std::time::Duration;

@@ -125,7 +125,7 @@ fn sleep_wake(c: &mut Criterion) {
                 // and the stream is synchronized before it is touched again.
                 unsafe {
                     buf.enqueue_write(stream, 0..EACH as usize, |dst, n| {
-                        driver.copy_device_to_pinned(stream, dst, src, n)
+                        driver.pinned().copy_device_to_pinned(stream, dst, src, n)
                     })
                     .unwrap();
                 }
@@ -136,7 +136,7 @@ fn sleep_wake(c: &mut Criterion) {
                 // SAFETY: the copy reads the buffer's EACH bytes, written above and waited for.
                 unsafe {
                     buf.enqueue_read(stream, 0..EACH as usize, |src, n| {
-                        driver.copy_pinned_to_device(stream, dst, src, n)
+                        driver.pinned().copy_pinned_to_device(stream, dst, src, n)
                     })
                     .unwrap();
                 }

@@ -118,7 +118,7 @@ impl Tensor {
 fn library_stream() -> Result<StreamId> {
     let runtime = GLOBAL.get()?;
     let driver = runtime.driver();
-    let raw = driver.raw_stream(driver.stream_create(0)?)?;
+    let raw = driver.interop().raw_stream(driver.stream_create(0)?)?;
     // SAFETY: `raw` names a live stream of device 0 that this program never destroys.
     let stream = unsafe { GLOBAL.get()?.import_stream(0, raw) }?;
     GLOBAL.get()?.set_default_stream(stream)?;

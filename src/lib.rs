@@ -56,6 +56,7 @@ pub use alloc::{
     StreamGuard, TraceAction, TraceEntry, POOL_NAMES,
 };
 pub use config::{AllocatorConfig, DefaultStream, ROUNDUP_INTERVALS};
+pub use driver::capability;
 pub use driver::cuda::driver_library_present;
 pub use driver::host::{
     parse_byte_size, HostMemory, HostRange, DEFAULT_DEVICES, DEFAULT_IPC_EVENT_TIMEOUT,

@@ -78,7 +78,7 @@ proptest! {
                     Ok(data) => {
                         let seed = next_seed;
                         next_seed += 1;
-                        driver.fill_pattern(streams[stream], data.ptr(), size, seed).unwrap();
+                        driver.kernels().fill_pattern(streams[stream], data.ptr(), size, seed).unwrap();
                         live.push(Live { data, size, seed });
                     }
                     Err(e) => prop_assert_eq!(e.kind(), ErrorKind::OutOfMemory, "{}", e),
@@ -86,12 +86,12 @@ proptest! {
                 Op::Free { index } if !live.is_empty() => {
                     let l = live.swap_remove(index % live.len());
                     let s = l.data.allocation_stream().unwrap();
-                    let bad = driver.count_pattern_mismatches(s, l.data.ptr(), l.size, l.seed).unwrap();
+                    let bad = driver.kernels().count_pattern_mismatches(s, l.data.ptr(), l.size, l.seed).unwrap();
                     prop_assert_eq!(bad, 0, "allocation lost its bytes before being freed");
                 }
                 Op::RecordStream { index, stream } if !live.is_empty() => {
                     let l = &live[index % live.len()];
-                    driver.sleep(streams[stream], 50).unwrap();
+                    driver.kernels().sleep(streams[stream], 50).unwrap();
                     a.record_stream(&l.data, streams[stream]).unwrap();
                 }
                 Op::EmptyCache => a.empty_cache(),
@@ -190,7 +190,7 @@ proptest! {
                     Ok(data) => {
                         let seed = next_seed;
                         next_seed += 1;
-                        driver.fill_pattern(streams[stream], data.ptr(), size, seed).unwrap();
+                        driver.kernels().fill_pattern(streams[stream], data.ptr(), size, seed).unwrap();
                         let pool = scopes.last().map_or(MemPoolId::DEFAULT, |s| s.pool().id());
                         live.push((Live { data, size, seed }, pool));
                     }
@@ -199,12 +199,12 @@ proptest! {
                 PoolOp::Plain(Op::Free { index }) if !live.is_empty() => {
                     let (l, _) = live.swap_remove(index % live.len());
                     let s = l.data.allocation_stream().unwrap();
-                    let bad = driver.count_pattern_mismatches(s, l.data.ptr(), l.size, l.seed).unwrap();
+                    let bad = driver.kernels().count_pattern_mismatches(s, l.data.ptr(), l.size, l.seed).unwrap();
                     prop_assert_eq!(bad, 0, "allocation lost its bytes before being freed");
                 }
                 PoolOp::Plain(Op::RecordStream { index, stream }) if !live.is_empty() => {
                     let (l, _) = &live[index % live.len()];
-                    driver.sleep(streams[stream], 50).unwrap();
+                    driver.kernels().sleep(streams[stream], 50).unwrap();
                     a.record_stream(&l.data, streams[stream]).unwrap();
                 }
                 PoolOp::Plain(Op::EmptyCache) => a.empty_cache(),

@@ -224,7 +224,7 @@ fn test_record_stream() {
         let len = 4 * MIB;
         let x = a.allocate(0, len).unwrap();
         let x_addr = x.ptr();
-        d.fill_pattern(main, x.ptr(), len, 1).unwrap();
+        d.kernels().fill_pattern(main, x.ptr(), len, 1).unwrap();
         d.stream_synchronize(main).unwrap();
         let copy = a.allocate_on(side, len).unwrap();
         let hold = hold_stream(&b, side);
@@ -247,11 +247,12 @@ fn test_record_stream() {
                 b.name
             );
         }
-        d.fill_pattern(main, y.ptr(), len, 2).unwrap();
+        d.kernels().fill_pattern(main, y.ptr(), len, 2).unwrap();
         drop(hold);
         d.stream_synchronize(side).unwrap();
         assert_eq!(
-            d.count_pattern_mismatches(side, copy.ptr(), len, 1)
+            d.kernels()
+                .count_pattern_mismatches(side, copy.ptr(), len, 1)
                 .unwrap(),
             0,
             "{}",

@@ -6,6 +6,7 @@
 mod common;
 
 use common::*;
+use cudalloc::capability::Ipc;
 use cudalloc::{CudaDriver, Driver, ErrorKind};
 
 /// A CUDA driver on the double, or `None` (with the skip line).

@@ -60,7 +60,7 @@ fn test_graph_capture_simple() {
     let (d, a) = setup();
     let s = a.create_stream(0).unwrap();
     let input = a.allocate_on(s, MIB).unwrap();
-    d.fill_pattern(s, input.ptr(), MIB, 3).unwrap();
+    d.kernels().fill_pattern(s, input.ptr(), MIB, 3).unwrap();
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let pool = capture.pool().id();
     assert!(
@@ -78,13 +78,17 @@ fn test_graph_capture_simple() {
     d.memset(s, output.ptr(), 0, MIB).unwrap();
     graph.replay(s).unwrap();
     assert_eq!(
-        d.count_pattern_mismatches(s, output.ptr(), MIB, 3).unwrap(),
+        d.kernels()
+            .count_pattern_mismatches(s, output.ptr(), MIB, 3)
+            .unwrap(),
         0
     );
-    d.fill_pattern(s, input.ptr(), MIB, 4).unwrap();
+    d.kernels().fill_pattern(s, input.ptr(), MIB, 4).unwrap();
     graph.replay(s).unwrap();
     assert_eq!(
-        d.count_pattern_mismatches(s, output.ptr(), MIB, 4).unwrap(),
+        d.kernels()
+            .count_pattern_mismatches(s, output.ptr(), MIB, 4)
+            .unwrap(),
         0
     );
     a.check_invariants().unwrap();
@@ -100,7 +104,10 @@ fn test_graph_capture_oom() {
     assert!(err.to_string().contains("stream capture"), "{err}");
     drop(capture);
     // The capture is over: the stream runs work, allocation works.
-    assert_eq!(d.stream_capture_status(s).unwrap(), CaptureStatus::None);
+    assert_eq!(
+        d.graphs().stream_capture_status(s).unwrap(),
+        CaptureStatus::None
+    );
     let p = a.allocate_on(s, MIB).unwrap();
     d.memset(s, p.ptr(), 1, MIB).unwrap();
     assert!(bytes(&d, s, &p, MIB).iter().all(|&b| b == 1));
@@ -115,7 +122,9 @@ fn successive(graphs: usize) {
         let (d, a) = setup();
         let s = a.create_stream(0).unwrap();
         let input = a.allocate_on(s, 4 * MIB).unwrap();
-        d.fill_pattern(s, input.ptr(), 4 * MIB, 9).unwrap();
+        d.kernels()
+            .fill_pattern(s, input.ptr(), 4 * MIB, 9)
+            .unwrap();
         d.stream_synchronize(s).unwrap();
         let before = reserved(&a);
         let mut made = Vec::new();
@@ -145,7 +154,8 @@ fn successive(graphs: usize) {
             d.memset(s, out.ptr(), 0, 4 * MIB).unwrap();
             g.replay(s).unwrap();
             assert_eq!(
-                d.count_pattern_mismatches(s, out.ptr(), 4 * MIB, 9)
+                d.kernels()
+                    .count_pattern_mismatches(s, out.ptr(), 4 * MIB, 9)
                     .unwrap(),
                 0
             );
@@ -177,7 +187,9 @@ fn test_graph_concurrent_replay() {
     for (s, seed) in [(s1, 1u64), (s2, 2)] {
         let capture = a.begin_capture(s, None, CaptureMode::ThreadLocal).unwrap();
         let out = a.allocate_on(s, 2 * MIB).unwrap();
-        d.fill_pattern(s, out.ptr(), 2 * MIB, seed).unwrap();
+        d.kernels()
+            .fill_pattern(s, out.ptr(), 2 * MIB, seed)
+            .unwrap();
         graphs.push((capture.end().unwrap(), out, s, seed));
     }
     // Separate pools: the outputs never overlap, so replays on two streams at once cannot
@@ -191,7 +203,8 @@ fn test_graph_concurrent_replay() {
     }
     for (_, out, s, seed) in &graphs {
         assert_eq!(
-            d.count_pattern_mismatches(*s, out.ptr(), 2 * MIB, *seed)
+            d.kernels()
+                .count_pattern_mismatches(*s, out.ptr(), 2 * MIB, *seed)
                 .unwrap(),
             0
         );
@@ -206,7 +219,7 @@ fn test_graph_memory_stats_and_use_result_after_destroy_graph() {
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let pool = capture.pool().clone();
     let kept = a.allocate_on(s, 3 * MIB).unwrap();
-    d.fill_pattern(s, kept.ptr(), 3 * MIB, 5).unwrap();
+    d.kernels().fill_pattern(s, kept.ptr(), 3 * MIB, 5).unwrap();
     drop(a.allocate_on(s, 6 * MIB).unwrap());
     let graph = capture.end().unwrap();
     let during = a.memory_stats(0).unwrap();
@@ -224,7 +237,8 @@ fn test_graph_memory_stats_and_use_result_after_destroy_graph() {
     drop(graph);
     drop(pool);
     assert_eq!(
-        d.count_pattern_mismatches(s, kept.ptr(), 3 * MIB, 5)
+        d.kernels()
+            .count_pattern_mismatches(s, kept.ptr(), 3 * MIB, 5)
             .unwrap(),
         0
     );
@@ -362,7 +376,7 @@ fn the_sanitizer_checks_replays_without_false_reports() {
     let (s, t) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let tmp = a.allocate_on(s, MIB).unwrap();
-    d.fill_pattern(s, tmp.ptr(), MIB, 1).unwrap();
+    d.kernels().fill_pattern(s, tmp.ptr(), MIB, 1).unwrap();
     let out = a.allocate_on(s, MIB).unwrap();
     d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB)
         .unwrap();
@@ -371,7 +385,12 @@ fn the_sanitizer_checks_replays_without_false_reports() {
     for _ in 0..3 {
         graph.replay(s).unwrap();
     }
-    assert_eq!(d.count_pattern_mismatches(s, out.ptr(), MIB, 1).unwrap(), 0);
+    assert_eq!(
+        d.kernels()
+            .count_pattern_mismatches(s, out.ptr(), MIB, 1)
+            .unwrap(),
+        0
+    );
     let reports: Vec<String> = san.take_reports().iter().map(|r| r.to_string()).collect();
     assert!(reports.is_empty(), "{reports:#?}");
     // Another stream writes the output with no order to the next replay: a race.
@@ -423,22 +442,24 @@ fn a_capture_begun_by_someone_else_is_routed_to_a_pool() {
     let s = a.create_stream(0).unwrap();
     let err = a.route_capture(s, None).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamCapture, "{err}");
-    d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::ThreadLocal)
+        .unwrap();
     let mut route = a.route_capture(s, None).unwrap();
     let pool = route.pool().id();
     let tmp = a.allocate_on(s, MIB).unwrap();
     let out = a.allocate_on(s, MIB).unwrap();
     assert!(in_pool(&a, pool, tmp.ptr()) && in_pool(&a, pool, out.ptr()));
-    d.fill_pattern(s, tmp.ptr(), MIB, 4).unwrap();
+    d.kernels().fill_pattern(s, tmp.ptr(), MIB, 4).unwrap();
     d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB)
         .unwrap();
     drop(tmp);
     let err = route.finish().unwrap_err();
     assert!(err.to_string().contains("still being captured"), "{err}");
-    let graph = d.stream_end_capture(s).unwrap();
+    let graph = d.graphs().stream_end_capture(s).unwrap();
     let kept = route.finish().unwrap();
     assert!(route.finish().is_err(), "finished twice");
-    let exec = d.graph_instantiate(graph).unwrap();
+    let exec = d.graphs().graph_instantiate(graph).unwrap();
     for _ in 0..3 {
         d.memset(s, out.ptr(), 0, MIB).unwrap();
         let eager = a.allocate_on(s, MIB).unwrap();
@@ -446,11 +467,16 @@ fn a_capture_begun_by_someone_else_is_routed_to_a_pool() {
             !in_pool(&a, pool, eager.ptr()),
             "eager work got the graph's memory"
         );
-        d.graph_launch(exec, s).unwrap();
-        assert_eq!(d.count_pattern_mismatches(s, out.ptr(), MIB, 4).unwrap(), 0);
+        d.graphs().graph_launch(exec, s).unwrap();
+        assert_eq!(
+            d.kernels()
+                .count_pattern_mismatches(s, out.ptr(), MIB, 4)
+                .unwrap(),
+            0
+        );
     }
-    d.graph_exec_destroy(exec).unwrap();
-    d.graph_destroy(graph).unwrap();
+    d.graphs().graph_exec_destroy(exec).unwrap();
+    d.graphs().graph_destroy(graph).unwrap();
     drop((out, kept, route));
     a.empty_cache();
     assert_eq!(
@@ -470,7 +496,7 @@ fn a_graph_outliving_its_allocator_still_replays_and_gives_its_memory_back() {
     let s = a.create_stream(0).unwrap();
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let tmp = a.allocate_on(s, MIB).unwrap();
-    d.fill_pattern(s, tmp.ptr(), MIB, 8).unwrap();
+    d.kernels().fill_pattern(s, tmp.ptr(), MIB, 8).unwrap();
     let out = a.allocate_on(s, MIB).unwrap();
     d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB)
         .unwrap();
@@ -480,7 +506,12 @@ fn a_graph_outliving_its_allocator_still_replays_and_gives_its_memory_back() {
     for _ in 0..2 {
         d.memset(s, out.ptr(), 0, MIB).unwrap();
         graph.replay(s).unwrap();
-        assert_eq!(d.count_pattern_mismatches(s, out.ptr(), MIB, 8).unwrap(), 0);
+        assert_eq!(
+            d.kernels()
+                .count_pattern_mismatches(s, out.ptr(), MIB, 8)
+                .unwrap(),
+            0
+        );
     }
     drop(out);
     drop(graph);

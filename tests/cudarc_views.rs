@@ -235,6 +235,7 @@ fn device_ptr_on_another_stream_orders_it_after_the_views_stream() {
     let other_id = unsafe { runtime.import_stream(0, other.cu_stream() as usize as u64) }.unwrap();
     let bad = runtime
         .driver()
+        .kernels()
         .count_pattern_mismatches(other_id, cudalloc::DeviceAddr(ptr), MIB, seed)
         .unwrap();
     assert_eq!(bad, 0, "the read on the other stream saw the fill");

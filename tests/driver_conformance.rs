@@ -10,6 +10,7 @@
 mod common;
 
 use common::*;
+use cudalloc::capability::Kernels;
 use cudalloc::pattern;
 use std::sync::Arc;
 
@@ -38,18 +39,20 @@ fn an_imported_stream_is_the_library_stream_and_is_never_destroyed() {
         let d = b.driver.as_ref();
         // The "library" made a stream; cudalloc adopts it by its raw handle.
         let library = d.stream_create(0).unwrap();
-        let raw = d.raw_stream(library).unwrap();
+        let raw = d.interop().raw_stream(library).unwrap();
         // SAFETY: `raw` names a live stream of this driver on device 0.
-        let adopted = unsafe { d.import_stream(0, raw) }.unwrap();
-        assert_eq!(d.raw_stream(adopted).unwrap(), raw, "{}", b.name);
+        let adopted = unsafe { d.interop().import_stream(0, raw) }.unwrap();
+        assert_eq!(d.interop().raw_stream(adopted).unwrap(), raw, "{}", b.name);
         assert_eq!(d.stream_device(adopted).unwrap(), 0, "{}", b.name);
         // Work on either id is one queue: a slow write on the library's id, then a read on the
         // adopted id, sees the write without any event.
         let p = d.malloc(0, MIB).unwrap();
-        d.sleep(library, 20_000).unwrap();
-        d.fill_pattern(library, p, MIB, 9).unwrap();
+        d.kernels().sleep(library, 20_000).unwrap();
+        d.kernels().fill_pattern(library, p, MIB, 9).unwrap();
         assert_eq!(
-            d.count_pattern_mismatches(adopted, p, MIB, 9).unwrap(),
+            d.kernels()
+                .count_pattern_mismatches(adopted, p, MIB, 9)
+                .unwrap(),
             0,
             "{}",
             b.name
@@ -58,18 +61,18 @@ fn an_imported_stream_is_the_library_stream_and_is_never_destroyed() {
         if b.name == "cuda" {
             d.stream_destroy(adopted).unwrap();
         }
-        d.fill_pattern(library, p, MIB, 10).unwrap();
+        d.kernels().fill_pattern(library, p, MIB, 10).unwrap();
         d.stream_synchronize(library).unwrap();
         // A stream of another device is refused.
         if d.device_count() > 1 {
             // SAFETY: as above.
-            let err = unsafe { d.import_stream(1, raw) }.unwrap_err();
+            let err = unsafe { d.interop().import_stream(1, raw) }.unwrap_err();
             assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{}: {err}", b.name);
         }
         // The default stream's raw handle: CUDA's legacy NULL stream.
         let default = d.default_stream(0).unwrap();
         if b.name == "cuda" {
-            assert_eq!(d.raw_stream(default).unwrap(), 0);
+            assert_eq!(d.interop().raw_stream(default).unwrap(), 0);
         }
         d.free(p).unwrap();
         d.stream_destroy(library).unwrap();
@@ -159,9 +162,11 @@ fn malloc_free_capacity_and_out_of_memory() {
 
         // The device is fully usable after the failures.
         let s = d.default_stream(0).unwrap();
-        d.fill_pattern(s, p, 4 * MIB, 5).unwrap();
+        d.kernels().fill_pattern(s, p, 4 * MIB, 5).unwrap();
         assert_eq!(
-            d.count_pattern_mismatches(s, p, 4 * MIB, 5).unwrap(),
+            d.kernels()
+                .count_pattern_mismatches(s, p, 4 * MIB, 5)
+                .unwrap(),
             0,
             "{}",
             b.name
@@ -231,7 +236,7 @@ fn kernels_match_the_reference_pattern() {
         let s = d.stream_create(0).unwrap();
         let len = MIB + 5;
         let p = d.malloc(0, len).unwrap();
-        d.fill_pattern(s, p, len, 0xC0FFEE).unwrap();
+        d.kernels().fill_pattern(s, p, len, 0xC0FFEE).unwrap();
         d.stream_synchronize(s).unwrap();
         assert_eq!(
             read(d, p, len as usize),
@@ -239,26 +244,41 @@ fn kernels_match_the_reference_pattern() {
             "{}",
             b.name
         );
-        assert_eq!(d.count_pattern_mismatches(s, p, len, 0xC0FFEE).unwrap(), 0);
-        assert!(d.count_pattern_mismatches(s, p, len, 0xC0FFEF).unwrap() > len - len / 64);
+        assert_eq!(
+            d.kernels()
+                .count_pattern_mismatches(s, p, len, 0xC0FFEE)
+                .unwrap(),
+            0
+        );
+        assert!(
+            d.kernels()
+                .count_pattern_mismatches(s, p, len, 0xC0FFEF)
+                .unwrap()
+                > len - len / 64
+        );
         // Flip three bytes; the verify kernel counts exactly three.
         let mut three = read(d, p.offset(4096).unwrap(), 3);
         three.iter_mut().for_each(|x| *x ^= 0x5A);
         write(d, p.offset(4096).unwrap(), &three);
         assert_eq!(
-            d.count_pattern_mismatches(s, p, len, 0xC0FFEE).unwrap(),
+            d.kernels()
+                .count_pattern_mismatches(s, p, len, 0xC0FFEE)
+                .unwrap(),
             3,
             "{}",
             b.name
         );
         // A fill of a sub-range uses offsets relative to its start.
-        d.fill_pattern(s, p.offset(77).unwrap(), 1000, 3).unwrap();
+        d.kernels()
+            .fill_pattern(s, p.offset(77).unwrap(), 1000, 3)
+            .unwrap();
         assert_eq!(
-            d.count_pattern_mismatches(s, p.offset(77).unwrap(), 1000, 3)
+            d.kernels()
+                .count_pattern_mismatches(s, p.offset(77).unwrap(), 1000, 3)
                 .unwrap(),
             0
         );
-        d.poison(s, p, len).unwrap();
+        d.kernels().poison(s, p, len).unwrap();
         d.stream_synchronize(s).unwrap();
         assert_eq!(
             pattern::count_non_poison(&read(d, p, len as usize)),
@@ -280,18 +300,20 @@ fn an_event_orders_a_slow_writer_before_a_reader_on_another_stream() {
         let len = 2 * MIB;
         let buf = d.malloc(0, len).unwrap();
         let copy = d.malloc(0, len).unwrap();
-        d.fill_pattern(a, buf, len, 1).unwrap();
+        d.kernels().fill_pattern(a, buf, len, 1).unwrap();
         d.stream_synchronize(a).unwrap();
         let e = d.event_create(0, EventFlags::default()).unwrap();
         // Stream A: sleep, then overwrite with pattern 2, then record.
-        d.sleep(a, 200_000).unwrap();
-        d.fill_pattern(a, buf, len, 2).unwrap();
+        d.kernels().sleep(a, 200_000).unwrap();
+        d.kernels().fill_pattern(a, buf, len, 2).unwrap();
         d.event_record(e, a).unwrap();
         // Stream R waits for the event, then copies: it must see pattern 2 in full.
         d.stream_wait_event(r, e).unwrap();
         d.copy_device_to_device(r, copy, buf, len).unwrap();
         assert_eq!(
-            d.count_pattern_mismatches(r, copy, len, 2).unwrap(),
+            d.kernels()
+                .count_pattern_mismatches(r, copy, len, 2)
+                .unwrap(),
             0,
             "{}",
             b.name
@@ -353,7 +375,7 @@ fn event_query_and_synchronize() {
         );
         let gate = b.host.as_ref().map(|h| h.gate_stream(s).unwrap());
         if gate.is_none() {
-            d.sleep(s, 50_000).unwrap();
+            d.kernels().sleep(s, 50_000).unwrap();
         }
         d.event_record(e, s).unwrap();
         if let Some(gate) = gate {
@@ -459,21 +481,29 @@ fn misuse_is_a_typed_error() {
             d.copy_host_to_device(s, foreign, &[1, 2, 3]),
             "upload to a foreign pointer",
         );
-        invalid(d.fill_pattern(s, p, MIB * 2, 1), "fill past the end");
         invalid(
-            d.ipc_export_memory(p.offset(512).unwrap()).map(|_| ()),
+            d.kernels().fill_pattern(s, p, MIB * 2, 1),
+            "fill past the end",
+        );
+        invalid(
+            d.ipc()
+                .ipc_export_memory(p.offset(512).unwrap())
+                .map(|_| ()),
             "export of an interior pointer",
         );
         // Same-process open of our own handle is refused.
-        let handle = d.ipc_export_memory(p).unwrap();
+        let handle = d.ipc().ipc_export_memory(p).unwrap();
         assert!(
-            d.ipc_open_memory(0, &handle).is_err(),
+            d.ipc().ipc_open_memory(0, &handle).is_err(),
             "{}: same-process open",
             b.name
         );
         // Events: not interprocess -> not exportable; destroyed ids are unknown.
         let e = d.event_create(0, EventFlags::default()).unwrap();
-        invalid(d.ipc_export_event(e).map(|_| ()), "export of a plain event");
+        invalid(
+            d.ipc().ipc_export_event(e).map(|_| ()),
+            "export of a plain event",
+        );
         d.event_destroy(e).unwrap();
         invalid(d.event_query(e).map(|_| ()), "query of a destroyed event");
         invalid(d.event_destroy(e), "double destroy");
@@ -482,15 +512,15 @@ fn misuse_is_a_typed_error() {
         invalid(d.stream_synchronize(t), "synchronize of a destroyed stream");
         invalid(d.stream_destroy(s), "destroying the default stream");
         invalid(
-            d.ipc_close_memory(p),
+            d.ipc().ipc_close_memory(p),
             "closing a segment that was allocated, not opened",
         );
         d.free(p).unwrap();
         invalid(d.free(p), "double free");
         // Garbage handles never panic.
         let garbage = IpcMemHandle([0x5A; 64]);
-        assert!(d.ipc_open_memory(0, &garbage).is_err());
-        assert!(d.ipc_open_event(0, &IpcEventHandle([0; 64])).is_err());
+        assert!(d.ipc().ipc_open_memory(0, &garbage).is_err());
+        assert!(d.ipc().ipc_open_event(0, &IpcEventHandle([0; 64])).is_err());
     }
 }
 
@@ -541,13 +571,13 @@ fn cross_process(backend: &str) {
         .event_create(0, EventFlags { interprocess: true })
         .unwrap();
     d.memset(s, seg, 0, len).unwrap();
-    d.sleep(s, 300_000).unwrap();
-    d.fill_pattern(s, seg, len, 11).unwrap();
+    d.kernels().sleep(s, 300_000).unwrap();
+    d.kernels().fill_pattern(s, seg, len, 11).unwrap();
     d.event_record(ev, s).unwrap();
-    let mem_handle = d.ipc_export_memory(seg).unwrap();
-    let ev_handle = d.ipc_export_event(ev).unwrap();
+    let mem_handle = d.ipc().ipc_export_memory(seg).unwrap();
+    let ev_handle = d.ipc().ipc_export_event(ev).unwrap();
     assert!(
-        d.ipc_open_memory(0, &mem_handle).is_err(),
+        d.ipc().ipc_open_memory(0, &mem_handle).is_err(),
         "same-process open must fail"
     );
 
@@ -566,11 +596,14 @@ fn cross_process(backend: &str) {
     assert_eq!(field(&answer, "double_open"), "refused", "{answer}");
 
     let child_event = d
+        .ipc()
         .ipc_open_event(0, &IpcEventHandle(unhex64(field(&answer, "event"))))
         .unwrap();
     d.stream_wait_event(s, child_event).unwrap();
     assert_eq!(
-        d.count_pattern_mismatches(s, seg, len, 22).unwrap(),
+        d.kernels()
+            .count_pattern_mismatches(s, seg, len, 22)
+            .unwrap(),
         0,
         "parent must see the child's writes"
     );
@@ -616,23 +649,26 @@ fn cross_process_child() {
     let len: u64 = field(&line, "len").parse().unwrap();
 
     let s = d.stream_create(0).unwrap();
-    let seg = d.ipc_open_memory(0, &mem).unwrap();
+    let seg = d.ipc().ipc_open_memory(0, &mem).unwrap();
     assert_eq!(seg.size, len);
-    let double_open = if d.ipc_open_memory(0, &mem).is_err() {
+    let double_open = if d.ipc().ipc_open_memory(0, &mem).is_err() {
         "refused"
     } else {
         "accepted"
     };
-    let parent_event = d.ipc_open_event(0, &ev).unwrap();
+    let parent_event = d.ipc().ipc_open_event(0, &ev).unwrap();
     d.stream_wait_event(s, parent_event).unwrap();
-    let mismatches = d.count_pattern_mismatches(s, seg.ptr, len, 11).unwrap();
+    let mismatches = d
+        .kernels()
+        .count_pattern_mismatches(s, seg.ptr, len, 11)
+        .unwrap();
 
-    d.fill_pattern(s, seg.ptr, len, 22).unwrap();
+    d.kernels().fill_pattern(s, seg.ptr, len, 22).unwrap();
     let mine = d
         .event_create(0, EventFlags { interprocess: true })
         .unwrap();
     d.event_record(mine, s).unwrap();
-    let mine_handle = d.ipc_export_event(mine).unwrap();
+    let mine_handle = d.ipc().ipc_export_event(mine).unwrap();
     parent.send(&format!(
         "mismatches={mismatches} double_open={double_open} event={}",
         hex(&mine_handle.0)
@@ -643,7 +679,7 @@ fn cross_process_child() {
     d.copy_device_to_host(s, &mut bytes, seg.ptr).unwrap();
     parent.send(&format!("non_poison={}", pattern::count_non_poison(&bytes)));
     assert_eq!(parent.recv(), "bye");
-    d.ipc_close_memory(seg.ptr).unwrap();
+    d.ipc().ipc_close_memory(seg.ptr).unwrap();
     d.event_destroy(parent_event).unwrap();
     d.event_destroy(mine).unwrap();
 }
@@ -654,20 +690,22 @@ fn virtual_memory_maps_chunks_into_reservations_and_shares_them_by_descriptor() 
     for b in backends("virtual_memory_maps_chunks_into_reservations") {
         let d = b.driver.as_ref();
         let s = d.default_stream(0).unwrap();
-        let g = d.vm_granularity(0).unwrap();
+        let g = d.vm().vm_granularity(0).unwrap();
         assert!(g > 0 && g.is_power_of_two(), "{}: granularity {g}", b.name);
-        let base = d.vm_reserve(0, 4 * g).unwrap();
+        let base = d.vm().vm_reserve(0, 4 * g).unwrap();
         let (c1, c2) = (
-            d.vm_create_chunk(0, g).unwrap(),
-            d.vm_create_chunk(0, g).unwrap(),
+            d.vm().vm_create_chunk(0, g).unwrap(),
+            d.vm().vm_create_chunk(0, g).unwrap(),
         );
-        d.vm_map(base, c1).unwrap();
-        d.vm_map(base.offset(g).unwrap(), c2).unwrap();
+        d.vm().vm_map(base, c1).unwrap();
+        d.vm().vm_map(base.offset(g).unwrap(), c2).unwrap();
         // A range across the two chunks is one range.
         let across = base.offset(g / 2).unwrap();
-        d.fill_pattern(s, across, g, 5).unwrap();
+        d.kernels().fill_pattern(s, across, g, 5).unwrap();
         assert_eq!(
-            d.count_pattern_mismatches(s, across, g, 5).unwrap(),
+            d.kernels()
+                .count_pattern_mismatches(s, across, g, 5)
+                .unwrap(),
             0,
             "{}",
             b.name
@@ -678,36 +716,36 @@ fn virtual_memory_maps_chunks_into_reservations_and_shares_them_by_descriptor() 
             d.memset(s, hole, 0, 16).unwrap_err(),
             d.memset(s, base.offset(2 * g - 8).unwrap(), 0, 16)
                 .unwrap_err(),
-            d.vm_map(base.offset(g / 2).unwrap(), c1).unwrap_err(),
-            d.vm_map(base, c2).unwrap_err(),
-            d.vm_unmap(base, g / 2).unwrap_err(),
-            d.vm_free_reservation(base).unwrap_err(),
-            d.vm_create_chunk(0, g + 1).unwrap_err(),
-            d.vm_reserve(0, g / 2).unwrap_err(),
+            d.vm().vm_map(base.offset(g / 2).unwrap(), c1).unwrap_err(),
+            d.vm().vm_map(base, c2).unwrap_err(),
+            d.vm().vm_unmap(base, g / 2).unwrap_err(),
+            d.vm().vm_free_reservation(base).unwrap_err(),
+            d.vm().vm_create_chunk(0, g + 1).unwrap_err(),
+            d.vm().vm_reserve(0, g / 2).unwrap_err(),
         ] {
             assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{}: {err}", b.name);
         }
         // A chunk's descriptor, imported, is the same memory: write through one mapping, read
         // through the other.
-        let exported = d.vm_export_chunk(c1).unwrap();
-        let c3 = d.vm_import_chunk(0, exported, g).unwrap();
-        d.vm_map(hole, c3).unwrap();
-        d.fill_pattern(s, base, g, 6).unwrap();
+        let exported = d.vm().vm_export_chunk(c1).unwrap();
+        let c3 = d.vm().vm_import_chunk(0, exported, g).unwrap();
+        d.vm().vm_map(hole, c3).unwrap();
+        d.kernels().fill_pattern(s, base, g, 6).unwrap();
         assert_eq!(
-            d.count_pattern_mismatches(s, hole, g, 6).unwrap(),
+            d.kernels().count_pattern_mismatches(s, hole, g, 6).unwrap(),
             0,
             "{}",
             b.name
         );
         // Released while mapped: still usable until unmapped.
-        d.vm_release_chunk(c1).unwrap();
+        d.vm().vm_release_chunk(c1).unwrap();
         assert_eq!(
-            d.count_pattern_mismatches(s, base, g, 6).unwrap(),
+            d.kernels().count_pattern_mismatches(s, base, g, 6).unwrap(),
             0,
             "{}",
             b.name
         );
-        d.vm_unmap(base, 2 * g).unwrap();
+        d.vm().vm_unmap(base, 2 * g).unwrap();
         assert_eq!(
             d.memset(s, base, 0, 1).unwrap_err().kind(),
             ErrorKind::InvalidArgument
@@ -715,22 +753,22 @@ fn virtual_memory_maps_chunks_into_reservations_and_shares_them_by_descriptor() 
         if b.name == "host" {
             // Poison-on-free: the chunk's last local mapping is gone and it was released, so
             // another holder of its memory (here the import) now reads the poison pattern.
-            let wrong = d.count_pattern_mismatches(s, hole, g, 6).unwrap();
+            let wrong = d.kernels().count_pattern_mismatches(s, hole, g, 6).unwrap();
             assert!(
                 wrong > g - g / 64,
                 "host: only {wrong} of {g} bytes poisoned"
             );
         }
-        d.vm_unmap(hole, g).unwrap();
+        d.vm().vm_unmap(hole, g).unwrap();
         for chunk in [c2, c3] {
-            d.vm_release_chunk(chunk).unwrap();
+            d.vm().vm_release_chunk(chunk).unwrap();
         }
         assert!(
-            d.vm_release_chunk(c2).is_err(),
+            d.vm().vm_release_chunk(c2).is_err(),
             "{}: released twice",
             b.name
         );
-        d.vm_free_reservation(base).unwrap();
+        d.vm().vm_free_reservation(base).unwrap();
     }
 }
 
@@ -753,16 +791,16 @@ fn a_segment_right_after_a_reservation_is_its_own() {
     {
         let d = b.driver.as_ref();
         let s = d.default_stream(0).unwrap();
-        let g = d.vm_granularity(0).unwrap();
+        let g = d.vm().vm_granularity(0).unwrap();
         let (mut reservations, mut segments, mut adjacent) = (Vec::new(), Vec::new(), None);
         for attempt in 0..16 {
             // Both orders: a reservation made after a segment lands below it when mappings grow
             // down, one made before lies below the next segment when they grow up.
             let (r, m) = if attempt % 2 == 0 {
                 let m = d.malloc(0, g).unwrap();
-                (d.vm_reserve(0, g).unwrap(), m)
+                (d.vm().vm_reserve(0, g).unwrap(), m)
             } else {
-                let r = d.vm_reserve(0, g).unwrap();
+                let r = d.vm().vm_reserve(0, g).unwrap();
                 (r, d.malloc(0, g).unwrap())
             };
             reservations.push(r);
@@ -774,8 +812,8 @@ fn a_segment_right_after_a_reservation_is_its_own() {
         }
         match adjacent {
             Some((r, m)) => {
-                let chunk = d.vm_create_chunk(0, g).unwrap();
-                d.vm_map(r, chunk).unwrap();
+                let chunk = d.vm().vm_create_chunk(0, g).unwrap();
+                d.vm().vm_map(r, chunk).unwrap();
                 d.memset(s, m, 7, g).unwrap();
                 d.copy_device_to_device(s, r, m, g).unwrap();
                 d.memset(s, m.offset(g - 1).unwrap(), 7, 1).unwrap();
@@ -786,8 +824,8 @@ fn a_segment_right_after_a_reservation_is_its_own() {
                 let err = d.memset(s, r.offset(g / 2).unwrap(), 0, g).unwrap_err();
                 assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{}: {err}", b.name);
                 d.stream_synchronize(s).unwrap();
-                d.vm_unmap(r, g).unwrap();
-                d.vm_release_chunk(chunk).unwrap();
+                d.vm().vm_unmap(r, g).unwrap();
+                d.vm().vm_release_chunk(chunk).unwrap();
             }
             None => {
                 assert_ne!(b.name, "sim", "the simulator places them adjacent");
@@ -795,7 +833,7 @@ fn a_segment_right_after_a_reservation_is_its_own() {
             }
         }
         for r in reservations {
-            d.vm_free_reservation(r).unwrap();
+            d.vm().vm_free_reservation(r).unwrap();
         }
         for m in segments {
             d.free(m).unwrap();
@@ -808,11 +846,11 @@ fn chunks_count_against_capacity_and_out_of_memory_is_typed() {
     let _device = device_alone();
     for b in backends("chunks_count_against_capacity") {
         let d = b.driver.as_ref();
-        let g = d.vm_granularity(0).unwrap();
+        let g = d.vm().vm_granularity(0).unwrap();
         let size = (d.mem_info(0).unwrap().total / 3 / g).max(1) * g;
         let mut chunks = Vec::new();
         let err = loop {
-            match d.vm_create_chunk(0, size) {
+            match d.vm().vm_create_chunk(0, size) {
                 Ok(c) => chunks.push(c),
                 Err(e) => break e,
             }
@@ -820,9 +858,10 @@ fn chunks_count_against_capacity_and_out_of_memory_is_typed() {
         };
         assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{}: {err}", b.name);
         for c in chunks {
-            d.vm_release_chunk(c).unwrap();
+            d.vm().vm_release_chunk(c).unwrap();
         }
-        d.vm_release_chunk(d.vm_create_chunk(0, size).unwrap())
+        d.vm()
+            .vm_release_chunk(d.vm().vm_create_chunk(0, size).unwrap())
             .unwrap();
     }
 }

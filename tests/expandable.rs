@@ -32,7 +32,7 @@ fn grows_in_pages_and_gives_whole_free_pages_back() {
     let _device = device_alone();
     for b in backends("grows_in_pages_and_gives_whole_free_pages_back") {
         let a = runtime(b.driver.clone(), "expandable_segments:True");
-        let page = b.driver.vm_granularity(0).unwrap();
+        let page = b.driver.vm().vm_granularity(0).unwrap();
         assert_eq!(page, 2 * MIB, "{}", b.name);
         let maps: Arc<Mutex<Vec<SegmentEvent>>> = Arc::default();
         let log = maps.clone();
@@ -53,9 +53,13 @@ fn grows_in_pages_and_gives_whole_free_pages_back() {
         );
         // Data across page boundaries works like any memory.
         let s = a.default_stream(0).unwrap();
-        b.driver.fill_pattern(s, y.ptr(), 5 * MIB, 9).unwrap();
+        b.driver
+            .kernels()
+            .fill_pattern(s, y.ptr(), 5 * MIB, 9)
+            .unwrap();
         assert_eq!(
             b.driver
+                .kernels()
                 .count_pattern_mismatches(s, y.ptr(), 5 * MIB, 9)
                 .unwrap(),
             0
@@ -168,12 +172,15 @@ fn threads_growing_freeing_and_emptying_the_cache_at_once_keep_every_byte() {
                         let size = 1 + cudalloc::pattern::word(t, i) % (2 * MIB);
                         let block = a.allocate(0, size).unwrap();
                         let seed = t * 1000 + i;
-                        d.fill_pattern(s, block.ptr(), size, seed).unwrap();
+                        d.kernels()
+                            .fill_pattern(s, block.ptr(), size, seed)
+                            .unwrap();
                         held.push((block, size, seed));
                         if held.len() > 4 {
                             let (block, size, seed) = held.remove((i % 4) as usize);
                             assert_eq!(
-                                d.count_pattern_mismatches(s, block.ptr(), size, seed)
+                                d.kernels()
+                                    .count_pattern_mismatches(s, block.ptr(), size, seed)
                                     .unwrap(),
                                 0
                             );
@@ -182,7 +189,8 @@ fn threads_growing_freeing_and_emptying_the_cache_at_once_keep_every_byte() {
                     }
                     for (block, size, seed) in held {
                         assert_eq!(
-                            d.count_pattern_mismatches(s, block.ptr(), size, seed)
+                            d.kernels()
+                                .count_pattern_mismatches(s, block.ptr(), size, seed)
                                 .unwrap(),
                             0
                         );
@@ -210,7 +218,7 @@ fn a_growth_that_runs_out_of_memory_half_way_gives_its_pages_back() {
     for b in backends("a_growth_that_runs_out_of_memory_half_way") {
         let d = b.driver.clone();
         let a = runtime(d.clone(), "expandable_segments:True");
-        let page = d.vm_granularity(0).unwrap();
+        let page = d.vm().vm_granularity(0).unwrap();
         let room = d.mem_info(0).unwrap().free / page * page;
         let big = a.allocate(0, room - 3 * page).unwrap();
         let free_before = d.mem_info(0).unwrap().free;

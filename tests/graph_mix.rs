@@ -174,7 +174,7 @@ fn a_replay_after_a_sharing_capture_reused_its_temporary_is_no_use_after_free() 
     let s = a.create_stream(0).unwrap();
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let tmp = a.allocate_on(s, MIB).unwrap();
-    d.fill_pattern(s, tmp.ptr(), MIB, 1).unwrap();
+    d.kernels().fill_pattern(s, tmp.ptr(), MIB, 1).unwrap();
     let out = a.allocate_on(s, MIB).unwrap();
     d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB)
         .unwrap();
@@ -186,7 +186,7 @@ fn a_replay_after_a_sharing_capture_reused_its_temporary_is_no_use_after_free() 
         .begin_capture(s, Some(first.pool()), CaptureMode::Global)
         .unwrap();
     let tmp = a.allocate_on(s, MIB).unwrap();
-    d.fill_pattern(s, tmp.ptr(), MIB, 2).unwrap();
+    d.kernels().fill_pattern(s, tmp.ptr(), MIB, 2).unwrap();
     drop(tmp);
     let second = capture.end().unwrap();
     // Replays in capture order, on one stream.
@@ -202,7 +202,12 @@ fn a_replay_after_a_sharing_capture_reused_its_temporary_is_no_use_after_free() 
         replayed.is_ok() && reports.is_empty(),
         "{replayed:?}: {reports:#?}"
     );
-    assert_eq!(d.count_pattern_mismatches(s, out.ptr(), MIB, 1).unwrap(), 0);
+    assert_eq!(
+        d.kernels()
+            .count_pattern_mismatches(s, out.ptr(), MIB, 1)
+            .unwrap(),
+        0
+    );
 }
 
 /// Found by the mix (`CUDALLOC_TEST_EXPANDABLE=1`: most seeds, 0 and 2 to 9 among them): with
@@ -256,7 +261,7 @@ fn a_use_on_oom_pool_never_lends_a_live_graphs_memory() {
         .begin_capture(s, Some(&pool), CaptureMode::Global)
         .unwrap();
     let tmp = a.allocate_on(s, 4 * MIB).unwrap();
-    d.fill_pattern(s, tmp.ptr(), 4 * MIB, 7).unwrap();
+    d.kernels().fill_pattern(s, tmp.ptr(), 4 * MIB, 7).unwrap();
     let out = a.allocate_on(s, 4 * MIB).unwrap();
     d.copy_device_to_device(s, out.ptr(), tmp.ptr(), 4 * MIB)
         .unwrap();
@@ -267,10 +272,13 @@ fn a_use_on_oom_pool_never_lends_a_live_graphs_memory() {
     let mut held = Vec::new();
     while let Ok(p) = a.allocate_on(s, 4 * MIB) {
         let at = p.ptr().0;
-        d.fill_pattern(s, p.ptr(), 4 * MIB, 9).unwrap();
+        d.kernels().fill_pattern(s, p.ptr(), 4 * MIB, 9).unwrap();
         if at < graph_mem.1 && graph_mem.0 < at + 4 * MIB {
             graph.replay(s).unwrap();
-            let bad = d.count_pattern_mismatches(s, p.ptr(), 4 * MIB, 9).unwrap();
+            let bad = d
+                .kernels()
+                .count_pattern_mismatches(s, p.ptr(), 4 * MIB, 9)
+                .unwrap();
             panic!(
                 "an eager block at {at:#x} got the live graph's temporary {graph_mem:#x?}: after \
                  a replay {bad} of its bytes differ"
@@ -292,7 +300,7 @@ fn a_live_graphs_pool_keeps_its_memory_through_its_own_empty_cache() {
     let (a, d, s) = small_device();
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let tmp = a.allocate_on(s, 12 * MIB).unwrap();
-    d.fill_pattern(s, tmp.ptr(), 12 * MIB, 7).unwrap();
+    d.kernels().fill_pattern(s, tmp.ptr(), 12 * MIB, 7).unwrap();
     let out = a.allocate_on(s, MIB).unwrap();
     d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB)
         .unwrap();
@@ -305,10 +313,13 @@ fn a_live_graphs_pool_keeps_its_memory_through_its_own_empty_cache() {
         "the pool's own empty_cache gave back the live graph's memory {graph_mem:#x?}"
     );
     let eager = a.allocate_on(s, 12 * MIB).unwrap();
-    d.fill_pattern(s, eager.ptr(), 12 * MIB, 9).unwrap();
+    d.kernels()
+        .fill_pattern(s, eager.ptr(), 12 * MIB, 9)
+        .unwrap();
     graph.replay(s).unwrap();
     assert_eq!(
-        d.count_pattern_mismatches(s, eager.ptr(), 12 * MIB, 9)
+        d.kernels()
+            .count_pattern_mismatches(s, eager.ptr(), 12 * MIB, 9)
             .unwrap(),
         0,
         "a replay overwrote an eager block"

@@ -122,7 +122,7 @@ fn sharing_and_receiving_on_a_capturing_stream_are_refused_clearly() {
     assert_eq!(err.kind(), ErrorKind::StreamCapture, "{err}");
     assert!(err.to_string().contains("being captured"), "{err}");
     assert!(matches!(
-        rt.driver().stream_capture_status(s).unwrap(),
+        rt.driver().graphs().stream_capture_status(s).unwrap(),
         CaptureStatus::Active { .. }
     ));
     let graph = capture.end().unwrap();
@@ -217,7 +217,12 @@ fn graphs_and_captures_dropped_in_a_forked_child_leave_the_parents_intact() {
         Ok(())
     });
     assert_eq!(verdict, Ok(()));
-    assert!(rt.driver().stream_capture_status(s).unwrap().is_capturing());
+    assert!(rt
+        .driver()
+        .graphs()
+        .stream_capture_status(s)
+        .unwrap()
+        .is_capturing());
     let second = open.end().unwrap();
     out.fill_pattern(1).unwrap();
     graph.replay(s).unwrap();

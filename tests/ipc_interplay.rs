@@ -557,7 +557,7 @@ fn a_lazy_clone_of_shared_memory_taken_on_one_stream_and_shared_on_another_is_co
         .unwrap();
     let _held = s.share_ipc().unwrap(); // the source is shared memory now
                                         // Stream x is busy for a while (the sleep kernel: what exposes a missing wait, not a wait).
-    a.driver().sleep(x, 300_000).unwrap();
+    a.driver().kernels().sleep(x, 300_000).unwrap();
     let clone = {
         let _on = a.set_current_stream(x).unwrap();
         s.lazy_clone().unwrap()

@@ -144,6 +144,7 @@ fn test_event() {
         let s = Storage::new(&a, 0, 4 << 20).unwrap();
         s.fill_pattern(1).unwrap();
         a.driver()
+            .kernels()
             .sleep(a.default_stream(0).unwrap(), 300_000)
             .unwrap();
         s.fill_pattern(2).unwrap();

@@ -82,7 +82,7 @@ fn steal_after_a_read_on_a_busy_stream(b: &TestBackend, rt: &Arc<Runtime>, how: 
     drop(c);
     // The last reference: a steal, and a write on `s` right after it.
     let addr = x.mutable_data_ptr_on(s).unwrap();
-    rt.driver().fill_pattern(s, addr, MIB, 2).unwrap();
+    rt.driver().kernels().fill_pattern(s, addr, MIB, 2).unwrap();
     let held = hold.still_held();
     drop(hold);
     rt.driver().stream_synchronize(t).unwrap();

@@ -384,6 +384,7 @@ fn two_runtimes_in_one_process_and_the_sanitizer_sees_transfers() {
     let side = p.a.create_stream(0).unwrap();
     let fresh = Storage::new_on(&p.a, side, sizes(n)[2]).unwrap();
     p.a.driver()
+        .kernels()
         .fill_pattern(side, fresh.data_ptr(), fresh.nbytes(), 3)
         .unwrap();
     let err = p

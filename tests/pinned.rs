@@ -8,6 +8,7 @@
 
 mod common;
 
+use cudalloc::capability::PinnedHost;
 use std::sync::Arc;
 
 use common::{backends, checked_allocator, hold_stream, TestBackend};
@@ -322,6 +323,7 @@ fn pinned_memory_is_not_shared_across_processes() {
         let buf = rt.pinned(MIB).unwrap();
         let err = rt
             .driver()
+            .ipc()
             .ipc_export_memory(DeviceAddr(buf.addr().0))
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{}", b.name);
@@ -358,6 +360,7 @@ fn copies_check_their_ranges() {
         // SAFETY: refused before anything is enqueued (the range is not page-locked).
         let refused = unsafe {
             rt.driver()
+                .pinned()
                 .copy_pinned_to_device(stream, s.data_ptr(), host, 4096)
         };
         let err = refused.unwrap_err();
@@ -435,7 +438,11 @@ fn sanitizer_reports_a_block_reused_while_a_copy_reads_it() {
     let gate = host.gate_stream(stream).unwrap();
     // A copy the buffer does not know of (a raw driver call, as a library's own launch).
     // SAFETY: nothing borrows the buffer (or its block's next owner) while the copy may run.
-    let copied = unsafe { driver.copy_pinned_to_device(stream, s.data_ptr(), addr, 4096) };
+    let copied = unsafe {
+        driver
+            .pinned()
+            .copy_pinned_to_device(stream, s.data_ptr(), addr, 4096)
+    };
     copied.unwrap();
     drop(buf);
     let again = rt.pinned(4096).unwrap();
@@ -458,7 +465,11 @@ fn sanitizer_reports_a_host_borrow_racing_a_copy() {
     let buf = rt.pinned(4096).unwrap();
     let gate = host.gate_stream(stream).unwrap();
     // SAFETY: the only borrow tried while the copy may run is the one the sanitizer refuses.
-    let copied = unsafe { driver.copy_device_to_pinned(stream, buf.addr(), s.data_ptr(), 4096) };
+    let copied = unsafe {
+        driver
+            .pinned()
+            .copy_device_to_pinned(stream, buf.addr(), s.data_ptr(), 4096)
+    };
     copied.unwrap();
     let err = buf.as_slice().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
@@ -691,13 +702,14 @@ fn copies_on_a_capturing_stream_are_refused() {
     let s = Storage::new_on(&rt, stream, 4096).unwrap();
     let buf = rt.pinned(4096).unwrap();
     rt.driver()
+        .graphs()
         .stream_begin_capture(stream, cudalloc::CaptureMode::ThreadLocal)
         .unwrap();
     let err = s.copy_from_pinned(0, &buf, 0, 4096, stream).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamCapture, "{err}");
     assert!(err.to_string().contains("pinned buffer"), "{err}");
-    let graph = rt.driver().stream_end_capture(stream).unwrap();
-    rt.driver().graph_destroy(graph).unwrap();
+    let graph = rt.driver().graphs().stream_end_capture(stream).unwrap();
+    rt.driver().graphs().graph_destroy(graph).unwrap();
     // After the capture the same copy runs.
     s.copy_from_pinned(0, &buf, 0, 4096, stream).unwrap();
 }

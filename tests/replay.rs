@@ -4,6 +4,7 @@
 
 mod common;
 
+use cudalloc::capability::{Ipc, Kernels, VirtualMemory};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 

@@ -174,7 +174,7 @@ fn a_write_and_an_unwaited_read_on_another_stream_race_every_time() {
         let s = common::filled_on(&rt, writer, MIB, round as u64);
         let out = Storage::new_on(&rt, reader, MIB).unwrap();
         // The writer's stream is busy for a long time: without a wait the read comes first.
-        rt.driver().sleep(writer, 1_000).unwrap();
+        rt.driver().kernels().sleep(writer, 1_000).unwrap();
         let err = rt
             .driver()
             .copy_device_to_device(
@@ -234,11 +234,13 @@ fn only_overlapping_bytes_race() {
     rt.driver().memset(a, base, 1, 100).unwrap();
     // Bytes 100.. were not written by `a`: reading them on `b` is no race.
     rt.driver()
+        .kernels()
         .count_pattern_mismatches(b, base.offset(100).unwrap(), 100, 0)
         .unwrap();
     no_report(&rt);
     let err = rt
         .driver()
+        .kernels()
         .count_pattern_mismatches(b, base.offset(50).unwrap(), 100, 0)
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamRace);
@@ -393,6 +395,7 @@ fn a_library_default_stream_serves_every_thread_without_a_guard() {
     assert_eq!(on_thread.1, library);
     // A kernel on the library's stream reads it: same stream, no wait needed, nothing reported.
     rt.driver()
+        .kernels()
         .count_pattern_mismatches(library, on_thread.2.data_ptr(), 4096, 3)
         .unwrap();
     no_report(&rt);
@@ -432,13 +435,18 @@ fn a_lazy_clones_first_write_is_complete_for_a_kernel_on_another_stream() {
     s.fill_pattern(5).unwrap();
     let c = s.lazy_clone().unwrap();
     rt.driver()
+        .kernels()
         .sleep(rt.current_stream(0).unwrap(), 20_000)
         .unwrap();
     let ptr = c.mutable_data_ptr().unwrap();
-    rt.driver().fill_pattern(own, ptr, 4 * MIB, 6).unwrap();
+    rt.driver()
+        .kernels()
+        .fill_pattern(own, ptr, 4 * MIB, 6)
+        .unwrap();
     c.record_stream(own).unwrap();
     assert_eq!(
         rt.driver()
+            .kernels()
             .count_pattern_mismatches(own, ptr, 4 * MIB, 6)
             .unwrap(),
         0
@@ -492,6 +500,7 @@ fn sanitizer_child() {
         let other = rt.create_stream(0).unwrap();
         let err = rt
             .driver()
+            .kernels()
             .count_pattern_mismatches(other, s.data_ptr(), s.nbytes(), seed)
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
@@ -630,6 +639,7 @@ fn synchronization_made_outside_cudalloc_counts_once_told() {
         }
         let read = rt
             .driver()
+            .kernels()
             .count_pattern_mismatches(b, s.data_ptr(), 4096, 1);
         // `c` waits for `b` unseen; then `c` writes.
         unseen.stream_wait_stream(c, b).unwrap();

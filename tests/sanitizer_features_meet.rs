@@ -116,6 +116,7 @@ fn cow_many(on: bool) {
                 let p = c.mutable_data_ptr_on(st).unwrap();
                 assert_eq!(
                     rt.driver()
+                        .kernels()
                         .count_pattern_mismatches(st, p, MIB, round)
                         .unwrap(),
                     0
@@ -221,6 +222,7 @@ fn fp_oom_retry_frees_cached_blocks_of_other_streams() {
             let s = common::filled_on(&rt, a, 40 * MIB, round);
             common::wait_for(&rt, b, a);
             rt.driver()
+                .kernels()
                 .count_pattern_mismatches(b, s.data_ptr(), 40 * MIB, round)
                 .unwrap();
             host_write(&rt, b, s.data_ptr(), 40 * MIB).unwrap();
@@ -398,7 +400,7 @@ fn fn_forgotten_record_stream_straddling_empty_cache() {
         let s = common::filled_on(&rt, main, 4 * MIB, 1);
         common::wait_for(&rt, side, main);
         let old = s.data_ptr();
-        rt.driver().sleep(side, 2_000).unwrap();
+        rt.driver().kernels().sleep(side, 2_000).unwrap();
         rt.driver().memset(side, old, 5, 4 * MIB).unwrap();
         drop(s);
         rt.empty_cache();

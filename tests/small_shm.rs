@@ -218,7 +218,7 @@ fn small_shm_capture_child() {
     println!("@@cudalloc capture oom: {err}");
     drop(capture);
     assert_eq!(
-        a.driver().stream_capture_status(s).unwrap(),
+        a.driver().graphs().stream_capture_status(s).unwrap(),
         cudalloc::CaptureStatus::None
     );
     // Room again (a capture never releases cached memory, so release it before): a capture

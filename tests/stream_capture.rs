@@ -78,36 +78,49 @@ fn captured_work_is_recorded_not_run_and_replays_in_order_every_launch() {
     d.memset(other, a, 0, 1 << 16).unwrap();
     d.memset(other, b, 0, 1 << 16).unwrap();
     d.stream_synchronize(other).unwrap();
-    assert_eq!(d.stream_capture_status(s).unwrap(), CaptureStatus::None);
-    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
-    let status = d.stream_capture_status(s).unwrap();
+    assert_eq!(
+        d.graphs().stream_capture_status(s).unwrap(),
+        CaptureStatus::None
+    );
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::Global)
+        .unwrap();
+    let status = d.graphs().stream_capture_status(s).unwrap();
     assert!(matches!(status, CaptureStatus::Active { .. }), "{status:?}");
-    d.fill_pattern(s, a, 1 << 16, 7).unwrap();
+    d.kernels().fill_pattern(s, a, 1 << 16, 7).unwrap();
     d.copy_device_to_device(s, b, a, 1 << 16).unwrap();
     d.memset(s, a, 0x11, 16).unwrap();
-    let graph = d.stream_end_capture(s).unwrap();
-    assert_eq!(d.stream_capture_status(s).unwrap(), CaptureStatus::None);
-    assert_eq!(d.graph_node_count(graph).unwrap(), 3);
+    let graph = d.graphs().stream_end_capture(s).unwrap();
+    assert_eq!(
+        d.graphs().stream_capture_status(s).unwrap(),
+        CaptureStatus::None
+    );
+    assert_eq!(d.graphs().graph_node_count(graph).unwrap(), 3);
     // Nothing ran.
     assert!(bytes(&d, other, a, 1 << 16).iter().all(|&x| x == 0));
     assert!(bytes(&d, other, b, 1 << 16).iter().all(|&x| x == 0));
-    let exec = d.graph_instantiate(graph).unwrap();
-    d.graph_destroy(graph).unwrap();
+    let exec = d.graphs().graph_instantiate(graph).unwrap();
+    d.graphs().graph_destroy(graph).unwrap();
     for round in 0..3 {
         d.memset(other, b, 0xff, 1 << 16).unwrap();
         d.stream_synchronize(other).unwrap();
-        d.graph_launch(exec, other).unwrap();
+        d.graphs().graph_launch(exec, other).unwrap();
         // In order: the copy saw the fill, the memset came after the copy.
         assert_eq!(
-            d.count_pattern_mismatches(other, b, 1 << 16, 7).unwrap(),
+            d.kernels()
+                .count_pattern_mismatches(other, b, 1 << 16, 7)
+                .unwrap(),
             0,
             "round {round}"
         );
         let head = bytes(&d, other, a, 16);
         assert!(head.iter().all(|&x| x == 0x11), "round {round}: {head:?}");
     }
-    d.graph_exec_destroy(exec).unwrap();
-    assert!(d.graph_launch(exec, other).is_err(), "a destroyed exec");
+    d.graphs().graph_exec_destroy(exec).unwrap();
+    assert!(
+        d.graphs().graph_launch(exec, other).is_err(),
+        "a destroyed exec"
+    );
     d.free(a).unwrap();
     d.free(b).unwrap();
 }
@@ -123,8 +136,10 @@ fn host_kernels_and_sleeps_are_captured_and_rerun() {
     let a = d.malloc(0, 4096).unwrap();
     d.memset(s, a, 0, 4096).unwrap();
     d.stream_synchronize(s).unwrap();
-    d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
-    d.sleep(s, 10).unwrap();
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::ThreadLocal)
+        .unwrap();
+    d.kernels().sleep(s, 10).unwrap();
     host(&d)
         .enqueue_host(s, [HostRange::write(a, 4096)], |m| {
             let mut v = vec![0u8; 4096];
@@ -133,12 +148,12 @@ fn host_kernels_and_sleeps_are_captured_and_rerun() {
             m.write(0, 0, &v)
         })
         .unwrap();
-    let graph = d.stream_end_capture(s).unwrap();
-    assert_eq!(d.graph_node_count(graph).unwrap(), 2);
+    let graph = d.graphs().stream_end_capture(s).unwrap();
+    assert_eq!(d.graphs().graph_node_count(graph).unwrap(), 2);
     assert!(bytes(&d, s, a, 4096).iter().all(|&x| x == 0));
-    let exec = d.graph_instantiate(graph).unwrap();
+    let exec = d.graphs().graph_instantiate(graph).unwrap();
     for _ in 0..5 {
-        d.graph_launch(exec, s).unwrap();
+        d.graphs().graph_launch(exec, s).unwrap();
     }
     assert!(bytes(&d, s, a, 4096).iter().all(|&x| x == 5));
     d.free(a).unwrap();
@@ -149,7 +164,9 @@ fn global_mode_prohibits_unsafe_calls_on_every_thread_and_invalidates_the_captur
     let d = driver();
     let s = d.stream_create(0).unwrap();
     let a = d.malloc(0, 4096).unwrap();
-    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::Global)
+        .unwrap();
     d.memset(s, a, 1, 4096).unwrap();
     // Another thread (mode Global by default) may not malloc either.
     let d2 = Arc::clone(&d);
@@ -158,14 +175,17 @@ fn global_mode_prohibits_unsafe_calls_on_every_thread_and_invalidates_the_captur
         .unwrap();
     says(&text, &["malloc"]);
     assert!(matches!(
-        d.stream_capture_status(s).unwrap(),
+        d.graphs().stream_capture_status(s).unwrap(),
         CaptureStatus::Invalidated { .. }
     ));
     says(&is_capture_error(d.memset(s, a, 2, 16)), &["invalidated"]);
-    let text = is_capture_error(d.stream_end_capture(s));
+    let text = is_capture_error(d.graphs().stream_end_capture(s));
     says(&text, &["invalidated", "malloc"]);
     // The capture ended: the stream runs work again, and malloc works.
-    assert_eq!(d.stream_capture_status(s).unwrap(), CaptureStatus::None);
+    assert_eq!(
+        d.graphs().stream_capture_status(s).unwrap(),
+        CaptureStatus::None
+    );
     let b = d.malloc(0, 4096).unwrap();
     d.memset(s, a, 3, 4096).unwrap();
     assert!(bytes(&d, s, a, 4096).iter().all(|&x| x == 3));
@@ -178,31 +198,40 @@ fn thread_local_and_relaxed_modes_prohibit_less() {
     let d = driver();
     let s = d.stream_create(0).unwrap();
     // Thread-local: other threads may malloc; the capturing thread may not.
-    d.stream_begin_capture(s, CaptureMode::ThreadLocal).unwrap();
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::ThreadLocal)
+        .unwrap();
     let d2 = Arc::clone(&d);
     let p = std::thread::spawn(move || d2.malloc(0, 4096).unwrap())
         .join()
         .unwrap();
     says(&prohibited(1, || d.malloc(0, 4096)), &["malloc"]);
     assert!(
-        d.stream_end_capture(s).is_err(),
+        d.graphs().stream_end_capture(s).is_err(),
         "invalidated by the malloc"
     );
     // Relaxed: nobody is prohibited, and the capture ends with its graph.
-    d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::Relaxed)
+        .unwrap();
     let q = d.malloc(0, 4096).unwrap();
     d.memset(s, q, 9, 4096).unwrap();
-    d.stream_end_capture(s).unwrap();
+    d.graphs().stream_end_capture(s).unwrap();
     // A Global capture, and the capturing thread relaxing its own mode around a malloc — what a
     // caching allocator does for a graph's pool.
-    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
-    let before = d.exchange_capture_mode(CaptureMode::Relaxed);
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::Global)
+        .unwrap();
+    let before = d.graphs().exchange_capture_mode(CaptureMode::Relaxed);
     assert_eq!(before, CaptureMode::Global);
     let r = d.malloc(0, 4096).unwrap();
-    assert_eq!(d.exchange_capture_mode(before), CaptureMode::Relaxed);
+    assert_eq!(
+        d.graphs().exchange_capture_mode(before),
+        CaptureMode::Relaxed
+    );
     d.memset(s, r, 1, 4096).unwrap();
-    let graph = d.stream_end_capture(s).unwrap();
-    assert_eq!(d.graph_node_count(graph).unwrap(), 1);
+    let graph = d.graphs().stream_end_capture(s).unwrap();
+    assert_eq!(d.graphs().graph_node_count(graph).unwrap(), 1);
     for p in [p, q, r] {
         d.free(p).unwrap();
     }
@@ -215,7 +244,9 @@ fn blocking_on_a_capturing_stream_or_its_events_is_an_error_in_any_mode() {
     let a = d.malloc(0, 4096).unwrap();
     let e = d.event_create(0, EventFlags::default()).unwrap();
     for call in 0..5 {
-        d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
+        d.graphs()
+            .stream_begin_capture(s, CaptureMode::Relaxed)
+            .unwrap();
         d.event_record(e, s).unwrap();
         let text = match call {
             0 => prohibited(1, || d.stream_synchronize(s)),
@@ -223,10 +254,10 @@ fn blocking_on_a_capturing_stream_or_its_events_is_an_error_in_any_mode() {
             2 => prohibited(1, || d.event_query(e)),
             3 => prohibited(1, || d.copy_host_to_device(s, a, &[1, 2, 3])),
             // The CUDA backend refuses it before any CUDA call (nothing to invalidate).
-            _ => prohibited(0, || d.count_pattern_mismatches(s, a, 16, 1)),
+            _ => prohibited(0, || d.kernels().count_pattern_mismatches(s, a, 16, 1)),
         };
         says(&text, &["capture"]);
-        let end = d.stream_end_capture(s);
+        let end = d.graphs().stream_end_capture(s);
         if on_host() || call < 4 {
             assert!(end.is_err(), "call {call} invalidated it");
         }
@@ -249,45 +280,65 @@ fn a_forked_stream_joins_the_capture_and_must_be_joined_back() {
         d.event_create(0, EventFlags::default()).unwrap(),
         d.event_create(0, EventFlags::default()).unwrap(),
     );
-    d.stream_begin_capture(origin, CaptureMode::Global).unwrap();
-    d.fill_pattern(origin, a, 4096, 1).unwrap();
+    d.graphs()
+        .stream_begin_capture(origin, CaptureMode::Global)
+        .unwrap();
+    d.kernels().fill_pattern(origin, a, 4096, 1).unwrap();
     d.event_record(fork, origin).unwrap();
     d.stream_wait_event(side, fork).unwrap();
     assert!(
-        d.stream_capture_status(side).unwrap().is_capturing(),
+        d.graphs()
+            .stream_capture_status(side)
+            .unwrap()
+            .is_capturing(),
         "joined"
     );
     d.copy_device_to_device(side, half, a, 4096).unwrap();
     d.event_record(join, side).unwrap();
     d.stream_wait_event(origin, join).unwrap();
     d.memset(origin, a, 0, 4096).unwrap();
-    let graph = d.stream_end_capture(origin).unwrap();
-    assert_eq!(d.stream_capture_status(side).unwrap(), CaptureStatus::None);
-    assert_eq!(d.graph_node_count(graph).unwrap(), 3);
-    let exec = d.graph_instantiate(graph).unwrap();
-    d.graph_launch(exec, run).unwrap();
-    assert_eq!(d.count_pattern_mismatches(run, half, 4096, 1).unwrap(), 0);
+    let graph = d.graphs().stream_end_capture(origin).unwrap();
+    assert_eq!(
+        d.graphs().stream_capture_status(side).unwrap(),
+        CaptureStatus::None
+    );
+    assert_eq!(d.graphs().graph_node_count(graph).unwrap(), 3);
+    let exec = d.graphs().graph_instantiate(graph).unwrap();
+    d.graphs().graph_launch(exec, run).unwrap();
+    assert_eq!(
+        d.kernels()
+            .count_pattern_mismatches(run, half, 4096, 1)
+            .unwrap(),
+        0
+    );
     assert!(bytes(&d, run, a, 4096).iter().all(|&x| x == 0));
 
     // A fork never joined back: the capture cannot end with its graph.
-    d.stream_begin_capture(origin, CaptureMode::Global).unwrap();
+    d.graphs()
+        .stream_begin_capture(origin, CaptureMode::Global)
+        .unwrap();
     d.event_record(fork, origin).unwrap();
     d.stream_wait_event(side, fork).unwrap();
     d.memset(side, a, 1, 16).unwrap();
-    let text = prohibited(1, || d.stream_end_capture(origin));
+    let text = prohibited(1, || d.graphs().stream_end_capture(origin));
     says(&text, &["never waited"]);
-    assert_eq!(d.stream_capture_status(side).unwrap(), CaptureStatus::None);
+    assert_eq!(
+        d.graphs().stream_capture_status(side).unwrap(),
+        CaptureStatus::None
+    );
     // Ending on a joined stream instead of the origin is refused.
-    d.stream_begin_capture(origin, CaptureMode::Global).unwrap();
+    d.graphs()
+        .stream_begin_capture(origin, CaptureMode::Global)
+        .unwrap();
     d.event_record(fork, origin).unwrap();
     d.stream_wait_event(side, fork).unwrap();
     says(
-        &prohibited(1, || d.stream_end_capture(side)),
+        &prohibited(1, || d.graphs().stream_end_capture(side)),
         &["end it there"],
     );
     d.event_record(join, side).unwrap();
     d.stream_wait_event(origin, join).unwrap();
-    d.stream_end_capture(origin).unwrap();
+    d.graphs().stream_end_capture(origin).unwrap();
     for e in [fork, join] {
         d.event_destroy(e).unwrap();
     }
@@ -299,12 +350,14 @@ fn a_capture_cannot_wait_on_work_outside_it() {
     let d = driver();
     let (s, other) = (d.stream_create(0).unwrap(), d.stream_create(0).unwrap());
     let e = d.event_create(0, EventFlags::default()).unwrap();
-    d.sleep(other, 1000).unwrap();
+    d.kernels().sleep(other, 1000).unwrap();
     d.event_record(e, other).unwrap();
-    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::Global)
+        .unwrap();
     let text = prohibited(1, || d.stream_wait_event(s, e));
     says(&text, &["outside the capture"]);
-    assert!(d.stream_end_capture(s).is_err());
+    assert!(d.graphs().stream_end_capture(s).is_err());
     d.event_destroy(e).unwrap();
 }
 
@@ -312,23 +365,32 @@ fn a_capture_cannot_wait_on_work_outside_it() {
 fn a_capture_ends_on_the_thread_that_began_it_unless_relaxed() {
     let d = driver();
     let s = d.stream_create(0).unwrap();
-    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::Global)
+        .unwrap();
     let d2 = Arc::clone(&d);
-    let text = std::thread::spawn(move || prohibited(1, || d2.stream_end_capture(s)))
+    let text = std::thread::spawn(move || prohibited(1, || d2.graphs().stream_end_capture(s)))
         .join()
         .unwrap();
     says(&text, &["thread that began it"]);
-    d.stream_end_capture(s).unwrap();
-    d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
+    d.graphs().stream_end_capture(s).unwrap();
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::Relaxed)
+        .unwrap();
     let d2 = Arc::clone(&d);
-    std::thread::spawn(move || d2.stream_end_capture(s).unwrap())
+    std::thread::spawn(move || d2.graphs().stream_end_capture(s).unwrap())
         .join()
         .unwrap();
     // Twice on one stream is an error; so is ending a stream that is not capturing.
-    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
-    assert!(is_capture_error(d.stream_begin_capture(s, CaptureMode::Global)).contains("already"));
-    d.stream_end_capture(s).unwrap();
-    assert!(is_capture_error(d.stream_end_capture(s)).contains("not being captured"));
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::Global)
+        .unwrap();
+    assert!(
+        is_capture_error(d.graphs().stream_begin_capture(s, CaptureMode::Global))
+            .contains("already")
+    );
+    d.graphs().stream_end_capture(s).unwrap();
+    assert!(is_capture_error(d.graphs().stream_end_capture(s)).contains("not being captured"));
 }
 
 #[test]
@@ -343,14 +405,17 @@ fn a_launch_whose_memory_is_gone_is_an_error_and_runs_nothing() {
     let freed = d.malloc(0, 4096).unwrap();
     d.memset(s, kept, 0, 4096).unwrap();
     d.stream_synchronize(s).unwrap();
-    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::Global)
+        .unwrap();
     d.memset(s, kept, 5, 4096).unwrap();
     d.memset(s, freed, 5, 4096).unwrap();
     let exec = d
-        .graph_instantiate(d.stream_end_capture(s).unwrap())
+        .graphs()
+        .graph_instantiate(d.graphs().stream_end_capture(s).unwrap())
         .unwrap();
     d.free(freed).unwrap();
-    let err = d.graph_launch(exec, s).unwrap_err();
+    let err = d.graphs().graph_launch(exec, s).unwrap_err();
     assert!(err.to_string().contains("node 1"), "{err}");
     assert!(
         bytes(&d, s, kept, 4096).iter().all(|&x| x == 0),
@@ -364,21 +429,29 @@ fn a_graph_launched_inside_a_capture_is_recorded_into_it() {
     let d = driver();
     let (s, t) = (d.stream_create(0).unwrap(), d.stream_create(0).unwrap());
     let a = d.malloc(0, 4096).unwrap();
-    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
-    d.fill_pattern(s, a, 4096, 3).unwrap();
-    let inner = d
-        .graph_instantiate(d.stream_end_capture(s).unwrap())
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::Global)
         .unwrap();
-    d.stream_begin_capture(t, CaptureMode::Global).unwrap();
+    d.kernels().fill_pattern(s, a, 4096, 3).unwrap();
+    let inner = d
+        .graphs()
+        .graph_instantiate(d.graphs().stream_end_capture(s).unwrap())
+        .unwrap();
+    d.graphs()
+        .stream_begin_capture(t, CaptureMode::Global)
+        .unwrap();
     d.memset(t, a, 0, 4096).unwrap();
-    d.graph_launch(inner, t).unwrap();
-    let outer = d.stream_end_capture(t).unwrap();
+    d.graphs().graph_launch(inner, t).unwrap();
+    let outer = d.graphs().stream_end_capture(t).unwrap();
     // The host backend records the inner graph's nodes; CUDA one child-graph node.
-    let nodes = d.graph_node_count(outer).unwrap();
+    let nodes = d.graphs().graph_node_count(outer).unwrap();
     assert_eq!(nodes, if on_host() { 2 } else { nodes.clamp(1, 2) });
-    let exec = d.graph_instantiate(outer).unwrap();
-    d.graph_launch(exec, s).unwrap();
-    assert_eq!(d.count_pattern_mismatches(s, a, 4096, 3).unwrap(), 0);
+    let exec = d.graphs().graph_instantiate(outer).unwrap();
+    d.graphs().graph_launch(exec, s).unwrap();
+    assert_eq!(
+        d.kernels().count_pattern_mismatches(s, a, 4096, 3).unwrap(),
+        0
+    );
     d.free(a).unwrap();
 }
 
@@ -386,9 +459,12 @@ fn a_graph_launched_inside_a_capture_is_recorded_into_it() {
 fn a_backend_without_capture_says_so() {
     let d: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 1 << 20).unwrap());
     let s = d.default_stream(0).unwrap();
-    let text = is_capture_error(d.stream_begin_capture(s, CaptureMode::Global));
+    let text = is_capture_error(d.graphs().stream_begin_capture(s, CaptureMode::Global));
     assert!(text.contains("does not capture"), "{text}");
-    assert_eq!(d.stream_capture_status(s).unwrap(), CaptureStatus::None);
+    assert_eq!(
+        d.graphs().stream_capture_status(s).unwrap(),
+        CaptureStatus::None
+    );
 }
 
 /// A captured call that fails (here: a range that is not device memory) leaves the capture valid,
@@ -399,22 +475,24 @@ fn a_failed_captured_call_invalidates_the_capture() {
     let d = driver();
     let s = d.stream_create(0).unwrap();
     let a = d.malloc(0, 4096).unwrap();
-    d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::Global)
+        .unwrap();
     d.memset(s, a, 1, 4096).unwrap();
     // The CUDA backend refuses the range itself: CUDA never sees the call; the host backend's
     // refusal invalidates the capture, as CUDA does for a captured call that fails.
     let refused = d.memset(s, DeviceAddr(a.0 + 4096), 2, 4096);
     assert!(refused.is_err());
     if !on_host() {
-        drop(d.stream_end_capture(s));
+        drop(d.graphs().stream_end_capture(s));
         println!("the CUDA backend refuses the range before CUDA sees it: nothing to invalidate");
         return;
     }
-    let end = d.stream_end_capture(s);
+    let end = d.graphs().stream_end_capture(s);
     assert!(
         end.is_err(),
         "a capture whose call failed still gave a graph of {:?} node(s)",
-        end.map(|g| d.graph_node_count(g).unwrap())
+        end.map(|g| d.graphs().graph_node_count(g).unwrap())
     );
 }
 
@@ -440,13 +518,14 @@ fn a_fork_on_a_point_gives_the_sanitizer_no_false_ordering() {
     d.memset(t, x, 1, 4096).unwrap();
     d.event_record(e, t).unwrap();
     // e becomes a point of a capture on `origin`; `u` forks on it and is joined back.
-    d.stream_begin_capture(origin, CaptureMode::Relaxed)
+    d.graphs()
+        .stream_begin_capture(origin, CaptureMode::Relaxed)
         .unwrap();
     d.event_record(e, origin).unwrap();
     d.stream_wait_event(u, e).unwrap();
     d.event_record(join, u).unwrap();
     d.stream_wait_event(origin, join).unwrap();
-    d.stream_end_capture(origin).unwrap();
+    d.graphs().stream_end_capture(origin).unwrap();
     san.take_reports();
     // u never really waited for t: reading x there races with t's write.
     let _ = d.copy_device_to_device(u, y, x, 4096);
@@ -479,7 +558,7 @@ fn a_free_during_a_stream_destroy_waits_for_that_stream() {
     let d = driver();
     let x = d.stream_create(0).unwrap();
     let a = d.malloc(0, 1 << 20).unwrap();
-    d.sleep(x, 400_000).unwrap();
+    d.kernels().sleep(x, 400_000).unwrap();
     d.memset(x, a, 7, 1 << 20).unwrap();
     let d2 = Arc::clone(&d);
     let destroyer = std::thread::spawn(move || d2.stream_destroy(x).unwrap());
@@ -509,24 +588,27 @@ fn concurrent_thread_local_captures_with_forks_and_a_malloc_thread() {
                 d.event_create(0, EventFlags::default()).unwrap(),
             );
             for i in 0..200u64 {
-                d.stream_begin_capture(o, CaptureMode::ThreadLocal).unwrap();
-                d.fill_pattern(o, a, 4096, i).unwrap();
+                d.graphs()
+                    .stream_begin_capture(o, CaptureMode::ThreadLocal)
+                    .unwrap();
+                d.kernels().fill_pattern(o, a, 4096, i).unwrap();
                 d.event_record(f, o).unwrap();
                 d.stream_wait_event(side, f).unwrap();
                 d.copy_device_to_device(side, DeviceAddr(a.0 + 4096), a, 4096)
                     .unwrap();
                 d.event_record(j, side).unwrap();
                 d.stream_wait_event(o, j).unwrap();
-                let g = d.stream_end_capture(o).unwrap();
-                let x = d.graph_instantiate(g).unwrap();
-                d.graph_launch(x, run).unwrap();
+                let g = d.graphs().stream_end_capture(o).unwrap();
+                let x = d.graphs().graph_instantiate(g).unwrap();
+                d.graphs().graph_launch(x, run).unwrap();
                 assert_eq!(
-                    d.count_pattern_mismatches(run, DeviceAddr(a.0 + 4096), 4096, i)
+                    d.kernels()
+                        .count_pattern_mismatches(run, DeviceAddr(a.0 + 4096), 4096, i)
                         .unwrap(),
                     0
                 );
-                d.graph_exec_destroy(x).unwrap();
-                d.graph_destroy(g).unwrap();
+                d.graphs().graph_exec_destroy(x).unwrap();
+                d.graphs().graph_destroy(g).unwrap();
             }
         }));
     }
@@ -559,10 +641,13 @@ fn the_sanitizer_checks_a_replay_like_eager_work() {
         let san = d.sanitizer().unwrap();
         let (s, t) = (d.stream_create(0).unwrap(), d.stream_create(0).unwrap());
         let x = d.malloc(0, 4096).unwrap();
-        d.stream_begin_capture(s, CaptureMode::Global).unwrap();
+        d.graphs()
+            .stream_begin_capture(s, CaptureMode::Global)
+            .unwrap();
         d.memset(s, x, 1, 4096).unwrap();
         let exec = d
-            .graph_instantiate(d.stream_end_capture(s).unwrap())
+            .graphs()
+            .graph_instantiate(d.graphs().stream_end_capture(s).unwrap())
             .unwrap();
         d.memset(t, x, 2, 4096).unwrap();
         if ordered {
@@ -571,7 +656,7 @@ fn the_sanitizer_checks_a_replay_like_eager_work() {
             d.stream_wait_event(s, e).unwrap();
         }
         san.take_reports();
-        let _ = d.graph_launch(exec, s);
+        let _ = d.graphs().graph_launch(exec, s);
         let reports = san.take_reports();
         assert_eq!(
             reports.is_empty(),
@@ -592,19 +677,21 @@ fn a_free_during_a_capture_is_refused_alike_and_leaves_the_capture_intact() {
     let d = driver();
     let s = d.stream_create(0).unwrap();
     let p = d.malloc(0, 1 << 20).unwrap();
-    d.stream_begin_capture(s, CaptureMode::Relaxed).unwrap();
+    d.graphs()
+        .stream_begin_capture(s, CaptureMode::Relaxed)
+        .unwrap();
     d.memset(s, p, 3, 1 << 20).unwrap();
     let text = is_capture_error(d.free(p));
     says(&text, &["free", "under way"]);
     assert!(matches!(
-        d.stream_capture_status(s).unwrap(),
+        d.graphs().stream_capture_status(s).unwrap(),
         CaptureStatus::Active { .. }
     ));
-    let graph = d.stream_end_capture(s).unwrap();
-    let exec = d.graph_instantiate(graph).unwrap();
-    d.graph_launch(exec, s).unwrap();
+    let graph = d.graphs().stream_end_capture(s).unwrap();
+    let exec = d.graphs().graph_instantiate(graph).unwrap();
+    d.graphs().graph_launch(exec, s).unwrap();
     assert!(bytes(&d, s, p, 16).iter().all(|&x| x == 3));
-    d.graph_exec_destroy(exec).unwrap();
-    d.graph_destroy(graph).unwrap();
+    d.graphs().graph_exec_destroy(exec).unwrap();
+    d.graphs().graph_destroy(graph).unwrap();
     d.free(p).unwrap();
 }

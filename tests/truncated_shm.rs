@@ -8,6 +8,7 @@
 
 mod common;
 
+use cudalloc::capability::Ipc;
 use std::sync::{Arc, Mutex};
 
 use common::forked::in_forked_child;

@@ -4,6 +4,7 @@
 
 mod common;
 
+use cudalloc::capability::Ipc;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 

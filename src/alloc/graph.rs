@@ -87,7 +87,7 @@ impl CachingAllocator {
         mode: CaptureMode,
     ) -> Result<Capture> {
         let route = self.start_route(stream, pool, || {
-            self.driver.stream_begin_capture(stream, mode)
+            self.driver.graphs().stream_begin_capture(stream, mode)
         })?;
         Ok(Capture {
             route,
@@ -132,7 +132,7 @@ impl CachingAllocator {
             None => self.graph_pool(MemPoolOptions::default()),
         };
         self.capturing.starting();
-        let began = begin().and_then(|()| self.driver.stream_capture_status(stream));
+        let began = begin().and_then(|()| self.driver.graphs().stream_capture_status(stream));
         let id = match began.map(|s| s.capture_id()) {
             Ok(Some(id)) => id,
             Ok(None) => {
@@ -168,7 +168,11 @@ impl CachingAllocator {
         if !self.capturing.any() {
             return Ok(false);
         }
-        Ok(self.driver.stream_capture_status(stream)?.is_capturing())
+        Ok(self
+            .driver
+            .graphs()
+            .stream_capture_status(stream)?
+            .is_capturing())
     }
 
     /// Whether any capture of this allocator is under way (one load).
@@ -233,9 +237,9 @@ impl Capture {
     pub fn end(mut self) -> Result<Graph> {
         let graph = self.finish()?;
         let r = &self.route;
-        let made = r.driver.graph_instantiate(graph);
-        let nodes = r.driver.graph_node_count(graph).unwrap_or(0);
-        if let Err(err) = r.driver.graph_destroy(graph) {
+        let made = r.driver.graphs().graph_instantiate(graph);
+        let nodes = r.driver.graphs().graph_node_count(graph).unwrap_or(0);
+        if let Err(err) = r.driver.graphs().graph_destroy(graph) {
             tracing::debug!(%err, "destroying a captured graph after instantiating it failed");
         }
         Ok(Graph {
@@ -253,7 +257,11 @@ impl Capture {
         if self.route.capture.is_none() {
             return Err(Error::capture("the capture already ended"));
         }
-        let graph = self.route.driver.stream_end_capture(self.route.stream);
+        let graph = self
+            .route
+            .driver
+            .graphs()
+            .stream_end_capture(self.route.stream);
         self.route.stop();
         graph
     }
@@ -266,7 +274,7 @@ impl Drop for Capture {
         }
         match self.finish() {
             Ok(graph) => {
-                let _ = self.route.driver.graph_destroy(graph);
+                let _ = self.route.driver.graphs().graph_destroy(graph);
             }
             Err(err) => {
                 tracing::debug!(%err, "a capture dropped without its end ended with an error")
@@ -300,7 +308,12 @@ impl CaptureRoute {
         let Some(capture) = r.capture else {
             return Err(Error::capture("the capture route already finished"));
         };
-        if r.driver.stream_capture_status(r.stream)?.capture_id() == Some(capture) {
+        if r.driver
+            .graphs()
+            .stream_capture_status(r.stream)?
+            .capture_id()
+            == Some(capture)
+        {
             return Err(Error::capture(format!(
                 "stream {} is still being captured (capture {capture}): end the capture, then \
                  finish its route",
@@ -327,7 +340,7 @@ impl Graph {
     /// Replays the captured work on `stream` (PyTorch's `graph.replay()`), stream-ordered.
     pub fn replay(&self, stream: StreamId) -> Result<()> {
         self.birth.check("this graph")?;
-        self.driver.graph_launch(self.exec, stream)
+        self.driver.graphs().graph_launch(self.exec, stream)
     }
 
     /// The memory pool the graph's allocations came from (PyTorch's `graph.pool()`): pass it to
@@ -347,7 +360,7 @@ impl Drop for Graph {
         if !self.birth.is_current() {
             return;
         }
-        if let Err(err) = self.driver.graph_exec_destroy(self.exec) {
+        if let Err(err) = self.driver.graphs().graph_exec_destroy(self.exec) {
             tracing::debug!(%err, "destroying a graph's instantiation failed");
         }
     }

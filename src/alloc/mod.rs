@@ -404,7 +404,7 @@ impl CachingAllocator {
     }
 
     /// Adopts a stream the caller made (a tensor library's own stream) by its raw handle; see
-    /// [`Driver::import_stream`]. cudalloc never destroys it.
+    /// [`Interop::import_stream`](crate::capability::Interop::import_stream). cudalloc never destroys it.
     ///
     /// # Safety
     /// CUDA: `raw` must be a live `CUstream` of `device`'s primary context and stay alive while
@@ -412,13 +412,13 @@ impl CachingAllocator {
     pub unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
         self.device(device)?;
         // SAFETY: forwarded; the caller upholds the driver's contract.
-        unsafe { self.driver.import_stream(device, raw) }
+        unsafe { self.driver.interop().import_stream(device, raw) }
     }
 
     /// The raw handle of `stream` (CUDA: its `CUstream`, 0 for the legacy stream), for a
     /// library's own launches.
     pub fn raw_stream(&self, stream: StreamId) -> Result<u64> {
-        self.driver.raw_stream(stream)
+        self.driver.interop().raw_stream(stream)
     }
 
     /// The shard of `stream`: from this thread's cache, else from its device (and cached).
@@ -452,6 +452,7 @@ impl CachingAllocator {
     fn shard_while_capturing(&self, stream: StreamId) -> Result<&Shard> {
         let captured = self
             .driver
+            .graphs()
             .stream_capture_status(stream)?
             .capture_id()
             .and_then(|id| self.capturing.pool_of(id));

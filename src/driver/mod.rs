@@ -14,6 +14,18 @@
 //! ([`sanitizer`]): every stream operation is checked against the happens-before order of the
 //! program's streams before it is enqueued.
 //!
+//! # The core and the capabilities
+//!
+//! [`Driver`] is the core every backend has (30 methods): devices, whole segments, streams,
+//! events, copies and memset, what a driver is made of ([`Driver::layer`]) and one accessor per
+//! capability. The capabilities are traits of their own ([`capability`]): the small kernels,
+//! stream interop, virtual memory, IPC, page-locked host memory, capture and graphs. A backend
+//! implements the ones it has and returns itself from their accessors; one it lacks answers every
+//! call with an error that names it. A wrapper (the sanitizer, a test's fault injector) implements
+//! what it checks and forwards each other capability with one line (`fn ipc(&self) -> &dyn Ipc {
+//! self.inner.ipc() }`). Calls read `driver.vm().vm_map(..)`, `driver.graphs().graph_launch(..)`,
+//! `driver.kernels().fill_pattern(..)`.
+//!
 //! # Handles
 //!
 //! Streams and events are opaque ids ([`StreamId`], [`EventId`]) that index the driver's own tables;
@@ -35,6 +47,7 @@
 //! default stream that implicitly serializes with others. The CUDA backend uses non-blocking streams
 //! for the same reason.
 
+pub mod capability;
 pub mod capture;
 pub mod cuda;
 pub mod host;
@@ -48,6 +61,7 @@ pub(crate) mod vm_space;
 
 use std::fmt;
 
+pub use capability::{Graphs, Interop, Ipc, Kernels, Layer, PinnedHost, VirtualMemory};
 pub use capture::{CaptureMode, CaptureStatus, GraphExecId, GraphId};
 pub use cuda::CudaDriver;
 pub use host::{HostDriver, HostDriverBuilder};
@@ -189,7 +203,7 @@ impl MemInfo {
 /// How an event is created.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EventFlags {
-    /// The event can be exported with [`Driver::ipc_export_event`] and waited on by another process
+    /// The event can be exported with [`Ipc::ipc_export_event`](capability::Ipc::ipc_export_event) and waited on by another process
     /// (CUDA: `CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING`).
     pub interprocess: bool,
 }
@@ -235,18 +249,10 @@ pub struct OpenedSegment {
 pub trait Driver: Send + Sync + fmt::Debug {
     /// Which implementation this is.
     fn backend(&self) -> Backend;
-    /// This driver as the host backend, for host-only facilities (`enqueue_host`, stream gates).
-    fn as_host(&self) -> Option<&HostDriver> {
-        None
-    }
-    /// The stream sanitizer checking this driver, when it is a [`SanitizedDriver`].
-    fn sanitizer(&self) -> Option<crate::sync::os::Arc<Sanitizer>> {
-        None
-    }
-    /// The driver under a [`SanitizedDriver`]: for the allocator's own bookkeeping (the events
-    /// of pending frees), whose waits must not count as the program's synchronization.
-    fn unsanitized(&self) -> Option<crate::sync::os::Arc<dyn Driver>> {
-        None
+    /// What this driver is made of: a backend, the host backend, or the stream sanitizer over
+    /// another driver (`as_host`, `sanitizer` and `unsanitized` on `dyn Driver` read it).
+    fn layer(&self) -> Layer<'_> {
+        Layer::Backend
     }
     /// Number of devices.
     fn device_count(&self) -> usize;
@@ -263,17 +269,6 @@ pub trait Driver: Send + Sync + fmt::Debug {
     /// The device's default stream, never destroyed: CUDA's legacy NULL stream (what a library
     /// launching without a stream uses); the host backend's own stream of the device.
     fn default_stream(&self, device: usize) -> Result<StreamId>;
-    /// Adopts a stream the caller made, named by its raw handle: CUDA, its `CUstream`; host, the
-    /// [`Driver::raw_stream`] of a stream this driver created. The caller keeps it alive;
-    /// [`Driver::stream_destroy`] only forgets it, never destroys it. A stream of another device
-    /// or context is an error.
-    ///
-    /// # Safety
-    /// CUDA: `raw` must be a live `CUstream` and stay alive while this driver may use the id.
-    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId>;
-    /// The raw handle of `stream` (CUDA: its `CUstream`, 0 for the legacy stream; host: its
-    /// number), to hand to a library's own launches.
-    fn raw_stream(&self, stream: StreamId) -> Result<u64>;
     /// Creates a stream on `device`.
     fn stream_create(&self, device: usize) -> Result<StreamId>;
     /// Destroys a stream after its queued work completes (an imported stream is only forgotten).
@@ -327,172 +322,33 @@ pub trait Driver: Send + Sync + fmt::Debug {
     /// Enqueues setting `len` bytes at `dst` to `value` on `stream`.
     fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()>;
 
-    /// Enqueues the fill kernel: byte `i` of the range becomes [`pattern::byte`]`(seed, i)`.
-    fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()>;
-    /// Runs the verify kernel on `stream` and returns how many bytes differ from the pattern.
-    fn count_pattern_mismatches(
-        &self,
-        stream: StreamId,
-        src: DeviceAddr,
-        len: u64,
-        seed: u64,
-    ) -> Result<u64>;
-    /// Enqueues the poison kernel: byte `i` of the range becomes [`pattern::poison_byte`]`(i)`.
-    fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()>;
-    /// Enqueues a kernel that keeps `stream` busy for `micros` microseconds (`torch.cuda._sleep`).
-    fn sleep(&self, stream: StreamId, micros: u64) -> Result<()>;
+    // The capabilities beyond the core (`capability.rs`): a backend implements the traits it has
+    // and returns itself here; a wrapper forwards a capability it does not check with one line.
+    // A capability a backend lacks answers every call with an error that says so.
 
-    /// Exports the IPC handle of the segment whose base address is `ptr`.
-    fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle>;
-    /// Opens another process's segment on `device`. Opening in the exporting process, or opening the
-    /// same handle twice without closing it, is an error (callers must cache).
-    fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment>;
-    /// Closes a segment opened with [`Driver::ipc_open_memory`]; waits for queued work first.
-    fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()>;
-    /// Exports an interprocess event.
-    fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle>;
-    /// Opens another process's interprocess event; destroy it with [`Driver::event_destroy`].
-    fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId>;
-
-    // Page-locked host memory (`host_memory.rs`). A backend without it says so on every call.
-
-    /// Allocates `size` bytes of page-locked host memory that every device's copies can use
-    /// (CUDA: `cuMemHostAlloc` with `CU_MEMHOSTALLOC_PORTABLE`); contents unspecified.
-    fn host_alloc(&self, size: u64) -> Result<HostAddr> {
-        let _ = size;
-        Err(host_memory::unsupported(self.backend()))
+    /// The small kernels of `kernels/` (fill, verify, poison, sleep).
+    fn kernels(&self) -> &dyn Kernels {
+        capability::absent(self.backend())
     }
-    /// Frees memory from [`Driver::host_alloc`]; waits for queued work first.
-    ///
-    /// # Safety
-    /// No reference into the memory may outlive the call (it is unmapped).
-    unsafe fn host_free(&self, ptr: HostAddr) -> Result<()> {
-        let _ = ptr;
-        Err(host_memory::unsupported(self.backend()))
+    /// Streams shared with a library's own launches (import, raw handles).
+    fn interop(&self) -> &dyn Interop {
+        capability::absent(self.backend())
     }
-    /// Page-locks `[ptr, ptr + size)` of the caller's memory for the async copies (CUDA:
-    /// `cuMemHostRegister` with `CU_MEMHOSTREGISTER_PORTABLE`). A range overlapping another
-    /// registration or a [`Driver::host_alloc`] is an error.
-    ///
-    /// # Safety
-    /// The range must be memory of this process, readable and writable, that stays allocated
-    /// until [`Driver::host_unregister`] returns: the driver's streams read and write it.
-    unsafe fn host_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
-        let _ = (ptr, size);
-        Err(host_memory::unsupported(self.backend()))
+    /// Virtual memory: reservations, chunks of physical memory, mappings (expandable segments).
+    fn vm(&self) -> &dyn VirtualMemory {
+        capability::absent(self.backend())
     }
-    /// Ends the registration that starts at `ptr`; waits for queued work first.
-    ///
-    /// # Safety
-    /// As [`Driver::host_free`] for what the registration covered, when the caller frees it next.
-    unsafe fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
-        let _ = ptr;
-        Err(host_memory::unsupported(self.backend()))
+    /// Memory and events shared with other processes (CUDA IPC handles).
+    fn ipc(&self) -> &dyn Ipc {
+        capability::absent(self.backend())
     }
-    /// Enqueues a copy of `len` bytes of page-locked host memory at `src` to `dst` on `stream`
-    /// (the whole source inside one allocation or registration of this driver).
-    ///
-    /// # Safety
-    /// The source bytes are read when the stream reaches the copy: until then no `&mut`
-    /// reference to them may exist, and nothing may write them.
-    unsafe fn copy_pinned_to_device(
-        &self,
-        stream: StreamId,
-        dst: DeviceAddr,
-        src: HostAddr,
-        len: u64,
-    ) -> Result<()> {
-        let _ = (stream, dst, src, len);
-        Err(host_memory::unsupported(self.backend()))
+    /// Page-locked host memory and the async copies from and to it.
+    fn pinned(&self) -> &dyn PinnedHost {
+        capability::absent(self.backend())
     }
-    /// Enqueues a copy of `len` bytes at `src` into page-locked host memory at `dst` on `stream`.
-    ///
-    /// # Safety
-    /// The destination bytes are written when the stream reaches the copy: until then no
-    /// reference to them may exist, and nothing may read or write them.
-    unsafe fn copy_device_to_pinned(
-        &self,
-        stream: StreamId,
-        dst: HostAddr,
-        src: DeviceAddr,
-        len: u64,
-    ) -> Result<()> {
-        let _ = (stream, dst, src, len);
-        Err(host_memory::unsupported(self.backend()))
-    }
-
-    // Virtual memory (expandable segments). Sizes and offsets are multiples of the granularity.
-    // Memory operations accept any range mapped throughout, across adjacent chunks.
-
-    /// The granularity of reservations, chunks and mappings on `device` (CUDA: the minimum of
-    /// `cuMemGetAllocationGranularity`, 2 MiB on current GPUs; host: 2 MiB as well).
-    fn vm_granularity(&self, device: usize) -> Result<u64>;
-    /// Reserves `size` bytes of address space on `device` (no memory).
-    fn vm_reserve(&self, device: usize, size: u64) -> Result<DeviceAddr>;
-    /// Frees a reservation; nothing may be mapped in it.
-    fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()>;
-    /// Creates a chunk of `size` bytes of physical memory on `device`, exportable as a file
-    /// descriptor. Counts against the device's capacity: none left is out of memory.
-    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<ChunkId>;
-    /// Releases a chunk; its memory goes when its last mapping is unmapped.
-    fn vm_release_chunk(&self, chunk: ChunkId) -> Result<()>;
-    /// Maps `chunk` read-write at `addr` inside a reservation of the chunk's device.
-    fn vm_map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()>;
-    /// Unmaps whole chunks covering `[addr, addr + size)`, after queued work finishes.
-    fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()>;
-    /// A file descriptor of `chunk` and the chunk's offset in it, for another process (to send
-    /// with `SCM_RIGHTS`).
-    fn vm_export_chunk(&self, chunk: ChunkId) -> Result<ExportedChunk>;
-    /// A chunk from another process's descriptor, which must hold `size` bytes at the offset.
-    fn vm_import_chunk(&self, device: usize, chunk: ExportedChunk, size: u64) -> Result<ChunkId>;
-
-    // Stream capture and graphs (`capture.rs`). A backend without them says so: beginning a
-    // capture is an error, and no stream is ever capturing.
-
-    /// Begins capturing `stream` into a graph in `mode` (see `capture.rs`).
-    fn stream_begin_capture(&self, stream: StreamId, mode: CaptureMode) -> Result<()> {
-        let _ = (stream, mode);
-        Err(capture::unsupported(self.backend()))
-    }
-    /// Ends the capture begun on `stream` and returns its graph.
-    fn stream_end_capture(&self, stream: StreamId) -> Result<GraphId> {
-        let _ = stream;
-        Err(capture::unsupported(self.backend()))
-    }
-    /// Whether `stream` is being captured, and into which capture.
-    fn stream_capture_status(&self, stream: StreamId) -> Result<CaptureStatus> {
-        let _ = stream;
-        Ok(CaptureStatus::None)
-    }
-    /// Sets the calling thread's capture interaction mode; returns the previous one.
-    fn exchange_capture_mode(&self, mode: CaptureMode) -> CaptureMode {
-        let _ = mode;
-        CaptureMode::Global
-    }
-    /// Instantiates `graph` for launching.
-    fn graph_instantiate(&self, graph: GraphId) -> Result<GraphExecId> {
-        let _ = graph;
-        Err(capture::unsupported(self.backend()))
-    }
-    /// Enqueues a replay of `exec` on `stream`.
-    fn graph_launch(&self, exec: GraphExecId, stream: StreamId) -> Result<()> {
-        let _ = (exec, stream);
-        Err(capture::unsupported(self.backend()))
-    }
-    /// Destroys `graph` (its instantiations stay usable).
-    fn graph_destroy(&self, graph: GraphId) -> Result<()> {
-        let _ = graph;
-        Err(capture::unsupported(self.backend()))
-    }
-    /// Destroys an instantiated graph (replays already enqueued still run).
-    fn graph_exec_destroy(&self, exec: GraphExecId) -> Result<()> {
-        let _ = exec;
-        Err(capture::unsupported(self.backend()))
-    }
-    /// How many nodes `graph` holds.
-    fn graph_node_count(&self, graph: GraphId) -> Result<usize> {
-        let _ = graph;
-        Err(capture::unsupported(self.backend()))
+    /// Stream capture and graphs.
+    fn graphs(&self) -> &dyn Graphs {
+        capability::absent(self.backend())
     }
 }
 

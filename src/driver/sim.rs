@@ -21,6 +21,7 @@ use super::{
     ranges, Backend, ChunkId, DeviceAddr, Driver, EventFlags, EventId, IpcEventHandle,
     IpcMemHandle, MemInfo, OpenedSegment, StreamId,
 };
+use crate::driver::{Interop, Ipc, Kernels, VirtualMemory};
 use crate::error::{Error, Result};
 use crate::sync::os::Mutex;
 
@@ -281,6 +282,22 @@ impl SimDriver {
 }
 
 impl Driver for SimDriver {
+    fn kernels(&self) -> &dyn Kernels {
+        self
+    }
+
+    fn interop(&self) -> &dyn Interop {
+        self
+    }
+
+    fn vm(&self) -> &dyn VirtualMemory {
+        self
+    }
+
+    fn ipc(&self) -> &dyn Ipc {
+        self
+    }
+
     fn backend(&self) -> Backend {
         Backend::Simulated
     }
@@ -331,21 +348,6 @@ impl Driver for SimDriver {
     fn default_stream(&self, device: usize) -> Result<StreamId> {
         self.check_device(device)?;
         Self::default_id(device)
-    }
-
-    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
-        self.check_device(device)?;
-        let st = self.state.lock();
-        match st.streams.get(&raw) {
-            Some(&d) if d == device => Ok(StreamId(raw)),
-            _ => Err(Error::invalid(format!(
-                "{raw} is not a stream of device {device} of this driver"
-            ))),
-        }
-    }
-
-    fn raw_stream(&self, stream: StreamId) -> Result<u64> {
-        Self::stream_of(&self.state.lock(), stream).map(|_| stream.0)
     }
 
     fn stream_create(&self, device: usize) -> Result<StreamId> {
@@ -439,7 +441,9 @@ impl Driver for SimDriver {
     fn memset(&self, stream: StreamId, dst: DeviceAddr, _value: u8, len: u64) -> Result<()> {
         self.check_range(stream, dst, len)
     }
+}
 
+impl Kernels for SimDriver {
     fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, _seed: u64) -> Result<()> {
         self.check_range(stream, dst, len)
     }
@@ -462,7 +466,30 @@ impl Driver for SimDriver {
     fn sleep(&self, stream: StreamId, _micros: u64) -> Result<()> {
         Self::stream_of(&self.state.lock(), stream).map(|_| ())
     }
+}
 
+impl Interop for SimDriver {
+    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
+        self.check_device(device)?;
+        let st = self.state.lock();
+        match st.streams.get(&raw) {
+            Some(&d) if d == device => Ok(StreamId(raw)),
+            _ => Err(Error::invalid(format!(
+                "{raw} is not a stream of device {device} of this driver"
+            ))),
+        }
+    }
+
+    fn raw_stream(&self, stream: StreamId) -> Result<u64> {
+        Self::stream_of(&self.state.lock(), stream).map(|_| stream.0)
+    }
+}
+
+impl VirtualMemory for SimDriver {
+    super::forward_vm_methods!();
+}
+
+impl Ipc for SimDriver {
     fn ipc_export_memory(&self, _ptr: DeviceAddr) -> Result<IpcMemHandle> {
         Err(no_ipc())
     }
@@ -482,6 +509,4 @@ impl Driver for SimDriver {
     fn ipc_open_event(&self, _device: usize, _handle: &IpcEventHandle) -> Result<EventId> {
         Err(no_ipc())
     }
-
-    super::forward_vm_methods!();
 }

@@ -261,8 +261,9 @@ impl Mapping {
             None => {
                 let device = usize::try_from(wire.device)
                     .map_err(|_| Error::bad_handle("device ordinal"))?;
-                let opened =
-                    driver.ipc_open_memory(device, &crate::driver::IpcMemHandle(wire.memory))?;
+                let opened = driver
+                    .ipc()
+                    .ipc_open_memory(device, &crate::driver::IpcMemHandle(wire.memory))?;
                 maps.entry(key).or_insert(MappingEntry {
                     base: opened.ptr,
                     size: opened.size,
@@ -321,7 +322,7 @@ impl Drop for Mapping {
             return;
         }
         maps.remove(&self.key);
-        if let Err(err) = self.driver.ipc_close_memory(self.base) {
+        if let Err(err) = self.driver.ipc().ipc_close_memory(self.base) {
             tracing::warn!(%err, "closing an IPC mapping failed");
         }
     }

@@ -143,7 +143,7 @@ pub(crate) fn share(
         let event = match d.event {
             Some(e) => {
                 ipc.driver.event_record(e, stream)?;
-                Some(ipc.driver.ipc_export_event(e)?.0)
+                Some(ipc.driver.ipc().ipc_export_event(e)?.0)
             }
             None => {
                 ipc.driver.stream_synchronize(stream)?;
@@ -237,6 +237,7 @@ pub(crate) fn open(
             |err| producer_gone(lease.producer_alive(), pid, "its writes completed", err);
         let e = ipc
             .driver
+            .ipc()
             .ipc_open_event(device, &crate::driver::IpcEventHandle(*event))
             .map_err(not_ready)?;
         // The producer wrote these bytes before its event: a stream that uses them must wait

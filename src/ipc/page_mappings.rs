@@ -165,8 +165,9 @@ impl Drop for PageMapping {
 /// Unmaps a span and frees its reservation (errors are logged: nothing else can be done at drop).
 fn unmap(driver: &dyn Driver, base: DeviceAddr, size: u64) {
     let done = driver
+        .vm()
         .vm_unmap(base, size)
-        .and_then(|()| driver.vm_free_reservation(base));
+        .and_then(|()| driver.vm().vm_free_reservation(base));
     if let Err(err) = done {
         tracing::warn!(%err, "unmapping another process's pages failed");
     }
@@ -188,11 +189,13 @@ impl Drop for PartialSpan<'_> {
             return;
         }
         let unmapped = if self.mapped > 0 {
-            self.driver.vm_unmap(self.base, self.mapped * self.page)
+            self.driver
+                .vm()
+                .vm_unmap(self.base, self.mapped * self.page)
         } else {
             Ok(())
         };
-        if let Err(err) = unmapped.and_then(|()| self.driver.vm_free_reservation(self.base)) {
+        if let Err(err) = unmapped.and_then(|()| self.driver.vm().vm_free_reservation(self.base)) {
             tracing::warn!(%err, "undoing a partial page mapping failed");
         }
     }
@@ -206,7 +209,7 @@ fn fetch_and_map(
     pages: WirePages,
     device: usize,
 ) -> Result<DeviceAddr> {
-    let granularity = driver.vm_granularity(device)?;
+    let granularity = driver.vm().vm_granularity(device)?;
     if granularity == 0 || !pages.page.is_multiple_of(granularity) {
         return Err(Error::bad_handle(format!(
             "the producer's pages of {} bytes are not a multiple of this device's granularity \
@@ -234,7 +237,7 @@ fn fetch_and_map(
     stream.write_all(&request.encode(), "sending the page request")?;
     let mut span = PartialSpan {
         driver,
-        base: driver.vm_reserve(device, size)?,
+        base: driver.vm().vm_reserve(device, size)?,
         page: pages.page,
         mapped: 0,
         done: false,
@@ -285,11 +288,11 @@ fn fetch_and_map(
                 fd: file,
                 offset: record.offset,
             };
-            let chunk = driver.vm_import_chunk(device, exported, pages.page)?;
+            let chunk = driver.vm().vm_import_chunk(device, exported, pages.page)?;
             let at = DeviceAddr(span.base.0 + span.mapped * pages.page);
-            let mapped = driver.vm_map(at, chunk);
+            let mapped = driver.vm().vm_map(at, chunk);
             // The mapping keeps the memory; the imported handle is not needed any more.
-            let released = driver.vm_release_chunk(chunk);
+            let released = driver.vm().vm_release_chunk(chunk);
             mapped?;
             span.mapped += 1;
             released?;

@@ -212,7 +212,7 @@ impl Registry {
         chunks
             .iter()
             .map(|&chunk| {
-                driver.vm_export_chunk(chunk).map_err(|err| {
+                driver.vm().vm_export_chunk(chunk).map_err(|err| {
                     tracing::warn!(%err, "exporting a chunk for a consumer failed");
                     Refusal::ExportFailed
                 })

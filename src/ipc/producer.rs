@@ -72,6 +72,7 @@ impl IpcState {
             Some(_) => [0; IPC_HANDLE_SIZE],
             None => match self
                 .driver
+                .ipc()
                 .ipc_export_memory(crate::driver::DeviceAddr(base))
             {
                 Ok(h) => h.0,
@@ -92,7 +93,7 @@ impl IpcState {
                     .chunks
                     .first()
                     .ok_or_else(|| crate::Error::invalid("a shared range with no pages"))
-                    .and_then(|&chunk| self.driver.vm_export_chunk(chunk));
+                    .and_then(|&chunk| self.driver.vm().vm_export_chunk(chunk));
                 if let Err(err) = probe {
                     self.give_back_slot(&slot);
                     return Err(Box::new((err, original)));

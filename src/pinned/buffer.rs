@@ -226,7 +226,11 @@ impl PinnedBuffer {
             return Ok(());
         }
         let driver = self.alloc.driver();
-        if driver.stream_capture_status(stream)?.is_capturing() {
+        if driver
+            .graphs()
+            .stream_capture_status(stream)?
+            .is_capturing()
+        {
             return Err(Error::capture(
                 "a pinned buffer is not used on a capturing stream: its reuse waits for events \
                  recorded after each copy, which a capture would only record into its graph",

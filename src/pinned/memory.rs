@@ -65,7 +65,7 @@ pub(super) fn make(
 ) -> Result<(HostAddr, Source, std::time::Duration)> {
     let started = Instant::now();
     if !register {
-        let addr = driver.host_alloc(size)?;
+        let addr = driver.pinned().host_alloc(size)?;
         return Ok((addr, Source::Driver, started.elapsed()));
     }
     let len = usize::try_from(size)
@@ -87,7 +87,7 @@ pub(super) fn make(
     let addr = HostAddr(ptr as usize as u64);
     // SAFETY: the mapping was made above, is readable and writable, and is unmapped only after
     // `host_unregister` (`release`).
-    if let Err(err) = unsafe { driver.host_register(addr, size) } {
+    if let Err(err) = unsafe { driver.pinned().host_register(addr, size) } {
         // SAFETY: the mapping made above, never registered.
         let _ = unsafe { rustix::mm::munmap(ptr, len) };
         return Err(err);
@@ -135,10 +135,10 @@ pub(super) fn release(
     match source {
         // SAFETY: the block (or reserve segment) is out of the allocator's books: no buffer
         // refers to it, and the events of its last copies completed.
-        Source::Driver => unsafe { driver.host_free(addr) }?,
+        Source::Driver => unsafe { driver.pinned().host_free(addr) }?,
         Source::Registered => {
             // SAFETY: as above; the mapping is unmapped right after, by this function alone.
-            unsafe { driver.host_unregister(addr) }?;
+            unsafe { driver.pinned().host_unregister(addr) }?;
             // SAFETY: the mapping made by `make` for this registration, which just ended.
             unsafe { rustix::mm::munmap(addr.as_ptr().cast::<c_void>(), size as usize) }
                 .map_err(|err| Error::host_os("munmap", std::io::Error::from(err)))?;

@@ -259,7 +259,12 @@ impl Runtime {
                 // the buffer lives in `kept` until that stream is synchronized below.
                 unsafe {
                     buffer.enqueue_read(range.stream, 0..buffer.len(), |src, len| {
-                        driver.copy_pinned_to_device(range.stream, DeviceAddr(range.addr), src, len)
+                        driver.pinned().copy_pinned_to_device(
+                            range.stream,
+                            DeviceAddr(range.addr),
+                            src,
+                            len,
+                        )
                     })?;
                 }
                 streams.push(range.stream);
@@ -313,7 +318,9 @@ impl Runtime {
         // is not borrowed, and is kept until that stream is synchronized.
         unsafe {
             buffer.enqueue_write(range.stream, 0..len, |dst, n| {
-                driver.copy_device_to_pinned(range.stream, dst, DeviceAddr(range.addr), n)
+                driver
+                    .pinned()
+                    .copy_device_to_pinned(range.stream, dst, DeviceAddr(range.addr), n)
             })?;
         }
         Ok(buffer)

@@ -356,6 +356,7 @@ impl Storage {
         self.inner
             .runtime
             .driver()
+            .kernels()
             .fill_pattern(stream, dst, self.inner.nbytes, seed)
     }
 
@@ -365,11 +366,10 @@ impl Storage {
             return Ok(0);
         }
         self.check_awake("the verify kernel")?;
-        self.inner.runtime.driver().count_pattern_mismatches(
-            self.stream()?,
-            self.data_ptr(),
-            self.inner.nbytes,
-            seed,
-        )
+        self.inner
+            .runtime
+            .driver()
+            .kernels()
+            .count_pattern_mismatches(self.stream()?, self.data_ptr(), self.inner.nbytes, seed)
     }
 }

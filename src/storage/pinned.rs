@@ -79,7 +79,9 @@ impl Storage {
         // SAFETY: the launch enqueues one copy on `stream` that writes exactly the range given.
         unsafe {
             dst.enqueue_write(stream, range, |host, bytes| {
-                driver.copy_device_to_pinned(stream, host, src, bytes)
+                driver
+                    .pinned()
+                    .copy_device_to_pinned(stream, host, src, bytes)
             })
         }?;
         self.used_on(stream)
@@ -105,7 +107,9 @@ impl Storage {
         // SAFETY: the launch enqueues one copy on `stream` that reads exactly the range given.
         unsafe {
             src.enqueue_read(stream, range, |host, bytes| {
-                driver.copy_pinned_to_device(stream, dst, host, bytes)
+                driver
+                    .pinned()
+                    .copy_pinned_to_device(stream, dst, host, bytes)
             })
         }?;
         self.used_on(stream)

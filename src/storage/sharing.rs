@@ -74,7 +74,11 @@ fn refuse_while_capturing(runtime: &Runtime, stream: StreamId, what: &str) -> Re
     if !runtime.allocator().captures_under_way() {
         return Ok(());
     }
-    let on_this_stream = runtime.driver().stream_capture_status(stream)?.capture_id();
+    let on_this_stream = runtime
+        .driver()
+        .graphs()
+        .stream_capture_status(stream)?
+        .capture_id();
     if let Some(id) = on_this_stream {
         return Err(Error::capture(format!(
             "a storage cannot be {what} on stream {}, which is being captured (capture {id}): \

@@ -1,15 +1,16 @@
 //! A driver that delegates to a host driver and fails chosen operations on demand: the test double
 //! for error paths the host backend cannot be made to take (a device copy that fails, an event that
-//! cannot be created).
+//! cannot be created). It implements the core and the capabilities it checks (virtual memory,
+//! page-locked host memory); the others are the host driver's, forwarded by their accessors.
 #![allow(dead_code)]
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use cudalloc::capability::{Graphs, Interop, Ipc, Kernels, PinnedHost, VirtualMemory};
 use cudalloc::HostDriver;
 use cudalloc::{
-    Backend, DeviceAddr, Driver, Error, EventFlags, EventId, HostAddr, IpcEventHandle,
-    IpcMemHandle, MemInfo, OpenedSegment, Result, StreamId,
+    Backend, DeviceAddr, Driver, Error, EventFlags, EventId, HostAddr, MemInfo, Result, StreamId,
 };
 
 /// Operations a [`FaultyDriver`] can be told to fail.
@@ -84,6 +85,30 @@ fn check(flag: &AtomicBool, call: &'static str) -> Result<()> {
 }
 
 impl Driver for FaultyDriver {
+    fn kernels(&self) -> &dyn Kernels {
+        self.inner.kernels()
+    }
+
+    fn interop(&self) -> &dyn Interop {
+        self.inner.interop()
+    }
+
+    fn vm(&self) -> &dyn VirtualMemory {
+        self
+    }
+
+    fn ipc(&self) -> &dyn Ipc {
+        self.inner.ipc()
+    }
+
+    fn pinned(&self) -> &dyn PinnedHost {
+        self
+    }
+
+    fn graphs(&self) -> &dyn Graphs {
+        self.inner.graphs()
+    }
+
     fn backend(&self) -> Backend {
         self.inner.backend()
     }
@@ -110,13 +135,6 @@ impl Driver for FaultyDriver {
     }
     fn stream_create(&self, device: usize) -> Result<StreamId> {
         self.inner.stream_create(device)
-    }
-    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
-        // SAFETY: forwarded; the caller's contract is the inner driver's.
-        unsafe { self.inner.import_stream(device, raw) }
-    }
-    fn raw_stream(&self, stream: StreamId) -> Result<u64> {
-        self.inner.raw_stream(stream)
     }
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
         self.inner.stream_destroy(stream)
@@ -169,24 +187,47 @@ impl Driver for FaultyDriver {
     fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
         self.inner.memset(stream, dst, value, len)
     }
-    fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
-        self.inner.fill_pattern(stream, dst, len, seed)
+}
+
+impl VirtualMemory for FaultyDriver {
+    fn vm_granularity(&self, device: usize) -> Result<u64> {
+        self.inner.vm_granularity(device)
     }
-    fn count_pattern_mismatches(
+    fn vm_reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
+        self.inner.vm_reserve(device, size)
+    }
+    fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()> {
+        self.inner.vm_free_reservation(base)
+    }
+    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<cudalloc::ChunkId> {
+        self.inner.vm_create_chunk(device, size)
+    }
+    fn vm_release_chunk(&self, chunk: cudalloc::ChunkId) -> Result<()> {
+        self.inner.vm_release_chunk(chunk)
+    }
+    fn vm_map(&self, addr: DeviceAddr, chunk: cudalloc::ChunkId) -> Result<()> {
+        self.inner.vm_map(addr, chunk)?;
+        self.faults.log("vm_map", addr.0, 0);
+        Ok(())
+    }
+    fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
+        self.faults.log("vm_unmap", addr.0, size);
+        self.inner.vm_unmap(addr, size)
+    }
+    fn vm_export_chunk(&self, chunk: cudalloc::ChunkId) -> Result<cudalloc::ExportedChunk> {
+        self.inner.vm_export_chunk(chunk)
+    }
+    fn vm_import_chunk(
         &self,
-        stream: StreamId,
-        src: DeviceAddr,
-        len: u64,
-        seed: u64,
-    ) -> Result<u64> {
-        self.inner.count_pattern_mismatches(stream, src, len, seed)
+        device: usize,
+        chunk: cudalloc::ExportedChunk,
+        size: u64,
+    ) -> Result<cudalloc::ChunkId> {
+        self.inner.vm_import_chunk(device, chunk, size)
     }
-    fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
-        self.inner.poison(stream, dst, len)
-    }
-    fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
-        self.inner.sleep(stream, micros)
-    }
+}
+
+impl PinnedHost for FaultyDriver {
     fn host_alloc(&self, size: u64) -> Result<HostAddr> {
         self.inner.host_alloc(size)
     }
@@ -229,82 +270,5 @@ impl Driver for FaultyDriver {
         );
         // SAFETY: the caller's promise, passed on.
         unsafe { self.inner.copy_device_to_pinned(stream, dst, src, len) }
-    }
-    fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
-        self.inner.ipc_export_memory(ptr)
-    }
-    fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
-        self.inner.ipc_open_memory(device, handle)
-    }
-    fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
-        self.inner.ipc_close_memory(ptr)
-    }
-    fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {
-        self.inner.ipc_export_event(event)
-    }
-    fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
-        self.inner.ipc_open_event(device, handle)
-    }
-    fn vm_granularity(&self, device: usize) -> Result<u64> {
-        self.inner.vm_granularity(device)
-    }
-    fn vm_reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
-        self.inner.vm_reserve(device, size)
-    }
-    fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()> {
-        self.inner.vm_free_reservation(base)
-    }
-    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<cudalloc::ChunkId> {
-        self.inner.vm_create_chunk(device, size)
-    }
-    fn vm_release_chunk(&self, chunk: cudalloc::ChunkId) -> Result<()> {
-        self.inner.vm_release_chunk(chunk)
-    }
-    fn vm_map(&self, addr: DeviceAddr, chunk: cudalloc::ChunkId) -> Result<()> {
-        self.inner.vm_map(addr, chunk)?;
-        self.faults.log("vm_map", addr.0, 0);
-        Ok(())
-    }
-    fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
-        self.faults.log("vm_unmap", addr.0, size);
-        self.inner.vm_unmap(addr, size)
-    }
-    fn vm_export_chunk(&self, chunk: cudalloc::ChunkId) -> Result<cudalloc::ExportedChunk> {
-        self.inner.vm_export_chunk(chunk)
-    }
-    fn vm_import_chunk(
-        &self,
-        device: usize,
-        chunk: cudalloc::ExportedChunk,
-        size: u64,
-    ) -> Result<cudalloc::ChunkId> {
-        self.inner.vm_import_chunk(device, chunk, size)
-    }
-    fn stream_begin_capture(&self, stream: StreamId, mode: cudalloc::CaptureMode) -> Result<()> {
-        self.inner.stream_begin_capture(stream, mode)
-    }
-    fn stream_end_capture(&self, stream: StreamId) -> Result<cudalloc::GraphId> {
-        self.inner.stream_end_capture(stream)
-    }
-    fn stream_capture_status(&self, stream: StreamId) -> Result<cudalloc::CaptureStatus> {
-        self.inner.stream_capture_status(stream)
-    }
-    fn exchange_capture_mode(&self, mode: cudalloc::CaptureMode) -> cudalloc::CaptureMode {
-        self.inner.exchange_capture_mode(mode)
-    }
-    fn graph_instantiate(&self, graph: cudalloc::GraphId) -> Result<cudalloc::GraphExecId> {
-        self.inner.graph_instantiate(graph)
-    }
-    fn graph_launch(&self, exec: cudalloc::GraphExecId, stream: StreamId) -> Result<()> {
-        self.inner.graph_launch(exec, stream)
-    }
-    fn graph_destroy(&self, graph: cudalloc::GraphId) -> Result<()> {
-        self.inner.graph_destroy(graph)
-    }
-    fn graph_exec_destroy(&self, exec: cudalloc::GraphExecId) -> Result<()> {
-        self.inner.graph_exec_destroy(exec)
-    }
-    fn graph_node_count(&self, graph: cudalloc::GraphId) -> Result<usize> {
-        self.inner.graph_node_count(graph)
     }
 }

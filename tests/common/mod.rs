@@ -469,7 +469,7 @@ pub fn hold_stream(b: &TestBackend, stream: cudalloc::StreamId) -> Hold {
             marker: None,
         },
         None => {
-            b.driver.sleep(stream, 300_000).unwrap();
+            b.driver.kernels().sleep(stream, 300_000).unwrap();
             let event = b
                 .driver
                 .event_create(
@@ -530,7 +530,10 @@ pub fn filled_on(
 ) -> cudalloc::Storage {
     let s = cudalloc::Storage::new_on(rt, stream, len).unwrap();
     let ptr = s.mutable_data_ptr_on(stream).unwrap();
-    rt.driver().fill_pattern(stream, ptr, len, seed).unwrap();
+    rt.driver()
+        .kernels()
+        .fill_pattern(stream, ptr, len, seed)
+        .unwrap();
     s
 }
 

@@ -190,7 +190,10 @@ impl World<'_> {
             }
         }
         let seed = self.seed();
-        self.d.fill_pattern(on, dst.ptr(), n, seed).unwrap();
+        self.d
+            .kernels()
+            .fill_pattern(on, dst.ptr(), n, seed)
+            .unwrap();
         Content::Seed(seed)
     }
 

@@ -24,7 +24,10 @@ impl World<'_> {
             Err(err) => panic!("eager allocation of {n} bytes: {err}"),
         };
         let seed = self.seed();
-        self.d.fill_pattern(h, ptr.ptr(), n, seed).unwrap();
+        self.d
+            .kernels()
+            .fill_pattern(h, ptr.ptr(), n, seed)
+            .unwrap();
         self.adopt_eager(ptr, n, seed, h, format!("{n} bytes, seed {seed}"));
     }
 
@@ -89,7 +92,10 @@ impl World<'_> {
         let seed = self.seed();
         let e = self.eager.get_mut(&key).unwrap();
         before_write(&self.d, &self.marks, w, &e.uses);
-        self.d.fill_pattern(w, e.ptr.ptr(), e.len, seed).unwrap();
+        self.d
+            .kernels()
+            .fill_pattern(w, e.ptr.ptr(), e.len, seed)
+            .unwrap();
         if w != e.home {
             self.a.record_stream(&e.ptr, w).unwrap();
         }
@@ -113,6 +119,7 @@ impl World<'_> {
         before_read(&self.d, &self.marks, v, &e.uses);
         let bad = self
             .d
+            .kernels()
             .count_pattern_mismatches(v, e.ptr.ptr(), e.len, e.seed)
             .unwrap();
         assert_eq!(

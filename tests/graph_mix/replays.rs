@@ -91,6 +91,7 @@ impl World<'_> {
         before_read(&self.d, &self.marks, v, &o.uses);
         let bad = self
             .d
+            .kernels()
             .count_pattern_mismatches(v, o.ptr.ptr(), o.len, seed)
             .unwrap();
         assert_eq!(

@@ -42,6 +42,32 @@ pub(crate) struct AllocatorWide {
     pub tags: Arc<TagBook>,
 }
 
+/// One allocation request, made once at the door ([`DeviceCore::allocate`]) and passed through
+/// the whole miss path (PyTorch's `AllocParams`): the size asked for, its rounded size and the
+/// pool kind that serves it. The segment size of a miss is derived from it where a segment is made.
+#[derive(Clone, Copy, Debug)]
+pub(in crate::alloc) struct Request {
+    /// The bytes asked for.
+    pub(in crate::alloc) requested: u64,
+    /// `requested` rounded (`size::round_size`).
+    pub(in crate::alloc) rounded: u64,
+    /// The small or large pool.
+    pub(in crate::alloc) pool: PoolKind,
+}
+
+impl Request {
+    /// The request for `requested` bytes under `config`'s rounding.
+    #[inline]
+    pub(in crate::alloc) fn new(requested: u64, config: &AllocatorConfig) -> Self {
+        let rounded = size::round_size(requested, config);
+        Request {
+            requested,
+            rounded,
+            pool: PoolKind::for_size(rounded),
+        }
+    }
+}
+
 impl DeviceCore {
     /// The device this core serves.
     #[inline]
@@ -186,13 +212,12 @@ impl DeviceCore {
     }
 
     /// Best fit in the shard (after polling its events), allocating on success.
-    pub(in crate::alloc) fn try_fit(
-        &self,
-        shard: &Shard,
-        pool: PoolKind,
-        rounded: u64,
-        requested: u64,
-    ) -> Option<Allocated> {
+    pub(in crate::alloc) fn try_fit(&self, shard: &Shard, req: &Request) -> Option<Allocated> {
+        let Request {
+            requested,
+            rounded,
+            pool,
+        } = *req;
         let mut st = shard.state.lock();
         // Under the lock: a tag falling asleep sets the flag before it locks to list what to
         // offload, so this sees it or the sleep sees the block (`sleep.rs`).
@@ -254,20 +279,17 @@ impl DeviceCore {
         size::check_request(self.device, requested)?;
         // A sleeping tag's shard: `try_fit` finds nothing (it reads the flag under the lock)
         // and the slow path says why — no load here on the hot path.
-        let rounded = size::round_size(requested, &self.config);
-        let pool = PoolKind::for_size(rounded);
-        if let Some(hit) = self.try_fit(shard, pool, rounded, requested) {
+        let req = Request::new(requested, &self.config);
+        if let Some(hit) = self.try_fit(shard, &req) {
             return Ok(hit);
         }
-        self.allocate_slow(shard, pool, rounded, requested, lender)
+        self.allocate_slow(shard, &req, lender)
     }
 
     fn allocate_slow(
         &self,
         shard: &Shard,
-        pool: PoolKind,
-        rounded: u64,
-        requested: u64,
+        req: &Request,
         lender: &mut Option<Arc<Shard>>,
     ) -> Result<Allocated> {
         if shard.sleeping.load(Ordering::Acquire) {
@@ -275,37 +297,36 @@ impl DeviceCore {
             return Err(self.asleep_error(shard, "an allocation"));
         }
         if self.capturing.any() {
-            return self.allocate_while_capturing(shard, pool, rounded, requested);
+            return self.allocate_while_capturing(shard, req);
         }
         if self.callbacks.run() {
-            if let Some(hit) = self.try_fit(shard, pool, rounded, requested) {
+            if let Some(hit) = self.try_fit(shard, req) {
                 return Ok(hit);
             }
         }
         self.garbage_collect();
-        let seg = size::segment_size(rounded);
         let mut cause = None;
-        if let Some(hit) = self.new_memory(shard, pool, seg, rounded, requested, &mut cause)? {
+        if let Some(hit) = self.new_memory(shard, req, &mut cause)? {
             return Ok(hit);
         }
-        if self.release_oversize(rounded) {
-            if let Some(hit) = self.new_memory(shard, pool, seg, rounded, requested, &mut cause)? {
+        if self.release_oversize(req.rounded) {
+            if let Some(hit) = self.new_memory(shard, req, &mut cause)? {
                 return Ok(hit);
             }
         }
         self.release_cached(true);
         self.alloc_retries.fetch_add(1, Ordering::Relaxed);
-        if let Some(hit) = self.try_fit(shard, pool, rounded, requested) {
+        if let Some(hit) = self.try_fit(shard, req) {
             return Ok(hit);
         }
-        if let Some(hit) = self.new_memory(shard, pool, seg, rounded, requested, &mut cause)? {
+        if let Some(hit) = self.new_memory(shard, req, &mut cause)? {
             return Ok(hit);
         }
-        if let Some((lending, hit)) = self.lend(shard, pool, rounded, requested) {
+        if let Some((lending, hit)) = self.lend(shard, req) {
             *lender = Some(lending);
             return Ok(hit);
         }
-        Err(self.out_of_memory(shard, requested, cause))
+        Err(self.out_of_memory(shard, req, cause))
     }
 
     /// A miss while a capture is under way (`capturing.rs`): the driver's allocation alone —
@@ -313,23 +334,21 @@ impl DeviceCore {
     /// out of memory (callbacks, garbage collection and releases would query, synchronize and
     /// free, which a capture forbids).
     #[cold]
-    fn allocate_while_capturing(
-        &self,
-        shard: &Shard,
-        pool: PoolKind,
-        rounded: u64,
-        requested: u64,
-    ) -> Result<Allocated> {
-        let seg = size::segment_size(rounded);
+    fn allocate_while_capturing(&self, shard: &Shard, req: &Request) -> Result<Allocated> {
         let mut cause = None;
         let capturing = self
             .driver
+            .graphs()
             .stream_capture_status(shard.stream)
             .is_ok_and(|s| s.is_capturing());
-        let before = capturing.then(|| self.driver.exchange_capture_mode(CaptureMode::Relaxed));
-        let got = self.new_memory(shard, pool, seg, rounded, requested, &mut cause);
+        let before = capturing.then(|| {
+            self.driver
+                .graphs()
+                .exchange_capture_mode(CaptureMode::Relaxed)
+        });
+        let got = self.new_memory(shard, req, &mut cause);
         if let Some(mode) = before {
-            self.driver.exchange_capture_mode(mode);
+            self.driver.graphs().exchange_capture_mode(mode);
         }
         if let Some(hit) = got? {
             return Ok(hit);
@@ -338,13 +357,14 @@ impl DeviceCore {
             "{} (during a stream capture: cached memory is not released while one is under way)",
             cause.as_deref().unwrap_or("the device has no room")
         ));
-        Err(self.out_of_memory(shard, requested, cause))
+        Err(self.out_of_memory(shard, req, cause))
     }
 
     /// The end of a miss that found no memory: counted, traced, told to the observers, and the
     /// error PyTorch's message describes.
     #[cold]
-    fn out_of_memory(&self, shard: &Shard, requested: u64, cause: Option<String>) -> Error {
+    fn out_of_memory(&self, shard: &Shard, req: &Request, cause: Option<String>) -> Error {
+        let requested = req.requested;
         self.ooms.fetch_add(1, Ordering::Relaxed);
         let stats = self.stats();
         let free = self.driver.mem_info(self.device).map_or(0, |m| m.free);
@@ -401,16 +421,13 @@ impl DeviceCore {
     fn new_memory(
         &self,
         shard: &Shard,
-        pool: PoolKind,
-        seg: u64,
-        rounded: u64,
-        requested: u64,
+        req: &Request,
         cause: &mut Option<String>,
     ) -> Result<Option<Allocated>> {
         if self.config.expandable_segments || shard.state.lock().pool_options.expandable_segments {
-            self.grow_expandable(shard, pool, rounded, requested, cause)
+            self.grow_expandable(shard, req, cause)
         } else {
-            self.allocate_segment(shard, pool, seg, rounded, requested, cause)
+            self.allocate_segment(shard, req, cause)
         }
     }
 
@@ -420,12 +437,15 @@ impl DeviceCore {
     fn allocate_segment(
         &self,
         shard: &Shard,
-        pool: PoolKind,
-        seg: u64,
-        rounded: u64,
-        requested: u64,
+        req: &Request,
         cause: &mut Option<String>,
     ) -> Result<Option<Allocated>> {
+        let Request {
+            requested,
+            rounded,
+            pool,
+        } = *req;
+        let seg = size::segment_size(rounded);
         let held: Option<MutexGuard<'_, ShardState>> =
             (!self.config.release_lock_on_cudamalloc).then(|| shard.state.lock());
         if !self.try_reserve(seg) {

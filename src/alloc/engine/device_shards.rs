@@ -3,11 +3,11 @@
 //! device-wide paths visit (all of them, or only those whose cache may be released); the lending of
 //! a `use_on_oom` pool's free block (`mem_pool.rs` has the pools' state table).
 
+use super::device::Request;
 use super::ShardState;
 use super::{DeviceCore, Shard};
 use crate::alloc::block::Allocated;
 use crate::alloc::pool_id::{MemPoolId, MemPoolOptions};
-use crate::alloc::size::PoolKind;
 use crate::driver::StreamId;
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -52,6 +52,7 @@ impl DeviceCore {
                 for base in bases {
                     if let Err(err) = self
                         .driver
+                        .vm()
                         .vm_free_reservation(crate::driver::DeviceAddr(base))
                     {
                         tracing::error!(%err, base, "freeing an expandable segment's reservation failed");
@@ -96,9 +97,7 @@ impl DeviceCore {
     pub(in crate::alloc) fn lend(
         &self,
         shard: &Shard,
-        pool: PoolKind,
-        rounded: u64,
-        requested: u64,
+        req: &Request,
     ) -> Option<(Arc<Shard>, Allocated)> {
         if !shard.state.lock().pool.is_default() {
             return None;
@@ -119,7 +118,7 @@ impl DeviceCore {
             if !options.use_on_oom || self.capturing.held_by_graphs(pool_id) {
                 return None;
             }
-            let hit = self.try_fit(&lending, pool, rounded, requested)?;
+            let hit = self.try_fit(&lending, req)?;
             Some((lending, hit))
         })
     }

@@ -23,6 +23,7 @@
 
 use std::collections::BTreeMap;
 
+use super::device::Request;
 use super::ShardState;
 use super::{DeviceCore, Shard};
 use crate::alloc::block::{Allocated, Block, BlockId, BlockState, ExpandablePages, SegmentInfo};
@@ -368,23 +369,26 @@ impl DeviceCore {
     pub(in crate::alloc) fn grow_expandable(
         &self,
         shard: &Shard,
-        pool: PoolKind,
-        rounded: u64,
-        requested: u64,
+        req: &Request,
         cause: &mut Option<String>,
     ) -> Result<Option<Allocated>> {
+        let Request {
+            requested,
+            rounded,
+            pool,
+        } = *req;
         let mut st = shard.state.lock();
         if shard.sleeping.load(Ordering::Relaxed) {
             drop(st);
             return Err(self.asleep_error(shard, "an allocation"));
         }
         if st.expandable_base(pool).is_none() {
-            let granularity = self.driver.vm_granularity(self.device)?;
+            let granularity = self.driver.vm().vm_granularity(self.device)?;
             let page = page_size(granularity);
             // Twice the device's memory: address space is cheap, and the slack keeps holes in the
             // range from exhausting it before the memory itself runs out.
             let reserved = self.capacity.saturating_mul(2).div_ceil(page).max(1) * page;
-            let base = self.driver.vm_reserve(self.device, reserved)?;
+            let base = self.driver.vm().vm_reserve(self.device, reserved)?;
             st.add_expandable(base.0, reserved, pool, page);
         }
         let full = "no room left in the address range reserved for this stream's memory";
@@ -445,8 +449,8 @@ impl DeviceCore {
             // Give back what was mapped of this step; the request fails as out of memory (or
             // with the driver's error).
             for &(at, chunk) in &mapped {
-                let _ = self.driver.vm_unmap(DeviceAddr(at), page);
-                let _ = self.driver.vm_release_chunk(chunk);
+                let _ = self.driver.vm().vm_unmap(DeviceAddr(at), page);
+                let _ = self.driver.vm().vm_release_chunk(chunk);
             }
             self.reserved.fetch_sub(len, Ordering::SeqCst);
             return match err {
@@ -489,11 +493,11 @@ impl DeviceCore {
 
     /// A fresh chunk of `page` bytes mapped at `at` (nothing left behind on failure).
     pub(in crate::alloc) fn map_fresh_page(&self, at: u64, page: u64) -> Result<ChunkId> {
-        let chunk = self.driver.vm_create_chunk(self.device, page)?;
-        match self.driver.vm_map(DeviceAddr(at), chunk) {
+        let chunk = self.driver.vm().vm_create_chunk(self.device, page)?;
+        match self.driver.vm().vm_map(DeviceAddr(at), chunk) {
             Ok(()) => Ok(chunk),
             Err(err) => {
-                let _ = self.driver.vm_release_chunk(chunk);
+                let _ = self.driver.vm().vm_release_chunk(chunk);
                 Err(err)
             }
         }
@@ -514,11 +518,11 @@ impl DeviceCore {
                 size: len,
                 stream,
             });
-            if let Err(err) = self.driver.vm_unmap(DeviceAddr(addr), len) {
+            if let Err(err) = self.driver.vm().vm_unmap(DeviceAddr(addr), len) {
                 tracing::error!(%err, addr, len, "unmapping pages of an expandable segment failed");
             }
             for (at, chunk) in chunks {
-                if let Err(err) = self.driver.vm_release_chunk(chunk) {
+                if let Err(err) = self.driver.vm().vm_release_chunk(chunk) {
                     tracing::error!(%err, at, "releasing a page of an expandable segment failed");
                 }
             }

@@ -88,7 +88,7 @@ fn order_after(
     to_capturing: bool,
     used: StreamId,
 ) -> Result<()> {
-    if driver.stream_capture_status(used)?.is_capturing() {
+    if driver.graphs().stream_capture_status(used)?.is_capturing() {
         // Recorded into a graph, not run: nothing eager to wait for, unless `to` joins the
         // same capture (a wait inside it).
         return if to_capturing {
@@ -107,8 +107,8 @@ fn order_after(
 /// Runs `f` with this thread's capture interaction mode relaxed (a host wait for work outside a
 /// capture, which a global capture would otherwise forbid), restoring it after.
 pub(crate) fn relaxed<R>(driver: &Arc<dyn Driver>, f: impl FnOnce() -> R) -> R {
-    let before = driver.exchange_capture_mode(CaptureMode::Relaxed);
+    let before = driver.graphs().exchange_capture_mode(CaptureMode::Relaxed);
     let out = f();
-    driver.exchange_capture_mode(before);
+    driver.graphs().exchange_capture_mode(before);
     out
 }

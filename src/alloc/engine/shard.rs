@@ -349,6 +349,7 @@ impl Drop for Shard {
             if let Err(err) = self
                 .core
                 .driver
+                .vm()
                 .vm_free_reservation(crate::driver::DeviceAddr(base))
             {
                 tracing::error!(%err, base, "freeing an expandable segment's reservation failed");

@@ -298,8 +298,8 @@ impl DeviceCore {
         if let Some(err) = failure {
             for (_, page, chunks) in &mapped {
                 for &(at, chunk) in chunks {
-                    let _ = self.driver.vm_unmap(DeviceAddr(at), *page);
-                    let _ = self.driver.vm_release_chunk(chunk);
+                    let _ = self.driver.vm().vm_unmap(DeviceAddr(at), *page);
+                    let _ = self.driver.vm().vm_release_chunk(chunk);
                 }
             }
             self.reserved.fetch_sub(total, Ordering::SeqCst);

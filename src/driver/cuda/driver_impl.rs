@@ -10,6 +10,7 @@ use crate::driver::{
     ranges, Backend, DeviceAddr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle,
     MemInfo, OpenedSegment, StreamId, IPC_HANDLE_SIZE,
 };
+use crate::driver::{Graphs, Interop, Ipc, Kernels, PinnedHost, VirtualMemory};
 use crate::error::{Error, Result};
 
 /// `cuMemAlloc`'s result: out-of-memory is decided by the result code (never by message text).
@@ -69,7 +70,29 @@ impl CudaDriver {
 }
 
 impl Driver for CudaDriver {
-    crate::driver::forward_capture_methods!();
+    fn kernels(&self) -> &dyn Kernels {
+        self
+    }
+
+    fn interop(&self) -> &dyn Interop {
+        self
+    }
+
+    fn vm(&self) -> &dyn VirtualMemory {
+        self
+    }
+
+    fn ipc(&self) -> &dyn Ipc {
+        self
+    }
+
+    fn pinned(&self) -> &dyn PinnedHost {
+        self
+    }
+
+    fn graphs(&self) -> &dyn Graphs {
+        self
+    }
 
     fn backend(&self) -> Backend {
         Backend::Cuda
@@ -205,44 +228,6 @@ impl Driver for CudaDriver {
             },
         );
         Ok(id)
-    }
-
-    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
-        self.birth.check("this CUDA driver")?;
-        let ctx = self.device(device)?.context;
-        self.bind(device)?;
-        let handle = raw as usize as sys::CUstream;
-        if !handle.is_null() {
-            let mut owner = std::ptr::null_mut();
-            // SAFETY: the caller guarantees `raw` is a live CUstream; out-pointer valid.
-            check("cuStreamGetCtx", unsafe {
-                sys::cuStreamGetCtx(handle, &mut owner)
-            })?;
-            if owner != ctx.0 {
-                return Err(Error::invalid(format!(
-                    "stream {raw:#x} belongs to another context than device {device}'s primary \
-                     context, which cudalloc uses"
-                )));
-            }
-        }
-        // One id per raw stream, however often it is imported (the legacy stream's is the
-        // default stream's): one shard. A stream this driver made keeps its own id apart from an
-        // imported one, which `stream_destroy` only forgets.
-        let id = self.streams.find_or_insert(
-            |entry| entry.borrowed && entry.device == device && entry.raw.0 == handle,
-            || Ok(StreamId::new(device, self.fresh_id())?.0),
-            || StreamEntry {
-                device,
-                raw: StreamHandle(handle),
-                borrowed: true,
-            },
-        )?;
-        Ok(StreamId(id))
-    }
-
-    fn raw_stream(&self, stream: StreamId) -> Result<u64> {
-        self.birth.check("this CUDA driver")?;
-        Ok(self.streams.get(stream.0)?.raw.0 as usize as u64)
     }
 
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
@@ -398,8 +383,6 @@ impl Driver for CudaDriver {
         })
     }
 
-    crate::driver::host_memory::forward_host_memory_methods!();
-
     fn copy_device_to_device(
         &self,
         stream: StreamId,
@@ -431,7 +414,9 @@ impl Driver for CudaDriver {
             sys::cuMemsetD8Async(dst.0, value, n, s.raw.0)
         })
     }
+}
 
+impl Kernels for CudaDriver {
     fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
         self.birth.check("this CUDA driver")?;
         let (_held, _) = self.hold_ranges([(dst, len)])?;
@@ -510,7 +495,53 @@ impl Driver for CudaDriver {
         let mut args = [(&mut nanos as *mut u64).cast::<c_void>()];
         self.launch(f, s, 1, &mut args)
     }
+}
 
+impl Interop for CudaDriver {
+    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
+        self.birth.check("this CUDA driver")?;
+        let ctx = self.device(device)?.context;
+        self.bind(device)?;
+        let handle = raw as usize as sys::CUstream;
+        if !handle.is_null() {
+            let mut owner = std::ptr::null_mut();
+            // SAFETY: the caller guarantees `raw` is a live CUstream; out-pointer valid.
+            check("cuStreamGetCtx", unsafe {
+                sys::cuStreamGetCtx(handle, &mut owner)
+            })?;
+            if owner != ctx.0 {
+                return Err(Error::invalid(format!(
+                    "stream {raw:#x} belongs to another context than device {device}'s primary \
+                     context, which cudalloc uses"
+                )));
+            }
+        }
+        // One id per raw stream, however often it is imported (the legacy stream's is the
+        // default stream's): one shard. A stream this driver made keeps its own id apart from an
+        // imported one, which `stream_destroy` only forgets.
+        let id = self.streams.find_or_insert(
+            |entry| entry.borrowed && entry.device == device && entry.raw.0 == handle,
+            || Ok(StreamId::new(device, self.fresh_id())?.0),
+            || StreamEntry {
+                device,
+                raw: StreamHandle(handle),
+                borrowed: true,
+            },
+        )?;
+        Ok(StreamId(id))
+    }
+
+    fn raw_stream(&self, stream: StreamId) -> Result<u64> {
+        self.birth.check("this CUDA driver")?;
+        Ok(self.streams.get(stream.0)?.raw.0 as usize as u64)
+    }
+}
+
+impl VirtualMemory for CudaDriver {
+    crate::driver::forward_vm_methods!();
+}
+
+impl Ipc for CudaDriver {
     fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
         self.birth.check("this CUDA driver")?;
         let entry = self.segments.read().get(&ptr.0).copied().ok_or_else(|| {
@@ -674,6 +705,12 @@ impl Driver for CudaDriver {
         );
         Ok(EventId(id))
     }
+}
 
-    crate::driver::forward_vm_methods!();
+impl PinnedHost for CudaDriver {
+    crate::driver::host_memory::forward_host_memory_methods!();
+}
+
+impl Graphs for CudaDriver {
+    crate::driver::forward_capture_methods!();
 }

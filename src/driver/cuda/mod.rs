@@ -38,6 +38,7 @@ pub mod nccl;
 mod process_ipc;
 mod vm;
 
+use crate::driver::Ipc;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{c_void, CStr, CString};
 
@@ -45,7 +46,7 @@ use cudarc::driver::sys::{self, CUresult};
 
 use crate::driver::registry::{IdCounter, Registry};
 use crate::driver::vm_space::VmSpace;
-use crate::driver::{ranges, ChunkId, DeviceAddr, Driver, EventId, StreamId, IPC_HANDLE_SIZE};
+use crate::driver::{ranges, ChunkId, DeviceAddr, EventId, StreamId, IPC_HANDLE_SIZE};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::{Mutex, OnceLock, RwLock, RwLockReadGuard};

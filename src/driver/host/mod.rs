@@ -61,6 +61,7 @@ use crate::driver::{
     Backend, DeviceAddr, Driver, EventFlags, EventId, IpcEventHandle, IpcMemHandle, MemInfo,
     OpenedSegment, StreamId,
 };
+use crate::driver::{Graphs, Interop, Ipc, Kernels, Layer, PinnedHost, VirtualMemory};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::shm::{self, SharedMemory};
@@ -356,8 +357,32 @@ fn checked_len(len: u64) -> Result<usize> {
 }
 
 impl Driver for HostDriver {
-    fn as_host(&self) -> Option<&HostDriver> {
-        Some(self)
+    fn layer(&self) -> Layer<'_> {
+        Layer::Host(self)
+    }
+
+    fn kernels(&self) -> &dyn Kernels {
+        self
+    }
+
+    fn interop(&self) -> &dyn Interop {
+        self
+    }
+
+    fn vm(&self) -> &dyn VirtualMemory {
+        self
+    }
+
+    fn ipc(&self) -> &dyn Ipc {
+        self
+    }
+
+    fn pinned(&self) -> &dyn PinnedHost {
+        self
+    }
+
+    fn graphs(&self) -> &dyn Graphs {
+        self
     }
 
     fn backend(&self) -> Backend {
@@ -472,25 +497,6 @@ impl Driver for HostDriver {
         Ok(id)
     }
 
-    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
-        self.check_device(device)?;
-        let stream = StreamId(raw);
-        let owner = self.stream(stream)?.device();
-        if owner != device {
-            return Err(Error::invalid(format!(
-                "stream {raw} belongs to device {owner}, not device {device}"
-            )));
-        }
-        // The host backend's raw handle is the id itself: importing names the same stream.
-        Ok(stream)
-    }
-
-    fn raw_stream(&self, stream: StreamId) -> Result<u64> {
-        self.this_process()?;
-        self.stream(stream)?;
-        Ok(stream.0)
-    }
-
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
         self.this_process()?;
         if self.default_streams.contains(&stream) {
@@ -583,8 +589,6 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    crate::driver::host_memory::forward_host_memory_methods!();
-
     fn copy_device_to_device(
         &self,
         stream: StreamId,
@@ -610,7 +614,9 @@ impl Driver for HostDriver {
         })
         .map(|_| ())
     }
+}
 
+impl Kernels for HostDriver {
     fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
         self.this_process()?;
         let n = checked_len(len)?;
@@ -667,7 +673,34 @@ impl Driver for HostDriver {
             }))
             .map(|_| ())
     }
+}
 
+impl Interop for HostDriver {
+    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
+        self.check_device(device)?;
+        let stream = StreamId(raw);
+        let owner = self.stream(stream)?.device();
+        if owner != device {
+            return Err(Error::invalid(format!(
+                "stream {raw} belongs to device {owner}, not device {device}"
+            )));
+        }
+        // The host backend's raw handle is the id itself: importing names the same stream.
+        Ok(stream)
+    }
+
+    fn raw_stream(&self, stream: StreamId) -> Result<u64> {
+        self.this_process()?;
+        self.stream(stream)?;
+        Ok(stream.0)
+    }
+}
+
+impl VirtualMemory for HostDriver {
+    crate::driver::forward_vm_methods!();
+}
+
+impl Ipc for HostDriver {
     fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
         self.this_process()?;
         self.pinned.refuse_export(ptr)?;
@@ -726,8 +759,12 @@ impl Driver for HostDriver {
     fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
         self.host_ipc_open_event(device, handle)
     }
+}
 
-    crate::driver::forward_vm_methods!();
+impl PinnedHost for HostDriver {
+    crate::driver::host_memory::forward_host_memory_methods!();
+}
 
+impl Graphs for HostDriver {
     crate::driver::forward_capture_methods!();
 }

@@ -3,9 +3,10 @@
 use super::{SanitizeOptions, Sanitizer, Touch};
 use crate::driver::{
     Backend, CaptureMode, CaptureStatus, ChunkId, DeviceAddr, Driver, EventFlags, EventId,
-    ExportedChunk, GraphExecId, GraphId, HostAddr, HostDriver, IpcEventHandle, IpcMemHandle,
-    MemInfo, OpenedSegment, StreamId,
+    ExportedChunk, GraphExecId, GraphId, HostAddr, IpcEventHandle, IpcMemHandle, MemInfo,
+    OpenedSegment, StreamId,
 };
+use crate::driver::{Graphs, Interop, Ipc, Kernels, Layer, PinnedHost, VirtualMemory};
 use crate::error::Result;
 use crate::process::Birth;
 use crate::process::PerProcess;
@@ -16,7 +17,7 @@ use std::collections::HashMap;
 /// A driver whose streams, events and memory operations feed a [`Sanitizer`] (see the
 /// `src/driver/sanitizer/mod.rs`); everything else is forwarded unchanged.
 ///
-/// [`Driver::as_host`] gives the host backend underneath, for its host-only facilities: its
+/// `as_host()` (on `dyn Driver`) gives the host backend underneath, for its host-only facilities: its
 /// library kernels (`enqueue_host`) report to the same sanitizer, but stream operations called on
 /// it directly (`event_record`, `stream_synchronize`, copies) bypass the checker — call them on
 /// this driver (the runtime's `driver()`), or the sanitizer reports races they ordered.
@@ -58,6 +59,7 @@ impl SanitizedDriver {
     /// forwarded unchecked and its touches are kept for the graph's replays (`graphs.rs`).
     fn capture_of(&self, stream: StreamId) -> Option<u64> {
         self.inner
+            .graphs()
             .stream_capture_status(stream)
             .ok()
             .and_then(|status| status.capture_id())
@@ -70,7 +72,7 @@ impl SanitizedDriver {
     /// Notes `stream` under its raw handle; a second id of the same raw stream becomes an alias
     /// of the first in the sanitizer.
     fn note_raw(&self, device: usize, stream: StreamId) {
-        let Ok(raw) = self.inner.raw_stream(stream) else {
+        let Ok(raw) = self.inner.interop().raw_stream(stream) else {
             return;
         };
         let mut raws = self.raws.lock();
@@ -138,17 +140,39 @@ impl SanitizedDriver {
 }
 
 impl Driver for SanitizedDriver {
+    fn layer(&self) -> Layer<'_> {
+        Layer::Sanitized {
+            sanitizer: &self.sanitizer,
+            inner: &self.inner,
+        }
+    }
+
+    fn kernels(&self) -> &dyn Kernels {
+        self
+    }
+
+    fn interop(&self) -> &dyn Interop {
+        self
+    }
+
+    fn vm(&self) -> &dyn VirtualMemory {
+        self
+    }
+
+    fn ipc(&self) -> &dyn Ipc {
+        self
+    }
+
+    fn pinned(&self) -> &dyn PinnedHost {
+        self
+    }
+
+    fn graphs(&self) -> &dyn Graphs {
+        self
+    }
+
     fn backend(&self) -> Backend {
         self.inner.backend()
-    }
-    fn as_host(&self) -> Option<&HostDriver> {
-        self.inner.as_host()
-    }
-    fn sanitizer(&self) -> Option<Arc<Sanitizer>> {
-        Some(Arc::clone(&self.sanitizer))
-    }
-    fn unsanitized(&self) -> Option<Arc<dyn Driver>> {
-        Some(Arc::clone(&self.inner))
     }
     fn device_count(&self) -> usize {
         self.inner.device_count()
@@ -183,17 +207,6 @@ impl Driver for SanitizedDriver {
         let stream = self.inner.default_stream(device)?;
         self.note_raw(device, stream);
         Ok(stream)
-    }
-    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
-        self.birth.check("this sanitized driver")?;
-        // SAFETY: forwarded; the caller upholds the contract.
-        let stream = unsafe { self.inner.import_stream(device, raw) }?;
-        self.note_raw(device, stream);
-        Ok(stream)
-    }
-    fn raw_stream(&self, stream: StreamId) -> Result<u64> {
-        self.birth.check("this sanitized driver")?;
-        self.inner.raw_stream(stream)
     }
     fn stream_create(&self, device: usize) -> Result<StreamId> {
         self.birth.check("this sanitized driver")?;
@@ -277,61 +290,6 @@ impl Driver for SanitizedDriver {
             self.inner.copy_device_to_host(stream, dst, src)
         })
     }
-    fn host_alloc(&self, size: u64) -> Result<HostAddr> {
-        self.birth.check("this sanitized driver")?;
-        let ptr = self.inner.host_alloc(size)?;
-        self.sanitizer.mapped(ptr.0, size);
-        Ok(ptr)
-    }
-    unsafe fn host_free(&self, ptr: HostAddr) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
-        // SAFETY: the caller's contract is the trait's.
-        unsafe { self.inner.host_free(ptr) }?;
-        self.sanitizer.unmapped_segment(ptr.0);
-        Ok(())
-    }
-    unsafe fn host_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
-        // SAFETY: the caller's contract is the trait's.
-        unsafe { self.inner.host_register(ptr, size) }?;
-        self.sanitizer.mapped(ptr.0, size);
-        Ok(())
-    }
-    unsafe fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
-        // SAFETY: the caller's contract is the trait's.
-        unsafe { self.inner.host_unregister(ptr) }?;
-        self.sanitizer.unmapped_segment(ptr.0);
-        Ok(())
-    }
-    unsafe fn copy_pinned_to_device(
-        &self,
-        stream: StreamId,
-        dst: DeviceAddr,
-        src: HostAddr,
-        len: u64,
-    ) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
-        let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
-        self.checked(stream, "copy_pinned_to_device", &touches, || {
-            // SAFETY: the caller's contract is the trait's.
-            unsafe { self.inner.copy_pinned_to_device(stream, dst, src, len) }
-        })
-    }
-    unsafe fn copy_device_to_pinned(
-        &self,
-        stream: StreamId,
-        dst: HostAddr,
-        src: DeviceAddr,
-        len: u64,
-    ) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
-        let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
-        self.checked(stream, "copy_device_to_pinned", &touches, || {
-            // SAFETY: the caller's contract is the trait's.
-            unsafe { self.inner.copy_device_to_pinned(stream, dst, src, len) }
-        })
-    }
     fn copy_device_to_device(
         &self,
         stream: StreamId,
@@ -351,11 +309,13 @@ impl Driver for SanitizedDriver {
             self.inner.memset(stream, dst, value, len)
         })
     }
+}
 
+impl Kernels for SanitizedDriver {
     fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
         self.birth.check("this sanitized driver")?;
         self.checked(stream, "fill_pattern", &[Touch::write(dst.0, len)], || {
-            self.inner.fill_pattern(stream, dst, len, seed)
+            self.inner.kernels().fill_pattern(stream, dst, len, seed)
         })
     }
     fn count_pattern_mismatches(
@@ -368,96 +328,186 @@ impl Driver for SanitizedDriver {
         self.birth.check("this sanitized driver")?;
         let touch = [Touch::read(src.0, len)];
         self.checked_blocking(stream, "count_pattern_mismatches", &touch, || {
-            self.inner.count_pattern_mismatches(stream, src, len, seed)
+            self.inner
+                .kernels()
+                .count_pattern_mismatches(stream, src, len, seed)
         })
     }
     fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
         self.birth.check("this sanitized driver")?;
         self.checked(stream, "poison", &[Touch::write(dst.0, len)], || {
-            self.inner.poison(stream, dst, len)
+            self.inner.kernels().poison(stream, dst, len)
         })
     }
     fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
         self.birth.check("this sanitized driver")?;
-        self.checked(stream, "sleep", &[], || self.inner.sleep(stream, micros))
+        self.checked(stream, "sleep", &[], || {
+            self.inner.kernels().sleep(stream, micros)
+        })
     }
+}
 
+impl Interop for SanitizedDriver {
+    unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
+        self.birth.check("this sanitized driver")?;
+        // SAFETY: forwarded; the caller upholds the contract.
+        let stream = unsafe { self.inner.interop().import_stream(device, raw) }?;
+        self.note_raw(device, stream);
+        Ok(stream)
+    }
+    fn raw_stream(&self, stream: StreamId) -> Result<u64> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.interop().raw_stream(stream)
+    }
+}
+
+impl VirtualMemory for SanitizedDriver {
+    fn vm_granularity(&self, device: usize) -> Result<u64> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.vm().vm_granularity(device)
+    }
+    fn vm_reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.vm().vm_reserve(device, size)
+    }
+    fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.vm().vm_free_reservation(base)
+    }
+    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<ChunkId> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.vm().vm_create_chunk(device, size)
+    }
+    fn vm_release_chunk(&self, chunk: ChunkId) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.vm().vm_release_chunk(chunk)
+    }
+    fn vm_map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.vm().vm_map(addr, chunk)
+    }
+    fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
+        // As `free`: page release is the allocator's, not the program's synchronization.
+        self.inner.vm().vm_unmap(addr, size)?;
+        self.sanitizer.forget(addr.0, size);
+        Ok(())
+    }
+    fn vm_export_chunk(&self, chunk: ChunkId) -> Result<ExportedChunk> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.vm().vm_export_chunk(chunk)
+    }
+    fn vm_import_chunk(&self, device: usize, chunk: ExportedChunk, size: u64) -> Result<ChunkId> {
+        self.birth.check("this sanitized driver")?;
+        self.inner.vm().vm_import_chunk(device, chunk, size)
+    }
+}
+
+impl Ipc for SanitizedDriver {
     fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
         self.birth.check("this sanitized driver")?;
-        self.inner.ipc_export_memory(ptr)
+        self.inner.ipc().ipc_export_memory(ptr)
     }
     fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
         self.birth.check("this sanitized driver")?;
-        let opened = self.inner.ipc_open_memory(device, handle)?;
+        let opened = self.inner.ipc().ipc_open_memory(device, handle)?;
         self.sanitizer.mapped(opened.ptr.0, opened.size);
         Ok(opened)
     }
     fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
         self.birth.check("this sanitized driver")?;
         // As `free`: the IPC layer's own step, not the program's synchronization.
-        self.inner.ipc_close_memory(ptr)?;
+        self.inner.ipc().ipc_close_memory(ptr)?;
         self.sanitizer.unmapped_segment(ptr.0);
         Ok(())
     }
     fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {
         self.birth.check("this sanitized driver")?;
-        self.inner.ipc_export_event(event)
+        self.inner.ipc().ipc_export_event(event)
     }
     fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
         self.birth.check("this sanitized driver")?;
         // What the event stands for is told by the IPC layer, which knows its producer
         // (`Sanitizer::remote_event`).
-        self.inner.ipc_open_event(device, handle)
+        self.inner.ipc().ipc_open_event(device, handle)
     }
+}
 
-    fn vm_granularity(&self, device: usize) -> Result<u64> {
+impl PinnedHost for SanitizedDriver {
+    fn host_alloc(&self, size: u64) -> Result<HostAddr> {
         self.birth.check("this sanitized driver")?;
-        self.inner.vm_granularity(device)
+        let ptr = self.inner.pinned().host_alloc(size)?;
+        self.sanitizer.mapped(ptr.0, size);
+        Ok(ptr)
     }
-    fn vm_reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
+    unsafe fn host_free(&self, ptr: HostAddr) -> Result<()> {
         self.birth.check("this sanitized driver")?;
-        self.inner.vm_reserve(device, size)
-    }
-    fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
-        self.inner.vm_free_reservation(base)
-    }
-    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<ChunkId> {
-        self.birth.check("this sanitized driver")?;
-        self.inner.vm_create_chunk(device, size)
-    }
-    fn vm_release_chunk(&self, chunk: ChunkId) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
-        self.inner.vm_release_chunk(chunk)
-    }
-    fn vm_map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
-        self.inner.vm_map(addr, chunk)
-    }
-    fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
-        // As `free`: page release is the allocator's, not the program's synchronization.
-        self.inner.vm_unmap(addr, size)?;
-        self.sanitizer.forget(addr.0, size);
+        // SAFETY: the caller's contract is the trait's.
+        unsafe { self.inner.pinned().host_free(ptr) }?;
+        self.sanitizer.unmapped_segment(ptr.0);
         Ok(())
     }
-    fn vm_export_chunk(&self, chunk: ChunkId) -> Result<ExportedChunk> {
+    unsafe fn host_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
         self.birth.check("this sanitized driver")?;
-        self.inner.vm_export_chunk(chunk)
+        // SAFETY: the caller's contract is the trait's.
+        unsafe { self.inner.pinned().host_register(ptr, size) }?;
+        self.sanitizer.mapped(ptr.0, size);
+        Ok(())
     }
-    fn vm_import_chunk(&self, device: usize, chunk: ExportedChunk, size: u64) -> Result<ChunkId> {
+    unsafe fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
         self.birth.check("this sanitized driver")?;
-        self.inner.vm_import_chunk(device, chunk, size)
+        // SAFETY: the caller's contract is the trait's.
+        unsafe { self.inner.pinned().host_unregister(ptr) }?;
+        self.sanitizer.unmapped_segment(ptr.0);
+        Ok(())
     }
+    unsafe fn copy_pinned_to_device(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        src: HostAddr,
+        len: u64,
+    ) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
+        let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
+        self.checked(stream, "copy_pinned_to_device", &touches, || {
+            // SAFETY: the caller's contract is the trait's.
+            unsafe {
+                self.inner
+                    .pinned()
+                    .copy_pinned_to_device(stream, dst, src, len)
+            }
+        })
+    }
+    unsafe fn copy_device_to_pinned(
+        &self,
+        stream: StreamId,
+        dst: HostAddr,
+        src: DeviceAddr,
+        len: u64,
+    ) -> Result<()> {
+        self.birth.check("this sanitized driver")?;
+        let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
+        self.checked(stream, "copy_device_to_pinned", &touches, || {
+            // SAFETY: the caller's contract is the trait's.
+            unsafe {
+                self.inner
+                    .pinned()
+                    .copy_device_to_pinned(stream, dst, src, len)
+            }
+        })
+    }
+}
 
+impl Graphs for SanitizedDriver {
     fn stream_begin_capture(&self, stream: StreamId, mode: CaptureMode) -> Result<()> {
         self.birth.check("this sanitized driver")?;
-        self.inner.stream_begin_capture(stream, mode)
+        self.inner.graphs().stream_begin_capture(stream, mode)
     }
     fn stream_end_capture(&self, stream: StreamId) -> Result<GraphId> {
         self.birth.check("this sanitized driver")?;
         let capture = self.capture_of(stream);
-        let ended = self.inner.stream_end_capture(stream);
+        let ended = self.inner.graphs().stream_end_capture(stream);
         if let Some(capture) = capture {
             // Not the origin, or not this thread's: the capture goes on.
             if self.capture_of(stream) != Some(capture) {
@@ -468,13 +518,13 @@ impl Driver for SanitizedDriver {
         ended
     }
     fn stream_capture_status(&self, stream: StreamId) -> Result<CaptureStatus> {
-        self.inner.stream_capture_status(stream)
+        self.inner.graphs().stream_capture_status(stream)
     }
     fn exchange_capture_mode(&self, mode: CaptureMode) -> CaptureMode {
-        self.inner.exchange_capture_mode(mode)
+        self.inner.graphs().exchange_capture_mode(mode)
     }
     fn graph_instantiate(&self, graph: GraphId) -> Result<GraphExecId> {
-        let exec = self.inner.graph_instantiate(graph)?;
+        let exec = self.inner.graphs().graph_instantiate(graph)?;
         self.sanitizer.graph_instantiated(graph, exec);
         Ok(exec)
     }
@@ -484,25 +534,25 @@ impl Driver for SanitizedDriver {
         // the graph's nodes touch (inside a capture, its touches join that capture's).
         let touches = self.sanitizer.exec_touches(exec);
         if let Some(capture) = self.capture_of(stream) {
-            self.inner.graph_launch(exec, stream)?;
+            self.inner.graphs().graph_launch(exec, stream)?;
             self.sanitizer.captured(capture, &touches);
             return Ok(());
         }
         self.sanitizer.launch(exec, stream, &touches, || {
-            self.inner.graph_launch(exec, stream)
+            self.inner.graphs().graph_launch(exec, stream)
         })
     }
     fn graph_destroy(&self, graph: GraphId) -> Result<()> {
-        self.inner.graph_destroy(graph)?;
+        self.inner.graphs().graph_destroy(graph)?;
         self.sanitizer.graph_destroyed(graph);
         Ok(())
     }
     fn graph_exec_destroy(&self, exec: GraphExecId) -> Result<()> {
-        self.inner.graph_exec_destroy(exec)?;
+        self.inner.graphs().graph_exec_destroy(exec)?;
         self.sanitizer.exec_destroyed(exec);
         Ok(())
     }
     fn graph_node_count(&self, graph: GraphId) -> Result<usize> {
-        self.inner.graph_node_count(graph)
+        self.inner.graphs().graph_node_count(graph)
     }
 }
