@@ -4,6 +4,10 @@
 //! forwarding to each other, drops on both sides, `empty_cache`, `ipc_collect`, and consumers killed
 //! with SIGKILL (and replaced). An oracle knows the pattern seed every live storage must hold and
 //! checks it on both sides at every step; poison-on-free turns a use-after-free into a mismatch.
+//! Where the features meet the streams: storages allocated in a memory pool or a tag, reads on
+//! another stream (a late device copy and `record_stream`, lazy clones included) whose bytes are
+//! checked once they ran — whatever the source did meanwhile (dropped, written, stolen back by its
+//! clone) — and graphs captured into private pools, replayed on any stream, their outputs checked.
 //!
 //! ```text
 //! cargo test --test interplay                          # a fresh seed, INTERPLAY_SECONDS (default 10)
@@ -136,8 +140,35 @@ struct Live {
     holders: Vec<usize>,
 }
 
+/// A copy of storage `source` enqueued on another stream, late (behind a sleep kernel), with
+/// `record_stream`: `reader` must hold `seed`, the source's bytes when the copy was enqueued.
+struct PendingRead {
+    source: u64,
+    alloc: usize,
+    stream: StreamId,
+    reader: Storage,
+    seed: u64,
+}
+
+/// A graph captured into a private pool: it copies `input` (eager memory) to `output` (the
+/// graph's memory). Each replay refills the input first.
+struct GraphCase {
+    graph: cudalloc::Graph,
+    alloc: usize,
+    /// The stream that captured it; the input is written there.
+    stream: StreamId,
+    input: Storage,
+    output: Storage,
+}
+
 struct World {
     rng: Rng,
+    /// Pending reads on other streams (at most 8).
+    reads: Vec<PendingRead>,
+    /// Live graphs (at most 2).
+    graphs: Vec<GraphCase>,
+    /// One memory pool per allocator.
+    pools: Vec<cudalloc::MemPool>,
     allocators: [Arc<Runtime>; 2],
     streams: Vec<(usize, StreamId)>,
     live: BTreeMap<u64, Live>,
@@ -170,27 +201,207 @@ impl World {
 
     /// Runs `f` with a random stream of the storage's allocator current, then synchronizes that
     /// stream (what a user does after a write before other streams read).
-    fn on_random_stream<R>(&mut self, alloc: usize, f: impl FnOnce() -> R) -> R {
+    fn on_random_stream<R>(&mut self, alloc: usize, f: impl FnOnce(StreamId) -> R) -> R {
         self.on_random_stream_then(alloc, true, f)
     }
 
     /// [`Self::on_random_stream`], synchronizing only if `sync` (sharing and lazy clones are not
     /// writes: a user does not synchronize after them).
-    fn on_random_stream_then<R>(&mut self, alloc: usize, sync: bool, f: impl FnOnce() -> R) -> R {
+    fn on_random_stream_then<R>(
+        &mut self,
+        alloc: usize,
+        sync: bool,
+        f: impl FnOnce(StreamId) -> R,
+    ) -> R {
+        let stream = self.random_stream(alloc);
+        let a = &self.allocators[alloc];
+        let _on = a.set_current_stream(stream).unwrap();
+        let out = f(stream);
+        if sync {
+            a.driver().stream_synchronize(stream).unwrap();
+        }
+        out
+    }
+
+    /// A late copy of a live storage (a lazy clone too) on another stream of its allocator, with
+    /// `record_stream`: checked later, whatever happens to the source meanwhile.
+    fn read_on_another_stream(&mut self) -> Result<(), String> {
+        if self.reads.len() >= 8 {
+            self.finish_read(0)?;
+        }
+        let Some(id) = self.pick_live() else {
+            return Ok(());
+        };
+        let alloc = self.allocator_index(&self.live[&id].storage);
+        let stream = self.random_stream(alloc);
+        // A third of the time the meeting point itself: a lazy clone of the storage is read
+        // (late) on the other stream and dropped, then the storage is written at once — its
+        // memory changes owner (the clone's last reference was the storage's own) while the
+        // read is still queued. A lazy clone behaves as a copy: the writer does not wait.
+        let via_clone = self.rng.below(3) == 0;
+        let s = self.live[&id].storage.clone();
+        let seed = self.live[&id].seed;
+        let a = Arc::clone(&self.allocators[alloc]);
+        let late = if via_clone { 20_000 } else { 300 };
+        let enqueue = |read: &Storage| -> cudalloc::Result<Storage> {
+            let reader = Storage::new_on(&a, stream, read.nbytes())?;
+            let dst = reader.mutable_data_ptr_on(stream)?;
+            // Late: the source's owner may drop, write or steal it back before the copy runs.
+            a.driver().kernels().sleep(stream, late)?;
+            a.driver()
+                .copy_device_to_device(stream, dst, read.data_ptr(), read.nbytes())?;
+            read.record_stream(stream)?;
+            Ok(reader)
+        };
+        let reader = if via_clone {
+            let clone = s
+                .lazy_clone()
+                .map_err(|e| format!("lazy_clone {id} to read: {e}"))?;
+            let reader = enqueue(&clone).map_err(|e| format!("read of a clone of {id}: {e}"))?;
+            drop(clone);
+            let fresh = self.fresh_seed();
+            let reads: Vec<StreamId> = self
+                .reads
+                .iter()
+                .filter(|r| r.source == id)
+                .map(|r| r.stream)
+                .collect();
+            self.on_random_stream(alloc, |on| {
+                for &rs in &reads {
+                    s.runtime().driver().stream_wait_stream(on, rs)?;
+                }
+                s.fill_pattern(fresh)
+            })
+            .map_err(|e| format!("write {id} after its clone's read: {e}"))?;
+            self.live.get_mut(&id).unwrap().seed = fresh;
+            self.log.push(format!(
+                "read(lazy_clone({id})) on another stream, drop the clone, write({id}) seed {fresh}"
+            ));
+            // Consumers holding it see the write.
+            let holders = self.live[&id].holders.clone();
+            for c in holders {
+                let r = self.consumers[c].ask(&format!("VERIFY {id} {fresh}"))?;
+                if r != "ok 0" {
+                    return Err(format!("consumer {c} sees {r} after write({id})"));
+                }
+            }
+            reader
+        } else {
+            let reader = enqueue(&s).map_err(|e| format!("read of {id} on another stream: {e}"))?;
+            self.log.push(format!("read({id}) on another stream"));
+            reader
+        };
+        self.reads.push(PendingRead {
+            source: if via_clone { u64::MAX } else { id },
+            alloc,
+            stream,
+            reader,
+            seed,
+        });
+        Ok(())
+    }
+
+    /// Captures a graph (up to two live), or replays one on a random stream of its allocator
+    /// with a fresh input and checks its output.
+    fn graph_step(&mut self) -> Result<(), String> {
+        if self.graphs.len() < 2 && (self.graphs.is_empty() || self.rng.below(2) == 0) {
+            let alloc = self.rng.below(2) as usize;
+            let size = 1 + self.rng.below(1 << 20);
+            let a = Arc::clone(&self.allocators[alloc]);
+            let capture = || -> cudalloc::Result<GraphCase> {
+                let stream = a.create_stream(0)?;
+                let input = Storage::new_on(&a, stream, size)?;
+                let from = input.mutable_data_ptr_on(stream)?;
+                // Thread-local: the churn thread's allocations go on meanwhile.
+                let capture = a.begin_capture(stream, None, cudalloc::CaptureMode::ThreadLocal)?;
+                let output = Storage::new_on(&a, stream, size)?;
+                let to = output.mutable_data_ptr_on(stream)?;
+                a.driver().copy_device_to_device(stream, to, from, size)?;
+                let graph = capture.end()?;
+                Ok(GraphCase {
+                    graph,
+                    alloc,
+                    stream,
+                    input,
+                    output,
+                })
+            };
+            let case = capture().map_err(|e| format!("capture a graph: {e}"))?;
+            self.log
+                .push(format!("capture a graph on a{alloc} ({size} bytes)"));
+            self.graphs.push(case);
+            return Ok(());
+        }
+        let k = self.rng.below(self.graphs.len() as u64) as usize;
+        let alloc = self.graphs[k].alloc;
+        let on = if self.rng.below(2) == 0 {
+            self.graphs[k].stream
+        } else {
+            self.random_stream(alloc)
+        };
+        let seed = self.fresh_seed();
+        let case = &self.graphs[k];
+        let a = &self.allocators[alloc];
+        let replay = || -> cudalloc::Result<u64> {
+            let input = case.input.mutable_data_ptr_on(case.stream)?;
+            a.driver()
+                .kernels()
+                .fill_pattern(case.stream, input, case.input.nbytes(), seed)?;
+            // The replay reads the input: its stream waits for the fill.
+            a.driver().stream_wait_stream(on, case.stream)?;
+            case.graph.replay(on)?;
+            a.driver().stream_synchronize(on)?;
+            case.output.count_pattern_mismatches(seed)
+        };
+        let bad = replay().map_err(|e| format!("replay graph {k}: {e}"))?;
+        self.log.push(format!("replay graph {k} seed {seed}"));
+        if bad != 0 {
+            return Err(format!(
+                "graph {k}'s output has {bad} bytes that are not seed {seed}"
+            ));
+        }
+        if self.rng.below(8) == 0 {
+            self.log.push(format!("drop graph {k}"));
+            self.graphs.remove(k);
+        }
+        Ok(())
+    }
+
+    /// One of the streams of allocator `alloc`.
+    fn random_stream(&mut self, alloc: usize) -> StreamId {
         let choices: Vec<StreamId> = self
             .streams
             .iter()
             .filter(|(a, _)| *a == alloc)
             .map(|(_, s)| *s)
             .collect();
-        let stream = choices[self.rng.below(choices.len() as u64) as usize];
-        let a = &self.allocators[alloc];
-        let _on = a.set_current_stream(stream).unwrap();
-        let out = f();
-        if sync {
-            a.driver().stream_synchronize(stream).unwrap();
+        choices[self.rng.below(choices.len() as u64) as usize]
+    }
+
+    /// Checks pending read `k` (its stream waited for on the host) and forgets it.
+    fn finish_read(&mut self, k: usize) -> Result<(), String> {
+        let r = self.reads.remove(k);
+        let a = &self.allocators[r.alloc];
+        a.driver()
+            .stream_synchronize(r.stream)
+            .map_err(|e| format!("read of {}: {e}", r.source))?;
+        let bad = r
+            .reader
+            .count_pattern_mismatches(r.seed)
+            .map_err(|e| e.to_string())?;
+        if bad != 0 {
+            let what = if r.source == u64::MAX {
+                "a dropped lazy clone".to_owned()
+            } else {
+                format!("storage {}", r.source)
+            };
+            return Err(format!(
+                "the read of {what} on another stream saw {bad} bytes that were not seed {} (the \
+                 bytes it had when the read was enqueued)",
+                r.seed
+            ));
         }
-        out
+        Ok(())
     }
 
     /// `ipc_collect` on both runtimes; fails if memory was reclaimed from a live consumer.
@@ -303,7 +514,7 @@ impl World {
 
     fn step(&mut self) -> Result<(), String> {
         self.ops += 1;
-        let op = self.rng.below(100);
+        let op = self.rng.below(112);
         match op {
             0..=19 if self.live.len() < 48 => {
                 let alloc = self.rng.below(2) as usize;
@@ -316,7 +527,16 @@ impl World {
                 let size = 1 + self.rng.below(class);
                 let seed = self.fresh_seed();
                 let a = Arc::clone(&self.allocators[alloc]);
-                let storage = self.on_random_stream(alloc, || {
+                // A third of them in a memory pool or in a tag (pools of their own; a tag's on
+                // expandable segments of its own).
+                let place = self.rng.below(6);
+                let pool = self.pools[alloc].clone();
+                let storage = self.on_random_stream(alloc, |_| {
+                    let _scope = match place {
+                        0 => Some(a.use_mem_pool(&pool, 0)?),
+                        1 => Some(a.use_tag("interplay", 0)?),
+                        _ => None,
+                    };
                     let s = Storage::new(&a, 0, size)?;
                     s.fill_pattern(seed)?;
                     Ok::<_, cudalloc::Error>(s)
@@ -324,8 +544,9 @@ impl World {
                 let storage = storage.map_err(|e| format!("allocate {size}: {e}"))?;
                 let id = self.next_id;
                 self.next_id += 1;
-                self.log
-                    .push(format!("{id} = alloc(a{alloc}, {size}) seed {seed}"));
+                self.log.push(format!(
+                    "{id} = alloc(a{alloc}, {size}, place {place}) seed {seed}"
+                ));
                 self.live.insert(
                     id,
                     Live {
@@ -342,7 +563,7 @@ impl World {
                 let alloc = self.allocator_index(&self.live[&src].storage);
                 let s = self.live[&src].storage.clone();
                 let clone = self
-                    .on_random_stream_then(alloc, false, || s.lazy_clone())
+                    .on_random_stream_then(alloc, false, |_| s.lazy_clone())
                     .map_err(|e| format!("lazy_clone {src}: {e}"))?;
                 let id = self.next_id;
                 self.next_id += 1;
@@ -364,8 +585,23 @@ impl World {
                 let seed = self.fresh_seed();
                 let alloc = self.allocator_index(&self.live[&id].storage);
                 let s = self.live[&id].storage.clone();
-                self.on_random_stream(alloc, || s.fill_pattern(seed))
-                    .map_err(|e| format!("write {id}: {e}"))?;
+                // The writer waits for the reads of this storage still under way (not for reads
+                // of its lazy clones: a lazy clone behaves as a copy).
+                let reads: Vec<(usize, StreamId)> = self
+                    .reads
+                    .iter()
+                    .filter(|r| r.source == id)
+                    .map(|r| (r.alloc, r.stream))
+                    .collect();
+                self.on_random_stream(alloc, |stream| {
+                    for &(ra, rs) in &reads {
+                        if ra == alloc {
+                            s.runtime().driver().stream_wait_stream(stream, rs)?;
+                        }
+                    }
+                    s.fill_pattern(seed)
+                })
+                .map_err(|e| format!("write {id}: {e}"))?;
                 self.log.push(format!("write({id}) seed {seed}"));
                 self.live.get_mut(&id).unwrap().seed = seed;
                 // Consumers holding it see the write (the memory is shared).
@@ -394,7 +630,7 @@ impl World {
                 let alloc = self.allocator_index(&self.live[&id].storage);
                 let s = self.live[&id].storage.clone();
                 let handle = self
-                    .on_random_stream_then(alloc, false, || s.share_ipc())
+                    .on_random_stream_then(alloc, false, |_| s.share_ipc())
                     .map_err(|e| format!("share {id}: {e}"))?;
                 let seed = self.live[&id].seed;
                 if self.rng.below(8) == 0 {
@@ -426,6 +662,10 @@ impl World {
                     return Ok(());
                 };
                 let seed = self.fresh_seed();
+                // Another process writes: the reads of this storage under way finish first.
+                while let Some(k) = self.reads.iter().position(|r| r.source == id) {
+                    self.finish_read(k)?;
+                }
                 let r = self.consumers[c].ask(&format!("WRITE {id} {seed}"))?;
                 if r != "ok" {
                     return Err(format!("consumer {c} write {id}: {r}"));
@@ -525,6 +765,12 @@ impl World {
                 self.collect()?;
             }
             97 => self.fork_producer_worker()?,
+            100..=104 => self.read_on_another_stream()?,
+            105..=107 => self.graph_step()?,
+            108..=110 if !self.reads.is_empty() => {
+                let k = self.rng.below(self.reads.len() as u64) as usize;
+                self.finish_read(k)?;
+            }
             98 => {
                 // A consumer forks a worker that drops every storage it inherited.
                 let c = self.rng.below(self.consumers.len() as u64) as usize;
@@ -536,7 +782,7 @@ impl World {
                 self.collect()?;
                 self.verify_consumer(c)?;
             }
-            _ => {
+            99 | 111 => {
                 // SIGKILL a consumer while it holds storages; replace it.
                 let c = self.rng.below(self.consumers.len() as u64) as usize;
                 self.log.push(format!("kill consumer {c}"));
@@ -563,6 +809,7 @@ impl World {
                 self.detached.retain(|_, (_, holders)| !holders.is_empty());
                 self.collect()?;
             }
+            _ => {}
         }
         // Every live producer storage still holds its bytes (checked every few operations: the
         // verify kernel reads every byte).
@@ -773,8 +1020,15 @@ fn main() {
             None
         }
     };
+    let pools = allocators
+        .iter()
+        .map(|a| a.mem_pool(Default::default()).unwrap())
+        .collect();
     let mut world = World {
         rng: Rng(seed, 0),
+        reads: Vec::new(),
+        graphs: Vec::new(),
+        pools,
         allocators,
         streams,
         live: BTreeMap::new(),
@@ -794,6 +1048,12 @@ fn main() {
         if let Err(e) = world.step() {
             failure = Some(e);
             break;
+        }
+    }
+    // The reads still pending are checked too.
+    while failure.is_none() && !world.reads.is_empty() {
+        if let Err(e) = world.finish_read(0) {
+            failure = Some(e);
         }
     }
     stop.store(true, Ordering::Relaxed);
@@ -825,6 +1085,8 @@ fn main() {
         let _ = c.child.wait();
     }
     world.live.clear();
+    world.graphs.clear();
+    world.pools.clear();
     for a in &world.allocators {
         a.ipc_collect();
         assert_eq!(
@@ -836,11 +1098,13 @@ fn main() {
     let count = |what: &str| world.log.iter().filter(|l| l.contains(what)).count();
     println!(
         "interplay: seed {seed}: {} operations ({} producer forks, {} consumer forks, {} consumers \
-         killed), {} churn allocations in {:.1} s",
+         killed, {} reads on other streams, {} graph replays), {} churn allocations in {:.1} s",
         world.ops,
         count("producer forks"),
         count("forks a worker") - count("producer forks"),
         count("kill consumer"),
+        count("on another stream"),
+        count("replay graph"),
         churned.unwrap_or(0),
         start.elapsed().as_secs_f64()
     );

@@ -10,12 +10,14 @@
 //! | freed into a pool that live graphs hold | [`Shard::leave`], as any free | as any free | a free marked *graph-held*: the graphs' replays may still touch the bytes |
 //! | kept by a thread's front cache (`front.rs`) | [`Shard::leave_to_front`] (only blocks no other stream used) | nothing: the same thread on the same stream takes them next | a free on its own stream |
 //! | freed while a capture is under way | [`Shard::leave`], then pending until the last capture ends (`capturing.rs`) | as any free | as any free |
+//! | counted by other processes (shared, in the runtime's limbo: `ipc/limbo.rs`) | when no process counts on it any more, the runtime drops its `DataPtr`: [`Shard::leave`], as any free | as any free (a consumer lets go only after its own work on the bytes: `ipc/consumer.rs`) | as any free |
+//! | asleep (its tag sleeps: `engine/sleep.rs`, `runtime/sleep.rs`) | not a change of owner: the owner keeps the block, its bytes wait in page-locked memory and its pages are unmapped | — (work on it is refused with `Error::Asleep`) | asleep, then awake: any work on the range meanwhile is reported |
 //! | pending (events recorded) | events complete (`state.rs`) | — | — |
 //! | cached (free in its pool) | handed out again (`state.rs`), or given back to the driver (`device_release.rs`) | — | a hand-out checks every access on another stream was ordered before the free |
 //!
-//! Not yet routed through here (their own rules, each documented where it lives): a sleeping
-//! tag's offload (`runtime/sleep.rs`), memory other processes count on (`ipc/limbo.rs`), pinned
-//! host blocks (`pinned/`).
+//! Page-locked host blocks (`pinned/`) are another allocator's, above this layer, with the same
+//! rule: a freed block waits for an event per stream that used it and is reused once they
+//! completed; the sanitizer is told of the free and of the hand-out there (`pinned/state.rs`).
 
 use super::Shard;
 use super::ShardState;
