@@ -368,3 +368,25 @@ fn panics_mid_sleep_or_wake_leave_the_tag_whole() {
     rt.sleep(&[], &["weights"]).unwrap();
     rt.wake_up(&[]).unwrap();
 }
+
+/// A tag's record holds its pool, whose devices hold the tags: the allocator's drop ends that
+/// cycle, so a runtime with tags lets its devices — and their driver — go.
+#[test]
+fn a_runtime_with_tags_lets_its_devices_and_driver_go() {
+    let driver: Arc<dyn cudalloc::Driver> = Arc::new(common::host_driver());
+    let rt = Arc::new(
+        cudalloc::Runtime::builder()
+            .sanitize(cudalloc::Sanitize::Off)
+            .build(Arc::clone(&driver))
+            .unwrap(),
+    );
+    let storages = common::tagged(&rt, "weights", &[1 << 20, 4096], 3);
+    assert_eq!(storages[0].count_pattern_mismatches(3).unwrap(), 0);
+    drop(storages);
+    drop(rt);
+    assert_eq!(
+        Arc::strong_count(&driver),
+        1,
+        "the allocator's devices outlived it (a reference cycle through the tags)"
+    );
+}

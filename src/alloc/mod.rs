@@ -88,14 +88,13 @@ use self::engine::DeviceCore;
 use self::engine::Shard;
 use self::history::Trace;
 use self::oom::Callbacks;
-use self::pool_id::TagBook;
+use self::tags::Tags;
 use crate::config::{AllocatorConfig, DefaultStream};
 use crate::driver::{DeviceAddr, Driver, SanitizeOptions, SanitizedDriver, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex};
-use std::collections::HashMap;
 
 static NEXT_ALLOCATOR_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -163,12 +162,12 @@ impl CachingAllocatorBuilder {
         let callbacks = Arc::new(Callbacks::default());
         let trace = Arc::new(Trace::default());
         let capturing = Arc::new(CaptureRoutes::default());
-        let tag_book = Arc::new(TagBook::default());
+        let tags = Arc::new(Tags::default());
         let wide = AllocatorWide {
             callbacks: Arc::clone(&callbacks),
             trace: Arc::clone(&trace),
             capturing: Arc::clone(&capturing),
-            tags: Arc::clone(&tag_book),
+            tags: Arc::clone(&tags) as Arc<dyn pool_id::TagPhases>,
         };
         let devices = (0..driver.device_count())
             .map(|d| {
@@ -209,8 +208,7 @@ impl CachingAllocatorBuilder {
             callbacks,
             trace,
             capturing,
-            tag_book,
-            tags: Mutex::new(HashMap::new()),
+            tags,
             #[cfg(feature = "pickle")]
             oom_dump: Mutex::new(()),
         })
@@ -238,10 +236,8 @@ pub struct CachingAllocator {
     trace: Arc<Trace>,
     /// The captures under way and their pools (`capturing.rs`, `graph.rs`).
     capturing: Arc<CaptureRoutes>,
-    /// Tags' names and which sleep, shared with the devices (`sleep.rs`).
-    tag_book: Arc<TagBook>,
-    /// The tags by name: their pools and where each stands (`tags.rs`).
-    tags: Mutex<HashMap<String, MemPool>>,
+    /// The tags, one record each: name, pool, phase (`tags.rs`); the devices read their phases.
+    tags: Arc<Tags>,
     /// Serializes the snapshots written on out-of-memory (`oom_snapshot_path`).
     #[cfg(feature = "pickle")]
     oom_dump: Mutex<()>,
@@ -708,5 +704,7 @@ impl Drop for CachingAllocator {
                 tracing::debug!(%err, "destroying an allocator's own stream failed");
             }
         }
+        // The tags' pools hold their devices, which hold the tags: the cycle ends here.
+        self.tags.clear();
     }
 }

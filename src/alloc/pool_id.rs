@@ -1,11 +1,10 @@
 //! Names and options of memory pools (PyTorch's `MempoolId_t` and `MemPool` arguments): the
 //! part of `mem_pool.rs` that the shard state and snapshots need, below them.
 
-use std::collections::HashMap;
 use std::fmt;
 
 use crate::sync::os::atomic::{AtomicU64, Ordering};
-use crate::sync::os::{Arc, RwLock};
+use crate::sync::os::Arc;
 
 /// The id of a memory pool: PyTorch's `MempoolId_t`, a pair. Pools a program makes
 /// ([`CachingAllocator::mem_pool`](super::CachingAllocator::mem_pool), PyTorch's `MemPool()` and
@@ -125,60 +124,12 @@ impl fmt::Display for Phase {
     }
 }
 
-/// The pools that are tags, by id: their names and phases (`tags.rs`). One per allocator,
-/// shared by its devices: a shard made for a tag that is not awake starts asleep, and the
-/// refusal of an allocation names the tag.
-#[derive(Debug, Default)]
-pub(crate) struct TagBook {
-    entries: RwLock<HashMap<MemPoolId, (Arc<str>, Phase)>>,
-}
-
-impl TagBook {
-    /// Enters tag `name`, whose pool is `pool` (awake).
-    pub(crate) fn insert(&self, pool: MemPoolId, name: &str) {
-        self.entries
-            .write()
-            .insert(pool, (Arc::from(name), Phase::Awake));
-    }
-
-    /// The name of the tag whose pool is `pool`.
-    pub(crate) fn name_of(&self, pool: MemPoolId) -> Option<Arc<str>> {
-        self.entries.read().get(&pool).map(|(n, _)| Arc::clone(n))
-    }
-
-    /// The phase of tag `pool` (awake for a pool that is no tag).
-    pub(crate) fn phase(&self, pool: MemPoolId) -> Phase {
-        self.entries
-            .read()
-            .get(&pool)
-            .map_or(Phase::Awake, |&(_, p)| p)
-    }
-
+/// What the engine reads of the tags (`tags.rs` keeps their one record each: name, pool, phase):
+/// a shard made for a tag that is not awake starts asleep, and the refusal of an allocation names
+/// the tag. Shared by an allocator's devices.
+pub(crate) trait TagPhases: Send + Sync + fmt::Debug {
     /// Whether `pool` is a tag that is not awake (asleep, or on its way to or from sleep).
-    pub(crate) fn is_sleeping(&self, pool: MemPoolId) -> bool {
-        self.phase(pool) != Phase::Awake
-    }
-
-    /// Moves tag `pool` from `from` to `to`; its phase when that is not `from`.
-    pub(crate) fn step(
-        &self,
-        pool: MemPoolId,
-        from: Phase,
-        to: Phase,
-    ) -> std::result::Result<(), Phase> {
-        let mut entries = self.entries.write();
-        let phase = entries.get_mut(&pool).map(|(_, p)| p).ok_or(Phase::Awake)?;
-        if *phase != from {
-            return Err(*phase);
-        }
-        *phase = to;
-        Ok(())
-    }
-
-    /// Sets the phase of tag `pool`.
-    pub(crate) fn set_phase(&self, pool: MemPoolId, to: Phase) {
-        if let Some(entry) = self.entries.write().get_mut(&pool) {
-            entry.1 = to;
-        }
-    }
+    fn is_sleeping(&self, pool: MemPoolId) -> bool;
+    /// The name of the tag whose pool is `pool`.
+    fn name_of(&self, pool: MemPoolId) -> Option<Arc<str>>;
 }

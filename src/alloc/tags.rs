@@ -30,14 +30,87 @@
 
 use super::engine::Shard;
 use super::mem_pool::{MemPool, PoolScope};
-use super::pool_id::{MemPoolOptions, Phase};
+use super::pool_id::{MemPoolId, MemPoolOptions, Phase, TagPhases};
 use super::CachingAllocator;
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use crate::driver::{ChunkId, StreamId};
 use crate::error::{Error, Result};
-use crate::sync::os::Arc;
+use crate::sync::os::{Arc, Mutex, RwLock};
+
+/// An allocator's tags: one record each — its name, its pool (the handle that keeps the pool
+/// alive) and its phase — read by pool id by the engine ([`TagPhases`]). Tags are few: lookups
+/// scan. Two locks, in this order: `steps` serializes the phase changes of the protocol (a step
+/// never falls between a wake's "awake" and its clearing of the shards' flags) and is held while
+/// a tag's shards are listed, which takes a device's shard map; `records` is taken alone and
+/// briefly, since a device creating a shard under its map's lock reads a phase. The records hold
+/// pools whose devices hold this book: the allocator's drop clears it ([`Tags::clear`]).
+#[derive(Debug, Default)]
+pub(crate) struct Tags {
+    steps: Mutex<()>,
+    records: RwLock<Vec<TagRecord>>,
+}
+
+#[derive(Debug)]
+struct TagRecord {
+    name: Arc<str>,
+    pool: MemPool,
+    phase: Phase,
+}
+
+impl TagPhases for Tags {
+    fn is_sleeping(&self, pool: MemPoolId) -> bool {
+        self.phase_of(pool) != Phase::Awake
+    }
+
+    fn name_of(&self, pool: MemPoolId) -> Option<Arc<str>> {
+        self.records
+            .read()
+            .iter()
+            .find(|r| r.pool.id() == pool)
+            .map(|r| Arc::clone(&r.name))
+    }
+}
+
+impl Tags {
+    /// The phase of tag `pool` (awake for a pool that is no tag).
+    fn phase_of(&self, pool: MemPoolId) -> Phase {
+        self.records
+            .read()
+            .iter()
+            .find(|r| r.pool.id() == pool)
+            .map_or(Phase::Awake, |r| r.phase)
+    }
+
+    /// The pool of tag `name`.
+    fn pool(&self, name: &str) -> Option<MemPool> {
+        self.records
+            .read()
+            .iter()
+            .find(|r| &*r.name == name)
+            .map(|r| r.pool.clone())
+    }
+
+    /// Sets the phase of tag `pool`.
+    fn set_phase(&self, pool: MemPoolId, to: Phase) {
+        if let Some(r) = self
+            .records
+            .write()
+            .iter_mut()
+            .find(|r| r.pool.id() == pool)
+        {
+            r.phase = to;
+        }
+    }
+
+    /// Forgets every tag (the allocator's drop: the pools go, and with them the cycle through
+    /// their devices).
+    pub(crate) fn clear(&self) {
+        let records = std::mem::take(&mut *self.records.write());
+        drop(records);
+    }
+}
 
 /// One block of a tag to offload (or restore): where, how long, and the stream of its shard.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -151,13 +224,16 @@ impl CachingAllocator {
                 name.len()
             )));
         }
-        let mut tags = self.tags.lock();
-        if let Some(pool) = tags.get(name) {
-            return Ok(pool.clone());
+        let _steps = self.tags.steps.lock();
+        if let Some(pool) = self.tags.pool(name) {
+            return Ok(pool);
         }
         let pool = self.mem_pool(MemPoolOptions::default().with_expandable_segments(true))?;
-        self.tag_book.insert(pool.id(), name);
-        tags.insert(name.to_owned(), pool.clone());
+        self.tags.records.write().push(TagRecord {
+            name: Arc::from(name),
+            pool: pool.clone(),
+            phase: Phase::Awake,
+        });
         Ok(pool)
     }
 
@@ -170,7 +246,13 @@ impl CachingAllocator {
 
     /// The tags made so far, by name.
     pub fn tag_names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.tags.lock().keys().cloned().collect();
+        let mut names: Vec<String> = self
+            .tags
+            .records
+            .read()
+            .iter()
+            .map(|r| r.name.to_string())
+            .collect();
         names.sort();
         names
     }
@@ -178,26 +260,32 @@ impl CachingAllocator {
     /// Whether tag `name` is asleep (or on its way to or from sleep); an error for an unknown
     /// tag.
     pub fn is_asleep(&self, name: &str) -> Result<bool> {
-        let tags = self.tags.lock();
-        let pool = tags
-            .get(name)
-            .ok_or_else(|| Error::invalid(format!("no tag {name:?} (tags: {:?})", tags.keys())))?;
-        Ok(self.tag_book.is_sleeping(pool.id()))
+        let records = self.tags.records.read();
+        let record = records.iter().find(|r| &*r.name == name).ok_or_else(|| {
+            let names: Vec<&str> = records.iter().map(|r| &*r.name).collect();
+            Error::invalid(format!("no tag {name:?} (tags: {names:?})"))
+        })?;
+        Ok(record.phase != Phase::Awake)
     }
 
     /// Moves tag `name` from `from` to `to`; the tag's pool.
     fn step(&self, name: &str, from: Phase, to: Phase) -> Result<MemPool> {
         // Under the tags' lock, as `end_phase`: a step never falls between a wake's "awake"
         // and its clearing of the shards' flags.
-        let tags = self.tags.lock();
-        let pool = tags
-            .get(name)
-            .cloned()
+        let _steps = self.tags.steps.lock();
+        let mut records = self.tags.records.write();
+        let record = records
+            .iter_mut()
+            .find(|r| &*r.name == name)
             .ok_or_else(|| Error::invalid(format!("no tag {name:?}")))?;
-        self.tag_book
-            .step(pool.id(), from, to)
-            .map_err(|now| asleep(name, format!("the tag is {now}, not {from}")))?;
-        Ok(pool)
+        if record.phase != from {
+            return Err(asleep(
+                name,
+                format!("the tag is {}, not {from}", record.phase),
+            ));
+        }
+        record.phase = to;
+        Ok(record.pool.clone())
     }
 
     /// Every shard of `pool` on every device.
@@ -302,7 +390,7 @@ impl CachingAllocator {
             for (device, shard) in &start.shards {
                 released += self.devices[*device].sleep_shard(shard, &start.tag);
             }
-            self.tag_book.set_phase(start.pool.id(), Phase::Asleep);
+            self.tags.set_phase(start.pool.id(), Phase::Asleep);
             out.push(released);
         }
         Ok(out)
@@ -408,8 +496,8 @@ impl CachingAllocator {
     /// Under the tags' lock, so that a sleep's `step` cannot set the flags in between and see
     /// them cleared.
     fn end_phase(&self, pool: &MemPool, to: Phase) {
-        let _no_step = self.tags.lock();
-        self.tag_book.set_phase(pool.id(), to);
+        let _no_step = self.tags.steps.lock();
+        self.tags.set_phase(pool.id(), to);
         if to == Phase::Awake {
             for (_, shard) in self.tag_shards(pool) {
                 shard.set_sleeping(false);

@@ -23,7 +23,7 @@ use crate::alloc::capturing::CaptureRoutes;
 use crate::alloc::history::{Trace, TraceAction};
 use crate::alloc::observers::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
 use crate::alloc::oom::{self, Callbacks};
-use crate::alloc::pool_id::{MemPoolId, TagBook};
+use crate::alloc::pool_id::{MemPoolId, TagPhases};
 use crate::alloc::registration::RegionKind;
 use crate::alloc::size::{self, PoolKind};
 use crate::alloc::stats::DeviceStats;
@@ -39,7 +39,7 @@ pub(crate) struct AllocatorWide {
     pub callbacks: Arc<Callbacks>,
     pub trace: Arc<Trace>,
     pub capturing: Arc<CaptureRoutes>,
-    pub tags: Arc<TagBook>,
+    pub tags: Arc<dyn TagPhases>,
 }
 
 /// One allocation request, made once at the door ([`DeviceCore::allocate`]) and passed through

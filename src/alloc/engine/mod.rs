@@ -48,7 +48,7 @@ use super::history::Trace;
 use super::oom::Callbacks;
 use super::pool::FreePool;
 use super::pool_id::MemPoolOptions;
-use super::pool_id::{MemPoolId, TagBook};
+use super::pool_id::{MemPoolId, TagPhases};
 use super::stats::DeviceStats;
 use super::stats::PEAK_STATS;
 use crate::config::AllocatorConfig;
@@ -96,7 +96,7 @@ pub(crate) struct DeviceCore {
     /// The allocator's captures under way (`capturing.rs`).
     capturing: Arc<CaptureRoutes>,
     /// The allocator's tags and which sleep (`sleep.rs`).
-    tags: Arc<TagBook>,
+    tags: Arc<dyn TagPhases>,
     check_invariants: bool,
     /// The stream sanitizer, when the driver is sanitized: told of every hand-out and free.
     sanitizer: Option<Arc<crate::driver::Sanitizer>>,
