@@ -152,41 +152,37 @@ fn counting_graph(
     capture.end().unwrap()
 }
 
+/// Replays the counting graph on `a`, then on another stream `b`, waits for `b` alone and reads
+/// the counter: 2 when the second launch ran after the first.
+fn count_on_two_streams(rt: &Arc<Runtime>, host: &cudalloc::HostDriver) -> u64 {
+    let (a, b) = two_streams(rt);
+    let counter = Storage::new(rt, 0, 8).unwrap();
+    counter.copy_from_host(&[0; 8]).unwrap();
+    let graph = counting_graph(rt, host, &counter);
+    graph.replay(a).unwrap();
+    graph.replay(b).unwrap();
+    // Waiting for `b` waits for the first launch too.
+    rt.driver().stream_synchronize(b).unwrap();
+    let mut out = [0u8; 8];
+    counter.copy_to_host(&mut out).unwrap();
+    u64::from_le_bytes(out)
+}
+
 /// CUDA orders each launch of an instantiated graph behind its earlier launches, whatever the
 /// stream (`cuGraphLaunch`): two replays on two streams count to two.
 #[test]
 fn launches_of_one_graph_on_two_streams_run_one_after_the_other() {
     let host = Arc::new(host_driver());
     let rt = runtime(sanitized(host.clone()));
-    let (a, b) = two_streams(&rt);
-    let counter = Storage::new(&rt, 0, 8).unwrap();
-    counter.copy_from_host(&[0; 8]).unwrap();
-    let graph = counting_graph(&rt, &host, &counter);
-    graph.replay(a).unwrap();
-    graph.replay(b).unwrap();
-    rt.driver().stream_synchronize(a).unwrap();
-    rt.driver().stream_synchronize(b).unwrap();
-    let mut out = [0u8; 8];
-    counter.copy_to_host(&mut out).unwrap();
-    assert_eq!(u64::from_le_bytes(out), 2);
+    assert_eq!(count_on_two_streams(&rt, &host), 2);
 }
 
 /// The sanitizer models the same order: the second replay, on another stream, is ordered after
-/// the first.
+/// the first, and so is what the host reads once it waited for the second.
 #[test]
 fn the_sanitizer_orders_launches_of_one_graph_on_two_streams() {
     let (rt, host) = reporting_runtime();
-    let (a, b) = two_streams(&rt);
-    let counter = Storage::new(&rt, 0, 8).unwrap();
-    counter.copy_from_host(&[0; 8]).unwrap();
-    let graph = counting_graph(&rt, &host, &counter);
-    graph.replay(a).unwrap();
-    graph.replay(b).unwrap();
-    rt.driver().stream_synchronize(b).unwrap();
-    // The host knows `b`, hence the first launch too.
-    let mut out = [0u8; 8];
-    counter.copy_to_host(&mut out).unwrap();
-    assert_eq!(u64::from_le_bytes(out), 2);
+    assert_eq!(count_on_two_streams(&rt, &host), 2);
     no_reports(&rt);
 }
 

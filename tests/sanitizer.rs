@@ -13,7 +13,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{host_driver, ChildProcess, ParentLink, ROLE_VAR};
+use common::{host_driver, no_reports, ChildProcess, ParentLink, ROLE_VAR};
 use cudalloc::HazardKind;
 use cudalloc::{ErrorKind, IpcHandle, Runtime, Sanitize, SanitizeOptions, Storage, StreamId};
 use cudalloc::{HostMemory, HostRange};
@@ -43,14 +43,6 @@ fn one_report(rt: &Runtime, kind: HazardKind) -> cudalloc::HazardReport {
     let report = reports.remove(0);
     assert_eq!(report.kind, kind, "{report}");
     report
-}
-
-fn no_report(rt: &Runtime) {
-    let reports = rt.sanitizer().unwrap().take_reports();
-    assert!(
-        reports.is_empty(),
-        "correct code was reported: {reports:#?}"
-    );
 }
 
 fn two_streams(rt: &Runtime) -> (StreamId, StreamId) {
@@ -123,7 +115,7 @@ fn with_record_stream_the_same_program_is_never_reported() {
             .unwrap();
         rt.driver().stream_synchronize(main).unwrap();
         rt.driver().stream_synchronize(side).unwrap();
-        no_report(&rt);
+        no_reports(&rt);
         drop((dst, newcomer));
         rt.empty_cache();
     }
@@ -221,7 +213,7 @@ fn a_wait_orders_the_read_and_nothing_is_reported() {
         rt.driver().stream_synchronize(reader).unwrap();
         rt.driver().memset(writer, s.data_ptr(), 0, MIB).unwrap();
         s.record_stream(reader).unwrap();
-        no_report(&rt);
+        no_reports(&rt);
     }
 }
 
@@ -237,7 +229,7 @@ fn only_overlapping_bytes_race() {
         .kernels()
         .count_pattern_mismatches(b, base.offset(100).unwrap(), 100, 0)
         .unwrap();
-    no_report(&rt);
+    no_reports(&rt);
     let err = rt
         .driver()
         .kernels()
@@ -306,7 +298,7 @@ fn the_cow_copy_is_ordered_for_its_stream_and_complete_for_any_other() {
         .unwrap();
         c1.record_stream(copier).unwrap();
         c2.record_stream(other).unwrap();
-        no_report(&rt);
+        no_reports(&rt);
         rt.driver().stream_synchronize(copier).unwrap();
         rt.driver().stream_synchronize(other).unwrap();
     }
@@ -398,7 +390,7 @@ fn a_library_default_stream_serves_every_thread_without_a_guard() {
         .kernels()
         .count_pattern_mismatches(library, on_thread.2.data_ptr(), 4096, 3)
         .unwrap();
-    no_report(&rt);
+    no_reports(&rt);
     rt.clear_default_stream(0).unwrap();
     assert_eq!(
         rt.current_stream(0).unwrap(),
@@ -535,7 +527,7 @@ fn sharing_bytes_another_stream_wrote_without_a_wait_is_reported_every_time() {
         common::wait_for(&rt, fresh, writer);
         let _on = rt.set_current_stream(fresh).unwrap();
         drop(s.share_ipc().unwrap());
-        no_report(&rt);
+        no_reports(&rt);
     }
     rt.ipc_collect();
 }
@@ -552,7 +544,7 @@ fn a_wait_after_the_free_but_before_the_reuse_is_enough() {
             common::wait_for(&rt, main, side);
         }
         let _again = Storage::new_on(&rt, main, 4 * MIB).unwrap();
-        no_report(&rt);
+        no_reports(&rt);
         rt.empty_cache();
     }
 }
@@ -579,7 +571,7 @@ fn an_unsplit_remainder_keeps_what_its_first_free_knew() {
     drop(y);
     let z = Storage::new_on(&rt, main, 20 * MIB).unwrap();
     assert_eq!(z.data_ptr(), ptr);
-    no_report(&rt);
+    no_reports(&rt);
 }
 
 #[test]
@@ -647,7 +639,7 @@ fn synchronization_made_outside_cudalloc_counts_once_told() {
             sanitizer.stream_waited(c, b);
             assert_eq!(read.unwrap(), 0);
             rt.driver().memset(c, s.data_ptr(), 0, 4096).unwrap();
-            no_report(&rt);
+            no_reports(&rt);
         } else {
             assert_eq!(read.unwrap_err().kind(), ErrorKind::StreamRace);
             one_report(&rt, HazardKind::Race);

@@ -398,3 +398,42 @@ impl Graphs for Absent {
         Err(capture::unsupported(self.backend))
     }
 }
+
+/// The accessors of the capabilities a driver implements itself, inside its `impl Driver`:
+/// `own_capabilities!(kernels, interop, vm)` returns the driver from each one named.
+macro_rules! own_capabilities {
+    ($($accessor:ident),* $(,)?) => {
+        $( $crate::driver::capability::own_capabilities!(@one $accessor); )*
+    };
+    (@one kernels) => {
+        fn kernels(&self) -> &dyn $crate::driver::Kernels {
+            self
+        }
+    };
+    (@one interop) => {
+        fn interop(&self) -> &dyn $crate::driver::Interop {
+            self
+        }
+    };
+    (@one vm) => {
+        fn vm(&self) -> &dyn $crate::driver::VirtualMemory {
+            self
+        }
+    };
+    (@one ipc) => {
+        fn ipc(&self) -> &dyn $crate::driver::Ipc {
+            self
+        }
+    };
+    (@one pinned) => {
+        fn pinned(&self) -> &dyn $crate::driver::PinnedHost {
+            self
+        }
+    };
+    (@one graphs) => {
+        fn graphs(&self) -> &dyn $crate::driver::Graphs {
+            self
+        }
+    };
+}
+pub(crate) use own_capabilities;

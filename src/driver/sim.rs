@@ -282,21 +282,7 @@ impl SimDriver {
 }
 
 impl Driver for SimDriver {
-    fn kernels(&self) -> &dyn Kernels {
-        self
-    }
-
-    fn interop(&self) -> &dyn Interop {
-        self
-    }
-
-    fn vm(&self) -> &dyn VirtualMemory {
-        self
-    }
-
-    fn ipc(&self) -> &dyn Ipc {
-        self
-    }
+    crate::driver::capability::own_capabilities!(kernels, interop, vm, ipc);
 
     fn backend(&self) -> Backend {
         Backend::Simulated

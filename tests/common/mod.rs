@@ -576,3 +576,12 @@ pub fn open_offered(
     let handle = cudalloc::IpcHandle::from_bytes(&unhex(handle))?;
     Ok((cudalloc::Storage::from_ipc(rt, handle)?, seed))
 }
+
+/// The sanitizer of `rt` found nothing since the last look (its reports are taken).
+pub fn no_reports(rt: &cudalloc::Runtime) {
+    let reports = rt.sanitizer().unwrap().take_reports();
+    assert!(
+        reports.is_empty(),
+        "correct code was reported: {reports:#?}"
+    );
+}

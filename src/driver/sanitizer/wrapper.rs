@@ -147,29 +147,7 @@ impl Driver for SanitizedDriver {
         }
     }
 
-    fn kernels(&self) -> &dyn Kernels {
-        self
-    }
-
-    fn interop(&self) -> &dyn Interop {
-        self
-    }
-
-    fn vm(&self) -> &dyn VirtualMemory {
-        self
-    }
-
-    fn ipc(&self) -> &dyn Ipc {
-        self
-    }
-
-    fn pinned(&self) -> &dyn PinnedHost {
-        self
-    }
-
-    fn graphs(&self) -> &dyn Graphs {
-        self
-    }
+    crate::driver::capability::own_capabilities!(kernels, interop, vm, ipc, pinned, graphs);
 
     fn backend(&self) -> Backend {
         self.inner.backend()
