@@ -58,6 +58,9 @@ fn bad_flags_and_environment_exit_with_code_2() {
         (vec!["demo", "--max-size", "12 parsecs"], None),
         (vec!["demo", "--consumers", "many"], None),
         (vec!["info"], Some(("CUDALLOC_HOST_MEMORY", "lots"))),
+        // Before: "host device count 0 out of range", naming no variable.
+        (vec!["info"], Some(("CUDALLOC_HOST_DEVICES", "0"))),
+        (vec!["info"], Some(("CUDALLOC_HOST_MEMORY", "4096"))),
         (vec!["info"], Some(("CUDALLOC_BACKEND", "quantum"))),
         (vec!["info"], Some(("CUDALLOC_CONF", "foo:1"))),
         (vec!["demo"], Some(("CUDALLOC_CONF", "foo:1"))),
@@ -95,6 +98,12 @@ fn bad_flags_and_environment_exit_with_code_2() {
         // One line saying what is wrong (clap adds its pointer to --help after it).
         let first = stderr.lines().next().unwrap_or_default();
         assert!(!first.trim().is_empty(), "{args:?}: {stderr}");
+        if let Some((variable, _)) = env {
+            assert!(
+                first.contains(variable),
+                "the line names the variable {variable}: {stderr}"
+            );
+        }
         if args.contains(&"gpu") {
             assert!(
                 !stderr.contains("CUDALLOC_BACKEND"),

@@ -14,6 +14,8 @@ pub const DEFAULT_DEVICES: usize = 1;
 /// Default capacity per device: 4 GiB — room for real workloads on a laptop. Memory is only
 /// committed when touched (tmpfs), so the capacity costs nothing until used.
 pub const DEFAULT_MEMORY: u64 = 4 << 30;
+/// The smallest capacity of a device.
+const MIN_MEMORY: u64 = 1 << 20;
 /// Most virtual devices accepted (the IPC handle stores the ordinal in 16 bits).
 pub const MAX_DEVICES: usize = 64;
 /// Default deadline of a wait on another process's interprocess event (see
@@ -58,15 +60,26 @@ impl HostDriverBuilder {
     pub fn from_env() -> Result<Self> {
         let mut b = Self::default();
         if let Some(v) = env_var("CUDALLOC_HOST_DEVICES")? {
-            b.devices = v.trim().parse().map_err(|_| {
-                Error::Config(format!(
-                    "CUDALLOC_HOST_DEVICES={v:?} is not a device count; expected 1..={MAX_DEVICES}"
-                ))
-            })?;
+            b.devices = v
+                .trim()
+                .parse()
+                .ok()
+                .filter(|n| (1..=MAX_DEVICES).contains(n))
+                .ok_or_else(|| {
+                    Error::Config(format!(
+                        "CUDALLOC_HOST_DEVICES={v:?} is not a device count; expected \
+                         1..={MAX_DEVICES}"
+                    ))
+                })?;
         }
         if let Some(v) = env_var("CUDALLOC_HOST_MEMORY")? {
             b.memory_per_device = parse_byte_size(&v)
                 .map_err(|why| Error::Config(format!("CUDALLOC_HOST_MEMORY={v:?}: {why}")))?;
+            if b.memory_per_device < MIN_MEMORY {
+                return Err(Error::Config(format!(
+                    "CUDALLOC_HOST_MEMORY={v:?} is below the minimum capacity of 1MiB"
+                )));
+            }
         }
         if let Some(v) = env_var("CUDALLOC_IPC_EVENT_TIMEOUT_S")? {
             b.ipc_event_timeout = parse_timeout_s(&v).map_err(|why| {
@@ -126,7 +139,7 @@ impl HostDriverBuilder {
                 self.devices
             )));
         }
-        if self.memory_per_device < 1 << 20 {
+        if self.memory_per_device < MIN_MEMORY {
             return Err(Error::Config(format!(
                 "host device memory {} bytes is below the minimum of 1 MiB",
                 self.memory_per_device
