@@ -239,3 +239,201 @@ fn stream_ordered_reuse_in_a_pool_a_live_graph_holds_is_not_reported() {
     rt.driver().stream_synchronize(capture_stream).unwrap();
     no_reports(&rt);
 }
+
+// Found by review (each failed before its fix).
+
+/// The storage's own `record_stream(t)` survives a steal: its later free still waits for `t`
+/// (the steal waited for `t` but used to clear the record: 1,044,536 bytes of the next tenant
+/// overwritten).
+fn record_survives_steal(rt: &Arc<Runtime>, host: &cudalloc::HostDriver) -> (bool, u64) {
+    let (s, t) = two_streams(rt);
+    let x = filled_on(rt, s, MIB, 1);
+    rt.driver().stream_synchronize(s).unwrap();
+    let c = x.lazy_clone().unwrap();
+    x.record_stream(t).unwrap();
+    drop(c);
+    let addr = x.mutable_data_ptr_on(t).unwrap(); // the steal
+    rt.driver().stream_synchronize(t).unwrap();
+    let gate = host.gate_stream(t).unwrap();
+    rt.driver().kernels().fill_pattern(t, addr, MIB, 2).unwrap(); // pending on t
+    drop(x); // waits for t
+    let y = Storage::new_on(rt, s, MIB).unwrap();
+    let reused = y.data_ptr() == addr;
+    let yp = y.mutable_data_ptr_on(s).unwrap();
+    rt.driver().kernels().fill_pattern(s, yp, MIB, 3).unwrap();
+    rt.driver().stream_synchronize(s).unwrap();
+    drop(gate);
+    rt.driver().stream_synchronize(t).unwrap();
+    (reused, y.count_pattern_mismatches(3).unwrap())
+}
+
+#[test]
+fn a_steal_keeps_the_storages_own_record_stream() {
+    let host = Arc::new(host_driver());
+    let rt = runtime(host.clone());
+    assert_eq!(record_survives_steal(&rt, &host), (false, 0));
+    let (rt, host) = reporting_runtime();
+    assert_eq!(record_survives_steal(&rt, &host), (false, 0));
+    no_reports(&rt);
+}
+
+/// A clone read on the block's own stream `s`, dropped; `s` then begins a capture; the steal on
+/// `t` still waits for the read `s` queued before its capture (the capture's tail event).
+#[test]
+fn a_steal_waits_for_a_read_queued_before_the_readers_capture() {
+    let host = Arc::new(host_driver());
+    let rt = runtime(sanitized(host.clone()));
+    let (s, t) = two_streams(&rt);
+    let x = filled_on(&rt, s, MIB, 1);
+    rt.driver().stream_synchronize(s).unwrap();
+    let c = {
+        let _on = rt.set_current_stream(t).unwrap();
+        x.lazy_clone().unwrap()
+    };
+    let dst = Storage::new_on(&rt, s, MIB).unwrap();
+    let d = dst.mutable_data_ptr_on(s).unwrap();
+    let gate = host.gate_stream(s).unwrap();
+    rt.driver()
+        .copy_device_to_device(s, d, c.data_ptr(), MIB)
+        .unwrap();
+    drop(c);
+    let capture = rt.begin_capture(s, None, CaptureMode::Relaxed).unwrap();
+    let addr = x.mutable_data_ptr_on(t).unwrap();
+    rt.driver().kernels().fill_pattern(t, addr, MIB, 2).unwrap();
+    assert!(
+        !rt.driver().stream_query(t).unwrap(),
+        "t waits for s's read"
+    );
+    drop(gate);
+    rt.driver().stream_synchronize(t).unwrap();
+    capture.end().unwrap();
+    rt.driver().stream_synchronize(s).unwrap();
+    assert_eq!(dst.count_pattern_mismatches(1).unwrap(), 0);
+    assert_eq!(x.count_pattern_mismatches(2).unwrap(), 0);
+}
+
+/// An eager first write while the stream current at lazy-clone time is being captured: the
+/// writer waits for that stream's eager work (the tail), and does not join the capture (it used
+/// to, and the capture failed: "joined the capture but the origin never waited").
+#[test]
+fn an_eager_steal_does_not_join_the_capture_of_the_clone_stream() {
+    let host = Arc::new(host_driver());
+    let rt = runtime(sanitized(host.clone()));
+    let (s, cs) = two_streams(&rt);
+    let x = filled_on(&rt, s, MIB, 1);
+    rt.driver().stream_synchronize(s).unwrap();
+    let c = {
+        let _on = rt.set_current_stream(cs).unwrap();
+        x.lazy_clone().unwrap()
+    };
+    drop(c);
+    let capture = rt.begin_capture(cs, None, CaptureMode::Relaxed).unwrap();
+    let addr = x.mutable_data_ptr_on(s).unwrap();
+    assert!(!rt
+        .driver()
+        .graphs()
+        .stream_capture_status(s)
+        .unwrap()
+        .is_capturing());
+    rt.driver().kernels().fill_pattern(s, addr, MIB, 2).unwrap();
+    capture.end().unwrap();
+    rt.driver().stream_synchronize(s).unwrap();
+    assert_eq!(x.count_pattern_mismatches(2).unwrap(), 0);
+}
+
+/// A steal inside capture A while the block's stream is in capture B: both captures stay valid
+/// (a wait across two captures used to invalidate both).
+#[test]
+fn a_steal_inside_one_capture_leaves_another_capture_valid() {
+    let host = Arc::new(host_driver());
+    let rt = runtime(sanitized(host.clone()));
+    let (s, t) = two_streams(&rt);
+    let x = filled_on(&rt, s, MIB, 1);
+    rt.driver().stream_synchronize(s).unwrap();
+    let c = {
+        let _on = rt.set_current_stream(t).unwrap();
+        x.lazy_clone().unwrap()
+    };
+    drop(c);
+    let b = rt.begin_capture(s, None, CaptureMode::Relaxed).unwrap();
+    let a = rt.begin_capture(t, None, CaptureMode::Relaxed).unwrap();
+    x.mutable_data_ptr_on(t).unwrap();
+    a.end().unwrap();
+    b.end().unwrap();
+    assert_eq!(x.count_pattern_mismatches(1).unwrap(), 0);
+}
+
+/// Launches of a graph without nodes are ordered too (the second one, on `b`, used to run at
+/// once: `b`'s copy read the buffer before `a`'s fill).
+#[test]
+fn launches_of_an_empty_graph_are_ordered_too() {
+    let host = Arc::new(host_driver());
+    for rt in [runtime(host.clone()), reporting_runtime().0] {
+        let host = rt.driver().as_host().unwrap();
+        let (a, b) = two_streams(&rt);
+        let cs = rt.create_stream(0).unwrap();
+        let graph = rt
+            .begin_capture(cs, None, CaptureMode::Global)
+            .unwrap()
+            .end()
+            .unwrap();
+        assert_eq!(graph.node_count(), 0);
+        let buf = Storage::new_on(&rt, a, MIB).unwrap();
+        let p = buf.mutable_data_ptr_on(a).unwrap();
+        let gate = host.gate_stream(a).unwrap();
+        rt.driver().kernels().fill_pattern(a, p, MIB, 4).unwrap();
+        graph.replay(a).unwrap();
+        graph.replay(b).unwrap(); // after the launch on a, hence after the fill
+        let dst = Storage::new_on(&rt, b, MIB).unwrap();
+        let d = dst.mutable_data_ptr_on(b).unwrap();
+        rt.driver().copy_device_to_device(b, d, p, MIB).unwrap();
+        buf.record_stream(b).unwrap();
+        assert!(!rt.driver().stream_query(b).unwrap(), "b waits for a");
+        drop(gate);
+        rt.driver().stream_synchronize(b).unwrap();
+        assert_eq!(dst.count_pattern_mismatches(4).unwrap(), 0);
+        if rt.sanitizer().is_some() {
+            no_reports(&rt);
+        }
+    }
+}
+
+/// Bytes a graph writes, freed into its pool and handed out to an eager allocation there: a
+/// replay writes into the other owner's memory. Reported even when the replay is ordered after
+/// the eager write (it used to go unseen: 1,044,463 bytes overwritten, no report).
+#[test]
+fn a_replay_into_bytes_its_pool_handed_out_since_is_reported() {
+    let (rt, host) = reporting_runtime();
+    let pool = rt.mem_pool(Default::default()).unwrap();
+    let cs = rt.create_stream(0).unwrap();
+    let capture = rt
+        .begin_capture(cs, Some(&pool), CaptureMode::Global)
+        .unwrap();
+    let inside = Storage::new_on(&rt, cs, MIB).unwrap();
+    let p = inside.mutable_data_ptr_on(cs).unwrap();
+    host.enqueue_host(cs, [HostRange::write(p, MIB)], |m: &mut HostMemory<1>| {
+        m.write(0, 0, &[5; 64])
+    })
+    .unwrap();
+    let graph = capture.end().unwrap();
+    drop(inside); // the graph still writes these bytes at every replay
+    graph.replay(cs).unwrap();
+    rt.driver().stream_synchronize(cs).unwrap();
+    let y = {
+        let _scope = rt.use_mem_pool(&pool, 0).unwrap();
+        Storage::new_on(&rt, cs, MIB).unwrap()
+    };
+    assert_eq!(y.data_ptr(), p, "the pool handed the graph's bytes out");
+    let yp = y.mutable_data_ptr_on(cs).unwrap();
+    rt.driver().kernels().fill_pattern(cs, yp, MIB, 7).unwrap();
+    let err = graph.replay(cs).unwrap_err();
+    assert_eq!(err.kind(), cudalloc::ErrorKind::StreamRace, "{err}");
+    let reports = rt.sanitizer().unwrap().take_reports();
+    assert_eq!(reports.len(), 1, "{reports:#?}");
+    assert!(
+        reports[0].to_string().contains("a live graph holds"),
+        "{}",
+        reports[0]
+    );
+    drop(y);
+}

@@ -10,10 +10,16 @@
 //!
 //! A pool is *held by graphs* from the moment a capture begins routing to it until its last
 //! capture and last graph are gone ([`GraphHold`]). While held, its freed blocks stay the
-//! graphs': replays may touch them, so the stream sanitizer is not told of those frees (a replay
-//! would read as a use after free), `MemPool::empty_cache` keeps them, and `use_on_oom` lends
-//! none of them to eager work — found by the randomized capture/replay/eager mix
-//! (`tests/graph_mix.rs`).
+//! graphs': replays may touch them, so the stream sanitizer is told of those frees as
+//! *graph-held* (a replay touching them is no use after free; a replay touching them once they
+//! were handed out to an eager allocation of the pool is reported: it writes another owner's
+//! memory), `MemPool::empty_cache` keeps them, and `use_on_oom` lends none of them to eager work
+//! — found by the randomized capture/replay/eager mix (`tests/graph_mix.rs`).
+//!
+//! A capture the allocator begins records an event on its stream just before (its *eager tail*):
+//! the stream's work queued before the capture, which work outside the capture may still have
+//! to wait for (a lazy clone read on that stream, then stolen elsewhere: `engine/handover.rs`).
+//! A stream that is capturing cannot be waited for otherwise: its own events are the capture's.
 //!
 //! The capture gate ([`CaptureRoutes::releasing`]): every driver free and unmap of cached memory
 //! holds its read side, a capture's start its write side, so no release runs while a capture
@@ -23,6 +29,7 @@
 use std::collections::HashMap;
 
 use super::pool_id::{MemPoolId, MemPoolOptions};
+use crate::driver::{EventId, StreamId};
 use crate::sync::os::atomic::{AtomicUsize, Ordering};
 use crate::sync::os::{Arc, RwLock, RwLockReadGuard};
 
@@ -32,6 +39,10 @@ pub(crate) struct CaptureRoutes {
     /// Captures begun (counted before the driver's begin, so a free never misses one).
     active: AtomicUsize,
     routes: RwLock<Vec<(u64, MemPoolId, MemPoolOptions)>>,
+    /// For the captures this allocator began: the origin stream and an event recorded on it just
+    /// before the capture began — the stream's eager work, which work outside the capture can
+    /// still be ordered after (`engine/handover.rs`).
+    tails: RwLock<Vec<(u64, StreamId, EventId)>>,
     /// Pools held by graphs: captures and graphs per pool (see the module docs).
     held: RwLock<HashMap<MemPoolId, usize>>,
     /// Whether any pool is held (one load when none is).
@@ -95,6 +106,20 @@ impl CaptureRoutes {
         self.routes.write().push((capture, pool, options));
     }
 
+    /// Remembers `event`, recorded on `stream` just before capture `capture` began there.
+    pub(crate) fn tail(&self, capture: u64, stream: StreamId, event: EventId) {
+        self.tails.write().push((capture, stream, event));
+    }
+
+    /// The event after the eager work of `stream`, which a capture of this allocator's began on.
+    pub(crate) fn eager_tail(&self, stream: StreamId) -> Option<EventId> {
+        self.tails
+            .read()
+            .iter()
+            .find(|&&(_, s, _)| s == stream)
+            .map(|&(.., e)| e)
+    }
+
     /// The pool of driver capture `capture`, if it is one of this allocator's.
     pub(crate) fn pool_of(&self, capture: u64) -> Option<(MemPoolId, MemPoolOptions)> {
         self.routes
@@ -124,11 +149,17 @@ impl CaptureRoutes {
         self.any_held.load(Ordering::Acquire) != 0 && self.held.read().contains_key(&pool)
     }
 
-    /// A capture ended (or never began: `capture` is `None`); returns whether none is left.
-    pub(crate) fn ended(&self, capture: Option<u64>) -> bool {
+    /// A capture ended (or never began: `capture` is `None`); returns whether none is left, and
+    /// the capture's tail event, for the caller to destroy.
+    pub(crate) fn ended(&self, capture: Option<u64>) -> (bool, Option<EventId>) {
+        let mut tail = None;
         if let Some(capture) = capture {
             self.routes.write().retain(|(c, ..)| *c != capture);
+            let mut tails = self.tails.write();
+            if let Some(i) = tails.iter().position(|&(c, ..)| c == capture) {
+                tail = Some(tails.remove(i).2);
+            }
         }
-        self.active.fetch_sub(1, Ordering::AcqRel) == 1
+        (self.active.fetch_sub(1, Ordering::AcqRel) == 1, tail)
     }
 }

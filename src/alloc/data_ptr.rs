@@ -86,11 +86,16 @@ impl BlockOwner {
         shard.record_use(self.block(), stream)
     }
 
+    /// Whether its bytes can go to a new owner using them on `to` without a free between
+    /// (`engine/handover.rs`).
+    pub(crate) fn can_hand_over_in_place(&self, to: StreamId) -> bool {
+        self.shard().can_hand_over_in_place(self.block(), to)
+    }
+
     /// Its bytes go to a new owner that uses them on `to` next, without a free between
-    /// (`handover.rs`): `to` waits for every stream the block was used on.
-    pub(crate) fn hand_over_in_place(&self, to: StreamId, to_capturing: bool) {
-        self.shard()
-            .hand_over_in_place(self.block(), to, to_capturing);
+    /// (`engine/handover.rs`): `to` is ordered after every stream the block was used on.
+    pub(crate) fn hand_over_in_place(&self, to: StreamId) {
+        self.shard().hand_over_in_place(self.block(), to);
     }
 
     /// The stream the block was allocated on.

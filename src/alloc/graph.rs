@@ -86,7 +86,7 @@ impl CachingAllocator {
         pool: Option<&MemPool>,
         mode: CaptureMode,
     ) -> Result<Capture> {
-        let route = self.start_route(stream, pool, || {
+        let route = self.start_route(stream, pool, true, || {
             self.driver.graphs().stream_begin_capture(stream, mode)
         })?;
         Ok(Capture {
@@ -103,7 +103,7 @@ impl CachingAllocator {
     /// [`CaptureRoute::finish`] gives the pool back: keep it as long as the library's graph
     /// lives, since the graph names its addresses. An error when the stream is not capturing.
     pub fn route_capture(&self, stream: StreamId, pool: Option<&MemPool>) -> Result<CaptureRoute> {
-        let route = self.start_route(stream, pool, || Ok(()))?;
+        let route = self.start_route(stream, pool, false, || Ok(()))?;
         Ok(CaptureRoute {
             route,
             _this_thread: std::marker::PhantomData,
@@ -111,11 +111,13 @@ impl CachingAllocator {
     }
 
     /// Counts a capture starting, runs `begin`, and routes the capture then under way on
-    /// `stream` to `pool` (or a fresh private pool).
+    /// `stream` to `pool` (or a fresh private pool). `tail`: the capture begins here, so an event
+    /// is recorded on the stream first, after its eager work (`capturing.rs`).
     fn start_route(
         &self,
         stream: StreamId,
         pool: Option<&MemPool>,
+        tail: bool,
         begin: impl FnOnce() -> Result<()>,
     ) -> Result<Route> {
         self.birth.check("this allocator")?;
@@ -131,12 +133,25 @@ impl CachingAllocator {
             }
             None => self.graph_pool(MemPoolOptions::default()),
         };
+        let tail = if tail {
+            let event = self
+                .driver
+                .event_create(stream.device(), crate::driver::EventFlags::default())?;
+            if let Err(err) = self.driver.event_record(event, stream) {
+                self.destroy_tail(Some(event));
+                return Err(err);
+            }
+            Some(event)
+        } else {
+            None
+        };
         self.capturing.starting();
         let began = begin().and_then(|()| self.driver.graphs().stream_capture_status(stream));
         let id = match began.map(|s| s.capture_id()) {
             Ok(Some(id)) => id,
             Ok(None) => {
                 self.capture_never_began();
+                self.destroy_tail(tail);
                 return Err(Error::capture(format!(
                     "stream {} is not being captured (begin its capture first)",
                     stream.raw()
@@ -144,9 +159,13 @@ impl CachingAllocator {
             }
             Err(err) => {
                 self.capture_never_began();
+                self.destroy_tail(tail);
                 return Err(err);
             }
         };
+        if let Some(event) = tail {
+            self.capturing.tail(id, stream, event);
+        }
         let hold = CaptureRoutes::hold(&self.capturing, pool.id());
         self.capturing.route(id, pool.id(), pool.options());
         Ok(Route {
@@ -180,13 +199,27 @@ impl CachingAllocator {
         self.capturing.any()
     }
 
+    /// Destroys a capture's tail event (logged on failure).
+    fn destroy_tail(&self, tail: Option<crate::driver::EventId>) {
+        destroy_tail(&self.driver, tail);
+    }
+
     /// A capture counted by `begin_capture` did not begin: frees deferred meanwhile get their
     /// events when it was the only one.
     fn capture_never_began(&self) {
-        if self.capturing.ended(None) {
+        if self.capturing.ended(None).0 {
             for device in &self.devices {
                 device.flush_deferred();
             }
+        }
+    }
+}
+
+/// Destroys a capture's tail event, if any (logged on failure).
+fn destroy_tail(driver: &Arc<dyn Driver>, tail: Option<crate::driver::EventId>) {
+    if let Some(event) = tail {
+        if let Err(err) = driver.event_destroy(event) {
+            tracing::warn!(%err, "destroying a capture's tail event failed");
         }
     }
 }
@@ -211,7 +244,9 @@ impl Route {
     /// when the last one stopped.
     fn stop(&mut self) {
         if let Some(capture) = self.capture.take() {
-            if self.capturing.ended(Some(capture)) {
+            let (last, tail) = self.capturing.ended(Some(capture));
+            destroy_tail(&self.driver, tail);
+            if last {
                 for device in &self.devices {
                     device.flush_deferred();
                 }

@@ -78,7 +78,6 @@ pub use stats::{DeviceStats, PoolStats, Stat, POOL_NAMES};
 pub use data_ptr::DataPtr;
 pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
 pub(crate) use engine::expandable::PagesUnder;
-pub(crate) use engine::handover::relaxed;
 pub(crate) use tags::{SleepStart, TagRange};
 
 use self::block::Allocated;
@@ -556,6 +555,14 @@ impl CachingAllocator {
         // After the pointer owns the block: in the sanitizer's panic mode the unwinding frees it.
         shard.handed_out(a.ptr, a.rounded);
         Ok(data)
+    }
+
+    /// Makes work next enqueued on `to` wait for the work queued on `used` so far, across
+    /// captures too (`engine/handover.rs`); an error when `used` is captured by a capture this
+    /// allocator did not begin.
+    pub(crate) fn order_after(&self, to: StreamId, used: StreamId) -> Result<()> {
+        self.device(self.driver.stream_device(to)?)?
+            .order_after(to, used)
     }
 
     /// Marks `data` as used on `stream`: its free will wait for the work queued there so far.

@@ -42,9 +42,11 @@ use crate::sync::os::{Arc, Mutex, RwLock};
 /// An allocator's tags: one record each — its name, its pool (the handle that keeps the pool
 /// alive) and its phase — read by pool id by the engine ([`TagPhases`]). Tags are few: lookups
 /// scan. Two locks, in this order: `steps` serializes the phase changes of the protocol (a step
-/// never falls between a wake's "awake" and its clearing of the shards' flags) and is held while
-/// a tag's shards are listed, which takes a device's shard map; `records` is taken alone and
-/// briefly, since a device creating a shard under its map's lock reads a phase. The records hold
+/// never falls between a wake's "awake" and its clearing of the shards' flags: `end_phase` holds
+/// it while it lists the tag's shards, which takes a device's shard map; the other steps list
+/// their shards after releasing it, each phase change checking the phase it starts from);
+/// `records` is taken alone and briefly, since a device creating a shard under its map's lock
+/// reads a phase. The records hold
 /// pools whose devices hold this book: the allocator's drop clears it ([`Tags::clear`]).
 #[derive(Debug, Default)]
 pub(crate) struct Tags {

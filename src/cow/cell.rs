@@ -76,8 +76,19 @@ impl<D> CowCell<D> {
     /// last reference after all: the copy is kept and the original data is freed here, after every
     /// in-flight copy (exclusive lock).
     pub fn materialize<C>(&self, copy: impl FnOnce(&D) -> Result<C>) -> Result<Materialized<D, C>> {
+        self.materialize_or_copy(true, copy)
+    }
+
+    /// [`CowCell::materialize`], copying even as the last reference when `steal` is false (the
+    /// data cannot change owner in place: the copy is kept and the original freed here, after
+    /// every in-flight copy, as when the others let go between copy and decrement).
+    pub fn materialize_or_copy<C>(
+        &self,
+        steal: bool,
+        copy: impl FnOnce(&D) -> Result<C>,
+    ) -> Result<Materialized<D, C>> {
         let shared = self.lock.read();
-        let copied = if self.refcount.load(Ordering::Acquire) > 1 {
+        let copied = if !steal || self.refcount.load(Ordering::Acquire) > 1 {
             let data = self.data.lock();
             let original = data.as_ref().ok_or_else(|| {
                 crate::Error::invalid("COW data already taken: reference count corrupted")

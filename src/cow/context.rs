@@ -7,8 +7,8 @@
 //! recorded on the original — copiers and readers of clones dropped since alike.
 
 use super::cell::{CowCell, Materialized};
-use crate::alloc::{relaxed, take_shared, CachingAllocator, DataPtr, Owner, SharedOwner};
-use crate::driver::{DeviceAddr, Driver, StreamId};
+use crate::alloc::{take_shared, CachingAllocator, DataPtr, Owner, SharedOwner};
+use crate::driver::{DeviceAddr, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::Arc;
@@ -113,7 +113,6 @@ pub(crate) fn materialize(
     data.check_awake("materializing a lazy clone")?;
     let device = data.device();
     let shared_ptr = data.ptr();
-    let driver = alloc.driver();
     // Take the owner out (no refcount traffic); every early return puts it back.
     let mut owner =
         match take_shared::<CowOwner>(std::mem::replace(data, DataPtr::empty(device)).into_owner())
@@ -138,15 +137,24 @@ pub(crate) fn materialize(
     // The copy step runs before the reference is given up; should it panic (the stream
     // sanitizer's panic mode), the storage gets its COW owner back before the panic goes on.
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        if stream != ctx.clone_stream {
-            if capturing && !alloc.stream_is_capturing(ctx.clone_stream)? {
-                relaxed(driver, || driver.stream_synchronize(ctx.clone_stream))?;
-            } else {
-                wait_for_stream(driver, ctx.clone_stream, stream)?;
-            }
-        }
-        ctx.cell
-            .materialize(|original| copy_step(alloc, original, nbytes, stream, capturing))
+        // After the source's writes on the stream current at lazy-clone time, across captures
+        // too (the allocator's one rule for ordering streams: `alloc/engine/handover.rs`).
+        alloc
+            .order_after(stream, ctx.clone_stream)
+            .map_err(|err| match err {
+                Error::InvalidArgument(m) => Error::invalid(format!("COW stream ordering: {m}")),
+                other => other,
+            })?;
+        // The last reference steals the memory only where every stream that used it can be
+        // waited for; else it copies and the original is freed (its free waits for them).
+        let steal = ctx.cell.with_data(|original| {
+            original
+                .and_then(DataPtr::block_owner)
+                .is_none_or(|block| block.can_hand_over_in_place(stream))
+        });
+        ctx.cell.materialize_or_copy(steal, |original| {
+            copy_step(alloc, original, nbytes, stream, capturing)
+        })
     }));
     let outcome = match outcome {
         Ok(outcome) => outcome,
@@ -160,7 +168,7 @@ pub(crate) fn materialize(
             // The reference is given up: from here nothing may fail. A change of owner without
             // a free: our stream waits for every stream that used the memory (`alloc/engine/handover.rs`).
             if let Some(block) = original.block_owner() {
-                block.hand_over_in_place(stream, capturing);
+                block.hand_over_in_place(stream);
             }
             original
         }
@@ -206,13 +214,4 @@ fn copy_step(
         return Err(err);
     }
     Ok(copy)
-}
-
-fn wait_for_stream(driver: &Arc<dyn Driver>, waited: StreamId, waiter: StreamId) -> Result<()> {
-    driver
-        .stream_wait_stream(waiter, waited)
-        .map_err(|err| match err {
-            Error::InvalidArgument(m) => Error::invalid(format!("COW stream ordering: {m}")),
-            other => other,
-        })
 }

@@ -6,7 +6,7 @@
 //! | state | how it is left | what the next owner waits for | told to the sanitizer |
 //! |---|---|---|---|
 //! | handed out, used on its stream and recorded streams (`record_stream`, copies to pinned memory, a lazy clone's copiers) | the owner drops it: [`Shard::leave`] | every stream it was used on: an event per recorded stream, polled before reuse (PyTorch's rule); none when only its own stream used it | a free whose clock covers those streams |
-//! | handed out, stolen by a lazy clone's last reference (`cow::context`) | [`Shard::hand_over_in_place`]: no free, the bytes keep their address | the stealing stream waits, stream-ordered, for the block's own stream and every recorded stream (clones dropped while another stream still read them) | the waits themselves (ordinary driver calls) |
+//! | handed out, stolen by a lazy clone's last reference (`cow::context`) | [`Shard::hand_over_in_place`]: no free, the bytes keep their address; the recorded streams stay recorded (the eventual free waits for them again) | the stealing stream is ordered after the block's own stream and every recorded stream (clones dropped while another stream still read them): a stream-ordered wait, or across a capture the capture's tail event ([`Order`]); where no order can be made ([`Shard::can_hand_over_in_place`]), the stealer copies instead and the block is freed | the waits themselves (ordinary driver calls) |
 //! | freed into a pool that live graphs hold | [`Shard::leave`], as any free | as any free | a free marked *graph-held*: the graphs' replays may still touch the bytes |
 //! | kept by a thread's front cache (`front.rs`) | [`Shard::leave_to_front`] (only blocks no other stream used) | nothing: the same thread on the same stream takes them next | a free on its own stream |
 //! | freed while a capture is under way | [`Shard::leave`], then pending until the last capture ends (`capturing.rs`) | as any free | as any free |
@@ -19,11 +19,12 @@
 //! rule: a freed block waits for an event per stream that used it and is reused once they
 //! completed; the sanitizer is told of the free and of the hand-out there (`pinned/state.rs`).
 
+use super::DeviceCore;
 use super::Shard;
 use super::ShardState;
 use crate::alloc::block::BlockId;
-use crate::driver::{CaptureMode, Driver, StreamId};
-use crate::error::Result;
+use crate::driver::{CaptureMode, Driver, EventId, StreamId};
+use crate::error::{Error, Result};
 use crate::sync::os::Arc;
 
 impl Shard {
@@ -56,54 +57,109 @@ impl Shard {
     #[inline]
     pub(crate) fn handed_out(&self, ptr: u64, len: u64) {
         if let Some(sanitizer) = &self.sanitizer {
-            sanitizer.hand_out(ptr, len, self.stream);
+            let captured = self.core.capturing.any()
+                && self
+                    .core
+                    .driver
+                    .graphs()
+                    .stream_capture_status(self.stream)
+                    .is_ok_and(|s| s.is_capturing());
+            sanitizer.hand_out(ptr, len, self.stream, !captured);
         }
     }
 
+    /// Whether the bytes of handed-out block `id` can go to a new owner using them on `to`
+    /// without a free between: every stream that used them can be waited for from `to`
+    /// ([`DeviceCore::order`]). When not, the new owner copies instead and the block is freed —
+    /// a free waits for what a wait cannot (`capturing.rs` defers it past the captures).
+    pub(crate) fn can_hand_over_in_place(&self, id: BlockId, to: StreamId) -> bool {
+        let uses = self.state.lock().blocks[id].stream_uses.clone();
+        std::iter::once(self.stream)
+            .chain(uses)
+            .filter(|&s| s != to)
+            .all(|used| !matches!(self.core.order(to, used), Ok(Order::Impossible) | Err(_)))
+    }
+
     /// The bytes of handed-out block `id` go to a new owner without a free between (a lazy
-    /// clone's last reference steals them), to be used on `to` next: `to` waits, stream-ordered,
-    /// for the block's own stream and every stream recorded on it, and the recorded uses are
-    /// consumed (the wait covers them). `to_capturing`: `to` is being captured; then work outside
-    /// the capture is waited for on the host, and streams being captured have no eager work to
-    /// wait for. Infallible: a wait that cannot be enqueued is made on the host instead (logged).
-    pub(crate) fn hand_over_in_place(&self, id: BlockId, to: StreamId, to_capturing: bool) {
-        let mut waited = std::mem::take(&mut self.state.lock().blocks[id].stream_uses);
-        waited.push(self.stream);
-        waited.retain(|&s| s != to);
-        waited.dedup();
-        let driver = &self.core.driver;
-        for used in waited {
-            if let Err(err) = order_after(driver, to, to_capturing, used) {
-                tracing::warn!(%err, "a change of owner: waiting for stream {} on the host instead", used.raw());
-                if let Err(err) = relaxed(driver, || driver.stream_synchronize(used)) {
-                    tracing::error!(%err, "a change of owner: waiting on the host failed");
-                }
+    /// clone's last reference steals them), to be used on `to` next: `to` is ordered after the
+    /// block's own stream and every stream recorded on it ([`DeviceCore::order_after`]). The
+    /// recorded uses stay: the block's eventual free waits for them again, as `record_stream`
+    /// promises its caller. Infallible: a wait that cannot be made is logged (the caller asked
+    /// [`Shard::can_hand_over_in_place`] first).
+    pub(crate) fn hand_over_in_place(&self, id: BlockId, to: StreamId) {
+        let uses = self.state.lock().blocks[id].stream_uses.clone();
+        for used in std::iter::once(self.stream)
+            .chain(uses)
+            .filter(|&s| s != to)
+        {
+            if let Err(err) = self.core.order_after(to, used) {
+                tracing::error!(%err, "a change of owner could not be ordered after stream {}", used.raw());
             }
         }
     }
 }
 
-/// Makes work enqueued on `to` next wait for the work queued on `used` so far.
-fn order_after(
-    driver: &Arc<dyn Driver>,
-    to: StreamId,
-    to_capturing: bool,
-    used: StreamId,
-) -> Result<()> {
-    if driver.graphs().stream_capture_status(used)?.is_capturing() {
-        // Recorded into a graph, not run: nothing eager to wait for, unless `to` joins the
-        // same capture (a wait inside it).
-        return if to_capturing {
-            driver.stream_wait_stream(to, used)
-        } else {
-            Ok(())
-        };
+/// How work next enqueued on one stream is ordered after another stream's work so far.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Order {
+    /// Neither is captured, or both are in one capture: a stream-ordered wait.
+    StreamWait,
+    /// The waiting stream is captured and the other is not: the host waits for it (this
+    /// thread's capture mode relaxed), as a captured stream may not wait outside its capture.
+    HostWaitStream,
+    /// The other stream is in a capture the waiting one is not in: its eager work ended with the
+    /// capture's tail event (`capturing.rs`), waited for on the stream …
+    WaitTail(EventId),
+    /// … or, the waiting stream being captured itself, on the host.
+    HostWaitTail(EventId),
+    /// The other stream is captured by a capture this allocator did not begin (no tail): its
+    /// eager work cannot be waited for.
+    Impossible,
+}
+
+impl DeviceCore {
+    /// How `to` can be ordered after `used` now.
+    pub(crate) fn order(&self, to: StreamId, used: StreamId) -> Result<Order> {
+        if !self.capturing.any() {
+            return Ok(Order::StreamWait);
+        }
+        let graphs = self.driver.graphs();
+        let (to_capture, used_capture) = (
+            graphs.stream_capture_status(to)?.capture_id(),
+            graphs.stream_capture_status(used)?.capture_id(),
+        );
+        Ok(match (used_capture, to_capture) {
+            (None, None) => Order::StreamWait,
+            (None, Some(_)) => Order::HostWaitStream,
+            (Some(u), Some(t)) if u == t => Order::StreamWait,
+            (Some(_), to_capture) => match self.capturing.eager_tail(used) {
+                Some(tail) if to_capture.is_some() => Order::HostWaitTail(tail),
+                Some(tail) => Order::WaitTail(tail),
+                None => Order::Impossible,
+            },
+        })
     }
-    if to_capturing {
-        // CUDA's capture isolation: a capturing stream cannot wait on work outside its capture.
-        return relaxed(driver, || driver.stream_synchronize(used));
+
+    /// Makes work next enqueued on `to` wait for the work queued on `used` so far (see
+    /// [`Order`]); an error when that cannot be done.
+    pub(crate) fn order_after(&self, to: StreamId, used: StreamId) -> Result<()> {
+        if to == used {
+            return Ok(());
+        }
+        let driver = &self.driver;
+        match self.order(to, used)? {
+            Order::StreamWait => driver.stream_wait_stream(to, used),
+            Order::HostWaitStream => relaxed(driver, || driver.stream_synchronize(used)),
+            Order::WaitTail(tail) => driver.stream_wait_event(to, tail),
+            Order::HostWaitTail(tail) => relaxed(driver, || driver.event_synchronize(tail)),
+            Order::Impossible => Err(Error::capture(format!(
+                "stream {} is being captured by a capture this allocator did not begin: its \
+                 earlier work cannot be waited for from stream {} (end the capture first)",
+                used.raw(),
+                to.raw()
+            ))),
+        }
     }
-    driver.stream_wait_stream(to, used)
 }
 
 /// Runs `f` with this thread's capture interaction mode relaxed (a host wait for work outside a

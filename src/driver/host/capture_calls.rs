@@ -97,10 +97,14 @@ impl HostDriver {
             });
         }
         drop(view);
-        if let Some(ticket) = last {
-            let on = Arc::clone(&s);
-            *latest = Some((stream, Arc::new(move || on.wait_done(ticket))));
-        }
+        // A graph without nodes is ordered all the same (the next launch waits for this one,
+        // and this one for the previous): a marker stands for its end.
+        let ticket = match last {
+            Some(ticket) => ticket,
+            None => s.enqueue_control(Box::new(|| {}))?,
+        };
+        let on = Arc::clone(&s);
+        *latest = Some((stream, Arc::new(move || on.wait_done(ticket))));
         Ok(())
     }
 

@@ -31,7 +31,7 @@ impl Sanitizer {
         self.check_touches(&mut st, h, &k, what, touches, false)?;
         let epoch = k.get(h);
         st.host = k;
-        self.record_touches(&mut st, h, epoch, what, touches);
+        self.record_touches(&mut st, h, epoch, what, touches, false);
         Ok(())
     }
 
@@ -63,6 +63,6 @@ impl Sanitizer {
     pub(crate) fn hand_out_host(&self, start: u64, len: u64) {
         let mut st = self.state.lock();
         let h = st.host_slot();
-        self.hand_out_at(&mut st, start, len, h);
+        self.hand_out_at(&mut st, start, len, h, true);
     }
 }

@@ -36,8 +36,8 @@
 //!
 //! | allocator step | sanitizer |
 //! |---|---|
-//! | free of a block (its own stream `o`, recorded streams `r…`; `alloc/engine/handover.rs` tells every free) | the bytes are *freed* with `F = C[o] ⊔ C[r…] ⊔ H`: what the allocator's events guarantee before reuse; in a pool live graphs hold, the graphs' replays may still touch them |
-//! | hand-out of bytes | every access to them on an actor other than `o` must be ordered before `F`, else a **use after free** (reported even without `record_stream`); those accesses are then dropped (the allocator waited for them), accesses on `o` stay (a later access on another stream must still be ordered after them) |
+//! | free of a block (its own stream `o`, recorded streams `r…`; `alloc/engine/handover.rs` tells every free) | the bytes are *freed* with `F = C[o] ⊔ C[r…] ⊔ H`: what the allocator's events guarantee before reuse; in a pool live graphs hold, the graphs' replays may still touch them, and need not be ordered before the free (the pool's reuse follows the replays, or the driver's synchronizing free) |
+//! | hand-out of bytes | every access to them on an actor other than `o` must be ordered before `F`, else a **use after free** (reported even without `record_stream`); those accesses are then dropped (the allocator waited for them), accesses on `o` stay (a later access on another stream must still be ordered after them); graph-held bytes are marked as taken by the new allocation: a replay of the pool's graphs touching them is reported (it writes another owner's memory) until they are freed again |
 //! | release of freed memory to the driver (`empty_cache`, the out-of-memory path, page release) | the hand-out's check, then the bytes are forgotten: a forgotten `record_stream` is reported whether the block is reused or released first |
 //! | a COW copy, an IPC event | ordinary driver calls, checked as above |
 //! | a tag's pages put to sleep, mapped back at wake (`asleep.rs`) | any work on a sleeping range is refused with [`Error::Asleep`] and reported as an access while asleep |
@@ -97,7 +97,7 @@ pub use shadow::AccessKind;
 pub use wrapper::SanitizedDriver;
 
 use self::clock::VectorClock;
-use self::shadow::{Access, Free};
+use self::shadow::{Access, Cell, Free};
 use self::stack::Stack;
 use self::state::{Actor, Allocation, State};
 use crate::driver::{EventId, GraphExecId, StreamId};
@@ -142,10 +142,14 @@ impl Touch {
 
 /// Whether `access` (to bytes freed by `free`) on another actor than the block's stream is
 /// ordered neither before the free nor before a reuse by the block's stream, which knows `now`.
+/// A replay's access to bytes freed into a pool its graphs hold is the graph's own: the pool's
+/// reuse follows the replays (a capture sharing the pool) or the driver's synchronizing free.
 fn unordered_before_reuse(access: &Access, free: &Free, now: &VectorClock) -> bool {
-    access.slot != free.owner_slot
-        && !free.clock.knows(access.slot, access.epoch)
-        && !now.knows(access.slot, access.epoch)
+    let graphs_own = free.graph_held && access.replay;
+    let ordered = access.slot == free.owner_slot
+        || free.clock.knows(access.slot, access.epoch)
+        || now.knows(access.slot, access.epoch);
+    !graphs_own && !ordered
 }
 
 /// The checker; one per driver (see `src/driver/sanitizer/mod.rs`).
@@ -282,7 +286,7 @@ impl Sanitizer {
         k.tick(slot);
         self.check_touches(&mut st, slot, &k, WHAT, touches, true)?;
         let out = enqueue()?;
-        self.commit(&mut st, slot, k.clone(), WHAT, touches);
+        self.commit_as(&mut st, slot, k.clone(), WHAT, touches, true);
         st.launches.insert(exec.0, k);
         Ok(out)
     }
@@ -300,6 +304,27 @@ impl Sanitizer {
         self.check_awake(st, slot, what, touches)?;
         for t in touches.iter().filter(|t| t.len > 0) {
             let end = t.start.saturating_add(t.len);
+            if let Some((at, taker)) = replay.then(|| st.graph_reused_in(t.start, end)).flatten() {
+                // A replay writes what its capture wrote: bytes its pool freed and handed out
+                // since belong to another allocation now.
+                let report = HazardReport {
+                    kind: HazardKind::UseAfterFree,
+                    earlier: AccessReport {
+                        kind: "hand-out",
+                        what: format!(
+                            "bytes freed into a pool a live graph holds, handed out since to \
+                             {taker}"
+                        ),
+                        start: at,
+                        len: end.saturating_sub(at),
+                        allocation: Some(taker.to_string()),
+                        stack: None,
+                    },
+                    later: self.later_access(st, slot, what, t, None),
+                    free: None,
+                };
+                return Err(self.fail(st, slot, report));
+            }
             if let Some((at, free)) = st
                 .freed_in(t.start, end)
                 .filter(|(_, free)| !(replay && free.graph_held))
@@ -363,9 +388,25 @@ impl Sanitizer {
         what: &str,
         touches: &[Touch],
     ) {
+        self.commit_as(st, slot, k, what, touches, false);
+    }
+
+    /// [`Self::commit`]; a `replay`'s touches of bytes freed into a pool that live graphs hold
+    /// are the graph's own and are not recorded (reuse of those bytes is the graph's pool's
+    /// affair: a capture sharing the pool follows the replays, and the bytes go back to the
+    /// driver, which synchronizes, once the graphs are gone).
+    fn commit_as(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        slot: usize,
+        k: VectorClock,
+        what: &str,
+        touches: &[Touch],
+        replay: bool,
+    ) {
         let epoch = k.get(slot);
         st.actors[slot].clock = k;
-        self.record_touches(st, slot, epoch, what, touches);
+        self.record_touches(st, slot, epoch, what, touches, replay);
     }
 
     /// Records `touches` as accesses of actor `slot` at `epoch` (`what` on the actor's name).
@@ -376,6 +417,7 @@ impl Sanitizer {
         epoch: u64,
         what: &str,
         touches: &[Touch],
+        replay: bool,
     ) {
         let stack = touches
             .iter()
@@ -392,8 +434,9 @@ impl Sanitizer {
                 len: t.len.min(u64::MAX - t.start),
                 allocation: st.allocation_at(t.start),
                 stack: stack.clone(),
+                replay,
             };
-            st.record(Arc::new(access));
+            st.record(Arc::new(access), replay);
         }
     }
 
@@ -642,8 +685,9 @@ impl Sanitizer {
             len: len.min(u64::MAX - start),
             allocation: Some("a storage received from another process".into()),
             stack: None,
+            replay: false,
         };
-        st.record(Arc::new(access));
+        st.record(Arc::new(access), false);
     }
 
     /// The allocator freed the block `[start, start + len)` of `stream`, whose reuse waits for
@@ -689,35 +733,63 @@ impl Sanitizer {
             graph_held,
         });
         let end = start.saturating_add(len);
-        for (_, cell) in st.shadow.existing(start, end) {
+        // A graph-held free marks every byte (a later hand-out must see them all: a replay may
+        // touch bytes nobody touched yet); another free only the bytes something touched.
+        let cells: Vec<&mut Cell> = if graph_held {
+            st.shadow.covering(start, end).map(|(_, c)| c).collect()
+        } else {
+            st.shadow.existing(start, end).map(|(_, c)| c).collect()
+        };
+        for cell in cells {
             // Bytes of the block that the last hand-out did not cover (an unsplit remainder)
             // are still waiting since an earlier free: that free's clock stays theirs.
             if cell.freed.is_none() {
                 cell.freed = Some(Arc::clone(&free));
             }
+            cell.graph_reused = None;
         }
         st.allocations.remove(&start);
     }
 
     /// The allocator hands `[start, start + len)` out on `stream`: every access to it on another
     /// actor must be ordered before its free, else a use after free (sticky on `stream`).
-    pub(crate) fn hand_out(&self, start: u64, len: u64, stream: StreamId) {
+    /// `eager`: not an allocation of a capture (a capture sharing a graph's pool may take its
+    /// freed bytes: it follows the graph's replays, PyTorch's rule for shared pools).
+    pub(crate) fn hand_out(&self, start: u64, len: u64, stream: StreamId, eager: bool) {
         let mut st = self.state.lock();
         let owner = st.slot(stream);
-        self.hand_out_at(&mut st, start, len, owner);
+        self.hand_out_at(&mut st, start, len, owner, eager);
     }
 
     /// [`Sanitizer::hand_out`] to actor `owner`.
-    fn hand_out_at(&self, st: &mut MutexGuard<'_, State>, start: u64, len: u64, owner: usize) {
+    fn hand_out_at(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        start: u64,
+        len: u64,
+        owner: usize,
+        eager: bool,
+    ) {
         // What the block's stream knows now: an access the host or the stream waited for after
         // the free is ordered before the reuse too.
         let now = st.knowledge(owner);
         let end = start.saturating_add(len);
         let mut hazard: Option<(Arc<Access>, String)> = None;
+        let id = st.next_allocation;
+        let stream_name = st.actors[owner].name.clone();
+        let mut taker: Option<Arc<str>> = None;
         for (_, cell) in st.shadow.existing(start, end) {
             let Some(free) = cell.freed.take() else {
                 continue;
             };
+            if free.graph_held && eager {
+                let taker = taker.get_or_insert_with(|| {
+                    Arc::from(format!(
+                        "allocation #{id} ({start:#x}, {len} bytes, allocated on {stream_name})"
+                    ))
+                });
+                cell.graph_reused = Some(Arc::clone(taker));
+            }
             if hazard.is_none() {
                 hazard = cell
                     .accesses()
@@ -730,9 +802,7 @@ impl Sanitizer {
             cell.reads.retain(|r| r.slot == free.owner_slot);
         }
         st.shadow.tidy(start, end);
-        let id = st.next_allocation;
         st.next_allocation += 1;
-        let stream_name = st.actors[owner].name.clone();
         st.allocations.insert(
             start,
             Allocation {

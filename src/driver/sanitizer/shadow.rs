@@ -48,6 +48,9 @@ pub(crate) struct Access {
     pub allocation: Option<String>,
     /// The Rust stack of the call that enqueued it (with stacks on), symbolized when reported.
     pub stack: Option<super::stack::Stack>,
+    /// A graph replay's: a free into a pool that live graphs hold need not be ordered after it
+    /// (the graph's own use of its pool's memory).
+    pub replay: bool,
 }
 
 /// The allocator's free of a block: the clock every earlier access must be ordered before, for
@@ -69,15 +72,21 @@ pub(crate) struct Cell {
     pub write: Option<Arc<Access>>,
     pub reads: Vec<Arc<Access>>,
     pub freed: Option<Arc<Free>>,
+    /// Bytes a pool that live graphs hold had freed, handed out since to this allocation: a
+    /// replay of those graphs touching them writes into another owner's memory.
+    pub graph_reused: Option<Arc<str>>,
 }
 
 impl Cell {
     fn is_empty(&self) -> bool {
-        self.write.is_none() && self.reads.is_empty() && self.freed.is_none()
+        self.write.is_none()
+            && self.reads.is_empty()
+            && self.freed.is_none()
+            && self.graph_reused.is_none()
     }
 
     fn same_records(&self, other: &Cell) -> bool {
-        fn same<T>(a: &Option<Arc<T>>, b: &Option<Arc<T>>) -> bool {
+        fn same<T: ?Sized>(a: &Option<Arc<T>>, b: &Option<Arc<T>>) -> bool {
             match (a, b) {
                 (None, None) => true,
                 (Some(a), Some(b)) => Arc::ptr_eq(a, b),
@@ -86,6 +95,7 @@ impl Cell {
         }
         same(&self.write, &other.write)
             && same(&self.freed, &other.freed)
+            && same(&self.graph_reused, &other.graph_reused)
             && self.reads.len() == other.reads.len()
             && self
                 .reads
@@ -213,6 +223,7 @@ mod tests {
 
     fn write(start: u64, len: u64) -> Arc<Access> {
         Arc::new(Access {
+            replay: false,
             slot: 0,
             epoch: 1,
             kind: AccessKind::Write,

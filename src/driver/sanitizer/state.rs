@@ -135,6 +135,16 @@ impl State {
         None
     }
 
+    /// The first byte of `[start, end)` that a graph-held pool freed and handed out since, with
+    /// the allocation that took it.
+    pub(super) fn graph_reused_in(&mut self, start: u64, end: u64) -> Option<(u64, Arc<str>)> {
+        self.shadow.existing(start, end).find_map(|(&at, cell)| {
+            cell.graph_reused
+                .as_ref()
+                .map(|t| (at.max(start), Arc::clone(t)))
+        })
+    }
+
     /// The first byte of `[start, end)` the allocator holds as free, with that free.
     pub(super) fn freed_in(&mut self, start: u64, end: u64) -> Option<(u64, Arc<Free>)> {
         self.shadow
@@ -142,9 +152,14 @@ impl State {
             .find_map(|(&at, cell)| cell.freed.as_ref().map(|f| (at.max(start), Arc::clone(f))))
     }
 
-    pub(super) fn record(&mut self, access: Arc<Access>) {
+    /// Records `access` on its bytes; `replay`: not on bytes freed into a pool live graphs hold
+    /// (the graph's own, see `Sanitizer::commit_as`).
+    pub(super) fn record(&mut self, access: Arc<Access>, replay: bool) {
         let (start, end) = (access.start, access.start + access.len);
         for (_, cell) in self.shadow.covering(start, end) {
+            if replay && cell.freed.as_ref().is_some_and(|f| f.graph_held) {
+                continue;
+            }
             match access.kind {
                 AccessKind::Write => {
                     cell.write = Some(Arc::clone(&access));
