@@ -112,17 +112,16 @@ pub(crate) enum Order {
     WaitTail(EventId),
     /// … or, the waiting stream being captured itself, on the host.
     HostWaitTail(EventId),
-    /// The other stream is captured by a capture this allocator did not begin (no tail): its
-    /// eager work cannot be waited for.
+    /// The other stream is captured, and no tail of its eager work is known (a capture this
+    /// allocator did not begin, or a stream that joined one): that work cannot be waited for.
     Impossible,
 }
 
 impl DeviceCore {
     /// How `to` can be ordered after `used` now.
     pub(crate) fn order(&self, to: StreamId, used: StreamId) -> Result<Order> {
-        if !self.capturing.any() {
-            return Ok(Order::StreamWait);
-        }
+        // Asked of the driver even while this allocator runs no capture: a library may capture a
+        // stream through the driver alone, and a wait on it would join that capture.
         let graphs = self.driver.graphs();
         let (to_capture, used_capture) = (
             graphs.stream_capture_status(to)?.capture_id(),
@@ -153,8 +152,9 @@ impl DeviceCore {
             Order::WaitTail(tail) => driver.stream_wait_event(to, tail),
             Order::HostWaitTail(tail) => relaxed(driver, || driver.event_synchronize(tail)),
             Order::Impossible => Err(Error::capture(format!(
-                "stream {} is being captured by a capture this allocator did not begin: its \
-                 earlier work cannot be waited for from stream {} (end the capture first)",
+                "stream {} is being captured and the end of its work before the capture is not \
+                 known (a capture this allocator did not begin, or a stream that joined one): it \
+                 cannot be waited for from stream {} (end the capture first)",
                 used.raw(),
                 to.raw()
             ))),

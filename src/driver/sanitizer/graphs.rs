@@ -23,11 +23,20 @@ pub(crate) struct GraphTouches {
     tables: Mutex<Tables>,
 }
 
+/// What a graph's capture touched, and when it ended: the allocation counter then (a replay
+/// into bytes handed out since is a hazard; one into bytes handed out before is the graph's
+/// input, captured knowingly).
+#[derive(Clone, Debug)]
+struct Captured {
+    touches: Arc<[Touch]>,
+    born: u64,
+}
+
 #[derive(Debug, Default)]
 struct Tables {
     captures: HashMap<u64, Vec<Touch>>,
-    graphs: HashMap<u64, Arc<[Touch]>>,
-    execs: HashMap<u64, Arc<[Touch]>>,
+    graphs: HashMap<u64, Captured>,
+    execs: HashMap<u64, Captured>,
 }
 
 impl Sanitizer {
@@ -44,33 +53,33 @@ impl Sanitizer {
 
     /// Capture `capture` ended, with `graph` when it made one.
     pub(crate) fn capture_ended(&self, capture: u64, graph: Option<GraphId>) {
+        let born = self.state.lock().next_allocation;
         let mut t = self.graphs.tables.lock();
         let touches = t.captures.remove(&capture).unwrap_or_default();
         if let Some(graph) = graph {
-            t.graphs.insert(graph.0, touches.into());
+            let touches = touches.into();
+            t.graphs.insert(graph.0, Captured { touches, born });
         }
     }
 
     /// `graph` was instantiated as `exec`.
     pub(crate) fn graph_instantiated(&self, graph: GraphId, exec: GraphExecId) {
         let mut t = self.graphs.tables.lock();
-        let touches = t
-            .graphs
-            .get(&graph.0)
-            .cloned()
-            .unwrap_or_else(|| Arc::from([]));
-        t.execs.insert(exec.0, touches);
+        let captured = t.graphs.get(&graph.0).cloned().unwrap_or(Captured {
+            touches: Arc::from([]),
+            born: 0,
+        });
+        t.execs.insert(exec.0, captured);
     }
 
-    /// What a launch of `exec` touches.
-    pub(crate) fn exec_touches(&self, exec: GraphExecId) -> Arc<[Touch]> {
+    /// What a launch of `exec` touches, and the allocation counter when its capture ended.
+    pub(crate) fn exec_touches(&self, exec: GraphExecId) -> (Arc<[Touch]>, u64) {
         self.graphs
             .tables
             .lock()
             .execs
             .get(&exec.0)
-            .cloned()
-            .unwrap_or_else(|| Arc::from([]))
+            .map_or_else(|| (Arc::from([]), 0), |c| (Arc::clone(&c.touches), c.born))
     }
 
     /// `graph` was destroyed.

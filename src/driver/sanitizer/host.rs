@@ -28,7 +28,7 @@ impl Sanitizer {
         let h = st.host_slot();
         let mut k = st.host.clone();
         k.tick(h);
-        self.check_touches(&mut st, h, &k, what, touches, false)?;
+        self.check_touches(&mut st, h, &k, what, touches, None)?;
         let epoch = k.get(h);
         st.host = k;
         self.record_touches(&mut st, h, epoch, what, touches, false);

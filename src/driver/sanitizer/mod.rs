@@ -97,7 +97,7 @@ pub use shadow::AccessKind;
 pub use wrapper::SanitizedDriver;
 
 use self::clock::VectorClock;
-use self::shadow::{Access, Cell, Free};
+use self::shadow::{Access, Cell, Free, Taken};
 use self::stack::Stack;
 use self::state::{Actor, Allocation, State};
 use crate::driver::{EventId, GraphExecId, StreamId};
@@ -260,7 +260,7 @@ impl Sanitizer {
         let slot = st.sticky(stream)?;
         let mut k = st.knowledge(slot);
         k.tick(slot);
-        self.check_touches(st, slot, &k, what, touches, false)?;
+        self.check_touches(st, slot, &k, what, touches, None)?;
         Ok((slot, k))
     }
 
@@ -272,6 +272,7 @@ impl Sanitizer {
     pub(crate) fn launch<T>(
         &self,
         exec: GraphExecId,
+        born: u64,
         stream: StreamId,
         touches: &[Touch],
         enqueue: impl FnOnce() -> Result<T>,
@@ -284,7 +285,7 @@ impl Sanitizer {
             k.join(previous);
         }
         k.tick(slot);
-        self.check_touches(&mut st, slot, &k, WHAT, touches, true)?;
+        self.check_touches(&mut st, slot, &k, WHAT, touches, Some(born))?;
         let out = enqueue()?;
         self.commit_as(&mut st, slot, k.clone(), WHAT, touches, true);
         st.launches.insert(exec.0, k);
@@ -299,25 +300,24 @@ impl Sanitizer {
         k: &VectorClock,
         what: &str,
         touches: &[Touch],
-        replay: bool,
+        replay: Option<u64>,
     ) -> Result<()> {
         self.check_awake(st, slot, what, touches)?;
         for t in touches.iter().filter(|t| t.len > 0) {
             let end = t.start.saturating_add(t.len);
-            if let Some((at, taker)) = replay.then(|| st.graph_reused_in(t.start, end)).flatten() {
+            if let Some((at, taker)) =
+                replay.and_then(|born| st.graph_reused_in(t.start, end, born))
+            {
                 // A replay writes what its capture wrote: bytes its pool freed and handed out
                 // since belong to another allocation now.
                 let report = HazardReport {
                     kind: HazardKind::UseAfterFree,
                     earlier: AccessReport {
-                        kind: "hand-out",
-                        what: format!(
-                            "bytes freed into a pool a live graph holds, handed out since to \
-                             {taker}"
-                        ),
+                        kind: "graph-reuse",
+                        what: taker.what.clone(),
                         start: at,
                         len: end.saturating_sub(at),
-                        allocation: Some(taker.to_string()),
+                        allocation: Some(taker.what.clone()),
                         stack: None,
                     },
                     later: self.later_access(st, slot, what, t, None),
@@ -327,7 +327,7 @@ impl Sanitizer {
             }
             if let Some((at, free)) = st
                 .freed_in(t.start, end)
-                .filter(|(_, free)| !(replay && free.graph_held))
+                .filter(|(_, free)| !(replay.is_some() && free.graph_held))
             {
                 // Work enqueued on memory the allocator holds as free: a use after free,
                 // whatever the stream (the block may be handed out to anyone next).
@@ -777,16 +777,19 @@ impl Sanitizer {
         let mut hazard: Option<(Arc<Access>, String)> = None;
         let id = st.next_allocation;
         let stream_name = st.actors[owner].name.clone();
-        let mut taker: Option<Arc<str>> = None;
+        let mut taker: Option<Arc<Taken>> = None;
         for (_, cell) in st.shadow.existing(start, end) {
             let Some(free) = cell.freed.take() else {
                 continue;
             };
             if free.graph_held && eager {
                 let taker = taker.get_or_insert_with(|| {
-                    Arc::from(format!(
-                        "allocation #{id} ({start:#x}, {len} bytes, allocated on {stream_name})"
-                    ))
+                    Arc::new(Taken {
+                        what: format!(
+                            "allocation #{id} ({start:#x}, {len} bytes, allocated on {stream_name})"
+                        ),
+                        id,
+                    })
                 });
                 cell.graph_reused = Some(Arc::clone(taker));
             }

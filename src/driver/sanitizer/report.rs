@@ -37,7 +37,8 @@ impl HazardKind {
 #[non_exhaustive]
 pub struct AccessReport {
     /// `"read"` or `"write"` (`"hand-out"` and `"release"` for the allocator's steps, `"free"`
-    /// for a free that later work touched).
+    /// for a free that later work touched, `"graph-reuse"` for bytes a graph's pool handed out
+    /// that a replay of the graph then touched).
     pub kind: &'static str,
     /// What did it and on which stream, e.g. `"memset on stream 2 of device 0"`.
     pub what: String,
@@ -113,6 +114,13 @@ impl fmt::Display for HazardReport {
                 "use after free: {}\n  touches memory the allocator holds as free since {}",
                 self.later,
                 self.earlier.what
+            ),
+            HazardKind::UseAfterFree if self.earlier.kind == "graph-reuse" => write!(
+                f,
+                "use after free: {}\n  writes bytes its graph's pool freed and handed out since to {} (a \
+                 graph still writes what it captured: keep its pool's memory out of eager \
+                 allocations while it lives)",
+                self.later, self.earlier.what
             ),
             HazardKind::UseAfterFree => write!(
                 f,

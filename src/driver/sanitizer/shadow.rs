@@ -66,6 +66,15 @@ pub(crate) struct Free {
     pub graph_held: bool,
 }
 
+/// An eager allocation that took bytes a graph-held pool had freed (`Cell::graph_reused`).
+#[derive(Debug)]
+pub(crate) struct Taken {
+    /// The allocation, as a phrase.
+    pub what: String,
+    /// Its number (the sanitizer's allocation counter at the hand-out).
+    pub id: u64,
+}
+
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Cell {
     pub end: u64,
@@ -73,8 +82,8 @@ pub(crate) struct Cell {
     pub reads: Vec<Arc<Access>>,
     pub freed: Option<Arc<Free>>,
     /// Bytes a pool that live graphs hold had freed, handed out since to this allocation: a
-    /// replay of those graphs touching them writes into another owner's memory.
-    pub graph_reused: Option<Arc<str>>,
+    /// replay of a graph captured before that hand-out writes into another owner's memory.
+    pub graph_reused: Option<Arc<Taken>>,
 }
 
 impl Cell {

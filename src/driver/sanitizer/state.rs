@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::clock::VectorClock;
 use super::report::HazardReport;
-use super::shadow::{Access, AccessKind, Free, Shadow};
+use super::shadow::{Access, AccessKind, Free, Shadow, Taken};
 use crate::driver::{EventId, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::Arc;
@@ -135,12 +135,18 @@ impl State {
         None
     }
 
-    /// The first byte of `[start, end)` that a graph-held pool freed and handed out since, with
-    /// the allocation that took it.
-    pub(super) fn graph_reused_in(&mut self, start: u64, end: u64) -> Option<(u64, Arc<str>)> {
+    /// The first byte of `[start, end)` that a graph-held pool freed and handed out since to an
+    /// allocation numbered `born` or later (after a graph's capture ended), with that allocation.
+    pub(super) fn graph_reused_in(
+        &mut self,
+        start: u64,
+        end: u64,
+        born: u64,
+    ) -> Option<(u64, Arc<Taken>)> {
         self.shadow.existing(start, end).find_map(|(&at, cell)| {
             cell.graph_reused
                 .as_ref()
+                .filter(|t| t.id >= born)
                 .map(|t| (at.max(start), Arc::clone(t)))
         })
     }

@@ -510,13 +510,13 @@ impl Graphs for SanitizedDriver {
         self.birth.check("this sanitized driver")?;
         // A replay is checked and recorded like eager work: one operation touching everything
         // the graph's nodes touch (inside a capture, its touches join that capture's).
-        let touches = self.sanitizer.exec_touches(exec);
+        let (touches, born) = self.sanitizer.exec_touches(exec);
         if let Some(capture) = self.capture_of(stream) {
             self.inner.graphs().graph_launch(exec, stream)?;
             self.sanitizer.captured(capture, &touches);
             return Ok(());
         }
-        self.sanitizer.launch(exec, stream, &touches, || {
+        self.sanitizer.launch(exec, born, stream, &touches, || {
             self.inner.graphs().graph_launch(exec, stream)
         })
     }
