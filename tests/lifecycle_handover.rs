@@ -277,19 +277,33 @@ fn a_steal_keeps_the_storages_own_record_stream() {
     no_reports(&rt);
 }
 
+/// A host driver (sanitized when the run asks), its runtime, two streams `s` and `o`, a storage
+/// `x` filled with seed 1 on `s`, and a lazy clone of it made while `o` was current.
+fn source_and_clone_made_on_another_stream() -> (
+    Arc<cudalloc::HostDriver>,
+    Arc<Runtime>,
+    StreamId,
+    StreamId,
+    Storage,
+    Storage,
+) {
+    let host = Arc::new(host_driver());
+    let rt = runtime(sanitized(host.clone()));
+    let (s, o) = two_streams(&rt);
+    let x = filled_on(&rt, s, MIB, 1);
+    rt.driver().stream_synchronize(s).unwrap();
+    let c = {
+        let _on = rt.set_current_stream(o).unwrap();
+        x.lazy_clone().unwrap()
+    };
+    (host, rt, s, o, x, c)
+}
+
 /// A clone read on the block's own stream `s`, dropped; `s` then begins a capture; the steal on
 /// `t` still waits for the read `s` queued before its capture (the capture's tail event).
 #[test]
 fn a_steal_waits_for_a_read_queued_before_the_readers_capture() {
-    let host = Arc::new(host_driver());
-    let rt = runtime(sanitized(host.clone()));
-    let (s, t) = two_streams(&rt);
-    let x = filled_on(&rt, s, MIB, 1);
-    rt.driver().stream_synchronize(s).unwrap();
-    let c = {
-        let _on = rt.set_current_stream(t).unwrap();
-        x.lazy_clone().unwrap()
-    };
+    let (host, rt, s, t, x, c) = source_and_clone_made_on_another_stream();
     let dst = Storage::new_on(&rt, s, MIB).unwrap();
     let d = dst.mutable_data_ptr_on(s).unwrap();
     let gate = host.gate_stream(s).unwrap();
@@ -317,15 +331,7 @@ fn a_steal_waits_for_a_read_queued_before_the_readers_capture() {
 /// to, and the capture failed: "joined the capture but the origin never waited").
 #[test]
 fn an_eager_steal_does_not_join_the_capture_of_the_clone_stream() {
-    let host = Arc::new(host_driver());
-    let rt = runtime(sanitized(host.clone()));
-    let (s, cs) = two_streams(&rt);
-    let x = filled_on(&rt, s, MIB, 1);
-    rt.driver().stream_synchronize(s).unwrap();
-    let c = {
-        let _on = rt.set_current_stream(cs).unwrap();
-        x.lazy_clone().unwrap()
-    };
+    let (_host, rt, s, cs, x, c) = source_and_clone_made_on_another_stream();
     drop(c);
     let capture = rt.begin_capture(cs, None, CaptureMode::Relaxed).unwrap();
     let addr = x.mutable_data_ptr_on(s).unwrap();
@@ -345,15 +351,7 @@ fn an_eager_steal_does_not_join_the_capture_of_the_clone_stream() {
 /// (a wait across two captures used to invalidate both).
 #[test]
 fn a_steal_inside_one_capture_leaves_another_capture_valid() {
-    let host = Arc::new(host_driver());
-    let rt = runtime(sanitized(host.clone()));
-    let (s, t) = two_streams(&rt);
-    let x = filled_on(&rt, s, MIB, 1);
-    rt.driver().stream_synchronize(s).unwrap();
-    let c = {
-        let _on = rt.set_current_stream(t).unwrap();
-        x.lazy_clone().unwrap()
-    };
+    let (_host, rt, s, t, x, c) = source_and_clone_made_on_another_stream();
     drop(c);
     let b = rt.begin_capture(s, None, CaptureMode::Relaxed).unwrap();
     let a = rt.begin_capture(t, None, CaptureMode::Relaxed).unwrap();
@@ -398,11 +396,16 @@ fn launches_of_an_empty_graph_are_ordered_too() {
     }
 }
 
-/// Bytes a graph writes, freed into its pool and handed out to an eager allocation there: a
-/// replay writes into the other owner's memory. Reported even when the replay is ordered after
-/// the eager write (it used to go unseen: 1,044,463 bytes overwritten, no report).
-#[test]
-fn a_replay_into_bytes_its_pool_handed_out_since_is_reported() {
+/// A reporting runtime, a pool, and a capture into it on stream `cs` that allocated a block at
+/// `p` and wrote it; the block's storage is dropped (freed into the pool the capture holds).
+fn a_capture_writing_a_block_of_its_pool() -> (
+    Arc<Runtime>,
+    Arc<cudalloc::HostDriver>,
+    cudalloc::MemPool,
+    StreamId,
+    cudalloc::Capture,
+    cudalloc::DeviceAddr,
+) {
     let (rt, host) = reporting_runtime();
     let pool = rt.mem_pool(Default::default()).unwrap();
     let cs = rt.create_stream(0).unwrap();
@@ -415,8 +418,17 @@ fn a_replay_into_bytes_its_pool_handed_out_since_is_reported() {
         m.write(0, 0, &[5; 64])
     })
     .unwrap();
-    let graph = capture.end().unwrap();
-    drop(inside); // the graph still writes these bytes at every replay
+    drop(inside);
+    (rt, host, pool, cs, capture, p)
+}
+
+/// Bytes a graph writes, freed into its pool and handed out to an eager allocation there: a
+/// replay writes into the other owner's memory. Reported even when the replay is ordered after
+/// the eager write (it used to go unseen: 1,044,463 bytes overwritten, no report).
+#[test]
+fn a_replay_into_bytes_its_pool_handed_out_since_is_reported() {
+    let (rt, _host, pool, cs, capture, p) = a_capture_writing_a_block_of_its_pool();
+    let graph = capture.end().unwrap(); // it still writes the freed bytes at every replay
     graph.replay(cs).unwrap();
     rt.driver().stream_synchronize(cs).unwrap();
     let y = {
@@ -444,19 +456,7 @@ fn a_replay_into_bytes_its_pool_handed_out_since_is_reported() {
 /// input of a graph captured after it — that graph's replays are not reported.
 #[test]
 fn a_graph_captured_after_the_reuse_may_write_the_new_allocation() {
-    let (rt, host) = reporting_runtime();
-    let pool = rt.mem_pool(Default::default()).unwrap();
-    let cs = rt.create_stream(0).unwrap();
-    let capture = rt
-        .begin_capture(cs, Some(&pool), CaptureMode::Global)
-        .unwrap();
-    let inside = Storage::new_on(&rt, cs, MIB).unwrap();
-    let p = inside.mutable_data_ptr_on(cs).unwrap();
-    host.enqueue_host(cs, [HostRange::write(p, MIB)], |m: &mut HostMemory<1>| {
-        m.write(0, 0, &[5; 64])
-    })
-    .unwrap();
-    drop(inside);
+    let (rt, host, pool, cs, capture, _p) = a_capture_writing_a_block_of_its_pool();
     let _first = capture.end().unwrap();
     let y = {
         let _scope = rt.use_mem_pool(&pool, 0).unwrap();

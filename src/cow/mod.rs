@@ -53,9 +53,12 @@
 //! Inside a stream capture (`alloc/graph.rs`) a copier's copy is recorded into the graph — its
 //! memory from the graph's pool — and runs at every replay, reading the source as it is then (the
 //! source is an input of the graph: keep it alive while replaying). A stealer outside the capture
-//! does not wait for the capturing stream (its copy runs only at replays; a wait would join the
-//! capture), and `mutable_data_ptr()` does not wait for the copy (waiting is forbidden there; work
-//! captured after it runs after it). Tested in `tests/graphs_meet.rs`.
+//! waits only for the capturing stream's work before the capture (the capture's tail event: its
+//! copy runs only at replays, and a wait on the stream itself would join the capture); where that
+//! work is unknown (a capture the allocator did not begin) the last reference copies instead of
+//! stealing. `mutable_data_ptr()` does not wait for the copy (waiting is forbidden there; work
+//! captured after it runs after it). Tested in `tests/graphs_meet.rs` and
+//! `tests/lifecycle_handover.rs`.
 
 pub mod cell;
 mod context;

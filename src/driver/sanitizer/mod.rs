@@ -213,7 +213,7 @@ impl Sanitizer {
         let mut st = self.state.lock();
         let (slot, k) = self.check(&mut st, stream, what, touches)?;
         let out = enqueue()?;
-        self.commit(&mut st, slot, k, what, touches);
+        self.commit(&mut st, slot, k, what, touches, false);
         Ok(out)
     }
 
@@ -242,7 +242,7 @@ impl Sanitizer {
         let k = {
             let mut st = self.state.lock();
             let (slot, k) = self.check(&mut st, stream, what, touches)?;
-            self.commit(&mut st, slot, k.clone(), what, touches);
+            self.commit(&mut st, slot, k.clone(), what, touches, false);
             k
         };
         let out = run()?;
@@ -287,7 +287,7 @@ impl Sanitizer {
         k.tick(slot);
         self.check_touches(&mut st, slot, &k, WHAT, touches, Some(born))?;
         let out = enqueue()?;
-        self.commit_as(&mut st, slot, k.clone(), WHAT, touches, true);
+        self.commit(&mut st, slot, k.clone(), WHAT, touches, true);
         st.launches.insert(exec.0, k);
         Ok(out)
     }
@@ -380,22 +380,12 @@ impl Sanitizer {
         }
     }
 
-    fn commit(
-        &self,
-        st: &mut MutexGuard<'_, State>,
-        slot: usize,
-        k: VectorClock,
-        what: &str,
-        touches: &[Touch],
-    ) {
-        self.commit_as(st, slot, k, what, touches, false);
-    }
-
-    /// [`Self::commit`]; a `replay`'s touches of bytes freed into a pool that live graphs hold
-    /// are the graph's own and are not recorded (reuse of those bytes is the graph's pool's
+    /// Moves actor `slot` to clock `k` and records `touches` as its accesses at its new epoch; a
+    /// `replay`'s touches of bytes freed into a pool that live graphs hold are the graph's own and
+    /// are not recorded (reuse of those bytes is the graph's pool's
     /// affair: a capture sharing the pool follows the replays, and the bytes go back to the
     /// driver, which synchronizes, once the graphs are gone).
-    fn commit_as(
+    fn commit(
         &self,
         st: &mut MutexGuard<'_, State>,
         slot: usize,

@@ -159,7 +159,7 @@ impl State {
     }
 
     /// Records `access` on its bytes; `replay`: not on bytes freed into a pool live graphs hold
-    /// (the graph's own, see `Sanitizer::commit_as`).
+    /// (the graph's own, see `Sanitizer::commit`).
     pub(super) fn record(&mut self, access: Arc<Access>, replay: bool) {
         let (start, end) = (access.start, access.start + access.len);
         for (_, cell) in self.shadow.covering(start, end) {
