@@ -146,7 +146,9 @@ pub(crate) fn materialize(
                 other => other,
             })?;
         // The last reference steals the memory only where every stream that used it can be
-        // waited for; else it copies and the original is freed (its free waits for them).
+        // waited for; else it copies and the original is freed (its free waits for them). The
+        // hand-over reads the recorded streams again when it steals: another reference may
+        // record one and let go between this check and the decrement.
         let steal = ctx.cell.with_data(|original| {
             original
                 .and_then(DataPtr::block_owner)

@@ -46,19 +46,19 @@ pub(crate) struct AllocatorWide {
 /// the whole miss path (PyTorch's `AllocParams`): the size asked for, its rounded size and the
 /// pool kind that serves it. The segment size of a miss is derived from it where a segment is made.
 #[derive(Clone, Copy, Debug)]
-pub(in crate::alloc) struct Request {
+pub(super) struct Request {
     /// The bytes asked for.
-    pub(in crate::alloc) requested: u64,
+    pub(super) requested: u64,
     /// `requested` rounded (`size::round_size`).
-    pub(in crate::alloc) rounded: u64,
+    pub(super) rounded: u64,
     /// The small or large pool.
-    pub(in crate::alloc) pool: PoolKind,
+    pub(super) pool: PoolKind,
 }
 
 impl Request {
     /// The request for `requested` bytes under `config`'s rounding.
     #[inline]
-    pub(in crate::alloc) fn new(requested: u64, config: &AllocatorConfig) -> Self {
+    pub(super) fn new(requested: u64, config: &AllocatorConfig) -> Self {
         let rounded = size::round_size(requested, config);
         Request {
             requested,
@@ -212,7 +212,7 @@ impl DeviceCore {
     }
 
     /// Best fit in the shard (after polling its events), allocating on success.
-    pub(in crate::alloc) fn try_fit(&self, shard: &Shard, req: &Request) -> Option<Allocated> {
+    pub(super) fn try_fit(&self, shard: &Shard, req: &Request) -> Option<Allocated> {
         let Request {
             requested,
             rounded,

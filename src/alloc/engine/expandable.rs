@@ -366,7 +366,7 @@ impl DeviceCore {
     /// The expandable miss path: maps just enough pages of the shard's expandable segment of
     /// `pool` (made on first use) for `rounded` bytes, then allocates from it. `Ok(None)` when the
     /// device (or the memory fraction, or the reservation) has no room.
-    pub(in crate::alloc) fn grow_expandable(
+    pub(super) fn grow_expandable(
         &self,
         shard: &Shard,
         req: &Request,

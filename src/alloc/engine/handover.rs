@@ -44,7 +44,7 @@ impl Shard {
     /// A thread's front cache takes over the `bytes` at `ptr` of a block only this shard's stream
     /// used: the same thread takes it next on the same stream, so nothing is waited for. For the
     /// sanitizer and the history the program freed the block (its next hand-out is an alloc).
-    pub(crate) fn leave_to_front(&self, ptr: u64, bytes: u64) {
+    pub(in crate::alloc) fn leave_to_front(&self, ptr: u64, bytes: u64) {
         if let Some(sanitizer) = &self.sanitizer {
             sanitizer.free(ptr, bytes, self.stream, &[], false);
         }
@@ -55,7 +55,7 @@ impl Shard {
     /// a front cache): the sanitizer checks that every access on another stream was ordered
     /// before their free.
     #[inline]
-    pub(crate) fn handed_out(&self, ptr: u64, len: u64) {
+    pub(in crate::alloc) fn handed_out(&self, ptr: u64, len: u64) {
         if let Some(sanitizer) = &self.sanitizer {
             let captured = self.core.capturing.any()
                 && self
@@ -72,12 +72,12 @@ impl Shard {
     /// without a free between: every stream that used them can be waited for from `to`
     /// ([`DeviceCore::order`]). When not, the new owner copies instead and the block is freed —
     /// a free waits for what a wait cannot (`capturing.rs` defers it past the captures).
-    pub(crate) fn can_hand_over_in_place(&self, id: BlockId, to: StreamId) -> bool {
+    pub(in crate::alloc) fn can_hand_over_in_place(&self, id: BlockId, to: StreamId) -> bool {
         let uses = self.state.lock().blocks[id].stream_uses.clone();
         std::iter::once(self.stream)
             .chain(uses)
             .filter(|&s| s != to)
-            .all(|used| !matches!(self.core.order(to, used), Ok(Order::Impossible) | Err(_)))
+            .all(|used| matches!(self.core.order(to, used), Ok(o) if o != Order::Impossible))
     }
 
     /// The bytes of handed-out block `id` go to a new owner without a free between (a lazy
@@ -86,7 +86,7 @@ impl Shard {
     /// recorded uses stay: the block's eventual free waits for them again, as `record_stream`
     /// promises its caller. Infallible: a wait that cannot be made is logged (the caller asked
     /// [`Shard::can_hand_over_in_place`] first).
-    pub(crate) fn hand_over_in_place(&self, id: BlockId, to: StreamId) {
+    pub(in crate::alloc) fn hand_over_in_place(&self, id: BlockId, to: StreamId) {
         let uses = self.state.lock().blocks[id].stream_uses.clone();
         for used in std::iter::once(self.stream)
             .chain(uses)
@@ -101,7 +101,7 @@ impl Shard {
 
 /// How work next enqueued on one stream is ordered after another stream's work so far.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Order {
+pub(in crate::alloc) enum Order {
     /// Neither is captured, or both are in one capture: a stream-ordered wait.
     StreamWait,
     /// The waiting stream is captured and the other is not: the host waits for it (this
@@ -119,7 +119,7 @@ pub(crate) enum Order {
 
 impl DeviceCore {
     /// How `to` can be ordered after `used` now.
-    pub(crate) fn order(&self, to: StreamId, used: StreamId) -> Result<Order> {
+    pub(in crate::alloc) fn order(&self, to: StreamId, used: StreamId) -> Result<Order> {
         // Asked of the driver even while this allocator runs no capture: a library may capture a
         // stream through the driver alone, and a wait on it would join that capture.
         let graphs = self.driver.graphs();
@@ -141,7 +141,7 @@ impl DeviceCore {
 
     /// Makes work next enqueued on `to` wait for the work queued on `used` so far (see
     /// [`Order`]); an error when that cannot be done.
-    pub(crate) fn order_after(&self, to: StreamId, used: StreamId) -> Result<()> {
+    pub(in crate::alloc) fn order_after(&self, to: StreamId, used: StreamId) -> Result<()> {
         if to == used {
             return Ok(());
         }
@@ -164,7 +164,7 @@ impl DeviceCore {
 
 /// Runs `f` with this thread's capture interaction mode relaxed (a host wait for work outside a
 /// capture, which a global capture would otherwise forbid), restoring it after.
-pub(crate) fn relaxed<R>(driver: &Arc<dyn Driver>, f: impl FnOnce() -> R) -> R {
+fn relaxed<R>(driver: &Arc<dyn Driver>, f: impl FnOnce() -> R) -> R {
     let before = driver.graphs().exchange_capture_mode(CaptureMode::Relaxed);
     let out = f();
     driver.graphs().exchange_capture_mode(before);

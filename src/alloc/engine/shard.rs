@@ -39,50 +39,50 @@ use crate::sync::os::Arc;
 impl Shard {
     /// The stream whose blocks this shard holds.
     #[inline]
-    pub(crate) fn stream(&self) -> StreamId {
+    pub(in crate::alloc) fn stream(&self) -> StreamId {
         self.stream
     }
 
     /// The device of the shard.
     #[inline]
-    pub(crate) fn device(&self) -> usize {
+    pub(in crate::alloc) fn device(&self) -> usize {
         self.core.device
     }
 
     /// `thread_cache_mb` in bytes (0: no front caches).
     #[inline]
-    pub(crate) fn front_limit(&self) -> u64 {
+    pub(in crate::alloc) fn front_limit(&self) -> u64 {
         self.front_limit
     }
 
     /// The process of the allocator: a forked child's blocks release nothing.
     #[inline]
-    pub(crate) fn birth(&self) -> Birth {
+    pub(in crate::alloc) fn birth(&self) -> Birth {
         self.birth
     }
 
     /// Whether the shard's pool is a tag that sleeps (`sleep.rs`).
     #[inline]
-    pub(crate) fn is_sleeping(&self) -> bool {
+    pub(in crate::alloc) fn is_sleeping(&self) -> bool {
         self.sleeping.load(Ordering::SeqCst)
     }
 
     /// The error of a refused use of this shard's sleeping memory: `what` was refused.
     #[cold]
-    pub(crate) fn asleep_error(&self, what: &str) -> Error {
+    pub(in crate::alloc) fn asleep_error(&self, what: &str) -> Error {
         self.core.asleep_error(self, what)
     }
 
     /// A block for `requested` bytes from the calling thread's front cache of this shard.
     #[inline]
-    pub(crate) fn take_from_front(&self, requested: u64) -> Option<Allocated> {
+    pub(in crate::alloc) fn take_from_front(&self, requested: u64) -> Option<Allocated> {
         self.core.take_from_front(self, requested)
     }
 
     /// Allocates `requested` bytes on this shard's stream: PyTorch's whole sequence on a miss
     /// (`device.rs`); `lender` as [`DeviceCore::allocate`] says.
     #[inline]
-    pub(crate) fn allocate(
+    pub(in crate::alloc) fn allocate(
         &self,
         requested: u64,
         lender: &mut Option<Arc<Shard>>,
@@ -91,14 +91,14 @@ impl Shard {
     }
 
     /// Appends this shard's segments to `out` (a pool's snapshot).
-    pub(crate) fn segments_into(&self, out: &mut Vec<SnapshotSegment>) {
+    pub(in crate::alloc) fn segments_into(&self, out: &mut Vec<SnapshotSegment>) {
         let st = self.state.lock();
         super::snapshot::shard_segments(&st, self.core.device, self.stream, out);
     }
 
     /// This shard's statistics as its pool's: the accumulated counts of earlier pools that held
     /// the shard left out.
-    pub(crate) fn pool_stats(&self) -> DeviceStats {
+    pub(in crate::alloc) fn pool_stats(&self) -> DeviceStats {
         let st = self.state.lock();
         let mut own = st.stats.clone();
         own.subtract_accumulated(&st.pool_base);
