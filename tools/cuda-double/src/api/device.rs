@@ -196,8 +196,10 @@ pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CuResult {
         let d = double()?;
         let device = d.device(dev)?;
         let ctx = &device.context;
+        // Held through the teardown: a retain racing the last release waits for it and then
+        // finds a fresh context, instead of making streams and memory the teardown then takes.
+        let mut retains = ctx.retains.lock().unwrap_or_else(|p| p.into_inner());
         {
-            let mut retains = ctx.retains.lock().unwrap_or_else(|p| p.into_inner());
             if *retains == 0 {
                 return Err(Fail::violation(
                     codes::INVALID_CONTEXT,
@@ -234,6 +236,7 @@ pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CuResult {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .retain(|_, base| d.memory.resolve(*base, 0).is_ok());
+        drop(retains);
         Ok(())
     })
 }
