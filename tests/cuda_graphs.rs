@@ -492,7 +492,7 @@ fn a_capture_begun_by_someone_else_is_routed_to_a_pool() {
 fn a_graph_outliving_its_allocator_still_replays_and_gives_its_memory_back() {
     let _alone = common::device_alone();
     let (d, a) = setup();
-    let before = d.mem_info(0).unwrap().free;
+    let before = common::free_baseline(&d);
     let s = a.create_stream(0).unwrap();
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let tmp = a.allocate_on(s, MIB).unwrap();

@@ -221,8 +221,18 @@ fn a_growth_that_runs_out_of_memory_half_way_gives_its_pages_back() {
         let page = d.vm().vm_granularity(0).unwrap();
         let room = d.mem_info(0).unwrap().free / page * page;
         let big = a.allocate(0, room - 3 * page).unwrap();
+        // A GPU's free memory also moves with the page tables its driver makes for mappings:
+        // there the free bytes are compared as bounds, elsewhere exactly.
+        let exact = b.name == "host" || on_the_double();
         let free_before = d.mem_info(0).unwrap().free;
-        assert_eq!(free_before, 3 * page, "{}", b.name);
+        if exact {
+            assert_eq!(free_before, 3 * page, "{}", b.name);
+        } else {
+            assert!(
+                free_before >= 3 * page && free_before < 5 * page,
+                "{free_before}"
+            );
+        }
         let err = a.allocate(0, 5 * page).unwrap_err();
         assert_eq!(
             err.kind(),
@@ -230,19 +240,26 @@ fn a_growth_that_runs_out_of_memory_half_way_gives_its_pages_back() {
             "{}: {err}",
             b.name
         );
-        assert_eq!(
-            d.mem_info(0).unwrap().free,
-            free_before,
-            "{}: chunks released",
-            b.name
-        );
+        let free_after = d.mem_info(0).unwrap().free;
+        if exact {
+            assert_eq!(free_after, free_before, "{}: chunks released", b.name);
+        } else {
+            assert!(free_after >= free_before, "{}: chunks released", b.name);
+        }
         assert_eq!(reserved(&a), room - 3 * page, "{}", b.name);
         a.check_invariants().unwrap();
         let fits = a.allocate(0, 3 * page).unwrap();
-        assert_eq!(d.mem_info(0).unwrap().free, 0, "{}", b.name);
+        if exact {
+            assert_eq!(d.mem_info(0).unwrap().free, 0, "{}", b.name);
+        }
         drop((big, fits));
         a.empty_cache();
         assert_eq!(reserved(&a), 0, "{}", b.name);
-        assert_eq!(d.mem_info(0).unwrap().free, room, "{}", b.name);
+        let free_end = d.mem_info(0).unwrap().free;
+        if exact {
+            assert_eq!(free_end, room, "{}", b.name);
+        } else {
+            assert!(free_end >= room, "{}: every page back", b.name);
+        }
     }
 }

@@ -25,6 +25,7 @@ use super::capturing::{CaptureRoutes, GraphHold};
 use super::mem_pool::MemPool;
 use super::pool_id::MemPoolOptions;
 use super::{CachingAllocator, DeviceCore};
+use crate::driver::capability::relaxed;
 use crate::driver::{CaptureMode, Driver, GraphExecId, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
@@ -272,7 +273,10 @@ impl Capture {
     pub fn end(mut self) -> Result<Graph> {
         let graph = self.finish()?;
         let r = &self.route;
-        let made = r.driver.graphs().graph_instantiate(graph);
+        // Relaxed: another capture of this thread, or another thread's global one, would
+        // prohibit instantiating (CUDA refuses it, seen on an H200); the graph is ours to make.
+        let graphs = r.driver.graphs();
+        let made = relaxed(graphs, || graphs.graph_instantiate(graph));
         let nodes = r.driver.graphs().graph_node_count(graph).unwrap_or(0);
         if let Err(err) = r.driver.graphs().graph_destroy(graph) {
             tracing::debug!(%err, "destroying a captured graph after instantiating it failed");

@@ -437,3 +437,25 @@ macro_rules! own_capabilities {
     };
 }
 pub(crate) use own_capabilities;
+
+/// Runs `f` with this thread's capture interaction mode relaxed, restored after (also when `f`
+/// panics): calls a capture of this thread (or another thread's global one) would prohibit —
+/// allocating a segment, a host wait for work outside the capture, instantiating a graph — are
+/// the allocator's own and safe to make from here. PyTorch makes its allocations during captures
+/// the same way.
+pub(crate) fn relaxed<R>(graphs: &dyn Graphs, f: impl FnOnce() -> R) -> R {
+    struct Restore<'a> {
+        graphs: &'a dyn Graphs,
+        mode: CaptureMode,
+    }
+    impl Drop for Restore<'_> {
+        fn drop(&mut self) {
+            self.graphs.exchange_capture_mode(self.mode);
+        }
+    }
+    let _restore = Restore {
+        graphs,
+        mode: graphs.exchange_capture_mode(CaptureMode::Relaxed),
+    };
+    f()
+}

@@ -133,3 +133,17 @@ impl fmt::Display for GraphExecId {
         write!(f, "graph exec {}", self.0)
     }
 }
+
+/// The refusal of launching `exec` on capturing `stream`: CUDA cannot capture a graph launch (an
+/// H200 answered `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidated the capture); refused
+/// here before CUDA sees it, the capture goes on.
+pub(crate) fn launch_in_capture(
+    exec: GraphExecId,
+    stream: crate::driver::StreamId,
+) -> crate::error::Error {
+    crate::error::Error::capture(format!(
+        "{exec} cannot be launched on stream {}, which is being captured: CUDA does not capture \
+         graph launches (launch it before the capture begins or after it ends; nothing was done)",
+        stream.0
+    ))
+}

@@ -632,17 +632,19 @@ impl Server<'_> {
     }
 }
 
-/// The descriptors of a batch, one per distinct file (chunks carved from one arena share it), and
-/// the record of each page: which of them, at which offset.
+/// The descriptors of a batch, one per distinct regular file (chunks carved from one arena share
+/// it; descriptors that are no regular file, as CUDA's, each stay their own), and the record of
+/// each page: which of them, at which offset.
 fn distinct_files(
     chunks: Vec<ExportedChunk>,
 ) -> crate::error::Result<(Vec<OwnedFd>, Vec<PageRecord>)> {
     let mut fds: Vec<OwnedFd> = Vec::new();
-    let mut files: Vec<(u64, u64)> = Vec::new();
+    let mut files: Vec<Option<(u64, u64)>> = Vec::new();
     let mut records = Vec::with_capacity(chunks.len());
     for chunk in chunks {
         let identity = socket::file_identity(&chunk.fd)?;
-        let at = match files.iter().position(|f| *f == identity) {
+        let known = identity.and_then(|id| files.iter().position(|f| *f == Some(id)));
+        let at = match known {
             Some(at) => at, // the same file: this duplicate descriptor is closed here
             None => {
                 files.push(identity);
@@ -724,4 +726,47 @@ fn send_some(stream: &UnixStream, out: &mut Outgoing) -> Sent {
         }
     }
     Sent::All
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exported(fd: OwnedFd, offset: u64) -> ExportedChunk {
+        ExportedChunk { fd, offset }
+    }
+
+    /// On an H200, CUDA's exported descriptors of different chunks showed one inode: merged as one
+    /// file, the consumer mapped a storage's first page in place of its second (about 1 MiB of a
+    /// 3 MiB storage read wrong). Two descriptors of one device file stand for two chunks here.
+    #[test]
+    fn descriptors_that_are_no_regular_file_are_never_merged() {
+        let open = || {
+            rustix::fs::open(
+                "/dev/null",
+                rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+                rustix::fs::Mode::empty(),
+            )
+            .unwrap()
+        };
+        let (fds, records) =
+            distinct_files(vec![exported(open(), 0), exported(open(), 0)]).unwrap();
+        assert_eq!(fds.len(), 2);
+        let at: Vec<u32> = records.iter().map(|r| r.fd_index).collect();
+        assert_eq!(at, [0, 1]);
+    }
+
+    /// Chunks carved from one arena (a regular file) still travel as one descriptor.
+    #[test]
+    fn chunks_of_one_regular_file_share_a_descriptor() {
+        let (fd, _) = crate::shm::vm::Chunk::create(8192)
+            .unwrap()
+            .export()
+            .unwrap();
+        let again = fd.try_clone().unwrap();
+        let (fds, records) = distinct_files(vec![exported(fd, 0), exported(again, 4096)]).unwrap();
+        assert_eq!(fds.len(), 1);
+        let at: Vec<(u32, u64)> = records.iter().map(|r| (r.fd_index, r.offset)).collect();
+        assert_eq!(at, [(0, 0), (0, 4096)]);
+    }
 }

@@ -230,10 +230,16 @@ pub(crate) fn peer_credentials(stream: &UnixStream) -> Result<PeerCredentials> {
     })
 }
 
-/// The (device, inode) of the file `fd` names: two descriptors of one file name the same memory.
-pub(crate) fn file_identity(fd: &OwnedFd) -> Result<(u64, u64)> {
+/// The (device, inode) of the file `fd` names when it is a regular file (a memfd, a file in
+/// `/dev/shm`): two descriptors of one regular file name the same memory, at their offsets.
+/// `None` for anything else: descriptors a driver exports for its memory (CUDA's POSIX handles)
+/// may all show one inode of a device or an anonymous file while each stands for other memory —
+/// seen on an H200, where merging them mapped a storage's first page in place of its second.
+pub(crate) fn file_identity(fd: &OwnedFd) -> Result<Option<(u64, u64)>> {
     let st = rustix::fs::fstat(fd).map_err(|e| Error::host_os("fstat", std::io::Error::from(e)))?;
-    Ok((st.st_dev, st.st_ino))
+    let regular =
+        rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::RegularFile;
+    Ok(regular.then_some((st.st_dev, st.st_ino)))
 }
 
 /// Bytes we sent on `stream` that the peer has not read yet (`SIOCOUTQ`): descriptors in them are
@@ -452,7 +458,13 @@ mod tests {
         );
         let (fd, _) = Chunk::create(4096).unwrap().export().unwrap();
         let again = fd.try_clone().unwrap();
-        assert_eq!(file_identity(&fd).unwrap(), file_identity(&again).unwrap());
+        let identity = file_identity(&fd).unwrap();
+        assert!(identity.is_some(), "a memfd is a regular file");
+        assert_eq!(identity, file_identity(&again).unwrap());
+        // Not a regular file: never taken for the same memory as another descriptor.
+        let (r, w) = rustix::pipe::pipe().unwrap();
+        assert_eq!(file_identity(&r).unwrap(), None);
+        drop(w);
     }
 
     #[test]

@@ -156,6 +156,51 @@ pub fn double_violations() -> Option<u64> {
     Some(f())
 }
 
+/// Whether the suites run on a real GPU: the CUDA backend over a `libcuda` that is not the
+/// contract double (asked after the driver loaded it).
+pub fn real_gpu() -> bool {
+    cuda_suite() && !on_the_double()
+}
+
+/// Whether the loaded `libcuda` is the contract double.
+pub fn on_the_double() -> bool {
+    double_symbol(c"cuda_double_violations").is_some()
+}
+
+/// The free device memory a test expects back once it freed everything: the whole device on the
+/// host backend and on the double; on a GPU, what is free after a warm-up — CUDA keeps memory for
+/// its context, the loaded kernels and graph launches, which no free of cudalloc's gives back.
+pub fn free_baseline(driver: &Arc<dyn Driver>) -> u64 {
+    let total = driver.mem_info(0).unwrap().total;
+    if !real_gpu() {
+        return total;
+    }
+    let stream = driver.stream_create(0).unwrap();
+    let ptr = driver.malloc(0, 1 << 21).unwrap();
+    driver
+        .kernels()
+        .fill_pattern(stream, ptr, 1 << 21, 1)
+        .unwrap();
+    driver
+        .kernels()
+        .count_pattern_mismatches(stream, ptr, 1 << 21, 1)
+        .unwrap();
+    let graphs = driver.graphs();
+    graphs
+        .stream_begin_capture(stream, cudalloc::CaptureMode::ThreadLocal)
+        .unwrap();
+    driver.memset(stream, ptr, 0, 4096).unwrap();
+    let graph = graphs.stream_end_capture(stream).unwrap();
+    let exec = graphs.graph_instantiate(graph).unwrap();
+    graphs.graph_launch(exec, stream).unwrap();
+    driver.stream_synchronize(stream).unwrap();
+    graphs.graph_exec_destroy(exec).unwrap();
+    graphs.graph_destroy(graph).unwrap();
+    driver.free(ptr).unwrap();
+    driver.stream_destroy(stream).unwrap();
+    driver.mem_info(0).unwrap().free
+}
+
 /// Announces to the contract double that this thread is about to commit `n` prohibited driver
 /// calls on purpose (a test of a prohibition): they are logged as expected, not as violations.
 /// Returns whether the double is loaded (elsewhere nothing is announced).

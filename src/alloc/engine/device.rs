@@ -13,6 +13,7 @@
 //! malloc again → wait for every pending event, free every cached segment of the device, best fit
 //! and malloc again → out-of-memory error.
 
+use crate::driver::capability::relaxed;
 use std::collections::HashMap;
 
 use super::snapshot::{self, SnapshotSegment};
@@ -28,7 +29,7 @@ use crate::alloc::registration::RegionKind;
 use crate::alloc::size::{self, PoolKind};
 use crate::alloc::stats::DeviceStats;
 use crate::config::AllocatorConfig;
-use crate::driver::{CaptureMode, Driver, EventFlags, EventId, StreamId};
+use crate::driver::{Driver, EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -341,15 +342,13 @@ impl DeviceCore {
             .graphs()
             .stream_capture_status(shard.stream)
             .is_ok_and(|s| s.is_capturing());
-        let before = capturing.then(|| {
-            self.driver
-                .graphs()
-                .exchange_capture_mode(CaptureMode::Relaxed)
-        });
-        let got = self.new_memory(shard, req, &mut cause);
-        if let Some(mode) = before {
-            self.driver.graphs().exchange_capture_mode(mode);
-        }
+        let got = if capturing {
+            relaxed(self.driver.graphs(), || {
+                self.new_memory(shard, req, &mut cause)
+            })
+        } else {
+            self.new_memory(shard, req, &mut cause)
+        };
         if let Some(hit) = got? {
             return Ok(hit);
         }

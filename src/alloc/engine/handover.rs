@@ -23,9 +23,9 @@ use super::DeviceCore;
 use super::Shard;
 use super::ShardState;
 use crate::alloc::block::BlockId;
-use crate::driver::{CaptureMode, Driver, EventId, StreamId};
+use crate::driver::capability::relaxed;
+use crate::driver::{EventId, StreamId};
 use crate::error::{Error, Result};
-use crate::sync::os::Arc;
 
 impl Shard {
     /// The owner of handed-out block `id` gave it up (a free): its statistics are settled and the
@@ -148,9 +148,11 @@ impl DeviceCore {
         let driver = &self.driver;
         match self.order(to, used)? {
             Order::StreamWait => driver.stream_wait_stream(to, used),
-            Order::HostWaitStream => relaxed(driver, || driver.stream_synchronize(used)),
+            Order::HostWaitStream => relaxed(driver.graphs(), || driver.stream_synchronize(used)),
             Order::WaitTail(tail) => driver.stream_wait_event(to, tail),
-            Order::HostWaitTail(tail) => relaxed(driver, || driver.event_synchronize(tail)),
+            Order::HostWaitTail(tail) => {
+                relaxed(driver.graphs(), || driver.event_synchronize(tail))
+            }
             Order::Impossible => Err(Error::capture(format!(
                 "stream {} is being captured and the end of its work before the capture is not \
                  known (a capture this allocator did not begin, or a stream that joined one): it \
@@ -160,13 +162,4 @@ impl DeviceCore {
             ))),
         }
     }
-}
-
-/// Runs `f` with this thread's capture interaction mode relaxed (a host wait for work outside a
-/// capture, which a global capture would otherwise forbid), restoring it after.
-fn relaxed<R>(driver: &Arc<dyn Driver>, f: impl FnOnce() -> R) -> R {
-    let before = driver.graphs().exchange_capture_mode(CaptureMode::Relaxed);
-    let out = f();
-    driver.graphs().exchange_capture_mode(before);
-    out
 }

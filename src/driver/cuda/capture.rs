@@ -204,6 +204,9 @@ impl CudaDriver {
                 e.device, stream.0, s.device
             )));
         }
+        if self.raw_capture(&s)?.is_capturing() {
+            return Err(crate::driver::capture::launch_in_capture(exec, stream));
+        }
         // SAFETY: a live instantiated graph and a live stream of the same (bound) context.
         check("cuGraphLaunch", unsafe {
             sys::cuGraphLaunch(e.raw.0, s.raw.0)

@@ -254,6 +254,11 @@ impl Captures {
             return None;
         };
         let capture = table.captures.get(&id)?;
+        if let Some(why) = &capture.invalid {
+            return Some(Err(Error::capture(format!(
+                "capture {id} was invalidated ({why}): no event can be recorded into it"
+            ))));
+        }
         let point = Point {
             capture: id,
             stream,
@@ -351,24 +356,31 @@ impl Captures {
         let Some(capture) = table.captures.get(&id) else {
             return Err(Error::capture(format!("capture {id} vanished")));
         };
+        // As CUDA does (seen on an H200): an end on a joined stream invalidates the capture, which
+        // goes on until its origin ends it; an end on the wrong thread ends it, without a graph.
         if capture.origin != stream {
-            return Err(Error::capture(format!(
+            let why = format!(
                 "capture {id} began on stream {}: end it there, not on stream {}",
                 capture.origin.0, stream.0
-            )));
+            );
+            table.invalidate(id, &why);
+            return Err(Error::capture(format!("{why}; the capture is invalidated")));
         }
-        if capture.mode != CaptureMode::Relaxed && capture.thread != std::thread::current().id() {
-            return Err(Error::capture(format!(
-                "capture {id} ({:?} mode) must be ended by the thread that began it",
-                capture.mode
-            )));
-        }
+        let wrong_thread =
+            capture.mode != CaptureMode::Relaxed && capture.thread != std::thread::current().id();
         let Some(capture) = table.captures.remove(&id) else {
             return Err(Error::capture(format!("capture {id} vanished")));
         };
         self.active.fetch_sub(1, Ordering::AcqRel);
         table.streams.retain(|_, c| *c != id);
         table.points.retain(|_, p| p.capture != id);
+        if wrong_thread {
+            return Err(Error::capture(format!(
+                "capture {id} ({:?} mode) must be ended by the thread that began it; it ended \
+                 without a graph",
+                capture.mode
+            )));
+        }
         if let Some(why) = capture.invalid {
             return Err(Error::capture(format!(
                 "capture {id} was invalidated: {why}"

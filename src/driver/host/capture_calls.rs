@@ -34,13 +34,15 @@ impl HostDriver {
 
     pub(super) fn instantiate_graph(&self, graph: GraphId) -> Result<GraphExecId> {
         self.this_process()?;
+        // Unsafe during a capture that prohibits it, as on CUDA (it may allocate).
+        self.captures.check_unsafe("graph_instantiate")?;
         self.captures.instantiate(graph)
     }
 
     /// Enqueues the nodes of `exec` on `stream` in their order, after checking every node's
     /// ranges against the live segments (all of them before any is enqueued: a graph whose memory
-    /// was freed is an error of the launch, and nothing of it runs). On a capturing stream the
-    /// nodes are recorded into that capture instead (a graph inside a graph).
+    /// was freed is an error of the launch, and nothing of it runs). On a capturing stream it is
+    /// refused, as on CUDA (`driver::capture::launch_in_capture`).
     ///
     /// Launches of one instantiated graph run one after the other, as CUDA runs them: a launch on
     /// another stream than the latest one's first waits for it (held across the enqueue, so two
@@ -51,14 +53,7 @@ impl HostDriver {
         let nodes = &graph.nodes;
         let s = self.stream(stream)?;
         if self.captures.status(stream).is_capturing() {
-            for node in nodes.iter() {
-                self.captures
-                    .record(stream, || node.clone())
-                    .unwrap_or_else(|| {
-                        Err(Error::capture("the capture ended during the launch"))
-                    })?;
-            }
-            return Ok(());
+            return Err(crate::driver::capture::launch_in_capture(exec, stream));
         }
         let view = self.segments.view();
         let mut ready = Vec::with_capacity(nodes.len());

@@ -509,13 +509,11 @@ impl Graphs for SanitizedDriver {
     fn graph_launch(&self, exec: GraphExecId, stream: StreamId) -> Result<()> {
         self.birth.check("this sanitized driver")?;
         // A replay is checked and recorded like eager work: one operation touching everything
-        // the graph's nodes touch (inside a capture, its touches join that capture's).
-        let (touches, born) = self.sanitizer.exec_touches(exec);
-        if let Some(capture) = self.capture_of(stream) {
-            self.inner.graphs().graph_launch(exec, stream)?;
-            self.sanitizer.captured(capture, &touches);
-            return Ok(());
+        // the graph's nodes touch. A launch on a capturing stream is refused by every backend.
+        if self.capture_of(stream).is_some() {
+            return self.inner.graphs().graph_launch(exec, stream);
         }
+        let (touches, born) = self.sanitizer.exec_touches(exec);
         self.sanitizer.launch(exec, born, stream, &touches, || {
             self.inner.graphs().graph_launch(exec, stream)
         })

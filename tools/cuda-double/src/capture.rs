@@ -16,8 +16,10 @@
 //! | sync/query of a capturing stream, of an event marking a point | violation (`STREAM_CAPTURE_UNSUPPORTED`), capture invalidated |
 //! | `cuMemFree`, `cuCtxSynchronize` while a stream of the context captures | violation: they synchronize the context |
 //! | any work on the legacy stream while a blocking stream of its context captures | violation (`STREAM_CAPTURE_IMPLICIT`) |
-//! | *unsafe* calls (allocation, free, VM map/unmap, IPC open/close, syncs and queries) while this thread is prohibited | violation (`STREAM_CAPTURE_UNSUPPORTED`), the prohibiting capture invalidated |
-//! | `cuStreamEndCapture` | the graph; violation when not the origin, on the wrong thread (modes other than relaxed) or with a forked stream never joined back; `STREAM_CAPTURE_INVALIDATED` (an outcome: its cause was reported) when invalidated |
+//! | *unsafe* calls (allocation, free, VM map/unmap, IPC open/close, graph instantiation, syncs and queries) while this thread is prohibited | violation (`STREAM_CAPTURE_UNSUPPORTED`), the prohibiting capture invalidated |
+//! | `cuStreamEndCapture` | the graph; violation when not the origin (the capture is invalidated and goes on), on the wrong thread (modes other than relaxed: the capture ends without a graph) or with a forked stream never joined back; `STREAM_CAPTURE_INVALIDATED` (an outcome: its cause was reported) when invalidated |
+//! | `cuGraphLaunch` on a capturing stream | violation (`STREAM_CAPTURE_UNSUPPORTED`), capture invalidated |
+//! | `cuGraphInstantiateWithFlags` | an *unsafe* call (below) |
 //!
 //! A thread is prohibited, by its mode (`cuThreadExchangeStreamCaptureMode`, global unless
 //! exchanged): global — while it began a capture that is not relaxed, or another thread began a
@@ -242,6 +244,27 @@ impl Captures {
         self.check_unsafe(what)
     }
 
+    /// The violation of `what`, which CUDA cannot capture, on a capturing stream (the capture is
+    /// invalidated).
+    pub fn refuse_on_capturing(&self, stream: &Arc<Stream>, what: &str) -> Checked<()> {
+        if !self.any() {
+            return Ok(());
+        }
+        let mut table = self.lock();
+        match table.streams.get(&key(stream)).map(|m| m.capture) {
+            Some(id) => {
+                table.invalidate(id, &format!("{what} on a capturing stream"));
+                Err(violation(
+                    codes::STREAM_CAPTURE_UNSUPPORTED,
+                    what,
+                    id,
+                    "cannot be captured",
+                ))
+            }
+            None => Ok(()),
+        }
+    }
+
     /// [`Self::check_unsafe`], and the violation of querying or waiting on a point's event.
     pub fn check_event(&self, event: usize, what: &str) -> Checked<()> {
         if !self.any() {
@@ -369,6 +392,12 @@ impl Captures {
                 .map(Err);
         };
         let capture = table.captures.get(&id)?;
+        if let Some(why) = &capture.invalid {
+            return Some(Err(Fail::outcome(
+                codes::STREAM_CAPTURE_INVALIDATED,
+                format!("capture {id} was invalidated ({why})"),
+            )));
+        }
         let point = Point {
             capture: id,
             stream: key(stream),
@@ -516,27 +545,36 @@ impl Captures {
         let Some(capture) = table.captures.get(&id) else {
             return Err(Fail::violation(codes::UNKNOWN, "a capture vanished"));
         };
+        // Seen on an H200: an end on a joined stream invalidates the capture (it goes on until
+        // its origin ends it); an end on the wrong thread ends it, without a graph.
         if capture.origin != me {
+            table.invalidate(id, "it was ended on a stream that joined it");
             return Err(Fail::violation(
                 codes::STREAM_CAPTURE_UNMATCHED,
-                format!("capture {id} is ended on a stream that joined it, not its origin"),
-            ));
-        }
-        if capture.mode != MODE_RELAXED && capture.thread != std::thread::current().id() {
-            return Err(Fail::violation(
-                codes::STREAM_CAPTURE_WRONG_THREAD,
                 format!(
-                    "capture {id} (mode {}) is ended by another thread than began it",
-                    capture.mode
+                    "capture {id} is ended on a stream that joined it, not its origin; the \
+                     capture is invalidated"
                 ),
             ));
         }
+        let wrong_thread =
+            capture.mode != MODE_RELAXED && capture.thread != std::thread::current().id();
         let Some(capture) = table.captures.remove(&id) else {
             return Err(Fail::violation(codes::UNKNOWN, "a capture vanished"));
         };
         self.active.fetch_sub(1, Ordering::AcqRel);
         table.streams.retain(|_, m| m.capture != id);
         table.points.retain(|_, p| p.capture != id);
+        if wrong_thread {
+            return Err(Fail::violation(
+                codes::STREAM_CAPTURE_WRONG_THREAD,
+                format!(
+                    "capture {id} (mode {}) is ended by another thread than began it; it ended \
+                     without a graph",
+                    capture.mode
+                ),
+            ));
+        }
         if let Some(why) = capture.invalid {
             return Err(Fail::outcome(
                 codes::STREAM_CAPTURE_INVALIDATED,

@@ -201,14 +201,12 @@ fn capture_rules_are_enforced_and_legitimate_captures_are_clean() {
             codes::STREAM_CAPTURE_UNMATCHED,
             "not its origin",
         );
-        clean(cuEventRecord(join, t), codes::SUCCESS);
-        clean(cuStreamWaitEvent(s, join, 0), codes::SUCCESS);
-        clean(cuStreamEndCapture(s, &mut graph), codes::SUCCESS);
+        // As an H200 did: that invalidated the capture, which goes on until its origin ends it.
+        clean(cuEventRecord(join, t), codes::STREAM_CAPTURE_INVALIDATED);
         clean(
-            cuGraphGetNodes(graph, null_mut(), &mut nodes),
-            codes::SUCCESS,
+            cuStreamEndCapture(s, &mut graph),
+            codes::STREAM_CAPTURE_INVALIDATED,
         );
-        assert_eq!(nodes, 1);
         clean(cuStreamBeginCapture_v2(s, 1), codes::SUCCESS);
         clean(cuEventRecord(fork, s), codes::SUCCESS);
         clean(cuStreamWaitEvent(t, fork, 0), codes::SUCCESS);
@@ -245,7 +243,46 @@ fn capture_rules_are_enforced_and_legitimate_captures_are_clean() {
         .join()
         .unwrap();
         assert_eq!(ended, (codes::STREAM_CAPTURE_WRONG_THREAD, 1));
-        clean(cuStreamEndCapture(s, &mut graph), codes::SUCCESS);
+        // As an H200 did: the wrong thread's end ended the capture, without a graph.
+        violates(
+            cuStreamEndCapture(s, &mut graph),
+            codes::ILLEGAL_STATE,
+            "not being captured",
+        );
+
+        // A graph launch cannot be captured; instantiating is unsafe during a global capture.
+        let mut inner = null_mut();
+        clean(cuStreamBeginCapture_v2(s, 1), codes::SUCCESS);
+        clean(cuMemsetD8Async(buf, 4, 16, s), codes::SUCCESS);
+        let mut captured = null_mut();
+        clean(cuStreamEndCapture(s, &mut captured), codes::SUCCESS);
+        clean(
+            cuGraphInstantiateWithFlags(&mut inner, captured, 0),
+            codes::SUCCESS,
+        );
+        clean(cuStreamBeginCapture_v2(t, 0), codes::SUCCESS);
+        violates(
+            cuGraphLaunch(inner, t),
+            codes::STREAM_CAPTURE_UNSUPPORTED,
+            "cannot be captured",
+        );
+        clean(
+            cuStreamEndCapture(t, &mut graph),
+            codes::STREAM_CAPTURE_INVALIDATED,
+        );
+        clean(cuStreamBeginCapture_v2(t, 0), codes::SUCCESS);
+        let mut again = null_mut();
+        violates(
+            cuGraphInstantiateWithFlags(&mut again, captured, 0),
+            codes::STREAM_CAPTURE_UNSUPPORTED,
+            "prohibited",
+        );
+        clean(
+            cuStreamEndCapture(t, &mut graph),
+            codes::STREAM_CAPTURE_INVALIDATED,
+        );
+        clean(cuGraphExecDestroy(inner), codes::SUCCESS);
+        clean(cuGraphDestroy(captured), codes::SUCCESS);
 
         // Pageable copies cannot be captured; the legacy stream cannot touch a blocking capture.
         clean(cuStreamBeginCapture_v2(blocking, 1), codes::SUCCESS);

@@ -143,6 +143,8 @@ pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
         let d = double()?;
         d.current()?;
         let g = d.graph(graph, false)?;
+        // Seen on an H200: refused during a capture that prohibits unsafe calls.
+        d.captures.check_unsafe("cuGraphInstantiateWithFlags")?;
         if flags != 0 {
             return Err(Fail::violation(
                 codes::NOT_SUPPORTED,
@@ -174,6 +176,8 @@ pub extern "C" fn cuGraphLaunch(exec: *mut c_void, stream: *mut c_void) -> CuRes
         let g = d.graph(exec, true)?;
         let s = d.stream(stream)?;
         d.require_current(&s, "cuGraphLaunch")?;
+        // Seen on an H200: a launch on a capturing stream is refused (`STREAM_CAPTURE_UNSUPPORTED`).
+        d.captures.refuse_on_capturing(&s, "cuGraphLaunch")?;
         let ranges = g.nodes.iter().flat_map(|n| n.ranges.clone()).collect();
         let nodes = g.nodes.clone();
         // One launch of an instantiated graph at a time, in launch order (held across the
@@ -193,11 +197,8 @@ pub extern "C" fn cuGraphLaunch(exec: *mut c_void, stream: *mut c_void) -> CuRes
                 works.into_iter().try_for_each(|w| w())
             }) as Work)
         });
-        let recorded = d.captures.status(&s).0 != Status::None;
         d.enqueue_node(&s, Entry::cuGraphLaunch, ranges, make)?;
-        if !recorded {
-            *last = Some((s.clone(), s.submitted()));
-        }
+        *last = Some((s.clone(), s.submitted()));
         Ok(())
     })
 }
