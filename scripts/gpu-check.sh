@@ -4,6 +4,7 @@
 #   scripts/gpu-check.sh --prepare   on a machine with cargo and the registry: builds every test
 #                                    binary into target/gpu-bin/ (carry that folder to the GPU box,
 #                                    which may have no network to fetch crates).
+#   scripts/gpu-check.sh --pack      packs target/gpu-bin/ as .gpu/gb.tar.xz to carry.
 #   scripts/gpu-check.sh             on the GPU machine: builds the tests if cargo can, else uses
 #                                    target/gpu-bin/; finds NVRTC; runs every suite with the CUDA
 #                                    backend present and prints a table. Exit code 1 if anything failed
@@ -23,7 +24,7 @@ prepare() {
   # nccl: the allocator's regions registered with an NCCL communicator (tests/nccl_gpu.rs; it
   # needs libnccl.so.2, e.g. from the nvidia-nccl-cu12 wheel, on the library path).
   { cargo test --release --features cudarc,nccl --no-run --message-format=json 2>/dev/null
-    cargo build --release --features cudarc,nccl --examples --message-format=json 2>/dev/null
+    cargo build --release --features cudarc,nccl --bins --examples --message-format=json 2>/dev/null
     cargo bench --no-run --message-format=json 2>/dev/null; } \
     | python3 -c '
 import json, sys, shutil, os
@@ -31,15 +32,30 @@ for line in sys.stdin:
     try: msg = json.loads(line)
     except ValueError: continue
     exe = msg.get("executable")
-    if msg.get("reason") == "compiler-artifact" and exe and msg["target"]["kind"] != ["bin"]:
+    if msg.get("reason") == "compiler-artifact" and exe:
         kind = msg["target"]["kind"]
-        name = msg["target"]["name"] + ("-lib" if "lib" in kind else "") + ("-bench" if "bench" in kind else "") + ("-example" if "example" in kind else "")
+        name = msg["target"]["name"] + ("-lib" if "lib" in kind else "") + ("-bench" if "bench" in kind else "") + ("-example" if "example" in kind else "") + ("-cli" if kind == ["bin"] else "")
         shutil.copy(exe, os.path.join(sys.argv[1], name)); print("prepared", name)
 ' "$bin_dir"
 }
 
 if [ "${1:-}" = "--prepare" ]; then
   prepare
+  exit 0
+fi
+# --pack: the prepared binaries as .gpu/gb.tar.xz (ignored by git) for a device call to carry and
+# unpack with `tar -xJf .gpu/gb.tar.xz`: debug information stripped (symbols kept, so the tests
+# of Rust stacks still see function names), the loom models and the layering check left out.
+if [ "${1:-}" = "--pack" ]; then
+  stage=$(mktemp -d)
+  mkdir -p "$stage/$bin_dir" .gpu
+  for exe in "$bin_dir"/*; do
+    case "$(basename "$exe")" in loom_*|layering|msrv) continue ;; esac
+    strip --strip-debug -o "$stage/$bin_dir/$(basename "$exe")" "$exe"
+  done
+  tar -C "$stage" -cf - target | xz -9 -T2 > .gpu/gb.tar.xz
+  rm -rf "$stage"
+  ls -l .gpu/gb.tar.xz
   exit 0
 fi
 
@@ -77,7 +93,11 @@ fi
 [ -d "$bin_dir" ] || { echo "no test binaries: run scripts/gpu-check.sh --prepare first"; exit 1; }
 
 only=${GPU_CHECK_ONLY:-}
-skip=${GPU_CHECK_SKIP:-}
+# Not CUDA evidence, and they need cargo or the sources: the declared Rust version, the layering
+# of the source files, the loom models.
+skip="msrv layering loom_cow loom_ipc_slot ${GPU_CHECK_SKIP:-}"
+# The command the end-to-end tests run (carried binaries live elsewhere than cargo built them).
+[ -x "$bin_dir/cudalloc-cli" ] && export CUDALLOC_CLI="$PWD/$bin_dir/cudalloc-cli"
 wanted() { { [ -z "$only" ] || [[ " $only " == *" $1 "* ]]; } && [[ " $skip " != *" $1 "* ]]; }
 
 export CUDALLOC_BACKEND=cuda
@@ -95,7 +115,7 @@ fi
 # addresses, a graph replayed after wake) included.
 for exe in "$bin_dir"/*; do
   suite=$(basename "$exe")
-  case "$suite" in *-bench|*-example) continue ;; esac
+  case "$suite" in *-bench|*-example|*-cli) continue ;; esac
   wanted "$suite" || continue
   # A suite that hangs on a GPU must not eat the whole check: each has a deadline.
   if ! timeout "${GPU_CHECK_SUITE_TIMEOUT:-300}" "$exe" --test-threads=1 --nocapture >"$log" 2>&1; then
@@ -106,7 +126,10 @@ for exe in "$bin_dir"/*; do
   if grep -q 'skipped: no CUDA driver' "$log"; then
     echo "  ^ $suite: a CUDA case was skipped on a GPU machine"; status=1
   fi
-  grep -E 'panicked|FAILED|test result' "$log" | sed 's/^/  /'
+  # Each panic with its message (the line after), bounded: a device call returns only its tail.
+  grep -E -A1 'panicked at' "$log" | grep -vE '^--$' | head -n 40 | sed 's/^/  /'
+  grep -E -A12 '^graph mix failed' "$log" | head -n 26 | sed 's/^/  /'
+  grep -E 'FAILED|test result' "$log" | sed 's/^/  /'
 done
 # The allocator and IPC suites again with expandable segments (the GPU's virtual-memory API;
 # sharing by page: cuMemExportToShareableHandle / cuMemImportFromShareableHandle across processes).

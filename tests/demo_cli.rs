@@ -2,10 +2,12 @@
 //! verification; bad flags and environment values are one line and exit code 2.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::process::Command;
 
 fn cudalloc() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_cudalloc"));
+    let mut c = Command::new(common::cli());
     c.env("CUDALLOC_BACKEND", "host")
         .env("CUDALLOC_HOST_MEMORY", "256MiB");
     c

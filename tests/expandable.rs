@@ -248,7 +248,8 @@ fn a_growth_that_runs_out_of_memory_half_way_gives_its_pages_back() {
         }
         assert_eq!(reserved(&a), room - 3 * page, "{}", b.name);
         a.check_invariants().unwrap();
-        let fits = a.allocate(0, 3 * page).unwrap();
+        // On a GPU the page tables of new mappings also take free bytes: two pages are asked.
+        let fits = a.allocate(0, if exact { 3 } else { 2 } * page).unwrap();
         if exact {
             assert_eq!(d.mem_info(0).unwrap().free, 0, "{}", b.name);
         }

@@ -4,6 +4,8 @@
 //! neither follows a planted symlink nor opens a planted FIFO.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -228,7 +230,7 @@ fn the_command_refuses_a_bomb_in_one_line() {
     let dir = scratch_dir("cli");
     let file = dir.join("bomb.json.gz");
     std::fs::write(&file, gzip(&gzip_zeros(64 * MIB))).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cudalloc"))
+    let out = std::process::Command::new(common::cli())
         .arg("replay")
         .arg(&file)
         .arg("--svg")

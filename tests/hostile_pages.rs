@@ -492,6 +492,13 @@ fn peers_that_never_read_get_at_most_one_window_and_hold_nothing_after_the_free(
     };
     l.set().unwrap();
     let a = producer(256);
+    if common::real_gpu() {
+        // An H200's exported descriptors cannot be mapped by the host (mmap refuses them).
+        println!(
+            "skipped on a GPU: what a peer keeps resident is measured by mapping its descriptors"
+        );
+        return;
+    }
     let s = patterned(&a, 40 * PAGE, 6);
     // Read back: the fill (stream work) has written every page before they are measured.
     assert_eq!(s.count_pattern_mismatches(6).unwrap(), 0);

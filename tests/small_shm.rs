@@ -77,7 +77,7 @@ fn a_full_dev_shm_is_out_of_memory_not_sigbus() {
 fn the_demo_in_a_small_dev_shm_fails_cleanly() {
     let Some(out) = in_small_shm(
         "the_demo_in_a_small_dev_shm_fails_cleanly",
-        env!("CARGO_BIN_EXE_cudalloc"),
+        &cli().to_string_lossy(),
         &[],
     ) else {
         return;

@@ -156,6 +156,14 @@ pub fn double_violations() -> Option<u64> {
     Some(f())
 }
 
+/// The `cudalloc` command: `CUDALLOC_CLI` when set (a machine that runs carried test binaries
+/// has it elsewhere than where cargo built it), else cargo's build of it.
+pub fn cli() -> std::path::PathBuf {
+    std::env::var_os("CUDALLOC_CLI")
+        .map(Into::into)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_cudalloc").into())
+}
+
 /// Whether the suites run on a real GPU: the CUDA backend over a `libcuda` that is not the
 /// contract double (asked after the driver loaded it).
 pub fn real_gpu() -> bool {
@@ -567,6 +575,9 @@ pub fn wait_for(rt: &cudalloc::Runtime, waiter: cudalloc::StreamId, waited: cuda
 }
 
 /// A storage of `len` bytes allocated for `stream` and filled there with the pattern of `seed`.
+// Never inlined: the sanitizer's tests look for this frame in Rust stacks, which an optimized
+// build without debug information (the binaries carried to a GPU) only shows for real calls.
+#[inline(never)]
 pub fn filled_on(
     rt: &Arc<cudalloc::Runtime>,
     stream: cudalloc::StreamId,
