@@ -213,6 +213,42 @@ fn a_forked_worker_releases_nothing_of_its_parent_and_its_own_runtime_works() {
     }
 }
 
+/// Every door of a driver, unsanitized, refuses a forked child: the core calls, and the
+/// capabilities' (virtual memory, capture and graphs, page-locked memory), whose forwarded
+/// methods the host backend let through before the checks moved to the doors.
+#[test]
+fn every_door_of_a_bare_driver_refuses_a_forked_child() {
+    let _one = FORKS.lock().unwrap_or_else(|p| p.into_inner());
+    let d: Arc<dyn cudalloc::Driver> = Arc::new(host_driver());
+    let s = d.stream_create(0).unwrap();
+    let ptr = d.malloc(0, 4096).unwrap();
+    let churn = Churn::start();
+    let verdict = in_forked_child(|| {
+        refused("malloc", d.malloc(0, 4096))?;
+        refused("mem_info", d.mem_info(0))?;
+        refused("stream_create", d.stream_create(0))?;
+        refused("memset", d.memset(s, ptr, 0, 16))?;
+        refused("event_create", d.event_create(0, Default::default()))?;
+        refused("vm_granularity", d.vm().vm_granularity(0))?;
+        refused("vm_reserve", d.vm().vm_reserve(0, 2 * MIB))?;
+        refused("vm_create_chunk", d.vm().vm_create_chunk(0, 2 * MIB))?;
+        refused(
+            "stream_begin_capture",
+            d.graphs()
+                .stream_begin_capture(s, cudalloc::CaptureMode::Global),
+        )?;
+        refused("stream_capture_status", d.graphs().stream_capture_status(s))?;
+        refused("host_alloc", d.pinned().host_alloc(4096))?;
+        Ok(())
+    });
+    drop(churn);
+    verdict.unwrap_or_else(|why| panic!("{why}"));
+    // The parent's driver goes on.
+    d.memset(s, ptr, 1, 16).unwrap();
+    d.stream_synchronize(s).unwrap();
+    d.free(ptr).unwrap();
+}
+
 #[test]
 fn a_forked_worker_dropping_a_received_storage_leaves_it_to_its_parent() {
     // The producer (this process) shares; the consumer (a child process) opens the storage and

@@ -60,14 +60,16 @@ pub(crate) fn unsupported(backend: Backend) -> Error {
 /// The page-locked memory methods of [`Driver`](super::Driver), forwarded to a backend's inherent
 /// methods of the same meaning (`pinned_alloc`, `pinned_free`, `pinned_register`,
 /// `pinned_unregister`, and `pinned_copy(stream, device, host, len, to_device)`) — both
-/// backends implement them that way.
+/// backends implement them that way — each after the backend's `door()` when one is named.
 macro_rules! forward_host_memory_methods {
-    () => {
+    ($($door:ident)?) => {
         fn host_alloc(&self, size: u64) -> $crate::error::Result<$crate::driver::HostAddr> {
+            $( self.$door()?; )?
             self.pinned_alloc(size)
         }
 
         unsafe fn host_free(&self, ptr: $crate::driver::HostAddr) -> $crate::error::Result<()> {
+            $( self.$door()?; )?
             self.pinned_free(ptr)
         }
 
@@ -76,6 +78,7 @@ macro_rules! forward_host_memory_methods {
             ptr: $crate::driver::HostAddr,
             size: u64,
         ) -> $crate::error::Result<()> {
+            $( self.$door()?; )?
             // SAFETY: the caller's contract is the trait's.
             unsafe { self.pinned_register(ptr, size) }
         }
@@ -84,6 +87,7 @@ macro_rules! forward_host_memory_methods {
             &self,
             ptr: $crate::driver::HostAddr,
         ) -> $crate::error::Result<()> {
+            $( self.$door()?; )?
             self.pinned_unregister(ptr)
         }
 
@@ -94,6 +98,7 @@ macro_rules! forward_host_memory_methods {
             src: $crate::driver::HostAddr,
             len: u64,
         ) -> $crate::error::Result<()> {
+            $( self.$door()?; )?
             self.pinned_copy(stream, dst, src, len, true)
         }
 
@@ -104,6 +109,7 @@ macro_rules! forward_host_memory_methods {
             src: $crate::driver::DeviceAddr,
             len: u64,
         ) -> $crate::error::Result<()> {
+            $( self.$door()?; )?
             self.pinned_copy(stream, src, dst, len, false)
         }
     };

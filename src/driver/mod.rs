@@ -355,9 +355,12 @@ pub trait Driver: Send + Sync + fmt::Debug {
 /// The virtual-memory methods of [`Driver`], forwarded to a backend's inherent methods of the
 /// same meaning (`granularity`, `reserve`, `free_reservation`, `create_chunk`, `release_chunk`,
 /// `map`, `unmap`, `export_chunk`, `import_chunk`) — both backends implement them that way.
+/// `forward_vm_methods!(door)` calls the backend's `door()` first in each (its fork check: a
+/// forked child is refused before any lock, `process.rs`).
 macro_rules! forward_vm_methods {
-    () => {
+    ($($door:ident)?) => {
         fn vm_granularity(&self, device: usize) -> $crate::error::Result<u64> {
+            $( self.$door()?; )?
             self.granularity(device)
         }
 
@@ -366,6 +369,7 @@ macro_rules! forward_vm_methods {
             device: usize,
             size: u64,
         ) -> $crate::error::Result<$crate::driver::DeviceAddr> {
+            $( self.$door()?; )?
             self.reserve(device, size)
         }
 
@@ -373,6 +377,7 @@ macro_rules! forward_vm_methods {
             &self,
             base: $crate::driver::DeviceAddr,
         ) -> $crate::error::Result<()> {
+            $( self.$door()?; )?
             self.free_reservation(base)
         }
 
@@ -381,10 +386,12 @@ macro_rules! forward_vm_methods {
             device: usize,
             size: u64,
         ) -> $crate::error::Result<$crate::driver::ChunkId> {
+            $( self.$door()?; )?
             self.create_chunk(device, size)
         }
 
         fn vm_release_chunk(&self, chunk: $crate::driver::ChunkId) -> $crate::error::Result<()> {
+            $( self.$door()?; )?
             self.release_chunk(chunk)
         }
 
@@ -393,6 +400,7 @@ macro_rules! forward_vm_methods {
             addr: $crate::driver::DeviceAddr,
             chunk: $crate::driver::ChunkId,
         ) -> $crate::error::Result<()> {
+            $( self.$door()?; )?
             self.map(addr, chunk)
         }
 
@@ -401,6 +409,7 @@ macro_rules! forward_vm_methods {
             addr: $crate::driver::DeviceAddr,
             size: u64,
         ) -> $crate::error::Result<()> {
+            $( self.$door()?; )?
             self.unmap(addr, size)
         }
 
@@ -408,6 +417,7 @@ macro_rules! forward_vm_methods {
             &self,
             chunk: $crate::driver::ChunkId,
         ) -> $crate::error::Result<$crate::driver::ExportedChunk> {
+            $( self.$door()?; )?
             self.export_chunk(chunk)
         }
 
@@ -417,6 +427,7 @@ macro_rules! forward_vm_methods {
             chunk: $crate::driver::ExportedChunk,
             size: u64,
         ) -> $crate::error::Result<$crate::driver::ChunkId> {
+            $( self.$door()?; )?
             self.import_chunk(device, chunk, size)
         }
     };
@@ -426,26 +437,30 @@ pub(crate) use forward_vm_methods;
 /// The capture and graph methods of [`Driver`], forwarded to a backend's inherent methods of the
 /// same meaning (`begin_capture`, `end_capture`, `capture_status`, `exchange_mode`,
 /// `instantiate_graph`, `launch_graph`, `destroy_graph`, `destroy_graph_exec`,
-/// `graph_nodes`).
+/// `graph_nodes`), each after the backend's `door()` when one is named, as for
+/// `forward_vm_methods`.
 macro_rules! forward_capture_methods {
-    () => {
+    ($($door:ident)?) => {
         fn stream_begin_capture(
             &self,
             stream: $crate::driver::StreamId,
             mode: $crate::driver::CaptureMode,
         ) -> $crate::error::Result<()> {
+            $( self.$door()?; )?
             self.begin_capture(stream, mode)
         }
         fn stream_end_capture(
             &self,
             stream: $crate::driver::StreamId,
         ) -> $crate::error::Result<$crate::driver::GraphId> {
+            $( self.$door()?; )?
             self.end_capture(stream)
         }
         fn stream_capture_status(
             &self,
             stream: $crate::driver::StreamId,
         ) -> $crate::error::Result<$crate::driver::CaptureStatus> {
+            $( self.$door()?; )?
             self.capture_status(stream)
         }
         fn exchange_capture_mode(
@@ -458,6 +473,7 @@ macro_rules! forward_capture_methods {
             &self,
             graph: $crate::driver::GraphId,
         ) -> $crate::error::Result<$crate::driver::GraphExecId> {
+            $( self.$door()?; )?
             self.instantiate_graph(graph)
         }
         fn graph_launch(
@@ -465,18 +481,22 @@ macro_rules! forward_capture_methods {
             exec: $crate::driver::GraphExecId,
             stream: $crate::driver::StreamId,
         ) -> $crate::error::Result<()> {
+            $( self.$door()?; )?
             self.launch_graph(exec, stream)
         }
         fn graph_destroy(&self, graph: $crate::driver::GraphId) -> $crate::error::Result<()> {
+            $( self.$door()?; )?
             self.destroy_graph(graph)
         }
         fn graph_exec_destroy(
             &self,
             exec: $crate::driver::GraphExecId,
         ) -> $crate::error::Result<()> {
+            $( self.$door()?; )?
             self.destroy_graph_exec(exec)
         }
         fn graph_node_count(&self, graph: $crate::driver::GraphId) -> $crate::error::Result<usize> {
+            $( self.$door()?; )?
             self.graph_nodes(graph)
         }
     };

@@ -3,10 +3,15 @@
 //! driver did not hand out — or already destroyed — is an [`Error::InvalidArgument`], never
 //! undefined behaviour. Removal returns the entry, so two threads destroying one id cannot both
 //! destroy the underlying object.
+//!
+//! A table is a door of its driver (`process.rs`): looked up, removed from or searched in a forked
+//! child, it answers [`Error::ForkedChild`] before taking its lock. Inserting needs no check: what
+//! is inserted was just made through another door.
 
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
+use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::RwLock;
 
@@ -32,6 +37,7 @@ impl IdCounter {
 pub(crate) struct Registry<T> {
     what: &'static str,
     entries: RwLock<HashMap<u64, T>>,
+    birth: Birth,
 }
 
 impl<T: Clone> Registry<T> {
@@ -40,7 +46,17 @@ impl<T: Clone> Registry<T> {
         Registry {
             what,
             entries: RwLock::new(HashMap::new()),
+            birth: Birth::now(),
         }
+    }
+
+    /// `Ok` in the process that made the table (see the module docs).
+    fn door(&self) -> Result<()> {
+        if self.birth.is_current() {
+            return Ok(());
+        }
+        self.birth
+            .check(&format!("this driver's {} table", self.what))
     }
 
     fn unknown(&self, id: u64) -> Error {
@@ -57,6 +73,7 @@ impl<T: Clone> Registry<T> {
 
     /// The entry of `id`.
     pub(crate) fn get(&self, id: u64) -> Result<T> {
+        self.door()?;
         self.entries
             .read()
             .get(&id)
@@ -66,6 +83,7 @@ impl<T: Clone> Registry<T> {
 
     /// Takes the entry of `id` out (exactly one caller gets it).
     pub(crate) fn remove(&self, id: u64) -> Result<T> {
+        self.door()?;
         self.entries
             .write()
             .remove(&id)
@@ -80,6 +98,7 @@ impl<T: Clone> Registry<T> {
         fresh: impl FnOnce() -> Result<u64>,
         make: impl FnOnce() -> T,
     ) -> Result<u64> {
+        self.door()?;
         let mut entries = self.entries.write();
         if let Some((&id, _)) = entries.iter().find(|(_, v)| matches(v)) {
             return Ok(id);

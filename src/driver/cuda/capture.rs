@@ -41,7 +41,6 @@ fn mode_from(mode: sys::CUstreamCaptureMode) -> CaptureMode {
 
 impl CudaDriver {
     pub(super) fn begin_capture(&self, stream: StreamId, mode: CaptureMode) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let s = self.stream(stream)?;
         if let Some(id) = self.raw_capture(&s)?.capture_id() {
             return Err(Error::capture(format!(
@@ -80,7 +79,6 @@ impl CudaDriver {
     }
 
     pub(super) fn end_capture(&self, stream: StreamId) -> Result<GraphId> {
-        self.birth.check("this CUDA driver")?;
         let s = self.stream(stream)?;
         if !self.raw_capture(&s)?.is_capturing() {
             return Err(Error::capture(format!(
@@ -116,7 +114,6 @@ impl CudaDriver {
     }
 
     pub(super) fn capture_status(&self, stream: StreamId) -> Result<CaptureStatus> {
-        self.birth.check("this CUDA driver")?;
         let s = self.stream(stream)?;
         self.raw_capture(&s)
     }
@@ -175,7 +172,6 @@ impl CudaDriver {
     }
 
     pub(super) fn instantiate_graph(&self, graph: GraphId) -> Result<GraphExecId> {
-        self.birth.check("this CUDA driver")?;
         let g = self.graphs.get(graph.0)?;
         self.bind(g.device)?;
         let mut exec = std::ptr::null_mut();
@@ -195,7 +191,6 @@ impl CudaDriver {
     }
 
     pub(super) fn launch_graph(&self, exec: GraphExecId, stream: StreamId) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let e = self.graph_execs.get(exec.0)?;
         let s = self.stream(stream)?;
         if e.device != s.device {
@@ -214,7 +209,6 @@ impl CudaDriver {
     }
 
     pub(super) fn destroy_graph(&self, graph: GraphId) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let g = self.graphs.remove(graph.0)?;
         self.bind(g.device)?;
         // SAFETY: removed from the table, so destroyed exactly once.
@@ -222,7 +216,6 @@ impl CudaDriver {
     }
 
     pub(super) fn destroy_graph_exec(&self, exec: GraphExecId) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let e = self.graph_execs.remove(exec.0)?;
         self.bind(e.device)?;
         // SAFETY: removed from the table, so destroyed exactly once; launches already enqueued
@@ -233,7 +226,6 @@ impl CudaDriver {
     }
 
     pub(super) fn graph_nodes(&self, graph: GraphId) -> Result<usize> {
-        self.birth.check("this CUDA driver")?;
         let g = self.graphs.get(graph.0)?;
         self.bind(g.device)?;
         let mut count = 0usize;

@@ -81,7 +81,6 @@ impl Driver for CudaDriver {
     }
 
     fn device_name(&self, device: usize) -> Result<String> {
-        self.birth.check("this CUDA driver")?;
         let dev = self.device(device)?;
         let mut buf = [0 as std::ffi::c_char; 256];
         // SAFETY: the buffer holds 256 chars and cuDeviceGetName writes at most `len` of them.
@@ -97,7 +96,6 @@ impl Driver for CudaDriver {
     }
 
     fn mem_info(&self, device: usize) -> Result<MemInfo> {
-        self.birth.check("this CUDA driver")?;
         self.bind(device)?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: out-pointers are valid; a context is current.
@@ -115,7 +113,6 @@ impl Driver for CudaDriver {
     }
 
     fn malloc(&self, device: usize, size: u64) -> Result<DeviceAddr> {
-        self.birth.check("this CUDA driver")?;
         self.bind(device)?;
         if size == 0 {
             return Err(Error::invalid("malloc of 0 bytes"));
@@ -140,7 +137,7 @@ impl Driver for CudaDriver {
         let mut ptr = 0;
         // SAFETY: out-pointer valid; a context is current.
         alloc_result(device, size, unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) })?;
-        self.segments.write().insert(
+        self.segment_table()?.write().insert(
             ptr,
             SegmentEntry {
                 device,
@@ -153,9 +150,8 @@ impl Driver for CudaDriver {
     }
 
     fn free(&self, ptr: DeviceAddr) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let entry = {
-            let mut segments = self.segments.write();
+            let mut segments = self.segment_table()?.write();
             match segments.get(&ptr.0) {
                 Some(SegmentEntry {
                     opened_from: None, ..
@@ -170,7 +166,7 @@ impl Driver for CudaDriver {
         // live and in the table: nothing was freed.
         if let Err(err) = self.synchronize_all() {
             if let Some(e) = entry {
-                self.segments.write().insert(ptr.0, e);
+                self.segment_table()?.write().insert(ptr.0, e);
             }
             return Err(err);
         }
@@ -183,12 +179,10 @@ impl Driver for CudaDriver {
     }
 
     fn default_stream(&self, device: usize) -> Result<StreamId> {
-        self.birth.check("this CUDA driver")?;
         Ok(self.device(device)?.default_stream)
     }
 
     fn stream_create(&self, device: usize) -> Result<StreamId> {
-        self.birth.check("this CUDA driver")?;
         self.bind(device)?;
         let mut raw = std::ptr::null_mut();
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
@@ -209,7 +203,6 @@ impl Driver for CudaDriver {
     }
 
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         if self.devices.iter().any(|d| d.default_stream == stream) {
             return Err(Error::invalid("the default stream cannot be destroyed"));
         }
@@ -226,7 +219,6 @@ impl Driver for CudaDriver {
     }
 
     fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let entry = self.stream(stream)?;
         // SAFETY: live stream of this driver; its context is bound.
         check("cuStreamSynchronize", unsafe {
@@ -235,19 +227,16 @@ impl Driver for CudaDriver {
     }
 
     fn stream_query(&self, stream: StreamId) -> Result<bool> {
-        self.birth.check("this CUDA driver")?;
         let entry = self.stream(stream)?;
         // SAFETY: live stream of this driver; its context is bound.
         query_result("cuStreamQuery", unsafe { sys::cuStreamQuery(entry.raw.0) })
     }
 
     fn stream_device(&self, stream: StreamId) -> Result<usize> {
-        self.birth.check("this CUDA driver")?;
         Ok(self.stream(stream)?.device)
     }
 
     fn event_create(&self, device: usize, flags: EventFlags) -> Result<EventId> {
-        self.birth.check("this CUDA driver")?;
         self.bind(device)?;
         let bits = if flags.interprocess {
             sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
@@ -274,7 +263,6 @@ impl Driver for CudaDriver {
     }
 
     fn event_destroy(&self, event: EventId) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let entry = self.events.remove(event.0)?;
         self.bind(entry.device)?;
         // SAFETY: created or opened by this driver, removed from the table: destroyed once.
@@ -284,7 +272,6 @@ impl Driver for CudaDriver {
     }
 
     fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let e = self.event(event)?;
         let s = self.stream(stream)?;
         if e.device != s.device {
@@ -300,14 +287,12 @@ impl Driver for CudaDriver {
     }
 
     fn event_query(&self, event: EventId) -> Result<bool> {
-        self.birth.check("this CUDA driver")?;
         let e = self.event(event)?;
         // SAFETY: live event; context bound.
         query_result("cuEventQuery", unsafe { sys::cuEventQuery(e.raw.0) })
     }
 
     fn event_synchronize(&self, event: EventId) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let e = self.event(event)?;
         // SAFETY: live event; context bound.
         check("cuEventSynchronize", unsafe {
@@ -316,7 +301,6 @@ impl Driver for CudaDriver {
     }
 
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let e = self.event(event)?;
         let s = self.stream(stream)?;
         // SAFETY: live stream and event; the stream's context is bound.
@@ -326,7 +310,6 @@ impl Driver for CudaDriver {
     }
 
     fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let (_held, _) = self.hold_ranges([(dst, src.len() as u64)])?;
         let s = self.stream(stream)?;
         if src.is_empty() {
@@ -344,7 +327,6 @@ impl Driver for CudaDriver {
     }
 
     fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let (_held, _) = self.hold_ranges([(src, dst.len() as u64)])?;
         let s = self.stream(stream)?;
         if dst.is_empty() {
@@ -368,7 +350,6 @@ impl Driver for CudaDriver {
         src: DeviceAddr,
         len: u64,
     ) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let (_held, n) = self.hold_ranges([(dst, len), (src, len)])?;
         let s = self.stream(stream)?;
         if n == 0 {
@@ -381,7 +362,6 @@ impl Driver for CudaDriver {
     }
 
     fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let (_held, n) = self.hold_ranges([(dst, len)])?;
         let s = self.stream(stream)?;
         if n == 0 {
@@ -396,7 +376,6 @@ impl Driver for CudaDriver {
 
 impl Kernels for CudaDriver {
     fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let (_held, _) = self.hold_ranges([(dst, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.fill)?;
         let (mut p, mut n, mut sd) = (dst.0, len, seed);
@@ -415,7 +394,6 @@ impl Kernels for CudaDriver {
         len: u64,
         seed: u64,
     ) -> Result<u64> {
-        self.birth.check("this CUDA driver")?;
         let (_held, _) = self.hold_ranges([(src, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.count)?;
         self.refuse_capturing(&s, "count_pattern_mismatches")?;
@@ -455,7 +433,6 @@ impl Kernels for CudaDriver {
     }
 
     fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let (_held, _) = self.hold_ranges([(dst, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.poison)?;
         let (mut p, mut n) = (dst.0, len);
@@ -467,7 +444,6 @@ impl Kernels for CudaDriver {
     }
 
     fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let (s, f) = self.launch_args(stream, |k| k.sleep)?;
         let mut nanos = micros.saturating_mul(1000);
         let mut args = [(&mut nanos as *mut u64).cast::<c_void>()];
@@ -477,7 +453,6 @@ impl Kernels for CudaDriver {
 
 impl Interop for CudaDriver {
     unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
-        self.birth.check("this CUDA driver")?;
         let ctx = self.device(device)?.context;
         self.bind(device)?;
         let handle = raw as usize as sys::CUstream;
@@ -510,19 +485,17 @@ impl Interop for CudaDriver {
     }
 
     fn raw_stream(&self, stream: StreamId) -> Result<u64> {
-        self.birth.check("this CUDA driver")?;
         Ok(self.streams.get(stream.0)?.raw.0 as usize as u64)
     }
 }
 
 impl VirtualMemory for CudaDriver {
-    crate::driver::forward_vm_methods!();
+    crate::driver::forward_vm_methods!(door);
 }
 
 impl Ipc for CudaDriver {
     fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
-        self.birth.check("this CUDA driver")?;
-        let entry = self.segments.read().get(&ptr.0).copied().ok_or_else(|| {
+        let entry = self.segment_table()?.read().get(&ptr.0).copied().ok_or_else(|| {
             Error::invalid(format!("pointer {ptr} is not the base of a segment allocated by this driver (IPC handles name whole segments)"))
         })?;
         if entry.opened_from.is_some() {
@@ -539,7 +512,7 @@ impl Ipc for CudaDriver {
         })?;
         let bytes = as_bytes(&handle.reserved);
         // Noted under the segment table's lock, so a concurrent free cannot miss it.
-        let mut segments = self.segments.write();
+        let mut segments = self.segment_table()?.write();
         match segments.get_mut(&ptr.0) {
             Some(e) => e.exported_as = Some(bytes),
             None => return Err(ranges::not_a_segment_base(ptr)),
@@ -549,9 +522,8 @@ impl Ipc for CudaDriver {
     }
 
     fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
-        self.birth.check("this CUDA driver")?;
         self.bind(device)?;
-        if !self.opened_handles.lock().insert(handle.0) {
+        if !self.opened_table()?.lock().insert(handle.0) {
             return Err(Error::invalid("this IPC memory handle is already open in this process; cache the mapping and reuse it"));
         }
         let mapped = super::process_ipc::open(device, &handle.0, || {
@@ -584,7 +556,7 @@ impl Ipc for CudaDriver {
         });
         match mapped {
             Ok((ptr, size)) => {
-                self.segments.write().insert(
+                self.segment_table()?.write().insert(
                     ptr,
                     SegmentEntry {
                         device,
@@ -599,16 +571,15 @@ impl Ipc for CudaDriver {
                 })
             }
             Err(err) => {
-                self.opened_handles.lock().remove(&handle.0);
+                self.opened_table()?.lock().remove(&handle.0);
                 Err(err)
             }
         }
     }
 
     fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let entry = {
-            let mut segments = self.segments.write();
+            let mut segments = self.segment_table()?.write();
             match segments.get(&ptr.0).copied() {
                 Some(
                     e @ SegmentEntry {
@@ -629,7 +600,7 @@ impl Ipc for CudaDriver {
         let Some(handle) = entry.opened_from else {
             return Ok(());
         };
-        self.opened_handles.lock().remove(&handle);
+        self.opened_table()?.lock().remove(&handle);
         self.synchronize_all()?;
         super::process_ipc::close(entry.device, &handle, || {
             self.bind(entry.device)?;
@@ -642,7 +613,6 @@ impl Ipc for CudaDriver {
     }
 
     fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {
-        self.birth.check("this CUDA driver")?;
         let e = self.event(event)?;
         if !e.interprocess || e.opened {
             return Err(Error::invalid(format!(
@@ -660,7 +630,6 @@ impl Ipc for CudaDriver {
     }
 
     fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
-        self.birth.check("this CUDA driver")?;
         self.bind(device)?;
         let raw_handle = sys::CUipcEventHandle {
             reserved: as_chars(&handle.0),
@@ -686,9 +655,9 @@ impl Ipc for CudaDriver {
 }
 
 impl PinnedHost for CudaDriver {
-    crate::driver::host_memory::forward_host_memory_methods!();
+    crate::driver::host_memory::forward_host_memory_methods!(door);
 }
 
 impl Graphs for CudaDriver {
-    crate::driver::forward_capture_methods!();
+    crate::driver::forward_capture_methods!(door);
 }

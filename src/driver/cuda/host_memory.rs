@@ -48,7 +48,6 @@ impl CudaDriver {
     }
 
     pub(super) fn pinned_alloc(&self, size: u64) -> Result<HostAddr> {
-        self.birth.check("this CUDA driver")?;
         if size == 0 {
             return Err(Error::invalid("host_alloc of 0 bytes"));
         }
@@ -66,7 +65,7 @@ impl CudaDriver {
             other => check("cuMemHostAlloc", other)?,
         }
         let base = ptr as usize as u64;
-        self.pinned.write().insert(
+        self.pinned_table()?.write().insert(
             base,
             PinnedEntry {
                 len: size,
@@ -78,7 +77,7 @@ impl CudaDriver {
 
     /// Takes the entry at `ptr` out of the table, checking it was locked the way `want` frees.
     fn take_pinned(&self, ptr: HostAddr, registered: bool, want: &str) -> Result<PinnedEntry> {
-        let mut table = self.pinned.write();
+        let mut table = self.pinned_table()?.write();
         match table.get(&ptr.0) {
             Some(e) if e.registered == registered => {}
             Some(_) => {
@@ -108,7 +107,6 @@ impl CudaDriver {
     }
 
     pub(super) fn pinned_free(&self, ptr: HostAddr) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let entry = self.take_pinned(ptr, false, "host_free")?;
         if let Err(err) = self.synchronize_all() {
             self.restore_pinned(ptr, entry);
@@ -124,14 +122,13 @@ impl CudaDriver {
     /// # Safety
     /// As [`Driver::host_register`](crate::Driver::host_register).
     pub(super) unsafe fn pinned_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         if size == 0 {
             return Err(Error::invalid("host_register of 0 bytes"));
         }
         let end = ptr.offset(size)?;
         let bytes = usize::try_from(size)
             .map_err(|_| Error::invalid(format!("size {size} exceeds the address space")))?;
-        let mut table = self.pinned.write();
+        let mut table = self.pinned_table()?.write();
         if let Some((&base, other)) = table.range(..end.0).next_back() {
             if base.saturating_add(other.len) > ptr.0 {
                 return Err(Error::invalid(format!(
@@ -165,7 +162,6 @@ impl CudaDriver {
     }
 
     pub(super) fn pinned_unregister(&self, ptr: HostAddr) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let entry = self.take_pinned(ptr, true, "host_unregister")?;
         if let Err(err) = self.synchronize_all() {
             self.restore_pinned(ptr, entry);
@@ -187,9 +183,8 @@ impl CudaDriver {
         len: u64,
         to_device: bool,
     ) -> Result<()> {
-        self.birth.check("this CUDA driver")?;
         let (_held, n) = self.hold_ranges([(device, len)])?;
-        let pinned = self.pinned.read();
+        let pinned = self.pinned_table()?.read();
         ranges::containing(&pinned, |e| e.len, DeviceAddr(host.0), len).map_err(|_| {
             Error::invalid(format!(
                 "host range {host} + {len} bytes is not inside page-locked memory of this driver \

@@ -314,7 +314,40 @@ impl CudaDriver {
         Ok(driver)
     }
 
+    /// `Ok` in the process that loaded the driver; in a forked child an error before any lock or
+    /// CUDA call (`process.rs`). The driver's doors call it — `device` (so `bind` and every call
+    /// that needs a context), the tables' accessors below, the id tables (`registry.rs`), and the
+    /// forwarded capability methods — so no method checks by itself.
+    fn door(&self) -> Result<()> {
+        self.birth.check("this CUDA driver")
+    }
+
+    /// The segment table (a door).
+    fn segment_table(&self) -> Result<&RwLock<BTreeMap<u64, SegmentEntry>>> {
+        self.door()?;
+        Ok(&self.segments)
+    }
+
+    /// The page-locked table (a door).
+    fn pinned_table(&self) -> Result<&RwLock<host_memory::PinnedTable>> {
+        self.door()?;
+        Ok(&self.pinned)
+    }
+
+    /// Reservations and mappings (a door).
+    fn vm_table(&self) -> Result<&RwLock<VmSpace<ChunkId>>> {
+        self.door()?;
+        Ok(&self.vm)
+    }
+
+    /// IPC handles opened by this driver (a door).
+    fn opened_table(&self) -> Result<&Mutex<HashSet<[u8; IPC_HANDLE_SIZE]>>> {
+        self.door()?;
+        Ok(&self.opened_handles)
+    }
+
     fn device(&self, device: usize) -> Result<&Device> {
+        self.door()?;
         self.devices.get(device).ok_or_else(|| {
             Error::invalid(format!(
                 "device {device} does not exist (CUDA reports {} device(s))",
@@ -403,8 +436,8 @@ impl CudaDriver {
         &self,
         ranges: [(DeviceAddr, u64); N],
     ) -> Result<(HeldRanges<'_>, usize)> {
-        let table = self.segments.read();
-        let vm = self.vm.read();
+        let table = self.segment_table()?.read();
+        let vm = self.vm_table()?.read();
         for &(ptr, len) in &ranges {
             if vm.contains(ptr.0, len) {
                 vm.covered(ptr, len)?;

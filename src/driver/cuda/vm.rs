@@ -102,12 +102,12 @@ impl CudaDriver {
         check("cuMemAddressReserve", unsafe {
             sys::cuMemAddressReserve(&mut base, to_usize(size)?, 0, 0, 0)
         })?;
-        self.vm.write().insert(base, device, size);
+        self.vm_table()?.write().insert(base, device, size);
         Ok(DeviceAddr(base))
     }
 
     pub(super) fn free_reservation(&self, base: DeviceAddr) -> Result<()> {
-        let reservation = self.vm.write().remove(base.0)?;
+        let reservation = self.vm_table()?.write().remove(base.0)?;
         self.bind(reservation.device)?;
         // SAFETY: the range was reserved by cuMemAddressReserve with this size and nothing is
         // mapped in it (checked by `remove`); freed once (removed from the table).
@@ -151,7 +151,7 @@ impl CudaDriver {
         let c = self.chunk(chunk)?;
         let granularity = self.granularity(c.device)?;
         self.bind(c.device)?;
-        let mut vm = self.vm.write();
+        let mut vm = self.vm_table()?.write();
         let device = vm.check_map(addr.0, c.size, granularity)?;
         if device != c.device {
             return Err(Error::invalid(format!(
@@ -183,7 +183,7 @@ impl CudaDriver {
 
     pub(super) fn unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
         let (device, taken) = {
-            let mut vm = self.vm.write();
+            let mut vm = self.vm_table()?.write();
             let device = vm.device_of(addr.0)?;
             (device, vm.take_mappings(addr.0, size)?)
         };
@@ -196,7 +196,7 @@ impl CudaDriver {
                 .and_then(|n| check("cuMemUnmap", unsafe { sys::cuMemUnmap(*at, n) }));
             result = result.and(unmapped);
         }
-        self.vm.write().finish_unmap(addr.0, size);
+        self.vm_table()?.write().finish_unmap(addr.0, size);
         result
     }
 

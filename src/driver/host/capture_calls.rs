@@ -11,19 +11,16 @@ use crate::sync::os::Arc;
 
 impl HostDriver {
     pub(super) fn begin_capture(&self, stream: StreamId, mode: CaptureMode) -> Result<()> {
-        self.this_process()?;
         self.stream(stream)?;
         self.captures.begin(stream, mode)
     }
 
     pub(super) fn end_capture(&self, stream: StreamId) -> Result<GraphId> {
-        self.this_process()?;
         self.stream(stream)?;
         self.captures.end(stream)
     }
 
     pub(super) fn capture_status(&self, stream: StreamId) -> Result<CaptureStatus> {
-        self.this_process()?;
         self.stream(stream)?;
         Ok(self.captures.status(stream))
     }
@@ -33,7 +30,6 @@ impl HostDriver {
     }
 
     pub(super) fn instantiate_graph(&self, graph: GraphId) -> Result<GraphExecId> {
-        self.this_process()?;
         // Unsafe during a capture that prohibits it, as on CUDA (it may allocate).
         self.captures.check_unsafe("graph_instantiate")?;
         self.captures.instantiate(graph)
@@ -48,7 +44,6 @@ impl HostDriver {
     /// another stream than the latest one's first waits for it (held across the enqueue, so two
     /// threads' launches are ordered as they were made).
     pub(super) fn launch_graph(&self, exec: GraphExecId, stream: StreamId) -> Result<()> {
-        self.this_process()?;
         let graph = self.captures.exec(exec)?;
         let nodes = &graph.nodes;
         let s = self.stream(stream)?;
@@ -104,17 +99,14 @@ impl HostDriver {
     }
 
     pub(super) fn destroy_graph(&self, graph: GraphId) -> Result<()> {
-        self.this_process()?;
         self.captures.destroy_graph(graph)
     }
 
     pub(super) fn destroy_graph_exec(&self, exec: GraphExecId) -> Result<()> {
-        self.this_process()?;
         self.captures.destroy_exec(exec)
     }
 
     pub(super) fn graph_nodes(&self, graph: GraphId) -> Result<usize> {
-        self.this_process()?;
         self.captures.node_count(graph)
     }
 

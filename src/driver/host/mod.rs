@@ -675,7 +675,7 @@ impl Interop for HostDriver {
 }
 
 impl VirtualMemory for HostDriver {
-    crate::driver::forward_vm_methods!();
+    crate::driver::forward_vm_methods!(this_process);
 }
 
 impl Ipc for HostDriver {
@@ -740,9 +740,9 @@ impl Ipc for HostDriver {
 }
 
 impl PinnedHost for HostDriver {
-    crate::driver::host_memory::forward_host_memory_methods!();
+    crate::driver::host_memory::forward_host_memory_methods!(this_process);
 }
 
 impl Graphs for HostDriver {
-    crate::driver::forward_capture_methods!();
+    crate::driver::forward_capture_methods!(this_process);
 }

@@ -262,7 +262,6 @@ impl HostDriver {
     }
 
     pub(super) fn pinned_alloc(&self, size: u64) -> Result<HostAddr> {
-        self.this_process()?;
         if size == 0 {
             return Err(Error::invalid("host_alloc of 0 bytes"));
         }
@@ -307,7 +306,6 @@ impl HostDriver {
     }
 
     pub(super) fn pinned_free(&self, ptr: HostAddr) -> Result<()> {
-        self.this_process()?;
         let (locked, runs) = self.drained_removal(ptr, "host_free")?;
         unlock(&runs);
         // SAFETY: the mapping was made by `pinned_alloc` with this base and length, every stream
@@ -334,7 +332,6 @@ impl HostDriver {
     /// # Safety
     /// As [`Driver::host_register`](crate::Driver::host_register).
     pub(super) unsafe fn pinned_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
-        self.this_process()?;
         if size == 0 {
             return Err(Error::invalid("host_register of 0 bytes"));
         }
@@ -401,7 +398,6 @@ impl HostDriver {
     }
 
     pub(super) fn pinned_unregister(&self, ptr: HostAddr) -> Result<()> {
-        self.this_process()?;
         let (_, runs) = self.drained_removal(ptr, "host_unregister")?;
         unlock(&runs);
         self.pinned.uncharge(run_bytes(&runs));
@@ -417,7 +413,6 @@ impl HostDriver {
         len: u64,
         to_device: bool,
     ) -> Result<()> {
-        self.this_process()?;
         let n = checked_len(len)?;
         let what = if to_device {
             "a copy from page-locked host memory"

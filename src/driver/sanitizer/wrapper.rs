@@ -55,18 +55,28 @@ impl SanitizedDriver {
         })
     }
 
+    /// The sanitizer, through the one door of the wrapper's own state: in a forked child an error
+    /// before any lock of it (`process`). Every other path of a method reaches the inner driver
+    /// first, whose own doors refuse a child the same way — so no method checks by itself.
+    fn sanitizer(&self) -> Result<&Sanitizer> {
+        self.birth.check("this sanitized driver")?;
+        Ok(&self.sanitizer)
+    }
+
     /// The capture `stream` takes part in: its work is recorded into a graph, not run, so it is
     /// forwarded unchecked and its touches are kept for the graph's replays (`graphs.rs`).
-    fn capture_of(&self, stream: StreamId) -> Option<u64> {
-        self.inner
+    fn capture_of(&self, stream: StreamId) -> Result<Option<u64>> {
+        self.sanitizer()?;
+        Ok(self
+            .inner
             .graphs()
             .stream_capture_status(stream)
             .ok()
-            .and_then(|status| status.capture_id())
+            .and_then(|status| status.capture_id()))
     }
 
-    fn captured(&self, stream: StreamId) -> bool {
-        self.capture_of(stream).is_some()
+    fn captured(&self, stream: StreamId) -> Result<bool> {
+        Ok(self.capture_of(stream)?.is_some())
     }
 
     /// Notes `stream` under its raw handle; a second id of the same raw stream becomes an alias
@@ -116,7 +126,7 @@ impl SanitizedDriver {
         touches: &[Touch],
         f: impl FnOnce() -> Result<T>,
     ) -> Result<T> {
-        if let Some(capture) = self.capture_of(stream) {
+        if let Some(capture) = self.capture_of(stream)? {
             let out = f()?;
             self.sanitizer.captured(capture, touches);
             return Ok(out);
@@ -132,7 +142,7 @@ impl SanitizedDriver {
         touches: &[Touch],
         f: impl FnOnce() -> Result<T>,
     ) -> Result<T> {
-        if self.captured(stream) {
+        if self.captured(stream)? {
             return f();
         }
         self.sanitizer.blocking(stream, what, touches, f)
@@ -156,22 +166,18 @@ impl Driver for SanitizedDriver {
         self.inner.device_count()
     }
     fn device_name(&self, device: usize) -> Result<String> {
-        self.birth.check("this sanitized driver")?;
         self.inner.device_name(device)
     }
     fn mem_info(&self, device: usize) -> Result<MemInfo> {
-        self.birth.check("this sanitized driver")?;
         self.inner.mem_info(device)
     }
 
     fn malloc(&self, device: usize, size: u64) -> Result<DeviceAddr> {
-        self.birth.check("this sanitized driver")?;
         let ptr = self.inner.malloc(device, size)?;
         self.sanitizer.mapped(ptr.0, size);
         Ok(ptr)
     }
     fn free(&self, ptr: DeviceAddr) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         // It drains every stream, but only the allocator frees segments (empty_cache, the
         // out-of-memory path, garbage collection): when it happens depends on memory pressure,
         // so it does not order the program's accesses (a race straddling it is still one).
@@ -181,51 +187,42 @@ impl Driver for SanitizedDriver {
     }
 
     fn default_stream(&self, device: usize) -> Result<StreamId> {
-        self.birth.check("this sanitized driver")?;
         let stream = self.inner.default_stream(device)?;
         self.note_raw(device, stream);
         Ok(stream)
     }
     fn stream_create(&self, device: usize) -> Result<StreamId> {
-        self.birth.check("this sanitized driver")?;
         let stream = self.inner.stream_create(device)?;
         self.note_raw(device, stream);
         Ok(stream)
     }
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         self.inner.stream_destroy(stream)?;
         // A later stream may get the same raw handle: it is a new actor.
         self.raws.lock().retain(|_, s| *s != stream);
         Ok(())
     }
     fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
-        self.sanitizer
+        self.sanitizer()?
             .host_waits_stream(stream, || self.inner.stream_synchronize(stream))
     }
     fn stream_query(&self, stream: StreamId) -> Result<bool> {
-        self.birth.check("this sanitized driver")?;
         self.inner.stream_query(stream)
     }
     fn stream_device(&self, stream: StreamId) -> Result<usize> {
-        self.birth.check("this sanitized driver")?;
         self.inner.stream_device(stream)
     }
 
     fn event_create(&self, device: usize, flags: EventFlags) -> Result<EventId> {
-        self.birth.check("this sanitized driver")?;
         self.inner.event_create(device, flags)
     }
     fn event_destroy(&self, event: EventId) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         self.inner.event_destroy(event)?;
         self.sanitizer.event_destroyed(event);
         Ok(())
     }
     fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
-        if self.captured(stream) {
+        if self.captured(stream)? {
             self.inner.event_record(event, stream)?;
             // A point of the capture: the event no longer stands for its last real record, so a
             // fork on it (a real stream's wait) orders nothing.
@@ -236,17 +233,14 @@ impl Driver for SanitizedDriver {
             .event_record(event, stream, || self.inner.event_record(event, stream))
     }
     fn event_query(&self, event: EventId) -> Result<bool> {
-        self.birth.check("this sanitized driver")?;
         self.inner.event_query(event)
     }
     fn event_synchronize(&self, event: EventId) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
-        self.sanitizer
+        self.sanitizer()?
             .host_waits_event(event, || self.inner.event_synchronize(event))
     }
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
-        if self.captured(stream) {
+        if self.captured(stream)? {
             return self.inner.stream_wait_event(stream, event);
         }
         self.sanitizer.stream_wait_event(stream, event, || {
@@ -255,14 +249,12 @@ impl Driver for SanitizedDriver {
     }
 
     fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         let touch = [Touch::write(dst.0, src.len() as u64)];
         self.checked_blocking(stream, "copy_host_to_device", &touch, || {
             self.inner.copy_host_to_device(stream, dst, src)
         })
     }
     fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         let touch = [Touch::read(src.0, dst.len() as u64)];
         self.checked_blocking(stream, "copy_device_to_host", &touch, || {
             self.inner.copy_device_to_host(stream, dst, src)
@@ -275,14 +267,12 @@ impl Driver for SanitizedDriver {
         src: DeviceAddr,
         len: u64,
     ) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
         self.checked(stream, "copy_device_to_device", &touches, || {
             self.inner.copy_device_to_device(stream, dst, src, len)
         })
     }
     fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         self.checked(stream, "memset", &[Touch::write(dst.0, len)], || {
             self.inner.memset(stream, dst, value, len)
         })
@@ -291,7 +281,6 @@ impl Driver for SanitizedDriver {
 
 impl Kernels for SanitizedDriver {
     fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         self.checked(stream, "fill_pattern", &[Touch::write(dst.0, len)], || {
             self.inner.kernels().fill_pattern(stream, dst, len, seed)
         })
@@ -303,7 +292,6 @@ impl Kernels for SanitizedDriver {
         len: u64,
         seed: u64,
     ) -> Result<u64> {
-        self.birth.check("this sanitized driver")?;
         let touch = [Touch::read(src.0, len)];
         self.checked_blocking(stream, "count_pattern_mismatches", &touch, || {
             self.inner
@@ -312,13 +300,11 @@ impl Kernels for SanitizedDriver {
         })
     }
     fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         self.checked(stream, "poison", &[Touch::write(dst.0, len)], || {
             self.inner.kernels().poison(stream, dst, len)
         })
     }
     fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         self.checked(stream, "sleep", &[], || {
             self.inner.kernels().sleep(stream, micros)
         })
@@ -327,84 +313,68 @@ impl Kernels for SanitizedDriver {
 
 impl Interop for SanitizedDriver {
     unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
-        self.birth.check("this sanitized driver")?;
         // SAFETY: forwarded; the caller upholds the contract.
         let stream = unsafe { self.inner.interop().import_stream(device, raw) }?;
         self.note_raw(device, stream);
         Ok(stream)
     }
     fn raw_stream(&self, stream: StreamId) -> Result<u64> {
-        self.birth.check("this sanitized driver")?;
         self.inner.interop().raw_stream(stream)
     }
 }
 
 impl VirtualMemory for SanitizedDriver {
     fn vm_granularity(&self, device: usize) -> Result<u64> {
-        self.birth.check("this sanitized driver")?;
         self.inner.vm().vm_granularity(device)
     }
     fn vm_reserve(&self, device: usize, size: u64) -> Result<DeviceAddr> {
-        self.birth.check("this sanitized driver")?;
         self.inner.vm().vm_reserve(device, size)
     }
     fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         self.inner.vm().vm_free_reservation(base)
     }
     fn vm_create_chunk(&self, device: usize, size: u64) -> Result<ChunkId> {
-        self.birth.check("this sanitized driver")?;
         self.inner.vm().vm_create_chunk(device, size)
     }
     fn vm_release_chunk(&self, chunk: ChunkId) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         self.inner.vm().vm_release_chunk(chunk)
     }
     fn vm_map(&self, addr: DeviceAddr, chunk: ChunkId) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         self.inner.vm().vm_map(addr, chunk)
     }
     fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         // As `free`: page release is the allocator's, not the program's synchronization.
         self.inner.vm().vm_unmap(addr, size)?;
         self.sanitizer.forget(addr.0, size);
         Ok(())
     }
     fn vm_export_chunk(&self, chunk: ChunkId) -> Result<ExportedChunk> {
-        self.birth.check("this sanitized driver")?;
         self.inner.vm().vm_export_chunk(chunk)
     }
     fn vm_import_chunk(&self, device: usize, chunk: ExportedChunk, size: u64) -> Result<ChunkId> {
-        self.birth.check("this sanitized driver")?;
         self.inner.vm().vm_import_chunk(device, chunk, size)
     }
 }
 
 impl Ipc for SanitizedDriver {
     fn ipc_export_memory(&self, ptr: DeviceAddr) -> Result<IpcMemHandle> {
-        self.birth.check("this sanitized driver")?;
         self.inner.ipc().ipc_export_memory(ptr)
     }
     fn ipc_open_memory(&self, device: usize, handle: &IpcMemHandle) -> Result<OpenedSegment> {
-        self.birth.check("this sanitized driver")?;
         let opened = self.inner.ipc().ipc_open_memory(device, handle)?;
         self.sanitizer.mapped(opened.ptr.0, opened.size);
         Ok(opened)
     }
     fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         // As `free`: the IPC layer's own step, not the program's synchronization.
         self.inner.ipc().ipc_close_memory(ptr)?;
         self.sanitizer.unmapped_segment(ptr.0);
         Ok(())
     }
     fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {
-        self.birth.check("this sanitized driver")?;
         self.inner.ipc().ipc_export_event(event)
     }
     fn ipc_open_event(&self, device: usize, handle: &IpcEventHandle) -> Result<EventId> {
-        self.birth.check("this sanitized driver")?;
         // What the event stands for is told by the IPC layer, which knows its producer
         // (`Sanitizer::remote_event`).
         self.inner.ipc().ipc_open_event(device, handle)
@@ -413,27 +383,23 @@ impl Ipc for SanitizedDriver {
 
 impl PinnedHost for SanitizedDriver {
     fn host_alloc(&self, size: u64) -> Result<HostAddr> {
-        self.birth.check("this sanitized driver")?;
         let ptr = self.inner.pinned().host_alloc(size)?;
         self.sanitizer.mapped(ptr.0, size);
         Ok(ptr)
     }
     unsafe fn host_free(&self, ptr: HostAddr) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         // SAFETY: the caller's contract is the trait's.
         unsafe { self.inner.pinned().host_free(ptr) }?;
         self.sanitizer.unmapped_segment(ptr.0);
         Ok(())
     }
     unsafe fn host_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         // SAFETY: the caller's contract is the trait's.
         unsafe { self.inner.pinned().host_register(ptr, size) }?;
         self.sanitizer.mapped(ptr.0, size);
         Ok(())
     }
     unsafe fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         // SAFETY: the caller's contract is the trait's.
         unsafe { self.inner.pinned().host_unregister(ptr) }?;
         self.sanitizer.unmapped_segment(ptr.0);
@@ -446,7 +412,6 @@ impl PinnedHost for SanitizedDriver {
         src: HostAddr,
         len: u64,
     ) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
         self.checked(stream, "copy_pinned_to_device", &touches, || {
             // SAFETY: the caller's contract is the trait's.
@@ -464,7 +429,6 @@ impl PinnedHost for SanitizedDriver {
         src: DeviceAddr,
         len: u64,
     ) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
         self.checked(stream, "copy_device_to_pinned", &touches, || {
             // SAFETY: the caller's contract is the trait's.
@@ -479,16 +443,14 @@ impl PinnedHost for SanitizedDriver {
 
 impl Graphs for SanitizedDriver {
     fn stream_begin_capture(&self, stream: StreamId, mode: CaptureMode) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         self.inner.graphs().stream_begin_capture(stream, mode)
     }
     fn stream_end_capture(&self, stream: StreamId) -> Result<GraphId> {
-        self.birth.check("this sanitized driver")?;
-        let capture = self.capture_of(stream);
+        let capture = self.capture_of(stream)?;
         let ended = self.inner.graphs().stream_end_capture(stream);
         if let Some(capture) = capture {
             // Not the origin, or not this thread's: the capture goes on.
-            if self.capture_of(stream) != Some(capture) {
+            if self.capture_of(stream)? != Some(capture) {
                 self.sanitizer
                     .capture_ended(capture, ended.as_ref().ok().copied());
             }
@@ -507,13 +469,12 @@ impl Graphs for SanitizedDriver {
         Ok(exec)
     }
     fn graph_launch(&self, exec: GraphExecId, stream: StreamId) -> Result<()> {
-        self.birth.check("this sanitized driver")?;
         // A replay is checked and recorded like eager work: one operation touching everything
         // the graph's nodes touch. A launch on a capturing stream is refused by every backend.
-        if self.capture_of(stream).is_some() {
+        if self.captured(stream)? {
             return self.inner.graphs().graph_launch(exec, stream);
         }
-        let (touches, born) = self.sanitizer.exec_touches(exec);
+        let (touches, born) = self.sanitizer()?.exec_touches(exec);
         self.sanitizer.launch(exec, born, stream, &touches, || {
             self.inner.graphs().graph_launch(exec, stream)
         })
