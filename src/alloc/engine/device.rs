@@ -44,16 +44,15 @@ pub(crate) struct AllocatorWide {
 }
 
 /// One allocation request, made once at the door ([`DeviceCore::allocate`]) and passed through
-/// the whole miss path (PyTorch's `AllocParams`): the size asked for, its rounded size and the
-/// pool kind that serves it. The segment size of a miss is derived from it where a segment is made.
+/// the whole miss path (PyTorch's `AllocParams`): the size asked for and its rounded size; the
+/// pool kind that serves it and the segment size of a miss are derived from them. Two words,
+/// passed by value: in registers on the hit path.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Request {
     /// The bytes asked for.
     pub(super) requested: u64,
     /// `requested` rounded (`size::round_size`).
     pub(super) rounded: u64,
-    /// The small or large pool.
-    pub(super) pool: PoolKind,
 }
 
 impl Request {
@@ -61,11 +60,13 @@ impl Request {
     #[inline]
     pub(super) fn new(requested: u64, config: &AllocatorConfig) -> Self {
         let rounded = size::round_size(requested, config);
-        Request {
-            requested,
-            rounded,
-            pool: PoolKind::for_size(rounded),
-        }
+        Request { requested, rounded }
+    }
+
+    /// The small or large pool.
+    #[inline]
+    pub(super) fn pool(self) -> PoolKind {
+        PoolKind::for_size(self.rounded)
     }
 }
 
@@ -213,12 +214,9 @@ impl DeviceCore {
     }
 
     /// Best fit in the shard (after polling its events), allocating on success.
-    pub(super) fn try_fit(&self, shard: &Shard, req: &Request) -> Option<Allocated> {
-        let Request {
-            requested,
-            rounded,
-            pool,
-        } = *req;
+    pub(super) fn try_fit(&self, shard: &Shard, req: Request) -> Option<Allocated> {
+        let Request { requested, rounded } = req;
+        let pool = req.pool();
         let mut st = shard.state.lock();
         // Under the lock: a tag falling asleep sets the flag before it locks to list what to
         // offload, so this sees it or the sleep sees the block (`sleep.rs`).
@@ -281,16 +279,16 @@ impl DeviceCore {
         // A sleeping tag's shard: `try_fit` finds nothing (it reads the flag under the lock)
         // and the slow path says why — no load here on the hot path.
         let req = Request::new(requested, &self.config);
-        if let Some(hit) = self.try_fit(shard, &req) {
+        if let Some(hit) = self.try_fit(shard, req) {
             return Ok(hit);
         }
-        self.allocate_slow(shard, &req, lender)
+        self.allocate_slow(shard, req, lender)
     }
 
     fn allocate_slow(
         &self,
         shard: &Shard,
-        req: &Request,
+        req: Request,
         lender: &mut Option<Arc<Shard>>,
     ) -> Result<Allocated> {
         if shard.sleeping.load(Ordering::Acquire) {
@@ -335,7 +333,7 @@ impl DeviceCore {
     /// out of memory (callbacks, garbage collection and releases would query, synchronize and
     /// free, which a capture forbids).
     #[cold]
-    fn allocate_while_capturing(&self, shard: &Shard, req: &Request) -> Result<Allocated> {
+    fn allocate_while_capturing(&self, shard: &Shard, req: Request) -> Result<Allocated> {
         let mut cause = None;
         let capturing = self
             .driver
@@ -362,7 +360,7 @@ impl DeviceCore {
     /// The end of a miss that found no memory: counted, traced, told to the observers, and the
     /// error PyTorch's message describes.
     #[cold]
-    fn out_of_memory(&self, shard: &Shard, req: &Request, cause: Option<String>) -> Error {
+    fn out_of_memory(&self, shard: &Shard, req: Request, cause: Option<String>) -> Error {
         let requested = req.requested;
         self.ooms.fetch_add(1, Ordering::Relaxed);
         let stats = self.stats();
@@ -420,7 +418,7 @@ impl DeviceCore {
     fn new_memory(
         &self,
         shard: &Shard,
-        req: &Request,
+        req: Request,
         cause: &mut Option<String>,
     ) -> Result<Option<Allocated>> {
         if self.config.expandable_segments || shard.state.lock().pool_options.expandable_segments {
@@ -436,14 +434,11 @@ impl DeviceCore {
     fn allocate_segment(
         &self,
         shard: &Shard,
-        req: &Request,
+        req: Request,
         cause: &mut Option<String>,
     ) -> Result<Option<Allocated>> {
-        let Request {
-            requested,
-            rounded,
-            pool,
-        } = *req;
+        let Request { requested, rounded } = req;
+        let pool = req.pool();
         let seg = size::segment_size(rounded);
         let held: Option<MutexGuard<'_, ShardState>> =
             (!self.config.release_lock_on_cudamalloc).then(|| shard.state.lock());

@@ -94,7 +94,7 @@ impl DeviceCore {
 
     /// A free block of a live `use_on_oom` pool on `shard`'s stream, for an allocation of the
     /// default pool that found no memory (PyTorch's `use_on_oom`), with the pool's shard.
-    pub(super) fn lend(&self, shard: &Shard, req: &Request) -> Option<(Arc<Shard>, Allocated)> {
+    pub(super) fn lend(&self, shard: &Shard, req: Request) -> Option<(Arc<Shard>, Allocated)> {
         if !shard.state.lock().pool.is_default() {
             return None;
         }

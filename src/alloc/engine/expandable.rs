@@ -369,14 +369,11 @@ impl DeviceCore {
     pub(super) fn grow_expandable(
         &self,
         shard: &Shard,
-        req: &Request,
+        req: Request,
         cause: &mut Option<String>,
     ) -> Result<Option<Allocated>> {
-        let Request {
-            requested,
-            rounded,
-            pool,
-        } = *req;
+        let Request { requested, rounded } = req;
+        let pool = req.pool();
         let mut st = shard.state.lock();
         if shard.sleeping.load(Ordering::Relaxed) {
             drop(st);
