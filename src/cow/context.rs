@@ -8,7 +8,7 @@
 
 use super::cell::{CowCell, Materialized};
 use crate::alloc::{take_shared, CachingAllocator, DataPtr, Owner, SharedOwner};
-use crate::driver::{DeviceAddr, StreamId};
+use crate::driver::{DeviceAddr, Sanitizer, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::Arc;
@@ -20,6 +20,26 @@ pub(crate) struct CowContext {
     clone_stream: StreamId,
     /// The process of the lazy clone: a forked child's copy releases nothing (`process`).
     birth: Birth,
+    /// The stream sanitizer, told while lazy clones share the memory (a write into it is
+    /// reported) and when they no longer do.
+    sanitizer: Option<Arc<Sanitizer>>,
+}
+
+impl CowContext {
+    /// Tells the sanitizer (when on) whether the original's memory is shared now: by two or more
+    /// references, or — `false` — by one alone (it may be written through any pointer of it).
+    fn tell_sharing(&self, ptr: DeviceAddr, shared: bool) {
+        if let Some(s) = &self.sanitizer {
+            s.cow_shared(ptr.0, shared);
+        }
+    }
+
+    /// After a reference was given up: the one left alone owns the memory's bytes.
+    fn tell_if_alone(&self, ptr: DeviceAddr) {
+        if self.sanitizer.is_some() && self.cell.refs() == 1 {
+            self.tell_sharing(ptr, false);
+        }
+    }
 }
 
 /// The owner of a COW storage's `DataPtr`: one reference on the context.
@@ -34,7 +54,15 @@ impl Drop for CowOwner {
     fn drop(&mut self) {
         if self.armed && self.ctx.birth.is_current() {
             // The last reference frees the original (its block's free waits for copier streams).
-            drop(self.ctx.cell.release());
+            match self.ctx.cell.release() {
+                Some(original) => drop(original),
+                None => {
+                    let ptr = self.ctx.cell.with_data(|d| d.map(DataPtr::ptr));
+                    if let Some(ptr) = ptr {
+                        self.ctx.tell_if_alone(ptr);
+                    }
+                }
+            }
         }
     }
 }
@@ -82,12 +110,14 @@ pub(crate) fn lazy_clone(alloc: &CachingAllocator, data: &mut DataPtr) -> Result
             cell: CowCell::new(original, 2),
             birth: Birth::now(),
             clone_stream,
+            sanitizer: alloc.driver().sanitizer(),
         });
         *data = DataPtr::new(ptr, device, cow_owner(&ctx));
         ctx
     } else {
         return Ok(None);
     };
+    ctx.tell_sharing(ptr, true);
     Ok(Some(DataPtr::new(ptr, device, cow_owner(&ctx))))
 }
 
@@ -172,9 +202,13 @@ pub(crate) fn materialize(
             if let Some(block) = original.block_owner() {
                 block.hand_over_in_place(stream);
             }
+            ctx.tell_sharing(shared_ptr, false);
             original
         }
-        Ok(Materialized::Copied(copy)) => copy,
+        Ok(Materialized::Copied(copy)) => {
+            ctx.tell_if_alone(shared_ptr);
+            copy
+        }
         Err(err) => {
             // Still a valid COW storage (the reference was not given up).
             *data = DataPtr::new(shared_ptr, device, Owner::Shared(owner));
@@ -206,7 +240,10 @@ fn copy_step(
 ) -> Result<DataPtr> {
     let driver = alloc.driver();
     let copy = alloc.allocate_on(stream, nbytes)?;
-    driver.copy_device_to_device(stream, copy.ptr(), original.ptr(), nbytes)?;
+    crate::driver::sanitizer::labelled(
+        "the copy-on-write copy of a lazy clone's first write",
+        || driver.copy_device_to_device(stream, copy.ptr(), original.ptr(), nbytes),
+    )?;
     if let Err(err) = alloc.record_stream(original, stream) {
         if !capturing {
             if let Err(err) = driver.stream_synchronize(stream) {

@@ -193,6 +193,16 @@ impl Sanitizer {
         st.allocations.remove(&start);
     }
 
+    /// Lazy clones share the allocation that starts at `start` copy-on-write (`shared`), or no
+    /// longer do (the last reference stole it, or is the only one left). While shared, a write
+    /// into it — through a lazy clone's read pointer, or a raw pointer — is reported
+    /// ([`HazardKind::CowWrite`](super::HazardKind::CowWrite)) and refused.
+    pub(crate) fn cow_shared(&self, start: u64, shared: bool) {
+        if let Some(a) = self.state.lock().allocations.get_mut(&start) {
+            a.cow_shared = shared;
+        }
+    }
+
     /// The allocator hands `[start, start + len)` out on `stream`: every access to it on another
     /// actor must be ordered before its free, else a use after free (sticky on `stream`).
     /// `eager`: not an allocation of a capture (a capture sharing a graph's pool may take its
@@ -254,6 +264,7 @@ impl Sanitizer {
                 end,
                 id,
                 stream: stream_name.clone(),
+                cow_shared: false,
             },
         );
         if let Some((earlier, free)) = hazard {

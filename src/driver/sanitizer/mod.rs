@@ -39,7 +39,9 @@
 //! | free of a block (its own stream `o`, recorded streams `r…`; `alloc/engine/handover.rs` tells every free) | the bytes are *freed* with `F = C[o] ⊔ C[r…] ⊔ H`: what the allocator's events guarantee before reuse; in a pool live graphs hold, the graphs' replays may still touch them, and need not be ordered before the free (the pool's reuse follows the replays, or the driver's synchronizing free) |
 //! | hand-out of bytes | every access to them on an actor other than `o` must be ordered before `F`, else a **use after free** (reported even without `record_stream`); those accesses are then dropped (the allocator waited for them), accesses on `o` stay (a later access on another stream must still be ordered after them); graph-held bytes are marked as taken by the new allocation: a replay of the pool's graphs touching them is reported (it writes another owner's memory) until they are freed again |
 //! | release of freed memory to the driver (`empty_cache`, the out-of-memory path, page release) | the hand-out's check, then the bytes are forgotten: a forgotten `record_stream` is reported whether the block is reused or released first |
-//! | a COW copy, an IPC event | ordinary driver calls, checked as above |
+//! | a COW copy, an IPC event | ordinary driver calls, checked as above; the COW copy is named as the lazy clone's copy-on-write copy in reports (`labelled`) |
+//! | a lazy clone (`cow/context.rs`) | the allocation is *shared*: a write into it (through a clone's read pointer, or a raw pointer) is a **write into copy-on-write memory**, refused; unshared when the last reference steals it or is the only one left |
+//! | every access (but a replay's, whose ranges are its capture's) | it must stay inside one live allocation (the block handed out, not the segment): one that runs past its allocation's end, or begins outside every allocation and runs into one, is **out of bounds**, refused before it runs; memory the allocator did not hand out (a library's own driver allocation, another process's) is not checked |
 //! | a tag's pages put to sleep, mapped back at wake (`asleep.rs`) | any work on a sleeping range is refused with [`Error::Asleep`] and reported as an access while asleep |
 //! | pinned host memory: host borrows of a `PinnedBuffer`, the pinned allocator's frees and hand-outs | the host is an actor too (`host.rs`): a borrow racing a copy, or a block reused while a copy still reads it, is reported |
 //!
@@ -93,6 +95,30 @@ mod state;
 mod wrapper;
 
 pub use options::SanitizeOptions;
+
+thread_local! {
+    /// What the work a thread enqueues next is, for reports, when the allocator does it on the
+    /// program's behalf (`labelled`).
+    static LABEL: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f`, whose stream work the sanitizer's reports name `label` instead of the driver call
+/// (a lazy clone's copy-on-write copy is one `copy_device_to_device`, named as what it is).
+pub(crate) fn labelled<R>(label: &'static str, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<&'static str>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            LABEL.with(|l| l.set(self.0));
+        }
+    }
+    let _restore = Restore(LABEL.with(|l| l.replace(Some(label))));
+    f()
+}
+
+/// The label `labelled` set on this thread, else `call`.
+fn label_or(call: &'static str) -> &'static str {
+    LABEL.with(std::cell::Cell::get).unwrap_or(call)
+}
 pub use report::{AccessReport, HazardKind, HazardReport};
 pub use shadow::AccessKind;
 pub use wrapper::SanitizedDriver;
@@ -332,6 +358,48 @@ impl Sanitizer {
                     },
                     later: self.later_access(st, slot, what, t, None),
                     free: Some(free.what.clone()),
+                };
+                return Err(self.fail(st, slot, report));
+            }
+            // At the allocation, not the segment: a replay's touches are the capture's (its pool's
+            // blocks may have been split differently since), and are not checked.
+            let bound = replay.is_none().then(|| st.out_of_bounds(t.start, end));
+            if let Some((allocation, outside)) = bound.flatten() {
+                let began_inside = st.allocation_at(t.start).is_some();
+                let report = HazardReport {
+                    kind: HazardKind::OutOfBounds,
+                    earlier: AccessReport {
+                        kind: if began_inside {
+                            "allocation end"
+                        } else {
+                            "allocation start"
+                        },
+                        what: allocation.clone(),
+                        start: t.start,
+                        len: outside,
+                        allocation: Some(allocation),
+                        stack: None,
+                    },
+                    later: self.later_access(st, slot, what, t, st.allocation_at(t.start)),
+                    free: None,
+                };
+                return Err(self.fail(st, slot, report));
+            }
+            let cow = (t.kind == AccessKind::Write && replay.is_none())
+                .then(|| st.cow_shared_in(t.start, end));
+            if let Some(allocation) = cow.flatten() {
+                let report = HazardReport {
+                    kind: HazardKind::CowWrite,
+                    earlier: AccessReport {
+                        kind: "lazy clones",
+                        what: allocation.clone(),
+                        start: t.start,
+                        len: t.len,
+                        allocation: Some(allocation.clone()),
+                        stack: None,
+                    },
+                    later: self.later_access(st, slot, what, t, Some(allocation)),
+                    free: None,
                 };
                 return Err(self.fail(st, slot, report));
             }

@@ -19,15 +19,23 @@ pub enum HazardKind {
     /// Work on memory of a tag that is asleep (its pages given back, its addresses kept): the
     /// call was refused (`asleep.rs`).
     AccessWhileAsleep,
+    /// An access that runs past the end of its allocation (the allocator's block), or begins
+    /// outside every allocation and runs into one: refused before it runs.
+    OutOfBounds,
+    /// A write into memory lazy clones still share copy-on-write (through a read pointer, or a
+    /// raw one): refused; write through `mutable_data_ptr`, which copies first.
+    CowWrite,
 }
 
 impl HazardKind {
-    /// `"race"` or `"use after free"`.
+    /// `"race"`, `"use after free"`, … (a few words).
     pub fn name(self) -> &'static str {
         match self {
             HazardKind::Race => "race",
             HazardKind::UseAfterFree => "use after free",
             HazardKind::AccessWhileAsleep => "access while asleep",
+            HazardKind::OutOfBounds => "out of bounds",
+            HazardKind::CowWrite => "write into copy-on-write memory",
         }
     }
 }
@@ -38,7 +46,9 @@ impl HazardKind {
 pub struct AccessReport {
     /// `"read"` or `"write"` (`"hand-out"` and `"release"` for the allocator's steps, `"free"`
     /// for a free that later work touched, `"graph-reuse"` for bytes a graph's pool handed out
-    /// that a replay of the graph then touched).
+    /// that a replay of the graph then touched, `"allocation end"` / `"allocation start"` for the
+    /// bound an out-of-bounds access crossed — then `len` is how many of its bytes lie outside —
+    /// and `"lazy clones"` for the allocation a copy-on-write write hit).
     pub kind: &'static str,
     /// What did it and on which stream, e.g. `"memset on stream 2 of device 0"`.
     pub what: String,
@@ -132,6 +142,22 @@ impl fmt::Display for HazardReport {
             HazardKind::AccessWhileAsleep => write!(
                 f,
                 "access while asleep: {}\n  touches memory put to sleep by {} (refused; wake_up the tag first)",
+                self.later, self.earlier.what
+            ),
+            HazardKind::OutOfBounds if self.earlier.kind == "allocation start" => write!(
+                f,
+                "out of bounds: {}\n  begins {} bytes before {} and runs into it (refused before it ran)",
+                self.later, self.earlier.len, self.earlier.what
+            ),
+            HazardKind::OutOfBounds => write!(
+                f,
+                "out of bounds: {}\n  runs {} bytes past the end of {} (refused before it ran)",
+                self.later, self.earlier.len, self.earlier.what
+            ),
+            HazardKind::CowWrite => write!(
+                f,
+                "write into copy-on-write memory: {}\n  writes {}, which lazy clones share (refused; \
+                 write through the storage's mutable_data_ptr, which copies first)",
                 self.later, self.earlier.what
             ),
         }

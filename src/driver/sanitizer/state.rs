@@ -20,12 +20,15 @@ pub(super) struct Actor {
     pub(super) sticky: Option<Error>,
 }
 
-/// A live hand-out of the allocator, for naming the allocation of an access.
+/// A live hand-out of the allocator, for naming the allocation of an access and checking that
+/// an access stays inside it.
 #[derive(Debug)]
 pub(super) struct Allocation {
     pub(super) end: u64,
     pub(super) id: u64,
     pub(super) stream: String,
+    /// Lazy clones share it copy-on-write: a write into it is a hazard (`Sanitizer::cow_shared`).
+    pub(super) cow_shared: bool,
 }
 
 #[derive(Debug, Default)]
@@ -99,16 +102,46 @@ impl State {
     }
 
     pub(super) fn allocation_at(&self, addr: u64) -> Option<String> {
-        let (start, a) = self.allocations.range(..=addr).next_back()?;
-        (addr < a.end).then(|| {
-            format!(
-                "allocation #{} ({:#x}, {} bytes, allocated on {})",
-                a.id,
-                start,
-                a.end - start,
-                a.stream
-            )
-        })
+        let (&start, a) = self.allocations.range(..=addr).next_back()?;
+        (addr < a.end).then(|| Self::name(start, a))
+    }
+
+    fn name(start: u64, a: &Allocation) -> String {
+        format!(
+            "allocation #{} ({:#x}, {} bytes, allocated on {})",
+            a.id,
+            start,
+            a.end - start,
+            a.stream
+        )
+    }
+
+    /// The allocation `[start, end)` leaves, and how many of its bytes lie outside it: an access
+    /// that begins in a live allocation and runs past its end, or begins outside every allocation
+    /// and runs into one. `None` for an access inside one allocation, or touching none (memory the
+    /// allocator did not hand out: a driver allocation of a library's own, another process's).
+    pub(super) fn out_of_bounds(&self, start: u64, end: u64) -> Option<(String, u64)> {
+        if let Some((&at, a)) = self.allocations.range(..=start).next_back() {
+            if start < a.end {
+                return (end > a.end).then(|| (Self::name(at, a), end - a.end));
+            }
+        }
+        let (&at, a) = self.allocations.range(start..end).next()?;
+        Some((Self::name(at, a), at - start))
+    }
+
+    /// The allocation lazy clones share that `[start, end)` touches, named.
+    pub(super) fn cow_shared_in(&self, start: u64, end: u64) -> Option<String> {
+        let first = self
+            .allocations
+            .range(..=start)
+            .next_back()
+            .filter(|(_, a)| start < a.end)
+            .map_or(start, |(&at, _)| at);
+        self.allocations
+            .range(first..end)
+            .find(|(_, a)| a.cow_shared)
+            .map(|(&at, a)| Self::name(at, a))
     }
 
     /// The first earlier access to `[start, end)` that an access of `kind` by `slot` carrying

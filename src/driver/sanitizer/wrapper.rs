@@ -131,7 +131,8 @@ impl SanitizedDriver {
             self.sanitizer.captured(capture, touches);
             return Ok(out);
         }
-        self.sanitizer.enqueue(stream, what, touches, f)
+        self.sanitizer
+            .enqueue(stream, super::label_or(what), touches, f)
     }
 
     /// A blocking stream call checked by the sanitizer (a capturing stream refuses it anyway).
@@ -145,7 +146,8 @@ impl SanitizedDriver {
         if self.captured(stream)? {
             return f();
         }
-        self.sanitizer.blocking(stream, what, touches, f)
+        self.sanitizer
+            .blocking(stream, super::label_or(what), touches, f)
     }
 }
 
