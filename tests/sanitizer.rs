@@ -13,7 +13,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{host_driver, no_reports, ChildProcess, ParentLink, ROLE_VAR};
+use common::{host_driver, no_reports, one_report, ChildProcess, ParentLink, ROLE_VAR};
 use cudalloc::HazardKind;
 use cudalloc::{ErrorKind, IpcHandle, Runtime, Sanitize, SanitizeOptions, Storage, StreamId};
 use cudalloc::{HostMemory, HostRange};
@@ -34,15 +34,6 @@ fn sanitized_with(options: SanitizeOptions) -> Arc<Runtime> {
 
 fn sanitized() -> Arc<Runtime> {
     sanitized_with(SanitizeOptions::default())
-}
-
-/// The hazards found since the last call: exactly one, of `kind`.
-fn one_report(rt: &Runtime, kind: HazardKind) -> cudalloc::HazardReport {
-    let mut reports = rt.sanitizer().unwrap().take_reports();
-    assert_eq!(reports.len(), 1, "{reports:#?}");
-    let report = reports.remove(0);
-    assert_eq!(report.kind, kind, "{report}");
-    report
 }
 
 fn two_streams(rt: &Runtime) -> (StreamId, StreamId) {

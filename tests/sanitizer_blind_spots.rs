@@ -9,7 +9,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{host_driver, no_reports};
+use common::{host_driver, no_reports, one_report};
 use cudalloc::{ErrorKind, HazardKind, HostMemory, HostRange, Runtime, Sanitize, Storage};
 
 const ROUNDS: usize = 100;
@@ -23,15 +23,6 @@ fn sanitized() -> Arc<Runtime> {
             .build(Arc::new(host_driver()))
             .unwrap(),
     )
-}
-
-/// The hazards found since the last call: exactly one, of `kind`.
-fn one_report(rt: &Runtime, kind: HazardKind) -> cudalloc::HazardReport {
-    let mut reports = rt.sanitizer().unwrap().take_reports();
-    assert_eq!(reports.len(), 1, "{reports:#?}");
-    let report = reports.remove(0);
-    assert_eq!(report.kind, kind, "{report}");
-    report
 }
 
 /// Before: a host kernel declaring a 4096-byte write over a 16-byte storage zeroed the tensor

@@ -633,6 +633,15 @@ pub fn open_offered(
     Ok((cudalloc::Storage::from_ipc(rt, handle)?, seed))
 }
 
+/// The hazards the sanitizer of `rt` found since the last look: exactly one, of `kind`.
+pub fn one_report(rt: &cudalloc::Runtime, kind: cudalloc::HazardKind) -> cudalloc::HazardReport {
+    let mut reports = rt.sanitizer().unwrap().take_reports();
+    assert_eq!(reports.len(), 1, "{reports:#?}");
+    let report = reports.remove(0);
+    assert_eq!(report.kind, kind, "{report}");
+    report
+}
+
 /// The sanitizer of `rt` found nothing since the last look (its reports are taken).
 pub fn no_reports(rt: &cudalloc::Runtime) {
     let reports = rt.sanitizer().unwrap().take_reports();
