@@ -22,6 +22,7 @@
 //! | `pinned_use_cuda_host_register` (also `pinned_use_host_register`) | `True`/`False`: the pinned host allocator (`crate::pinned`) takes ordinary pages, faults them in and registers them with the driver (`cuMemHostRegister`) instead of allocating page-locked memory (`cuMemHostAlloc`) | `False` |
 //! | `pinned_num_register_threads` | power of two ≤ 128: threads that fault in the pages of one registration | 1 |
 //! | `pinned_reserve_segment_size_mb` | integer ≥ 0 (MiB): one page-locked segment made on the first pinned allocation, from which later ones are carved before the driver is asked (never given back; `pinned/memory.rs`) | 0 (off) |
+//! | `stream_order` | `auto`: a storage orders itself — an access through it on a stream (`data_ptr_on`, `mutable_data_ptr_on`, its copies and kernels) waits for the earlier accesses on other streams it conflicts with (a write for every earlier reader and writer, a read for the last writer), and its free waits for every stream that used it (`storage/order.rs`); `manual`: PyTorch's rules (`record_stream` and waits are the program's; the sanitizer reports what is missing) (cudalloc's own key) | `auto` |
 //! | `pinned_use_background_threads` | `True`/`False`: validated; cudalloc polls the pinned allocator's events on every allocation that finds some queued (one atomic load when none) and in `empty_cache`, so no background thread is started | `False` |
 
 use crate::error::{Error, Result};
@@ -34,6 +35,19 @@ pub const ROUNDUP_INTERVALS: usize = 16;
 const MAX_THREAD_CACHE_MB: u64 = 1 << 20;
 /// `max_split_size_mb` must exceed this (PyTorch's large-buffer size, 20 MiB).
 const MIN_MAX_SPLIT_MB: u64 = 20;
+
+/// Whether storages order their accesses across streams themselves (`stream_order` in the table
+/// above).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StreamOrder {
+    /// A storage's access on a stream waits for the conflicting earlier accesses on other
+    /// streams, and its free for every stream that used it.
+    #[default]
+    Auto,
+    /// PyTorch's rules: the program records streams and waits.
+    Manual,
+}
 
 /// What a thread's current stream is until it sets one (`default_stream` in the table above).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -87,6 +101,8 @@ pub struct AllocatorConfig {
     pub pinned_reserve_segment_size: u64,
     /// `pinned_use_background_threads` as given (validated; events are polled inline).
     pub pinned_use_background_threads: bool,
+    /// Whether storages order their accesses across streams themselves (`stream_order`).
+    pub stream_order: StreamOrder,
 }
 
 impl Default for AllocatorConfig {
@@ -107,6 +123,7 @@ impl Default for AllocatorConfig {
             pinned_num_register_threads: 1,
             pinned_reserve_segment_size: 0,
             pinned_use_background_threads: false,
+            stream_order: StreamOrder::Auto,
         }
     }
 }
@@ -377,6 +394,13 @@ impl AllocatorConfig {
                 "pinned_reserve_segment_size_mb" => {
                     config.pinned_reserve_segment_size = parse_mib(key, value)?;
                 }
+                "stream_order" => {
+                    config.stream_order = match value {
+                        "auto" => StreamOrder::Auto,
+                        "manual" => StreamOrder::Manual,
+                        _ => return Err(bad(key, value, "auto or manual")),
+                    }
+                }
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown key {key:?}; valid keys: max_split_size_mb, garbage_collection_threshold, \
@@ -384,7 +408,7 @@ impl AllocatorConfig {
                          per_process_memory_fraction, ipc_handle_ttl_s, default_stream, oom_snapshot_path, thread_cache_mb, \
                          max_non_split_rounding_mb, backend, pinned_use_cuda_host_register, \
                          pinned_num_register_threads, pinned_reserve_segment_size_mb, \
-                         pinned_use_background_threads"
+                         pinned_use_background_threads, stream_order"
                     )))
                 }
             }

@@ -55,7 +55,7 @@ pub use alloc::{
     SegmentId, SegmentObserver, Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment, Stat,
     StreamGuard, TraceAction, TraceEntry, POOL_NAMES,
 };
-pub use config::{AllocatorConfig, DefaultStream, ROUNDUP_INTERVALS};
+pub use config::{AllocatorConfig, DefaultStream, StreamOrder, ROUNDUP_INTERVALS};
 pub use driver::capability;
 pub use driver::cuda::driver_library_present;
 pub use driver::host::{

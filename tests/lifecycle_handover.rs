@@ -27,6 +27,8 @@ fn reporting_runtime() -> (Arc<Runtime>, Arc<cudalloc::HostDriver>) {
     let host = Arc::new(host_driver());
     let rt = Arc::new(
         Runtime::builder()
+            // PyTorch's rules: the program records streams and waits (the bugs were there).
+            .config(cudalloc::AllocatorConfig::parse("stream_order:manual").unwrap())
             .sanitize(Sanitize::On(SanitizeOptions::report()))
             .check_invariants(true)
             .build(host.clone())

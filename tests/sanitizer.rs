@@ -25,6 +25,8 @@ const CHILD: &str = "sanitizer_child";
 fn sanitized_with(options: SanitizeOptions) -> Arc<Runtime> {
     Arc::new(
         Runtime::builder()
+            // The hazards of PyTorch's rules (a storage left to order itself has none of these).
+            .config(cudalloc::AllocatorConfig::parse("stream_order:manual").unwrap())
             .sanitize(Sanitize::On(options))
             .check_invariants(true)
             .build(Arc::new(host_driver()))

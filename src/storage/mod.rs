@@ -30,6 +30,7 @@
 //! processes' storages (see `cow/mod.rs`); sharing a COW storage materializes it first because a
 //! consumer may write.
 
+mod order;
 mod pinned;
 mod registry;
 mod sharing;
@@ -39,6 +40,7 @@ pub mod views;
 use std::fmt;
 
 use crate::alloc::DataPtr;
+use crate::driver::sanitizer::AccessKind;
 use crate::driver::{DeviceAddr, StreamId};
 use crate::error::{Error, Result};
 use crate::ipc::IpcHandle;
@@ -56,6 +58,8 @@ struct StorageInner {
     device: usize,
     data: Mutex<DataPtr>,
     runtime: Arc<Runtime>,
+    /// The streams that used it, for ordering its accesses (`order.rs`).
+    uses: order::StreamUses,
 }
 
 /// The unit of aliasing: clones share the same data; distinct storages never alias (until lazy
@@ -117,6 +121,7 @@ impl Storage {
                 word: AtomicU64::new(data.ptr().0),
                 nbytes,
                 device: data.device(),
+                uses: order::StreamUses::new(data.allocation_stream()),
                 data: Mutex::new(data),
                 runtime: Arc::clone(runtime),
             }),
@@ -149,10 +154,21 @@ impl Storage {
         self.inner.runtime.allocator()
     }
 
-    /// The address for reading. Never materializes.
+    /// The address, as it is now, for reading. Never materializes, orders nothing: work that
+    /// reads through it on a stream should take the address with [`Storage::data_ptr_on`].
     #[inline]
     pub fn data_ptr(&self) -> DeviceAddr {
         DeviceAddr(self.inner.word.load(Ordering::Acquire) & !COW_TAG)
+    }
+
+    /// The address for reading on `stream`: with `stream_order:auto` (the default) `stream` first
+    /// waits for the last write on another stream, and the storage's free waits for `stream`
+    /// (`storage/order.rs`). Never materializes. One atomic load when `stream` is the only one
+    /// that used the storage.
+    #[inline]
+    pub fn data_ptr_on(&self, stream: StreamId) -> Result<DeviceAddr> {
+        self.access(stream, AccessKind::Read)?;
+        Ok(self.data_ptr())
     }
 
     /// The registered regions holding this storage's bytes, for a transfer that *reads* them
@@ -222,15 +238,24 @@ impl Storage {
 
     /// The address for writing on `stream`: a COW storage's copy (or its steal's waits) is
     /// enqueued on `stream`, so work queued there afterwards sees the private copy, without
-    /// blocking; another stream must wait for `stream` before writing. One atomic load when the
-    /// storage is not COW.
+    /// blocking. With `stream_order:auto` (the default) `stream` first waits for every earlier
+    /// read and write of the storage on other streams, and the storage's free waits for
+    /// `stream` (`storage/order.rs`); with `manual`, another stream must wait for `stream`
+    /// before touching the storage. Two atomic loads when the storage is not COW and `stream` is
+    /// the only one that used it.
     #[inline]
     pub fn mutable_data_ptr_on(&self, stream: StreamId) -> Result<DeviceAddr> {
         let word = self.inner.word.load(Ordering::Acquire);
         if word & COW_TAG == 0 {
+            self.access(stream, AccessKind::Write)?;
             return Ok(DeviceAddr(word));
         }
-        self.with_data(|data| self.materialize_locked(data, stream))
+        // Orders the copy after the writes before the lazy clone (`cow`), then the new memory is
+        // written on `stream` alone.
+        self.access(stream, AccessKind::Read)?;
+        let ptr = self.with_data(|data| self.materialize_locked(data, stream))?;
+        self.inner.uses.reset(stream);
+        Ok(ptr)
     }
 
     /// Materializes a COW storage with its lock held (`data` is its `DataPtr`) on `stream` and
@@ -244,6 +269,8 @@ impl Storage {
     /// A lazy clone: a new storage sharing this one's data copy-on-write (converting this storage
     /// to COW on its first lazy clone). Not an alias: writes to either stay private.
     pub fn lazy_clone(&self) -> Result<Storage> {
+        // A read on the current stream: the copy of the first write follows it (`cow`).
+        self.access(self.stream()?, AccessKind::Read)?;
         sharing::lazy_clone(self)
     }
 
@@ -273,6 +300,8 @@ impl Storage {
     /// Shares this storage with other processes: the returned handle owns one count on the
     /// storage's slot (see `src/ipc/mod.rs`). Sharing a received storage forwards it.
     pub fn share_ipc(&self) -> Result<IpcHandle> {
+        // Consumers read after an event of the current stream: it follows the last write.
+        self.access(self.stream()?, AccessKind::Read)?;
         sharing::share(self)
     }
 
@@ -339,10 +368,12 @@ impl Storage {
             return Ok(());
         }
         self.check_awake("a copy to the host")?;
+        let stream = self.stream()?;
+        let src = self.data_ptr_on(stream)?;
         self.inner
             .runtime
             .driver()
-            .copy_device_to_host(self.stream()?, dst, self.data_ptr())
+            .copy_device_to_host(stream, dst, src)
     }
 
     /// Enqueues the fill kernel over the whole storage on the current stream.
@@ -366,10 +397,12 @@ impl Storage {
             return Ok(0);
         }
         self.check_awake("the verify kernel")?;
+        let stream = self.stream()?;
+        let src = self.data_ptr_on(stream)?;
         self.inner
             .runtime
             .driver()
             .kernels()
-            .count_pattern_mismatches(self.stream()?, self.data_ptr(), self.inner.nbytes, seed)
+            .count_pattern_mismatches(stream, src, self.inner.nbytes, seed)
     }
 }

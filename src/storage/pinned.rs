@@ -74,7 +74,7 @@ impl Storage {
             return Ok(());
         };
         self.check_awake("a copy to pinned memory")?;
-        let src = self.data_ptr().offset(offset)?;
+        let src = self.data_ptr_on(stream)?.offset(offset)?;
         let driver = self.runtime().driver();
         // SAFETY: the launch enqueues one copy on `stream` that writes exactly the range given.
         unsafe {

@@ -164,6 +164,8 @@ impl Storage {
         let (ptr, len) = locate::<T>(self, self.data_ptr().0, &range)?;
         let id = adopt(self, stream)?;
         self.record_stream(id)?;
+        // Ordered after the last write on another stream (`stream_order:auto`).
+        self.data_ptr_on(id)?;
         note_access(self, id, touch_of::<T>(ptr, len, false))?;
         Ok(StorageView {
             storage: self,

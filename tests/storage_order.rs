@@ -1,0 +1,186 @@
+//! Storages order themselves (`stream_order:auto`, the default; `src/storage/order.rs`): the
+//! newcomer's two bugs of issue 36 — a read on another stream without a wait, a free without
+//! `record_stream` — give the right bytes, 100 of 100, with no wait or `record_stream` written;
+//! a write waits for every earlier reader, not only the last. Deterministic: the earlier stream
+//! is held by a gate while the later access is enqueued, so an unordered access would run first.
+//! The same programs under `stream_order:manual` read wrong bytes (measured here, so the tests
+//! show what the ordering buys); the sanitizer reports them there (`tests/sanitizer.rs`).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::Arc;
+
+use common::host_driver;
+use cudalloc::{AllocatorConfig, HostDriver, Runtime, Sanitize, Storage};
+
+const ROUNDS: u64 = 100;
+const LEN: u64 = 64 << 10;
+
+/// A runtime with `conf`: ordered ones under the sanitizer (which must find nothing: checked at
+/// the end of each test), the manual ones without it (to measure the wrong bytes it would refuse).
+fn runtime(conf: &str) -> (Arc<Runtime>, Arc<HostDriver>) {
+    let host = Arc::new(host_driver());
+    let sanitize = if conf.contains("manual") {
+        Sanitize::Off
+    } else {
+        Sanitize::On(Default::default())
+    };
+    let rt = Arc::new(
+        Runtime::builder()
+            .config(AllocatorConfig::parse(conf).unwrap())
+            .sanitize(sanitize)
+            .check_invariants(true)
+            .build(host.clone())
+            .unwrap(),
+    );
+    (rt, host)
+}
+
+/// The sanitizer of an ordered runtime found nothing.
+fn ordered_and_clean(rt: &Runtime) {
+    if let Some(sanitizer) = rt.sanitizer() {
+        let reports = sanitizer.take_reports();
+        assert!(reports.is_empty(), "{reports:#?}");
+    }
+}
+
+/// A storage on `stream` filled there with the pattern of `seed` (through the storage's door).
+fn filled(rt: &Arc<Runtime>, stream: cudalloc::StreamId, seed: u64) -> Storage {
+    let s = Storage::new_on(rt, stream, LEN).unwrap();
+    fill(rt, &s, stream, seed);
+    s
+}
+
+fn fill(rt: &Arc<Runtime>, s: &Storage, stream: cudalloc::StreamId, seed: u64) {
+    let p = s.mutable_data_ptr_on(stream).unwrap();
+    rt.driver()
+        .kernels()
+        .fill_pattern(stream, p, LEN, seed)
+        .unwrap();
+}
+
+fn mismatches(rt: &Arc<Runtime>, s: &Storage, seed: u64) -> u64 {
+    let stream = rt.create_stream(0).unwrap();
+    let p = s.data_ptr_on(stream).unwrap();
+    rt.driver()
+        .kernels()
+        .count_pattern_mismatches(stream, p, LEN, seed)
+        .unwrap()
+}
+
+/// A read on stream `b` of bytes written on `a`, with `a` held: ordered, the copy waits.
+fn read_on_another_stream(conf: &str) -> u64 {
+    let (rt, host) = runtime(conf);
+    let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
+    let mut wrong = 0;
+    for round in 0..ROUNDS {
+        // Allocated before the gate: an allocation may synchronize the streams (out of memory).
+        let x = Storage::new_on(&rt, a, LEN).unwrap();
+        let y = Storage::new_on(&rt, b, LEN).unwrap();
+        let gate = host.gate_stream(a).unwrap();
+        fill(&rt, &x, a, round);
+        let d = y.mutable_data_ptr_on(b).unwrap();
+        let src = x.data_ptr_on(b).unwrap();
+        rt.driver().copy_device_to_device(b, d, src, LEN).unwrap();
+        // Unordered, `b` has copied already (it does not wait for the held `a`): wait for it
+        // by the driver, behind the storages' backs.
+        if conf.contains("manual") {
+            rt.driver().stream_synchronize(b).unwrap();
+        }
+        drop(gate);
+        rt.driver().stream_synchronize(b).unwrap();
+        wrong += u64::from(mismatches(&rt, &y, round) != 0);
+    }
+    ordered_and_clean(&rt);
+    wrong
+}
+
+#[test]
+fn a_read_on_another_stream_waits_for_the_write() {
+    assert_eq!(read_on_another_stream(""), 0, "auto: every round right");
+    assert_eq!(
+        read_on_another_stream("stream_order:manual"),
+        ROUNDS,
+        "manual, no wait written: every round wrong"
+    );
+}
+
+/// A storage read on `b` (held), then dropped with no `record_stream`; the next allocation on
+/// `a` writes new bytes. Ordered, the free waited for `b`: the block is not reused under the read.
+fn free_while_another_stream_reads(conf: &str) -> u64 {
+    let (rt, host) = runtime(conf);
+    let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
+    let mut wrong = 0;
+    for round in 0..ROUNDS {
+        let x = filled(&rt, a, round);
+        rt.driver().stream_synchronize(a).unwrap();
+        let y = Storage::new_on(&rt, b, LEN).unwrap();
+        let gate = host.gate_stream(b).unwrap();
+        let d = y.mutable_data_ptr_on(b).unwrap();
+        let src = x.data_ptr_on(b).unwrap();
+        rt.driver().copy_device_to_device(b, d, src, LEN).unwrap();
+        drop(x);
+        let next = filled(&rt, a, 1_000 + round);
+        rt.driver().stream_synchronize(a).unwrap();
+        drop(gate);
+        rt.driver().stream_synchronize(b).unwrap();
+        wrong += u64::from(mismatches(&rt, &y, round) != 0);
+        drop(next);
+    }
+    ordered_and_clean(&rt);
+    wrong
+}
+
+#[test]
+fn a_free_waits_for_every_stream_that_read_without_record_stream() {
+    assert_eq!(
+        free_while_another_stream_reads(""),
+        0,
+        "auto: every round right"
+    );
+    assert_eq!(
+        free_while_another_stream_reads("stream_order:manual"),
+        ROUNDS,
+        "manual, no record_stream written: the block was reused under the read every round"
+    );
+}
+
+/// Two readers on `b` and `c` (both held), then a write on `a`: the write waits for both.
+#[test]
+fn a_write_waits_for_every_earlier_reader() {
+    let (rt, host) = runtime("");
+    let (a, b, c) = (
+        rt.create_stream(0).unwrap(),
+        rt.create_stream(0).unwrap(),
+        rt.create_stream(0).unwrap(),
+    );
+    for round in 0..ROUNDS {
+        let x = filled(&rt, a, round);
+        rt.driver().stream_synchronize(a).unwrap();
+        let (yb, yc) = (
+            Storage::new_on(&rt, b, LEN).unwrap(),
+            Storage::new_on(&rt, c, LEN).unwrap(),
+        );
+        let (gate_b, gate_c) = (host.gate_stream(b).unwrap(), host.gate_stream(c).unwrap());
+        for (y, on) in [(&yb, b), (&yc, c)] {
+            let d = y.mutable_data_ptr_on(on).unwrap();
+            let src = x.data_ptr_on(on).unwrap();
+            rt.driver().copy_device_to_device(on, d, src, LEN).unwrap();
+        }
+        let p = x.mutable_data_ptr_on(a).unwrap();
+        rt.driver()
+            .kernels()
+            .fill_pattern(a, p, LEN, 5_000 + round)
+            .unwrap();
+        drop(gate_b);
+        drop(gate_c);
+        for s in [a, b, c] {
+            rt.driver().stream_synchronize(s).unwrap();
+        }
+        assert_eq!(mismatches(&rt, &yb, round), 0, "the first reader");
+        assert_eq!(mismatches(&rt, &yc, round), 0, "the second reader");
+        assert_eq!(mismatches(&rt, &x, 5_000 + round), 0, "the write");
+    }
+    ordered_and_clean(&rt);
+}
