@@ -184,3 +184,87 @@ fn a_write_waits_for_every_earlier_reader() {
     }
     ordered_and_clean(&rt);
 }
+
+// Found by review (each wrong or an error before its fix):
+
+/// A lazy clone starts as written on the stream current at the clone (which waited for the
+/// source's write): a read of the clone on a third stream waits for the source's write.
+#[test]
+fn a_lazy_clone_read_on_another_stream_waits_for_the_sources_write() {
+    let (rt, host) = runtime("");
+    let (a, c) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
+    for round in 0..ROUNDS {
+        let x = Storage::new_on(&rt, a, LEN).unwrap();
+        let y = Storage::new_on(&rt, c, LEN).unwrap();
+        let gate = host.gate_stream(a).unwrap();
+        fill(&rt, &x, a, round);
+        let clone = {
+            let _on = rt.set_current_stream(a).unwrap();
+            x.lazy_clone().unwrap()
+        };
+        let d = y.mutable_data_ptr_on(c).unwrap();
+        let src = clone.data_ptr_on(c).unwrap();
+        rt.driver().copy_device_to_device(c, d, src, LEN).unwrap();
+        drop(gate);
+        rt.driver().stream_synchronize(c).unwrap();
+        assert_eq!(mismatches(&rt, &y, round), 0, "round {round}");
+    }
+    ordered_and_clean(&rt);
+}
+
+/// A lazy clone's first write through any door (`mutable_data_ptr()`, sharing) gives the storage
+/// new memory written on that stream: an access on the old stream is ordered and recorded again
+/// (it took the one-stream fast path, and the block was reused under its write).
+#[test]
+fn the_first_write_of_a_lazy_clone_by_any_door_starts_its_streams_afresh() {
+    let (rt, host) = runtime("");
+    let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
+    for round in 0..ROUNDS {
+        let x = filled(&rt, a, round);
+        rt.driver().stream_synchronize(a).unwrap();
+        let clone = {
+            let _on = rt.set_current_stream(a).unwrap();
+            x.lazy_clone().unwrap()
+        };
+        {
+            let _on = rt.set_current_stream(b).unwrap();
+            x.mutable_data_ptr().unwrap(); // the copy, on `b`
+        }
+        drop(clone);
+        let gate = host.gate_stream(a).unwrap();
+        fill(&rt, &x, a, 2); // held: not run yet
+        drop(x);
+        let next = filled(&rt, b, 3);
+        rt.driver().stream_synchronize(b).unwrap();
+        drop(gate);
+        rt.driver().stream_synchronize(a).unwrap();
+        assert_eq!(mismatches(&rt, &next, 3), 0, "round {round}");
+    }
+    ordered_and_clean(&rt);
+}
+
+/// A stream of another device is the program's to order, as in manual mode (it was an error of
+/// `record_stream`); a stream destroyed after its access is not waited for (every later access
+/// failed).
+#[test]
+fn other_devices_and_destroyed_streams_are_not_errors() {
+    let host = Arc::new(HostDriver::builder().devices(2).build().unwrap());
+    let rt = Arc::new(Runtime::builder().build(host).unwrap());
+    let a = rt.create_stream(0).unwrap();
+    let x = filled(&rt, a, 1);
+    x.data_ptr_on(rt.create_stream(1).unwrap()).unwrap();
+    // A reader destroyed, then a write.
+    let worker = rt.create_stream(0).unwrap();
+    x.data_ptr_on(worker).unwrap();
+    rt.driver().stream_synchronize(worker).unwrap();
+    rt.driver().stream_destroy(worker).unwrap();
+    x.mutable_data_ptr_on(a).unwrap();
+    // A writer destroyed, then a read.
+    let worker = rt.create_stream(0).unwrap();
+    let z = filled(&rt, worker, 2);
+    rt.driver().stream_synchronize(worker).unwrap();
+    rt.driver().stream_destroy(worker).unwrap();
+    let b = rt.create_stream(0).unwrap();
+    z.data_ptr_on(b).unwrap();
+    assert_eq!(mismatches(&rt, &z, 2), 0);
+}

@@ -116,12 +116,24 @@ impl Storage {
 
     /// Wraps memory already owned by `data` (of at least `nbytes`).
     pub fn from_data_ptr(runtime: &Arc<Runtime>, data: DataPtr, nbytes: u64) -> Self {
+        let written_on = data.allocation_stream();
+        Self::written_on(runtime, data, nbytes, written_on)
+    }
+
+    /// Wraps `data`, whose bytes are ready on `stream` (an allocation's stream, a lazy clone's
+    /// current stream, a receipt's): other streams' accesses wait for it (`order.rs`).
+    fn written_on(
+        runtime: &Arc<Runtime>,
+        data: DataPtr,
+        nbytes: u64,
+        stream: Option<StreamId>,
+    ) -> Self {
         Storage {
             inner: Arc::new(StorageInner {
                 word: AtomicU64::new(data.ptr().0),
                 nbytes,
                 device: data.device(),
-                uses: order::StreamUses::new(data.allocation_stream()),
+                uses: order::StreamUses::new(stream),
                 data: Mutex::new(data),
                 runtime: Arc::clone(runtime),
             }),
@@ -251,18 +263,22 @@ impl Storage {
             return Ok(DeviceAddr(word));
         }
         // Orders the copy after the writes before the lazy clone (`cow`), then the new memory is
-        // written on `stream` alone.
+        // written on `stream` alone (`materialize_locked`).
         self.access(stream, AccessKind::Read)?;
-        let ptr = self.with_data(|data| self.materialize_locked(data, stream))?;
-        self.inner.uses.reset(stream);
-        Ok(ptr)
+        self.with_data(|data| self.materialize_locked(data, stream))
     }
 
     /// Materializes a COW storage with its lock held (`data` is its `DataPtr`) on `stream` and
     /// publishes the new address; a storage that is not COW is left alone.
     fn materialize_locked(&self, data: &mut DataPtr, stream: StreamId) -> Result<DeviceAddr> {
+        let was_cow = crate::cow::is_cow(data);
         let ptr = crate::cow::materialize(self.allocator(), data, self.inner.nbytes, stream)?;
         self.set_cow_word(ptr, false);
+        if was_cow {
+            // Memory of its own now (a copy, or the steal's), written on `stream`: the uses of
+            // the shared memory are the hand-over's (`order.rs`). Every caller goes through here.
+            self.inner.uses.reset(stream);
+        }
         Ok(ptr)
     }
 

@@ -22,6 +22,13 @@
 //! With `stream_order:manual` nothing here runs: PyTorch's rules, the program's `record_stream`
 //! and waits, and the sanitizer reports what is missing.
 //!
+//! Outside the rule, the program's to order as in manual mode: work on raw addresses
+//! (`data_ptr()`, `mutable_data_ptr()`), graph replays (a replay writes what its capture wrote,
+//! which no storage sees), and streams of another device. A stream destroyed since its access is
+//! not waited for (its work cannot be named any more). Addresses are taken right before the work
+//! that uses them is enqueued — as every storage door does — since the wait covers the work
+//! queued on the earlier stream when the later access is taken.
+//!
 //! [`CachingAllocator::order_after`]: crate::CachingAllocator
 
 use super::Storage;
@@ -91,33 +98,53 @@ impl Storage {
 
     #[cold]
     fn access_slow(&self, stream: StreamId, kind: AccessKind) -> Result<()> {
-        let mut uses = self.inner.uses.uses.lock();
-        let writer = uses.writer.filter(|&w| w != stream);
-        match kind {
-            AccessKind::Read => {
-                if uses.writer == Some(stream) || uses.readers.contains(&stream) {
-                    return Ok(());
-                }
-                if let Some(w) = writer {
-                    self.allocator().order_after(stream, w)?;
-                }
-                self.record_use(stream)?;
-                uses.readers.push(stream);
-                self.inner.uses.sole.store(NO_STREAM, Ordering::Release);
-            }
-            AccessKind::Write => {
-                for &earlier in writer.iter().chain(&uses.readers) {
-                    if earlier != stream {
-                        self.allocator().order_after(stream, earlier)?;
+        // A stream of another device is the program's to order (as in manual mode): events and
+        // `record_stream` are per device.
+        if self.allocator().driver().stream_device(stream)? != self.inner.device {
+            return Ok(());
+        }
+        {
+            let mut uses = self.inner.uses.uses.lock();
+            let writer = uses.writer.filter(|&w| w != stream);
+            match kind {
+                AccessKind::Read => {
+                    if uses.writer == Some(stream) || uses.readers.contains(&stream) {
+                        return Ok(());
                     }
+                    if let Some(w) = writer {
+                        self.wait_for(stream, w)?;
+                    }
+                    uses.readers.push(stream);
+                    self.inner.uses.sole.store(NO_STREAM, Ordering::Release);
                 }
-                self.record_use(stream)?;
-                uses.writer = Some(stream);
-                uses.readers.clear();
-                self.inner.uses.sole.store(stream.0, Ordering::Release);
+                AccessKind::Write => {
+                    for &earlier in writer.iter().chain(&uses.readers) {
+                        if earlier != stream {
+                            self.wait_for(stream, earlier)?;
+                        }
+                    }
+                    uses.writer = Some(stream);
+                    uses.readers.clear();
+                    self.inner.uses.sole.store(stream.0, Ordering::Release);
+                }
             }
         }
-        Ok(())
+        // Outside the lock of the uses: `record_stream` takes the storage's data lock, which a
+        // lazy clone's first write holds while it resets the uses.
+        self.record_use(stream)
+    }
+
+    /// Makes `stream` wait for `earlier`; a stream destroyed since is skipped (its work cannot
+    /// be waited for any more, as a free of memory it used does not wait for it either).
+    fn wait_for(&self, stream: StreamId, earlier: StreamId) -> Result<()> {
+        let allocator = self.allocator();
+        match allocator.order_after(stream, earlier) {
+            Err(err) if allocator.driver().stream_device(earlier).is_err() => {
+                tracing::warn!(%err, "a stream that used a storage was destroyed: not waited for");
+                Ok(())
+            }
+            other => other,
+        }
     }
 
     /// The memory's free waits for `stream` (`record_stream` by construction).

@@ -39,10 +39,13 @@ pub(super) fn pin_memory(storage: &Storage) -> Result<Option<Storage>> {
 fn cow_sibling(storage: &Storage, data: &mut DataPtr) -> Result<Option<Storage>> {
     let runtime = storage.runtime();
     let ptr = data.ptr();
+    // The clone's bytes are the source's as the current stream sees them (it waited for the
+    // source's last write: `Storage::lazy_clone`): other streams' accesses wait for it.
+    let current = runtime.current_stream(storage.device())?;
     Ok(
         crate::cow::lazy_clone(runtime.allocator(), data)?.map(|sibling| {
             storage.set_cow_word(ptr, true);
-            let sibling = Storage::from_data_ptr(runtime, sibling, storage.nbytes());
+            let sibling = Storage::written_on(runtime, sibling, storage.nbytes(), Some(current));
             sibling.set_cow_word(ptr, true);
             sibling
         }),
@@ -154,7 +157,9 @@ pub(super) fn receive(runtime: &Arc<Runtime>, handle: IpcHandle) -> Result<Stora
     let stream = runtime.current_stream(device)?;
     refuse_while_capturing(runtime, stream, "received from another process")?;
     let data = crate::ipc::open(runtime.ipc(), runtime.allocator(), handle, device)?;
-    let storage = Storage::from_data_ptr(runtime, data, nbytes);
+    // Ready on the receipt's stream (it waits for the producer's event): other streams wait
+    // for it (`order.rs`).
+    let storage = Storage::written_on(runtime, data, nbytes, Some(stream));
     received.insert(key, storage.downgrade());
     Ok(storage)
 }
