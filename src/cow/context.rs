@@ -97,7 +97,13 @@ pub(crate) fn is_cow(data: &DataPtr) -> bool {
 /// a COW view in place on its first lazy clone (or adds one reference to its context) and returns
 /// the clone's `DataPtr`. `None` when the memory cannot be shared copy-on-write — memory shared
 /// with other processes (see the module docs): the caller makes an eager copy instead.
-pub(crate) fn lazy_clone(alloc: &CachingAllocator, data: &mut DataPtr) -> Result<Option<DataPtr>> {
+/// `tell`: a lazy clone the program reads, so the sanitizer reports writes into the shared memory
+/// (a transfer engine's pin of the memory is not).
+pub(crate) fn lazy_clone(
+    alloc: &CachingAllocator,
+    data: &mut DataPtr,
+    tell: bool,
+) -> Result<Option<DataPtr>> {
     let ptr = data.ptr();
     let device = data.device();
     let ctx = if let Some(owner) = data.shared_owner::<CowOwner>() {
@@ -117,7 +123,9 @@ pub(crate) fn lazy_clone(alloc: &CachingAllocator, data: &mut DataPtr) -> Result
     } else {
         return Ok(None);
     };
-    ctx.tell_sharing(ptr, true);
+    if tell {
+        ctx.tell_sharing(ptr, true);
+    }
     Ok(Some(DataPtr::new(ptr, device, cow_owner(&ctx))))
 }
 

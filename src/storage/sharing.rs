@@ -16,7 +16,7 @@ pub(super) fn lazy_clone(storage: &Storage) -> Result<Storage> {
     if storage.nbytes() == 0 {
         return Storage::new(storage.runtime(), storage.device(), 0);
     }
-    storage.with_data(|data| match cow_sibling(storage, data)? {
+    storage.with_data(|data| match cow_sibling(storage, data, true)? {
         Some(clone) => Ok(clone),
         None => eager_clone(storage, data),
     })
@@ -31,19 +31,22 @@ pub(super) fn pin_memory(storage: &Storage) -> Result<Option<Storage>> {
     if storage.nbytes() == 0 {
         return Ok(None);
     }
-    storage.with_data(|data| cow_sibling(storage, data))
+    // Not a clone anyone reads: the transfer engine writes the memory it pinned (no report).
+    storage.with_data(|data| cow_sibling(storage, data, false))
 }
 
 /// A storage sharing `data` (the storage's, under its lock) copy-on-write, both tagged COW; `None`
-/// when the memory cannot be shared that way (it is shared with other processes).
-fn cow_sibling(storage: &Storage, data: &mut DataPtr) -> Result<Option<Storage>> {
+/// when the memory cannot be shared that way (it is shared with other processes). `clone`: a
+/// lazy clone the program reads (the sanitizer then reports writes into the shared memory), not
+/// a pin.
+fn cow_sibling(storage: &Storage, data: &mut DataPtr, clone: bool) -> Result<Option<Storage>> {
     let runtime = storage.runtime();
     let ptr = data.ptr();
     // The clone's bytes are the source's as the current stream sees them (it waited for the
     // source's last write: `Storage::lazy_clone`): other streams' accesses wait for it.
     let current = runtime.current_stream(storage.device())?;
     Ok(
-        crate::cow::lazy_clone(runtime.allocator(), data)?.map(|sibling| {
+        crate::cow::lazy_clone(runtime.allocator(), data, clone)?.map(|sibling| {
             storage.set_cow_word(ptr, true);
             let sibling = Storage::written_on(runtime, sibling, storage.nbytes(), Some(current));
             sibling.set_cow_word(ptr, true);
