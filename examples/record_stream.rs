@@ -10,7 +10,7 @@
 //!
 //! Under the stream sanitizer the bug needs no gate and no reuse to show: the hand-out of the
 //! source's block to the newcomer, while the side stream's copy was not ordered before the free,
-//! is reported as a use after free at once (`copy_then_reuse(false, true)`).
+//! is reported as a use after free at once (`copy_then_reuse(How::Raw, true)`).
 //!
 //! ```text
 //! cargo run --example record_stream     # shows both outcomes
@@ -24,6 +24,17 @@ use cudalloc::{
     StreamId,
 };
 use cudalloc::{HostMemory, HostRange};
+
+/// How a copy on another stream orders itself against the source's producer and free.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum How {
+    /// A wait written, `record_stream` forgotten, on the raw address.
+    Raw,
+    /// A wait and `record_stream` written, on the raw address.
+    Recorded,
+    /// Through the storage's door for the stream: nothing written.
+    Door,
+}
 
 /// A one-dimensional tensor of bytes on one stream.
 struct Tensor {
@@ -49,21 +60,28 @@ impl Tensor {
         Ok(Tensor { storage, stream })
     }
 
-    /// A copy made on `side` (which first waits for this tensor's producer). `record` says whether
-    /// the library remembers to call `record_stream` for the source.
-    fn copy_on(&self, side: StreamId, record: bool) -> Result<Tensor> {
+    /// A copy made on `side`. `Raw` and `Recorded` take the source's raw address, so the library
+    /// waits for the producer itself — `Recorded` also remembers `record_stream`, `Raw` forgets
+    /// it. `Door` takes the address through the storage's door for `side` (`data_ptr_on`) and
+    /// writes neither: the storage orders itself (`stream_order:auto`, the default).
+    fn copy_on(&self, side: StreamId, how: How) -> Result<Tensor> {
         let runtime = self.storage.runtime();
         let driver = runtime.driver();
-        let ready = driver.event_create(0, EventFlags::default())?;
-        driver.event_record(ready, self.stream)?;
-        driver.stream_wait_event(side, ready)?;
-        driver.event_destroy(ready)?;
+        let src = if how == How::Door {
+            self.storage.data_ptr_on(side)?
+        } else {
+            let ready = driver.event_create(0, EventFlags::default())?;
+            driver.event_record(ready, self.stream)?;
+            driver.stream_wait_event(side, ready)?;
+            driver.event_destroy(ready)?;
+            self.storage.data_ptr()
+        };
         let len = self.storage.nbytes();
         let out = Storage::new_on(runtime, side, len)?;
         Self::host(runtime)?.enqueue_host(
             side,
             [
-                HostRange::read(self.storage.data_ptr(), len),
+                HostRange::read(src, len),
                 HostRange::write(out.mutable_data_ptr_on(side)?, len),
             ],
             |m: &mut HostMemory<2>| {
@@ -71,7 +89,7 @@ impl Tensor {
                 m.write(1, 0, &bytes)
             },
         )?;
-        if record {
+        if how == How::Recorded {
             self.storage.record_stream(side)?;
         }
         Ok(Tensor {
@@ -92,7 +110,7 @@ impl Tensor {
 /// Copies a tensor of 7s on a side stream, drops it, makes a tensor of 9s of the same size on the
 /// main stream, then lets the side stream run. Returns the bytes of the copy. With `sanitize`,
 /// the stream sanitizer checks every step (and reports the forgotten `record_stream`).
-fn copy_then_reuse(record: bool, sanitize: bool) -> Result<Vec<u8>> {
+fn copy_then_reuse(how: How, sanitize: bool) -> Result<Vec<u8>> {
     let host = Arc::new(HostDriver::builder().memory_per_device(64 << 20).build()?);
     let checked = if sanitize {
         Sanitize::On(SanitizeOptions::default())
@@ -104,7 +122,7 @@ fn copy_then_reuse(record: bool, sanitize: bool) -> Result<Vec<u8>> {
     let side = runtime.create_stream(0)?;
     let gate = host.gate_stream(side)?; // the side stream is busy for now
     let source = Tensor::full(&runtime, main, 1 << 20, 7)?;
-    let copy = source.copy_on(side, record)?;
+    let copy = source.copy_on(side, how)?;
     drop(source);
     let newcomer = Tensor::full(&runtime, main, 1 << 20, 9)?;
     runtime.driver().stream_synchronize(main)?;
@@ -115,16 +133,20 @@ fn copy_then_reuse(record: bool, sanitize: bool) -> Result<Vec<u8>> {
 }
 
 fn main() -> Result<()> {
-    for record in [false, true] {
-        let bytes = copy_then_reuse(record, false)?;
+    for how in [How::Raw, How::Recorded, How::Door] {
+        let bytes = copy_then_reuse(how, false)?;
         let wrong = bytes.iter().filter(|&&b| b != 7).count();
         println!(
-            "record_stream {}: the copy holds {wrong} wrong bytes of {}",
-            if record { "called    " } else { "forgotten " },
+            "{}: the copy holds {wrong} wrong bytes of {}",
+            match how {
+                How::Raw => "record_stream forgotten         ",
+                How::Recorded => "record_stream called            ",
+                How::Door => "the storage's door, nothing said",
+            },
             bytes.len()
         );
     }
-    match copy_then_reuse(false, true) {
+    match copy_then_reuse(How::Raw, true) {
         Err(err) if err.kind() == ErrorKind::StreamRace => {
             println!("record_stream forgotten, sanitizer on: reported —\n{err}")
         }
@@ -134,8 +156,10 @@ fn main() -> Result<()> {
             )))
         }
     }
-    copy_then_reuse(true, true)?;
+    copy_then_reuse(How::Recorded, true)?;
     println!("record_stream called, sanitizer on: nothing reported");
+    copy_then_reuse(How::Door, true)?;
+    println!("the storage's door, sanitizer on: nothing reported");
     Ok(())
 }
 
@@ -147,7 +171,7 @@ mod tests {
 
     #[test]
     fn forgetting_record_stream_is_caught() {
-        let bytes = copy_then_reuse(false, false).unwrap();
+        let bytes = copy_then_reuse(How::Raw, false).unwrap();
         assert!(
             bytes.iter().all(|&b| b == 9),
             "the copy read the reused block: the newcomer's 9s"
@@ -156,15 +180,22 @@ mod tests {
 
     #[test]
     fn with_record_stream_the_copy_is_right() {
-        let bytes = copy_then_reuse(true, false).unwrap();
+        let bytes = copy_then_reuse(How::Recorded, false).unwrap();
         assert!(bytes.iter().all(|&b| b == 7));
     }
 
     #[test]
     fn the_sanitizer_reports_the_forgotten_record_stream_and_only_that() {
-        let err = copy_then_reuse(false, true).unwrap_err();
+        let err = copy_then_reuse(How::Raw, true).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
         assert!(err.to_string().contains("use after free"), "{err}");
-        copy_then_reuse(true, true).unwrap();
+        copy_then_reuse(How::Recorded, true).unwrap();
+    }
+
+    #[test]
+    fn through_the_storages_door_nothing_is_forgotten() {
+        let bytes = copy_then_reuse(How::Door, false).unwrap();
+        assert!(bytes.iter().all(|&b| b == 7));
+        copy_then_reuse(How::Door, true).unwrap();
     }
 }
