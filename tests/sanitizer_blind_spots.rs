@@ -134,3 +134,32 @@ fn a_stolen_lazy_clone_owns_its_bytes() {
     }
     rt.driver().stream_synchronize(s).unwrap();
 }
+
+/// Found by review: a sleep forgot the allocations of its tag, so after the wake neither check
+/// applied to them (both writes below went unreported). The wake's own restore of the offloaded
+/// bytes — into memory a lazy clone shares — is the allocator's, and never reported.
+#[test]
+fn after_a_sleep_and_wake_both_checks_hold_and_the_wake_is_not_reported() {
+    let rt = sanitized();
+    let v = common::tagged(&rt, "w", &[4096, 4096], 7);
+    let c = v[0].lazy_clone().unwrap();
+    rt.sleep(&["w"], &[]).unwrap();
+    rt.wake_up(&[]).unwrap();
+    no_reports(&rt);
+    let t = rt.create_stream(0).unwrap();
+    let err = rt.driver().memset(t, c.data_ptr(), 1, 16).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
+    one_report(&rt, HazardKind::CowWrite);
+    let t2 = rt.create_stream(0).unwrap();
+    let err = rt
+        .driver()
+        .memset(t2, v[1].data_ptr(), 1, 8192)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
+    one_report(&rt, HazardKind::OutOfBounds);
+    assert_eq!(
+        v[1].count_pattern_mismatches(8).unwrap(),
+        0,
+        "the second storage kept its bytes"
+    );
+}

@@ -250,6 +250,8 @@ impl Runtime {
         let live: HashSet<(usize, u64)> = start.ranges.iter().map(|r| (r.device, r.addr)).collect();
         let driver = self.allocator().driver();
         let mut streams: Vec<StreamId> = Vec::new();
+        // The allocator's own writes of the program's bytes (the sanitizer's bounds and
+        // copy-on-write checks do not concern them: `driver::sanitizer::allocators_own`).
         let restore = || -> Result<()> {
             for (range, buffer) in &kept.buffers {
                 if !live.contains(&(range.device, range.addr)) {
@@ -284,7 +286,9 @@ impl Runtime {
             }
             Ok(())
         };
-        let failed = match catch_unwind(AssertUnwindSafe(restore)) {
+        let failed = match catch_unwind(AssertUnwindSafe(|| {
+            crate::driver::sanitizer::allocators_own(restore)
+        })) {
             Ok(Ok(())) => None,
             Ok(Err(err)) => Some(Ok(err)),
             Err(panic) => Some(Err(panic)),

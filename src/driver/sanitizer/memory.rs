@@ -28,11 +28,13 @@ impl Sanitizer {
         }
     }
 
-    /// `[start, start + len)` is gone (unmapped pages).
+    /// `[start, start + len)` is gone (unmapped pages). The allocations that start there stay
+    /// known: pages are unmapped under live allocations only by a sleep, whose wake maps them
+    /// back at the same addresses (their bounds and copy-on-write sharing hold again then).
     pub(crate) fn forget(&self, start: u64, len: u64) {
         let mut st = self.state.lock();
         self.check_release(&mut st, start, len);
-        Self::forget_locked(&mut st, start, len);
+        st.shadow.forget(start, start.saturating_add(len));
     }
 
     /// Memory the allocator held as free goes back to the driver: a free that an access on

@@ -119,6 +119,25 @@ pub(crate) fn labelled<R>(label: &'static str, f: impl FnOnce() -> R) -> R {
 fn label_or(call: &'static str) -> &'static str {
     LABEL.with(std::cell::Cell::get).unwrap_or(call)
 }
+
+thread_local! {
+    /// The allocator's own work on the program's memory runs now (`allocators_own`).
+    static ALLOCATORS_OWN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f`, whose stream work is the allocator's own restoring of the program's bytes (a wake
+/// writing back what a sleep offloaded): checked for races like any work, but neither bounds nor
+/// copy-on-write sharing concern it — it writes whole blocks, lazy clones' shared ones included.
+pub(crate) fn allocators_own<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ALLOCATORS_OWN.with(|o| o.set(self.0));
+        }
+    }
+    let _restore = Restore(ALLOCATORS_OWN.with(|o| o.replace(true)));
+    f()
+}
 pub use report::{AccessReport, HazardKind, HazardReport};
 pub use shadow::AccessKind;
 pub use wrapper::SanitizedDriver;
@@ -363,7 +382,8 @@ impl Sanitizer {
             }
             // At the allocation, not the segment: a replay's touches are the capture's (its pool's
             // blocks may have been split differently since), and are not checked.
-            let bound = replay.is_none().then(|| st.out_of_bounds(t.start, end));
+            let own = ALLOCATORS_OWN.with(std::cell::Cell::get);
+            let bound = (replay.is_none() && !own).then(|| st.out_of_bounds(t.start, end));
             if let Some((allocation, outside)) = bound.flatten() {
                 let began_inside = st.allocation_at(t.start).is_some();
                 let report = HazardReport {
@@ -385,7 +405,7 @@ impl Sanitizer {
                 };
                 return Err(self.fail(st, slot, report));
             }
-            let cow = (t.kind == AccessKind::Write && replay.is_none())
+            let cow = (t.kind == AccessKind::Write && replay.is_none() && !own)
                 .then(|| st.cow_shared_in(t.start, end));
             if let Some(allocation) = cow.flatten() {
                 let report = HazardReport {
