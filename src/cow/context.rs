@@ -11,7 +11,7 @@ use crate::alloc::{take_shared, CachingAllocator, DataPtr, Owner, SharedOwner};
 use crate::driver::{DeviceAddr, Sanitizer, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
-use crate::sync::os::Arc;
+use crate::sync::os::{Arc, Mutex};
 
 /// Shared state of a set of COW storages.
 #[derive(Debug)]
@@ -23,6 +23,9 @@ pub(crate) struct CowContext {
     /// The stream sanitizer, told while lazy clones share the memory (a write into it is
     /// reported) and when they no longer do.
     sanitizer: Option<Arc<Sanitizer>>,
+    /// Held (with the sanitizer on) across a change of the count and what the sanitizer is told
+    /// of it, so a clone made while another reference lets go is never told last as "alone".
+    telling: Mutex<()>,
 }
 
 impl CowContext {
@@ -36,8 +39,24 @@ impl CowContext {
 
     /// After a reference was given up: the one left alone owns the memory's bytes.
     fn tell_if_alone(&self, ptr: DeviceAddr) {
-        if self.sanitizer.is_some() && self.cell.refs() == 1 {
-            self.tell_sharing(ptr, false);
+        if self.sanitizer.is_some() {
+            let _telling = self.telling.lock();
+            if self.cell.refs() == 1 {
+                self.tell_sharing(ptr, false);
+            }
+        }
+    }
+
+    /// One more reference (a lazy clone); `tell`: the sanitizer is told the memory is shared.
+    fn add_ref(&self, ptr: DeviceAddr, tell: bool) {
+        if self.sanitizer.is_none() {
+            self.cell.add_ref();
+            return;
+        }
+        let _telling = self.telling.lock();
+        self.cell.add_ref();
+        if tell {
+            self.tell_sharing(ptr, true);
         }
     }
 }
@@ -106,10 +125,12 @@ pub(crate) fn lazy_clone(
 ) -> Result<Option<DataPtr>> {
     let ptr = data.ptr();
     let device = data.device();
-    let ctx = if let Some(owner) = data.shared_owner::<CowOwner>() {
-        owner.ctx.cell.add_ref();
-        Arc::clone(&owner.ctx)
-    } else if matches!(data.owner(), Owner::Block(_)) {
+    if let Some(owner) = data.shared_owner::<CowOwner>() {
+        owner.ctx.add_ref(ptr, tell);
+        let ctx = Arc::clone(&owner.ctx);
+        return Ok(Some(DataPtr::new(ptr, device, cow_owner(&ctx))));
+    }
+    let ctx = if matches!(data.owner(), Owner::Block(_)) {
         let clone_stream = alloc.current_stream(device)?;
         let original = std::mem::replace(data, DataPtr::empty(device));
         let ctx = Arc::new(CowContext {
@@ -117,6 +138,7 @@ pub(crate) fn lazy_clone(
             birth: Birth::now(),
             clone_stream,
             sanitizer: alloc.driver().sanitizer(),
+            telling: Mutex::new(()),
         });
         *data = DataPtr::new(ptr, device, cow_owner(&ctx));
         ctx
