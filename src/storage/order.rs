@@ -82,7 +82,7 @@ impl StreamUses {
 impl Storage {
     /// Whether this storage's runtime orders storages (`stream_order:auto`).
     #[inline]
-    fn orders_itself(&self) -> bool {
+    pub(super) fn orders_itself(&self) -> bool {
         self.allocator().config().stream_order == StreamOrder::Auto
     }
 
@@ -131,7 +131,7 @@ impl Storage {
         }
         // Outside the lock of the uses: `record_stream` takes the storage's data lock, which a
         // lazy clone's first write holds while it resets the uses.
-        self.record_use(stream)
+        self.used_on(stream)
     }
 
     /// Makes `stream` wait for `earlier`; a stream destroyed since is skipped (its work cannot
@@ -147,11 +147,15 @@ impl Storage {
         }
     }
 
-    /// The memory's free waits for `stream` (`record_stream` by construction).
-    fn record_use(&self, stream: StreamId) -> Result<()> {
-        if self.allocation_stream() == Some(stream) {
-            return Ok(());
-        }
-        self.record_stream(stream)
+    /// The memory's free waits for `stream` (`record_stream` by construction; nothing for its own
+    /// allocation stream), under one take of the data lock.
+    pub(super) fn used_on(&self, stream: StreamId) -> Result<()> {
+        self.with_data(|data| {
+            if data.allocation_stream() == Some(stream) {
+                Ok(())
+            } else {
+                data.record_stream(stream)
+            }
+        })
     }
 }

@@ -51,14 +51,6 @@ impl Storage {
         Ok(Some(buffer_offset..end))
     }
 
-    /// Its memory is used on `stream`: recorded unless that is its own stream.
-    fn used_on(&self, stream: StreamId) -> Result<()> {
-        if self.allocation_stream() == Some(stream) {
-            return Ok(());
-        }
-        self.record_stream(stream)
-    }
-
     /// Enqueues a copy of `len` bytes of the storage from `offset` into `dst` at `dst_offset`
     /// on `stream`; returns at once. Reads: a lazy clone is not materialized. `dst`'s host
     /// borrows wait for the copy.
@@ -84,6 +76,11 @@ impl Storage {
                     .copy_device_to_pinned(stream, host, src, bytes)
             })
         }?;
+        // Ordered storages recorded `stream` at the access (`order.rs`); under manual rules a
+        // pinned copy records it itself.
+        if self.orders_itself() {
+            return Ok(());
+        }
         self.used_on(stream)
     }
 
@@ -112,6 +109,11 @@ impl Storage {
                     .copy_pinned_to_device(stream, dst, host, bytes)
             })
         }?;
+        // Ordered storages recorded `stream` at the access (`order.rs`); under manual rules a
+        // pinned copy records it itself.
+        if self.orders_itself() {
+            return Ok(());
+        }
         self.used_on(stream)
     }
 }

@@ -102,17 +102,26 @@ thread_local! {
     static LABEL: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
 }
 
+/// Runs `f` with the thread-local `key` set to `value`, restored after (also when `f` panics).
+fn with_set<T: Copy + 'static, R>(
+    key: &'static std::thread::LocalKey<std::cell::Cell<T>>,
+    value: T,
+    f: impl FnOnce() -> R,
+) -> R {
+    struct Restore<T: Copy + 'static>(&'static std::thread::LocalKey<std::cell::Cell<T>>, T);
+    impl<T: Copy + 'static> Drop for Restore<T> {
+        fn drop(&mut self) {
+            self.0.with(|c| c.set(self.1));
+        }
+    }
+    let _restore = Restore(key, key.with(|c| c.replace(value)));
+    f()
+}
+
 /// Runs `f`, whose stream work the sanitizer's reports name `label` instead of the driver call
 /// (a lazy clone's copy-on-write copy is one `copy_device_to_device`, named as what it is).
 pub(crate) fn labelled<R>(label: &'static str, f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<&'static str>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            LABEL.with(|l| l.set(self.0));
-        }
-    }
-    let _restore = Restore(LABEL.with(|l| l.replace(Some(label))));
-    f()
+    with_set(&LABEL, Some(label), f)
 }
 
 /// The label `labelled` set on this thread, else `call`.
@@ -129,14 +138,7 @@ thread_local! {
 /// writing back what a sleep offloaded): checked for races like any work, but neither bounds nor
 /// copy-on-write sharing concern it — it writes whole blocks, lazy clones' shared ones included.
 pub(crate) fn allocators_own<R>(f: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            ALLOCATORS_OWN.with(|o| o.set(self.0));
-        }
-    }
-    let _restore = Restore(ALLOCATORS_OWN.with(|o| o.replace(true)));
-    f()
+    with_set(&ALLOCATORS_OWN, true, f)
 }
 pub use report::{AccessReport, HazardKind, HazardReport};
 pub use shadow::AccessKind;
