@@ -268,3 +268,56 @@ fn other_devices_and_destroyed_streams_are_not_errors() {
     z.data_ptr_on(b).unwrap();
     assert_eq!(mismatches(&rt, &z, 2), 0);
 }
+
+const CHILD: &str = "storage_order_child";
+
+/// A storage received from another process starts as written on the receipt's stream (it waited
+/// for the producer's event): a read on another stream of the consumer waits for the producer's
+/// write (found by review: it started with no writer, and the consumer's copy ran before the
+/// producer's fill — the producer's stream is held until the consumer has queued its copy).
+#[test]
+fn a_received_storage_read_on_another_stream_waits_for_the_producer() {
+    let (rt, host) = runtime("");
+    let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
+    let x = Storage::new_on(&rt, a, LEN).unwrap();
+    rt.driver().stream_synchronize(a).unwrap();
+    let gate = host.gate_stream(a).unwrap();
+    fill(&rt, &x, a, 42);
+    let handle = {
+        let _on = rt.set_current_stream(b).unwrap();
+        x.share_ipc().unwrap()
+    };
+    let mut child = common::ChildProcess::spawn(CHILD, "read", "host");
+    child.send(&common::hex(&handle.into_bytes()));
+    assert_eq!(child.recv(), "queued");
+    drop(gate);
+    child.send("released");
+    assert_eq!(child.recv(), "mismatches=0");
+    child.send("done");
+    child.finish();
+    drop(x);
+    rt.ipc_collect();
+}
+
+#[test]
+#[ignore = "child process entry: run by the tests of this file"]
+fn storage_order_child() {
+    let Ok(role) = std::env::var(common::ROLE_VAR) else {
+        return;
+    };
+    assert_eq!(role, "read");
+    let rt = Arc::new(Runtime::new(common::child_test_driver(), Default::default()).unwrap());
+    let mut parent = common::ParentLink::new();
+    let handle = cudalloc::IpcHandle::from_bytes(&common::unhex(&parent.recv())).unwrap();
+    let s = Storage::from_ipc(&rt, handle).unwrap();
+    let d = rt.create_stream(0).unwrap();
+    let y = Storage::new_on(&rt, d, LEN).unwrap();
+    let dst = y.mutable_data_ptr_on(d).unwrap();
+    let src = s.data_ptr_on(d).unwrap();
+    rt.driver().copy_device_to_device(d, dst, src, LEN).unwrap();
+    parent.send("queued");
+    assert_eq!(parent.recv(), "released");
+    rt.driver().stream_synchronize(d).unwrap();
+    parent.send(&format!("mismatches={}", mismatches(&rt, &y, 42)));
+    assert_eq!(parent.recv(), "done");
+}
