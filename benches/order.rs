@@ -2,7 +2,8 @@
 //! one run): an access through the storage's door on one stream, and a short kernel sequence
 //! (4 KiB memsets through `mutable_data_ptr_on`) on one stream and alternating between two — in
 //! manual mode with the waits a correct program writes by hand (`stream_wait_stream`), in auto
-//! mode with none written.
+//! mode with none written; and a typed host kernel seeing the memory itself, staged, and the raw
+//! escape hatch by copies.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::sync::Arc;
@@ -11,7 +12,7 @@ use std::time::Duration;
 mod common;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use cudalloc::{AllocatorConfig, Runtime, Storage};
+use cudalloc::{AllocatorConfig, HostMemory, HostRange, Runtime, Storage};
 
 const LAUNCHES: usize = 64;
 
@@ -73,5 +74,66 @@ fn order(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, order);
+/// A typed host kernel over 4 MiB (x → y = 2x, f32): slices over the memory itself (`auto`),
+/// over private copies (`manual`: staged), and the raw escape hatch reading and writing by copies
+/// (`HostMemory::read`/`write`), side by side.
+fn host_kernels(c: &mut Criterion) {
+    const BYTES: u64 = 4 << 20;
+    let mut g = c.benchmark_group("host_kernel_4MiB");
+    g.measurement_time(Duration::from_secs(3));
+    for (mode, conf) in [
+        ("typed, memory itself", ""),
+        ("typed, staged", "stream_order:manual"),
+    ] {
+        let rt = runtime(conf);
+        let s = rt.create_stream(0).unwrap();
+        let (x, y) = (
+            Storage::new_on(&rt, s, BYTES).unwrap(),
+            Storage::new_on(&rt, s, BYTES).unwrap(),
+        );
+        g.bench_function(mode, |b| {
+            b.iter(|| {
+                rt.launch_host(s, (x.reads::<f32>(), y.writes::<f32>()), |(x, y)| {
+                    y.iter_mut().zip(x).for_each(|(o, i)| *o = 2.0 * i);
+                    Ok(())
+                })
+                .unwrap();
+                rt.driver().stream_synchronize(s).unwrap();
+            })
+        });
+    }
+    let rt = runtime("");
+    let s = rt.create_stream(0).unwrap();
+    let (x, y) = (
+        Storage::new_on(&rt, s, BYTES).unwrap(),
+        Storage::new_on(&rt, s, BYTES).unwrap(),
+    );
+    let host = rt.driver().as_host().unwrap();
+    g.bench_function("raw, by copies", |b| {
+        b.iter(|| {
+            let ranges = [
+                HostRange::read(x.data_ptr_on(s).unwrap(), BYTES),
+                HostRange::write(y.mutable_data_ptr_on(s).unwrap(), BYTES),
+            ];
+            // SAFETY: no typed kernel sees these storages.
+            unsafe {
+                host.enqueue_host(s, ranges, |m: &mut HostMemory<2>| {
+                    let bytes = m.to_vec(0)?;
+                    let out: Vec<u8> = bytes
+                        .chunks_exact(4)
+                        .flat_map(|c| {
+                            (2.0 * f32::from_le_bytes([c[0], c[1], c[2], c[3]])).to_le_bytes()
+                        })
+                        .collect();
+                    m.write(1, 0, &out)
+                })
+            }
+            .unwrap();
+            rt.driver().stream_synchronize(s).unwrap();
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, order, host_kernels);
 criterion_main!(benches);

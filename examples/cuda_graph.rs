@@ -37,21 +37,24 @@ fn binary(
     b: DeviceAddr,
     f: fn(u8, u8) -> u8,
 ) -> Result<()> {
-    host(runtime)?.enqueue_host(
-        stream,
-        [
-            HostRange::read(a, LEN),
-            HostRange::read(b, LEN),
-            HostRange::write(dst, LEN),
-        ],
-        move |m: &mut HostMemory<3>| {
-            let (mut x, mut y) = (vec![0u8; m.len(0)], vec![0u8; m.len(1)]);
-            m.read(0, 0, &mut x)?;
-            m.read(1, 0, &mut y)?;
-            let out: Vec<u8> = x.iter().zip(&y).map(|(&p, &q)| f(p, q)).collect();
-            m.write(2, 0, &out)
-        },
-    )
+    // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+    unsafe {
+        host(runtime)?.enqueue_host(
+            stream,
+            [
+                HostRange::read(a, LEN),
+                HostRange::read(b, LEN),
+                HostRange::write(dst, LEN),
+            ],
+            move |m: &mut HostMemory<3>| {
+                let (mut x, mut y) = (vec![0u8; m.len(0)], vec![0u8; m.len(1)]);
+                m.read(0, 0, &mut x)?;
+                m.read(1, 0, &mut y)?;
+                let out: Vec<u8> = x.iter().zip(&y).map(|(&p, &q)| f(p, q)).collect();
+                m.write(2, 0, &out)
+            },
+        )
+    }
 }
 
 fn mul(p: u8, q: u8) -> u8 {

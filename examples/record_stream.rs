@@ -52,43 +52,61 @@ impl Tensor {
     /// A tensor of `len` bytes equal to `value`, written by a host kernel on `stream`.
     fn full(runtime: &Arc<Runtime>, stream: StreamId, len: u64, value: u8) -> Result<Tensor> {
         let storage = Storage::new_on(runtime, stream, len)?;
-        Self::host(runtime)?.enqueue_host(
-            stream,
-            [HostRange::write(storage.mutable_data_ptr_on(stream)?, len)],
-            move |m: &mut HostMemory<1>| m.write(0, 0, &vec![value; m.len(0)]),
-        )?;
+        // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+        unsafe {
+            Self::host(runtime)?.enqueue_host(
+                stream,
+                [HostRange::write(storage.mutable_data_ptr_on(stream)?, len)],
+                move |m: &mut HostMemory<1>| m.write(0, 0, &vec![value; m.len(0)]),
+            )
+        }?;
         Ok(Tensor { storage, stream })
     }
 
     /// A copy made on `side`. `Raw` and `Recorded` take the source's raw address, so the library
     /// waits for the producer itself — `Recorded` also remembers `record_stream`, `Raw` forgets
-    /// it. `Door` takes the address through the storage's door for `side` (`data_ptr_on`) and
-    /// writes neither: the storage orders itself (`stream_order:auto`, the default).
+    /// it. `Door` is a typed host kernel over the two storages and writes neither: the storages
+    /// order themselves (`stream_order:auto`, the default).
     fn copy_on(&self, side: StreamId, how: How) -> Result<Tensor> {
         let runtime = self.storage.runtime();
         let driver = runtime.driver();
-        let src = if how == How::Door {
-            self.storage.data_ptr_on(side)?
-        } else {
-            let ready = driver.event_create(0, EventFlags::default())?;
-            driver.event_record(ready, self.stream)?;
-            driver.stream_wait_event(side, ready)?;
-            driver.event_destroy(ready)?;
-            self.storage.data_ptr()
-        };
         let len = self.storage.nbytes();
         let out = Storage::new_on(runtime, side, len)?;
-        Self::host(runtime)?.enqueue_host(
-            side,
-            [
-                HostRange::read(src, len),
-                HostRange::write(out.mutable_data_ptr_on(side)?, len),
-            ],
-            |m: &mut HostMemory<2>| {
-                let bytes = m.to_vec(0)?;
-                m.write(1, 0, &bytes)
-            },
-        )?;
+        if how == How::Door {
+            // A typed kernel: both storages seen as slices, each ordered by its storage.
+            runtime.launch_host(
+                side,
+                (self.storage.reads::<u8>(), out.writes::<u8>()),
+                |(src, dst)| {
+                    dst.copy_from_slice(src);
+                    Ok(())
+                },
+            )?;
+            return Ok(Tensor {
+                storage: out,
+                stream: side,
+            });
+        }
+        let ready = driver.event_create(0, EventFlags::default())?;
+        driver.event_record(ready, self.stream)?;
+        driver.stream_wait_event(side, ready)?;
+        driver.event_destroy(ready)?;
+        let src = self.storage.data_ptr();
+        // SAFETY: raw ranges, as PyTorch's rules would have them; this example's kernels on them
+        // are all raw (no typed kernel sees these bytes).
+        unsafe {
+            Self::host(runtime)?.enqueue_host(
+                side,
+                [
+                    HostRange::read(src, len),
+                    HostRange::write(out.mutable_data_ptr_on(side)?, len),
+                ],
+                |m: &mut HostMemory<2>| {
+                    let bytes = m.to_vec(0)?;
+                    m.write(1, 0, &bytes)
+                },
+            )
+        }?;
         if how == How::Recorded {
             self.storage.record_stream(side)?;
         }

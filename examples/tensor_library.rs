@@ -4,8 +4,8 @@
 //! 2. hands cudalloc the stream it already has (`import_stream`), makes it the default stream of
 //!    its device (`set_default_stream`: allocation, copies, copy-on-write copies and IPC receipts
 //!    use it on every thread, with no guard anywhere), and runs its kernels on it — on CUDA
-//!    through cudarc on typed views (feature `cudarc`), on the host backend as host kernels
-//!    (`enqueue_host`), so the same library code is tested on a laptop — and under the stream
+//!    through cudarc on typed views (feature `cudarc`), on the host backend as typed host kernels
+//!    (`Runtime::launch_host`, the storage seen as `&mut [f32]`), so the same library code is tested on a laptop — and under the stream
 //!    sanitizer (`CUDALLOC_SANITIZE=1`, what CI runs a second time);
 //! 3. shares a tensor with a child process (which adds to it and sends it back) and reads stats.
 //!
@@ -20,7 +20,6 @@ use std::process::{Command, Stdio};
 use cudalloc::{
     AllocatorConfig, BackendChoice, Error, IpcHandle, Result, Runtime, Storage, StreamId, GLOBAL,
 };
-use cudalloc::{HostMemory, HostRange};
 
 /// The library's tensor: `len` f32 values on a stream.
 struct Tensor {
@@ -44,27 +43,14 @@ impl Tensor {
     /// `self[i] += value` for every element, as a kernel on the tensor's stream.
     fn add_scalar(&self, value: f32) -> Result<()> {
         let runtime = GLOBAL.get()?;
-        match runtime.driver().as_host() {
-            Some(host) => host.enqueue_host(
-                self.stream,
-                [HostRange::write(
-                    self.storage.mutable_data_ptr_on(self.stream)?,
-                    (self.len * 4) as u64,
-                )],
-                move |m: &mut HostMemory<1>| {
-                    let bytes = m.to_vec(0)?;
-                    let out: Vec<u8> = bytes
-                        .chunks_exact(4)
-                        .flat_map(|c| {
-                            let x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                            (x + value).to_le_bytes()
-                        })
-                        .collect();
-                    m.write(0, 0, &out)
-                },
-            ),
-            None => self.add_scalar_cuda(value),
+        if runtime.driver().as_host().is_none() {
+            return self.add_scalar_cuda(value);
         }
+        // A typed host kernel: the storage, seen as `&mut [f32]`, ordered by the storage.
+        runtime.launch_host(self.stream, self.storage.writes::<f32>(), move |x| {
+            x.iter_mut().for_each(|v| *v += value);
+            Ok(())
+        })
     }
 
     #[cfg(feature = "cudarc")]

@@ -83,7 +83,7 @@ pub use shm::sweep_orphans;
 #[cfg(feature = "cudarc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 pub use storage::views::{self, StorageView, StorageViewMut};
-pub use storage::Storage;
+pub use storage::{host_kernel, Storage};
 
 /// The protocol cores that the loom models (`loom_tests/`) and the protocol tests check directly:
 /// not part of the API, and free to change in any release.

@@ -275,13 +275,15 @@ fn a_host_kernels_own_error_is_the_source_of_what_its_stream_reports() {
     let stream = rt.create_stream(0).unwrap();
     let s = Storage::new_on(&rt, stream, 4096).unwrap();
     let ptr = s.mutable_data_ptr_on(stream).unwrap();
-    driver
-        .enqueue_host(
+    // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+    unsafe {
+        driver.enqueue_host(
             stream,
             [cudalloc::HostRange::write(ptr, 4096)],
             |_: &mut cudalloc::HostMemory<1>| Err(cudalloc::Error::kernel(BadShape(7))),
         )
-        .unwrap();
+    }
+    .unwrap();
     let err = cudalloc::Driver::stream_synchronize(&*driver, stream).unwrap_err();
     assert!(err.to_string().contains("bad shape: 7 dimensions"), "{err}");
     let mut chain = Vec::new();

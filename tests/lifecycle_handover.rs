@@ -139,17 +139,20 @@ fn counting_graph(
     let capture = rt
         .begin_capture(capture_stream, None, CaptureMode::Global)
         .unwrap();
-    host.enqueue_host(
-        capture_stream,
-        [HostRange::write(addr, 8)],
-        |m: &mut HostMemory<1>| {
-            let mut word = [0u8; 8];
-            m.read(0, 0, &mut word)?;
-            // Long enough for a second launch that is not ordered to read the same value.
-            std::thread::sleep(std::time::Duration::from_millis(100));
-            m.write(0, 0, &(u64::from_le_bytes(word) + 1).to_le_bytes())
-        },
-    )
+    // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+    unsafe {
+        host.enqueue_host(
+            capture_stream,
+            [HostRange::write(addr, 8)],
+            |m: &mut HostMemory<1>| {
+                let mut word = [0u8; 8];
+                m.read(0, 0, &mut word)?;
+                // Long enough for a second launch that is not ordered to read the same value.
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                m.write(0, 0, &(u64::from_le_bytes(word) + 1).to_le_bytes())
+            },
+        )
+    }
     .unwrap();
     capture.end().unwrap()
 }
@@ -204,11 +207,14 @@ fn stream_ordered_reuse_in_a_pool_a_live_graph_holds_is_not_reported() {
         .unwrap();
     let inside = Storage::new_on(&rt, capture_stream, MIB).unwrap();
     let p = inside.mutable_data_ptr_on(capture_stream).unwrap();
-    host.enqueue_host(
-        capture_stream,
-        [HostRange::write(p, 16)],
-        |m: &mut HostMemory<1>| m.write(0, 0, &[5; 16]),
-    )
+    // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+    unsafe {
+        host.enqueue_host(
+            capture_stream,
+            [HostRange::write(p, 16)],
+            |m: &mut HostMemory<1>| m.write(0, 0, &[5; 16]),
+        )
+    }
     .unwrap();
     let graph = capture.end().unwrap();
     let _scope = rt.use_mem_pool(&pool, 0).unwrap();
@@ -416,9 +422,12 @@ fn a_capture_writing_a_block_of_its_pool() -> (
         .unwrap();
     let inside = Storage::new_on(&rt, cs, MIB).unwrap();
     let p = inside.mutable_data_ptr_on(cs).unwrap();
-    host.enqueue_host(cs, [HostRange::write(p, MIB)], |m: &mut HostMemory<1>| {
-        m.write(0, 0, &[5; 64])
-    })
+    // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+    unsafe {
+        host.enqueue_host(cs, [HostRange::write(p, MIB)], |m: &mut HostMemory<1>| {
+            m.write(0, 0, &[5; 64])
+        })
+    }
     .unwrap();
     drop(inside);
     (rt, host, pool, cs, capture, p)
@@ -469,9 +478,12 @@ fn a_graph_captured_after_the_reuse_may_write_the_new_allocation() {
     let cs2 = rt.create_stream(0).unwrap();
     wait_for(&rt, cs2, cs);
     let capture = rt.begin_capture(cs2, None, CaptureMode::Global).unwrap();
-    host.enqueue_host(cs2, [HostRange::write(yp, 64)], |m: &mut HostMemory<1>| {
-        m.write(0, 0, &[9; 64])
-    })
+    // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+    unsafe {
+        host.enqueue_host(cs2, [HostRange::write(yp, 64)], |m: &mut HostMemory<1>| {
+            m.write(0, 0, &[9; 64])
+        })
+    }
     .unwrap();
     let second = capture.end().unwrap();
     second.replay(cs2).unwrap();

@@ -120,15 +120,15 @@ fn read_on_a_side_stream_then_free(rt: &Arc<Runtime>, round: usize) -> (StreamId
     let (main, side) = two_streams(rt);
     let src = common::filled_on(rt, main, 4 * MIB, round as u64);
     common::wait_for(rt, side, main);
-    rt.driver()
-        .as_host()
-        .unwrap()
-        .enqueue_host(
+    // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+    unsafe {
+        rt.driver().as_host().unwrap().enqueue_host(
             side,
             [HostRange::read(src.data_ptr(), 4 * MIB)],
             |m: &mut HostMemory<1>| m.to_vec(0).map(drop),
         )
-        .unwrap();
+    }
+    .unwrap();
     drop(src);
     (main, side)
 }
@@ -246,13 +246,15 @@ fn a_cow_copy_raced_by_a_kernel_is_reported_every_time() {
         // The first write of the clone is ordered on `copier`: the copy is queued there...
         let private = c.mutable_data_ptr_on(copier).unwrap();
         // ...and a kernel on another stream writes the private copy without waiting for it.
-        let err = host
-            .enqueue_host(
+        // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+        let err = unsafe {
+            host.enqueue_host(
                 other,
                 [HostRange::write(private, MIB)],
                 |m: &mut HostMemory<1>| m.write(0, 0, &[7; 16]),
             )
-            .unwrap_err();
+        }
+        .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace);
         let report = one_report(&rt, HazardKind::Race);
         // Named as the clone's copy-on-write copy (it was a plain `copy_device_to_device`).
@@ -276,19 +278,25 @@ fn the_cow_copy_is_ordered_for_its_stream_and_complete_for_any_other() {
         let (c1, c2) = (s.lazy_clone().unwrap(), s.lazy_clone().unwrap());
         // Stream-ordered first write, then a kernel on the same stream.
         let p1 = c1.mutable_data_ptr_on(copier).unwrap();
-        host.enqueue_host(
-            copier,
-            [HostRange::write(p1, MIB)],
-            |m: &mut HostMemory<1>| m.write(0, 0, &[1; 16]),
-        )
+        // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+        unsafe {
+            host.enqueue_host(
+                copier,
+                [HostRange::write(p1, MIB)],
+                |m: &mut HostMemory<1>| m.write(0, 0, &[1; 16]),
+            )
+        }
         .unwrap();
         // First write complete on return: any stream may write at once.
         let p2 = c2.mutable_data_ptr().unwrap();
-        host.enqueue_host(
-            other,
-            [HostRange::write(p2, MIB)],
-            |m: &mut HostMemory<1>| m.write(0, 0, &[2; 16]),
-        )
+        // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+        unsafe {
+            host.enqueue_host(
+                other,
+                [HostRange::write(p2, MIB)],
+                |m: &mut HostMemory<1>| m.write(0, 0, &[2; 16]),
+            )
+        }
         .unwrap();
         c1.record_stream(copier).unwrap();
         c2.record_stream(other).unwrap();
@@ -339,15 +347,15 @@ fn host_kernels_may_not_write_ranges_named_for_reading() {
     let rt = sanitized();
     let s = Storage::new(&rt, 0, 4096).unwrap();
     let stream = rt.current_stream(0).unwrap();
-    rt.driver()
-        .as_host()
-        .unwrap()
-        .enqueue_host(
+    // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+    unsafe {
+        rt.driver().as_host().unwrap().enqueue_host(
             stream,
             [HostRange::read(s.data_ptr(), 4096)],
             |m: &mut HostMemory<1>| m.write(0, 0, &[1]),
         )
-        .unwrap();
+    }
+    .unwrap();
     let err = rt.driver().stream_synchronize(stream).unwrap_err();
     assert!(err.to_string().contains("named for reading"), "{err}");
 }

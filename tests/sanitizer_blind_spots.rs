@@ -40,8 +40,9 @@ fn an_access_past_its_allocation_is_reported_and_refused() {
         let neighbour = common::filled_on(&rt, t, 4096, round as u64);
         let s = rt.create_stream(0).unwrap();
         common::wait_for(&rt, s, t);
-        let err = host
-            .enqueue_host(
+        // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+        let err = unsafe {
+            host.enqueue_host(
                 s,
                 [HostRange::write(
                     small.mutable_data_ptr_on(t).unwrap(),
@@ -49,7 +50,8 @@ fn an_access_past_its_allocation_is_reported_and_refused() {
                 )],
                 |m: &mut HostMemory<1>| m.write(0, 0, &[0; 4096]),
             )
-            .unwrap_err();
+        }
+        .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
         let report = one_report(&rt, HazardKind::OutOfBounds);
         let allocation = report.later.allocation.clone().unwrap_or_default();
@@ -64,11 +66,14 @@ fn an_access_past_its_allocation_is_reported_and_refused() {
         );
         // Inside the allocation: never reported.
         let fine = Storage::new_on(&rt, t, 16).unwrap();
-        host.enqueue_host(
-            t,
-            [HostRange::write(fine.mutable_data_ptr_on(t).unwrap(), 16)],
-            |m: &mut HostMemory<1>| m.write(0, 0, &[1; 16]),
-        )
+        // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
+        unsafe {
+            host.enqueue_host(
+                t,
+                [HostRange::write(fine.mutable_data_ptr_on(t).unwrap(), 16)],
+                |m: &mut HostMemory<1>| m.write(0, 0, &[1; 16]),
+            )
+        }
         .unwrap();
         no_reports(&rt);
         rt.driver().stream_synchronize(t).unwrap();

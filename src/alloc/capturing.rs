@@ -88,6 +88,12 @@ impl CaptureRoutes {
         self.active.load(Ordering::Acquire) != 0
     }
 
+    /// Whether any capture is under way or any graph holds a pool (two loads).
+    #[inline]
+    pub(crate) fn any_capture_or_graph(&self) -> bool {
+        self.any() || self.any_held.load(Ordering::Acquire) != 0
+    }
+
     /// Counts a capture about to begin, once no release is in flight.
     pub(crate) fn starting(&self) {
         let _no_release_in_flight = self.gate.write();

@@ -98,6 +98,11 @@ impl BlockOwner {
         self.shard().hand_over_in_place(self.block(), to);
     }
 
+    /// Whether the block is the default pool's: memory no graph's replay writes (`graph.rs`).
+    pub(crate) fn in_default_pool(&self) -> bool {
+        self.shard().serves_default_pool()
+    }
+
     /// The stream the block was allocated on.
     pub(crate) fn stream(&self) -> StreamId {
         self.shard().stream()
@@ -264,6 +269,14 @@ impl DataPtr {
 
     pub(crate) fn into_owner(mut self) -> Owner {
         std::mem::replace(&mut self.owner, Owner::None)
+    }
+
+    /// The block when the pointer owns one directly (not through an upper layer's owner).
+    pub(crate) fn own_block(&self) -> Option<&BlockOwner> {
+        match &self.owner {
+            Owner::Block(b) => Some(b),
+            _ => None,
+        }
     }
 
     pub(crate) fn owner(&self) -> &Owner {

@@ -200,6 +200,12 @@ impl CachingAllocator {
         self.capturing.any()
     }
 
+    /// Whether any capture of this allocator is under way or any of its graphs lives: their
+    /// replays write memory outside the storages' stream order (`storage/host_kernel.rs`).
+    pub(crate) fn graphs_or_captures(&self) -> bool {
+        self.capturing.any_capture_or_graph()
+    }
+
     /// Destroys a capture's tail event (logged on failure).
     fn destroy_tail(&self, tail: Option<crate::driver::EventId>) {
         destroy_tail(&self.driver, tail);

@@ -24,12 +24,14 @@
 //! | `from_ipc()` | — | — | same process: this storage | another process: → received (or the storage already open) |
 //! | drop (last clone) | block freed | −1 reference (last frees) | limbo while counted, else freed | lease released after its streams |
 //!
-//! Copies to and from pinned host buffers live in `pinned.rs`.
+//! Copies to and from pinned host buffers live in `pinned.rs`; typed host kernels over storages
+//! in `host_kernel.rs`.
 //!
 //! A lazy clone of shared memory is an eager copy because the memory is an alias of other
 //! processes' storages (see `cow/mod.rs`); sharing a COW storage materializes it first because a
 //! consumer may write.
 
+pub mod host_kernel;
 mod order;
 mod pinned;
 mod registry;

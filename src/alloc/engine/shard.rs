@@ -28,6 +28,7 @@ use super::{DeviceCore, Shard};
 use crate::alloc::block::{Allocated, BlockId};
 use crate::alloc::front::FrontCache;
 use crate::alloc::history::TraceAction;
+use crate::alloc::pool_id::MemPoolId;
 use crate::alloc::stats::{self, DeviceStats};
 use crate::driver::StreamId;
 use crate::error::{Error, Result};
@@ -206,6 +207,12 @@ impl Shard {
                 u32::MAX
             ),
         }
+    }
+
+    /// Whether the shard's blocks are the default pool's (not a private pool's, which graphs may
+    /// hold and replays write outside stream order).
+    pub(in crate::alloc) fn serves_default_pool(&self) -> bool {
+        self.state.lock().pool == MemPoolId::DEFAULT
     }
 
     /// Base address and size of the segment holding block `id`.

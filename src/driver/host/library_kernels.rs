@@ -12,6 +12,10 @@
 //! bytes are then unspecified), which a Rust slice may not be. A kernel that returns an error fails
 //! its stream: the next synchronization on it reports the message.
 //!
+//! This is the raw layer under the typed kernels of storages (`storage/host_kernel.rs`,
+//! [`Runtime::launch_host`](crate::Runtime::launch_host)), which order themselves and see memory
+//! as slices; so it is `unsafe`: nothing here is ordered against those slices.
+//!
 //! Each range says whether the kernel reads it or writes it ([`HostRange::read`],
 //! [`HostRange::write`]); writing a range named for reading is an error of the kernel. With the
 //! stream sanitizer on (`CUDALLOC_SANITIZE`, `driver::sanitizer`), the kernel's ranges are checked
@@ -85,6 +89,12 @@ impl<const N: usize> HostMemory<N> {
         }
     }
 
+    /// The host address of range `i` (0 when it does not exist), for the typed kernels of
+    /// `storage/host_kernel.rs`, which form slices over it.
+    pub(crate) fn base(&self, i: usize) -> usize {
+        self.addrs.get(i).copied().unwrap_or(0)
+    }
+
     /// Copies bytes `[offset, offset + out.len())` of range `i` into `out`.
     pub fn read(&self, i: usize, offset: usize, out: &mut [u8]) -> Result<()> {
         let src = self.at(i, offset, out.len())?;
@@ -120,7 +130,16 @@ impl HostDriver {
     /// Queues `kernel` on `stream` with the memory of `ranges` (each inside a live segment, checked
     /// now), to run on the stream's worker after the work queued before it (see the
     /// `src/driver/host/library_kernels.rs`). An error the kernel returns fails the stream.
-    pub fn enqueue_host<const N: usize>(
+    ///
+    /// The raw escape hatch: storages do not see these ranges, so nothing orders them
+    /// (`stream_order:auto` does not apply). Programs use typed kernels over storages
+    /// ([`Runtime::launch_host`](crate::Runtime::launch_host)).
+    ///
+    /// # Safety
+    /// Typed kernels hand out Rust slices over the memory of storages, ordered by the storages
+    /// alone: the caller orders this kernel after, or before, every typed kernel that sees the
+    /// same bytes (a write here must not overlap one's slices in time), as on a device.
+    pub unsafe fn enqueue_host<const N: usize>(
         &self,
         stream: StreamId,
         ranges: [HostRange; N],
