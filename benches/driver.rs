@@ -57,7 +57,8 @@ fn copies(c: &mut Criterion) {
     let d = driver();
     let s = d.stream_create(0).unwrap();
     let (src, dst) = (d.malloc(0, LEN).unwrap(), d.malloc(0, LEN).unwrap());
-    d.fill_pattern(s, src, LEN, 1).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.fill_pattern(s, src, LEN, 1) }.unwrap();
     d.stream_synchronize(s).unwrap();
     let host_src = vec![1u8; LEN as usize];
     let mut host_dst = vec![0u8; LEN as usize];
@@ -65,7 +66,8 @@ fn copies(c: &mut Criterion) {
     g.throughput(Throughput::Bytes(LEN));
     g.bench_function(BenchmarkId::new("host-driver d2d", LEN), |b| {
         b.iter(|| {
-            d.copy_device_to_device(s, dst, src, LEN).unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.copy_device_to_device(s, dst, src, LEN) }.unwrap();
             d.stream_synchronize(s).unwrap();
         })
     });

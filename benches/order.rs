@@ -41,7 +41,8 @@ fn order(c: &mut Criterion) {
             b.iter(|| {
                 for _ in 0..LAUNCHES {
                     let p = x.mutable_data_ptr_on(s).unwrap();
-                    d.memset(s, p, 1, 4096).unwrap();
+                    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                    unsafe { d.memset(s, p, 1, 4096) }.unwrap();
                 }
                 d.stream_synchronize(s).unwrap();
             })
@@ -58,7 +59,8 @@ fn order(c: &mut Criterion) {
                             d.stream_wait_stream(on, last).unwrap();
                         }
                         let p = x.mutable_data_ptr_on(on).unwrap();
-                        d.memset(on, p, 1, 4096).unwrap();
+                        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                        unsafe { d.memset(on, p, 1, 4096) }.unwrap();
                         last = on;
                     }
                     if conf.contains("manual") {

@@ -86,7 +86,8 @@ fn copies(c: &mut Criterion) {
         })
     });
     g.bench_function("from pageable (staged, waited for)", |b| {
-        b.iter(|| d.copy_host_to_device(s, dst, black_box(&pageable)).unwrap())
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        b.iter(|| unsafe { d.copy_host_to_device(s, dst, black_box(&pageable)) }.unwrap())
     });
     g.finish();
     d.free(dst).unwrap();

@@ -79,7 +79,8 @@ proptest! {
                     Ok(data) => {
                         let seed = next_seed;
                         next_seed += 1;
-                        driver.kernels().fill_pattern(streams[stream], data.ptr(), size, seed).unwrap();
+                        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                        unsafe { driver.kernels().fill_pattern(streams[stream], data.ptr(), size, seed) }.unwrap();
                         live.push(Live { data, size, seed });
                     }
                     Err(e) => prop_assert_eq!(e.kind(), ErrorKind::OutOfMemory, "{}", e),
@@ -87,7 +88,8 @@ proptest! {
                 Op::Free { index } if !live.is_empty() => {
                     let l = live.swap_remove(index % live.len());
                     let s = l.data.allocation_stream().unwrap();
-                    let bad = driver.kernels().count_pattern_mismatches(s, l.data.ptr(), l.size, l.seed).unwrap();
+                    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                    let bad = unsafe { driver.kernels().count_pattern_mismatches(s, l.data.ptr(), l.size, l.seed) }.unwrap();
                     prop_assert_eq!(bad, 0, "allocation lost its bytes before being freed");
                 }
                 Op::RecordStream { index, stream } if !live.is_empty() => {
@@ -192,7 +194,8 @@ proptest! {
                     Ok(data) => {
                         let seed = next_seed;
                         next_seed += 1;
-                        driver.kernels().fill_pattern(streams[stream], data.ptr(), size, seed).unwrap();
+                        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                        unsafe { driver.kernels().fill_pattern(streams[stream], data.ptr(), size, seed) }.unwrap();
                         let pool = scopes.last().map_or(MemPoolId::DEFAULT, |s| s.pool().id());
                         live.push((Live { data, size, seed }, pool));
                     }
@@ -201,7 +204,8 @@ proptest! {
                 PoolOp::Plain(Op::Free { index }) if !live.is_empty() => {
                     let (l, _) = live.swap_remove(index % live.len());
                     let s = l.data.allocation_stream().unwrap();
-                    let bad = driver.kernels().count_pattern_mismatches(s, l.data.ptr(), l.size, l.seed).unwrap();
+                    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                    let bad = unsafe { driver.kernels().count_pattern_mismatches(s, l.data.ptr(), l.size, l.seed) }.unwrap();
                     prop_assert_eq!(bad, 0, "allocation lost its bytes before being freed");
                 }
                 PoolOp::Plain(Op::RecordStream { index, stream }) if !live.is_empty() => {

@@ -224,12 +224,13 @@ fn test_record_stream() {
         let len = 4 * MIB;
         let x = a.allocate(0, len).unwrap();
         let x_addr = x.ptr();
-        d.kernels().fill_pattern(main, x.ptr(), len, 1).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(main, x.ptr(), len, 1) }.unwrap();
         d.stream_synchronize(main).unwrap();
         let copy = a.allocate_on(side, len).unwrap();
         let hold = hold_stream(&b, side);
-        d.copy_device_to_device(side, copy.ptr(), x.ptr(), len)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.copy_device_to_device(side, copy.ptr(), x.ptr(), len) }.unwrap();
         a.record_stream(&x, side).unwrap();
         drop(x);
         // Same size on the same stream: without record_stream this would be x's block.
@@ -247,13 +248,17 @@ fn test_record_stream() {
                 b.name
             );
         }
-        d.kernels().fill_pattern(main, y.ptr(), len, 2).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(main, y.ptr(), len, 2) }.unwrap();
         drop(hold);
         d.stream_synchronize(side).unwrap();
         assert_eq!(
-            d.kernels()
-                .count_pattern_mismatches(side, copy.ptr(), len, 1)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                d.kernels()
+                    .count_pattern_mismatches(side, copy.ptr(), len, 1)
+            }
+            .unwrap(),
             0,
             "{}",
             b.name

@@ -211,22 +211,29 @@ fn a_slow_copier_still_sees_the_original_when_the_stealer_writes_on_another_stre
     // the copy, which the gate holds.
     c.mutable_data_ptr_on(sa).unwrap(); // copy enqueued behind the gate
     let addr = s.mutable_data_ptr_on(sb).unwrap(); // last reference: steal
-    d.kernels().fill_pattern(sb, addr, MIB, 2).unwrap(); // write at once on B
+                                                   // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(sb, addr, MIB, 2) }.unwrap(); // write at once on B
     assert!(!d.stream_query(sb).unwrap(), "B waits for the gated copy");
     gate.open();
     d.stream_synchronize(sb).unwrap();
     d.stream_synchronize(sa).unwrap();
     assert_eq!(
-        d.kernels()
-            .count_pattern_mismatches(sa, c.data_ptr(), MIB, 1)
-            .unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe {
+            d.kernels()
+                .count_pattern_mismatches(sa, c.data_ptr(), MIB, 1)
+        }
+        .unwrap(),
         0,
         "copy saw the original"
     );
     assert_eq!(
-        d.kernels()
-            .count_pattern_mismatches(sb, s.data_ptr(), MIB, 2)
-            .unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe {
+            d.kernels()
+                .count_pattern_mismatches(sb, s.data_ptr(), MIB, 2)
+        }
+        .unwrap(),
         0
     );
 }

@@ -36,7 +36,8 @@ fn setup_with(conf: &str) -> (Arc<dyn Driver>, CachingAllocator) {
 
 fn bytes(d: &Arc<dyn Driver>, s: StreamId, p: &DataPtr, len: u64) -> Vec<u8> {
     let mut out = vec![0u8; len as usize];
-    d.copy_device_to_host(s, &mut out, p.ptr()).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_host(s, &mut out, p.ptr()) }.unwrap();
     out
 }
 
@@ -60,7 +61,8 @@ fn test_graph_capture_simple() {
     let (d, a) = setup();
     let s = a.create_stream(0).unwrap();
     let input = a.allocate_on(s, MIB).unwrap();
-    d.kernels().fill_pattern(s, input.ptr(), MIB, 3).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, input.ptr(), MIB, 3) }.unwrap();
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let pool = capture.pool().id();
     assert!(
@@ -68,27 +70,35 @@ fn test_graph_capture_simple() {
         "a graph's own pool: {pool}"
     );
     let output = a.allocate_on(s, MIB).unwrap();
-    d.copy_device_to_device(s, output.ptr(), input.ptr(), MIB)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_device(s, output.ptr(), input.ptr(), MIB) }.unwrap();
     let graph = capture.end().unwrap();
     assert_eq!(graph.node_count(), 1);
     assert!(in_pool(&a, pool, output.ptr()));
     assert!(in_pool(&a, MemPoolId::DEFAULT, input.ptr()));
     // The copy did not run at capture; each replay runs it.
-    d.memset(s, output.ptr(), 0, MIB).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, output.ptr(), 0, MIB) }.unwrap();
     graph.replay(s).unwrap();
     assert_eq!(
-        d.kernels()
-            .count_pattern_mismatches(s, output.ptr(), MIB, 3)
-            .unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe {
+            d.kernels()
+                .count_pattern_mismatches(s, output.ptr(), MIB, 3)
+        }
+        .unwrap(),
         0
     );
-    d.kernels().fill_pattern(s, input.ptr(), MIB, 4).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, input.ptr(), MIB, 4) }.unwrap();
     graph.replay(s).unwrap();
     assert_eq!(
-        d.kernels()
-            .count_pattern_mismatches(s, output.ptr(), MIB, 4)
-            .unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe {
+            d.kernels()
+                .count_pattern_mismatches(s, output.ptr(), MIB, 4)
+        }
+        .unwrap(),
         0
     );
     a.check_invariants().unwrap();
@@ -109,7 +119,8 @@ fn test_graph_capture_oom() {
         CaptureStatus::None
     );
     let p = a.allocate_on(s, MIB).unwrap();
-    d.memset(s, p.ptr(), 1, MIB).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, p.ptr(), 1, MIB) }.unwrap();
     assert!(bytes(&d, s, &p, MIB).iter().all(|&b| b == 1));
 }
 
@@ -122,9 +133,8 @@ fn successive(graphs: usize) {
         let (d, a) = setup();
         let s = a.create_stream(0).unwrap();
         let input = a.allocate_on(s, 4 * MIB).unwrap();
-        d.kernels()
-            .fill_pattern(s, input.ptr(), 4 * MIB, 9)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(s, input.ptr(), 4 * MIB, 9) }.unwrap();
         d.stream_synchronize(s).unwrap();
         let before = reserved(&a);
         let mut made = Vec::new();
@@ -140,23 +150,27 @@ fn successive(graphs: usize) {
                 .unwrap();
             // A temporary freed inside the capture, and an output kept.
             let tmp = a.allocate_on(s, 4 * MIB).unwrap();
-            d.copy_device_to_device(s, tmp.ptr(), input.ptr(), 4 * MIB)
-                .unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.copy_device_to_device(s, tmp.ptr(), input.ptr(), 4 * MIB) }.unwrap();
             let out = a.allocate_on(s, 4 * MIB).unwrap();
-            d.copy_device_to_device(s, out.ptr(), tmp.ptr(), 4 * MIB)
-                .unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.copy_device_to_device(s, out.ptr(), tmp.ptr(), 4 * MIB) }.unwrap();
             drop(tmp);
             made.push(capture.end().unwrap());
             outputs.push(out);
             assert_eq!(made[g].node_count(), 2);
         }
         for (g, out) in made.iter().zip(&outputs) {
-            d.memset(s, out.ptr(), 0, 4 * MIB).unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.memset(s, out.ptr(), 0, 4 * MIB) }.unwrap();
             g.replay(s).unwrap();
             assert_eq!(
-                d.kernels()
-                    .count_pattern_mismatches(s, out.ptr(), 4 * MIB, 9)
-                    .unwrap(),
+                // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                unsafe {
+                    d.kernels()
+                        .count_pattern_mismatches(s, out.ptr(), 4 * MIB, 9)
+                }
+                .unwrap(),
                 0
             );
         }
@@ -187,9 +201,8 @@ fn test_graph_concurrent_replay() {
     for (s, seed) in [(s1, 1u64), (s2, 2)] {
         let capture = a.begin_capture(s, None, CaptureMode::ThreadLocal).unwrap();
         let out = a.allocate_on(s, 2 * MIB).unwrap();
-        d.kernels()
-            .fill_pattern(s, out.ptr(), 2 * MIB, seed)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(s, out.ptr(), 2 * MIB, seed) }.unwrap();
         graphs.push((capture.end().unwrap(), out, s, seed));
     }
     // Separate pools: the outputs never overlap, so replays on two streams at once cannot
@@ -203,9 +216,12 @@ fn test_graph_concurrent_replay() {
     }
     for (_, out, s, seed) in &graphs {
         assert_eq!(
-            d.kernels()
-                .count_pattern_mismatches(*s, out.ptr(), 2 * MIB, *seed)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                d.kernels()
+                    .count_pattern_mismatches(*s, out.ptr(), 2 * MIB, *seed)
+            }
+            .unwrap(),
             0
         );
     }
@@ -219,7 +235,8 @@ fn test_graph_memory_stats_and_use_result_after_destroy_graph() {
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let pool = capture.pool().clone();
     let kept = a.allocate_on(s, 3 * MIB).unwrap();
-    d.kernels().fill_pattern(s, kept.ptr(), 3 * MIB, 5).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, kept.ptr(), 3 * MIB, 5) }.unwrap();
     drop(a.allocate_on(s, 6 * MIB).unwrap());
     let graph = capture.end().unwrap();
     let during = a.memory_stats(0).unwrap();
@@ -237,9 +254,12 @@ fn test_graph_memory_stats_and_use_result_after_destroy_graph() {
     drop(graph);
     drop(pool);
     assert_eq!(
-        d.kernels()
-            .count_pattern_mismatches(s, kept.ptr(), 3 * MIB, 5)
-            .unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe {
+            d.kernels()
+                .count_pattern_mismatches(s, kept.ptr(), 3 * MIB, 5)
+        }
+        .unwrap(),
         0
     );
     a.empty_cache();
@@ -278,7 +298,8 @@ fn test_graph_record_stream() {
     // The forked stream allocates from the capture's pool too.
     let on_side = a.allocate_on(side, MIB).unwrap();
     assert!(in_pool(&a, pool, on_side.ptr()));
-    d.memset(side, used.ptr(), 7, MIB).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(side, used.ptr(), 7, MIB) }.unwrap();
     a.record_stream(&used, side).unwrap();
     let used_at = used.ptr();
     // Freed with a use on the side stream: no event may be recorded now, so the block waits.
@@ -316,7 +337,8 @@ fn eager_allocations_never_get_a_live_graphs_memory() {
         .iter()
         .map(|&n| {
             let tmp = a.allocate_on(s, n).unwrap();
-            d.memset(s, tmp.ptr(), 1, n).unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.memset(s, tmp.ptr(), 1, n) }.unwrap();
             drop(tmp);
             a.allocate_on(s, n / 2 + 1).unwrap()
         })
@@ -376,25 +398,26 @@ fn the_sanitizer_checks_replays_without_false_reports() {
     let (s, t) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let tmp = a.allocate_on(s, MIB).unwrap();
-    d.kernels().fill_pattern(s, tmp.ptr(), MIB, 1).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, tmp.ptr(), MIB, 1) }.unwrap();
     let out = a.allocate_on(s, MIB).unwrap();
-    d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB) }.unwrap();
     drop(tmp);
     let graph = capture.end().unwrap();
     for _ in 0..3 {
         graph.replay(s).unwrap();
     }
     assert_eq!(
-        d.kernels()
-            .count_pattern_mismatches(s, out.ptr(), MIB, 1)
-            .unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().count_pattern_mismatches(s, out.ptr(), MIB, 1) }.unwrap(),
         0
     );
     let reports: Vec<String> = san.take_reports().iter().map(|r| r.to_string()).collect();
     assert!(reports.is_empty(), "{reports:#?}");
     // Another stream writes the output with no order to the next replay: a race.
-    d.memset(t, out.ptr(), 0, MIB).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(t, out.ptr(), 0, MIB) }.unwrap();
     let _ = graph.replay(s);
     assert!(
         !san.take_reports().is_empty(),
@@ -450,9 +473,10 @@ fn a_capture_begun_by_someone_else_is_routed_to_a_pool() {
     let tmp = a.allocate_on(s, MIB).unwrap();
     let out = a.allocate_on(s, MIB).unwrap();
     assert!(in_pool(&a, pool, tmp.ptr()) && in_pool(&a, pool, out.ptr()));
-    d.kernels().fill_pattern(s, tmp.ptr(), MIB, 4).unwrap();
-    d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, tmp.ptr(), MIB, 4) }.unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB) }.unwrap();
     drop(tmp);
     let err = route.finish().unwrap_err();
     assert!(err.to_string().contains("still being captured"), "{err}");
@@ -461,17 +485,18 @@ fn a_capture_begun_by_someone_else_is_routed_to_a_pool() {
     assert!(route.finish().is_err(), "finished twice");
     let exec = d.graphs().graph_instantiate(graph).unwrap();
     for _ in 0..3 {
-        d.memset(s, out.ptr(), 0, MIB).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.memset(s, out.ptr(), 0, MIB) }.unwrap();
         let eager = a.allocate_on(s, MIB).unwrap();
         assert!(
             !in_pool(&a, pool, eager.ptr()),
             "eager work got the graph's memory"
         );
-        d.graphs().graph_launch(exec, s).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.graphs().graph_launch(exec, s) }.unwrap();
         assert_eq!(
-            d.kernels()
-                .count_pattern_mismatches(s, out.ptr(), MIB, 4)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.kernels().count_pattern_mismatches(s, out.ptr(), MIB, 4) }.unwrap(),
             0
         );
     }
@@ -496,20 +521,21 @@ fn a_graph_outliving_its_allocator_still_replays_and_gives_its_memory_back() {
     let s = a.create_stream(0).unwrap();
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let tmp = a.allocate_on(s, MIB).unwrap();
-    d.kernels().fill_pattern(s, tmp.ptr(), MIB, 8).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, tmp.ptr(), MIB, 8) }.unwrap();
     let out = a.allocate_on(s, MIB).unwrap();
-    d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB) }.unwrap();
     drop(tmp);
     let graph = capture.end().unwrap();
     drop(a);
     for _ in 0..2 {
-        d.memset(s, out.ptr(), 0, MIB).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.memset(s, out.ptr(), 0, MIB) }.unwrap();
         graph.replay(s).unwrap();
         assert_eq!(
-            d.kernels()
-                .count_pattern_mismatches(s, out.ptr(), MIB, 8)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.kernels().count_pattern_mismatches(s, out.ptr(), MIB, 8) }.unwrap(),
             0
         );
     }

@@ -233,11 +233,16 @@ fn device_ptr_on_another_stream_orders_it_after_the_views_stream() {
     let (ptr, _sync) = view.device_ptr(&other);
     // SAFETY: `other` is live and kept alive until the end of the test.
     let other_id = unsafe { runtime.import_stream(0, other.cu_stream() as usize as u64) }.unwrap();
-    let bad = runtime
-        .driver()
-        .kernels()
-        .count_pattern_mismatches(other_id, cudalloc::DeviceAddr(ptr), MIB, seed)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let bad = unsafe {
+        runtime.driver().kernels().count_pattern_mismatches(
+            other_id,
+            cudalloc::DeviceAddr(ptr),
+            MIB,
+            seed,
+        )
+    }
+    .unwrap();
     assert_eq!(bad, 0, "the read on the other stream saw the fill");
     let reports = runtime.sanitizer().unwrap().take_reports();
     assert!(reports.is_empty(), "{reports:#?}");

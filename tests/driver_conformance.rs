@@ -22,13 +22,15 @@ const MIB: u64 = 1 << 20;
 
 fn write(d: &dyn Driver, dst: DeviceAddr, bytes: &[u8]) {
     let s = d.default_stream(0).unwrap();
-    d.copy_host_to_device(s, dst, bytes).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_host_to_device(s, dst, bytes) }.unwrap();
 }
 
 fn read(d: &dyn Driver, src: DeviceAddr, len: usize) -> Vec<u8> {
     let s = d.default_stream(0).unwrap();
     let mut out = vec![0u8; len];
-    d.copy_device_to_host(s, &mut out, src).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_host(s, &mut out, src) }.unwrap();
     out
 }
 
@@ -48,11 +50,11 @@ fn an_imported_stream_is_the_library_stream_and_is_never_destroyed() {
         // adopted id, sees the write without any event.
         let p = d.malloc(0, MIB).unwrap();
         d.kernels().sleep(library, 20_000).unwrap();
-        d.kernels().fill_pattern(library, p, MIB, 9).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(library, p, MIB, 9) }.unwrap();
         assert_eq!(
-            d.kernels()
-                .count_pattern_mismatches(adopted, p, MIB, 9)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.kernels().count_pattern_mismatches(adopted, p, MIB, 9) }.unwrap(),
             0,
             "{}",
             b.name
@@ -61,7 +63,8 @@ fn an_imported_stream_is_the_library_stream_and_is_never_destroyed() {
         if b.name == "cuda" {
             d.stream_destroy(adopted).unwrap();
         }
-        d.kernels().fill_pattern(library, p, MIB, 10).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(library, p, MIB, 10) }.unwrap();
         d.stream_synchronize(library).unwrap();
         // A stream of another device is refused.
         if d.device_count() > 1 {
@@ -162,11 +165,11 @@ fn malloc_free_capacity_and_out_of_memory() {
 
         // The device is fully usable after the failures.
         let s = d.default_stream(0).unwrap();
-        d.kernels().fill_pattern(s, p, 4 * MIB, 5).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(s, p, 4 * MIB, 5) }.unwrap();
         assert_eq!(
-            d.kernels()
-                .count_pattern_mismatches(s, p, 4 * MIB, 5)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.kernels().count_pattern_mismatches(s, p, 4 * MIB, 5) }.unwrap(),
             0,
             "{}",
             b.name
@@ -194,8 +197,13 @@ fn host_capacity_is_exact_and_recovers_after_free() {
     d.free(a).unwrap();
     let c = d.malloc(1, total / 4).unwrap();
     let s = d.default_stream(1).unwrap();
-    d.fill_pattern(s, c, total / 4, 9).unwrap();
-    assert_eq!(d.count_pattern_mismatches(s, c, total / 4, 9).unwrap(), 0);
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.fill_pattern(s, c, total / 4, 9) }.unwrap();
+    assert_eq!(
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.count_pattern_mismatches(s, c, total / 4, 9) }.unwrap(),
+        0
+    );
     d.free(b).unwrap();
     d.free(c).unwrap();
     assert_eq!(d.mem_info(1).unwrap().free, total);
@@ -215,14 +223,17 @@ fn copies_round_trip_exactly() {
         assert_eq!(read(d, x, len), src, "{}: host->device->host", b.name);
         // Device to device at an unaligned offset, then memset a window.
         let y_off = y.offset(1001).unwrap();
-        d.copy_device_to_device(s, y_off, x, len as u64).unwrap();
-        d.memset(s, y_off.offset(10).unwrap(), 0xAB, 20).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.copy_device_to_device(s, y_off, x, len as u64) }.unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.memset(s, y_off.offset(10).unwrap(), 0xAB, 20) }.unwrap();
         let back = read(d, y_off, len);
         let mut expect = src.clone();
         expect[10..30].fill(0xAB);
         assert_eq!(back, expect, "{}: device->device + memset", b.name);
         // Zero-length copies are no-ops, not errors.
-        d.copy_host_to_device(s, x, &[]).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.copy_host_to_device(s, x, &[]) }.unwrap();
         d.free(x).unwrap();
         d.free(y).unwrap();
     }
@@ -236,7 +247,8 @@ fn kernels_match_the_reference_pattern() {
         let s = d.stream_create(0).unwrap();
         let len = MIB + 5;
         let p = d.malloc(0, len).unwrap();
-        d.kernels().fill_pattern(s, p, len, 0xC0FFEE).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(s, p, len, 0xC0FFEE) }.unwrap();
         d.stream_synchronize(s).unwrap();
         assert_eq!(
             read(d, p, len as usize),
@@ -245,15 +257,13 @@ fn kernels_match_the_reference_pattern() {
             b.name
         );
         assert_eq!(
-            d.kernels()
-                .count_pattern_mismatches(s, p, len, 0xC0FFEE)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.kernels().count_pattern_mismatches(s, p, len, 0xC0FFEE) }.unwrap(),
             0
         );
         assert!(
-            d.kernels()
-                .count_pattern_mismatches(s, p, len, 0xC0FFEF)
-                .unwrap()
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.kernels().count_pattern_mismatches(s, p, len, 0xC0FFEF) }.unwrap()
                 > len - len / 64
         );
         // Flip three bytes; the verify kernel counts exactly three.
@@ -261,24 +271,26 @@ fn kernels_match_the_reference_pattern() {
         three.iter_mut().for_each(|x| *x ^= 0x5A);
         write(d, p.offset(4096).unwrap(), &three);
         assert_eq!(
-            d.kernels()
-                .count_pattern_mismatches(s, p, len, 0xC0FFEE)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.kernels().count_pattern_mismatches(s, p, len, 0xC0FFEE) }.unwrap(),
             3,
             "{}",
             b.name
         );
         // A fill of a sub-range uses offsets relative to its start.
-        d.kernels()
-            .fill_pattern(s, p.offset(77).unwrap(), 1000, 3)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(s, p.offset(77).unwrap(), 1000, 3) }.unwrap();
         assert_eq!(
-            d.kernels()
-                .count_pattern_mismatches(s, p.offset(77).unwrap(), 1000, 3)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                d.kernels()
+                    .count_pattern_mismatches(s, p.offset(77).unwrap(), 1000, 3)
+            }
+            .unwrap(),
             0
         );
-        d.kernels().poison(s, p, len).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().poison(s, p, len) }.unwrap();
         d.stream_synchronize(s).unwrap();
         assert_eq!(
             pattern::count_non_poison(&read(d, p, len as usize)),
@@ -300,20 +312,22 @@ fn an_event_orders_a_slow_writer_before_a_reader_on_another_stream() {
         let len = 2 * MIB;
         let buf = d.malloc(0, len).unwrap();
         let copy = d.malloc(0, len).unwrap();
-        d.kernels().fill_pattern(a, buf, len, 1).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(a, buf, len, 1) }.unwrap();
         d.stream_synchronize(a).unwrap();
         let e = d.event_create(0, EventFlags::default()).unwrap();
         // Stream A: sleep, then overwrite with pattern 2, then record.
         d.kernels().sleep(a, 200_000).unwrap();
-        d.kernels().fill_pattern(a, buf, len, 2).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(a, buf, len, 2) }.unwrap();
         d.event_record(e, a).unwrap();
         // Stream R waits for the event, then copies: it must see pattern 2 in full.
         d.stream_wait_event(r, e).unwrap();
-        d.copy_device_to_device(r, copy, buf, len).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.copy_device_to_device(r, copy, buf, len) }.unwrap();
         assert_eq!(
-            d.kernels()
-                .count_pattern_mismatches(r, copy, len, 2)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.kernels().count_pattern_mismatches(r, copy, len, 2) }.unwrap(),
             0,
             "{}",
             b.name
@@ -337,15 +351,19 @@ fn host_streams_are_truly_asynchronous() {
     let len = MIB;
     let buf = d.malloc(0, len).unwrap();
     let copy = d.malloc(0, len).unwrap();
-    d.fill_pattern(w, buf, len, 1).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.fill_pattern(w, buf, len, 1) }.unwrap();
     d.stream_synchronize(w).unwrap();
     let gate = d.gate_stream(w).unwrap();
-    d.fill_pattern(w, buf, len, 2).unwrap(); // queued behind the gate
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.fill_pattern(w, buf, len, 2) }.unwrap(); // queued behind the gate
     assert!(!d.stream_query(w).unwrap(), "the writer must still be busy");
-    d.copy_device_to_device(r, copy, buf, len).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_device(r, copy, buf, len) }.unwrap();
     d.stream_synchronize(r).unwrap();
     assert_eq!(
-        d.count_pattern_mismatches(r, copy, len, 1).unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.count_pattern_mismatches(r, copy, len, 1) }.unwrap(),
         0,
         "copy saw the old data"
     );
@@ -353,7 +371,8 @@ fn host_streams_are_truly_asynchronous() {
     d.stream_synchronize(w).unwrap();
     assert!(d.stream_query(w).unwrap());
     assert_eq!(
-        d.count_pattern_mismatches(r, buf, len, 2).unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.count_pattern_mismatches(r, buf, len, 2) }.unwrap(),
         0,
         "write landed afterwards"
     );
@@ -467,22 +486,34 @@ fn misuse_is_a_typed_error() {
             d.free(p.offset(512).unwrap()),
             "free of an interior pointer",
         );
-        invalid(d.memset(s, foreign, 0, 1), "memset of a foreign pointer");
-        invalid(d.memset(s, p, 0, MIB + 1), "memset past the segment end");
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
         invalid(
-            d.memset(s, p.offset(1).unwrap(), 0, u64::MAX),
+            unsafe { d.memset(s, foreign, 0, 1) },
+            "memset of a foreign pointer",
+        );
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        invalid(
+            unsafe { d.memset(s, p, 0, MIB + 1) },
+            "memset past the segment end",
+        );
+        invalid(
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.memset(s, p.offset(1).unwrap(), 0, u64::MAX) },
             "length overflow",
         );
         invalid(
-            d.copy_device_to_device(s, p, foreign, 16),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.copy_device_to_device(s, p, foreign, 16) },
             "copy from a foreign pointer",
         );
         invalid(
-            d.copy_host_to_device(s, foreign, &[1, 2, 3]),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.copy_host_to_device(s, foreign, &[1, 2, 3]) },
             "upload to a foreign pointer",
         );
         invalid(
-            d.kernels().fill_pattern(s, p, MIB * 2, 1),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.kernels().fill_pattern(s, p, MIB * 2, 1) },
             "fill past the end",
         );
         invalid(
@@ -570,9 +601,11 @@ fn cross_process(backend: &str) {
     let ev = d
         .event_create(0, EventFlags { interprocess: true })
         .unwrap();
-    d.memset(s, seg, 0, len).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, seg, 0, len) }.unwrap();
     d.kernels().sleep(s, 300_000).unwrap();
-    d.kernels().fill_pattern(s, seg, len, 11).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, seg, len, 11) }.unwrap();
     d.event_record(ev, s).unwrap();
     let mem_handle = d.ipc().ipc_export_memory(seg).unwrap();
     let ev_handle = d.ipc().ipc_export_event(ev).unwrap();
@@ -601,9 +634,8 @@ fn cross_process(backend: &str) {
         .unwrap();
     d.stream_wait_event(s, child_event).unwrap();
     assert_eq!(
-        d.kernels()
-            .count_pattern_mismatches(s, seg, len, 22)
-            .unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().count_pattern_mismatches(s, seg, len, 22) }.unwrap(),
         0,
         "parent must see the child's writes"
     );
@@ -658,12 +690,11 @@ fn cross_process_child() {
     };
     let parent_event = d.ipc().ipc_open_event(0, &ev).unwrap();
     d.stream_wait_event(s, parent_event).unwrap();
-    let mismatches = d
-        .kernels()
-        .count_pattern_mismatches(s, seg.ptr, len, 11)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let mismatches = unsafe { d.kernels().count_pattern_mismatches(s, seg.ptr, len, 11) }.unwrap();
 
-    d.kernels().fill_pattern(s, seg.ptr, len, 22).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, seg.ptr, len, 22) }.unwrap();
     let mine = d
         .event_create(0, EventFlags { interprocess: true })
         .unwrap();
@@ -676,7 +707,8 @@ fn cross_process_child() {
 
     assert_eq!(parent.recv(), "freed");
     let mut bytes = vec![0u8; len as usize];
-    d.copy_device_to_host(s, &mut bytes, seg.ptr).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_host(s, &mut bytes, seg.ptr) }.unwrap();
     parent.send(&format!("non_poison={}", pattern::count_non_poison(&bytes)));
     assert_eq!(parent.recv(), "bye");
     d.ipc().ipc_close_memory(seg.ptr).unwrap();
@@ -701,11 +733,11 @@ fn virtual_memory_maps_chunks_into_reservations_and_shares_them_by_descriptor() 
         d.vm().vm_map(base.offset(g).unwrap(), c2).unwrap();
         // A range across the two chunks is one range.
         let across = base.offset(g / 2).unwrap();
-        d.kernels().fill_pattern(s, across, g, 5).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(s, across, g, 5) }.unwrap();
         assert_eq!(
-            d.kernels()
-                .count_pattern_mismatches(s, across, g, 5)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.kernels().count_pattern_mismatches(s, across, g, 5) }.unwrap(),
             0,
             "{}",
             b.name
@@ -713,9 +745,10 @@ fn virtual_memory_maps_chunks_into_reservations_and_shares_them_by_descriptor() 
         // Not mapped, misaligned, overlapping, partial: refused.
         let hole = base.offset(2 * g).unwrap();
         for err in [
-            d.memset(s, hole, 0, 16).unwrap_err(),
-            d.memset(s, base.offset(2 * g - 8).unwrap(), 0, 16)
-                .unwrap_err(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.memset(s, hole, 0, 16) }.unwrap_err(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.memset(s, base.offset(2 * g - 8).unwrap(), 0, 16) }.unwrap_err(),
             d.vm().vm_map(base.offset(g / 2).unwrap(), c1).unwrap_err(),
             d.vm().vm_map(base, c2).unwrap_err(),
             d.vm().vm_unmap(base, g / 2).unwrap_err(),
@@ -730,9 +763,11 @@ fn virtual_memory_maps_chunks_into_reservations_and_shares_them_by_descriptor() 
         let exported = d.vm().vm_export_chunk(c1).unwrap();
         let c3 = d.vm().vm_import_chunk(0, exported, g).unwrap();
         d.vm().vm_map(hole, c3).unwrap();
-        d.kernels().fill_pattern(s, base, g, 6).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(s, base, g, 6) }.unwrap();
         assert_eq!(
-            d.kernels().count_pattern_mismatches(s, hole, g, 6).unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.kernels().count_pattern_mismatches(s, hole, g, 6) }.unwrap(),
             0,
             "{}",
             b.name
@@ -740,20 +775,23 @@ fn virtual_memory_maps_chunks_into_reservations_and_shares_them_by_descriptor() 
         // Released while mapped: still usable until unmapped.
         d.vm().vm_release_chunk(c1).unwrap();
         assert_eq!(
-            d.kernels().count_pattern_mismatches(s, base, g, 6).unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.kernels().count_pattern_mismatches(s, base, g, 6) }.unwrap(),
             0,
             "{}",
             b.name
         );
         d.vm().vm_unmap(base, 2 * g).unwrap();
         assert_eq!(
-            d.memset(s, base, 0, 1).unwrap_err().kind(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.memset(s, base, 0, 1) }.unwrap_err().kind(),
             ErrorKind::InvalidArgument
         );
         if b.name == "host" {
             // Poison-on-free: the chunk's last local mapping is gone and it was released, so
             // another holder of its memory (here the import) now reads the poison pattern.
-            let wrong = d.kernels().count_pattern_mismatches(s, hole, g, 6).unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            let wrong = unsafe { d.kernels().count_pattern_mismatches(s, hole, g, 6) }.unwrap();
             assert!(
                 wrong > g - g / 64,
                 "host: only {wrong} of {g} bytes poisoned"
@@ -814,14 +852,18 @@ fn a_segment_right_after_a_reservation_is_its_own() {
             Some((r, m)) => {
                 let chunk = d.vm().vm_create_chunk(0, g).unwrap();
                 d.vm().vm_map(r, chunk).unwrap();
-                d.memset(s, m, 7, g).unwrap();
-                d.copy_device_to_device(s, r, m, g).unwrap();
-                d.memset(s, m.offset(g - 1).unwrap(), 7, 1).unwrap();
+                // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                unsafe { d.memset(s, m, 7, g) }.unwrap();
+                // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                unsafe { d.copy_device_to_device(s, r, m, g) }.unwrap();
+                // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                unsafe { d.memset(s, m.offset(g - 1).unwrap(), 7, 1) }.unwrap();
                 if b.name != "sim" {
                     assert_eq!(read(d, r, 16), vec![7u8; 16], "{}", b.name);
                 }
                 // A range running from the reservation into the segment is still refused.
-                let err = d.memset(s, r.offset(g / 2).unwrap(), 0, g).unwrap_err();
+                // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                let err = unsafe { d.memset(s, r.offset(g / 2).unwrap(), 0, g) }.unwrap_err();
                 assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{}: {err}", b.name);
                 d.stream_synchronize(s).unwrap();
                 d.vm().vm_unmap(r, g).unwrap();

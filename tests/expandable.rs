@@ -53,15 +53,16 @@ fn grows_in_pages_and_gives_whole_free_pages_back() {
         );
         // Data across page boundaries works like any memory.
         let s = a.default_stream(0).unwrap();
-        b.driver
-            .kernels()
-            .fill_pattern(s, y.ptr(), 5 * MIB, 9)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { b.driver.kernels().fill_pattern(s, y.ptr(), 5 * MIB, 9) }.unwrap();
         assert_eq!(
-            b.driver
-                .kernels()
-                .count_pattern_mismatches(s, y.ptr(), 5 * MIB, 9)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                b.driver
+                    .kernels()
+                    .count_pattern_mismatches(s, y.ptr(), 5 * MIB, 9)
+            }
+            .unwrap(),
             0
         );
         let snap = a.snapshot();
@@ -172,16 +173,18 @@ fn threads_growing_freeing_and_emptying_the_cache_at_once_keep_every_byte() {
                         let size = 1 + cudalloc::pattern::word(t, i) % (2 * MIB);
                         let block = a.allocate(0, size).unwrap();
                         let seed = t * 1000 + i;
-                        d.kernels()
-                            .fill_pattern(s, block.ptr(), size, seed)
-                            .unwrap();
+                        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                        unsafe { d.kernels().fill_pattern(s, block.ptr(), size, seed) }.unwrap();
                         held.push((block, size, seed));
                         if held.len() > 4 {
                             let (block, size, seed) = held.remove((i % 4) as usize);
                             assert_eq!(
-                                d.kernels()
-                                    .count_pattern_mismatches(s, block.ptr(), size, seed)
-                                    .unwrap(),
+                                // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                                unsafe {
+                                    d.kernels()
+                                        .count_pattern_mismatches(s, block.ptr(), size, seed)
+                                }
+                                .unwrap(),
                                 0
                             );
                             drop(block);
@@ -189,9 +192,12 @@ fn threads_growing_freeing_and_emptying_the_cache_at_once_keep_every_byte() {
                     }
                     for (block, size, seed) in held {
                         assert_eq!(
-                            d.kernels()
-                                .count_pattern_mismatches(s, block.ptr(), size, seed)
-                                .unwrap(),
+                            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                            unsafe {
+                                d.kernels()
+                                    .count_pattern_mismatches(s, block.ptr(), size, seed)
+                            }
+                            .unwrap(),
                             0
                         );
                     }

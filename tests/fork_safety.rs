@@ -227,7 +227,8 @@ fn every_door_of_a_bare_driver_refuses_a_forked_child() {
         refused("malloc", d.malloc(0, 4096))?;
         refused("mem_info", d.mem_info(0))?;
         refused("stream_create", d.stream_create(0))?;
-        refused("memset", d.memset(s, ptr, 0, 16))?;
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        refused("memset", unsafe { d.memset(s, ptr, 0, 16) })?;
         refused("event_create", d.event_create(0, Default::default()))?;
         refused("vm_granularity", d.vm().vm_granularity(0))?;
         refused("vm_reserve", d.vm().vm_reserve(0, 2 * MIB))?;
@@ -244,7 +245,8 @@ fn every_door_of_a_bare_driver_refuses_a_forked_child() {
     drop(churn);
     verdict.unwrap_or_else(|why| panic!("{why}"));
     // The parent's driver goes on.
-    d.memset(s, ptr, 1, 16).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, ptr, 1, 16) }.unwrap();
     d.stream_synchronize(s).unwrap();
     d.free(ptr).unwrap();
 }

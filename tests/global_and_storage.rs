@@ -236,17 +236,23 @@ fn storage_clone_data_is_stream_ordered() {
     let d = a.driver().clone();
     let side = a.create_stream(0).unwrap();
     let src = a.allocate(0, MIB).unwrap();
-    d.kernels()
-        .fill_pattern(a.default_stream(0).unwrap(), src.ptr(), MIB, 3)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe {
+        d.kernels()
+            .fill_pattern(a.default_stream(0).unwrap(), src.ptr(), MIB, 3)
+    }
+    .unwrap();
     d.stream_synchronize(a.default_stream(0).unwrap()).unwrap();
     let copy = a.clone_data(&src, MIB, side).unwrap();
     assert_eq!(copy.allocation_stream(), Some(side));
     drop(src); // waits for the copy on `side` (record_stream inside clone_data)
     assert_eq!(
-        d.kernels()
-            .count_pattern_mismatches(side, copy.ptr(), MIB, 3)
-            .unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe {
+            d.kernels()
+                .count_pattern_mismatches(side, copy.ptr(), MIB, 3)
+        }
+        .unwrap(),
         0
     );
     assert!(

@@ -174,10 +174,11 @@ fn a_replay_after_a_sharing_capture_reused_its_temporary_is_no_use_after_free() 
     let s = a.create_stream(0).unwrap();
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let tmp = a.allocate_on(s, MIB).unwrap();
-    d.kernels().fill_pattern(s, tmp.ptr(), MIB, 1).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, tmp.ptr(), MIB, 1) }.unwrap();
     let out = a.allocate_on(s, MIB).unwrap();
-    d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB) }.unwrap();
     drop(tmp);
     let first = capture.end().unwrap();
     first.replay(s).unwrap();
@@ -186,7 +187,8 @@ fn a_replay_after_a_sharing_capture_reused_its_temporary_is_no_use_after_free() 
         .begin_capture(s, Some(first.pool()), CaptureMode::Global)
         .unwrap();
     let tmp = a.allocate_on(s, MIB).unwrap();
-    d.kernels().fill_pattern(s, tmp.ptr(), MIB, 2).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, tmp.ptr(), MIB, 2) }.unwrap();
     drop(tmp);
     let second = capture.end().unwrap();
     // Replays in capture order, on one stream.
@@ -203,9 +205,8 @@ fn a_replay_after_a_sharing_capture_reused_its_temporary_is_no_use_after_free() 
         "{replayed:?}: {reports:#?}"
     );
     assert_eq!(
-        d.kernels()
-            .count_pattern_mismatches(s, out.ptr(), MIB, 1)
-            .unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().count_pattern_mismatches(s, out.ptr(), MIB, 1) }.unwrap(),
         0
     );
 }
@@ -237,7 +238,8 @@ fn a_capture_after_a_dropped_graph_pool_stays_valid_with_expandable_segments() {
     drop(graph); // the pool goes: its shard on `s` is emptied and retired
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let out = a.allocate_on(s, MIB).unwrap();
-    let written = d.memset(s, out.ptr(), 1, MIB);
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let written = unsafe { d.memset(s, out.ptr(), 1, MIB) };
     let ended = capture.end();
     assert!(
         written.is_ok() && ended.is_ok(),
@@ -261,10 +263,11 @@ fn a_use_on_oom_pool_never_lends_a_live_graphs_memory() {
         .begin_capture(s, Some(&pool), CaptureMode::Global)
         .unwrap();
     let tmp = a.allocate_on(s, 4 * MIB).unwrap();
-    d.kernels().fill_pattern(s, tmp.ptr(), 4 * MIB, 7).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, tmp.ptr(), 4 * MIB, 7) }.unwrap();
     let out = a.allocate_on(s, 4 * MIB).unwrap();
-    d.copy_device_to_device(s, out.ptr(), tmp.ptr(), 4 * MIB)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_device(s, out.ptr(), tmp.ptr(), 4 * MIB) }.unwrap();
     let graph_mem = (tmp.ptr().0, tmp.ptr().0 + 4 * MIB);
     drop(tmp);
     let graph = capture.end().unwrap();
@@ -272,13 +275,13 @@ fn a_use_on_oom_pool_never_lends_a_live_graphs_memory() {
     let mut held = Vec::new();
     while let Ok(p) = a.allocate_on(s, 4 * MIB) {
         let at = p.ptr().0;
-        d.kernels().fill_pattern(s, p.ptr(), 4 * MIB, 9).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().fill_pattern(s, p.ptr(), 4 * MIB, 9) }.unwrap();
         if at < graph_mem.1 && graph_mem.0 < at + 4 * MIB {
             graph.replay(s).unwrap();
-            let bad = d
-                .kernels()
-                .count_pattern_mismatches(s, p.ptr(), 4 * MIB, 9)
-                .unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            let bad =
+                unsafe { d.kernels().count_pattern_mismatches(s, p.ptr(), 4 * MIB, 9) }.unwrap();
             panic!(
                 "an eager block at {at:#x} got the live graph's temporary {graph_mem:#x?}: after \
                  a replay {bad} of its bytes differ"
@@ -300,10 +303,11 @@ fn a_live_graphs_pool_keeps_its_memory_through_its_own_empty_cache() {
     let (a, d, s) = small_device();
     let capture = a.begin_capture(s, None, CaptureMode::Global).unwrap();
     let tmp = a.allocate_on(s, 12 * MIB).unwrap();
-    d.kernels().fill_pattern(s, tmp.ptr(), 12 * MIB, 7).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, tmp.ptr(), 12 * MIB, 7) }.unwrap();
     let out = a.allocate_on(s, MIB).unwrap();
-    d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_device(s, out.ptr(), tmp.ptr(), MIB) }.unwrap();
     let graph_mem = (tmp.ptr().0, tmp.ptr().0 + 12 * MIB);
     drop(tmp);
     let graph = capture.end().unwrap();
@@ -313,14 +317,16 @@ fn a_live_graphs_pool_keeps_its_memory_through_its_own_empty_cache() {
         "the pool's own empty_cache gave back the live graph's memory {graph_mem:#x?}"
     );
     let eager = a.allocate_on(s, 12 * MIB).unwrap();
-    d.kernels()
-        .fill_pattern(s, eager.ptr(), 12 * MIB, 9)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, eager.ptr(), 12 * MIB, 9) }.unwrap();
     graph.replay(s).unwrap();
     assert_eq!(
-        d.kernels()
-            .count_pattern_mismatches(s, eager.ptr(), 12 * MIB, 9)
-            .unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe {
+            d.kernels()
+                .count_pattern_mismatches(s, eager.ptr(), 12 * MIB, 9)
+        }
+        .unwrap(),
         0,
         "a replay overwrote an eager block"
     );

@@ -155,7 +155,8 @@ fn a_lazy_clones_first_write_inside_a_capture_is_part_of_the_graph() {
     let clone = src.lazy_clone().unwrap();
     // A write of the first 4 KiB only: the rest must be the copy of the source.
     let head = clone.mutable_data_ptr().unwrap();
-    rt.driver().memset(s, head, 0xAB, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().memset(s, head, 0xAB, 4096) }.unwrap();
     let graph = capture.end().unwrap();
     assert!(!clone.is_cow(), "the first write materialized it");
     assert_eq!(
@@ -317,7 +318,8 @@ fn a_steal_inside_a_capture_after_an_eager_copy_keeps_the_capture() {
     let at = src.data_ptr();
     let write = src.mutable_data_ptr(); // the last holder: steals
     assert_eq!(write.as_ref().ok(), Some(&at), "stolen in place");
-    rt.driver().memset(s, at, 0x5A, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().memset(s, at, 0x5A, 4096) }.unwrap();
     let graph = capture.end().unwrap();
     graph.replay(s).unwrap();
     let mut head = vec![0u8; 4096];

@@ -333,9 +333,12 @@ fn hostile_child() {
                     let received = Storage::from_ipc(&rt, handle).unwrap();
                     let scratch = Storage::new_on(&rt, stream, LEN).unwrap();
                     let dst = scratch.mutable_data_ptr_on(stream).unwrap();
-                    rt.driver()
-                        .copy_device_to_device(stream, dst, received.data_ptr(), LEN)
-                        .unwrap();
+                    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                    unsafe {
+                        rt.driver()
+                            .copy_device_to_device(stream, dst, received.data_ptr(), LEN)
+                    }
+                    .unwrap();
                     parent.send("queued");
                     assert_eq!(parent.recv(), "go");
                     gate.open();

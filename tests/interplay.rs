@@ -248,8 +248,11 @@ impl World {
             let dst = reader.mutable_data_ptr_on(stream)?;
             // Late: the source's owner may drop, write or steal it back before the copy runs.
             a.driver().kernels().sleep(stream, late)?;
-            a.driver()
-                .copy_device_to_device(stream, dst, read.data_ptr(), read.nbytes())?;
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                a.driver()
+                    .copy_device_to_device(stream, dst, read.data_ptr(), read.nbytes())
+            }?;
             read.record_stream(stream)?;
             Ok(reader)
         };
@@ -316,7 +319,8 @@ impl World {
                 let capture = a.begin_capture(stream, None, cudalloc::CaptureMode::ThreadLocal)?;
                 let output = Storage::new_on(&a, stream, size)?;
                 let to = output.mutable_data_ptr_on(stream)?;
-                a.driver().copy_device_to_device(stream, to, from, size)?;
+                // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                unsafe { a.driver().copy_device_to_device(stream, to, from, size) }?;
                 let graph = capture.end()?;
                 Ok(GraphCase {
                     graph,
@@ -344,9 +348,12 @@ impl World {
         let a = &self.allocators[alloc];
         let replay = || -> cudalloc::Result<u64> {
             let input = case.input.mutable_data_ptr_on(case.stream)?;
-            a.driver()
-                .kernels()
-                .fill_pattern(case.stream, input, case.input.nbytes(), seed)?;
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                a.driver()
+                    .kernels()
+                    .fill_pattern(case.stream, input, case.input.nbytes(), seed)
+            }?;
             // The replay reads the input: its stream waits for the fill.
             a.driver().stream_wait_stream(on, case.stream)?;
             case.graph.replay(on)?;

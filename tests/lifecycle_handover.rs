@@ -75,16 +75,16 @@ fn steal_after_a_read_on_a_busy_stream(b: &TestBackend, rt: &Arc<Runtime>, how: 
             .unwrap(),
         Read::DeviceCopyAndRecordStream => {
             let dst = device_copy.mutable_data_ptr_on(t).unwrap();
-            rt.driver()
-                .copy_device_to_device(t, dst, c.data_ptr(), MIB)
-                .unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { rt.driver().copy_device_to_device(t, dst, c.data_ptr(), MIB) }.unwrap();
             c.record_stream(t).unwrap();
         }
     }
     drop(c);
     // The last reference: a steal, and a write on `s` right after it.
     let addr = x.mutable_data_ptr_on(s).unwrap();
-    rt.driver().kernels().fill_pattern(s, addr, MIB, 2).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().kernels().fill_pattern(s, addr, MIB, 2) }.unwrap();
     let held = hold.still_held();
     drop(hold);
     rt.driver().stream_synchronize(t).unwrap();
@@ -225,9 +225,8 @@ fn stream_ordered_reuse_in_a_pool_a_live_graph_holds_is_not_reported() {
         rt.driver().stream_wait_event(b, event).unwrap();
         let dst = Storage::new_on(&rt, b, MIB).unwrap();
         let d = dst.mutable_data_ptr_on(b).unwrap();
-        rt.driver()
-            .copy_device_to_device(b, d, src.data_ptr(), MIB)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().copy_device_to_device(b, d, src.data_ptr(), MIB) }.unwrap();
         src.record_stream(b).unwrap();
         let freed = src.data_ptr();
         drop(src);
@@ -263,12 +262,14 @@ fn record_survives_steal(rt: &Arc<Runtime>, host: &cudalloc::HostDriver) -> (boo
     let addr = x.mutable_data_ptr_on(t).unwrap(); // the steal
     rt.driver().stream_synchronize(t).unwrap();
     let gate = host.gate_stream(t).unwrap();
-    rt.driver().kernels().fill_pattern(t, addr, MIB, 2).unwrap(); // pending on t
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().kernels().fill_pattern(t, addr, MIB, 2) }.unwrap(); // pending on t
     drop(x); // waits for t
     let y = Storage::new_on(rt, s, MIB).unwrap();
     let reused = y.data_ptr() == addr;
     let yp = y.mutable_data_ptr_on(s).unwrap();
-    rt.driver().kernels().fill_pattern(s, yp, MIB, 3).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().kernels().fill_pattern(s, yp, MIB, 3) }.unwrap();
     rt.driver().stream_synchronize(s).unwrap();
     drop(gate);
     rt.driver().stream_synchronize(t).unwrap();
@@ -315,13 +316,13 @@ fn a_steal_waits_for_a_read_queued_before_the_readers_capture() {
     let dst = Storage::new_on(&rt, s, MIB).unwrap();
     let d = dst.mutable_data_ptr_on(s).unwrap();
     let gate = host.gate_stream(s).unwrap();
-    rt.driver()
-        .copy_device_to_device(s, d, c.data_ptr(), MIB)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().copy_device_to_device(s, d, c.data_ptr(), MIB) }.unwrap();
     drop(c);
     let capture = rt.begin_capture(s, None, CaptureMode::Relaxed).unwrap();
     let addr = x.mutable_data_ptr_on(t).unwrap();
-    rt.driver().kernels().fill_pattern(t, addr, MIB, 2).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().kernels().fill_pattern(t, addr, MIB, 2) }.unwrap();
     assert!(
         !rt.driver().stream_query(t).unwrap(),
         "t waits for s's read"
@@ -349,7 +350,8 @@ fn an_eager_steal_does_not_join_the_capture_of_the_clone_stream() {
         .stream_capture_status(s)
         .unwrap()
         .is_capturing());
-    rt.driver().kernels().fill_pattern(s, addr, MIB, 2).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().kernels().fill_pattern(s, addr, MIB, 2) }.unwrap();
     capture.end().unwrap();
     rt.driver().stream_synchronize(s).unwrap();
     assert_eq!(x.count_pattern_mismatches(2).unwrap(), 0);
@@ -387,12 +389,14 @@ fn launches_of_an_empty_graph_are_ordered_too() {
         let buf = Storage::new_on(&rt, a, MIB).unwrap();
         let p = buf.mutable_data_ptr_on(a).unwrap();
         let gate = host.gate_stream(a).unwrap();
-        rt.driver().kernels().fill_pattern(a, p, MIB, 4).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().kernels().fill_pattern(a, p, MIB, 4) }.unwrap();
         graph.replay(a).unwrap();
         graph.replay(b).unwrap(); // after the launch on a, hence after the fill
         let dst = Storage::new_on(&rt, b, MIB).unwrap();
         let d = dst.mutable_data_ptr_on(b).unwrap();
-        rt.driver().copy_device_to_device(b, d, p, MIB).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().copy_device_to_device(b, d, p, MIB) }.unwrap();
         buf.record_stream(b).unwrap();
         assert!(!rt.driver().stream_query(b).unwrap(), "b waits for a");
         drop(gate);
@@ -448,7 +452,8 @@ fn a_replay_into_bytes_its_pool_handed_out_since_is_reported() {
     };
     assert_eq!(y.data_ptr(), p, "the pool handed the graph's bytes out");
     let yp = y.mutable_data_ptr_on(cs).unwrap();
-    rt.driver().kernels().fill_pattern(cs, yp, MIB, 7).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().kernels().fill_pattern(cs, yp, MIB, 7) }.unwrap();
     let err = graph.replay(cs).unwrap_err();
     assert_eq!(err.kind(), cudalloc::ErrorKind::StreamRace, "{err}");
     let reports = rt.sanitizer().unwrap().take_reports();
@@ -520,7 +525,8 @@ fn a_steal_does_not_join_a_capture_begun_through_the_driver() {
         .is_capturing());
     let graph = rt.driver().graphs().stream_end_capture(u).unwrap();
     rt.driver().graphs().graph_destroy(graph).unwrap();
-    rt.driver().kernels().fill_pattern(s, addr, MIB, 2).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().kernels().fill_pattern(s, addr, MIB, 2) }.unwrap();
     rt.driver().stream_synchronize(s).unwrap();
     assert_eq!(x.count_pattern_mismatches(2).unwrap(), 0);
 }

@@ -328,9 +328,12 @@ fn a_dropped_pool_gives_its_memory_back_as_its_blocks_are_freed() {
         "the cached segment went back at once"
     );
     // The block still works and is still the (retired) pool's.
-    a.driver()
-        .memset(a.current_stream(0).unwrap(), kept.ptr(), 1, 4 << 20)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe {
+        a.driver()
+            .memset(a.current_stream(0).unwrap(), kept.ptr(), 1, 4 << 20)
+    }
+    .unwrap();
     drop(kept);
     a.empty_cache();
     assert_eq!(reserved(&a), 0);

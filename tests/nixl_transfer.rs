@@ -358,14 +358,16 @@ fn two_runtimes_in_one_process_and_the_sanitizer_sees_transfers() {
     // with the peer's write: here a copy out of dst[1] queued on another stream first.
     let other = p.b.create_stream(0).unwrap();
     let scratch = Storage::new_on(&p.b, other, dst[1].nbytes()).unwrap();
-    p.b.driver()
-        .copy_device_to_device(
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe {
+        p.b.driver().copy_device_to_device(
             other,
             scratch.data_ptr(),
             dst[1].data_ptr(),
             dst[1].nbytes(),
         )
-        .unwrap();
+    }
+    .unwrap();
     let err = p.agent_b.received(&dst[1], sb).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
     assert!(
@@ -383,10 +385,13 @@ fn two_runtimes_in_one_process_and_the_sanitizer_sees_transfers() {
     // refused as a race before NIXL touches anything.
     let side = p.a.create_stream(0).unwrap();
     let fresh = Storage::new_on(&p.a, side, sizes(n)[2]).unwrap();
-    p.a.driver()
-        .kernels()
-        .fill_pattern(side, fresh.data_ptr(), fresh.nbytes(), 3)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe {
+        p.a.driver()
+            .kernels()
+            .fill_pattern(side, fresh.data_ptr(), fresh.nbytes(), 3)
+    }
+    .unwrap();
     let err = p
         .agent_a
         .write(sa, &[(&fresh, &targets[2])], None)

@@ -26,15 +26,17 @@ fn the_simulated_device_enforces_its_capacity_and_backs_nothing() {
     assert_eq!(err.kind(), ErrorKind::OutOfMemory);
     assert_eq!(d.mem_info(0).unwrap().free, 24 * MIB);
     let s = d.default_stream(0).unwrap();
-    d.fill_pattern(s, a, MIB, 1).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.fill_pattern(s, a, MIB, 1) }.unwrap();
     assert!(
-        d.fill_pattern(s, a.offset(40 * MIB).unwrap(), 1, 1)
-            .is_err(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.fill_pattern(s, a.offset(40 * MIB).unwrap(), 1, 1) }.is_err(),
         "past the end"
     );
     let mut back = [0u8; 16];
     assert!(
-        d.copy_device_to_host(s, &mut back, a).is_err(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.copy_device_to_host(s, &mut back, a) }.is_err(),
         "nothing is stored"
     );
     assert!(d.ipc_export_memory(a).is_err());
@@ -58,8 +60,13 @@ fn the_simulated_device_enforces_its_capacity_and_backs_nothing() {
         64 * MIB - g,
         "released but mapped"
     );
-    d.memset(s, base, 0, g).unwrap();
-    assert!(d.memset(s, base, 0, g + 1).is_err(), "into unmapped pages");
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, base, 0, g) }.unwrap();
+    assert!(
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.memset(s, base, 0, g + 1) }.is_err(),
+        "into unmapped pages"
+    );
     d.vm_unmap(base, g).unwrap();
     assert_eq!(d.mem_info(0).unwrap().free, 64 * MIB);
     d.vm_free_reservation(base).unwrap();

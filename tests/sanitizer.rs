@@ -52,14 +52,16 @@ fn copy_on_a_side_stream(
     let src = common::filled_on(rt, main, MIB, round as u64);
     common::wait_for(rt, side, main);
     let dst = Storage::new_on(rt, side, MIB).unwrap();
-    rt.driver()
-        .copy_device_to_device(
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe {
+        rt.driver().copy_device_to_device(
             side,
             dst.mutable_data_ptr_on(side).unwrap(),
             src.data_ptr(),
             MIB,
         )
-        .unwrap();
+    }
+    .unwrap();
     (main, side, src, dst)
 }
 
@@ -83,10 +85,8 @@ fn forgotten_record_stream_is_a_use_after_free_every_time() {
         );
         assert_eq!(report.earlier.kind, "read");
         // Sticky on the hand-out's stream, like a CUDA error; the other stream goes on.
-        let err = rt
-            .driver()
-            .memset(main, newcomer.data_ptr(), 0, 1)
-            .unwrap_err();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        let err = unsafe { rt.driver().memset(main, newcomer.data_ptr(), 0, 1) }.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace);
         assert!(rt.driver().stream_synchronize(main).is_err());
         rt.driver().stream_synchronize(side).unwrap();
@@ -103,9 +103,12 @@ fn with_record_stream_the_same_program_is_never_reported() {
         src.record_stream(side).unwrap();
         drop(src);
         let newcomer = Storage::new_on(&rt, main, MIB).unwrap();
-        rt.driver()
-            .memset(main, newcomer.mutable_data_ptr_on(main).unwrap(), 1, MIB)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe {
+            rt.driver()
+                .memset(main, newcomer.mutable_data_ptr_on(main).unwrap(), 1, MIB)
+        }
+        .unwrap();
         rt.driver().stream_synchronize(main).unwrap();
         rt.driver().stream_synchronize(side).unwrap();
         no_reports(&rt);
@@ -160,15 +163,16 @@ fn a_write_and_an_unwaited_read_on_another_stream_race_every_time() {
         let out = Storage::new_on(&rt, reader, MIB).unwrap();
         // The writer's stream is busy for a long time: without a wait the read comes first.
         rt.driver().kernels().sleep(writer, 1_000).unwrap();
-        let err = rt
-            .driver()
-            .copy_device_to_device(
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        let err = unsafe {
+            rt.driver().copy_device_to_device(
                 reader,
                 out.mutable_data_ptr_on(reader).unwrap(),
                 s.data_ptr(),
                 MIB,
             )
-            .unwrap_err();
+        }
+        .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace);
         let report = one_report(&rt, HazardKind::Race);
         assert_eq!(report.earlier.what.split(' ').next(), Some("fill_pattern"));
@@ -194,17 +198,20 @@ fn a_wait_orders_the_read_and_nothing_is_reported() {
         let s = common::filled_on(&rt, writer, MIB, round as u64);
         let out = Storage::new_on(&rt, reader, MIB).unwrap();
         common::wait_for(&rt, reader, writer);
-        rt.driver()
-            .copy_device_to_device(
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe {
+            rt.driver().copy_device_to_device(
                 reader,
                 out.mutable_data_ptr_on(reader).unwrap(),
                 s.data_ptr(),
                 MIB,
             )
-            .unwrap();
+        }
+        .unwrap();
         // A host synchronization orders too.
         rt.driver().stream_synchronize(reader).unwrap();
-        rt.driver().memset(writer, s.data_ptr(), 0, MIB).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().memset(writer, s.data_ptr(), 0, MIB) }.unwrap();
         s.record_stream(reader).unwrap();
         no_reports(&rt);
     }
@@ -216,18 +223,24 @@ fn only_overlapping_bytes_race() {
     let (a, b) = two_streams(&rt);
     let s = Storage::new_on(&rt, a, 4096).unwrap();
     let base = s.data_ptr();
-    rt.driver().memset(a, base, 1, 100).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().memset(a, base, 1, 100) }.unwrap();
     // Bytes 100.. were not written by `a`: reading them on `b` is no race.
-    rt.driver()
-        .kernels()
-        .count_pattern_mismatches(b, base.offset(100).unwrap(), 100, 0)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe {
+        rt.driver()
+            .kernels()
+            .count_pattern_mismatches(b, base.offset(100).unwrap(), 100, 0)
+    }
+    .unwrap();
     no_reports(&rt);
-    let err = rt
-        .driver()
-        .kernels()
-        .count_pattern_mismatches(b, base.offset(50).unwrap(), 100, 0)
-        .unwrap_err();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let err = unsafe {
+        rt.driver()
+            .kernels()
+            .count_pattern_mismatches(b, base.offset(50).unwrap(), 100, 0)
+    }
+    .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamRace);
     let report = one_report(&rt, HazardKind::Race);
     assert_eq!((report.earlier.start, report.earlier.len), (base.0, 100));
@@ -314,7 +327,8 @@ fn panic_mode_panics_at_the_hazard() {
     let d = Arc::clone(rt.driver());
     let ptr = s.data_ptr();
     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-        d.memset(b, ptr, 0, 4096)
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.memset(b, ptr, 0, 4096) }
     }));
     let message = caught.unwrap_err();
     let text = message
@@ -333,7 +347,8 @@ fn reports_name_the_rust_stacks_of_both_accesses_when_stacks_are_on() {
     let rt = sanitized_with(SanitizeOptions::report().with_stacks());
     let (a, b) = two_streams(&rt);
     let s = common::filled_on(&rt, a, 4096, 1);
-    let err = rt.driver().memset(b, s.data_ptr(), 0, 4096).unwrap_err();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let err = unsafe { rt.driver().memset(b, s.data_ptr(), 0, 4096) }.unwrap_err();
     let report = one_report(&rt, HazardKind::Race);
     let (earlier, later) = (report.earlier.stack.unwrap(), report.later.stack.unwrap());
     assert!(earlier.contains("common::filled_on"), "{earlier}");
@@ -388,10 +403,13 @@ fn a_library_default_stream_serves_every_thread_without_a_guard() {
     assert_eq!(on_thread.0, Some(library));
     assert_eq!(on_thread.1, library);
     // A kernel on the library's stream reads it: same stream, no wait needed, nothing reported.
-    rt.driver()
-        .kernels()
-        .count_pattern_mismatches(library, on_thread.2.data_ptr(), 4096, 3)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe {
+        rt.driver()
+            .kernels()
+            .count_pattern_mismatches(library, on_thread.2.data_ptr(), 4096, 3)
+    }
+    .unwrap();
     no_reports(&rt);
     rt.clear_default_stream(0).unwrap();
     assert_eq!(
@@ -433,16 +451,17 @@ fn a_lazy_clones_first_write_is_complete_for_a_kernel_on_another_stream() {
         .sleep(rt.current_stream(0).unwrap(), 20_000)
         .unwrap();
     let ptr = c.mutable_data_ptr().unwrap();
-    rt.driver()
-        .kernels()
-        .fill_pattern(own, ptr, 4 * MIB, 6)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().kernels().fill_pattern(own, ptr, 4 * MIB, 6) }.unwrap();
     c.record_stream(own).unwrap();
     assert_eq!(
-        rt.driver()
-            .kernels()
-            .count_pattern_mismatches(own, ptr, 4 * MIB, 6)
-            .unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe {
+            rt.driver()
+                .kernels()
+                .count_pattern_mismatches(own, ptr, 4 * MIB, 6)
+        }
+        .unwrap(),
         0
     );
 }
@@ -492,11 +511,13 @@ fn sanitizer_child() {
         let s = Storage::from_ipc(&rt, handle).unwrap();
         // A stream that did not wait for the producer's event reads: reported.
         let other = rt.create_stream(0).unwrap();
-        let err = rt
-            .driver()
-            .kernels()
-            .count_pattern_mismatches(other, s.data_ptr(), s.nbytes(), seed)
-            .unwrap_err();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        let err = unsafe {
+            rt.driver()
+                .kernels()
+                .count_pattern_mismatches(other, s.data_ptr(), s.nbytes(), seed)
+        }
+        .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
         assert!(err.to_string().contains("producer process"), "{err}");
         // The current stream waited at receipt: its read is correct and clean.
@@ -561,7 +582,8 @@ fn an_unsplit_remainder_keeps_what_its_first_free_knew() {
     let x = Storage::new_on(&rt, main, 20 * MIB).unwrap();
     common::wait_for(&rt, side, main);
     let ptr = x.mutable_data_ptr_on(side).unwrap();
-    rt.driver().memset(side, ptr, 1, 20 * MIB).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().memset(side, ptr, 1, 20 * MIB) }.unwrap();
     x.record_stream(side).unwrap();
     drop(x);
     // The side stream's work done, unseen by the sanitizer (as the allocator's event polls are):
@@ -583,7 +605,8 @@ fn work_enqueued_on_freed_memory_is_a_use_after_free() {
     let s = common::filled_on(&rt, main, MIB, 1);
     let stale = s.data_ptr();
     drop(s); // a raw pointer kept past its storage
-    let err = rt.driver().memset(main, stale, 0, MIB).unwrap_err();
+             // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let err = unsafe { rt.driver().memset(main, stale, 0, MIB) }.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamRace);
     let report = one_report(&rt, HazardKind::UseAfterFree);
     assert_eq!(report.earlier.kind, "free");
@@ -631,16 +654,19 @@ fn synchronization_made_outside_cudalloc_counts_once_told() {
         if told {
             sanitizer.host_synchronized(a);
         }
-        let read = rt
-            .driver()
-            .kernels()
-            .count_pattern_mismatches(b, s.data_ptr(), 4096, 1);
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        let read = unsafe {
+            rt.driver()
+                .kernels()
+                .count_pattern_mismatches(b, s.data_ptr(), 4096, 1)
+        };
         // `c` waits for `b` unseen; then `c` writes.
         unseen.stream_wait_stream(c, b).unwrap();
         if told {
             sanitizer.stream_waited(c, b);
             assert_eq!(read.unwrap(), 0);
-            rt.driver().memset(c, s.data_ptr(), 0, 4096).unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { rt.driver().memset(c, s.data_ptr(), 0, 4096) }.unwrap();
             no_reports(&rt);
         } else {
             assert_eq!(read.unwrap_err().kind(), ErrorKind::StreamRace);

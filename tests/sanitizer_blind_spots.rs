@@ -58,10 +58,16 @@ fn an_access_past_its_allocation_is_reported_and_refused() {
         assert!(allocation.starts_with("allocation #"), "{report}");
         assert!(report.to_string().contains("past the end"), "{report}");
         assert_eq!(
-            rt.driver()
-                .kernels()
-                .count_pattern_mismatches(t, neighbour.data_ptr(), 4096, round as u64)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                rt.driver().kernels().count_pattern_mismatches(
+                    t,
+                    neighbour.data_ptr(),
+                    4096,
+                    round as u64,
+                )
+            }
+            .unwrap(),
             0
         );
         // Inside the allocation: never reported.
@@ -95,26 +101,35 @@ fn a_write_into_memory_lazy_clones_share_is_reported() {
         // The bad write on a fresh stream that waited for `t` (a report fails its stream).
         let s = rt.create_stream(0).unwrap();
         common::wait_for(&rt, s, t);
-        let err = rt.driver().memset(s, clone.data_ptr(), 9, 16).unwrap_err();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        let err = unsafe { rt.driver().memset(s, clone.data_ptr(), 9, 16) }.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
         let report = one_report(&rt, HazardKind::CowWrite);
         assert!(report.to_string().contains("lazy clones share"), "{report}");
         assert_eq!(
-            rt.driver()
-                .kernels()
-                .count_pattern_mismatches(t, a.data_ptr(), 4096, round as u64)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                rt.driver()
+                    .kernels()
+                    .count_pattern_mismatches(t, a.data_ptr(), 4096, round as u64)
+            }
+            .unwrap(),
             0
         );
         // The right door: the clone's first write copies, then writes its own bytes.
         let own = clone.mutable_data_ptr_on(t).unwrap();
-        rt.driver().memset(t, own, 9, 16).unwrap();
-        rt.driver().memset(t, clone.data_ptr(), 8, 16).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().memset(t, own, 9, 16) }.unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().memset(t, clone.data_ptr(), 8, 16) }.unwrap();
         assert_eq!(
-            rt.driver()
-                .kernels()
-                .count_pattern_mismatches(t, a.data_ptr(), 4096, round as u64)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                rt.driver()
+                    .kernels()
+                    .count_pattern_mismatches(t, a.data_ptr(), 4096, round as u64)
+            }
+            .unwrap(),
             0
         );
         no_reports(&rt);
@@ -133,8 +148,10 @@ fn a_stolen_lazy_clone_owns_its_bytes() {
         let clone = a.lazy_clone().unwrap();
         drop(a);
         let p = clone.mutable_data_ptr_on(s).unwrap();
-        rt.driver().memset(s, p, 1, 16).unwrap();
-        rt.driver().memset(s, clone.data_ptr(), 2, 16).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().memset(s, p, 1, 16) }.unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().memset(s, clone.data_ptr(), 2, 16) }.unwrap();
         no_reports(&rt);
     }
     rt.driver().stream_synchronize(s).unwrap();
@@ -152,14 +169,13 @@ fn after_a_sleep_and_wake_both_checks_hold_and_the_wake_is_not_reported() {
     rt.wake_up(&[]).unwrap();
     no_reports(&rt);
     let t = rt.create_stream(0).unwrap();
-    let err = rt.driver().memset(t, c.data_ptr(), 1, 16).unwrap_err();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let err = unsafe { rt.driver().memset(t, c.data_ptr(), 1, 16) }.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
     one_report(&rt, HazardKind::CowWrite);
     let t2 = rt.create_stream(0).unwrap();
-    let err = rt
-        .driver()
-        .memset(t2, v[1].data_ptr(), 1, 8192)
-        .unwrap_err();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let err = unsafe { rt.driver().memset(t2, v[1].data_ptr(), 1, 8192) }.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
     one_report(&rt, HazardKind::OutOfBounds);
     assert_eq!(

@@ -118,10 +118,13 @@ fn cow_many(on: bool) {
             for (c, &st) in clones.iter().zip(&streams) {
                 let p = c.mutable_data_ptr_on(st).unwrap();
                 assert_eq!(
-                    rt.driver()
-                        .kernels()
-                        .count_pattern_mismatches(st, p, MIB, round)
-                        .unwrap(),
+                    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                    unsafe {
+                        rt.driver()
+                            .kernels()
+                            .count_pattern_mismatches(st, p, MIB, round)
+                    }
+                    .unwrap(),
                     0
                 );
             }
@@ -194,9 +197,16 @@ fn fp_producer_consumer_with_events_and_record_stream_many_times() {
                 s.record_stream(c).unwrap();
             }
             let out = Storage::new_on(&rt, c, len).unwrap();
-            rt.driver()
-                .copy_device_to_device(c, out.mutable_data_ptr_on(c).unwrap(), s.data_ptr(), len)
-                .unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                rt.driver().copy_device_to_device(
+                    c,
+                    out.mutable_data_ptr_on(c).unwrap(),
+                    s.data_ptr(),
+                    len,
+                )
+            }
+            .unwrap();
             drop(s);
             drop(out);
             if i % 50 == 49 {
@@ -224,10 +234,13 @@ fn fp_oom_retry_frees_cached_blocks_of_other_streams() {
             // free it (the device has 64 MiB).
             let s = common::filled_on(&rt, a, 40 * MIB, round);
             common::wait_for(&rt, b, a);
-            rt.driver()
-                .kernels()
-                .count_pattern_mismatches(b, s.data_ptr(), 40 * MIB, round)
-                .unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                rt.driver()
+                    .kernels()
+                    .count_pattern_mismatches(b, s.data_ptr(), 40 * MIB, round)
+            }
+            .unwrap();
             host_write(&rt, b, s.data_ptr(), 40 * MIB).unwrap();
             s.record_stream(b).unwrap();
             drop(s);
@@ -287,9 +300,12 @@ fn fp_sync_then_other_stream_writes_freed_reused_sub_blocks() {
             let big = common::filled_on(&rt, a, 8 * MIB, round);
             rt.driver().stream_synchronize(a).unwrap();
             // b writes a tail sub-range after a host sync, records itself.
-            rt.driver()
-                .memset(b, big.data_ptr().offset(6 * MIB).unwrap(), 3, 2 * MIB)
-                .unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                rt.driver()
+                    .memset(b, big.data_ptr().offset(6 * MIB).unwrap(), 3, 2 * MIB)
+            }
+            .unwrap();
             big.record_stream(b).unwrap();
             drop(big);
             // Split reuse of the block on `a`.
@@ -297,9 +313,12 @@ fn fp_sync_then_other_stream_writes_freed_reused_sub_blocks() {
                 .map(|_| Storage::new_on(&rt, a, 2 * MIB).unwrap())
                 .collect();
             for p in &parts {
-                rt.driver()
-                    .memset(a, p.mutable_data_ptr_on(a).unwrap(), 1, 2 * MIB)
-                    .unwrap();
+                // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                unsafe {
+                    rt.driver()
+                        .memset(a, p.mutable_data_ptr_on(a).unwrap(), 1, 2 * MIB)
+                }
+                .unwrap();
             }
             drop(parts);
             if round % 9 == 8 {
@@ -318,14 +337,19 @@ fn forgotten_record_stream(rt: &Arc<Runtime>, len: u64, sub: (u64, u64)) -> usiz
     let (main, side) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
     let s = common::filled_on(rt, main, len, 1);
     common::wait_for(rt, side, main);
-    rt.driver()
-        .memset(side, s.data_ptr().offset(sub.0).unwrap(), 5, sub.1)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe {
+        rt.driver()
+            .memset(side, s.data_ptr().offset(sub.0).unwrap(), 5, sub.1)
+    }
+    .unwrap();
     drop(s);
     let n = Storage::new_on(rt, main, len).unwrap();
-    let _ = rt
-        .driver()
-        .memset(main, n.mutable_data_ptr_on(main).unwrap(), 0, len);
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let _ = unsafe {
+        rt.driver()
+            .memset(main, n.mutable_data_ptr_on(main).unwrap(), 0, len)
+    };
     let reports = take(rt);
     rt.driver().stream_synchronize(side).unwrap();
     drop(n);
@@ -374,12 +398,15 @@ fn fn_unordered_write_read_across_streams_every_config() {
             rt.empty_cache();
             let s = common::filled_on(&rt, w, len, 3);
             let out = Storage::new_on(&rt, r, len).unwrap();
-            let res = rt.driver().copy_device_to_device(
-                r,
-                out.mutable_data_ptr_on(r).unwrap(),
-                s.data_ptr(),
-                len,
-            );
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            let res = unsafe {
+                rt.driver().copy_device_to_device(
+                    r,
+                    out.mutable_data_ptr_on(r).unwrap(),
+                    s.data_ptr(),
+                    len,
+                )
+            };
             if res.is_ok() || take(&rt).is_empty() {
                 missed.push(format!("cfg={cfg:?} len={len}"));
             }
@@ -404,7 +431,8 @@ fn fn_forgotten_record_stream_straddling_empty_cache() {
         common::wait_for(&rt, side, main);
         let old = s.data_ptr();
         rt.driver().kernels().sleep(side, 2_000).unwrap();
-        rt.driver().memset(side, old, 5, 4 * MIB).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().memset(side, old, 5, 4 * MIB) }.unwrap();
         drop(s);
         rt.empty_cache();
         assert_eq!(
@@ -412,9 +440,11 @@ fn fn_forgotten_record_stream_straddling_empty_cache() {
             0
         );
         let n = Storage::new_on(&rt, main, 4 * MIB).unwrap();
-        let _ = rt
-            .driver()
-            .memset(main, n.mutable_data_ptr_on(main).unwrap(), 0, 4 * MIB);
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        let _ = unsafe {
+            rt.driver()
+                .memset(main, n.mutable_data_ptr_on(main).unwrap(), 0, 4 * MIB)
+        };
         let reports = take(&rt);
         outcome.push(format!(
             "cfg={cfg:?} same_ptr={} reports={}",
@@ -438,7 +468,8 @@ fn fn_front_cache_entry_flushed_by_thread_exit_keeps_its_hazard() {
         std::thread::spawn(move || {
             let s = common::filled_on(&rt, main, 4096, 1);
             common::wait_for(&rt, side, main);
-            rt.driver().memset(side, s.data_ptr(), 5, 4096).unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { rt.driver().memset(side, s.data_ptr(), 5, 4096) }.unwrap();
             let p = s.data_ptr();
             drop(s); // into this thread's front cache; thread exits
             p
@@ -447,9 +478,11 @@ fn fn_front_cache_entry_flushed_by_thread_exit_keeps_its_hazard() {
         .unwrap()
     };
     let n = Storage::new_on(&rt, main, 4096).unwrap();
-    let _ = rt
-        .driver()
-        .memset(main, n.mutable_data_ptr_on(main).unwrap(), 0, 4096);
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let _ = unsafe {
+        rt.driver()
+            .memset(main, n.mutable_data_ptr_on(main).unwrap(), 0, 4096)
+    };
     let reports = take(&rt);
     eprintln!("same_ptr={} reports={}", n.data_ptr() == old, reports.len());
     if n.data_ptr() == old {
@@ -469,7 +502,8 @@ fn failed_stream_does_not_break_the_library_or_leak_into_new_streams() {
         let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
         let s = common::filled_on(&rt, a, MIB, 1);
         let c = s.lazy_clone().unwrap();
-        assert!(rt.driver().memset(b, s.data_ptr(), 0, MIB).is_err());
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        assert!(unsafe { rt.driver().memset(b, s.data_ptr(), 0, MIB) }.is_err());
         assert_eq!(take(&rt).len(), 1);
         // b is failed: library operations on it return errors, never panic.
         let _ = c.mutable_data_ptr_on(b);
@@ -491,9 +525,12 @@ fn failed_stream_does_not_break_the_library_or_leak_into_new_streams() {
             let f = rt.create_stream(0).unwrap();
             assert_ne!(f, b);
             let x = Storage::new_on(&rt, f, 4096).unwrap();
-            rt.driver()
-                .memset(f, x.mutable_data_ptr_on(f).unwrap(), 0, 4096)
-                .unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                rt.driver()
+                    .memset(f, x.mutable_data_ptr_on(f).unwrap(), 0, 4096)
+            }
+            .unwrap();
             rt.driver().stream_synchronize(f).unwrap();
         }
         no_report(&rt, cfg);
@@ -516,15 +553,18 @@ fn fn_forgotten_record_stream_lost_when_oom_retry_releases_the_segment() {
         let s = common::filled_on(&rt, main, 40 * MIB, 1);
         let old = s.data_ptr();
         common::wait_for(&rt, side, main);
-        rt.driver().memset(side, old, 5, 40 * MIB).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().memset(side, old, 5, 40 * MIB) }.unwrap();
         drop(s); // record_stream(side) forgotten
                  // Memory pressure on another stream: the OOM retry releases main's cached 40 MiB.
         let big = Storage::new_on(&rt, other, 40 * MIB).unwrap();
         drop(big); // cached on `other`: main's next 40 MiB needs another OOM retry
         let n = Storage::new_on(&rt, main, 40 * MIB).unwrap();
-        let _ = rt
-            .driver()
-            .memset(main, n.mutable_data_ptr_on(main).unwrap(), 0, 40 * MIB);
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        let _ = unsafe {
+            rt.driver()
+                .memset(main, n.mutable_data_ptr_on(main).unwrap(), 0, 40 * MIB)
+        };
         let reports = take(&rt);
         if reports.is_empty() {
             missed.push(format!("cfg={cfg:?} same_ptr={}", n.data_ptr() == old));

@@ -34,15 +34,15 @@ fn memory_outlives_its_allocator_and_goes_back_with_its_last_pointer() {
     let elsewhere = a.allocate_on(other, 4096).unwrap();
     let stream = d.default_stream(0).unwrap();
     let pattern: Vec<u8> = (0..512u32).map(|i| (i * 7 + 3) as u8).collect();
-    d.copy_host_to_device(stream, small.ptr(), &pattern)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_host_to_device(stream, small.ptr(), &pattern) }.unwrap();
     d.stream_synchronize(stream).unwrap();
     drop(a);
 
     // The allocator is gone; its blocks are still valid memory.
     let mut back = vec![0u8; 512];
-    d.copy_device_to_host(stream, &mut back, small.ptr())
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_host(stream, &mut back, small.ptr()) }.unwrap();
     d.stream_synchronize(stream).unwrap();
     assert_eq!(
         back, pattern,

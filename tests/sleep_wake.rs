@@ -279,18 +279,23 @@ fn a_captured_graph_replays_after_wake() {
         let out = Storage::new(&rt, 0, 2 * MIB).unwrap();
         // The graph reads the weights and the scratch (discarded, then zeroed) into `out`.
         let capture = rt.begin_capture(s, None, CaptureMode::Global).unwrap();
-        rt.driver()
-            .copy_device_to_device(
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe {
+            rt.driver().copy_device_to_device(
                 s,
                 out.mutable_data_ptr().unwrap(),
                 weights[0].data_ptr(),
                 MIB,
             )
-            .unwrap();
+        }
+        .unwrap();
         let tail = out.data_ptr().offset(MIB).unwrap();
-        rt.driver()
-            .copy_device_to_device(s, tail, scratch[0].data_ptr(), MIB)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe {
+            rt.driver()
+                .copy_device_to_device(s, tail, scratch[0].data_ptr(), MIB)
+        }
+        .unwrap();
         let graph = capture.end().unwrap();
 
         rt.sleep(&["weights"], &["scratch"]).unwrap();
@@ -443,10 +448,8 @@ fn raw_work_while_asleep(
     let weights = tagged(&rt, "weights", &[MIB], seed).remove(0);
     let stream = rt.current_stream(0).unwrap();
     rt.sleep(&["weights"], &[]).unwrap();
-    let err = rt
-        .driver()
-        .memset(stream, weights.data_ptr(), 0, 64)
-        .unwrap_err();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let err = unsafe { rt.driver().memset(stream, weights.data_ptr(), 0, 64) }.unwrap_err();
     (rt, weights, err)
 }
 
@@ -477,9 +480,8 @@ fn the_sanitizer_reports_work_on_sleeping_memory() {
     assert_eq!(weights.count_pattern_mismatches(80).unwrap(), 0);
     // After the wake the same call is fine.
     let stream = rt.current_stream(0).unwrap();
-    rt.driver()
-        .memset(stream, weights.data_ptr(), 0, 64)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().memset(stream, weights.data_ptr(), 0, 64) }.unwrap();
 }
 
 #[test]
@@ -700,10 +702,16 @@ fn a_graph_captured_into_a_tag_replays_after_wake() {
             // A temporary of the graph, freed inside the capture: its block stays the graph's.
             let tmp = Storage::new(&rt, 0, 4 * MIB).unwrap();
             let d = rt.driver();
-            d.copy_device_to_device(s, tmp.mutable_data_ptr().unwrap(), src.data_ptr(), 2 * MIB)
-                .unwrap();
-            d.copy_device_to_device(s, out.mutable_data_ptr().unwrap(), tmp.data_ptr(), 2 * MIB)
-                .unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                d.copy_device_to_device(s, tmp.mutable_data_ptr().unwrap(), src.data_ptr(), 2 * MIB)
+            }
+            .unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe {
+                d.copy_device_to_device(s, out.mutable_data_ptr().unwrap(), tmp.data_ptr(), 2 * MIB)
+            }
+            .unwrap();
         }
         let graph = capture.end().unwrap();
         rt.sleep(&[], &["graph"]).unwrap();

@@ -54,19 +54,20 @@ fn filled(rt: &Arc<Runtime>, stream: cudalloc::StreamId, seed: u64) -> Storage {
 
 fn fill(rt: &Arc<Runtime>, s: &Storage, stream: cudalloc::StreamId, seed: u64) {
     let p = s.mutable_data_ptr_on(stream).unwrap();
-    rt.driver()
-        .kernels()
-        .fill_pattern(stream, p, LEN, seed)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().kernels().fill_pattern(stream, p, LEN, seed) }.unwrap();
 }
 
 fn mismatches(rt: &Arc<Runtime>, s: &Storage, seed: u64) -> u64 {
     let stream = rt.create_stream(0).unwrap();
     let p = s.data_ptr_on(stream).unwrap();
-    rt.driver()
-        .kernels()
-        .count_pattern_mismatches(stream, p, LEN, seed)
-        .unwrap()
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe {
+        rt.driver()
+            .kernels()
+            .count_pattern_mismatches(stream, p, LEN, seed)
+    }
+    .unwrap()
 }
 
 /// A read on stream `b` of bytes written on `a`, with `a` held: ordered, the copy waits.
@@ -82,7 +83,8 @@ fn read_on_another_stream(conf: &str) -> u64 {
         fill(&rt, &x, a, round);
         let d = y.mutable_data_ptr_on(b).unwrap();
         let src = x.data_ptr_on(b).unwrap();
-        rt.driver().copy_device_to_device(b, d, src, LEN).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().copy_device_to_device(b, d, src, LEN) }.unwrap();
         // Unordered, `b` has copied already (it does not wait for the held `a`): wait for it
         // by the driver, behind the storages' backs.
         if conf.contains("manual") {
@@ -119,7 +121,8 @@ fn free_while_another_stream_reads(conf: &str) -> u64 {
         let gate = host.gate_stream(b).unwrap();
         let d = y.mutable_data_ptr_on(b).unwrap();
         let src = x.data_ptr_on(b).unwrap();
-        rt.driver().copy_device_to_device(b, d, src, LEN).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().copy_device_to_device(b, d, src, LEN) }.unwrap();
         drop(x);
         let next = filled(&rt, a, 1_000 + round);
         rt.driver().stream_synchronize(a).unwrap();
@@ -166,13 +169,12 @@ fn a_write_waits_for_every_earlier_reader() {
         for (y, on) in [(&yb, b), (&yc, c)] {
             let d = y.mutable_data_ptr_on(on).unwrap();
             let src = x.data_ptr_on(on).unwrap();
-            rt.driver().copy_device_to_device(on, d, src, LEN).unwrap();
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { rt.driver().copy_device_to_device(on, d, src, LEN) }.unwrap();
         }
         let p = x.mutable_data_ptr_on(a).unwrap();
-        rt.driver()
-            .kernels()
-            .fill_pattern(a, p, LEN, 5_000 + round)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().kernels().fill_pattern(a, p, LEN, 5_000 + round) }.unwrap();
         drop(gate_b);
         drop(gate_c);
         for s in [a, b, c] {
@@ -204,7 +206,8 @@ fn a_lazy_clone_read_on_another_stream_waits_for_the_sources_write() {
         };
         let d = y.mutable_data_ptr_on(c).unwrap();
         let src = clone.data_ptr_on(c).unwrap();
-        rt.driver().copy_device_to_device(c, d, src, LEN).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { rt.driver().copy_device_to_device(c, d, src, LEN) }.unwrap();
         drop(gate);
         rt.driver().stream_synchronize(c).unwrap();
         assert_eq!(mismatches(&rt, &y, round), 0, "round {round}");
@@ -314,7 +317,8 @@ fn storage_order_child() {
     let y = Storage::new_on(&rt, d, LEN).unwrap();
     let dst = y.mutable_data_ptr_on(d).unwrap();
     let src = s.data_ptr_on(d).unwrap();
-    rt.driver().copy_device_to_device(d, dst, src, LEN).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().copy_device_to_device(d, dst, src, LEN) }.unwrap();
     parent.send("queued");
     assert_eq!(parent.recv(), "released");
     rt.driver().stream_synchronize(d).unwrap();

@@ -59,7 +59,8 @@ fn host(d: &Arc<dyn Driver>) -> &HostDriver {
 
 fn bytes(d: &Arc<dyn Driver>, s: StreamId, at: DeviceAddr, len: usize) -> Vec<u8> {
     let mut out = vec![0u8; len];
-    d.copy_device_to_host(s, &mut out, at).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_host(s, &mut out, at) }.unwrap();
     out
 }
 
@@ -75,8 +76,10 @@ fn captured_work_is_recorded_not_run_and_replays_in_order_every_launch() {
     let (s, other) = (d.stream_create(0).unwrap(), d.stream_create(0).unwrap());
     let a = d.malloc(0, 1 << 16).unwrap();
     let b = d.malloc(0, 1 << 16).unwrap();
-    d.memset(other, a, 0, 1 << 16).unwrap();
-    d.memset(other, b, 0, 1 << 16).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(other, a, 0, 1 << 16) }.unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(other, b, 0, 1 << 16) }.unwrap();
     d.stream_synchronize(other).unwrap();
     assert_eq!(
         d.graphs().stream_capture_status(s).unwrap(),
@@ -87,9 +90,12 @@ fn captured_work_is_recorded_not_run_and_replays_in_order_every_launch() {
         .unwrap();
     let status = d.graphs().stream_capture_status(s).unwrap();
     assert!(matches!(status, CaptureStatus::Active { .. }), "{status:?}");
-    d.kernels().fill_pattern(s, a, 1 << 16, 7).unwrap();
-    d.copy_device_to_device(s, b, a, 1 << 16).unwrap();
-    d.memset(s, a, 0x11, 16).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, a, 1 << 16, 7) }.unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_device(s, b, a, 1 << 16) }.unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, a, 0x11, 16) }.unwrap();
     let graph = d.graphs().stream_end_capture(s).unwrap();
     assert_eq!(
         d.graphs().stream_capture_status(s).unwrap(),
@@ -102,14 +108,15 @@ fn captured_work_is_recorded_not_run_and_replays_in_order_every_launch() {
     let exec = d.graphs().graph_instantiate(graph).unwrap();
     d.graphs().graph_destroy(graph).unwrap();
     for round in 0..3 {
-        d.memset(other, b, 0xff, 1 << 16).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.memset(other, b, 0xff, 1 << 16) }.unwrap();
         d.stream_synchronize(other).unwrap();
-        d.graphs().graph_launch(exec, other).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.graphs().graph_launch(exec, other) }.unwrap();
         // In order: the copy saw the fill, the memset came after the copy.
         assert_eq!(
-            d.kernels()
-                .count_pattern_mismatches(other, b, 1 << 16, 7)
-                .unwrap(),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            unsafe { d.kernels().count_pattern_mismatches(other, b, 1 << 16, 7) }.unwrap(),
             0,
             "round {round}"
         );
@@ -118,7 +125,8 @@ fn captured_work_is_recorded_not_run_and_replays_in_order_every_launch() {
     }
     d.graphs().graph_exec_destroy(exec).unwrap();
     assert!(
-        d.graphs().graph_launch(exec, other).is_err(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.graphs().graph_launch(exec, other) }.is_err(),
         "a destroyed exec"
     );
     d.free(a).unwrap();
@@ -134,7 +142,8 @@ fn host_kernels_and_sleeps_are_captured_and_rerun() {
     let d = driver();
     let s = d.stream_create(0).unwrap();
     let a = d.malloc(0, 4096).unwrap();
-    d.memset(s, a, 0, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, a, 0, 4096) }.unwrap();
     d.stream_synchronize(s).unwrap();
     d.graphs()
         .stream_begin_capture(s, CaptureMode::ThreadLocal)
@@ -155,7 +164,8 @@ fn host_kernels_and_sleeps_are_captured_and_rerun() {
     assert!(bytes(&d, s, a, 4096).iter().all(|&x| x == 0));
     let exec = d.graphs().graph_instantiate(graph).unwrap();
     for _ in 0..5 {
-        d.graphs().graph_launch(exec, s).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.graphs().graph_launch(exec, s) }.unwrap();
     }
     assert!(bytes(&d, s, a, 4096).iter().all(|&x| x == 5));
     d.free(a).unwrap();
@@ -169,7 +179,8 @@ fn global_mode_prohibits_unsafe_calls_on_every_thread_and_invalidates_the_captur
     d.graphs()
         .stream_begin_capture(s, CaptureMode::Global)
         .unwrap();
-    d.memset(s, a, 1, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, a, 1, 4096) }.unwrap();
     // Another thread (mode Global by default) may not malloc either.
     let d2 = Arc::clone(&d);
     let text = std::thread::spawn(move || prohibited(1, || d2.malloc(0, 4096)))
@@ -180,7 +191,11 @@ fn global_mode_prohibits_unsafe_calls_on_every_thread_and_invalidates_the_captur
         d.graphs().stream_capture_status(s).unwrap(),
         CaptureStatus::Invalidated { .. }
     ));
-    says(&is_capture_error(d.memset(s, a, 2, 16)), &["invalidated"]);
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    says(
+        &is_capture_error(unsafe { d.memset(s, a, 2, 16) }),
+        &["invalidated"],
+    );
     let text = is_capture_error(d.graphs().stream_end_capture(s));
     says(&text, &["invalidated", "malloc"]);
     // The capture ended: the stream runs work again, and malloc works.
@@ -189,7 +204,8 @@ fn global_mode_prohibits_unsafe_calls_on_every_thread_and_invalidates_the_captur
         CaptureStatus::None
     );
     let b = d.malloc(0, 4096).unwrap();
-    d.memset(s, a, 3, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, a, 3, 4096) }.unwrap();
     assert!(bytes(&d, s, a, 4096).iter().all(|&x| x == 3));
     d.free(a).unwrap();
     d.free(b).unwrap();
@@ -217,7 +233,8 @@ fn thread_local_and_relaxed_modes_prohibit_less() {
         .stream_begin_capture(s, CaptureMode::Relaxed)
         .unwrap();
     let q = d.malloc(0, 4096).unwrap();
-    d.memset(s, q, 9, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, q, 9, 4096) }.unwrap();
     d.graphs().stream_end_capture(s).unwrap();
     // A Global capture, and the capturing thread relaxing its own mode around a malloc — what a
     // caching allocator does for a graph's pool.
@@ -231,7 +248,8 @@ fn thread_local_and_relaxed_modes_prohibit_less() {
         d.graphs().exchange_capture_mode(before),
         CaptureMode::Relaxed
     );
-    d.memset(s, r, 1, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, r, 1, 4096) }.unwrap();
     let graph = d.graphs().stream_end_capture(s).unwrap();
     assert_eq!(d.graphs().graph_node_count(graph).unwrap(), 1);
     for p in [p, q, r] {
@@ -254,9 +272,13 @@ fn blocking_on_a_capturing_stream_or_its_events_is_an_error_in_any_mode() {
             0 => prohibited(1, || d.stream_synchronize(s)),
             1 => prohibited(1, || d.stream_query(s)),
             2 => prohibited(1, || d.event_query(e)),
-            3 => prohibited(1, || d.copy_host_to_device(s, a, &[1, 2, 3])),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            3 => prohibited(1, || unsafe { d.copy_host_to_device(s, a, &[1, 2, 3]) }),
             // The CUDA backend refuses it before any CUDA call (nothing to invalidate).
-            _ => prohibited(0, || d.kernels().count_pattern_mismatches(s, a, 16, 1)),
+            // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+            _ => prohibited(0, || unsafe {
+                d.kernels().count_pattern_mismatches(s, a, 16, 1)
+            }),
         };
         says(&text, &["capture"]);
         let end = d.graphs().stream_end_capture(s);
@@ -285,7 +307,8 @@ fn a_forked_stream_joins_the_capture_and_must_be_joined_back() {
     d.graphs()
         .stream_begin_capture(origin, CaptureMode::Global)
         .unwrap();
-    d.kernels().fill_pattern(origin, a, 4096, 1).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(origin, a, 4096, 1) }.unwrap();
     d.event_record(fork, origin).unwrap();
     d.stream_wait_event(side, fork).unwrap();
     assert!(
@@ -295,10 +318,12 @@ fn a_forked_stream_joins_the_capture_and_must_be_joined_back() {
             .is_capturing(),
         "joined"
     );
-    d.copy_device_to_device(side, half, a, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.copy_device_to_device(side, half, a, 4096) }.unwrap();
     d.event_record(join, side).unwrap();
     d.stream_wait_event(origin, join).unwrap();
-    d.memset(origin, a, 0, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(origin, a, 0, 4096) }.unwrap();
     let graph = d.graphs().stream_end_capture(origin).unwrap();
     assert_eq!(
         d.graphs().stream_capture_status(side).unwrap(),
@@ -306,11 +331,11 @@ fn a_forked_stream_joins_the_capture_and_must_be_joined_back() {
     );
     assert_eq!(d.graphs().graph_node_count(graph).unwrap(), 3);
     let exec = d.graphs().graph_instantiate(graph).unwrap();
-    d.graphs().graph_launch(exec, run).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.graphs().graph_launch(exec, run) }.unwrap();
     assert_eq!(
-        d.kernels()
-            .count_pattern_mismatches(run, half, 4096, 1)
-            .unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().count_pattern_mismatches(run, half, 4096, 1) }.unwrap(),
         0
     );
     assert!(bytes(&d, run, a, 4096).iter().all(|&x| x == 0));
@@ -321,7 +346,8 @@ fn a_forked_stream_joins_the_capture_and_must_be_joined_back() {
         .unwrap();
     d.event_record(fork, origin).unwrap();
     d.stream_wait_event(side, fork).unwrap();
-    d.memset(side, a, 1, 16).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(side, a, 1, 16) }.unwrap();
     let text = prohibited(1, || d.graphs().stream_end_capture(origin));
     says(&text, &["never waited"]);
     assert_eq!(
@@ -416,19 +442,23 @@ fn a_launch_whose_memory_is_gone_is_an_error_and_runs_nothing() {
     let s = d.stream_create(0).unwrap();
     let kept = d.malloc(0, 4096).unwrap();
     let freed = d.malloc(0, 4096).unwrap();
-    d.memset(s, kept, 0, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, kept, 0, 4096) }.unwrap();
     d.stream_synchronize(s).unwrap();
     d.graphs()
         .stream_begin_capture(s, CaptureMode::Global)
         .unwrap();
-    d.memset(s, kept, 5, 4096).unwrap();
-    d.memset(s, freed, 5, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, kept, 5, 4096) }.unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, freed, 5, 4096) }.unwrap();
     let exec = d
         .graphs()
         .graph_instantiate(d.graphs().stream_end_capture(s).unwrap())
         .unwrap();
     d.free(freed).unwrap();
-    let err = d.graphs().graph_launch(exec, s).unwrap_err();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let err = unsafe { d.graphs().graph_launch(exec, s) }.unwrap_err();
     assert!(err.to_string().contains("node 1"), "{err}");
     assert!(
         bytes(&d, s, kept, 4096).iter().all(|&x| x == 0),
@@ -450,7 +480,8 @@ fn a_graph_launch_inside_a_capture_is_refused_and_the_capture_goes_on() {
     d.graphs()
         .stream_begin_capture(s, CaptureMode::Global)
         .unwrap();
-    d.kernels().fill_pattern(s, a, 4096, 3).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.kernels().fill_pattern(s, a, 4096, 3) }.unwrap();
     let inner_graph = d.graphs().stream_end_capture(s).unwrap();
     d.graphs()
         .stream_begin_capture(t, CaptureMode::Global)
@@ -466,20 +497,26 @@ fn a_graph_launch_inside_a_capture_is_refused_and_the_capture_goes_on() {
     let before = d.graphs().exchange_capture_mode(CaptureMode::Relaxed);
     let inner = d.graphs().graph_instantiate(inner_graph).unwrap();
     d.graphs().exchange_capture_mode(before);
-    d.memset(t, a, 0, 4096).unwrap();
-    let text = is_capture_error(d.graphs().graph_launch(inner, t));
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(t, a, 0, 4096) }.unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let text = is_capture_error(unsafe { d.graphs().graph_launch(inner, t) });
     assert!(text.contains("cannot be launched"), "{text}");
-    d.memset(t, a, 0, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(t, a, 0, 4096) }.unwrap();
     let outer = d.graphs().stream_end_capture(t).unwrap();
     assert_eq!(d.graphs().graph_node_count(outer).unwrap(), 2);
     // Outside any capture both run.
     let exec = d.graphs().graph_instantiate(outer).unwrap();
-    d.graphs().graph_launch(inner, s).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.graphs().graph_launch(inner, s) }.unwrap();
     assert_eq!(
-        d.kernels().count_pattern_mismatches(s, a, 4096, 3).unwrap(),
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.kernels().count_pattern_mismatches(s, a, 4096, 3) }.unwrap(),
         0
     );
-    d.graphs().graph_launch(exec, s).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.graphs().graph_launch(exec, s) }.unwrap();
     assert!(bytes(&d, s, a, 4096).iter().all(|&x| x == 0));
     for e in [inner, exec] {
         d.graphs().graph_exec_destroy(e).unwrap();
@@ -512,10 +549,12 @@ fn a_failed_captured_call_invalidates_the_capture() {
     d.graphs()
         .stream_begin_capture(s, CaptureMode::Global)
         .unwrap();
-    d.memset(s, a, 1, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, a, 1, 4096) }.unwrap();
     // The CUDA backend refuses the range itself: CUDA never sees the call; the host backend's
     // refusal invalidates the capture, as CUDA does for a captured call that fails.
-    let refused = d.memset(s, DeviceAddr(a.0 + 4096), 2, 4096);
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let refused = unsafe { d.memset(s, DeviceAddr(a.0 + 4096), 2, 4096) };
     assert!(refused.is_err());
     if !on_host() {
         drop(d.graphs().stream_end_capture(s));
@@ -549,7 +588,8 @@ fn a_fork_on_a_point_gives_the_sanitizer_no_false_ordering() {
         d.event_create(0, EventFlags::default()).unwrap(),
     );
     // t writes x and records e for real.
-    d.memset(t, x, 1, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(t, x, 1, 4096) }.unwrap();
     d.event_record(e, t).unwrap();
     // e becomes a point of a capture on `origin`; `u` forks on it and is joined back.
     d.graphs()
@@ -562,7 +602,8 @@ fn a_fork_on_a_point_gives_the_sanitizer_no_false_ordering() {
     d.graphs().stream_end_capture(origin).unwrap();
     san.take_reports();
     // u never really waited for t: reading x there races with t's write.
-    let _ = d.copy_device_to_device(u, y, x, 4096);
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let _ = unsafe { d.copy_device_to_device(u, y, x, 4096) };
     let reports = san.take_reports();
     assert!(
         !reports.is_empty(),
@@ -577,9 +618,11 @@ fn control_the_same_race_without_a_capture_is_reported() {
     let san = d.sanitizer().unwrap();
     let (t, u) = (d.stream_create(0).unwrap(), d.stream_create(0).unwrap());
     let (x, y) = (d.malloc(0, 4096).unwrap(), d.malloc(0, 4096).unwrap());
-    d.memset(t, x, 1, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(t, x, 1, 4096) }.unwrap();
     san.take_reports();
-    let _ = d.copy_device_to_device(u, y, x, 4096);
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    let _ = unsafe { d.copy_device_to_device(u, y, x, 4096) };
     assert!(!san.take_reports().is_empty());
 }
 
@@ -593,7 +636,8 @@ fn a_free_during_a_stream_destroy_waits_for_that_stream() {
     let x = d.stream_create(0).unwrap();
     let a = d.malloc(0, 1 << 20).unwrap();
     d.kernels().sleep(x, 400_000).unwrap();
-    d.memset(x, a, 7, 1 << 20).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(x, a, 7, 1 << 20) }.unwrap();
     let d2 = Arc::clone(&d);
     let destroyer = std::thread::spawn(move || d2.stream_destroy(x).unwrap());
     std::thread::sleep(Duration::from_millis(100));
@@ -625,20 +669,25 @@ fn concurrent_thread_local_captures_with_forks_and_a_malloc_thread() {
                 d.graphs()
                     .stream_begin_capture(o, CaptureMode::ThreadLocal)
                     .unwrap();
-                d.kernels().fill_pattern(o, a, 4096, i).unwrap();
+                // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                unsafe { d.kernels().fill_pattern(o, a, 4096, i) }.unwrap();
                 d.event_record(f, o).unwrap();
                 d.stream_wait_event(side, f).unwrap();
-                d.copy_device_to_device(side, DeviceAddr(a.0 + 4096), a, 4096)
-                    .unwrap();
+                // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                unsafe { d.copy_device_to_device(side, DeviceAddr(a.0 + 4096), a, 4096) }.unwrap();
                 d.event_record(j, side).unwrap();
                 d.stream_wait_event(o, j).unwrap();
                 let g = d.graphs().stream_end_capture(o).unwrap();
                 let x = d.graphs().graph_instantiate(g).unwrap();
-                d.graphs().graph_launch(x, run).unwrap();
+                // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                unsafe { d.graphs().graph_launch(x, run) }.unwrap();
                 assert_eq!(
-                    d.kernels()
-                        .count_pattern_mismatches(run, DeviceAddr(a.0 + 4096), 4096, i)
-                        .unwrap(),
+                    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                    unsafe {
+                        d.kernels()
+                            .count_pattern_mismatches(run, DeviceAddr(a.0 + 4096), 4096, i)
+                    }
+                    .unwrap(),
                     0
                 );
                 d.graphs().graph_exec_destroy(x).unwrap();
@@ -678,19 +727,22 @@ fn the_sanitizer_checks_a_replay_like_eager_work() {
         d.graphs()
             .stream_begin_capture(s, CaptureMode::Global)
             .unwrap();
-        d.memset(s, x, 1, 4096).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.memset(s, x, 1, 4096) }.unwrap();
         let exec = d
             .graphs()
             .graph_instantiate(d.graphs().stream_end_capture(s).unwrap())
             .unwrap();
-        d.memset(t, x, 2, 4096).unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { d.memset(t, x, 2, 4096) }.unwrap();
         if ordered {
             let e = d.event_create(0, EventFlags::default()).unwrap();
             d.event_record(e, t).unwrap();
             d.stream_wait_event(s, e).unwrap();
         }
         san.take_reports();
-        let _ = d.graphs().graph_launch(exec, s);
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        let _ = unsafe { d.graphs().graph_launch(exec, s) };
         let reports = san.take_reports();
         assert_eq!(
             reports.is_empty(),
@@ -714,7 +766,8 @@ fn a_free_during_a_capture_is_refused_alike_and_leaves_the_capture_intact() {
     d.graphs()
         .stream_begin_capture(s, CaptureMode::Relaxed)
         .unwrap();
-    d.memset(s, p, 3, 1 << 20).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.memset(s, p, 3, 1 << 20) }.unwrap();
     let text = is_capture_error(d.free(p));
     says(&text, &["free", "under way"]);
     assert!(matches!(
@@ -723,7 +776,8 @@ fn a_free_during_a_capture_is_refused_alike_and_leaves_the_capture_intact() {
     ));
     let graph = d.graphs().stream_end_capture(s).unwrap();
     let exec = d.graphs().graph_instantiate(graph).unwrap();
-    d.graphs().graph_launch(exec, s).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { d.graphs().graph_launch(exec, s) }.unwrap();
     assert!(bytes(&d, s, p, 16).iter().all(|&x| x == 3));
     d.graphs().graph_exec_destroy(exec).unwrap();
     d.graphs().graph_destroy(graph).unwrap();

@@ -385,7 +385,8 @@ impl Graph {
     /// Replays the captured work on `stream` (PyTorch's `graph.replay()`), stream-ordered.
     pub fn replay(&self, stream: StreamId) -> Result<()> {
         self.birth.check("this graph")?;
-        self.driver.graphs().graph_launch(self.exec, stream)
+        // SAFETY: the replay writes what its capture wrote, in the graph's pool; while a graph lives typed host kernels see private copies (storage/host_kernel.rs), so no slice races the replay.
+        unsafe { self.driver.graphs().graph_launch(self.exec, stream) }
     }
 
     /// The memory pool the graph's allocations came from (PyTorch's `graph.pool()`): pass it to

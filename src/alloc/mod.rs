@@ -584,8 +584,11 @@ impl CachingAllocator {
         }
         let out = self.allocate_on(stream, nbytes)?;
         if nbytes > 0 {
-            self.driver
-                .copy_device_to_device(stream, out.ptr(), src.ptr(), nbytes)?;
+            // SAFETY: the allocator's own copy into `out`, a block no one else holds yet, from `src`, read only.
+            unsafe {
+                self.driver
+                    .copy_device_to_device(stream, out.ptr(), src.ptr(), nbytes)
+            }?;
             self.record_stream(src, stream)?;
         }
         Ok(out)

@@ -272,7 +272,8 @@ fn copy_step(
     let copy = alloc.allocate_on(stream, nbytes)?;
     crate::driver::sanitizer::labelled(
         "the copy-on-write copy of a lazy clone's first write",
-        || driver.copy_device_to_device(stream, copy.ptr(), original.ptr(), nbytes),
+        // SAFETY: the copy-on-write copy: `copy` is a fresh block no one else holds, `original` is read only (memory lazy clones share is never written: writes materialize first).
+        || unsafe { driver.copy_device_to_device(stream, copy.ptr(), original.ptr(), nbytes) },
     )?;
     if let Err(err) = alloc.record_stream(original, stream) {
         if !capturing {

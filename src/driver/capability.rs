@@ -87,9 +87,23 @@ impl dyn Driver {
 /// The small kernels of `kernels/`: a fill and a verify of byte patterns, poison, a sleep.
 pub trait Kernels {
     /// Enqueues the fill kernel: byte `i` of the range becomes [`pattern::byte`](super::pattern::byte)`(seed, i)`.
-    fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()>;
+    ///
+    /// # Safety
+    /// As the raw memory operations of [`Driver`](super::Driver) (`copy_device_to_device`): not
+    /// at the same time as a typed host kernel that sees the same bytes.
+    unsafe fn fill_pattern(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        len: u64,
+        seed: u64,
+    ) -> Result<()>;
     /// Runs the verify kernel on `stream` and returns how many bytes differ from the pattern.
-    fn count_pattern_mismatches(
+    ///
+    /// # Safety
+    /// As the raw memory operations of [`Driver`](super::Driver) (`copy_device_to_device`): not
+    /// at the same time as a typed host kernel that sees the same bytes.
+    unsafe fn count_pattern_mismatches(
         &self,
         stream: StreamId,
         src: DeviceAddr,
@@ -97,7 +111,11 @@ pub trait Kernels {
         seed: u64,
     ) -> Result<u64>;
     /// Enqueues the poison kernel: byte `i` of the range becomes [`pattern::poison_byte`](super::pattern::poison_byte)`(i)`.
-    fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()>;
+    ///
+    /// # Safety
+    /// As the raw memory operations of [`Driver`](super::Driver) (`copy_device_to_device`): not
+    /// at the same time as a typed host kernel that sees the same bytes.
+    unsafe fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()>;
     /// Enqueues a kernel that keeps `stream` busy for `micros` microseconds (`torch.cuda._sleep`).
     fn sleep(&self, stream: StreamId, micros: u64) -> Result<()>;
 }
@@ -221,7 +239,13 @@ pub trait Graphs {
     /// Instantiates `graph` for launching.
     fn graph_instantiate(&self, graph: GraphId) -> Result<GraphExecId>;
     /// Enqueues a replay of `exec` on `stream`.
-    fn graph_launch(&self, exec: GraphExecId, stream: StreamId) -> Result<()>;
+    ///
+    /// # Safety
+    /// The replay writes what its capture wrote, outside the storages' order: as the raw memory
+    /// operations of [`Driver`](super::Driver), not at the same time as a typed host kernel
+    /// that sees the same bytes. (The allocator's [`Graph::replay`](crate::Graph::replay) is
+    /// safe: while its graphs live, typed kernels see private copies.)
+    unsafe fn graph_launch(&self, exec: GraphExecId, stream: StreamId) -> Result<()>;
     /// Destroys `graph` (its instantiations stay usable).
     fn graph_destroy(&self, graph: GraphId) -> Result<()>;
     /// Destroys an instantiated graph (replays already enqueued still run).
@@ -265,13 +289,19 @@ impl Absent {
 }
 
 impl Kernels for Absent {
-    fn fill_pattern(&self, _: StreamId, _: DeviceAddr, _: u64, _: u64) -> Result<()> {
+    unsafe fn fill_pattern(&self, _: StreamId, _: DeviceAddr, _: u64, _: u64) -> Result<()> {
         Err(self.lacks("kernels"))
     }
-    fn count_pattern_mismatches(&self, _: StreamId, _: DeviceAddr, _: u64, _: u64) -> Result<u64> {
+    unsafe fn count_pattern_mismatches(
+        &self,
+        _: StreamId,
+        _: DeviceAddr,
+        _: u64,
+        _: u64,
+    ) -> Result<u64> {
         Err(self.lacks("kernels"))
     }
-    fn poison(&self, _: StreamId, _: DeviceAddr, _: u64) -> Result<()> {
+    unsafe fn poison(&self, _: StreamId, _: DeviceAddr, _: u64) -> Result<()> {
         Err(self.lacks("kernels"))
     }
     fn sleep(&self, _: StreamId, _: u64) -> Result<()> {
@@ -385,7 +415,7 @@ impl Graphs for Absent {
     fn graph_instantiate(&self, _: GraphId) -> Result<GraphExecId> {
         Err(capture::unsupported(self.backend))
     }
-    fn graph_launch(&self, _: GraphExecId, _: StreamId) -> Result<()> {
+    unsafe fn graph_launch(&self, _: GraphExecId, _: StreamId) -> Result<()> {
         Err(capture::unsupported(self.backend))
     }
     fn graph_destroy(&self, _: GraphId) -> Result<()> {

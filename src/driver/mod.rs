@@ -307,12 +307,42 @@ pub trait Driver: Send + Sync + fmt::Debug {
         ordered.and(destroyed)
     }
 
+    // The raw memory operations below are `unsafe`: storages see memory as Rust slices in typed
+    // host kernels (`storage/host_kernel.rs`) and order every access they know of; an address
+    // reaches memory behind their backs. Each has one contract:
+    //
+    // # Safety (every raw memory operation)
+    // The bytes the operation reads are not written, and the bytes it writes are not seen, by a
+    // typed host kernel at the same time: the caller orders it with every such kernel on the same
+    // bytes (a storage's own door — `data_ptr_on`, `mutable_data_ptr_on` — taken for the stream
+    // right before does, under `stream_order:auto`). Out-of-range or freed addresses are errors,
+    // never undefined behaviour: the contract is about ordering only.
+
     /// Copies `src` into device memory at `dst`, in `stream` order; returns when done.
-    fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()>;
+    ///
+    /// # Safety
+    /// See the raw memory operations above.
+    unsafe fn copy_host_to_device(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        src: &[u8],
+    ) -> Result<()>;
     /// Copies device memory at `src` into `dst`, in `stream` order; returns when done.
-    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()>;
+    ///
+    /// # Safety
+    /// See the raw memory operations above.
+    unsafe fn copy_device_to_host(
+        &self,
+        stream: StreamId,
+        dst: &mut [u8],
+        src: DeviceAddr,
+    ) -> Result<()>;
     /// Enqueues a copy of `len` bytes from `src` to `dst` on `stream`.
-    fn copy_device_to_device(
+    ///
+    /// # Safety
+    /// See the raw memory operations above.
+    unsafe fn copy_device_to_device(
         &self,
         stream: StreamId,
         dst: DeviceAddr,
@@ -320,7 +350,10 @@ pub trait Driver: Send + Sync + fmt::Debug {
         len: u64,
     ) -> Result<()>;
     /// Enqueues setting `len` bytes at `dst` to `value` on `stream`.
-    fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()>;
+    ///
+    /// # Safety
+    /// See the raw memory operations above.
+    unsafe fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()>;
 
     // The capabilities beyond the core (`capability.rs`): a backend implements the traits it has
     // and returns itself here; a wrapper forwards a capability it does not check with one line.
@@ -476,7 +509,7 @@ macro_rules! forward_capture_methods {
             $( self.$door()?; )?
             self.instantiate_graph(graph)
         }
-        fn graph_launch(
+        unsafe fn graph_launch(
             &self,
             exec: $crate::driver::GraphExecId,
             stream: $crate::driver::StreamId,

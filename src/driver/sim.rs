@@ -404,16 +404,26 @@ impl Driver for SimDriver {
         Self::stream_of(&st, stream).map(|_| ())
     }
 
-    fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
+    unsafe fn copy_host_to_device(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        src: &[u8],
+    ) -> Result<()> {
         self.check_range(stream, dst, src.len() as u64)
     }
 
-    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
+    unsafe fn copy_device_to_host(
+        &self,
+        stream: StreamId,
+        dst: &mut [u8],
+        src: DeviceAddr,
+    ) -> Result<()> {
         self.check_range(stream, src, dst.len() as u64)?;
         Err(nothing_stored("copy_device_to_host"))
     }
 
-    fn copy_device_to_device(
+    unsafe fn copy_device_to_device(
         &self,
         stream: StreamId,
         dst: DeviceAddr,
@@ -424,17 +434,23 @@ impl Driver for SimDriver {
         self.check_range(stream, dst, len)
     }
 
-    fn memset(&self, stream: StreamId, dst: DeviceAddr, _value: u8, len: u64) -> Result<()> {
+    unsafe fn memset(&self, stream: StreamId, dst: DeviceAddr, _value: u8, len: u64) -> Result<()> {
         self.check_range(stream, dst, len)
     }
 }
 
 impl Kernels for SimDriver {
-    fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, _seed: u64) -> Result<()> {
+    unsafe fn fill_pattern(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        len: u64,
+        _seed: u64,
+    ) -> Result<()> {
         self.check_range(stream, dst, len)
     }
 
-    fn count_pattern_mismatches(
+    unsafe fn count_pattern_mismatches(
         &self,
         stream: StreamId,
         src: DeviceAddr,
@@ -445,7 +461,7 @@ impl Kernels for SimDriver {
         Err(nothing_stored("count_pattern_mismatches"))
     }
 
-    fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
+    unsafe fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
         self.check_range(stream, dst, len)
     }
 

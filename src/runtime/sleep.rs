@@ -274,7 +274,8 @@ impl Runtime {
             }
             if !kept.offloaded && options.zero_discarded {
                 for range in &start.ranges {
-                    driver.memset(range.stream, DeviceAddr(range.addr), 0, range.len)?;
+                    // SAFETY: the wake's own zeroing of discarded memory, ordered on the stream of each range as its restore is; nothing uses the tag's memory until the wake returns.
+                    unsafe { driver.memset(range.stream, DeviceAddr(range.addr), 0, range.len) }?;
                     streams.push(range.stream);
                     report.zeroed_bytes += range.len;
                 }

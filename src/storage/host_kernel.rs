@@ -310,7 +310,14 @@ fn place<const N: usize>(
         range: HostRange::read(crate::driver::DeviceAddr(0), 0),
         count: 0,
     }; N];
-    let mut zero_copy = !runtime.allocator().graphs_or_captures();
+    // A capture records the kernel for replays outside the storages' order (the allocator's
+    // captures and graphs, and a library's own capture of the stream).
+    let mut zero_copy = !runtime.allocator().graphs_or_captures()
+        && !runtime
+            .driver()
+            .graphs()
+            .stream_capture_status(stream)?
+            .is_capturing();
     for (i, ((op, &(start, end, count)), out)) in
         operands.iter().zip(&spans).zip(&mut placed).enumerate()
     {

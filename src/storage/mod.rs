@@ -373,10 +373,15 @@ impl Storage {
         self.check_awake("a copy from the host")?;
         let stream = self.stream()?;
         let dst = self.mutable_data_ptr_on(stream)?;
-        self.inner
-            .runtime
-            .driver()
-            .copy_host_to_device(stream, dst, src)
+        // SAFETY: the storage's own bytes, taken through its door for this stream just above:
+        // ordered by the storage as a typed kernel's under `auto`; under `manual` typed kernels
+        // see private copies, so a missing wait gives wrong bytes, never a racing reference.
+        unsafe {
+            self.inner
+                .runtime
+                .driver()
+                .copy_host_to_device(stream, dst, src)
+        }
     }
 
     /// Copies the start of the storage into `dst` on the current stream (returns when done).
@@ -388,10 +393,15 @@ impl Storage {
         self.check_awake("a copy to the host")?;
         let stream = self.stream()?;
         let src = self.data_ptr_on(stream)?;
-        self.inner
-            .runtime
-            .driver()
-            .copy_device_to_host(stream, dst, src)
+        // SAFETY: the storage's own bytes, taken through its door for this stream just above:
+        // ordered by the storage as a typed kernel's under `auto`; under `manual` typed kernels
+        // see private copies, so a missing wait gives wrong bytes, never a racing reference.
+        unsafe {
+            self.inner
+                .runtime
+                .driver()
+                .copy_device_to_host(stream, dst, src)
+        }
     }
 
     /// Enqueues the fill kernel over the whole storage on the current stream.
@@ -402,11 +412,16 @@ impl Storage {
         self.check_awake("the fill kernel")?;
         let stream = self.stream()?;
         let dst = self.mutable_data_ptr_on(stream)?;
-        self.inner
-            .runtime
-            .driver()
-            .kernels()
-            .fill_pattern(stream, dst, self.inner.nbytes, seed)
+        // SAFETY: the storage's own bytes, taken through its door for this stream just above:
+        // ordered by the storage as a typed kernel's under `auto`; under `manual` typed kernels
+        // see private copies, so a missing wait gives wrong bytes, never a racing reference.
+        unsafe {
+            self.inner
+                .runtime
+                .driver()
+                .kernels()
+                .fill_pattern(stream, dst, self.inner.nbytes, seed)
+        }
     }
 
     /// Runs the verify kernel over the whole storage on the current stream.
@@ -417,10 +432,15 @@ impl Storage {
         self.check_awake("the verify kernel")?;
         let stream = self.stream()?;
         let src = self.data_ptr_on(stream)?;
-        self.inner
-            .runtime
-            .driver()
-            .kernels()
-            .count_pattern_mismatches(stream, src, self.inner.nbytes, seed)
+        // SAFETY: the storage's own bytes, taken through its door for this stream just above:
+        // ordered by the storage as a typed kernel's under `auto`; under `manual` typed kernels
+        // see private copies, so a missing wait gives wrong bytes, never a racing reference.
+        unsafe {
+            self.inner
+                .runtime
+                .driver()
+                .kernels()
+                .count_pattern_mismatches(stream, src, self.inner.nbytes, seed)
+        }
     }
 }

@@ -168,13 +168,25 @@ impl Driver for FaultyDriver {
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
         self.inner.stream_wait_event(stream, event)
     }
-    fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
-        self.inner.copy_host_to_device(stream, dst, src)
+    unsafe fn copy_host_to_device(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        src: &[u8],
+    ) -> Result<()> {
+        // SAFETY: the caller's contract is the trait's, forwarded unchanged.
+        unsafe { self.inner.copy_host_to_device(stream, dst, src) }
     }
-    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
-        self.inner.copy_device_to_host(stream, dst, src)
+    unsafe fn copy_device_to_host(
+        &self,
+        stream: StreamId,
+        dst: &mut [u8],
+        src: DeviceAddr,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract is the trait's, forwarded unchanged.
+        unsafe { self.inner.copy_device_to_host(stream, dst, src) }
     }
-    fn copy_device_to_device(
+    unsafe fn copy_device_to_device(
         &self,
         stream: StreamId,
         dst: DeviceAddr,
@@ -182,10 +194,12 @@ impl Driver for FaultyDriver {
         len: u64,
     ) -> Result<()> {
         check(&self.faults.device_copies, "copy_device_to_device")?;
-        self.inner.copy_device_to_device(stream, dst, src, len)
+        // SAFETY: the caller's contract is the trait's, forwarded unchanged.
+        unsafe { self.inner.copy_device_to_device(stream, dst, src, len) }
     }
-    fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
-        self.inner.memset(stream, dst, value, len)
+    unsafe fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
+        // SAFETY: the caller's contract is the trait's, forwarded unchanged.
+        unsafe { self.inner.memset(stream, dst, value, len) }
     }
 }
 

@@ -185,22 +185,25 @@ pub fn free_baseline(driver: &Arc<dyn Driver>) -> u64 {
     }
     let stream = driver.stream_create(0).unwrap();
     let ptr = driver.malloc(0, 1 << 21).unwrap();
-    driver
-        .kernels()
-        .fill_pattern(stream, ptr, 1 << 21, 1)
-        .unwrap();
-    driver
-        .kernels()
-        .count_pattern_mismatches(stream, ptr, 1 << 21, 1)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { driver.kernels().fill_pattern(stream, ptr, 1 << 21, 1) }.unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe {
+        driver
+            .kernels()
+            .count_pattern_mismatches(stream, ptr, 1 << 21, 1)
+    }
+    .unwrap();
     let graphs = driver.graphs();
     graphs
         .stream_begin_capture(stream, cudalloc::CaptureMode::ThreadLocal)
         .unwrap();
-    driver.memset(stream, ptr, 0, 4096).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { driver.memset(stream, ptr, 0, 4096) }.unwrap();
     let graph = graphs.stream_end_capture(stream).unwrap();
     let exec = graphs.graph_instantiate(graph).unwrap();
-    graphs.graph_launch(exec, stream).unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { graphs.graph_launch(exec, stream) }.unwrap();
     driver.stream_synchronize(stream).unwrap();
     graphs.graph_exec_destroy(exec).unwrap();
     graphs.graph_destroy(graph).unwrap();
@@ -586,10 +589,8 @@ pub fn filled_on(
 ) -> cudalloc::Storage {
     let s = cudalloc::Storage::new_on(rt, stream, len).unwrap();
     let ptr = s.mutable_data_ptr_on(stream).unwrap();
-    rt.driver()
-        .kernels()
-        .fill_pattern(stream, ptr, len, seed)
-        .unwrap();
+    // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+    unsafe { rt.driver().kernels().fill_pattern(stream, ptr, len, seed) }.unwrap();
     s
 }
 

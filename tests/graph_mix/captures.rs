@@ -171,9 +171,8 @@ impl World<'_> {
                 .collect();
             if !sources.is_empty() {
                 let t = &self.open[c].temps[sources[self.rng.index(sources.len())]];
-                self.d
-                    .copy_device_to_device(on, dst.ptr(), t.ptr.ptr(), n)
-                    .unwrap();
+                // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                unsafe { self.d.copy_device_to_device(on, dst.ptr(), t.ptr.ptr(), n) }.unwrap();
                 if on != t.home {
                     self.a.record_stream(&t.ptr, on).unwrap();
                 }
@@ -183,17 +182,14 @@ impl World<'_> {
         if roll == 1 {
             if let Some(k) = self.open[c].input.filter(|k| self.eager[k].len >= n) {
                 let e = &self.eager[&k];
-                self.d
-                    .copy_device_to_device(on, dst.ptr(), e.ptr.ptr(), n)
-                    .unwrap();
+                // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+                unsafe { self.d.copy_device_to_device(on, dst.ptr(), e.ptr.ptr(), n) }.unwrap();
                 return Content::Input;
             }
         }
         let seed = self.seed();
-        self.d
-            .kernels()
-            .fill_pattern(on, dst.ptr(), n, seed)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { self.d.kernels().fill_pattern(on, dst.ptr(), n, seed) }.unwrap();
         Content::Seed(seed)
     }
 

@@ -24,10 +24,8 @@ impl World<'_> {
             Err(err) => panic!("eager allocation of {n} bytes: {err}"),
         };
         let seed = self.seed();
-        self.d
-            .kernels()
-            .fill_pattern(h, ptr.ptr(), n, seed)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { self.d.kernels().fill_pattern(h, ptr.ptr(), n, seed) }.unwrap();
         self.adopt_eager(ptr, n, seed, h, format!("{n} bytes, seed {seed}"));
     }
 
@@ -92,10 +90,8 @@ impl World<'_> {
         let seed = self.seed();
         let e = self.eager.get_mut(&key).unwrap();
         before_write(&self.d, &self.marks, w, &e.uses);
-        self.d
-            .kernels()
-            .fill_pattern(w, e.ptr.ptr(), e.len, seed)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { self.d.kernels().fill_pattern(w, e.ptr.ptr(), e.len, seed) }.unwrap();
         if w != e.home {
             self.a.record_stream(&e.ptr, w).unwrap();
         }
@@ -117,11 +113,13 @@ impl World<'_> {
         };
         let e = self.eager.get_mut(&key).unwrap();
         before_read(&self.d, &self.marks, v, &e.uses);
-        let bad = self
-            .d
-            .kernels()
-            .count_pattern_mismatches(v, e.ptr.ptr(), e.len, e.seed)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        let bad = unsafe {
+            self.d
+                .kernels()
+                .count_pattern_mismatches(v, e.ptr.ptr(), e.len, e.seed)
+        }
+        .unwrap();
         assert_eq!(
             bad,
             0,
@@ -170,9 +168,8 @@ impl World<'_> {
         };
         let s = self.eager.get_mut(&src).unwrap();
         before_read(&self.d, &self.marks, h, &s.uses);
-        self.d
-            .copy_device_to_device(h, ptr.ptr(), s.ptr.ptr(), n)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe { self.d.copy_device_to_device(h, ptr.ptr(), s.ptr.ptr(), n) }.unwrap();
         if h != s.home {
             self.a.record_stream(&s.ptr, h).unwrap();
         }

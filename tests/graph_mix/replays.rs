@@ -89,11 +89,13 @@ impl World<'_> {
             Target::Orphan(i) => &mut self.orphans[i],
         };
         before_read(&self.d, &self.marks, v, &o.uses);
-        let bad = self
-            .d
-            .kernels()
-            .count_pattern_mismatches(v, o.ptr.ptr(), o.len, seed)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        let bad = unsafe {
+            self.d
+                .kernels()
+                .count_pattern_mismatches(v, o.ptr.ptr(), o.len, seed)
+        }
+        .unwrap();
         assert_eq!(
             bad,
             0,
@@ -151,9 +153,12 @@ impl World<'_> {
         };
         let g = &mut self.graphs[i];
         before_read(&self.d, &self.marks, h, &g.output.uses);
-        self.d
-            .copy_device_to_device(h, ptr.ptr(), g.output.ptr.ptr(), n)
-            .unwrap();
+        // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
+        unsafe {
+            self.d
+                .copy_device_to_device(h, ptr.ptr(), g.output.ptr.ptr(), n)
+        }
+        .unwrap();
         if h != g.output.home {
             self.a.record_stream(&g.output.ptr, h).unwrap();
         }

@@ -309,7 +309,12 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
+    unsafe fn copy_host_to_device(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        src: &[u8],
+    ) -> Result<()> {
         let (_held, _) = self.hold_ranges([(dst, src.len() as u64)])?;
         let s = self.stream(stream)?;
         if src.is_empty() {
@@ -326,7 +331,12 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
+    unsafe fn copy_device_to_host(
+        &self,
+        stream: StreamId,
+        dst: &mut [u8],
+        src: DeviceAddr,
+    ) -> Result<()> {
         let (_held, _) = self.hold_ranges([(src, dst.len() as u64)])?;
         let s = self.stream(stream)?;
         if dst.is_empty() {
@@ -343,7 +353,7 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn copy_device_to_device(
+    unsafe fn copy_device_to_device(
         &self,
         stream: StreamId,
         dst: DeviceAddr,
@@ -361,7 +371,7 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
+    unsafe fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
         let (_held, n) = self.hold_ranges([(dst, len)])?;
         let s = self.stream(stream)?;
         if n == 0 {
@@ -375,7 +385,13 @@ impl Driver for CudaDriver {
 }
 
 impl Kernels for CudaDriver {
-    fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
+    unsafe fn fill_pattern(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        len: u64,
+        seed: u64,
+    ) -> Result<()> {
         let (_held, _) = self.hold_ranges([(dst, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.fill)?;
         let (mut p, mut n, mut sd) = (dst.0, len, seed);
@@ -387,7 +403,7 @@ impl Kernels for CudaDriver {
         self.launch(f, s, len.div_ceil(8), &mut args)
     }
 
-    fn count_pattern_mismatches(
+    unsafe fn count_pattern_mismatches(
         &self,
         stream: StreamId,
         src: DeviceAddr,
@@ -432,7 +448,7 @@ impl Kernels for CudaDriver {
         result
     }
 
-    fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
+    unsafe fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
         let (_held, _) = self.hold_ranges([(dst, len)])?;
         let (s, f) = self.launch_args(stream, |k| k.poison)?;
         let (mut p, mut n) = (dst.0, len);

@@ -536,7 +536,12 @@ impl Driver for HostDriver {
         self.host_stream_wait_event(stream, event)
     }
 
-    fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
+    unsafe fn copy_host_to_device(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        src: &[u8],
+    ) -> Result<()> {
         self.this_process()?;
         self.captures
             .check_blocking(stream, "a copy from host memory")?;
@@ -550,7 +555,12 @@ impl Driver for HostDriver {
         self.wait_ticket(stream, ticket)
     }
 
-    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
+    unsafe fn copy_device_to_host(
+        &self,
+        stream: StreamId,
+        dst: &mut [u8],
+        src: DeviceAddr,
+    ) -> Result<()> {
         self.this_process()?;
         self.captures
             .check_blocking(stream, "a copy to host memory")?;
@@ -567,7 +577,7 @@ impl Driver for HostDriver {
         Ok(())
     }
 
-    fn copy_device_to_device(
+    unsafe fn copy_device_to_device(
         &self,
         stream: StreamId,
         dst: DeviceAddr,
@@ -583,7 +593,7 @@ impl Driver for HostDriver {
         .map(|_| ())
     }
 
-    fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
+    unsafe fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
         self.this_process()?;
         let n = checked_len(len)?;
         self.enqueue_on_ranges(stream, [(dst, len)], move |[d]| {
@@ -595,7 +605,13 @@ impl Driver for HostDriver {
 }
 
 impl Kernels for HostDriver {
-    fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
+    unsafe fn fill_pattern(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        len: u64,
+        seed: u64,
+    ) -> Result<()> {
         self.this_process()?;
         let n = checked_len(len)?;
         self.enqueue_on_ranges(stream, [(dst, len)], move |[d]| {
@@ -605,7 +621,7 @@ impl Kernels for HostDriver {
         .map(|_| ())
     }
 
-    fn count_pattern_mismatches(
+    unsafe fn count_pattern_mismatches(
         &self,
         stream: StreamId,
         src: DeviceAddr,
@@ -627,7 +643,7 @@ impl Kernels for HostDriver {
         Ok(result.load(Ordering::SeqCst))
     }
 
-    fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
+    unsafe fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
         self.this_process()?;
         let n = checked_len(len)?;
         self.enqueue_on_ranges(stream, [(dst, len)], move |[d]| {

@@ -250,19 +250,31 @@ impl Driver for SanitizedDriver {
         })
     }
 
-    fn copy_host_to_device(&self, stream: StreamId, dst: DeviceAddr, src: &[u8]) -> Result<()> {
+    unsafe fn copy_host_to_device(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        src: &[u8],
+    ) -> Result<()> {
         let touch = [Touch::write(dst.0, src.len() as u64)];
         self.checked_blocking(stream, "copy_host_to_device", &touch, || {
-            self.inner.copy_host_to_device(stream, dst, src)
+            // SAFETY: the caller's contract is the trait's, forwarded unchanged.
+            unsafe { self.inner.copy_host_to_device(stream, dst, src) }
         })
     }
-    fn copy_device_to_host(&self, stream: StreamId, dst: &mut [u8], src: DeviceAddr) -> Result<()> {
+    unsafe fn copy_device_to_host(
+        &self,
+        stream: StreamId,
+        dst: &mut [u8],
+        src: DeviceAddr,
+    ) -> Result<()> {
         let touch = [Touch::read(src.0, dst.len() as u64)];
         self.checked_blocking(stream, "copy_device_to_host", &touch, || {
-            self.inner.copy_device_to_host(stream, dst, src)
+            // SAFETY: the caller's contract is the trait's, forwarded unchanged.
+            unsafe { self.inner.copy_device_to_host(stream, dst, src) }
         })
     }
-    fn copy_device_to_device(
+    unsafe fn copy_device_to_device(
         &self,
         stream: StreamId,
         dst: DeviceAddr,
@@ -271,23 +283,32 @@ impl Driver for SanitizedDriver {
     ) -> Result<()> {
         let touches = [Touch::read(src.0, len), Touch::write(dst.0, len)];
         self.checked(stream, "copy_device_to_device", &touches, || {
-            self.inner.copy_device_to_device(stream, dst, src, len)
+            // SAFETY: the caller's contract is the trait's, forwarded unchanged.
+            unsafe { self.inner.copy_device_to_device(stream, dst, src, len) }
         })
     }
-    fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
+    unsafe fn memset(&self, stream: StreamId, dst: DeviceAddr, value: u8, len: u64) -> Result<()> {
         self.checked(stream, "memset", &[Touch::write(dst.0, len)], || {
-            self.inner.memset(stream, dst, value, len)
+            // SAFETY: the caller's contract is the trait's, forwarded unchanged.
+            unsafe { self.inner.memset(stream, dst, value, len) }
         })
     }
 }
 
 impl Kernels for SanitizedDriver {
-    fn fill_pattern(&self, stream: StreamId, dst: DeviceAddr, len: u64, seed: u64) -> Result<()> {
+    unsafe fn fill_pattern(
+        &self,
+        stream: StreamId,
+        dst: DeviceAddr,
+        len: u64,
+        seed: u64,
+    ) -> Result<()> {
         self.checked(stream, "fill_pattern", &[Touch::write(dst.0, len)], || {
-            self.inner.kernels().fill_pattern(stream, dst, len, seed)
+            // SAFETY: the caller's contract is the trait's, forwarded unchanged.
+            unsafe { self.inner.kernels().fill_pattern(stream, dst, len, seed) }
         })
     }
-    fn count_pattern_mismatches(
+    unsafe fn count_pattern_mismatches(
         &self,
         stream: StreamId,
         src: DeviceAddr,
@@ -296,14 +317,18 @@ impl Kernels for SanitizedDriver {
     ) -> Result<u64> {
         let touch = [Touch::read(src.0, len)];
         self.checked_blocking(stream, "count_pattern_mismatches", &touch, || {
-            self.inner
-                .kernels()
-                .count_pattern_mismatches(stream, src, len, seed)
+            // SAFETY: the caller's contract is the trait's, forwarded unchanged.
+            unsafe {
+                self.inner
+                    .kernels()
+                    .count_pattern_mismatches(stream, src, len, seed)
+            }
         })
     }
-    fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
+    unsafe fn poison(&self, stream: StreamId, dst: DeviceAddr, len: u64) -> Result<()> {
         self.checked(stream, "poison", &[Touch::write(dst.0, len)], || {
-            self.inner.kernels().poison(stream, dst, len)
+            // SAFETY: the caller's contract is the trait's, forwarded unchanged.
+            unsafe { self.inner.kernels().poison(stream, dst, len) }
         })
     }
     fn sleep(&self, stream: StreamId, micros: u64) -> Result<()> {
@@ -470,15 +495,17 @@ impl Graphs for SanitizedDriver {
         self.sanitizer.graph_instantiated(graph, exec);
         Ok(exec)
     }
-    fn graph_launch(&self, exec: GraphExecId, stream: StreamId) -> Result<()> {
+    unsafe fn graph_launch(&self, exec: GraphExecId, stream: StreamId) -> Result<()> {
         // A replay is checked and recorded like eager work: one operation touching everything
         // the graph's nodes touch. A launch on a capturing stream is refused by every backend.
         if self.captured(stream)? {
-            return self.inner.graphs().graph_launch(exec, stream);
+            // SAFETY: the caller's contract is the trait's, forwarded unchanged.
+            return unsafe { self.inner.graphs().graph_launch(exec, stream) };
         }
         let (touches, born) = self.sanitizer()?.exec_touches(exec);
         self.sanitizer.launch(exec, born, stream, &touches, || {
-            self.inner.graphs().graph_launch(exec, stream)
+            // SAFETY: the caller's contract is the trait's, forwarded unchanged.
+            unsafe { self.inner.graphs().graph_launch(exec, stream) }
         })
     }
     fn graph_destroy(&self, graph: GraphId) -> Result<()> {
