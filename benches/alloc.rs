@@ -238,8 +238,7 @@ fn history(c: &mut Criterion) {
         ("all_stacks", HistoryMode::All, true),
     ] {
         let a = allocator(&d);
-        a.allocator()
-            .record_memory_history(HistoryOptions::new(mode, 10_000).with_stacks(stacks));
+        a.record_memory_history(HistoryOptions::new(mode, 10_000).with_stacks(stacks));
         drop(a.allocate(0, 4096).unwrap());
         g.bench_function(BenchmarkId::new("pair-4096", name), |b| {
             b.iter(|| black_box(a.allocate(0, 4096).unwrap()))

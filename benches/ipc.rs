@@ -57,7 +57,7 @@ fn limbo_drain(c: &mut Criterion) {
                 || in_limbo(&a),
                 |handle| {
                     drop(handle);
-                    assert_eq!(a.ipc_collect_stats().storages, 1);
+                    assert_eq!(a.ipc_collect().storages, 1);
                 },
                 BatchSize::SmallInput,
             )

@@ -79,7 +79,7 @@ fn sleep_wake(c: &mut Criterion) {
     let before = free(&rt);
     rt.sleep(&["weights"], &[]).unwrap();
     let during = free(&rt);
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     let after = free(&rt);
     let tagged = STORAGES * EACH;
     eprintln!(
@@ -104,7 +104,7 @@ fn sleep_wake(c: &mut Criterion) {
     g.bench_function("sleep+wake discard", |b| {
         b.iter(|| {
             rt.sleep(&[], &["weights"]).unwrap();
-            rt.wake_up(&[]).unwrap();
+            rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
         })
     });
     // Discarding left the bytes undefined: the offload and the copies start from the pattern.
@@ -114,7 +114,7 @@ fn sleep_wake(c: &mut Criterion) {
     g.bench_function("sleep+wake offload", |b| {
         b.iter(|| {
             rt.sleep(&["weights"], &[]).unwrap();
-            rt.wake_up(&[]).unwrap();
+            rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
         })
     });
     g.bench_function("two plain copies", |b| {

@@ -11,7 +11,7 @@
 //! cli        the `cudalloc` command (src/main.rs, src/cli/)
 //! global     GLOBAL: the process-wide runtime
 //! storage    Storage: the unit of aliasing; its state table; which Storage a receipt returns
-//! runtime    Runtime: a CachingAllocator and the IPC state side by side (ipc_collect, drains)
+//! runtime    Runtime: the caching allocator and the IPC state side by side, answering for both
 //! replay     traces replayed through a CachingAllocator on the simulated device (feature `replay`)
 //! cow | ipc  copy-on-write contexts | sharing across processes — both on DataPtrs
 //! alloc      CachingAllocator, DataPtr and its owners (upper layers attach trait objects)
@@ -44,16 +44,16 @@ mod storage;
 mod sync;
 
 // One door (see "The public surface" in the crate docs): a library talks to `GLOBAL` and the
-// `Runtime` it hands out; embedders with a driver of their own build a `CachingAllocator`. Every
+// `Runtime` it hands out; embedders with a driver of their own build a `Runtime` over it. Every
 // public item has one path; `docs/public-api.txt` lists them (`tests/public_api.rs`).
 pub use alloc::{
-    format_size, trace_json_lines, CachingAllocator, CachingAllocatorBuilder, Capture,
-    CaptureRoute, DataPtr, DeviceStats, Frame, FreeMemoryCallback, Graph, GraphPool, HistoryMode,
-    HistoryOptions, MemPool, MemPoolId, MemPoolOptions, OnRegistrationFailure, OutOfMemoryEvent,
-    OutOfMemoryObserver, PoolScope, PoolStats, Region, RegionKind, RegisteredRegion, Registrar,
-    RegistrarId, RegistrarStats, RegistrationStats, Sanitize, SegmentChange, SegmentEvent,
-    SegmentId, SegmentObserver, Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment, Stat,
-    StreamGuard, TraceAction, TraceEntry, POOL_NAMES,
+    format_size, trace_json_lines, Capture, CaptureRoute, DataPtr, DeviceStats, Frame,
+    FreeMemoryCallback, Graph, GraphPool, HistoryMode, HistoryOptions, MemPool, MemPoolId,
+    MemPoolOptions, OnRegistrationFailure, OutOfMemoryEvent, OutOfMemoryObserver, PoolScope,
+    PoolStats, Region, RegionKind, RegisteredRegion, Registrar, RegistrarId, RegistrarStats,
+    RegistrationStats, Sanitize, SegmentChange, SegmentEvent, SegmentId, SegmentObserver, Snapshot,
+    SnapshotBlock, SnapshotBlockState, SnapshotSegment, Stat, StreamGuard, TraceAction, TraceEntry,
+    POOL_NAMES,
 };
 pub use config::{AllocatorConfig, DefaultStream, StreamOrder, ROUNDUP_INTERVALS};
 pub use driver::capability;

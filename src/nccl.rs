@@ -231,7 +231,7 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e}"));
         let err = Storage::new(&rt, 0, 1 << 20).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Registration);
-        assert_eq!(rt.reserved_bytes(0).unwrap_or(1), 0);
+        assert_eq!(rt.memory_reserved(0).unwrap_or(1), 0);
         assert!(rt.detach_registrar(id));
         let lenient = Arc::new(Handles::new(Arc::clone(&comm)));
         rt.attach_registrar(lenient.clone(), OnRegistrationFailure::CountAndSkip)

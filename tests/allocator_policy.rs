@@ -182,7 +182,7 @@ fn oversize_cached_blocks_are_released_before_giving_up() {
     // The cached 50 MiB block would waste 25 MiB on a 25 MiB request (oversize rule), and a new
     // 26 MiB segment does not fit beside it on a 64 MiB device: the oversize block is released.
     let y = a.allocate(0, 25 * MIB).unwrap();
-    assert_eq!(a.reserved_bytes(0).unwrap(), 26 * MIB);
+    assert_eq!(a.memory_reserved(0).unwrap(), 26 * MIB);
     assert_eq!(
         a.memory_stats(0).unwrap().num_alloc_retries,
         0,
@@ -263,7 +263,10 @@ fn zero_byte_allocations_are_valid_and_empty() {
 fn history_records_the_trace() {
     let d = test_driver();
     let a = checked_allocator(d, "");
-    a.record_history(true, 100);
+    a.record_memory_history(cudalloc::HistoryOptions::new(
+        cudalloc::HistoryMode::All,
+        100,
+    ));
     let x = a.allocate(0, 4096).unwrap();
     drop(x);
     a.empty_cache();
@@ -285,7 +288,7 @@ fn history_records_the_trace() {
             TraceAction::Snapshot
         ]
     );
-    a.record_history(false, 0);
+    a.record_memory_history(cudalloc::HistoryOptions::new(cudalloc::HistoryMode::Off, 0));
     assert!(a.snapshot().trace.is_empty());
 }
 
@@ -319,7 +322,7 @@ fn garbage_collection_reclaims_the_oldest_cached_segments() {
     );
     drop(a.allocate(0, 12 * MIB).unwrap());
     drop(a.allocate(0, 14 * MIB).unwrap());
-    assert_eq!(a.reserved_bytes(0).unwrap(), 26 * MIB);
+    assert_eq!(a.memory_reserved(0).unwrap(), 26 * MIB);
     let z = a.allocate(0, 16 * MIB).unwrap();
     let mut sizes: Vec<u64> = a.snapshot().segments.iter().map(|s| s.total_size).collect();
     sizes.sort();
@@ -390,7 +393,7 @@ fn segment_observers_see_maps_after_and_unmaps_before_the_driver_and_oom_observe
         // Reserved bytes as the observer runs: a map is counted already, an unmap not yet undone.
         let reserved = weak
             .upgrade()
-            .map_or(0, |a| a.reserved_bytes(e.device).unwrap());
+            .map_or(0, |a| a.memory_reserved(e.device).unwrap());
         log.lock().unwrap().push((*e, reserved));
     }));
     let ooms: Arc<Mutex<Vec<OutOfMemoryEvent>>> = Arc::default();
@@ -420,7 +423,7 @@ fn segment_observers_see_maps_after_and_unmaps_before_the_driver_and_oom_observe
         12 * MIB,
         "told before the segment is returned"
     );
-    assert_eq!(a.reserved_bytes(0).unwrap(), 0);
+    assert_eq!(a.memory_reserved(0).unwrap(), 0);
 
     let err = a.allocate(0, 100 * MIB).unwrap_err();
     let facts = ooms.lock().unwrap().clone();

@@ -11,22 +11,22 @@ mod common;
 use std::sync::Arc;
 
 use cudalloc::{
-    AllocatorConfig, CachingAllocator, CaptureMode, CaptureStatus, DataPtr, DeviceAddr, Driver,
-    ErrorKind, EventFlags, MemPoolId, StreamId,
+    AllocatorConfig, CaptureMode, CaptureStatus, DataPtr, DeviceAddr, Driver, ErrorKind,
+    EventFlags, MemPoolId, Runtime, StreamId,
 };
 
 const MIB: u64 = 1 << 20;
 
-fn setup() -> (Arc<dyn Driver>, CachingAllocator) {
+fn setup() -> (Arc<dyn Driver>, Runtime) {
     setup_with("")
 }
 
 /// The host backend with 256 MiB, or in a CUDA run (the double, a GPU) the CUDA backend capped
 /// at 256 MiB; expandable segments in CI's second pass (`CUDALLOC_TEST_EXPANDABLE=1`).
-fn setup_with(conf: &str) -> (Arc<dyn Driver>, CachingAllocator) {
+fn setup_with(conf: &str) -> (Arc<dyn Driver>, Runtime) {
     let (driver, cap) = common::sized_driver(256 * MIB);
     let driver = common::sanitized(driver);
-    let a = CachingAllocator::builder()
+    let a = Runtime::builder()
         .config(common::test_config(&common::join_conf(conf, &cap)))
         .check_invariants(true)
         .build(Arc::clone(&driver))
@@ -41,12 +41,12 @@ fn bytes(d: &Arc<dyn Driver>, s: StreamId, p: &DataPtr, len: u64) -> Vec<u8> {
     out
 }
 
-fn reserved(a: &CachingAllocator) -> i64 {
+fn reserved(a: &Runtime) -> i64 {
     a.memory_stats(0).unwrap().reserved_bytes.all.current
 }
 
 /// Whether `addr` lies in a segment of pool `pool`.
-fn in_pool(a: &CachingAllocator, pool: MemPoolId, addr: DeviceAddr) -> bool {
+fn in_pool(a: &Runtime, pool: MemPoolId, addr: DeviceAddr) -> bool {
     // By the segments' blocks: an expandable segment's mapped pages need not be contiguous.
     a.snapshot().segments.iter().any(|s| {
         s.segment_pool_id == pool
@@ -372,7 +372,7 @@ fn eager_allocations_never_get_a_live_graphs_memory() {
 #[test]
 fn a_capture_on_a_backend_without_graphs_is_a_clear_error() {
     let driver: Arc<dyn Driver> = Arc::new(cudalloc::SimDriver::new(1, 64 << 20).unwrap());
-    let a = CachingAllocator::new(driver, AllocatorConfig::default()).unwrap();
+    let a = Runtime::new(driver, AllocatorConfig::default()).unwrap();
     let s = a.default_stream(0).unwrap();
     let err = a.begin_capture(s, None, CaptureMode::Global).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamCapture, "{err}");
@@ -388,7 +388,7 @@ fn a_capture_on_a_backend_without_graphs_is_a_clear_error() {
 #[test]
 fn the_sanitizer_checks_replays_without_false_reports() {
     let (driver, cap) = common::sized_driver(256 * MIB);
-    let a = CachingAllocator::builder()
+    let a = Runtime::builder()
         .config(cudalloc::AllocatorConfig::parse(&cap).unwrap())
         .sanitize(cudalloc::Sanitize::On(cudalloc::SanitizeOptions::report()))
         .build(driver)

@@ -7,11 +7,11 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{AllocatorConfig, CachingAllocator, DataPtr, Driver, SimDriver};
+use cudalloc::{AllocatorConfig, DataPtr, Driver, Runtime, SimDriver};
 
-fn allocator(conf: &str) -> CachingAllocator {
+fn allocator(conf: &str) -> Runtime {
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 8 << 30).unwrap());
-    CachingAllocator::new(
+    Runtime::new(
         driver,
         AllocatorConfig::parse(&with_test_settings(conf)).unwrap(),
     )

@@ -24,7 +24,7 @@ fn runtime(driver: Arc<dyn cudalloc::Driver>, conf: &str) -> Arc<cudalloc::Runti
 }
 
 fn reserved(a: &cudalloc::Runtime) -> u64 {
-    a.reserved_bytes(0).unwrap()
+    a.memory_reserved(0).unwrap()
 }
 
 #[test]

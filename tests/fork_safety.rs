@@ -99,7 +99,7 @@ fn a_forked_worker_releases_nothing_of_its_parent_and_its_own_runtime_works() {
         live.fill_pattern(9).unwrap();
         let other = Storage::new(&a, 0, 4 * MIB).unwrap();
         other.fill_pattern(10).unwrap();
-        let stream = a.allocator().current_stream(0).unwrap();
+        let stream = a.current_stream(0).unwrap();
         let lazy = live.lazy_clone().unwrap();
         let shared = Storage::new(&a, 0, MIB).unwrap();
         shared.fill_pattern(13).unwrap();
@@ -135,11 +135,11 @@ fn a_forked_worker_releases_nothing_of_its_parent_and_its_own_runtime_works() {
             drop(other);
             drop(shared);
             drop(handle);
-            inherited.allocator().empty_cache();
+            inherited.empty_cache();
             refused("allocating", Storage::new(&inherited, 0, 4 * MIB))?;
             refused(
                 "allocating on a stream",
-                inherited.allocator().allocate_on(stream, 4096),
+                inherited.allocate_on(stream, 4096),
             )?;
             refused("a fill on an inherited storage", live.fill_pattern(1))?;
             refused(
@@ -147,7 +147,7 @@ fn a_forked_worker_releases_nothing_of_its_parent_and_its_own_runtime_works() {
                 live.count_pattern_mismatches(9),
             )?;
             refused("sharing", live.share_ipc())?;
-            refused("the stats", inherited.allocator().memory_stats(0))?;
+            refused("the stats", inherited.memory_stats(0))?;
             drop(live);
             // The child's last reference: the runtime, its allocator and driver drop here.
             drop(inherited);
@@ -205,11 +205,11 @@ fn a_forked_worker_releases_nothing_of_its_parent_and_its_own_runtime_works() {
         live.fill_pattern(12).unwrap();
         assert_eq!(lazy.count_pattern_mismatches(9).unwrap(), 0, "{conf:?}");
         drop(live.share_ipc().unwrap());
-        a.allocator().check_invariants().unwrap();
+        a.check_invariants().unwrap();
         drop((again, live, other, lazy, shared));
         a.ipc_collect();
-        a.allocator().empty_cache();
-        assert_eq!(a.allocator().reserved_bytes(0).unwrap(), 0, "{conf:?}");
+        a.empty_cache();
+        assert_eq!(a.memory_reserved(0).unwrap(), 0, "{conf:?}");
     }
 }
 

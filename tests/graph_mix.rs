@@ -56,8 +56,8 @@ use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 
 use cudalloc::{
-    CachingAllocator, Capture, CaptureMode, DataPtr, Driver, ErrorKind, EventFlags, EventId, Graph,
-    MemPool, MemPoolId, SanitizeOptions, SanitizedDriver, SnapshotBlockState, StreamId,
+    Capture, CaptureMode, DataPtr, Driver, ErrorKind, EventFlags, EventId, Graph, MemPool,
+    MemPoolId, Runtime, SanitizeOptions, SanitizedDriver, SnapshotBlockState, StreamId,
 };
 
 const MIB: u64 = 1 << 20;
@@ -128,9 +128,9 @@ fn run(conf: &str, seeds: std::ops::Range<u64>) {
 
 /// An allocator over a 64 MiB device (the run's backend, sanitized as the run asks), its driver
 /// and a stream of its own: the reductions' set-up.
-fn small_device() -> (CachingAllocator, Arc<dyn Driver>, StreamId) {
+fn small_device() -> (Runtime, Arc<dyn Driver>, StreamId) {
     let (driver, cap) = common::sized_driver(64 * MIB);
-    let a = CachingAllocator::builder()
+    let a = Runtime::builder()
         .config(common::test_config(&cap))
         .build(common::sanitized(driver))
         .unwrap();
@@ -167,7 +167,7 @@ fn a_replay_after_a_sharing_capture_reused_its_temporary_is_no_use_after_free() 
     let _device = common::device_shared();
     let (driver, cap) = common::sized_driver(256 * MIB);
     let d = SanitizedDriver::wrap(driver, SanitizeOptions::report());
-    let a = CachingAllocator::builder()
+    let a = Runtime::builder()
         .config(common::test_config(&cap))
         .build(Arc::clone(&d))
         .unwrap();
@@ -222,7 +222,7 @@ fn a_replay_after_a_sharing_capture_reused_its_temporary_is_no_use_after_free() 
 fn a_capture_after_a_dropped_graph_pool_stays_valid_with_expandable_segments() {
     let _device = common::device_shared();
     let (driver, cap) = common::sized_driver(256 * MIB);
-    let a = CachingAllocator::builder()
+    let a = Runtime::builder()
         .config(
             cudalloc::AllocatorConfig::parse(&common::join_conf("expandable_segments:True", &cap))
                 .unwrap(),

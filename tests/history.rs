@@ -6,19 +6,19 @@ mod common;
 
 use std::sync::Arc;
 
-use cudalloc::{AllocatorConfig, CachingAllocator, DataPtr, Driver, SimDriver};
+use cudalloc::{AllocatorConfig, DataPtr, Driver, Runtime, SimDriver};
 use cudalloc::{HistoryMode, HistoryOptions, SnapshotBlockState, TraceAction};
 
-fn allocator(conf: &str) -> CachingAllocator {
+fn allocator(conf: &str) -> Runtime {
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 64 << 20).unwrap());
-    CachingAllocator::new(driver, AllocatorConfig::parse(conf).unwrap()).unwrap()
+    Runtime::new(driver, AllocatorConfig::parse(conf).unwrap()).unwrap()
 }
 
 fn options(mode: HistoryMode, max_entries: usize, stacks: bool) -> HistoryOptions {
     HistoryOptions::new(mode, max_entries).with_stacks(stacks)
 }
 
-fn actions(a: &CachingAllocator) -> Vec<TraceAction> {
+fn actions(a: &Runtime) -> Vec<TraceAction> {
     a.snapshot().trace.iter().map(|e| e.action).collect()
 }
 
@@ -81,7 +81,7 @@ fn an_out_of_memory_entry_says_what_was_free() {
 
 /// Allocates through a function of this file, so its name is in the stack.
 #[inline(never)]
-fn allocate_here(a: &CachingAllocator, size: u64) -> DataPtr {
+fn allocate_here(a: &Runtime, size: u64) -> DataPtr {
     let p = a.allocate(0, size).unwrap();
     std::hint::black_box(&p);
     p

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cudalloc::replay::{self, limits};
-use cudalloc::{AllocatorConfig, CachingAllocator, Driver, ErrorKind, SimDriver};
+use cudalloc::{AllocatorConfig, Driver, ErrorKind, Runtime, SimDriver};
 
 const MIB: u64 = 1 << 20;
 
@@ -262,7 +262,7 @@ fn mkfifo(path: &Path) {
 fn out_of_memory_with_snapshot_at(path: &Path) {
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 64 * MIB).unwrap());
     let conf = format!("oom_snapshot_path:{}", path.display());
-    let a = CachingAllocator::new(driver, AllocatorConfig::parse(&conf).unwrap()).unwrap();
+    let a = Runtime::new(driver, AllocatorConfig::parse(&conf).unwrap()).unwrap();
     let held = a.allocate(0, 40 * MIB).unwrap();
     let err = a.allocate(0, 40 * MIB).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::OutOfMemory);

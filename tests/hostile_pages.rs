@@ -531,7 +531,7 @@ fn peers_that_never_read_get_at_most_one_window_and_hold_nothing_after_the_free(
     a.ipc_collect();
     a.empty_cache();
     assert_eq!(
-        a.reserved_bytes(0).unwrap(),
+        a.memory_reserved(0).unwrap(),
         0,
         "the producer gave every page back"
     );

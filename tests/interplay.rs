@@ -414,7 +414,7 @@ impl World {
     /// `ipc_collect` on both runtimes; fails if memory was reclaimed from a live consumer.
     fn collect(&mut self) -> Result<(), String> {
         for a in &self.allocators {
-            let freed = a.ipc_collect_stats().from_dead_consumers;
+            let freed = a.ipc_collect().from_dead_consumers;
             if freed > self.dead_reclaim_budget {
                 return Err(format!(
                     "ipc_collect reclaimed {freed} storage(s) from dead consumers, but only {} \
@@ -890,7 +890,7 @@ fn consumer_main() {
                 let seed: u64 = parts[2].parse().unwrap();
                 match held.get(&id).and_then(|r| r.first()) {
                     Some(s) => match s.fill_pattern(seed).and_then(|()| {
-                        let a = s.allocator();
+                        let a = s.runtime();
                         a.driver().stream_synchronize(a.current_stream(0)?)
                     }) {
                         Ok(()) => "ok".into(),

@@ -147,7 +147,7 @@ fn pages_a_producer_reuses_after_a_consumer_let_go_are_fetched_afresh() {
     drop((sb, sc));
     a.ipc_collect();
     a.empty_cache();
-    assert_eq!(a.reserved_bytes(0).unwrap(), 0, "every page given back");
+    assert_eq!(a.memory_reserved(0).unwrap(), 0, "every page given back");
     let sd = patterned(&a, half, 4);
     child.send(&format!("open d {}", offer(&[(&sd, 4)])));
     assert_eq!(child.recv(), "d mismatches=0 spans=1");
@@ -165,10 +165,10 @@ fn a_killed_consumer_is_reclaimed_and_its_pages_go_back_to_the_device() {
     child.kill();
     drop(storages);
     assert_eq!(a.ipc_limbo().0, 3, "the dead consumer's leases keep them");
-    let drained = a.ipc_collect_stats();
+    let drained = a.ipc_collect();
     assert_eq!(drained.from_dead_consumers, 3);
     a.empty_cache();
-    assert_eq!(a.reserved_bytes(0).unwrap(), 0);
+    assert_eq!(a.memory_reserved(0).unwrap(), 0);
 }
 
 #[test]

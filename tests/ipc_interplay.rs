@@ -56,7 +56,7 @@ fn one_receipt_dropped_keeps_the_other(role: &str) {
     assert_eq!(a.ipc_limbo().0, 1, "consumers count on it: limbo");
     child.send("drop one");
     assert_eq!(child.recv(), "dropped one");
-    let collected = a.ipc_collect_stats();
+    let collected = a.ipc_collect();
     assert_eq!(
         collected.from_dead_consumers, 0,
         "a live consumer still holds the slot: nothing may be reclaimed"
@@ -70,7 +70,7 @@ fn one_receipt_dropped_keeps_the_other(role: &str) {
     child.send("stop");
     child.finish();
     drop(reuse);
-    assert_eq!(a.ipc_collect_stats().storages, 1, "freed once released");
+    assert_eq!(a.ipc_collect().storages, 1, "freed once released");
     assert_eq!(a.ipc_limbo(), (0, 0));
 }
 
@@ -101,11 +101,7 @@ fn two_threads_opening_one_storage_get_one_storage() {
         drop(s);
         assert_eq!(child.recv(), format!("{round} same=true"));
         // The child still holds the storage: nothing may be reclaimed.
-        assert_eq!(
-            a.ipc_collect_stats().from_dead_consumers,
-            0,
-            "round {round}"
-        );
+        assert_eq!(a.ipc_collect().from_dead_consumers, 0, "round {round}");
         child.send("release");
         assert_eq!(child.recv(), "released");
     }
@@ -538,7 +534,7 @@ fn handles_lost_in_flight_expire_and_are_reclaimed() {
         "{answer}"
     );
     slow.finish();
-    let collected = a.ipc_collect_stats();
+    let collected = a.ipc_collect();
     assert_eq!(collected.storages, 1, "both expired counts reclaimed");
     assert_eq!(a.ipc_limbo(), (0, 0));
 }

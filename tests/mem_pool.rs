@@ -9,23 +9,23 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use cudalloc::{
-    AllocatorConfig, CachingAllocator, DataPtr, Driver, MemPool, MemPoolId, MemPoolOptions,
-    Sanitize, SegmentChange, SimDriver, Snapshot,
+    AllocatorConfig, DataPtr, Driver, MemPool, MemPoolId, MemPoolOptions, Runtime, Sanitize,
+    SegmentChange, SimDriver, Snapshot,
 };
 
 /// An allocator on the host backend with one device of `device_bytes`, or in a CUDA run (the
 /// double, a GPU) on the CUDA backend capped at `device_bytes`.
-fn allocator_with(conf: &str, device_bytes: u64) -> CachingAllocator {
+fn allocator_with(conf: &str, device_bytes: u64) -> Runtime {
     let (driver, cap) = common::sized_driver(device_bytes);
     let driver = common::sanitized(driver);
-    CachingAllocator::builder()
+    Runtime::builder()
         .config(AllocatorConfig::parse(&common::join_conf(conf, &cap)).unwrap())
         .check_invariants(true)
         .build(driver)
         .unwrap()
 }
 
-fn allocator() -> CachingAllocator {
+fn allocator() -> Runtime {
     allocator_with("", 256 << 20)
 }
 
@@ -47,7 +47,7 @@ fn holds(snap: &Snapshot, p: &DataPtr) -> bool {
     pool_of(snap, p).is_some()
 }
 
-fn reserved(a: &CachingAllocator) -> i64 {
+fn reserved(a: &Runtime) -> i64 {
     a.memory_stats(0).unwrap().reserved_bytes.all.current
 }
 
@@ -264,7 +264,7 @@ trait DefaultSnapshot {
     fn snapshot_default(&self) -> Snapshot;
 }
 
-impl DefaultSnapshot for CachingAllocator {
+impl DefaultSnapshot for Runtime {
     /// The snapshot with only the default pool's segments.
     fn snapshot_default(&self) -> Snapshot {
         let mut snap = self.snapshot();
@@ -541,7 +541,7 @@ fn a_pool_dropped_while_the_allocator_drops_is_not_leaked() {
     let sim = Arc::new(SimDriver::new(1, 256 << 20).unwrap());
     let driver: Arc<dyn Driver> = sim.clone();
     let total = driver.mem_info(0).unwrap().total;
-    let a = CachingAllocator::builder()
+    let a = Runtime::builder()
         .sanitize(Sanitize::Off)
         .build(Arc::clone(&driver))
         .unwrap();

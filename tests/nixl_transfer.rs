@@ -109,7 +109,7 @@ fn assert_registrations_are_segments(rt: &Runtime, agent: &NixlAgent, storages: 
     assert_eq!(nixl.name, "nixl");
     assert_eq!(agent.registered_regions() as u64, stats.mapped_regions);
     assert_eq!(nixl.registered_regions, stats.mapped_regions);
-    if !rt.allocator().config().expandable_segments {
+    if !rt.config().expandable_segments {
         assert!(
             nixl.registrations < storages as u64,
             "{} registrations for {storages} storages",

@@ -106,7 +106,7 @@ fn a_killed_consumer_in_another_pid_namespace_is_reclaimed_by_its_locks() {
     assert_eq!(unsafe { libc::kill(outer, libc::SIGKILL) }, 0);
     // `unshare` waits for its child: once it exits, the consumer is gone with its locks.
     let _ = consumer.wait();
-    let stats = rt.ipc_collect_stats();
+    let stats = rt.ipc_collect();
     assert_eq!((stats.storages, stats.from_dead_consumers), (1, 1));
     assert_eq!(rt.ipc_limbo(), (0, 0));
 }

@@ -706,7 +706,7 @@ fn the_lister_follows_re_exports_and_sees_members() {
         "a root re-export is listed"
     );
     assert!(
-        has("fn cudalloc::CachingAllocator::allocate("),
+        has("fn cudalloc::Runtime::allocate("),
         "inherent methods are listed"
     );
     assert!(

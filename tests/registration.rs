@@ -209,7 +209,7 @@ fn attach_registers_what_is_mapped_then_each_new_segment_once() {
     );
     assert_eq!(r.registered_regions, stats.mapped_regions);
     assert_eq!(r.registered_bytes, stats.mapped_bytes);
-    assert_eq!(stats.mapped_bytes, rt.reserved_bytes(0).unwrap());
+    assert_eq!(stats.mapped_bytes, rt.memory_reserved(0).unwrap());
 
     // A storage names its region: the registrar's record, plus its offset.
     for s in before.iter().chain(&many) {
@@ -316,7 +316,7 @@ fn a_failed_registration_fails_the_allocation_and_gives_the_memory_back() {
         ok.held().is_empty(),
         "the registrar that took it gave it back"
     );
-    assert_eq!(rt.reserved_bytes(0).unwrap(), 0);
+    assert_eq!(rt.memory_reserved(0).unwrap(), 0);
     assert_eq!(driver.mem_info(0).unwrap().free, free_before);
     assert_eq!(rt.registration_stats().mapped_regions, 0);
     assert_eq!(rt.registration_stats().registrars[1].failures, 1);
@@ -327,7 +327,7 @@ fn a_failed_registration_fails_the_allocation_and_gives_the_memory_back() {
         .unwrap();
     let err = Storage::new(&ex, 0, 9 * MIB).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Registration, "{err}");
-    assert_eq!(ex.reserved_bytes(0).unwrap(), 0);
+    assert_eq!(ex.memory_reserved(0).unwrap(), 0);
     assert_eq!(driver.mem_info(0).unwrap().free, free_before);
 
     // The engine recovers: the allocator works again.
@@ -411,7 +411,7 @@ fn expandable_pages_are_regions_and_page_release_deregisters_exactly_them() {
         .all(|r| r.size == page && r.kind == RegionKind::ExpandablePage));
     assert_eq!(
         held.len() as u64 * page,
-        rt.reserved_bytes(0).unwrap(),
+        rt.memory_reserved(0).unwrap(),
         "one region per mapped page"
     );
     // b spans pages: one piece per page, contiguous, covering it exactly.
@@ -432,7 +432,7 @@ fn expandable_pages_are_regions_and_page_release_deregisters_exactly_them() {
     for id in &b_pages {
         assert!(left.iter().any(|r| r.id == *id), "b's page {id} kept");
     }
-    assert_eq!(left.len() as u64 * page, rt.reserved_bytes(0).unwrap());
+    assert_eq!(left.len() as u64 * page, rt.memory_reserved(0).unwrap());
     drop(b);
     rt.empty_cache();
     assert!(rec.held().is_empty());
@@ -532,7 +532,7 @@ fn attach_while_other_threads_map_and_free_misses_nothing() {
     );
     assert_eq!(
         held.iter().map(|r| r.size).sum::<u64>(),
-        rt.reserved_bytes(0).unwrap()
+        rt.memory_reserved(0).unwrap()
     );
     rt.empty_cache();
     assert!(rec.held().is_empty());
@@ -631,7 +631,7 @@ fn memory_a_capture_maps_is_registered_and_a_refusal_inside_a_capture_is_freed_a
     rt.empty_cache();
     assert!(rec.held().is_empty());
     assert_eq!(
-        rt.reserved_bytes(0).unwrap(),
+        rt.memory_reserved(0).unwrap(),
         0,
         "the refused segment went back too"
     );

@@ -10,8 +10,7 @@ use std::sync::Arc;
 
 use cudalloc::replay::{self, ReplayOptions, TraceFormat, TraceOp};
 use cudalloc::{
-    AllocatorConfig, CachingAllocator, DataPtr, Driver, ErrorKind, EventFlags, HostDriver,
-    SimDriver,
+    AllocatorConfig, DataPtr, Driver, ErrorKind, EventFlags, HostDriver, Runtime, SimDriver,
 };
 
 const MIB: u64 = 1 << 20;
@@ -96,7 +95,7 @@ fn sharing_memory_of_the_simulated_device_is_refused_and_leaves_the_storage_alon
 
 /// Replays an RMM-style random trace directly on `driver`: the memory stats at the end.
 fn random_run(driver: Arc<dyn Driver>, conf: &str) -> BTreeMap<String, i64> {
-    let a = CachingAllocator::new(driver, AllocatorConfig::parse(conf).unwrap()).unwrap();
+    let a = Runtime::new(driver, AllocatorConfig::parse(conf).unwrap()).unwrap();
     let mut live: Vec<DataPtr> = Vec::new();
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = || {
@@ -138,8 +137,11 @@ fn the_allocator_behaves_on_the_simulated_device_exactly_as_on_the_host_backend(
 fn a_cudalloc_trace_replays_to_the_peaks_the_allocator_recorded() {
     // Record a run's history, write it as JSON lines, replay it: same peaks as the run itself.
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 4 << 30).unwrap());
-    let a = CachingAllocator::new(driver, AllocatorConfig::default()).unwrap();
-    a.record_history(true, 100_000);
+    let a = Runtime::new(driver, AllocatorConfig::default()).unwrap();
+    a.record_memory_history(cudalloc::HistoryOptions::new(
+        cudalloc::HistoryMode::All,
+        100_000,
+    ));
     let mut live = HashMap::new();
     for i in 0..400u64 {
         live.insert(i, a.allocate(0, (i % 37 + 1) * 300_000).unwrap());
@@ -165,13 +167,16 @@ fn a_cudalloc_trace_replays_to_the_peaks_the_allocator_recorded() {
 fn a_pytorch_snapshot_written_by_cudalloc_replays_to_the_same_peaks() {
     // Both features at once: the history written as PyTorch's pickle, read back by the replay.
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 4 << 30).unwrap());
-    let a = CachingAllocator::new(driver, AllocatorConfig::default()).unwrap();
-    a.record_history(true, 100_000);
+    let a = Runtime::new(driver, AllocatorConfig::default()).unwrap();
+    a.record_memory_history(cudalloc::HistoryOptions::new(
+        cudalloc::HistoryMode::All,
+        100_000,
+    ));
     let side = a.create_stream(0).unwrap();
     let mut live = Vec::new();
     // The exact device-wide peak, read as the run goes (currents add up exactly across streams).
     let mut exact_peak = 0;
-    let mut observe = |a: &CachingAllocator| {
+    let mut observe = |a: &Runtime| {
         exact_peak = exact_peak.max(a.memory_stats(0).unwrap().allocated_bytes.all.current);
     };
     for i in 0..300u64 {

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use cudalloc::replay::{self, ReplayOptions};
-use cudalloc::{AllocatorConfig, CachingAllocator, DataPtr, Driver, SimDriver, StreamId};
+use cudalloc::{AllocatorConfig, DataPtr, Driver, Runtime, SimDriver, StreamId};
 
 const MIB: u64 = 1 << 20;
 
@@ -72,7 +72,7 @@ fn ten_thousand_streams_replay_to_the_peaks_an_independent_count_gives() {
     }
     // The allocator's own device-wide peaks over the same run, read once at the end.
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 64 << 30).unwrap());
-    let a = CachingAllocator::new(driver, AllocatorConfig::default()).unwrap();
+    let a = Runtime::new(driver, AllocatorConfig::default()).unwrap();
     let mut held = HashMap::new();
     for op in &ops {
         match *op {
@@ -125,8 +125,11 @@ fn a_two_device_trace_replays_with_its_figures_per_device() {
 
     // A two-device PyTorch snapshot written by cudalloc replays to each device's own peaks.
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(2, 4 << 30).unwrap());
-    let a = CachingAllocator::new(driver, AllocatorConfig::default()).unwrap();
-    a.record_history(true, 100_000);
+    let a = Runtime::new(driver, AllocatorConfig::default()).unwrap();
+    a.record_memory_history(cudalloc::HistoryOptions::new(
+        cudalloc::HistoryMode::All,
+        100_000,
+    ));
     let side = a.create_stream(1).unwrap();
     let mut held = Vec::new();
     for i in 0..120u64 {
@@ -189,10 +192,10 @@ fn run_directly(
     conf: &str,
     capacity: u64,
     ops: &[Op],
-    mut observe: impl FnMut(&CachingAllocator),
-) -> CachingAllocator {
+    mut observe: impl FnMut(&Runtime),
+) -> Runtime {
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, capacity).unwrap());
-    let a = CachingAllocator::new(driver, AllocatorConfig::parse(conf).unwrap()).unwrap();
+    let a = Runtime::new(driver, AllocatorConfig::parse(conf).unwrap()).unwrap();
     let mut streams: HashMap<u64, StreamId> = HashMap::new();
     // Ordered, so that what is still held at the end is freed in the same order every time.
     let mut held: BTreeMap<u64, DataPtr> = BTreeMap::new();

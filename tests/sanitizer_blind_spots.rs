@@ -166,7 +166,7 @@ fn after_a_sleep_and_wake_both_checks_hold_and_the_wake_is_not_reported() {
     let v = common::tagged(&rt, "w", &[4096, 4096], 7);
     let c = v[0].lazy_clone().unwrap();
     rt.sleep(&["w"], &[]).unwrap();
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     no_reports(&rt);
     let t = rt.create_stream(0).unwrap();
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.

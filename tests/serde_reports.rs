@@ -9,7 +9,10 @@ use common::*;
 #[test]
 fn stats_and_snapshots_serialize_with_pytorch_names() {
     let a = checked_allocator(std::sync::Arc::new(host_driver()), "");
-    a.record_history(true, 16);
+    a.record_memory_history(cudalloc::HistoryOptions::new(
+        cudalloc::HistoryMode::All,
+        16,
+    ));
     let block = a.allocate(0, 1 << 20).unwrap();
     let stats = serde_json::to_value(a.memory_stats(0).unwrap()).unwrap();
     assert_eq!(stats["allocated_bytes"]["all"]["current"], 1 << 20);

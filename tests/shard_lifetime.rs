@@ -10,7 +10,7 @@ mod common;
 
 use std::sync::{Arc, Barrier};
 
-use cudalloc::{AllocatorConfig, CachingAllocator, DataPtr, Driver, HostDriver, StreamId};
+use cudalloc::{AllocatorConfig, DataPtr, Driver, HostDriver, Runtime, StreamId};
 
 fn driver() -> Arc<HostDriver> {
     Arc::new(common::host_driver())
@@ -24,7 +24,7 @@ fn used(d: &HostDriver) -> u64 {
 #[test]
 fn memory_outlives_its_allocator_and_goes_back_with_its_last_pointer() {
     let d = driver();
-    let a = CachingAllocator::builder()
+    let a = Runtime::builder()
         .check_invariants(true)
         .build(d.clone())
         .unwrap();
@@ -72,7 +72,7 @@ fn memory_outlives_its_allocator_and_goes_back_with_its_last_pointer() {
 fn blocks_of_an_orphaned_shard_freed_on_many_threads_release_it_once() {
     for round in 0..200 {
         let d = driver();
-        let a = CachingAllocator::new(d.clone(), AllocatorConfig::default()).unwrap();
+        let a = Runtime::new(d.clone(), AllocatorConfig::default()).unwrap();
         let stream = a.create_stream(0).unwrap();
         let blocks: Vec<DataPtr> = (0..64)
             .map(|i| a.allocate_on(stream, 512 * (1 + i % 5)).unwrap())
@@ -105,12 +105,12 @@ fn blocks_of_an_orphaned_shard_freed_on_many_threads_release_it_once() {
 fn a_new_allocator_never_reaches_a_dropped_allocators_shards() {
     let d = driver();
     let stream = d.default_stream(0).unwrap();
-    let first = CachingAllocator::new(d.clone(), AllocatorConfig::default()).unwrap();
+    let first = Runtime::new(d.clone(), AllocatorConfig::default()).unwrap();
     // This thread now caches `first`'s shard of the default stream.
     let kept = first.allocate_on(stream, 4096).unwrap();
     drop(first);
     for _ in 0..3 {
-        let next = CachingAllocator::new(d.clone(), AllocatorConfig::default()).unwrap();
+        let next = Runtime::new(d.clone(), AllocatorConfig::default()).unwrap();
         let mine = next.allocate_on(stream, 4096).unwrap();
         let stats = next.memory_stats(0).unwrap();
         assert_eq!(
@@ -128,7 +128,7 @@ fn a_new_allocator_never_reaches_a_dropped_allocators_shards() {
 #[test]
 fn more_streams_than_the_thread_cache_holds_each_get_their_own_shard() {
     let d = driver();
-    let a = CachingAllocator::builder()
+    let a = Runtime::builder()
         .check_invariants(true)
         .build(d.clone())
         .unwrap();

@@ -53,7 +53,7 @@ fn a_storage_shared_before_a_sleep_is_shared_again_after_the_wake() {
     rt.sleep(&["weights"], &[]).unwrap();
     let err = shared[0].share_ipc().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Asleep, "{err}");
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     assert_eq!(shared[0].count_pattern_mismatches(100).unwrap(), 0);
     assert_eq!(
         consumer_reads(&offer_word(&shared[0], 100)),
@@ -96,7 +96,7 @@ fn a_share_during_the_sleep_is_refused() {
         vec![Err(ErrorKind::Asleep), Err(ErrorKind::Asleep)],
         "memory shared while its tag was put to sleep"
     );
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     assert_eq!(consumer_reads(&offer_word(&a[0], 1)), "ok mismatches=0");
     assert_eq!(consumer_reads(&offer_word(&b[0], 2)), "ok mismatches=0");
 }
@@ -114,8 +114,8 @@ fn a_wake_short_of_memory_releases_what_the_caches_hold() {
     let weights = tagged(&rt, "weights", &[32 * MIB], 5);
     rt.sleep(&["weights"], &[]).unwrap();
     drop(Storage::new(&rt, 0, 48 * MIB).unwrap());
-    assert!(rt.reserved_bytes(0).unwrap() >= 48 * MIB, "cached");
-    rt.wake_up(&[]).unwrap();
+    assert!(rt.memory_reserved(0).unwrap() >= 48 * MIB, "cached");
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     assert_eq!(weights[0].count_pattern_mismatches(5).unwrap(), 0);
 }
 
@@ -141,7 +141,9 @@ fn a_wake_failing_on_one_device_leaves_the_tag_asleep_whole() {
     rt.sleep(&["w"], &[]).unwrap();
     let free0 = host.mem_info(0).unwrap().free;
     let hog = Storage::new(&rt, 1, 60 * MIB).unwrap();
-    let err = rt.wake_up(&[]).unwrap_err();
+    let err = rt
+        .wake_up(&[], cudalloc::WakeOptions::default())
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{err}");
     assert!(rt.is_asleep("w").unwrap());
     assert_eq!(
@@ -149,10 +151,10 @@ fn a_wake_failing_on_one_device_leaves_the_tag_asleep_whole() {
         free0,
         "device 0 keeps nothing"
     );
-    assert_eq!(rt.reserved_bytes(0).unwrap(), 0);
+    assert_eq!(rt.memory_reserved(0).unwrap(), 0);
     rt.check_invariants().unwrap();
     drop(hog);
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     assert_eq!(w[0].count_pattern_mismatches(1).unwrap(), 0);
     assert_eq!(w[1].count_pattern_mismatches(7).unwrap(), 0);
     rt.check_invariants().unwrap();
@@ -175,7 +177,7 @@ fn released_bytes_count_the_cached_pages() {
         .current;
     let report = rt.sleep(&["w"], &[]).unwrap();
     assert_eq!(report.released_bytes, before as u64, "{report:?}");
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     assert_eq!(keep[0].count_pattern_mismatches(1).unwrap(), 0);
 }
 
@@ -270,7 +272,13 @@ fn sleeps_and_wakes_from_two_threads_keep_every_byte() {
         })
     };
     let sleeper = successes(|rt| rt.sleep(&["weights"], &[]).map(drop), rt.clone());
-    let waker = successes(|rt| rt.wake_up(&["weights"]).map(drop), rt.clone());
+    let waker = successes(
+        |rt| {
+            rt.wake_up(&["weights"], cudalloc::WakeOptions::default())
+                .map(drop)
+        },
+        rt.clone(),
+    );
     sleeper.join().unwrap();
     waker.join().unwrap();
     assert!(!rt.is_asleep("weights").unwrap());
@@ -345,7 +353,9 @@ fn panics_mid_sleep_or_wake_leave_the_tag_whole() {
 
     // Panicking on register at the wake: the registrar's error, the tag still asleep.
     registrar.on_register.store(true, Ordering::SeqCst);
-    let err = rt.wake_up(&[]).unwrap_err();
+    let err = rt
+        .wake_up(&[], cudalloc::WakeOptions::default())
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Registration, "{err}");
     assert!(err.to_string().contains("panicked"), "{err}");
     registrar.on_register.store(false, Ordering::SeqCst);
@@ -353,10 +363,12 @@ fn panics_mid_sleep_or_wake_leave_the_tag_whole() {
 
     // The driver panics in the restore copy: asleep again, its bytes kept for the next wake.
     faults.pinned_copies_panic.store(true, Ordering::SeqCst);
-    assert!(unwinds(&|| drop(rt.wake_up(&[]))));
+    assert!(unwinds(&|| drop(
+        rt.wake_up(&[], cudalloc::WakeOptions::default())
+    )));
     faults.pinned_copies_panic.store(false, Ordering::SeqCst);
     assert!(rt.is_asleep("weights").unwrap());
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     assert_eq!(weights[0].count_pattern_mismatches(40).unwrap(), 0);
     assert_eq!(more[0].count_pattern_mismatches(41).unwrap(), 0);
 
@@ -366,7 +378,7 @@ fn panics_mid_sleep_or_wake_leave_the_tag_whole() {
     rt.check_invariants().unwrap();
     drop((weights, more));
     rt.sleep(&[], &["weights"]).unwrap();
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
 }
 
 /// A tag's record holds its pool, whose devices hold the tags: the allocator's drop ends that

@@ -87,7 +87,9 @@ fn offloaded_bytes_come_back_at_the_same_addresses() {
             b.name
         );
 
-        let woke = rt.wake_up(&["weights"]).unwrap();
+        let woke = rt
+            .wake_up(&["weights"], cudalloc::WakeOptions::default())
+            .unwrap();
         assert_eq!(woke.mapped_bytes, reserved as u64, "{}", b.name);
         assert!(woke.restored_bytes >= sizes.iter().sum::<u64>());
         assert!(!rt.is_asleep("weights").unwrap());
@@ -100,7 +102,7 @@ fn offloaded_bytes_come_back_at_the_same_addresses() {
         assert_eq!(mismatches(&more, 99), vec![0]);
         drop((weights, more));
         rt.tag("weights").unwrap().empty_cache();
-        assert_eq!(rt.reserved_bytes(0).unwrap(), 0, "{}", b.name);
+        assert_eq!(rt.memory_reserved(0).unwrap(), 0, "{}", b.name);
     }
 }
 
@@ -118,7 +120,7 @@ fn discarded_tags_give_memory_back_and_wake_zeroed_on_request() {
         assert_eq!(report.discarded_bytes, 5 * MIB, "{}: {report:?}", b.name);
         assert_eq!(report.offloaded_bytes, 3 * MIB);
         assert_eq!(
-            rt.reserved_bytes(0).unwrap(),
+            rt.memory_reserved(0).unwrap(),
             0,
             "{}: everything given back",
             b.name
@@ -129,7 +131,7 @@ fn discarded_tags_give_memory_back_and_wake_zeroed_on_request() {
         assert!(host_during - host_before < 8 * MIB as i64, "{}", b.name);
 
         let woke = rt
-            .wake_up_with(&[], WakeOptions::default().zero_discarded(true))
+            .wake_up(&[], WakeOptions::default().zero_discarded(true))
             .unwrap();
         assert_eq!(woke.zeroed_bytes, 5 * MIB, "{}: {woke:?}", b.name);
         assert_eq!(mismatches(&weights, 1), vec![0]);
@@ -169,7 +171,9 @@ fn refusals_say_what_is_wrong() {
             ErrorKind::InvalidArgument
         );
         assert_eq!(
-            rt.wake_up(&["weights"]).unwrap_err().kind(),
+            rt.wake_up(&["weights"], cudalloc::WakeOptions::default())
+                .unwrap_err()
+                .kind(),
             ErrorKind::Asleep,
             "{}: waking an awake tag",
             b.name
@@ -213,11 +217,14 @@ fn refusals_say_what_is_wrong() {
         let s2 = rt.create_stream(0).unwrap();
         let capture = rt.begin_capture(s2, None, CaptureMode::Global).unwrap();
         assert_eq!(
-            rt.wake_up(&["weights"]).unwrap_err().kind(),
+            rt.wake_up(&["weights"], cudalloc::WakeOptions::default())
+                .unwrap_err()
+                .kind(),
             ErrorKind::StreamCapture
         );
         drop(capture.end().unwrap());
-        rt.wake_up(&["weights"]).unwrap();
+        rt.wake_up(&["weights"], cudalloc::WakeOptions::default())
+            .unwrap();
         assert_eq!(mismatches(&weights, 3), vec![0], "{}", b.name);
         // And a capture refuses a sleep, leaving the tag awake.
         let capture = rt.begin_capture(s2, None, CaptureMode::Global).unwrap();
@@ -239,14 +246,19 @@ fn a_hundred_cycles_leak_nothing() {
         let weights = tagged(&rt, "weights", &[MIB, 3 * MIB], 20);
         let kv = tagged(&rt, "kv", &[2 * MIB], 30);
         let free_awake = free_memory(&rt);
-        let reserved = rt.reserved_bytes(0).unwrap();
+        let reserved = rt.memory_reserved(0).unwrap();
         let mut host_after_first = None;
         for cycle in 0..100u64 {
             rt.sleep(&["weights"], &["kv"]).unwrap();
-            assert_eq!(rt.reserved_bytes(0).unwrap(), 0, "{} cycle {cycle}", b.name);
-            rt.wake_up(&[]).unwrap();
+            assert_eq!(
+                rt.memory_reserved(0).unwrap(),
+                0,
+                "{} cycle {cycle}",
+                b.name
+            );
+            rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
             assert_eq!(free_memory(&rt), free_awake, "{} cycle {cycle}", b.name);
-            assert_eq!(rt.reserved_bytes(0).unwrap(), reserved);
+            assert_eq!(rt.memory_reserved(0).unwrap(), reserved);
             // The weights change between cycles: each sleep keeps the latest bytes.
             weights[0].fill_pattern(100 + cycle).unwrap();
             kv[0].fill_pattern(cycle).unwrap();
@@ -263,7 +275,7 @@ fn a_hundred_cycles_leak_nothing() {
         for tag in ["weights", "kv"] {
             rt.tag(tag).unwrap().empty_cache();
         }
-        assert_eq!(rt.reserved_bytes(0).unwrap(), 0, "{}", b.name);
+        assert_eq!(rt.memory_reserved(0).unwrap(), 0, "{}", b.name);
     }
 }
 
@@ -299,7 +311,7 @@ fn a_captured_graph_replays_after_wake() {
         let graph = capture.end().unwrap();
 
         rt.sleep(&["weights"], &["scratch"]).unwrap();
-        rt.wake_up_with(&[], WakeOptions::default().zero_discarded(true))
+        rt.wake_up(&[], WakeOptions::default().zero_discarded(true))
             .unwrap();
         out.fill_pattern(1).unwrap();
         graph.replay(s).unwrap();
@@ -334,7 +346,8 @@ fn lazy_clones_of_sleeping_memory() {
         let err = clone.mutable_data_ptr().unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Asleep, "{}: {err}", b.name);
         assert!(clone.is_cow());
-        rt.wake_up(&["weights"]).unwrap();
+        rt.wake_up(&["weights"], cudalloc::WakeOptions::default())
+            .unwrap();
         clone.fill_pattern(61).unwrap();
         assert!(!clone.is_cow());
         assert_eq!(clone.count_pattern_mismatches(61).unwrap(), 0);
@@ -349,7 +362,7 @@ fn lazy_clones_of_sleeping_memory() {
         copy.mutable_data_ptr().unwrap();
         rt.sleep(&[], &["weights"]).unwrap();
         assert_eq!(copy.count_pattern_mismatches(60).unwrap(), 0, "{}", b.name);
-        rt.wake_up(&[]).unwrap();
+        rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     }
 }
 
@@ -388,7 +401,7 @@ fn registrars_see_the_pages_go_and_come_back() {
             weights[0].registered_regions().unwrap_err().kind(),
             ErrorKind::Asleep
         );
-        rt.wake_up(&[]).unwrap();
+        rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
         assert_eq!(
             held.0.lock().unwrap().len(),
             pages,
@@ -422,11 +435,11 @@ fn a_tag_spans_devices() {
     let (a, b) = (on(0, 1), on(1, 2));
     let report = rt.sleep(&["weights"], &[]).unwrap();
     assert_eq!(
-        rt.reserved_bytes(0).unwrap() + rt.reserved_bytes(1).unwrap(),
+        rt.memory_reserved(0).unwrap() + rt.memory_reserved(1).unwrap(),
         0
     );
     assert_eq!(report.released_bytes, 2 * 2 * PAGE);
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     assert_eq!(a.count_pattern_mismatches(1).unwrap(), 0);
     assert_eq!(b.count_pattern_mismatches(2).unwrap(), 0);
 }
@@ -476,7 +489,7 @@ fn the_sanitizer_reports_work_on_sleeping_memory() {
     // The stream is not failed: work elsewhere goes on.
     let other = Storage::new(&rt, 0, MIB).unwrap();
     other.fill_pattern(1).unwrap();
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     assert_eq!(weights.count_pattern_mismatches(80).unwrap(), 0);
     // After the wake the same call is fine.
     let stream = rt.current_stream(0).unwrap();
@@ -494,7 +507,7 @@ fn without_the_sanitizer_the_host_backend_refuses_sleeping_addresses() {
     // A raw driver call on the address: a typed error, not a SIGBUS.
     let (rt, weights, err) = raw_work_while_asleep(Sanitize::Off, 90);
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     assert_eq!(weights.count_pattern_mismatches(90).unwrap(), 0);
 }
 
@@ -546,7 +559,7 @@ fn allocations_frees_and_empty_cache_racing_sleeps() {
             .collect();
         for _ in 0..30 {
             rt.sleep(&["weights"], &[]).unwrap();
-            rt.wake_up(&[]).unwrap();
+            rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
         }
         stop.store(true, Ordering::SeqCst);
         for w in workers {
@@ -565,7 +578,7 @@ fn allocations_frees_and_empty_cache_racing_sleeps() {
         }
         drop(warm);
         rt.tag("weights").unwrap().empty_cache();
-        assert_eq!(rt.reserved_bytes(0).unwrap(), 0, "{}", b.name);
+        assert_eq!(rt.memory_reserved(0).unwrap(), 0, "{}", b.name);
     }
 }
 
@@ -599,11 +612,11 @@ fn memory_a_consumer_holds_keeps_its_tag_awake_until_the_consumer_is_gone() {
     // The consumer dies holding both; the default pool's storage can go to limbo meanwhile.
     child.kill();
     drop(plain);
-    assert_eq!(rt.ipc_collect_stats().from_dead_consumers, 1);
+    assert_eq!(rt.ipc_collect().from_dead_consumers, 1);
     // Nobody counts on the tag's storage any more: it sleeps, and wakes with its bytes.
     rt.sleep(&["weights"], &[]).unwrap();
     assert_eq!(tag_reserved(&rt, "weights"), 0);
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     assert_eq!(shared[0].count_pattern_mismatches(100).unwrap(), 0);
 }
 
@@ -653,7 +666,7 @@ fn a_host_driver_without_pinned_budget_fails_offload_and_stays_awake() {
     assert_eq!(weights[0].count_pattern_mismatches(110).unwrap(), 0);
     // Discarding needs no host memory.
     rt.sleep(&[], &["weights"]).unwrap();
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     let fresh = tagged(&rt, "weights", &[MIB], 111);
     assert_eq!(mismatches(&fresh, 111), vec![0]);
 }
@@ -666,7 +679,9 @@ fn a_forked_child_neither_sleeps_nor_wakes_its_parents_tags() {
     let child_rt = rt.clone();
     let verdict = common::forked::in_forked_child(move || {
         let slept = child_rt.sleep(&["weights"], &[]).unwrap_err();
-        let woken = child_rt.wake_up(&["weights"]).unwrap_err();
+        let woken = child_rt
+            .wake_up(&["weights"], cudalloc::WakeOptions::default())
+            .unwrap_err();
         for err in [slept, woken] {
             if err.kind() != ErrorKind::ForkedChild {
                 return Err(format!("in a forked child: {err}"));
@@ -677,7 +692,7 @@ fn a_forked_child_neither_sleeps_nor_wakes_its_parents_tags() {
     verdict.unwrap();
     assert!(!rt.is_asleep("weights").unwrap());
     rt.sleep(&["weights"], &[]).unwrap();
-    rt.wake_up(&[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
     assert_eq!(mismatches(&weights, 120), vec![0]);
 }
 
@@ -716,7 +731,7 @@ fn a_graph_captured_into_a_tag_replays_after_wake() {
         let graph = capture.end().unwrap();
         rt.sleep(&[], &["graph"]).unwrap();
         assert_eq!(tag_reserved(&rt, "graph"), 0, "{}", b.name);
-        rt.wake_up(&[]).unwrap();
+        rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
         out.fill_pattern(1).unwrap();
         graph.replay(s).unwrap();
         rt.driver().stream_synchronize(s).unwrap();

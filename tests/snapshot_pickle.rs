@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{AllocatorConfig, CachingAllocator, Driver, HostDriver};
+use cudalloc::{AllocatorConfig, Driver, HostDriver, Runtime};
 use cudalloc::{HistoryMode, HistoryOptions};
 use serde_pickle::{HashableValue as H, Value as V};
 
@@ -55,7 +55,7 @@ fn list(v: &V) -> &Vec<V> {
 fn busy_allocator(
     conf: &str,
 ) -> (
-    CachingAllocator,
+    Runtime,
     cudalloc::internals::StreamGate,
     Vec<cudalloc::DataPtr>,
 ) {
@@ -67,7 +67,7 @@ fn busy_allocator(
             .unwrap(),
     );
     let driver: Arc<dyn Driver> = host.clone();
-    let a = CachingAllocator::new(driver, AllocatorConfig::parse(conf).unwrap()).unwrap();
+    let a = Runtime::new(driver, AllocatorConfig::parse(conf).unwrap()).unwrap();
     a.record_memory_history(HistoryOptions::new(HistoryMode::All, 10_000).with_stacks(true));
     let side = a.create_stream(0).unwrap();
     let mut held = Vec::new();
@@ -141,7 +141,10 @@ fn running_out_of_memory_writes_the_snapshot_before_the_error_returns() {
     let _ = std::fs::remove_file(&file);
     let conf = format!("oom_snapshot_path:{}", file.display());
     let a = checked_allocator(Arc::new(host_driver()), &conf);
-    a.allocator().record_history(true, 1000);
+    a.record_memory_history(cudalloc::HistoryOptions::new(
+        cudalloc::HistoryMode::All,
+        1000,
+    ));
     let _held = a.allocate(0, 40 << 20).unwrap();
     assert!(!file.exists());
     let err = a.allocate(0, 40 << 20).unwrap_err();
@@ -169,7 +172,7 @@ fn dump_snapshot_writes_the_snapshot_of_the_moment_to_the_path() {
     std::os::unix::fs::symlink(&target, &file).unwrap();
     let a = checked_allocator(Arc::new(host_driver()), "");
     let held = a.allocate(0, 3 << 20).unwrap();
-    a.allocator().dump_snapshot(&file).unwrap();
+    a.dump_snapshot(&file).unwrap();
     assert_eq!(
         std::fs::read(&target).unwrap(),
         b"keep",

@@ -9,7 +9,7 @@ mod common;
 use std::sync::{mpsc, Arc, Barrier};
 
 use cudalloc::SnapshotBlockState;
-use cudalloc::{AllocatorConfig, CachingAllocator, Driver, HostDriver};
+use cudalloc::{AllocatorConfig, Driver, HostDriver, Runtime};
 
 const MIB: u64 = 1 << 20;
 
@@ -17,11 +17,11 @@ fn driver() -> Arc<HostDriver> {
     Arc::new(common::host_driver())
 }
 
-fn cached(d: &Arc<HostDriver>, mb: u64) -> Arc<CachingAllocator> {
+fn cached(d: &Arc<HostDriver>, mb: u64) -> Arc<Runtime> {
     // With the run's settings (expandable segments in CI's second pass).
     let config = common::test_config(&format!("thread_cache_mb:{mb}"));
     Arc::new(
-        CachingAllocator::builder()
+        Runtime::builder()
             .config(config)
             .check_invariants(true)
             .build(d.clone())
@@ -34,7 +34,7 @@ fn used(d: &HostDriver) -> u64 {
     m.total - m.free
 }
 
-fn block_state(a: &CachingAllocator, addr: u64) -> Option<SnapshotBlockState> {
+fn block_state(a: &Runtime, addr: u64) -> Option<SnapshotBlockState> {
     a.snapshot()
         .segments
         .iter()
@@ -275,7 +275,7 @@ fn many_threads_on_one_stream_keep_the_shard_consistent() {
 #[test]
 fn off_by_default_the_freed_block_goes_back_to_the_shard_at_once() {
     let d = driver();
-    let a = CachingAllocator::new(d.clone(), AllocatorConfig::default()).unwrap();
+    let a = Runtime::new(d.clone(), AllocatorConfig::default()).unwrap();
     let p = a.allocate(0, 4096).unwrap();
     let addr = p.ptr();
     drop(p);
@@ -287,7 +287,10 @@ fn the_history_sees_front_cache_frees_and_reuses_as_frees_and_allocations() {
     use cudalloc::TraceAction;
     let d = driver();
     let a = cached(&d, 8);
-    a.record_history(true, 1000);
+    a.record_memory_history(cudalloc::HistoryOptions::new(
+        cudalloc::HistoryMode::All,
+        1000,
+    ));
     let p = a.allocate(0, 4096).unwrap();
     let addr = p.ptr().0;
     drop(p); // kept by this thread's front cache

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use super::engine::snapshot::SnapshotBlockState;
 use super::history::TraceAction;
-use super::{summary, CachingAllocator, DeviceStats, HistoryMode, HistoryOptions, Snapshot};
+use super::{summary, CachingAllocator, DeviceStats, HistoryOptions, Snapshot};
 use crate::driver::StreamId;
 use crate::error::Result;
 
@@ -71,20 +71,6 @@ impl CachingAllocator {
             self.driver.backend().name(),
             &stats,
         ))
-    }
-
-    /// Turns the history on (every event, keeping the last `max_entries`, no stacks) or off.
-    /// [`CachingAllocator::record_memory_history`] chooses what is recorded.
-    pub fn record_history(&self, enabled: bool, max_entries: usize) {
-        self.record_memory_history(HistoryOptions {
-            mode: if enabled {
-                HistoryMode::All
-            } else {
-                HistoryMode::Off
-            },
-            max_entries,
-            stacks: false,
-        });
     }
 
     /// PyTorch's `_record_memory_history`: what the history records, how many entries it keeps,

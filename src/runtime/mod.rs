@@ -10,12 +10,11 @@
 //! It also holds the process's pinned host allocator (`pinned`), over the same driver, and with
 //! it puts tags to sleep and wakes them (`sleep.rs`).
 //!
-//! It dereferences to its [`CachingAllocator`], so allocation, streams, stats and snapshots are
-//! called on it directly.
+//! It answers for its allocator itself (`allocator.rs`): allocation, streams, stats, snapshots,
+//! pools, tags and captures are the runtime's methods; the allocator is not public.
 
+mod allocator;
 mod sleep;
-
-use std::ops::Deref;
 
 use crate::alloc::{CachingAllocator, CachingAllocatorBuilder};
 use crate::config::AllocatorConfig;
@@ -138,14 +137,6 @@ impl std::fmt::Debug for Runtime {
     }
 }
 
-impl Deref for Runtime {
-    type Target = CachingAllocator;
-
-    fn deref(&self) -> &CachingAllocator {
-        &self.allocator
-    }
-}
-
 impl Runtime {
     /// A builder with the default configuration.
     pub fn builder() -> RuntimeBuilder {
@@ -157,8 +148,8 @@ impl Runtime {
         Self::builder().config(config).build(driver)
     }
 
-    /// The allocator.
-    pub fn allocator(&self) -> &Arc<CachingAllocator> {
+    /// The allocator (the runtime answers for it: `allocator.rs`).
+    pub(crate) fn allocator(&self) -> &Arc<CachingAllocator> {
         &self.allocator
     }
 
@@ -184,9 +175,9 @@ impl Runtime {
 
     /// Frees shared storages that consumers released, those held only by dead consumer processes
     /// and those whose unopened handles expired; removes what dead processes left in `/dev/shm`.
-    /// Returns whether anything was freed.
-    pub fn ipc_collect(&self) -> bool {
-        self.ipc.collect().storages > 0
+    /// Returns what it freed (PyTorch's `torch.cuda.ipc_collect`).
+    pub fn ipc_collect(&self) -> Drained {
+        self.ipc.collect()
     }
 
     /// The cheap part of [`Self::ipc_collect`]: frees limbo storages whose slots consumers released
@@ -194,11 +185,6 @@ impl Runtime {
     /// This is what every producer-side free and every cache miss run.
     pub fn ipc_drain(&self) -> Drained {
         self.ipc.drain()
-    }
-
-    /// [`Self::ipc_collect`] with what it freed.
-    pub fn ipc_collect_stats(&self) -> Drained {
-        self.ipc.collect()
     }
 
     /// Shared storages in limbo (dropped here, still counted by consumers) and their bytes.

@@ -65,7 +65,7 @@ pub struct WakeReport {
     pub zeroed_bytes: u64,
 }
 
-/// How [`Runtime::wake_up_with`] wakes.
+/// How [`Runtime::wake_up`] wakes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct WakeOptions {
@@ -140,7 +140,7 @@ impl Runtime {
         let mut streams: Vec<StreamId> = Vec::new();
         for &(name, keep) in plan {
             let mut buffers = Vec::new();
-            let begun = self.begin_sleep(name, |range| {
+            let begun = self.allocator.begin_sleep(name, |range| {
                 self.refuse_shared(name, range)?;
                 if keep {
                     buffers.push((*range, self.offload(range)?));
@@ -185,7 +185,7 @@ impl Runtime {
         let started = std::mem::take(started);
         let finished = {
             let starts: Vec<&SleepStart> = started.iter().map(|(start, ..)| start).collect();
-            self.finish_sleeps(&starts)
+            self.allocator.finish_sleeps(&starts)
         };
         let released = match finished {
             Ok(released) => released,
@@ -208,14 +208,10 @@ impl Runtime {
     }
 
     /// Wakes `tags` (every sleeping tag when empty): their memory mapped back at the same
-    /// addresses, offloaded bytes restored, discarded bytes undefined.
-    pub fn wake_up(&self, tags: &[&str]) -> Result<WakeReport> {
-        self.wake_up_with(tags, WakeOptions::default())
-    }
-
-    /// [`Runtime::wake_up`] with options. Tag by tag: on an error (out of memory) the tags
-    /// before it are awake, it and the rest still asleep with their bytes kept.
-    pub fn wake_up_with(&self, tags: &[&str], options: WakeOptions) -> Result<WakeReport> {
+    /// addresses, offloaded bytes restored, discarded bytes undefined unless `options` zero them
+    /// (`WakeOptions::default()`: as vLLM's `wake_up`). Tag by tag: on an error (out of memory)
+    /// the tags before it are awake, it and the rest still asleep with their bytes kept.
+    pub fn wake_up(&self, tags: &[&str], options: WakeOptions) -> Result<WakeReport> {
         let mut names: Vec<String> = if tags.is_empty() {
             self.sleepers.lock().keys().cloned().collect()
         } else {
@@ -240,7 +236,7 @@ impl Runtime {
         every: bool,
         report: &mut WakeReport,
     ) -> Result<()> {
-        let start = match self.begin_wake(name) {
+        let start = match self.allocator.begin_wake(name) {
             Ok(start) => start,
             Err(Error::Asleep { .. }) if every => return Ok(()),
             Err(err) => return Err(err),
@@ -299,7 +295,7 @@ impl Runtime {
             // driver: the stream sanitizer's panic mode). Keep them for a retry of the copy by
             // the caller's next wake: the tag goes back to sleep.
             self.sleepers.lock().insert(name.to_owned(), kept);
-            self.sleep_again(start);
+            self.allocator.sleep_again(start);
             return match failure {
                 Ok(err) => Err(err),
                 Err(panic) => resume_unwind(panic),
@@ -308,7 +304,7 @@ impl Runtime {
         // Storages of the tag shared earlier are served with the new pages' chunks from now on
         // (read before the page registry's lock is taken: no shard lock under it).
         self.serve_spans_from(&start.mapped_pages());
-        self.finish_wake(start);
+        self.allocator.finish_wake(start);
         Ok(())
     }
 
@@ -369,14 +365,14 @@ impl Runtime {
         }
         drop(sleepers);
         for (start, ..) in started {
-            self.cancel_sleep(start);
+            self.allocator.cancel_sleep(start);
         }
     }
 
     /// Gives up every started sleep; returns `err`.
     fn cancel_all(&self, started: Vec<Started>, err: Error) -> Error {
         for (start, _, _) in started {
-            self.cancel_sleep(start);
+            self.allocator.cancel_sleep(start);
         }
         err
     }

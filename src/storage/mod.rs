@@ -164,7 +164,7 @@ impl Storage {
     }
 
     /// The allocator that owns the memory.
-    pub fn allocator(&self) -> &Arc<crate::CachingAllocator> {
+    pub(crate) fn allocator(&self) -> &Arc<crate::alloc::CachingAllocator> {
         self.inner.runtime.allocator()
     }
 

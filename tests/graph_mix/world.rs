@@ -190,7 +190,7 @@ pub(crate) struct Counts {
 
 pub(crate) struct World<'l> {
     d: Arc<dyn Driver>,
-    a: CachingAllocator,
+    a: Runtime,
     rng: Rng,
     log: &'l RefCell<Vec<String>>,
     streams: Vec<StreamId>,
@@ -251,7 +251,7 @@ impl<'l> World<'l> {
         } else {
             SanitizedDriver::wrap(driver, SanitizeOptions::report())
         };
-        let a = CachingAllocator::builder()
+        let a = Runtime::builder()
             .config(common::test_config(&common::join_conf(conf, &cap)))
             .check_invariants(true)
             .build(Arc::clone(&d))
@@ -374,7 +374,7 @@ fn covered(
 }
 
 /// Whether `[at, at + n)` lies in blocks of pool `pool`.
-pub(crate) fn in_pool(a: &CachingAllocator, pool: MemPoolId, at: u64, n: u64) -> bool {
+pub(crate) fn in_pool(a: &Runtime, pool: MemPoolId, at: u64, n: u64) -> bool {
     let blocks: BTreeMap<u64, (u64, MemPoolId, SnapshotBlockState)> = a
         .snapshot()
         .segments
