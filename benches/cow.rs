@@ -14,7 +14,7 @@ use cudalloc::{Runtime, Storage};
 const BIG: u64 = 64 << 20;
 
 fn allocator() -> Arc<Runtime> {
-    common::host_allocator(2 << 30)
+    common::pinned_allocator(2 << 30)
 }
 
 fn lazy_clone_and_steal(c: &mut Criterion) {

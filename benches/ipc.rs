@@ -23,7 +23,7 @@ use criterion::{criterion_group, BatchSize, BenchmarkId, Criterion};
 use cudalloc::{IpcHandle, Runtime, Storage};
 
 fn allocator() -> Arc<Runtime> {
-    common::host_allocator(2 << 30)
+    common::pinned_allocator(2 << 30)
 }
 
 /// A storage in limbo whose only count is held by the returned (decoded, unopened) handle.

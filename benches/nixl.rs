@@ -84,7 +84,7 @@ fn register_all(agent: &Agent, ranges: &[(u64, u64)]) -> Duration {
 
 fn registration(c: &mut Criterion) {
     setup();
-    let rt = common::host_allocator(4 << 30);
+    let rt = common::pinned_allocator(4 << 30);
     let all = storages(&rt, 0, |_| true);
     let mut regions: Vec<(u64, u64)> = all
         .iter()
@@ -131,7 +131,7 @@ fn registration(c: &mut Criterion) {
 fn receiver() {
     setup();
     let large = std::env::var(CHILD_ENV).unwrap() == "large";
-    let rt = common::host_allocator(4 << 30);
+    let rt = common::pinned_allocator(4 << 30);
     let agent = NixlAgent::new(
         &rt,
         NixlOptions::new(format!("bench-rx-{}", std::process::id())),
@@ -163,7 +163,7 @@ fn transfer_group(c: &mut Criterion, group: &str, large: bool) {
         .spawn()
         .unwrap();
     let mut from_child = BufReader::new(child.stdout.take().unwrap());
-    let rt = common::host_allocator(4 << 30);
+    let rt = common::pinned_allocator(4 << 30);
     let agent = NixlAgent::new(
         &rt,
         NixlOptions::new(format!("bench-tx-{}", std::process::id())),

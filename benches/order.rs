@@ -12,7 +12,7 @@ use std::time::Duration;
 mod common;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use cudalloc::{AllocatorConfig, HostMemory, HostRange, Runtime, Storage};
+use cudalloc::{AllocatorConfig, HostKernelMemory, HostRange, Runtime, Storage};
 
 const LAUNCHES: usize = 64;
 
@@ -78,7 +78,7 @@ fn order(c: &mut Criterion) {
 
 /// A typed host kernel over 4 MiB (x → y = 2x, f32): slices over the memory itself (`auto`),
 /// over private copies (`manual`: staged), and the raw escape hatch reading and writing by copies
-/// (`HostMemory::read`/`write`), side by side.
+/// (`HostKernelMemory::read`/`write`), side by side.
 fn host_kernels(c: &mut Criterion) {
     const BYTES: u64 = 4 << 20;
     let mut g = c.benchmark_group("host_kernel_4MiB");
@@ -119,7 +119,7 @@ fn host_kernels(c: &mut Criterion) {
             ];
             // SAFETY: no typed kernel sees these storages.
             unsafe {
-                host.enqueue_host(s, ranges, |m: &mut HostMemory<2>| {
+                host.enqueue_host(s, ranges, |m: &mut HostKernelMemory<2>| {
                     let bytes = m.to_vec(0)?;
                     let out: Vec<u8> = bytes
                         .chunks_exact(4)

@@ -1,6 +1,6 @@
 //! The pinned host allocator (issue 25), side by side in one run:
 //!
-//! * a cached pinned pair (`HostAllocator::allocate` + drop of the buffer, the block reused from
+//! * a cached pinned pair (`PinnedAllocator::allocate` + drop of the buffer, the block reused from
 //!   its size class) against an uncached page-locked allocation (the driver's `host_alloc` +
 //!   `host_free`: a mapping locked with `mlock` on the host backend, `cuMemHostAlloc` on CUDA)
 //!   and against glibc (`malloc` + `free` of the same size);
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use cudalloc::{Driver, HostAllocator, HostDriver, PinnedOptions};
+use cudalloc::{Driver, HostDriver, PinnedAllocator, PinnedOptions};
 
 fn driver() -> Arc<HostDriver> {
     Arc::new(
@@ -28,7 +28,7 @@ fn driver() -> Arc<HostDriver> {
 
 fn pairs(c: &mut Criterion) {
     let d = driver();
-    let alloc = HostAllocator::new(d.clone(), PinnedOptions::default());
+    let alloc = PinnedAllocator::new(d.clone(), PinnedOptions::default());
     let mut g = c.benchmark_group("pinned_pair");
     for size in [4096usize, 64 << 10, 1 << 20] {
         drop(alloc.allocate(size).unwrap());
@@ -69,7 +69,7 @@ fn pairs(c: &mut Criterion) {
 fn copies(c: &mut Criterion) {
     const LEN: usize = 4 << 20;
     let d = driver();
-    let alloc = HostAllocator::new(d.clone(), PinnedOptions::default());
+    let alloc = PinnedAllocator::new(d.clone(), PinnedOptions::default());
     let s = d.stream_create(0).unwrap();
     let dst = d.malloc(0, LEN as u64).unwrap();
     let mut pinned = alloc.allocate(LEN).unwrap();

@@ -13,8 +13,8 @@
 use std::sync::Arc;
 
 use cudalloc::{
-    CaptureMode, DeviceAddr, Error, HostDriver, HostMemory, HostRange, Result, Runtime, Storage,
-    StreamId,
+    CaptureMode, DeviceAddr, Error, HostDriver, HostKernelMemory, HostRange, Result, Runtime,
+    Storage, StreamId,
 };
 
 const LEN: u64 = 4096;
@@ -46,7 +46,7 @@ fn binary(
                 HostRange::read(b, LEN),
                 HostRange::write(dst, LEN),
             ],
-            move |m: &mut HostMemory<3>| {
+            move |m: &mut HostKernelMemory<3>| {
                 let (mut x, mut y) = (vec![0u8; m.len(0)], vec![0u8; m.len(1)]);
                 m.read(0, 0, &mut x)?;
                 m.read(1, 0, &mut y)?;

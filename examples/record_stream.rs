@@ -23,7 +23,7 @@ use cudalloc::{
     Error, ErrorKind, EventFlags, HostDriver, Result, Runtime, Sanitize, SanitizeOptions, Storage,
     StreamId,
 };
-use cudalloc::{HostMemory, HostRange};
+use cudalloc::{HostKernelMemory, HostRange};
 
 /// How a copy on another stream orders itself against the source's producer and free.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,7 +57,7 @@ impl Tensor {
             Self::host(runtime)?.enqueue_host(
                 stream,
                 [HostRange::write(storage.mutable_data_ptr_on(stream)?, len)],
-                move |m: &mut HostMemory<1>| m.write(0, 0, &vec![value; m.len(0)]),
+                move |m: &mut HostKernelMemory<1>| m.write(0, 0, &vec![value; m.len(0)]),
             )
         }?;
         Ok(Tensor { storage, stream })
@@ -101,7 +101,7 @@ impl Tensor {
                     HostRange::read(src, len),
                     HostRange::write(out.mutable_data_ptr_on(side)?, len),
                 ],
-                |m: &mut HostMemory<2>| {
+                |m: &mut HostKernelMemory<2>| {
                     let bytes = m.to_vec(0)?;
                     m.write(1, 0, &bytes)
                 },

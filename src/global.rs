@@ -150,7 +150,7 @@ impl Global {
     }
 
     /// A pinned host buffer of at least `len` bytes from the process's pinned allocator (see
-    /// [`Runtime::host_allocator`]).
+    /// [`Runtime::pinned_allocator`]).
     pub fn pinned(&self, len: usize) -> Result<crate::pinned::PinnedBuffer> {
         self.get()?.pinned(len)
     }

@@ -53,15 +53,11 @@ pub use alloc::{
     PoolStats, Region, RegionKind, RegisteredRegion, Registrar, RegistrarId, RegistrarStats,
     RegistrationStats, Sanitize, SegmentChange, SegmentEvent, SegmentId, SegmentObserver, Snapshot,
     SnapshotBlock, SnapshotBlockState, SnapshotSegment, Stat, StreamGuard, TraceAction, TraceEntry,
-    POOL_NAMES,
 };
-pub use config::{AllocatorConfig, DefaultStream, StreamOrder, ROUNDUP_INTERVALS};
+pub use config::{AllocatorConfig, DefaultStream, StreamOrder};
 pub use driver::capability;
 pub use driver::cuda::driver_library_present;
-pub use driver::host::{
-    parse_byte_size, HostMemory, HostRange, DEFAULT_DEVICES, DEFAULT_IPC_EVENT_TIMEOUT,
-    DEFAULT_MEMORY, MAX_DEVICES,
-};
+pub use driver::host::{parse_byte_size, HostKernelMemory, HostRange};
 pub use driver::pattern;
 pub use driver::sanitizer::{AccessKind, AccessReport, HazardKind, HazardReport, Touch};
 pub use driver::sim::MAX_SIM_DEVICES;
@@ -74,15 +70,14 @@ pub use driver::{
 pub use error::{Cause, Error, ErrorKind, ForeignEventFailure, Result};
 pub use global::{Global, GLOBAL};
 pub use ipc::{
-    Drained, IpcHandle, PageSocketLimits, WireHandle, WirePages, DEFAULT_EVENT_BUDGET,
-    PAGE_SECRET_SIZE, WIRE_SIZE,
+    Drained, IpcHandle, PageSocketLimits, WireHandle, WirePages, PAGE_SECRET_SIZE, WIRE_SIZE,
 };
-pub use pinned::{DurationStat, HostAllocator, HostMemoryStats, PinnedBuffer, PinnedOptions};
+pub use pinned::{DurationStat, PinnedAllocator, PinnedBuffer, PinnedOptions, PinnedStats};
 pub use runtime::{Runtime, RuntimeBuilder, SleepReport, WakeOptions, WakeReport};
 pub use shm::sweep_orphans;
 #[cfg(feature = "cudarc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
-pub use storage::views::{self, StorageView, StorageViewMut};
+pub use storage::views;
 pub use storage::{host_kernel, Storage};
 
 /// The protocol cores that the loom models (`loom_tests/`) and the protocol tests check directly:

@@ -99,7 +99,7 @@ impl std::fmt::Debug for NcclRegistrar {
 
 impl NcclRegistrar {
     /// A registrar over `comm` (attach it with
-    /// [`attach_registrar`](crate::CachingAllocator::attach_registrar)).
+    /// [`attach_registrar`](crate::Runtime::attach_registrar)).
     pub fn new(comm: NcclComm) -> Self {
         NcclRegistrar(Handles::new(comm))
     }

@@ -286,7 +286,7 @@ fn a_host_kernels_own_error_is_the_source_of_what_its_stream_reports() {
         driver.enqueue_host(
             stream,
             [cudalloc::HostRange::write(ptr, 4096)],
-            |_: &mut cudalloc::HostMemory<1>| Err(cudalloc::Error::kernel(BadShape(7))),
+            |_: &mut cudalloc::HostKernelMemory<1>| Err(cudalloc::Error::kernel(BadShape(7))),
         )
     }
     .unwrap();

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use common::*;
 use cudalloc::{
-    CaptureMode, Driver, HostMemory, HostRange, Runtime, Sanitize, SanitizeOptions, Storage,
+    CaptureMode, Driver, HostKernelMemory, HostRange, Runtime, Sanitize, SanitizeOptions, Storage,
     StreamId,
 };
 
@@ -144,7 +144,7 @@ fn counting_graph(
         host.enqueue_host(
             capture_stream,
             [HostRange::write(addr, 8)],
-            |m: &mut HostMemory<1>| {
+            |m: &mut HostKernelMemory<1>| {
                 let mut word = [0u8; 8];
                 m.read(0, 0, &mut word)?;
                 // Long enough for a second launch that is not ordered to read the same value.
@@ -212,7 +212,7 @@ fn stream_ordered_reuse_in_a_pool_a_live_graph_holds_is_not_reported() {
         host.enqueue_host(
             capture_stream,
             [HostRange::write(p, 16)],
-            |m: &mut HostMemory<1>| m.write(0, 0, &[5; 16]),
+            |m: &mut HostKernelMemory<1>| m.write(0, 0, &[5; 16]),
         )
     }
     .unwrap();
@@ -428,9 +428,11 @@ fn a_capture_writing_a_block_of_its_pool() -> (
     let p = inside.mutable_data_ptr_on(cs).unwrap();
     // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
     unsafe {
-        host.enqueue_host(cs, [HostRange::write(p, MIB)], |m: &mut HostMemory<1>| {
-            m.write(0, 0, &[5; 64])
-        })
+        host.enqueue_host(
+            cs,
+            [HostRange::write(p, MIB)],
+            |m: &mut HostKernelMemory<1>| m.write(0, 0, &[5; 64]),
+        )
     }
     .unwrap();
     drop(inside);
@@ -485,9 +487,11 @@ fn a_graph_captured_after_the_reuse_may_write_the_new_allocation() {
     let capture = rt.begin_capture(cs2, None, CaptureMode::Global).unwrap();
     // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
     unsafe {
-        host.enqueue_host(cs2, [HostRange::write(yp, 64)], |m: &mut HostMemory<1>| {
-            m.write(0, 0, &[9; 64])
-        })
+        host.enqueue_host(
+            cs2,
+            [HostRange::write(yp, 64)],
+            |m: &mut HostKernelMemory<1>| m.write(0, 0, &[9; 64]),
+        )
     }
     .unwrap();
     let second = capture.end().unwrap();

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use common::{backends, checked_allocator, hold_stream, TestBackend};
 use cudalloc::{
-    DeviceAddr, Driver, ErrorKind, HazardKind, HostAllocator, HostDriver, PinnedOptions, Runtime,
+    DeviceAddr, Driver, ErrorKind, HazardKind, HostDriver, PinnedAllocator, PinnedOptions, Runtime,
     SanitizeOptions, SanitizedDriver, Storage,
 };
 
@@ -81,13 +81,13 @@ fn test_caching_pinned_memory() {
         let (t3, t4) = (rt.pinned(4).unwrap(), rt.pinned(4).unwrap());
         assert!(t3.addr() == ptr || t4.addr() == ptr, "{}", b.name);
         assert_eq!(
-            rt.host_allocator().stats().allocations.current,
+            rt.pinned_allocator().stats().allocations.current,
             2,
             "{}",
             b.name
         );
         drop((t3, t4));
-        rt.host_allocator().check_invariants().unwrap();
+        rt.pinned_allocator().check_invariants().unwrap();
     }
 }
 
@@ -111,7 +111,7 @@ fn test_caching_pinned_memory_multi_gpu() {
 const REGISTER: &str = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8";
 
 fn pinned_with_register(b: &TestBackend, rt: &Arc<Runtime>, sizes: &[usize]) {
-    assert!(rt.host_allocator().options().use_host_register);
+    assert!(rt.pinned_allocator().options().use_host_register);
     for &len in sizes {
         let mut t = rt.pinned(len).unwrap();
         let bytes = t.as_mut_slice().unwrap();
@@ -156,7 +156,7 @@ fn test_pinned_memory_empty_cache() {
         let _device = common::device_shared();
         for register in [true, false] {
             let rt = runtime(&b, &format!("pinned_use_cuda_host_register:{register}"));
-            let host = rt.host_allocator();
+            let host = rt.pinned_allocator();
             let t = rt.pinned(4 * MIB).unwrap();
             drop(t);
             assert_eq!(host.stats().allocations.current, 1);
@@ -181,7 +181,7 @@ fn test_host_memory_stats() {
     for b in backends("test_host_memory_stats") {
         let _device = common::device_shared();
         let rt = runtime(&b, "");
-        let host = rt.host_allocator();
+        let host = rt.pinned_allocator();
         let mut expected = std::collections::BTreeMap::<String, i64>::new();
         let check = |expected: &std::collections::BTreeMap<String, i64>| {
             let stats = host.stats().to_map();
@@ -398,7 +398,7 @@ fn many_threads_and_streams() {
                 .collect();
             workers.into_iter().map(|w| w.join().unwrap()).collect()
         });
-        let host = rt.host_allocator();
+        let host = rt.pinned_allocator();
         host.process_events();
         host.check_invariants().unwrap();
         for stream in streams {
@@ -514,7 +514,7 @@ fn out_of_memory_empties_the_cache_then_says_what_it_holds() {
             .build()
             .unwrap(),
     );
-    let alloc = HostAllocator::with_invariant_checks(host.clone(), PinnedOptions::default());
+    let alloc = PinnedAllocator::with_invariant_checks(host.clone(), PinnedOptions::default());
     let a = alloc.allocate(512 * KIB).unwrap();
     let b = alloc.allocate(512 * KIB).unwrap();
     let err = alloc.allocate(256 * KIB).unwrap_err();
@@ -638,7 +638,7 @@ fn a_forked_child_cannot_allocate() {
         Ok(())
     });
     verdict.unwrap();
-    let host = rt.host_allocator();
+    let host = rt.pinned_allocator();
     host.check_invariants().unwrap();
     assert_eq!(
         host.stats().active_requests.current,
@@ -659,16 +659,16 @@ fn pinned_keys_configure_the_runtime() {
     assert_eq!(options.register_threads, 16);
     assert_eq!(options.reserve_segment_size, 8 << 20);
     let rt = Runtime::new(Arc::new(common::host_driver()), config).unwrap();
-    assert_eq!(rt.host_allocator().options(), options);
+    assert_eq!(rt.pinned_allocator().options(), options);
     // The reserve segment is made on the first allocation and carved: one driver call.
     let (a, b) = (rt.pinned(4096).unwrap(), rt.pinned(100_000).unwrap());
-    let stats = rt.host_allocator().stats();
+    let stats = rt.pinned_allocator().stats();
     assert_eq!(stats.num_host_alloc, 1);
     assert_eq!(stats.allocations.current, 2);
     drop((a, b));
     // Carved blocks stay cached through empty_cache.
-    assert_eq!(rt.host_allocator().empty_cache().unwrap(), 0);
-    assert_eq!(rt.host_allocator().stats().allocations.current, 2);
+    assert_eq!(rt.pinned_allocator().empty_cache().unwrap(), 0);
+    assert_eq!(rt.pinned_allocator().stats().allocations.current, 2);
 }
 
 #[test]
@@ -690,8 +690,8 @@ fn two_runtimes_share_one_driver() {
             "{}",
             b.name
         );
-        assert_eq!(one.host_allocator().stats().allocations.current, 1);
-        assert_eq!(two.host_allocator().stats().allocations.current, 1);
+        assert_eq!(one.pinned_allocator().stats().allocations.current, 1);
+        assert_eq!(two.pinned_allocator().stats().allocations.current, 1);
     }
 }
 

@@ -54,7 +54,7 @@ fn run(conf: &str, ops: Vec<Op>) {
     let b = backends("pinned_properties").remove(0);
     let _device = device_shared();
     let rt: Arc<Runtime> = checked_allocator(b.driver.clone(), conf);
-    let host = rt.host_allocator();
+    let host = rt.pinned_allocator();
     let streams: Vec<StreamId> = (0..3).map(|_| rt.create_stream(0).unwrap()).collect();
     let mut live: Vec<Live> = Vec::new();
     let mut held: Option<(usize, Hold)> = None;

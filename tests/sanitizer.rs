@@ -16,7 +16,7 @@ use std::sync::Arc;
 use common::{host_driver, no_reports, one_report, ChildProcess, ParentLink, ROLE_VAR};
 use cudalloc::HazardKind;
 use cudalloc::{ErrorKind, IpcHandle, Runtime, Sanitize, SanitizeOptions, Storage, StreamId};
-use cudalloc::{HostMemory, HostRange};
+use cudalloc::{HostKernelMemory, HostRange};
 
 const MIB: u64 = 1 << 20;
 const ROUNDS: usize = 100;
@@ -128,7 +128,7 @@ fn read_on_a_side_stream_then_free(rt: &Arc<Runtime>, round: usize) -> (StreamId
         rt.driver().as_host().unwrap().enqueue_host(
             side,
             [HostRange::read(src.data_ptr(), 4 * MIB)],
-            |m: &mut HostMemory<1>| m.to_vec(0).map(drop),
+            |m: &mut HostKernelMemory<1>| m.to_vec(0).map(drop),
         )
     }
     .unwrap();
@@ -264,7 +264,7 @@ fn a_cow_copy_raced_by_a_kernel_is_reported_every_time() {
             host.enqueue_host(
                 other,
                 [HostRange::write(private, MIB)],
-                |m: &mut HostMemory<1>| m.write(0, 0, &[7; 16]),
+                |m: &mut HostKernelMemory<1>| m.write(0, 0, &[7; 16]),
             )
         }
         .unwrap_err();
@@ -296,7 +296,7 @@ fn the_cow_copy_is_ordered_for_its_stream_and_complete_for_any_other() {
             host.enqueue_host(
                 copier,
                 [HostRange::write(p1, MIB)],
-                |m: &mut HostMemory<1>| m.write(0, 0, &[1; 16]),
+                |m: &mut HostKernelMemory<1>| m.write(0, 0, &[1; 16]),
             )
         }
         .unwrap();
@@ -307,7 +307,7 @@ fn the_cow_copy_is_ordered_for_its_stream_and_complete_for_any_other() {
             host.enqueue_host(
                 other,
                 [HostRange::write(p2, MIB)],
-                |m: &mut HostMemory<1>| m.write(0, 0, &[2; 16]),
+                |m: &mut HostKernelMemory<1>| m.write(0, 0, &[2; 16]),
             )
         }
         .unwrap();
@@ -367,7 +367,7 @@ fn host_kernels_may_not_write_ranges_named_for_reading() {
         rt.driver().as_host().unwrap().enqueue_host(
             stream,
             [HostRange::read(s.data_ptr(), 4096)],
-            |m: &mut HostMemory<1>| m.write(0, 0, &[1]),
+            |m: &mut HostKernelMemory<1>| m.write(0, 0, &[1]),
         )
     }
     .unwrap();

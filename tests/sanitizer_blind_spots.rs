@@ -10,7 +10,7 @@ mod common;
 use std::sync::Arc;
 
 use common::{host_driver, no_reports, one_report};
-use cudalloc::{ErrorKind, HazardKind, HostMemory, HostRange, Runtime, Sanitize, Storage};
+use cudalloc::{ErrorKind, HazardKind, HostKernelMemory, HostRange, Runtime, Sanitize, Storage};
 
 const ROUNDS: usize = 100;
 const MIB: u64 = 1 << 20;
@@ -48,7 +48,7 @@ fn an_access_past_its_allocation_is_reported_and_refused() {
                     small.mutable_data_ptr_on(t).unwrap(),
                     4096,
                 )],
-                |m: &mut HostMemory<1>| m.write(0, 0, &[0; 4096]),
+                |m: &mut HostKernelMemory<1>| m.write(0, 0, &[0; 4096]),
             )
         }
         .unwrap_err();
@@ -77,7 +77,7 @@ fn an_access_past_its_allocation_is_reported_and_refused() {
             host.enqueue_host(
                 t,
                 [HostRange::write(fine.mutable_data_ptr_on(t).unwrap(), 16)],
-                |m: &mut HostMemory<1>| m.write(0, 0, &[1; 16]),
+                |m: &mut HostKernelMemory<1>| m.write(0, 0, &[1; 16]),
             )
         }
         .unwrap();

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::host_driver;
 use cudalloc::HazardKind;
 use cudalloc::{AllocatorConfig, Runtime, Sanitize, SanitizeOptions, Storage, StreamId};
-use cudalloc::{HostMemory, HostRange};
+use cudalloc::{HostKernelMemory, HostRange};
 
 const MIB: u64 = 1 << 20;
 
@@ -61,7 +61,7 @@ fn host_write(
         rt.driver().as_host().unwrap().enqueue_host(
             stream,
             [HostRange::write(ptr, len)],
-            |m: &mut HostMemory<1>| m.write(0, 0, &[9; 8]),
+            |m: &mut HostKernelMemory<1>| m.write(0, 0, &[9; 8]),
         )
     }
 }

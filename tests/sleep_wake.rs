@@ -114,7 +114,7 @@ fn discarded_tags_give_memory_back_and_wake_zeroed_on_request() {
         let weights = tagged(&rt, "weights", &[3 * MIB], 1);
         let kv = tagged(&rt, "kv_cache", &[4 * MIB, MIB], 7);
         let kv_addr: Vec<DeviceAddr> = kv.iter().map(Storage::data_ptr).collect();
-        let host_before = rt.host_allocator().stats().active_bytes.current;
+        let host_before = rt.pinned_allocator().stats().active_bytes.current;
 
         let report = rt.sleep(&["weights"], &["kv_cache"]).unwrap();
         assert_eq!(report.discarded_bytes, 5 * MIB, "{}: {report:?}", b.name);
@@ -126,7 +126,7 @@ fn discarded_tags_give_memory_back_and_wake_zeroed_on_request() {
             b.name
         );
         // Only the offloaded tag took pinned memory.
-        let host_during = rt.host_allocator().stats().active_bytes.current;
+        let host_during = rt.pinned_allocator().stats().active_bytes.current;
         assert!(host_during - host_before >= 3 * MIB as i64);
         assert!(host_during - host_before < 8 * MIB as i64, "{}", b.name);
 
@@ -145,9 +145,9 @@ fn discarded_tags_give_memory_back_and_wake_zeroed_on_request() {
             kv_addr
         );
         // The offloaded bytes' pinned buffers went back to the host allocator's cache.
-        rt.host_allocator().process_events();
+        rt.pinned_allocator().process_events();
         assert_eq!(
-            rt.host_allocator().stats().active_bytes.current,
+            rt.pinned_allocator().stats().active_bytes.current,
             host_before,
             "{}",
             b.name
@@ -262,7 +262,7 @@ fn a_hundred_cycles_leak_nothing() {
             // The weights change between cycles: each sleep keeps the latest bytes.
             weights[0].fill_pattern(100 + cycle).unwrap();
             kv[0].fill_pattern(cycle).unwrap();
-            let host = rt.host_allocator().stats();
+            let host = rt.pinned_allocator().stats();
             let held = (host.allocations.current, host.allocated_bytes.current);
             match host_after_first {
                 None => host_after_first = Some(held),

@@ -23,7 +23,7 @@ pub fn bench_driver(capacity: u64) -> Arc<dyn Driver> {
 }
 
 /// A caching allocator over [`bench_driver`].
-pub fn host_allocator(capacity: u64) -> Arc<Runtime> {
+pub fn pinned_allocator(capacity: u64) -> Arc<Runtime> {
     Arc::new(Runtime::new(bench_driver(capacity), Default::default()).unwrap())
 }
 

@@ -1,6 +1,6 @@
 //! CUDA graphs through the allocator: PyTorch's `torch.cuda.graph` / `CUDAGraph` semantics.
 //!
-//! [`CachingAllocator::begin_capture`] begins capturing a stream (the driver's capture,
+//! [`Runtime::begin_capture`](crate::Runtime::begin_capture) begins capturing a stream (the driver's capture,
 //! `driver/capture.rs`) with a private memory pool — a fresh one, `(n, 0)`, or one the caller
 //! shares between graphs — and routes every allocation on that stream (and on streams that join
 //! the capture) to it (`capturing.rs`). [`Capture::end`] gives a [`Graph`], instantiated, that
@@ -17,7 +17,7 @@
 //! error) ends the driver's capture, so the stream runs work again and nothing of it leaks.
 //!
 //! A library that captures with its own API (cudarc's `CudaStream::begin_capture` /
-//! `end_capture` and `CudaGraph`) tells the allocator with [`CachingAllocator::route_capture`]:
+//! `end_capture` and `CudaGraph`) tells the allocator with [`Runtime::route_capture`](crate::Runtime::route_capture):
 //! the same routing, with the capture begun and ended by the library; the [`CaptureRoute`] gives
 //! the pool back when it finishes, for the library to keep beside its graph.
 
@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::Arc;
 
-/// A stream capture under way (see [`CachingAllocator::begin_capture`]). Dropping it without
+/// A stream capture under way (see [`Runtime::begin_capture`](crate::Runtime::begin_capture)). Dropping it without
 /// [`Capture::end`] ends the driver's capture and discards what it recorded. It stays on the
 /// thread that began it:
 ///
@@ -328,7 +328,7 @@ impl Drop for Capture {
     }
 }
 
-/// A capture begun by someone else, routed to a pool ([`CachingAllocator::route_capture`]).
+/// A capture begun by someone else, routed to a pool ([`Runtime::route_capture`](crate::Runtime::route_capture)).
 /// Dropping it stops the routing, as [`CaptureRoute::finish`] does; like a [`Capture`] it stays on
 /// the thread that began it.
 #[derive(Debug)]

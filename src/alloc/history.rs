@@ -150,7 +150,7 @@ pub enum HistoryMode {
     All,
 }
 
-/// How [`CachingAllocator::record_memory_history`](super::CachingAllocator::record_memory_history)
+/// How [`Runtime::record_memory_history`](crate::Runtime::record_memory_history)
 /// records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -4,7 +4,7 @@
 //! the default pool's: its segments, free blocks and statistics are its own, and memory of a pool
 //! never serves an allocation outside it (nor the default pool's an allocation inside it). A
 //! thread allocates from a pool while it holds a [`PoolScope`]
-//! ([`CachingAllocator::use_mem_pool`]): every allocation of that thread on that device, on any
+//! ([`Runtime::use_mem_pool`](crate::Runtime::use_mem_pool)): every allocation of that thread on that device, on any
 //! stream, goes to the pool; scopes nest (the innermost wins) and are the thread's alone.
 //!
 //! | pool state | its shards | cached memory released by |
@@ -139,7 +139,7 @@ impl MemPool {
 }
 
 /// While it lives, this thread allocates from a [`MemPool`] on one device, on every stream
-/// (see [`CachingAllocator::use_mem_pool`]). It holds the pool; it cannot move to another thread.
+/// (see [`Runtime::use_mem_pool`](crate::Runtime::use_mem_pool)). It holds the pool; it cannot move to another thread.
 #[derive(Debug)]
 #[must_use = "the pool is used only while the scope lives: bind it (`let _in_pool = ...`)"]
 pub struct PoolScope {

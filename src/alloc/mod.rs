@@ -73,7 +73,7 @@ pub use registration::{
     RegistrarStats, RegistrationStats, SegmentId,
 };
 pub use stacks::Frame;
-pub use stats::{DeviceStats, PoolStats, Stat, POOL_NAMES};
+pub use stats::{DeviceStats, PoolStats, Stat};
 
 pub use data_ptr::DataPtr;
 pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
@@ -221,7 +221,7 @@ pub struct CachingAllocator {
     /// allocation and stream work and releases nothing.
     birth: Birth,
     /// A library's default stream per device (raw id; `NO_STREAM`: none), set with
-    /// [`CachingAllocator::set_default_stream`]; it overrides the `default_stream` setting.
+    /// [`Runtime::set_default_stream`](crate::Runtime::set_default_stream); it overrides the `default_stream` setting.
     library_defaults: Vec<AtomicU64>,
     /// Bumped whenever a library default changes: threads' cached current shards of an older
     /// generation miss.
@@ -252,7 +252,7 @@ impl std::fmt::Debug for CachingAllocator {
     }
 }
 
-/// Restores the previous current stream when dropped (see [`CachingAllocator::set_current_stream`]).
+/// Restores the previous current stream when dropped (see [`Runtime::set_current_stream`](crate::Runtime::set_current_stream)).
 ///
 /// Hold it for as long as the stream should be current: `let _on = …set_current_stream(s)?;`
 /// (`let _ = …` or a bare statement drops it at once, and the stream was current for nothing).
@@ -338,7 +338,7 @@ impl CachingAllocator {
     }
 
     /// The device's default stream for this thread: the library's
-    /// ([`CachingAllocator::set_default_stream`]) when one is set, else as the `default_stream`
+    /// ([`Runtime::set_default_stream`](crate::Runtime::set_default_stream)) when one is set, else as the `default_stream`
     /// setting chooses — the driver's default stream (CUDA's legacy NULL stream), this thread's
     /// own stream, or the allocator's dedicated stream.
     pub fn default_stream(&self, device: usize) -> Result<StreamId> {
@@ -370,7 +370,7 @@ impl CachingAllocator {
     /// every thread: allocation, copies and copy-on-write copies use it wherever no
     /// [`StreamGuard`] made another stream current — the way a library that keeps one stream
     /// per device works, with no guard anywhere. It overrides the `default_stream` setting until
-    /// [`CachingAllocator::clear_default_stream`]. The stream must outlive its use as default.
+    /// [`Runtime::clear_default_stream`](crate::Runtime::clear_default_stream). The stream must outlive its use as default.
     pub fn set_default_stream(&self, stream: StreamId) -> Result<()> {
         let device = self.driver.stream_device(stream)?;
         let slot = self.library_defaults.get(device).ok_or_else(|| {
@@ -388,7 +388,7 @@ impl CachingAllocator {
     }
 
     /// Gives `device` back its configured default stream (undoes
-    /// [`CachingAllocator::set_default_stream`]).
+    /// [`Runtime::set_default_stream`](crate::Runtime::set_default_stream)).
     pub fn clear_default_stream(&self, device: usize) -> Result<()> {
         self.device(device)?;
         if let Some(slot) = self.library_defaults.get(device) {

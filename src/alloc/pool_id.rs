@@ -7,7 +7,7 @@ use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::Arc;
 
 /// The id of a memory pool: PyTorch's `MempoolId_t`, a pair. Pools a program makes
-/// ([`CachingAllocator::mem_pool`](super::CachingAllocator::mem_pool), PyTorch's `MemPool()` and
+/// ([`Runtime::mem_pool`](crate::Runtime::mem_pool), PyTorch's `MemPool()` and
 /// `graph_pool_handle()`) are `(0, n)`; pools a graph capture makes for itself are `(n, 0)`;
 /// `(0, 0)` is the allocator's default pool. Ids are unique in the process and never reused.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -128,7 +128,7 @@ pub enum OnRegistrationFailure {
     CountAndSkip,
 }
 
-/// An attached registrar's handle, for [`detach_registrar`](crate::CachingAllocator::detach_registrar).
+/// An attached registrar's handle, for [`detach_registrar`](crate::Runtime::detach_registrar).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RegistrarId(pub u64);
 
@@ -157,7 +157,7 @@ pub struct RegistrarStats {
     pub deregistration_ns: u64,
 }
 
-/// The registration figures of an allocator ([`registration_stats`](crate::CachingAllocator::registration_stats)).
+/// The registration figures of an allocator ([`registration_stats`](crate::Runtime::registration_stats)).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RegistrationStats {

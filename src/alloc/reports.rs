@@ -25,7 +25,7 @@ impl CachingAllocator {
     }
 
     /// Bytes of segments held from the driver on `device` now (`memory_reserved`; the device's
-    /// reserved counter, [`Self::reserved_bytes`], without summing the shards).
+    /// reserved counter, without summing the shards).
     pub fn memory_reserved(&self, device: usize) -> Result<u64> {
         self.reserved_bytes(device)
     }

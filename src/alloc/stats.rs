@@ -108,7 +108,7 @@ pub struct PoolStats {
 }
 
 impl PoolStats {
-    /// `all`, `small`, `large`, in PyTorch's key order ([`POOL_NAMES`]).
+    /// `all`, `small`, `large`, in PyTorch's key order (`POOL_NAMES`).
     pub fn iter(&self) -> impl Iterator<Item = &Stat> {
         [&self.all, &self.small, &self.large].into_iter()
     }

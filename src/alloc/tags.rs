@@ -1,13 +1,13 @@
 //! Tags: named memory pools that can be put to sleep and woken (vLLM's `CuMemAllocator` tags,
 //! SGLang's `torch_memory_saver` regions). A tag is a [`MemPool`] of the allocator, made on first
 //! use, whose memory lives on expandable segments of its own; a thread allocates into it inside
-//! [`CachingAllocator::use_tag`] (a [`PoolScope`]), or through the pool itself.
+//! [`Runtime::use_tag`](crate::Runtime::use_tag) (a [`PoolScope`]), or through the pool itself.
 //!
 //! The protocol (one tag; `runtime/sleep.rs` runs it over several and copies the bytes):
 //!
 //! | phase | allocations of the tag | pages | entered by | left by |
 //! |---|---|---|---|---|
-//! | awake | served | mapped | making the tag; a finished wake | [`CachingAllocator::begin_sleep`] |
+//! | awake | served | mapped | making the tag; a finished wake | [`Runtime::begin_sleep`](crate::Runtime::begin_sleep) |
 //! | falling asleep | refused ([`Error::Asleep`]) | mapped; its free pages given back (kept when graphs hold the tag: they sleep with the rest), its streams waited for | `begin_sleep` (refused while a capture is under way) | `finish_sleeps` (pages unmapped and released), `cancel_sleep` (awake again) |
 //! | asleep | refused | unmapped, released; reservations kept | `finish_sleeps` | `begin_wake` |
 //! | waking | refused | mapped again at the same addresses, registered | `begin_wake` (on failure: asleep again, nothing mapped) | `finish_wake` (after the bytes are back) |
@@ -216,8 +216,8 @@ impl CachingAllocator {
     /// The memory pool of tag `name`, made on first use: its memory lives on expandable segments
     /// of its own, so that [`Runtime::sleep`](crate::Runtime::sleep) can give its physical
     /// memory back and [`Runtime::wake_up`](crate::Runtime::wake_up) map it back at the same
-    /// addresses. Allocate into it with [`CachingAllocator::use_tag`] (or
-    /// [`CachingAllocator::use_mem_pool`] with this pool). Tags live as long as the allocator.
+    /// addresses. Allocate into it with [`Runtime::use_tag`](crate::Runtime::use_tag) (or
+    /// [`Runtime::use_mem_pool`](crate::Runtime::use_mem_pool) with this pool). Tags live as long as the allocator.
     pub fn tag(&self, name: &str) -> Result<MemPool> {
         self.birth.check("this allocator")?;
         if name.is_empty() || name.len() > 256 {

@@ -3,15 +3,15 @@
 //! `pinned/mod.rs`).
 
 use super::buffer::PinnedBuffer;
-use super::host_allocator::HostAllocator;
 use super::memory::{self, Reserve, Source};
-use super::stats::HostMemoryStats;
+use super::pinned_allocator::PinnedAllocator;
+use super::stats::PinnedStats;
 use crate::driver::HostAddr;
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::Ordering;
 use crate::sync::os::Arc;
 
-impl HostAllocator {
+impl PinnedAllocator {
     /// A buffer of at least `len` bytes of page-locked memory, from the cache when a block of its
     /// size class is free (its streams' work completed), else from the driver. `len` 0 is an
     /// empty buffer.
@@ -192,8 +192,8 @@ impl HostAllocator {
         }
     }
 
-    /// Its statistics (PyTorch's `host_memory_stats`; keys: [`HostMemoryStats::to_map`]).
-    pub fn stats(&self) -> HostMemoryStats {
+    /// Its statistics (PyTorch's `host_memory_stats`; keys: [`PinnedStats::to_map`]).
+    pub fn stats(&self) -> PinnedStats {
         self.lock().stats
     }
 

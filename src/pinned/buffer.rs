@@ -16,7 +16,7 @@
 
 use std::ops::Range;
 
-use super::host_allocator::HostAllocator;
+use super::pinned_allocator::PinnedAllocator;
 use super::state::Pending;
 use crate::driver::sanitizer::Touch;
 use crate::driver::{HostAddr, StreamId};
@@ -37,11 +37,11 @@ struct Uses {
     recorded: Vec<StreamId>,
 }
 
-/// Page-locked host memory from a [`HostAllocator`] (see `src/pinned/buffer.rs`): at least
+/// Page-locked host memory from a [`PinnedAllocator`] (see `src/pinned/buffer.rs`): at least
 /// [`len`](PinnedBuffer::len) bytes, returned to the allocator's cache on drop.
 #[derive(Debug)]
 pub struct PinnedBuffer {
-    alloc: Arc<HostAllocator>,
+    alloc: Arc<PinnedAllocator>,
     /// The allocator's block (`None`: an empty buffer).
     block: Option<usize>,
     addr: HostAddr,
@@ -52,7 +52,7 @@ pub struct PinnedBuffer {
 
 impl PinnedBuffer {
     pub(super) fn new(
-        alloc: Arc<HostAllocator>,
+        alloc: Arc<PinnedAllocator>,
         block: usize,
         addr: HostAddr,
         len: usize,
@@ -68,7 +68,7 @@ impl PinnedBuffer {
         }
     }
 
-    pub(super) fn empty(alloc: Arc<HostAllocator>) -> Self {
+    pub(super) fn empty(alloc: Arc<PinnedAllocator>) -> Self {
         PinnedBuffer {
             alloc,
             block: None,
@@ -101,7 +101,7 @@ impl PinnedBuffer {
     }
 
     /// The allocator it came from.
-    pub fn allocator(&self) -> &Arc<HostAllocator> {
+    pub fn allocator(&self) -> &Arc<PinnedAllocator> {
         &self.alloc
     }
 

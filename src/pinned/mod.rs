@@ -45,18 +45,18 @@
 //!   leak there.
 //! * Copies on a capturing stream are refused (`buffer.rs`).
 //!
-//! Files, lowest first: `stats.rs` ([`HostMemoryStats`]), `state.rs` (the books and their
-//! invariants), `memory.rs` (where memory comes from), `host_allocator.rs` (the [`HostAllocator`]
+//! Files, lowest first: `stats.rs` ([`PinnedStats`]), `state.rs` (the books and their
+//! invariants), `memory.rs` (where memory comes from), `pinned_allocator.rs` (the [`PinnedAllocator`]
 //! type, frees and event polling), `buffer.rs` ([`PinnedBuffer`]), `allocate.rs` (handing buffers
 //! out, `empty_cache`, statistics).
 
 mod allocate;
 mod buffer;
-mod host_allocator;
 mod memory;
+mod pinned_allocator;
 mod state;
 mod stats;
 
 pub use buffer::PinnedBuffer;
-pub use host_allocator::{HostAllocator, PinnedOptions};
-pub use stats::{DurationStat, HostMemoryStats};
+pub use pinned_allocator::{PinnedAllocator, PinnedOptions};
+pub use stats::{DurationStat, PinnedStats};

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use slab::Slab;
 
 use super::memory::{Reserve, Source};
-use super::stats::HostMemoryStats;
+use super::stats::PinnedStats;
 use crate::driver::{EventId, HostAddr};
 
 /// Size classes: block sizes are powers of two, `1 << class`.
@@ -57,7 +57,7 @@ pub(super) struct State {
     pub(super) reserve: Option<Reserve>,
     /// Making the reserve segment failed once: not tried again.
     pub(super) reserve_failed: bool,
-    pub(super) stats: HostMemoryStats,
+    pub(super) stats: PinnedStats,
 }
 
 /// The class of a power-of-two size.

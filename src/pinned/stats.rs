@@ -1,4 +1,4 @@
-//! [`HostMemoryStats`]: PyTorch's `torch.cuda.host_memory_stats()` for the pinned allocator.
+//! [`PinnedStats`]: PyTorch's `torch.cuda.host_memory_stats()` for the pinned allocator.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -53,7 +53,7 @@ impl DurationStat {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
-pub struct HostMemoryStats {
+pub struct PinnedStats {
     /// Blocks held.
     pub allocations: Stat,
     /// Bytes of the blocks held.
@@ -72,7 +72,7 @@ pub struct HostMemoryStats {
     pub host_free_time: DurationStat,
 }
 
-impl HostMemoryStats {
+impl PinnedStats {
     /// The statistics under PyTorch's flattened keys (`allocations.current`,
     /// `active_bytes.peak`, `num_host_alloc`, `host_alloc_time.avg`, …).
     pub fn to_map(&self) -> BTreeMap<String, i64> {

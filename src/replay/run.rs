@@ -1,6 +1,6 @@
 //! Replaying a trace through the real allocator on the simulated device.
 //!
-//! Every operation goes through [`CachingAllocator::allocate_on`] / a `DataPtr` drop on a
+//! Every operation goes through [`Runtime::allocate_on`](crate::Runtime::allocate_on) / a `DataPtr` drop on a
 //! [`SimDriver`] of the given capacity and device count, on the device and stream the trace names
 //! (stream 0 is the device's default stream, others are created as they appear). After each
 //! operation the device's current allocated and reserved bytes are read, so the peaks are exact

@@ -101,10 +101,9 @@ impl Runtime {
         self.allocator.clone_data(src, nbytes, stream)
     }
 
-    /// Waits for the pool's pending frees and gives its cached whole segments back to the
-    /// driver (the allocator's `empty_cache` leaves a live pool's cache alone). Nothing while a
-    /// capture or a graph holds the pool: its free blocks are the graph's, which replays write
-    /// (`capturing.rs`).
+    /// Waits for pending frees and returns every cached whole segment of every device to the
+    /// driver (a live private pool's cache stays: [`MemPool::empty_cache`]). In a forked child it
+    /// does nothing (the cached segments are the parent's).
     pub fn empty_cache(&self) {
         self.allocator.empty_cache()
     }
@@ -116,8 +115,8 @@ impl Runtime {
     }
 
     // Statistics, snapshots and the memory history.
-    /// The pool's statistics on `device`: the sums of its shards' — currents and accumulated
-    /// counts; a pool's `peak` fields are its currents (peaks are the device's).
+    /// The statistics of `device` (PyTorch's `torch.cuda.memory_stats`, typed; with PyTorch's
+    /// keys: [`Runtime::memory_stats_map`]).
     pub fn memory_stats(&self, device: usize) -> Result<DeviceStats> {
         self.allocator.memory_stats(device)
     }
@@ -139,8 +138,8 @@ impl Runtime {
         self.allocator.max_memory_allocated(device)
     }
 
-    /// Bytes of segments held from the driver on `device` now (`memory_reserved`; the device's
-    /// reserved counter, [`Self::reserved_bytes`], without summing the shards).
+    /// Bytes of segments held from the driver on `device` now (PyTorch's `memory_reserved`: the device's
+    /// reserved counter, without summing the shards).
     pub fn memory_reserved(&self, device: usize) -> Result<u64> {
         self.allocator.memory_reserved(device)
     }
@@ -166,8 +165,8 @@ impl Runtime {
         self.allocator.memory_summary(device)
     }
 
-    /// The segments of this pool on every device, by device then address (PyTorch's
-    /// `MemPool.snapshot()`); the trace is left empty (the allocator's snapshot has it).
+    /// Every segment with its blocks, and the trace when the memory history is on (empty in a
+    /// forked child: its parent's shards may be locked for good there).
     pub fn snapshot(&self) -> Snapshot {
         self.allocator.snapshot()
     }
@@ -312,7 +311,7 @@ impl Runtime {
     }
 
     // The driver and the checks.
-    /// The driver underneath (a [`SanitizedDriver`] when the sanitizer is on).
+    /// The driver underneath (a [`SanitizedDriver`](crate::SanitizedDriver) when the sanitizer is on).
     pub fn driver(&self) -> &Arc<dyn Driver> {
         self.allocator.driver()
     }

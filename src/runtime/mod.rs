@@ -21,7 +21,7 @@ use crate::config::AllocatorConfig;
 use crate::driver::Driver;
 use crate::error::Result;
 use crate::ipc::{Drained, IpcState};
-use crate::pinned::{HostAllocator, PinnedBuffer, PinnedOptions};
+use crate::pinned::{PinnedAllocator, PinnedBuffer, PinnedOptions};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex};
 
@@ -102,7 +102,7 @@ impl RuntimeBuilder {
                 .upgrade()
                 .is_some_and(|ipc| ipc.drain().storages > 0)
         }));
-        let host = HostAllocator::build(
+        let host = PinnedAllocator::build(
             Arc::clone(allocator.driver()),
             PinnedOptions::from_config(allocator.config()),
             check_invariants,
@@ -123,7 +123,7 @@ pub struct Runtime {
     allocator: Arc<CachingAllocator>,
     ipc: Arc<IpcState>,
     /// The pinned host allocator (`pinned`), over the same driver.
-    host: Arc<HostAllocator>,
+    host: Arc<PinnedAllocator>,
     /// The sleeping tags' offloaded bytes (`sleep.rs`).
     sleepers: Mutex<sleep::Sleepers>,
 }
@@ -155,11 +155,11 @@ impl Runtime {
 
     /// The caching allocator of page-locked host memory (`src/pinned/mod.rs`), configured by the
     /// `pinned_*` keys of the runtime's configuration.
-    pub fn host_allocator(&self) -> &Arc<HostAllocator> {
+    pub fn pinned_allocator(&self) -> &Arc<PinnedAllocator> {
         &self.host
     }
 
-    /// A pinned host buffer of at least `len` bytes ([`HostAllocator::allocate`]).
+    /// A pinned host buffer of at least `len` bytes ([`PinnedAllocator::allocate`]).
     pub fn pinned(&self, len: usize) -> Result<PinnedBuffer> {
         self.host.allocate(len)
     }

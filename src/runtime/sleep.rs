@@ -99,13 +99,13 @@ impl Runtime {
     /// Puts tags to sleep: `offload` tags keep their bytes in pinned host memory, `discard`
     /// tags drop them; the physical memory of both is given back while every address stays
     /// reserved (see `src/runtime/sleep.rs`). Tags are made with
-    /// [`CachingAllocator::tag`](crate::CachingAllocator::tag). All or nothing: on an error no
+    /// [`Runtime::tag`](crate::Runtime::tag). All or nothing: on an error no
     /// tag sleeps.
     ///
     /// Offloaded bytes go to one pinned buffer per allocated block, from the runtime's pinned
     /// host allocator (sizes rounded up to powers of two, as every pinned buffer is); after the
     /// wake those buffers return to its cache, ready for the next sleep —
-    /// `host_allocator().empty_cache()` gives them back. They live in this runtime: dropping it
+    /// `pinned_allocator().empty_cache()` gives them back. They live in this runtime: dropping it
     /// while tags sleep drops them, and the tags' memory then goes back with the allocator.
     /// Tags already asleep (or on their way) are refused with [`Error::Asleep`]; so is memory
     /// other processes still count on.
@@ -314,7 +314,7 @@ impl Runtime {
         let driver = self.allocator().driver();
         let len = usize::try_from(range.len)
             .map_err(|_| Error::invalid("a block larger than the address space"))?;
-        let mut buffer = self.host_allocator().allocate(len)?;
+        let mut buffer = self.pinned_allocator().allocate(len)?;
         // SAFETY: the copy writes only the buffer's `len` bytes, on `range.stream`; the buffer
         // is not borrowed, and is kept until that stream is synchronized.
         unsafe {

@@ -223,7 +223,7 @@ fn creator_of(name: &str) -> Option<u32> {
 /// this version); processes of other namespaces sharing a pid are judged together (any of them
 /// alive keeps them all: only ever keeping more). Objects of live processes and of dead producers whose storages a consumer still holds
 /// are never touched; unlinking only
-/// removes names, so mappings stay valid. Run by every new [`CachingAllocator`](crate::CachingAllocator),
+/// removes names, so mappings stay valid. Run by every new [`Runtime`](crate::Runtime),
 /// by `ipc_collect()` and by `cudalloc clean`.
 pub fn sweep_orphans() -> Result<Vec<String>> {
     let euid = rustix::process::geteuid().as_raw();

@@ -46,7 +46,7 @@ use std::ops::Range;
 pub use bytemuck::Pod;
 
 use super::Storage;
-use crate::driver::host::{HostMemory, HostRange};
+use crate::driver::host::{HostKernelMemory, HostRange};
 use crate::driver::sanitizer::AccessKind;
 use crate::driver::StreamId;
 use crate::error::{Error, Result};
@@ -360,7 +360,7 @@ macro_rules! host_args_tuple {
                 })?;
                 let (placed, zero_copy) = place(runtime, stream, [$(self.$i.operand()),+])?;
                 let counts = placed.map(|p| p.count);
-                let body = move |memory: &mut HostMemory<$n>| -> Result<()> {
+                let body = move |memory: &mut HostKernelMemory<$n>| -> Result<()> {
                     if zero_copy {
                         let bases = ($( checked_base::<$a::Elem, $n>(memory, $i)?, )+);
                         // SAFETY: each range is inside a live mapping for the whole kernel
@@ -390,7 +390,7 @@ macro_rules! host_args_tuple {
 }
 
 /// The host address of range `i` as a pointer to `E`, checked for alignment.
-fn checked_base<E, const N: usize>(memory: &HostMemory<N>, i: usize) -> Result<*mut E> {
+fn checked_base<E, const N: usize>(memory: &HostKernelMemory<N>, i: usize) -> Result<*mut E> {
     let base = memory.base(i);
     if !base.is_multiple_of(std::mem::align_of::<E>()) {
         return Err(Error::invalid(format!(

@@ -309,7 +309,7 @@ impl Storage {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
-    /// Marks the storage's memory as used on `stream` (see [`CachingAllocator::record_stream`](crate::CachingAllocator::record_stream)).
+    /// Marks the storage's memory as used on `stream` (see [`Runtime::record_stream`](crate::Runtime::record_stream)).
     /// For a received storage, the lease is released only after `stream`'s work is done.
     pub fn record_stream(&self, stream: StreamId) -> Result<()> {
         self.inner.data.lock().record_stream(stream)

@@ -9,7 +9,7 @@
 //! | write | the last writer and every reader since it | `s` is the writer, no readers |
 //! | a lazy clone's first write (a copy, or the last reference's steal) | what the hand-over orders (`alloc/engine/handover.rs`) | `s` is the writer of the new memory |
 //!
-//! A wait is the allocator's one ordering rule ([`CachingAllocator::order_after`]): an event
+//! A wait is the allocator's one ordering rule ([`Runtime::order_after`](crate::Runtime::order_after)): an event
 //! recorded on the earlier stream *now* — after the work the earlier access enqueued, since a
 //! program enqueues its kernel before it touches the storage on another stream — and waited for
 //! on `s`, across captures too. Every stream that reads or writes is recorded on the memory
@@ -29,7 +29,7 @@
 //! that uses them is enqueued — as every storage door does — since the wait covers the work
 //! queued on the earlier stream when the later access is taken.
 //!
-//! [`CachingAllocator::order_after`]: crate::CachingAllocator
+//! [`Runtime::order_after`](crate::Runtime::order_after): crate::CachingAllocator
 
 use super::Storage;
 use crate::driver::sanitizer::AccessKind;

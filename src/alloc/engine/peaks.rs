@@ -358,7 +358,7 @@ impl DeviceCore {
 
 impl CachingAllocator {
     /// Allocated bytes, reserved bytes and segments on `device` now (all pools), exact — what
-    /// [`CachingAllocator::memory_stats`] reports of them — read in time proportional to the
+    /// [`Runtime::memory_stats`](crate::Runtime::memory_stats) reports of them — read in time proportional to the
     /// shards that changed since the last read rather than to all of them: what a replay reads
     /// after every operation (`replay/run.rs`).
     #[cfg(feature = "replay")]

@@ -126,7 +126,7 @@ impl HostDriverBuilder {
     /// interprocess event before the wait fails with
     /// [`ForeignEventFailure::Timeout`](crate::ForeignEventFailure::Timeout); `None`: no deadline
     /// (a scribbled event cell then stalls the stream until its producer exits). Default
-    /// [`DEFAULT_IPC_EVENT_TIMEOUT`].
+    /// 60 s.
     pub fn ipc_event_timeout(mut self, deadline: Option<Duration>) -> Self {
         self.ipc_event_timeout = deadline;
         self

@@ -7,7 +7,7 @@
 //! tests on a laptop: the reused memory holds another tensor's bytes (or the poison pattern of a
 //! freed segment) when the late kernel runs.
 //!
-//! The kernel sees the memory through [`HostMemory`], by copies, never as `&mut [u8]`: the bytes are
+//! The kernel sees the memory through [`HostKernelMemory`], by copies, never as `&mut [u8]`: the bytes are
 //! shared with other streams and processes that may write them concurrently (as on a device, such
 //! bytes are then unspecified), which a Rust slice may not be. A kernel that returns an error fails
 //! its stream: the next synchronization on it reports the message.
@@ -57,13 +57,13 @@ impl HostRange {
 
 /// The memory of a host kernel: `N` ranges of device memory, in the order they were named.
 #[derive(Debug)]
-pub struct HostMemory<const N: usize> {
+pub struct HostKernelMemory<const N: usize> {
     addrs: [usize; N],
     lens: [usize; N],
     writable: [bool; N],
 }
 
-impl<const N: usize> HostMemory<N> {
+impl<const N: usize> HostKernelMemory<N> {
     /// Bytes of range `i`.
     pub fn len(&self, i: usize) -> usize {
         self.lens.get(i).copied().unwrap_or(0)
@@ -143,7 +143,7 @@ impl HostDriver {
         &self,
         stream: StreamId,
         ranges: [HostRange; N],
-        kernel: impl Fn(&mut HostMemory<N>) -> Result<()> + Send + Sync + 'static,
+        kernel: impl Fn(&mut HostKernelMemory<N>) -> Result<()> + Send + Sync + 'static,
     ) -> Result<()> {
         self.this_process()?;
         let mut lens = [0usize; N];
@@ -156,7 +156,7 @@ impl HostDriver {
         let spans = ranges.map(|r| (r.addr, r.len));
         let enqueue = || {
             self.enqueue_fallible_on_ranges(stream, spans, move |addrs| {
-                let mut memory = HostMemory {
+                let mut memory = HostKernelMemory {
                     addrs,
                     lens,
                     writable,

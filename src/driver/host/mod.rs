@@ -44,11 +44,8 @@ mod vm;
 
 use std::collections::HashMap;
 
-pub use config::{
-    parse_byte_size, HostDriverBuilder, DEFAULT_DEVICES, DEFAULT_IPC_EVENT_TIMEOUT, DEFAULT_MEMORY,
-    MAX_DEVICES,
-};
-pub use library_kernels::{HostMemory, HostRange};
+pub use config::{parse_byte_size, HostDriverBuilder};
+pub use library_kernels::{HostKernelMemory, HostRange};
 pub use stream::StreamGate;
 
 use self::event::EventPool;

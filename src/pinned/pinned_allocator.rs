@@ -1,4 +1,4 @@
-//! The pinned allocator's core: the [`HostAllocator`] type, its settings, the steps a
+//! The pinned allocator's core: the [`PinnedAllocator`] type, its settings, the steps a
 //! [`PinnedBuffer`](super::PinnedBuffer) calls back into (free, events) and event polling.
 //! `allocate.rs` above it hands buffers out.
 
@@ -43,7 +43,7 @@ impl Default for PinnedOptions {
 /// The caching allocator of page-locked host memory (see `src/pinned/mod.rs`). One per
 /// [`Runtime`](crate::Runtime), so one per process through `GLOBAL`.
 #[derive(Debug)]
-pub struct HostAllocator {
+pub struct PinnedAllocator {
     pub(super) driver: Arc<dyn Driver>,
     pub(super) options: PinnedOptions,
     state: Mutex<State>,
@@ -53,13 +53,13 @@ pub struct HostAllocator {
     pub(super) birth: Birth,
 }
 
-impl HostAllocator {
+impl PinnedAllocator {
     /// An allocator of page-locked memory from `driver` (the runtime's, sanitized when it is).
     pub fn new(driver: Arc<dyn Driver>, options: PinnedOptions) -> Arc<Self> {
         Self::build(driver, options, false)
     }
 
-    /// As [`HostAllocator::new`], running the invariant scanner after every change (tests).
+    /// As [`PinnedAllocator::new`], running the invariant scanner after every change (tests).
     pub fn with_invariant_checks(driver: Arc<dyn Driver>, options: PinnedOptions) -> Arc<Self> {
         Self::build(driver, options, true)
     }
@@ -69,7 +69,7 @@ impl HostAllocator {
         options: PinnedOptions,
         check_invariants: bool,
     ) -> Arc<Self> {
-        Arc::new(HostAllocator {
+        Arc::new(PinnedAllocator {
             driver,
             options,
             state: Mutex::new(State::new()),
@@ -186,7 +186,7 @@ impl HostAllocator {
     }
 }
 
-impl Drop for HostAllocator {
+impl Drop for PinnedAllocator {
     fn drop(&mut self) {
         if !self.birth.is_current() {
             // A forked child: the blocks and events are the parent's.
