@@ -97,7 +97,8 @@ fn consumer() {
                 .collect();
             let s = Storage::from_ipc(&a, IpcHandle::from_bytes(&bytes).unwrap()).unwrap();
             let mut b = [0u8; 1];
-            s.copy_to_host(&mut b).unwrap();
+            s.copy_to_host(s.runtime().current_stream(s.device()).unwrap(), 0, &mut b)
+                .unwrap();
             b[0].to_string()
         };
         writeln!(out, "{reply}").unwrap();
@@ -117,7 +118,8 @@ fn round_trip(c: &mut Criterion) {
     let mut from_child = BufReader::new(child.stdout.take().unwrap());
     let a = allocator();
     let s = Storage::new(&a, 0, 4096).unwrap();
-    s.copy_from_host(&[42]).unwrap();
+    s.copy_from_host(s.runtime().current_stream(s.device()).unwrap(), 0, &[42])
+        .unwrap();
     let mut g = c.benchmark_group("round_trip");
     let mut ask = |line: String| {
         writeln!(to_child, "{line}").unwrap();

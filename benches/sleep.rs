@@ -148,7 +148,7 @@ fn sleep_wake(c: &mut Criterion) {
     g.bench_function("copy out, free, allocate, copy in", |b| {
         b.iter(|| {
             for (s, buf) in plain.iter().zip(buffers.iter_mut()) {
-                s.copy_to_pinned(0, buf, 0, EACH as usize, stream).unwrap();
+                s.copy_to_pinned(stream, 0, buf, 0, EACH).unwrap();
             }
             driver.stream_synchronize(stream).unwrap();
             plain.clear();
@@ -157,8 +157,7 @@ fn sleep_wake(c: &mut Criterion) {
                 .map(|_| Storage::new(&rt, 0, EACH).unwrap())
                 .collect();
             for (s, buf) in plain.iter().zip(buffers.iter()) {
-                s.copy_from_pinned(0, buf, 0, EACH as usize, stream)
-                    .unwrap();
+                s.copy_from_pinned(stream, 0, buf, 0, EACH).unwrap();
             }
             driver.stream_synchronize(stream).unwrap();
         })

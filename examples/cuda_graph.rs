@@ -115,9 +115,9 @@ fn main() -> Result<()> {
     let x = Storage::new_on(runtime, stream, LEN)?;
     let w = Storage::new_on(runtime, stream, LEN)?;
     let b = Storage::new_on(runtime, stream, LEN)?;
-    w.copy_from_host(&weights)?;
-    b.copy_from_host(&bias)?;
-    x.copy_from_host(&input(0))?;
+    w.copy_from_host(stream, 0, &weights)?;
+    b.copy_from_host(stream, 0, &bias)?;
+    x.copy_from_host(stream, 0, &input(0))?;
 
     let capture = runtime.begin_capture(stream, None, CaptureMode::Global)?;
     let out = step(runtime, stream, &x, &w, &b)?;
@@ -136,9 +136,9 @@ fn main() -> Result<()> {
     let mut got = vec![0u8; LEN as usize];
     for round in 0..REPLAYS {
         let fresh = input(round + 1);
-        x.copy_from_host(&fresh)?;
+        x.copy_from_host(stream, 0, &fresh)?;
         graph.replay(stream)?;
-        out.copy_to_host(&mut got)?;
+        out.copy_to_host(stream, 0, &mut got)?;
         let want: Vec<u8> = fresh
             .iter()
             .zip(&weights)

@@ -117,10 +117,8 @@ impl Tensor {
     }
 
     fn to_vec(&self) -> Result<Vec<u8>> {
-        let runtime = self.storage.runtime();
         let mut out = vec![0; self.storage.nbytes() as usize];
-        let _on = runtime.set_current_stream(self.stream)?;
-        self.storage.copy_to_host(&mut out)?;
+        self.storage.copy_to_host(self.stream, 0, &mut out)?;
         Ok(out)
     }
 }

@@ -91,7 +91,7 @@ impl Tensor {
     fn to_vec(&self) -> Result<Vec<f32>> {
         // On the default stream (the library's): in stream order, returns when it is done.
         let mut bytes = vec![0u8; self.len * 4];
-        self.storage.copy_to_host(&mut bytes)?;
+        self.storage.copy_to_host(self.stream, 0, &mut bytes)?;
         Ok(bytes
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))

@@ -269,8 +269,12 @@ fn stress_four_threads_of_concurrent_materializations() {
                 for round in 0..10_000u64 {
                     let seed = t * 1_000_000 + round;
                     let s = Storage::new(&a, 0, 1024).unwrap();
-                    s.copy_from_host(&cudalloc::pattern::expected(1024, seed))
-                        .unwrap();
+                    s.copy_from_host(
+                        s.runtime().current_stream(s.device()).unwrap(),
+                        0,
+                        &cudalloc::pattern::expected(1024, seed),
+                    )
+                    .unwrap();
                     let c = s.lazy_clone().unwrap();
                     let (writer, other) = if round % 2 == 0 { (&s, &c) } else { (&c, &s) };
                     writer.mutable_data_ptr().unwrap();
@@ -305,7 +309,13 @@ fn a_failed_copy_leaves_the_storage_a_valid_cow_storage() {
     faults
         .device_copies
         .store(true, std::sync::atomic::Ordering::SeqCst);
-    let err = c.copy_from_host(&[1, 2, 3]).unwrap_err();
+    let err = c
+        .copy_from_host(
+            c.runtime().current_stream(c.device()).unwrap(),
+            0,
+            &[1, 2, 3],
+        )
+        .unwrap_err();
     assert!(err.to_string().contains("injected"), "{err}");
     faults
         .device_copies
@@ -313,10 +323,20 @@ fn a_failed_copy_leaves_the_storage_a_valid_cow_storage() {
     assert!(c.is_cow(), "still a COW storage");
     assert_eq!(c.data_ptr(), s.data_ptr(), "still sharing");
     assert_eq!(c.count_pattern_mismatches(3).unwrap(), 0);
-    c.copy_from_host(&[1, 2, 3]).unwrap();
+    c.copy_from_host(
+        c.runtime().current_stream(c.device()).unwrap(),
+        0,
+        &[1, 2, 3],
+    )
+    .unwrap();
     assert!(!c.is_cow());
     let mut head = [0u8; 8192];
-    c.copy_to_host(&mut head).unwrap();
+    c.copy_to_host(
+        c.runtime().current_stream(c.device()).unwrap(),
+        0,
+        &mut head,
+    )
+    .unwrap();
     assert_eq!(&head[..3], &[1, 2, 3]);
     let expected: Vec<u8> = (3..8192u64)
         .map(|i| cudalloc::pattern::byte(3, i))

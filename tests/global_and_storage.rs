@@ -198,9 +198,20 @@ fn clones_alias_and_distinct_storages_do_not() {
     assert_ne!(s.data_ptr(), other.data_ptr());
     assert_eq!(s.mutable_data_ptr().unwrap(), s.data_ptr());
     // Writes through one alias are seen through the other.
-    s.copy_from_host(&[1, 2, 3, 4]).unwrap();
+    s.copy_from_host(
+        s.runtime().current_stream(s.device()).unwrap(),
+        0,
+        &[1, 2, 3, 4],
+    )
+    .unwrap();
     let mut back = [0u8; 4];
-    alias.copy_to_host(&mut back).unwrap();
+    alias
+        .copy_to_host(
+            alias.runtime().current_stream(alias.device()).unwrap(),
+            0,
+            &mut back,
+        )
+        .unwrap();
     assert_eq!(back, [1, 2, 3, 4]);
     drop(s);
     assert_eq!(
@@ -217,17 +228,27 @@ fn storage_copies_are_bounds_checked() {
     let a = allocator();
     let s = Storage::new(&a, 0, 16).unwrap();
     assert_eq!(
-        s.copy_from_host(&[0; 17]).unwrap_err().kind(),
+        s.copy_from_host(s.runtime().current_stream(s.device()).unwrap(), 0, &[0; 17])
+            .unwrap_err()
+            .kind(),
         ErrorKind::InvalidArgument
     );
     let mut big = [0u8; 17];
     assert_eq!(
-        s.copy_to_host(&mut big).unwrap_err().kind(),
+        s.copy_to_host(s.runtime().current_stream(s.device()).unwrap(), 0, &mut big)
+            .unwrap_err()
+            .kind(),
         ErrorKind::InvalidArgument
     );
     let empty = Storage::new(&a, 0, 0).unwrap();
     assert!(empty.data_ptr().0 == 0 && empty.nbytes() == 0);
-    empty.copy_from_host(&[]).unwrap();
+    empty
+        .copy_from_host(
+            empty.runtime().current_stream(empty.device()).unwrap(),
+            0,
+            &[],
+        )
+        .unwrap();
 }
 
 #[test]

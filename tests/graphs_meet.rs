@@ -168,9 +168,20 @@ fn a_lazy_clones_first_write_inside_a_capture_is_part_of_the_graph() {
         src.fill_pattern(10 + round).unwrap();
         graph.replay(s).unwrap();
         let mut bytes = vec![0u8; MIB as usize];
-        clone.copy_to_host(&mut bytes).unwrap();
+        clone
+            .copy_to_host(
+                clone.runtime().current_stream(clone.device()).unwrap(),
+                0,
+                &mut bytes,
+            )
+            .unwrap();
         let mut expected = vec![0u8; MIB as usize];
-        src.copy_to_host(&mut expected).unwrap();
+        src.copy_to_host(
+            src.runtime().current_stream(src.device()).unwrap(),
+            0,
+            &mut expected,
+        )
+        .unwrap();
         assert!(bytes[..4096].iter().all(|&b| b == 0xAB), "round {round}");
         assert_eq!(
             bytes[4096..],
@@ -323,7 +334,12 @@ fn a_steal_inside_a_capture_after_an_eager_copy_keeps_the_capture() {
     let graph = capture.end().unwrap();
     graph.replay(s).unwrap();
     let mut head = vec![0u8; 4096];
-    src.copy_to_host(&mut head).unwrap();
+    src.copy_to_host(
+        src.runtime().current_stream(src.device()).unwrap(),
+        0,
+        &mut head,
+    )
+    .unwrap();
     assert!(head.iter().all(|&b| b == 0x5A));
     assert_eq!(
         clone.count_pattern_mismatches(3).unwrap(),

@@ -313,7 +313,8 @@ fn test_cuda_send_many() {
         let mut line = Vec::new();
         for (i, s) in storages.iter().enumerate() {
             let value = (chunk * 100 + i) as u8;
-            s.copy_from_host(&[value]).unwrap();
+            s.copy_from_host(s.runtime().current_stream(s.device()).unwrap(), 0, &[value])
+                .unwrap();
             expected += u64::from(value);
             line.push(send(s.share_ipc().unwrap()));
         }
@@ -495,7 +496,12 @@ fn ipc_child() {
                         for h in line.split(' ') {
                             let s = receive(&a, h);
                             let mut b = [0u8; 1];
-                            s.copy_to_host(&mut b).unwrap();
+                            s.copy_to_host(
+                                s.runtime().current_stream(s.device()).unwrap(),
+                                0,
+                                &mut b,
+                            )
+                            .unwrap();
                             sum += u64::from(b[0]);
                         }
                         parent.send("ok");

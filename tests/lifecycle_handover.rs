@@ -70,9 +70,7 @@ fn steal_after_a_read_on_a_busy_stream(b: &TestBackend, rt: &Arc<Runtime>, how: 
     let device_copy = Storage::new_on(rt, t, MIB).unwrap();
     let hold = hold_stream(b, t);
     match how {
-        Read::Pinned => c
-            .copy_to_pinned(0, &mut pinned, 0, MIB as usize, t)
-            .unwrap(),
+        Read::Pinned => c.copy_to_pinned(t, 0, &mut pinned, 0, MIB).unwrap(),
         Read::DeviceCopyAndRecordStream => {
             let dst = device_copy.mutable_data_ptr_on(t).unwrap();
             // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
@@ -162,14 +160,26 @@ fn counting_graph(
 fn count_on_two_streams(rt: &Arc<Runtime>, host: &cudalloc::HostDriver) -> u64 {
     let (a, b) = two_streams(rt);
     let counter = Storage::new(rt, 0, 8).unwrap();
-    counter.copy_from_host(&[0; 8]).unwrap();
+    counter
+        .copy_from_host(
+            counter.runtime().current_stream(counter.device()).unwrap(),
+            0,
+            &[0; 8],
+        )
+        .unwrap();
     let graph = counting_graph(rt, host, &counter);
     graph.replay(a).unwrap();
     graph.replay(b).unwrap();
     // Waiting for `b` waits for the first launch too.
     rt.driver().stream_synchronize(b).unwrap();
     let mut out = [0u8; 8];
-    counter.copy_to_host(&mut out).unwrap();
+    counter
+        .copy_to_host(
+            counter.runtime().current_stream(counter.device()).unwrap(),
+            0,
+            &mut out,
+        )
+        .unwrap();
     u64::from_le_bytes(out)
 }
 
@@ -499,7 +509,12 @@ fn a_graph_captured_after_the_reuse_may_write_the_new_allocation() {
     rt.driver().stream_synchronize(cs2).unwrap();
     no_reports(&rt);
     let mut head = [0u8; 64];
-    y.copy_to_host(&mut head).unwrap();
+    y.copy_to_host(
+        y.runtime().current_stream(y.device()).unwrap(),
+        0,
+        &mut head,
+    )
+    .unwrap();
     assert_eq!(head, [9; 64]);
 }
 

@@ -27,7 +27,8 @@ fn runtime(b: &TestBackend, conf: &str) -> Arc<Runtime> {
 /// The storage's first `len` bytes, read back synchronously.
 fn read_back(s: &Storage, len: usize) -> Vec<u8> {
     let mut out = vec![0u8; len];
-    s.copy_to_host(&mut out).unwrap();
+    s.copy_to_host(s.runtime().current_stream(s.device()).unwrap(), 0, &mut out)
+        .unwrap();
     out
 }
 
@@ -44,7 +45,7 @@ fn not_reused_while_read(
     let stream = rt.create_stream(device).unwrap();
     let gpu = Storage::new_on(rt, stream, 4).unwrap();
     let hold = hold_stream(b, stream);
-    gpu.copy_from_pinned(0, &t, 0, 4, stream).unwrap();
+    gpu.copy_from_pinned(stream, 0, &t, 0, 4).unwrap();
     drop(t);
     let t2 = rt.pinned(4).unwrap();
     if hold.still_held() {
@@ -118,9 +119,10 @@ fn pinned_with_register(b: &TestBackend, rt: &Arc<Runtime>, sizes: &[usize]) {
         bytes.fill(7);
         let stream = rt.default_stream(0).unwrap();
         let gpu = Storage::new_on(rt, stream, len as u64).unwrap();
-        gpu.copy_from_pinned(0, &t, 0, len, stream).unwrap();
+        gpu.copy_from_pinned(stream, 0, &t, 0, len as u64).unwrap();
         let mut back = rt.pinned(len).unwrap();
-        gpu.copy_to_pinned(0, &mut back, 0, len, stream).unwrap();
+        gpu.copy_to_pinned(stream, 0, &mut back, 0, len as u64)
+            .unwrap();
         assert!(
             back.as_slice().unwrap().iter().all(|&x| x == 7),
             "{}",
@@ -268,18 +270,20 @@ fn natural_code_needs_no_synchronize() {
         );
         let mut buf = rt.pinned(len).unwrap();
         buf.as_mut_slice().unwrap().fill(1);
-        a.copy_from_pinned(0, &buf, 0, len, stream).unwrap();
+        a.copy_from_pinned(stream, 0, &buf, 0, len as u64).unwrap();
         buf.as_mut_slice().unwrap().fill(2);
-        c.copy_from_pinned(0, &buf, 0, len, stream).unwrap();
+        c.copy_from_pinned(stream, 0, &buf, 0, len as u64).unwrap();
         // And back: the read borrow waits for the copy into the buffer.
         let mut out = rt.pinned(len).unwrap();
-        a.copy_to_pinned(0, &mut out, 0, len, stream).unwrap();
+        a.copy_to_pinned(stream, 0, &mut out, 0, len as u64)
+            .unwrap();
         assert!(
             out.as_slice().unwrap().iter().all(|&x| x == 1),
             "{}",
             b.name
         );
-        c.copy_to_pinned(0, &mut out, 0, len, stream).unwrap();
+        c.copy_to_pinned(stream, 0, &mut out, 0, len as u64)
+            .unwrap();
         assert!(
             out.as_slice().unwrap().iter().all(|&x| x == 2),
             "{}",
@@ -296,10 +300,17 @@ fn copying_a_lazy_clone_to_pinned_memory_reads_it() {
         let stream = rt.default_stream(0).unwrap();
         let len = MIB;
         let s = Storage::new(&rt, 0, len as u64).unwrap();
-        s.copy_from_host(&vec![9u8; len]).unwrap();
+        s.copy_from_host(
+            s.runtime().current_stream(s.device()).unwrap(),
+            0,
+            &vec![9u8; len],
+        )
+        .unwrap();
         let clone = s.lazy_clone().unwrap();
         let mut buf = rt.pinned(len).unwrap();
-        clone.copy_to_pinned(0, &mut buf, 0, len, stream).unwrap();
+        clone
+            .copy_to_pinned(stream, 0, &mut buf, 0, len as u64)
+            .unwrap();
         assert!(
             clone.is_cow() && s.is_cow(),
             "{}: a read materialized",
@@ -308,7 +319,9 @@ fn copying_a_lazy_clone_to_pinned_memory_reads_it() {
         assert!(buf.as_slice().unwrap().iter().all(|&x| x == 9));
         // A copy into the clone writes: it is materialized, the original keeps its bytes.
         buf.as_mut_slice().unwrap().fill(3);
-        clone.copy_from_pinned(0, &buf, 0, len, stream).unwrap();
+        clone
+            .copy_from_pinned(stream, 0, &buf, 0, len as u64)
+            .unwrap();
         assert!(!clone.is_cow(), "{}", b.name);
         assert!(read_back(&clone, len).iter().all(|&x| x == 3));
         assert!(read_back(&s, len).iter().all(|&x| x == 9));
@@ -343,15 +356,15 @@ fn copies_check_their_ranges() {
         let mut buf = rt.pinned(4096).unwrap();
         let kind = |r: cudalloc::Result<()>| r.unwrap_err().kind();
         assert_eq!(
-            kind(s.copy_to_pinned(1, &mut buf, 0, 4096, stream)),
+            kind(s.copy_to_pinned(stream, 1, &mut buf, 0, 4096)),
             ErrorKind::InvalidArgument
         );
         assert_eq!(
-            kind(s.copy_to_pinned(0, &mut buf, 1, 4096, stream)),
+            kind(s.copy_to_pinned(stream, 0, &mut buf, 1, 4096)),
             ErrorKind::InvalidArgument
         );
         assert_eq!(
-            kind(s.copy_from_pinned(u64::MAX, &buf, 0, 2, stream)),
+            kind(s.copy_from_pinned(stream, u64::MAX, &buf, 0, 2)),
             ErrorKind::InvalidArgument
         );
         // Pageable memory is not accepted by the async copies.
@@ -386,10 +399,11 @@ fn many_threads_and_streams() {
                             let mut buf = rt.pinned(len).unwrap();
                             buf.as_mut_slice().unwrap().fill(value);
                             let s = Storage::new_on(rt, stream, len as u64).unwrap();
-                            s.copy_from_pinned(0, &buf, 0, len, stream).unwrap();
+                            s.copy_from_pinned(stream, 0, &buf, 0, len as u64).unwrap();
                             drop(buf);
                             let mut back = rt.pinned(len).unwrap();
-                            s.copy_to_pinned(0, &mut back, 0, len, stream).unwrap();
+                            s.copy_to_pinned(stream, 0, &mut back, 0, len as u64)
+                                .unwrap();
                             assert!(back.as_slice().unwrap().iter().all(|&x| x == value));
                         }
                         stream
@@ -495,9 +509,9 @@ fn sanitizer_is_quiet_on_tracked_copies() {
         if on == other {
             rt.driver().stream_wait_stream(other, stream).unwrap();
         }
-        s.copy_from_pinned(0, &buf, 0, 8192, on).unwrap();
+        s.copy_from_pinned(on, 0, &buf, 0, 8192).unwrap();
         buf.as_mut_slice().unwrap().fill(0);
-        s.copy_to_pinned(0, &mut buf, 0, 8192, on).unwrap();
+        s.copy_to_pinned(on, 0, &mut buf, 0, 8192).unwrap();
         assert!(buf.as_slice().unwrap().iter().all(|&x| x == round));
         if on == other {
             rt.driver().stream_wait_stream(stream, other).unwrap();
@@ -682,9 +696,10 @@ fn two_runtimes_share_one_driver() {
         let mut buf = one.pinned(MIB).unwrap();
         buf.as_mut_slice().unwrap().fill(5);
         let s = Storage::new_on(&two, stream, MIB as u64).unwrap();
-        s.copy_from_pinned(0, &buf, 0, MIB, stream).unwrap();
+        s.copy_from_pinned(stream, 0, &buf, 0, MIB as u64).unwrap();
         let mut back = two.pinned(MIB).unwrap();
-        s.copy_to_pinned(0, &mut back, 0, MIB, stream).unwrap();
+        s.copy_to_pinned(stream, 0, &mut back, 0, MIB as u64)
+            .unwrap();
         assert!(
             back.as_slice().unwrap().iter().all(|&x| x == 5),
             "{}",
@@ -705,11 +720,11 @@ fn copies_on_a_capturing_stream_are_refused() {
         .graphs()
         .stream_begin_capture(stream, cudalloc::CaptureMode::ThreadLocal)
         .unwrap();
-    let err = s.copy_from_pinned(0, &buf, 0, 4096, stream).unwrap_err();
+    let err = s.copy_from_pinned(stream, 0, &buf, 0, 4096).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamCapture, "{err}");
     assert!(err.to_string().contains("pinned buffer"), "{err}");
     let graph = rt.driver().graphs().stream_end_capture(stream).unwrap();
     rt.driver().graphs().graph_destroy(graph).unwrap();
     // After the capture the same copy runs.
-    s.copy_from_pinned(0, &buf, 0, 4096, stream).unwrap();
+    s.copy_from_pinned(stream, 0, &buf, 0, 4096).unwrap();
 }

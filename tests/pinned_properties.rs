@@ -91,7 +91,7 @@ fn run(conf: &str, ops: Vec<Op>) {
                 let l = &mut live[index % n];
                 let len = l.buf.len();
                 targets[stream]
-                    .copy_from_pinned(0, &l.buf, 0, len, streams[stream])
+                    .copy_from_pinned(streams[stream], 0, &l.buf, 0, len as u64)
                     .unwrap();
                 if held.as_ref().is_some_and(|(h, _)| *h == stream) {
                     guarded.push(l.buf.addr().0);
@@ -105,10 +105,10 @@ fn run(conf: &str, ops: Vec<Op>) {
                 }
                 let len = live[i].buf.len();
                 let s = &targets[stream];
-                s.copy_from_pinned(0, &live[i].buf, 0, len, streams[stream])
+                s.copy_from_pinned(streams[stream], 0, &live[i].buf, 0, len as u64)
                     .unwrap();
                 live[i].buf.as_mut_slice().unwrap().fill(0);
-                s.copy_to_pinned(0, &mut live[i].buf, 0, len, streams[stream])
+                s.copy_to_pinned(streams[stream], 0, &mut live[i].buf, 0, len as u64)
                     .unwrap();
                 let value = live[i].value;
                 assert!(live[i].buf.as_slice().unwrap().iter().all(|&x| x == value));

@@ -137,7 +137,12 @@ fn discarded_tags_give_memory_back_and_wake_zeroed_on_request() {
         assert_eq!(mismatches(&weights, 1), vec![0]);
         for s in &kv {
             let mut bytes = vec![1u8; s.nbytes() as usize];
-            s.copy_to_host(&mut bytes).unwrap();
+            s.copy_to_host(
+                s.runtime().current_stream(s.device()).unwrap(),
+                0,
+                &mut bytes,
+            )
+            .unwrap();
             assert!(bytes.iter().all(|&x| x == 0), "{}: zeroed", b.name);
         }
         assert_eq!(
@@ -198,14 +203,20 @@ fn refusals_say_what_is_wrong() {
         );
         let mut host = vec![0u8; 16];
         assert_eq!(
-            s.copy_to_host(&mut host).unwrap_err().kind(),
+            s.copy_to_host(
+                s.runtime().current_stream(s.device()).unwrap(),
+                0,
+                &mut host
+            )
+            .unwrap_err()
+            .kind(),
             ErrorKind::Asleep
         );
         assert_eq!(s.share_ipc().unwrap_err().kind(), ErrorKind::Asleep);
         let mut pinned = rt.pinned(16).unwrap();
         let stream = rt.current_stream(0).unwrap();
         assert_eq!(
-            s.copy_to_pinned(0, &mut pinned, 0, 16, stream)
+            s.copy_to_pinned(stream, 0, &mut pinned, 0, 16)
                 .unwrap_err()
                 .kind(),
             ErrorKind::Asleep
@@ -317,9 +328,23 @@ fn a_captured_graph_replays_after_wake() {
         graph.replay(s).unwrap();
         rt.driver().stream_synchronize(s).unwrap();
         let mut got = vec![0u8; 2 * MIB as usize];
-        out.copy_to_host(&mut got).unwrap();
+        out.copy_to_host(
+            out.runtime().current_stream(out.device()).unwrap(),
+            0,
+            &mut got,
+        )
+        .unwrap();
         let mut want = vec![0u8; MIB as usize];
-        weights[0].copy_to_host(&mut want).unwrap();
+        weights[0]
+            .copy_to_host(
+                weights[0]
+                    .runtime()
+                    .current_stream(weights[0].device())
+                    .unwrap(),
+                0,
+                &mut want,
+            )
+            .unwrap();
         assert_eq!(
             got[..MIB as usize],
             want[..],

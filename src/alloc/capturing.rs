@@ -21,6 +21,11 @@
 //! to wait for (a lazy clone read on that stream, then stolen elsewhere: `engine/handover.rs`).
 //! A stream that is capturing cannot be waited for otherwise: its own events are the capture's.
 //!
+//! Accesses an upper layer takes inside a capture (a storage's typed kernel or copy) are kept per
+//! capture ([`CapturedUse`]); the [`Graph`](super::Graph) takes them at its end and orders each
+//! replay with them, as the storages order their own accesses: a replay is one more access of
+//! every storage its capture touched, and the graph keeps those storages alive.
+//!
 //! The capture gate ([`CaptureRoutes::releasing`]): every driver free and unmap of cached memory
 //! holds its read side, a capture's start its write side, so no release runs while a capture
 //! does. Segment observers are told of an unmap inside the gate: an observer must not begin a
@@ -30,8 +35,29 @@ use std::collections::HashMap;
 
 use super::pool_id::{MemPoolId, MemPoolOptions};
 use crate::driver::{EventId, StreamId};
+use crate::error::Result;
 use crate::sync::os::atomic::{AtomicUsize, Ordering};
-use crate::sync::os::{Arc, RwLock, RwLockReadGuard};
+use crate::sync::os::{Arc, Mutex, RwLock, RwLockReadGuard};
+
+/// An access an upper layer took on a capturing stream (a storage's, `storage/order.rs`): kept
+/// by the capture's graph, which orders each replay with it.
+pub(crate) trait CapturedUse: Send + Sync + std::fmt::Debug {
+    /// Enqueues `launch` on `stream` ordered after the earlier accesses that conflict with the
+    /// uses of `uses` (this one among them; all of one graph), and records the replay as their
+    /// access — or an error when one of them cannot be replayed any more.
+    fn order_replay(
+        &self,
+        uses: &[Arc<dyn CapturedUse>],
+        stream: StreamId,
+        launch: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()>;
+
+    /// For the upper layer to recognize its own uses.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// The accesses of one capture.
+pub(crate) type CapturedUses = Vec<Arc<dyn CapturedUse>>;
 
 /// The captures of one allocator under way, by the driver's capture id.
 #[derive(Debug, Default)]
@@ -52,6 +78,8 @@ pub(crate) struct CaptureRoutes {
     /// ([`CaptureRoutes::releasing`]; found by review — a release that checked before a capture
     /// began on another thread freed during it, which CUDA refuses, invalidating the capture).
     gate: RwLock<()>,
+    /// The accesses taken inside each capture under way ([`CapturedUse`]).
+    uses: Mutex<Vec<(u64, CapturedUses)>>,
 }
 
 /// One capture's or one graph's hold on its pool (see the module docs); released on drop.
@@ -86,12 +114,6 @@ impl CaptureRoutes {
     #[inline]
     pub(crate) fn any(&self) -> bool {
         self.active.load(Ordering::Acquire) != 0
-    }
-
-    /// Whether any capture is under way or any graph holds a pool (two loads).
-    #[inline]
-    pub(crate) fn any_capture_or_graph(&self) -> bool {
-        self.any() || self.any_held.load(Ordering::Acquire) != 0
     }
 
     /// Counts a capture about to begin, once no release is in flight.
@@ -155,12 +177,36 @@ impl CaptureRoutes {
         self.any_held.load(Ordering::Acquire) != 0 && self.held.read().contains_key(&pool)
     }
 
+    /// Keeps `used` for capture `capture`, when it is one of this allocator's: whether it is.
+    pub(crate) fn note_use(&self, capture: u64, used: Arc<dyn CapturedUse>) -> bool {
+        if self.pool_of(capture).is_none() {
+            return false;
+        }
+        let mut uses = self.uses.lock();
+        match uses.iter_mut().find(|(c, _)| *c == capture) {
+            Some((_, list)) => list.push(used),
+            None => uses.push((capture, vec![used])),
+        }
+        true
+    }
+
+    /// The accesses taken inside capture `capture`, taken out (its graph keeps them).
+    pub(crate) fn take_uses(&self, capture: u64) -> CapturedUses {
+        let mut uses = self.uses.lock();
+        match uses.iter().position(|(c, _)| *c == capture) {
+            Some(i) => uses.swap_remove(i).1,
+            None => Vec::new(),
+        }
+    }
+
     /// A capture ended (or never began: `capture` is `None`); returns whether none is left, and
     /// the capture's tail event, for the caller to destroy.
     pub(crate) fn ended(&self, capture: Option<u64>) -> (bool, Option<EventId>) {
         let mut tail = None;
         if let Some(capture) = capture {
             self.routes.write().retain(|(c, ..)| *c != capture);
+            // Not taken by a graph (a capture dropped or failed): nothing replays them.
+            drop(self.take_uses(capture));
             let mut tails = self.tails.write();
             if let Some(i) = tails.iter().position(|&(c, ..)| c == capture) {
                 tail = Some(tails.remove(i).2);

@@ -21,7 +21,7 @@
 //! the same routing, with the capture begun and ended by the library; the [`CaptureRoute`] gives
 //! the pool back when it finishes, for the library to keep beside its graph.
 
-use super::capturing::{CaptureRoutes, GraphHold};
+use super::capturing::{CaptureRoutes, CapturedUse, GraphHold};
 use super::mem_pool::MemPool;
 use super::pool_id::MemPoolOptions;
 use super::{CachingAllocator, DeviceCore};
@@ -58,6 +58,9 @@ pub struct Graph {
     pool: MemPool,
     _hold: GraphHold,
     nodes: usize,
+    /// The accesses its capture took through storages: each replay is ordered with them, and
+    /// they (the storages) live as long as the graph (`capturing.rs`).
+    uses: Vec<Arc<dyn CapturedUse>>,
     birth: Birth,
 }
 
@@ -200,10 +203,10 @@ impl CachingAllocator {
         self.capturing.any()
     }
 
-    /// Whether any capture of this allocator is under way or any of its graphs lives: their
-    /// replays write memory outside the storages' stream order (`storage/host_kernel.rs`).
-    pub(crate) fn graphs_or_captures(&self) -> bool {
-        self.capturing.any_capture_or_graph()
+    /// Keeps an access taken on a stream inside capture `capture` for the capture's graph, when
+    /// the capture is this allocator's: whether it is (`capturing.rs`).
+    pub(crate) fn note_captured_use(&self, capture: u64, used: Arc<dyn CapturedUse>) -> bool {
+        self.capturing.note_use(capture, used)
     }
 
     /// Destroys a capture's tail event (logged on failure).
@@ -277,6 +280,10 @@ impl Capture {
     /// Ends the capture: the graph, instantiated — or the error that ended it (an invalidated
     /// capture, a forked stream never joined back).
     pub fn end(mut self) -> Result<Graph> {
+        let uses = match self.route.capture {
+            Some(capture) => self.route.capturing.take_uses(capture),
+            None => Vec::new(),
+        };
         let graph = self.finish()?;
         let r = &self.route;
         // Relaxed: another capture of this thread, or another thread's global one, would
@@ -293,6 +300,7 @@ impl Capture {
             pool: r.pool.clone(),
             _hold: r.hold.another(),
             nodes,
+            uses,
             birth: r.birth,
         })
     }
@@ -382,11 +390,25 @@ impl Drop for CaptureRoute {
 }
 
 impl Graph {
-    /// Replays the captured work on `stream` (PyTorch's `graph.replay()`), stream-ordered.
+    /// Replays the captured work on `stream` (PyTorch's `graph.replay()`), stream-ordered — and
+    /// ordered, as one more access, with every storage its capture read or wrote through the
+    /// storage's doors (typed kernels, copies): `stream` waits for their conflicting earlier
+    /// accesses on other streams, and theirs after it wait for the replay. An error, nothing
+    /// launched, when such a storage no longer holds the memory the capture saw (it was
+    /// materialized from a lazy clone since) or is now shared copy-on-write and written here.
     pub fn replay(&self, stream: StreamId) -> Result<()> {
         self.birth.check("this graph")?;
-        // SAFETY: the replay writes what its capture wrote, in the graph's pool; while a graph lives typed host kernels see private copies (storage/host_kernel.rs), so no slice races the replay.
-        unsafe { self.driver.graphs().graph_launch(self.exec, stream) }
+        let mut launch = || {
+            // SAFETY: the replay touches what its capture touched: the storages it took as
+            // accesses are held and ordered now (their locks held while this is queued); the
+            // graph's pool memory is its own (typed kernels see private copies of private-pool
+            // memory); raw captured work was the capturing caller's `unsafe` contract.
+            unsafe { self.driver.graphs().graph_launch(self.exec, stream) }
+        };
+        match self.uses.first() {
+            Some(first) => first.order_replay(&self.uses, stream, &mut launch),
+            None => launch(),
+        }
     }
 
     /// The memory pool the graph's allocations came from (PyTorch's `graph.pool()`): pass it to

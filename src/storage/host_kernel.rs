@@ -20,14 +20,18 @@
 //! | its memory is awake | its tag sleeps ([`ErrorKind::Asleep`](crate::ErrorKind)) |
 //! | `T` has a size; the range is inside the storage; a whole storage is a whole number of `T` | `T` is zero-sized; the range runs past the end (bytes and elements named) |
 //! | no bytes are seen through a `&mut` and another slice | two operands of one storage (or its clones' handles) overlap and one writes |
-//! | then each operand is taken as an access on `stream` | a write materializes a lazy clone first (on `stream`); with `stream_order:auto` the access waits for the conflicting earlier ones on other streams and is recorded for the free (`order.rs`) |
-//! | the address is aligned for `T` | it is not (the storage's base is 512-byte aligned; an element range keeps `T`'s alignment) |
+//! | the address is aligned for `T` | it is not (the storage's base is 512-byte aligned; an element range keeps `T`'s alignment; an empty range is no access and has no address) |
+//! | then, under the operands' locks until the kernel is queued (`order::enqueue_ordered`), each is taken as an access on `stream` | a write materializes a lazy clone first (on `stream`, its new address checked for alignment again); with `stream_order:auto` the access waits for the conflicting earlier ones on other streams and is recorded for the free (`order.rs`) |
 //!
 //! **Slices over the memory itself, or over a private copy.** The kernel sees the memory itself
-//! exactly when cudalloc orders every access to those bytes: `stream_order:auto`, memory of this
-//! process's allocator in the default pool (plain, or shared copy-on-write), and no graph or
-//! capture of the allocator alive (their replays write memory outside the storages' order). Any
-//! other operand set is *staged*: each operand is copied into a private buffer on the worker,
+//! exactly when cudalloc orders every access to those bytes: `stream_order:auto`, a block of this
+//! process's allocator in the default pool that the storage owns directly, and a stream that is
+//! not capturing. Graph replays are accesses too: a replay is ordered with every storage its
+//! capture touched through the storages' doors (`alloc/capturing.rs`), and the graph keeps those
+//! storages alive. Any other operand set is *staged* — memory shared copy-on-write (a lazy
+//! clone's, or its source's: the COW context's memory), shared with or received from another
+//! process, in a private pool (whose freed blocks a graph may write after an eager owner got
+//! them), under `manual`, or inside a capture: each operand is copied into a private buffer on the worker,
 //! the kernel sees slices of those, and the written ones are copied back when it returns. A
 //! correct program gets the same bytes either way; a racy one (under `manual`, or memory another
 //! process writes) gets unspecified bytes, as on a device — never a Rust reference to memory
@@ -45,10 +49,10 @@ use std::ops::Range;
 
 pub use bytemuck::Pod;
 
-use super::Storage;
+use super::{order, Storage};
 use crate::driver::host::{HostKernelMemory, HostRange};
 use crate::driver::sanitizer::AccessKind;
-use crate::driver::StreamId;
+use crate::driver::{DeviceAddr, StreamId};
 use crate::error::{Error, Result};
 use crate::runtime::Runtime;
 use crate::sync::os::Arc;
@@ -108,22 +112,6 @@ impl Storage {
             elements: None,
             _elements: PhantomData,
         }
-    }
-
-    /// Whether cudalloc orders every access to this storage's bytes (see the module docs): its
-    /// runtime orders storages, and the memory is a default-pool block of this process's
-    /// allocator, plain or shared copy-on-write (not shared with or received from another
-    /// process, not in a pool graphs may hold).
-    fn ordered_by_storages(&self) -> bool {
-        self.orders_itself()
-            && self.with_data(|data| {
-                let block = if crate::cow::is_cow(data) {
-                    data.block_owner()
-                } else {
-                    data.own_block()
-                };
-                block.is_some_and(|b| b.in_default_pool())
-            })
     }
 }
 
@@ -267,13 +255,13 @@ impl<'s> sealed::Operand<'s> {
     }
 }
 
-/// Checks the operands at the door, takes each as an access on `stream`, and says whether the
-/// kernel may see the memory itself (see the module docs).
-fn place<const N: usize>(
+/// Checks the operands at the door — before anything is taken or queued — and returns each
+/// one's byte range in its storage and element count.
+fn door<const N: usize>(
     runtime: &Runtime,
     stream: StreamId,
-    operands: [sealed::Operand<'_>; N],
-) -> Result<([Placed; N], bool)> {
+    operands: &[sealed::Operand<'_>; N],
+) -> Result<[(u64, u64, usize); N]> {
     let device = runtime.driver().stream_device(stream)?;
     let mut spans = [(0u64, 0u64, 0usize); N];
     for (i, (op, span)) in operands.iter().zip(&mut spans).enumerate() {
@@ -292,6 +280,11 @@ fn place<const N: usize>(
         }
         op.storage.check_awake("a host kernel")?;
         *span = op.bytes(i)?;
+        // The address now: a storage's never moves unless a lazy clone's first write gives it
+        // new (512-byte aligned) memory, checked again under the locks.
+        if span.1 > span.0 {
+            aligned(i, op, op.storage.data_ptr().offset(span.0)?)?;
+        }
     }
     for i in 0..N {
         for j in i + 1..N {
@@ -306,39 +299,64 @@ fn place<const N: usize>(
             }
         }
     }
+    Ok(spans)
+}
+
+/// An error unless `addr` (operand `i`'s first element; an empty operand's is not used) is
+/// aligned for its element type.
+fn aligned(i: usize, op: &sealed::Operand<'_>, addr: DeviceAddr) -> Result<()> {
+    if addr.0 == 0 || addr.0.is_multiple_of(op.align as u64) {
+        return Ok(());
+    }
+    Err(Error::invalid(format!(
+        "operand {i}: address {addr} is not aligned for {} ({} bytes)",
+        op.type_name, op.align
+    )))
+}
+
+/// The operands' ranges at their storages' addresses under the locks (`addrs`, from
+/// `order::enqueue_ordered`), and whether the kernel may see the memory itself (see the module
+/// docs): decided under the locks, for the storages as they are when the kernel is queued.
+fn place<const N: usize>(
+    runtime: &Runtime,
+    stream: StreamId,
+    operands: &[sealed::Operand<'_>; N],
+    spans: &[(u64, u64, usize); N],
+    placements: &[order::Placement],
+) -> Result<([Placed; N], bool)> {
     let mut placed = [Placed {
-        range: HostRange::read(crate::driver::DeviceAddr(0), 0),
+        range: HostRange::read(DeviceAddr(0), 0),
         count: 0,
     }; N];
-    // A capture records the kernel for replays outside the storages' order (the allocator's
-    // captures and graphs, and a library's own capture of the stream).
-    let mut zero_copy = !runtime.allocator().graphs_or_captures()
-        && !runtime
-            .driver()
-            .graphs()
-            .stream_capture_status(stream)?
-            .is_capturing();
+    // A capture records the kernel for replays outside the storages' order (a library's own
+    // capture of the stream too; the allocators' captures and graphs are checked per operand).
+    let mut zero_copy = !runtime
+        .driver()
+        .graphs()
+        .stream_capture_status(stream)?
+        .is_capturing();
     for (i, ((op, &(start, end, count)), out)) in
-        operands.iter().zip(&spans).zip(&mut placed).enumerate()
+        operands.iter().zip(spans).zip(&mut placed).enumerate()
     {
-        let base = match op.kind {
-            AccessKind::Write => op.storage.mutable_data_ptr_on(stream)?,
-            AccessKind::Read => op.storage.data_ptr_on(stream)?,
-        };
-        let addr = base.offset(start)?;
-        if !addr.0.is_multiple_of(op.align as u64) {
-            return Err(Error::invalid(format!(
-                "operand {i}: address {addr} is not aligned for {} ({} bytes)",
-                op.type_name, op.align
-            )));
-        }
+        let at = placements
+            .get(i)
+            .copied()
+            .ok_or_else(|| Error::invalid(format!("operand {i} has no address")))?;
+        let base = at.addr;
         let len = end - start;
+        // An empty operand touches nothing: the null range (an empty storage's address).
+        let addr = if len == 0 {
+            DeviceAddr(0)
+        } else {
+            base.offset(start)?
+        };
+        aligned(i, op, addr)?;
         out.range = match op.kind {
             AccessKind::Write => HostRange::write(addr, len),
             AccessKind::Read => HostRange::read(addr, len),
         };
         out.count = count;
-        zero_copy &= op.storage.ordered_by_storages();
+        zero_copy &= at.ordered_bytes;
     }
     Ok((placed, zero_copy))
 }
@@ -358,7 +376,11 @@ macro_rules! host_args_tuple {
                         runtime.driver().backend().name()
                     ))
                 })?;
-                let (placed, zero_copy) = place(runtime, stream, [$(self.$i.operand()),+])?;
+                let operands = [$(self.$i.operand()),+];
+                let spans = door(runtime, stream, &operands)?;
+                let accesses = operands.each_ref().map(|op| (op.storage, op.kind));
+                order::enqueue_ordered(&accesses, stream, |placements| {
+                let (placed, zero_copy) = place(runtime, stream, &operands, &spans, placements)?;
                 let counts = placed.map(|p| p.count);
                 let body = move |memory: &mut HostKernelMemory<$n>| -> Result<()> {
                     if zero_copy {
@@ -382,15 +404,21 @@ macro_rules! host_args_tuple {
                     Ok(())
                 };
                 // SAFETY: the ranges are the operands' memory, taken as accesses on `stream` by
-                // their storages just now; see the module docs for why no slice races.
+                // their storages under their locks, held until this is queued; see the module
+                // docs for why no slice races.
                 unsafe { host.enqueue_host(stream, placed.map(|p| p.range), body) }
+                })
             }
         }
     };
 }
 
-/// The host address of range `i` as a pointer to `E`, checked for alignment.
+/// The host address of range `i` as a pointer to `E`, checked for alignment (an empty range's
+/// is a dangling, aligned pointer: an empty slice touches nothing).
 fn checked_base<E, const N: usize>(memory: &HostKernelMemory<N>, i: usize) -> Result<*mut E> {
+    if memory.is_empty(i) {
+        return Ok(std::ptr::NonNull::<E>::dangling().as_ptr());
+    }
     let base = memory.base(i);
     if !base.is_multiple_of(std::mem::align_of::<E>()) {
         return Err(Error::invalid(format!(

@@ -24,16 +24,16 @@
 //! | `from_ipc()` | — | — | same process: this storage | another process: → received (or the storage already open) |
 //! | drop (last clone) | block freed | −1 reference (last frees) | limbo while counted, else freed | lease released after its streams |
 //!
-//! Copies to and from pinned host buffers live in `pinned.rs`; typed host kernels over storages
+//! Copies to and from host memory (pageable and pinned) live in `copies.rs`; typed host kernels over storages
 //! in `host_kernel.rs`.
 //!
 //! A lazy clone of shared memory is an eager copy because the memory is an alias of other
 //! processes' storages (see `cow/mod.rs`); sharing a COW storage materializes it first because a
 //! consumer may write.
 
+mod copies;
 pub mod host_kernel;
 mod order;
-mod pinned;
 mod registry;
 mod sharing;
 #[cfg(feature = "cudarc")]
@@ -116,8 +116,9 @@ impl Storage {
         Ok(Self::from_data_ptr(runtime, data, nbytes))
     }
 
-    /// Wraps memory already owned by `data` (of at least `nbytes`).
-    pub fn from_data_ptr(runtime: &Arc<Runtime>, data: DataPtr, nbytes: u64) -> Self {
+    /// Wraps memory already owned by `data` (of at least `nbytes`: the callers' allocations —
+    /// not public, since a larger `nbytes` would let a kernel see a neighbour's bytes).
+    pub(crate) fn from_data_ptr(runtime: &Arc<Runtime>, data: DataPtr, nbytes: u64) -> Self {
         let written_on = data.allocation_stream();
         Self::written_on(runtime, data, nbytes, written_on)
     }
@@ -309,6 +310,12 @@ impl Storage {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
+    /// The storage's identity as a number (its aliases share it): the order its locks are taken
+    /// in when one piece of work holds several (`order.rs`).
+    fn key(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
     /// Marks the storage's memory as used on `stream` (see [`Runtime::record_stream`](crate::Runtime::record_stream)).
     /// For a received storage, the lease is released only after `stream`'s work is done.
     pub fn record_stream(&self, stream: StreamId) -> Result<()> {
@@ -344,16 +351,6 @@ impl Storage {
         f(&mut self.inner.data.lock())
     }
 
-    fn check_len(&self, len: usize) -> Result<()> {
-        if len as u64 > self.inner.nbytes {
-            return Err(Error::invalid(format!(
-                "{len} bytes do not fit a storage of {} bytes",
-                self.inner.nbytes
-            )));
-        }
-        Ok(())
-    }
-
     fn stream(&self) -> Result<StreamId> {
         self.inner.runtime.current_stream(self.inner.device)
     }
@@ -364,46 +361,6 @@ impl Storage {
         self.inner.data.lock().check_awake(what)
     }
 
-    /// Copies `src` to the start of the storage on the current stream (returns when done).
-    pub fn copy_from_host(&self, src: &[u8]) -> Result<()> {
-        self.check_len(src.len())?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        self.check_awake("a copy from the host")?;
-        let stream = self.stream()?;
-        let dst = self.mutable_data_ptr_on(stream)?;
-        // SAFETY: the storage's own bytes, taken through its door for this stream just above:
-        // ordered by the storage as a typed kernel's under `auto`; under `manual` typed kernels
-        // see private copies, so a missing wait gives wrong bytes, never a racing reference.
-        unsafe {
-            self.inner
-                .runtime
-                .driver()
-                .copy_host_to_device(stream, dst, src)
-        }
-    }
-
-    /// Copies the start of the storage into `dst` on the current stream (returns when done).
-    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
-        self.check_len(dst.len())?;
-        if dst.is_empty() {
-            return Ok(());
-        }
-        self.check_awake("a copy to the host")?;
-        let stream = self.stream()?;
-        let src = self.data_ptr_on(stream)?;
-        // SAFETY: the storage's own bytes, taken through its door for this stream just above:
-        // ordered by the storage as a typed kernel's under `auto`; under `manual` typed kernels
-        // see private copies, so a missing wait gives wrong bytes, never a racing reference.
-        unsafe {
-            self.inner
-                .runtime
-                .driver()
-                .copy_device_to_host(stream, dst, src)
-        }
-    }
-
     /// Enqueues the fill kernel over the whole storage on the current stream.
     pub fn fill_pattern(&self, seed: u64) -> Result<()> {
         if self.inner.nbytes == 0 {
@@ -411,17 +368,12 @@ impl Storage {
         }
         self.check_awake("the fill kernel")?;
         let stream = self.stream()?;
-        let dst = self.mutable_data_ptr_on(stream)?;
-        // SAFETY: the storage's own bytes, taken through its door for this stream just above:
-        // ordered by the storage as a typed kernel's under `auto`; under `manual` typed kernels
-        // see private copies, so a missing wait gives wrong bytes, never a racing reference.
-        unsafe {
-            self.inner
-                .runtime
-                .driver()
-                .kernels()
-                .fill_pattern(stream, dst, self.inner.nbytes, seed)
-        }
+        let kernels = self.inner.runtime.driver().kernels();
+        order::enqueue_ordered(&[(self, AccessKind::Write)], stream, |addrs| {
+            let dst = addrs.first().map_or(DeviceAddr(0), |p| p.addr);
+            // SAFETY: the storage's own bytes, taken under its locks for `stream` (`order.rs`).
+            unsafe { kernels.fill_pattern(stream, dst, self.inner.nbytes, seed) }
+        })
     }
 
     /// Runs the verify kernel over the whole storage on the current stream.
@@ -431,16 +383,11 @@ impl Storage {
         }
         self.check_awake("the verify kernel")?;
         let stream = self.stream()?;
-        let src = self.data_ptr_on(stream)?;
-        // SAFETY: the storage's own bytes, taken through its door for this stream just above:
-        // ordered by the storage as a typed kernel's under `auto`; under `manual` typed kernels
-        // see private copies, so a missing wait gives wrong bytes, never a racing reference.
-        unsafe {
-            self.inner
-                .runtime
-                .driver()
-                .kernels()
-                .count_pattern_mismatches(stream, src, self.inner.nbytes, seed)
-        }
+        let kernels = self.inner.runtime.driver().kernels();
+        order::enqueue_ordered(&[(self, AccessKind::Read)], stream, |addrs| {
+            let src = addrs.first().map_or(DeviceAddr(0), |p| p.addr);
+            // SAFETY: as in `fill_pattern`.
+            unsafe { kernels.count_pattern_mismatches(stream, src, self.inner.nbytes, seed) }
+        })
     }
 }

@@ -22,9 +22,14 @@
 //! With `stream_order:manual` nothing here runs: PyTorch's rules, the program's `record_stream`
 //! and waits, and the sanitizer reports what is missing.
 //!
+//! Work the storages enqueue themselves (typed host kernels, copies, the pattern kernels) takes
+//! its accesses and is queued under the storages' locks ([`enqueue_ordered`]), so no other such
+//! work falls between an access and its work; an access inside a capture is kept for the graph,
+//! and each replay is ordered as one more access of those storages.
+//!
 //! Outside the rule, the program's to order as in manual mode: work on raw addresses
-//! (`data_ptr()`, `mutable_data_ptr()`), graph replays (a replay writes what its capture wrote,
-//! which no storage sees), and streams of another device. A stream destroyed since its access is
+//! (`data_ptr()`, `mutable_data_ptr()`, `unsafe` on the host backend), captured raw work, and
+//! streams of another device. A stream destroyed since its access is
 //! not waited for (its work cannot be named any more). Addresses are taken right before the work
 //! that uses them is enqueued — as every storage door does — since the wait covers the work
 //! queued on the earlier stream when the later access is taken.
@@ -32,11 +37,12 @@
 //! [`Runtime::order_after`](crate::Runtime::order_after): crate::CachingAllocator
 
 use super::Storage;
+use crate::alloc::CapturedUse;
 use crate::driver::sanitizer::AccessKind;
-use crate::driver::StreamId;
-use crate::error::Result;
+use crate::driver::{DeviceAddr, StreamId};
+use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
-use crate::sync::os::Mutex;
+use crate::sync::os::{Arc, Mutex};
 use crate::StreamOrder;
 
 /// No single stream used the storage (two did, or none yet).
@@ -103,35 +109,42 @@ impl Storage {
         if self.allocator().driver().stream_device(stream)? != self.inner.device {
             return Ok(());
         }
-        {
-            let mut uses = self.inner.uses.uses.lock();
-            let writer = uses.writer.filter(|&w| w != stream);
-            match kind {
-                AccessKind::Read => {
-                    if uses.writer == Some(stream) || uses.readers.contains(&stream) {
-                        return Ok(());
-                    }
-                    if let Some(w) = writer {
-                        self.wait_for(stream, w)?;
-                    }
-                    uses.readers.push(stream);
-                    self.inner.uses.sole.store(NO_STREAM, Ordering::Release);
-                }
-                AccessKind::Write => {
-                    for &earlier in writer.iter().chain(&uses.readers) {
-                        if earlier != stream {
-                            self.wait_for(stream, earlier)?;
-                        }
-                    }
-                    uses.writer = Some(stream);
-                    uses.readers.clear();
-                    self.inner.uses.sole.store(stream.0, Ordering::Release);
-                }
-            }
-        }
+        let used = self.order_locked(&mut self.inner.uses.uses.lock(), stream, kind)?;
         // Outside the lock of the uses: `record_stream` takes the storage's data lock, which a
         // lazy clone's first write holds while it resets the uses.
-        self.used_on(stream)
+        if used {
+            self.used_on(stream)?;
+        }
+        Ok(())
+    }
+
+    /// The rule of the module docs with the uses' lock held: waits and new uses; whether `stream`
+    /// is a new use to record for the free.
+    fn order_locked(&self, uses: &mut Uses, stream: StreamId, kind: AccessKind) -> Result<bool> {
+        let writer = uses.writer.filter(|&w| w != stream);
+        match kind {
+            AccessKind::Read => {
+                if uses.writer == Some(stream) || uses.readers.contains(&stream) {
+                    return Ok(false);
+                }
+                if let Some(w) = writer {
+                    self.wait_for(stream, w)?;
+                }
+                uses.readers.push(stream);
+                self.inner.uses.sole.store(NO_STREAM, Ordering::Release);
+            }
+            AccessKind::Write => {
+                for &earlier in writer.iter().chain(&uses.readers) {
+                    if earlier != stream {
+                        self.wait_for(stream, earlier)?;
+                    }
+                }
+                uses.writer = Some(stream);
+                uses.readers.clear();
+                self.inner.uses.sole.store(stream.0, Ordering::Release);
+            }
+        }
+        Ok(true)
     }
 
     /// Makes `stream` wait for `earlier`; a stream destroyed since is skipped (its work cannot
@@ -158,4 +171,210 @@ impl Storage {
             }
         })
     }
+}
+
+/// An operand's memory as one piece of work sees it under the storages' locks.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Placement {
+    /// The storage's address (after a written lazy clone's materialization).
+    pub(super) addr: DeviceAddr,
+    /// Whether every access to these bytes is one the storages order: the storage orders
+    /// itself, and the memory is a default-pool block this process's allocator owns directly —
+    /// not shared copy-on-write, not shared with or received from another process, not in a
+    /// private pool (whose freed blocks a graph's replays may write after an eager owner got
+    /// them). Typed host kernels see such memory itself (`host_kernel.rs`).
+    pub(super) ordered_bytes: bool,
+}
+
+/// One piece of work the storages enqueue themselves — a typed host kernel, a copy — on `stream`
+/// over `operands` (storages with their modes, in the caller's order; one storage may appear
+/// more than once): the accesses are taken and the work is enqueued under the operands' locks,
+/// so no other such work on those storages falls between an access and its enqueue (an access
+/// waits for an event recorded on the earlier stream at the access: work enqueued there after it
+/// would not be waited for — found by review, two threads' kernels overlapping on one storage).
+///
+/// Under the data locks (taken first, in address order): a written lazy clone is materialized
+/// (its copy ordered by the hand-over). Under the uses locks (then, in the same order): each
+/// access of a storage that orders itself (the rule above; a stream of another device is the
+/// program's to order). Then `enqueue` runs with the operands' placements, in the caller's
+/// order. Last, still under the locks, `stream` is recorded for each ordered storage's free, and
+/// on a stream an allocator is capturing the accesses are kept for the capture's graph, whose
+/// replays are ordered with them ([`CapturedUse`]).
+///
+/// The lock-free path of [`Storage::access`] (one stream so far) serves the raw doors
+/// (`data_ptr_on`, `mutable_data_ptr_on`), whose work the caller enqueues later, outside any
+/// storage — the `unsafe` escape hatch, ordered by the caller against this work.
+pub(super) fn enqueue_ordered<R>(
+    operands: &[(&Storage, AccessKind)],
+    stream: StreamId,
+    enqueue: impl FnOnce(&[Placement]) -> Result<R>,
+) -> Result<R> {
+    locked(operands, stream, None, enqueue)
+}
+
+/// A storage's access inside a capture, kept by the capture's graph (which keeps the storage):
+/// each replay is one more access, ordered as [`enqueue_ordered`]'s.
+#[derive(Debug)]
+struct StorageUse {
+    storage: Storage,
+    kind: AccessKind,
+    /// The address the capture saw: a replay touches it, whatever the storage holds now.
+    addr: DeviceAddr,
+}
+
+impl CapturedUse for StorageUse {
+    fn order_replay(
+        &self,
+        uses: &[Arc<dyn CapturedUse>],
+        stream: StreamId,
+        launch: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        let ours: Vec<&StorageUse> = uses
+            .iter()
+            .filter_map(|u| u.as_any().downcast_ref::<StorageUse>())
+            .collect();
+        let operands: Vec<(&Storage, AccessKind)> =
+            ours.iter().map(|u| (&u.storage, u.kind)).collect();
+        let expected: Vec<DeviceAddr> = ours.iter().map(|u| u.addr).collect();
+        locked(&operands, stream, Some(&expected), |_| launch())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// [`enqueue_ordered`], or with `replay` (the addresses a capture saw, one per operand) a graph's
+/// replay: nothing is materialized, and a storage that no longer holds the captured address, or
+/// that a lazy clone now shares while the replay writes it, refuses the replay.
+fn locked<R>(
+    operands: &[(&Storage, AccessKind)],
+    stream: StreamId,
+    replay: Option<&[DeviceAddr]>,
+    enqueue: impl FnOnce(&[Placement]) -> Result<R>,
+) -> Result<R> {
+    // Unique storages in address order, each with the strongest mode asked of it.
+    let mut unique: Vec<(&Storage, AccessKind)> = Vec::with_capacity(operands.len());
+    for &(storage, kind) in operands {
+        match unique.iter_mut().find(|(s, _)| s.is_alias_of(storage)) {
+            Some((_, k)) if kind == AccessKind::Write => *k = AccessKind::Write,
+            Some(_) => {}
+            None => unique.push((storage, kind)),
+        }
+    }
+    unique.sort_by_key(|(s, _)| s.key());
+    let index_of = |storage: &Storage| {
+        unique
+            .iter()
+            .position(|(s, _)| s.is_alias_of(storage))
+            .unwrap_or_default()
+    };
+    let mut data: Vec<_> = unique.iter().map(|(s, _)| s.inner.data.lock()).collect();
+    match replay {
+        None => {
+            for ((storage, kind), data) in unique.iter().zip(&mut data) {
+                if *kind == AccessKind::Write {
+                    storage.materialize_locked(data, stream)?;
+                }
+            }
+        }
+        Some(expected) => {
+            for ((storage, kind), &addr) in operands.iter().zip(expected) {
+                let data = &data[index_of(storage)];
+                if data.ptr() != addr {
+                    return Err(Error::invalid(format!(
+                        "a storage the graph's capture used at {addr} holds {} now (a lazy \
+                         clone's first write gave it new memory): the replay would touch \
+                         memory it no longer owns",
+                        data.ptr()
+                    )));
+                }
+                if *kind == AccessKind::Write && crate::cow::is_cow(data) {
+                    return Err(Error::invalid(format!(
+                        "the graph writes the storage at {addr}, which lazy clones share now: \
+                         the replay would change the clones"
+                    )));
+                }
+            }
+        }
+    }
+    let mut ordered = vec![false; unique.len()];
+    // Held until the work is enqueued and recorded (see `enqueue_ordered`).
+    let mut uses: Vec<_> = unique
+        .iter()
+        .map(|(s, _)| s.inner.uses.uses.lock())
+        .collect();
+    for (((storage, kind), uses), ordered) in unique.iter().zip(&mut uses).zip(&mut ordered) {
+        if storage.orders_itself()
+            && storage.allocator().driver().stream_device(stream)? == storage.inner.device
+        {
+            *ordered = storage.order_locked(uses, stream, *kind)?;
+        }
+    }
+    let placements: Vec<Placement> = operands
+        .iter()
+        .map(|(storage, _)| {
+            let data = &data[index_of(storage)];
+            Placement {
+                addr: data.ptr(),
+                ordered_bytes: storage.orders_itself()
+                    && data.own_block().is_some_and(|b| b.in_default_pool()),
+            }
+        })
+        .collect();
+    let out = enqueue(&placements)?;
+    for (data, _) in data.iter().zip(&ordered).filter(|(_, &o)| o) {
+        if data.allocation_stream() != Some(stream) {
+            data.record_stream(stream)?;
+        }
+    }
+    if replay.is_none() {
+        note_if_captured(&unique, &data, stream)?;
+    }
+    drop(uses);
+    Ok(out)
+}
+
+/// On a stream an allocator of the operands is capturing, keeps each access for the capture's
+/// graph. A capture no operand's allocator began (another runtime's, or the driver's own) keeps
+/// nothing: its replays are that caller's to order.
+fn note_if_captured(
+    unique: &[(&Storage, AccessKind)],
+    data: &[crate::sync::os::MutexGuard<'_, crate::alloc::DataPtr>],
+    stream: StreamId,
+) -> Result<()> {
+    let Some(&(first, _)) = unique.first() else {
+        return Ok(());
+    };
+    if !unique
+        .iter()
+        .any(|(s, _)| s.allocator().captures_under_way())
+    {
+        return Ok(());
+    }
+    let status = first
+        .allocator()
+        .driver()
+        .graphs()
+        .stream_capture_status(stream)?;
+    let Some(capture) = status.capture_id() else {
+        return Ok(());
+    };
+    for ((storage, kind), data) in unique.iter().zip(data) {
+        let used: Arc<dyn CapturedUse> = Arc::new(StorageUse {
+            storage: (*storage).clone(),
+            kind: *kind,
+            addr: data.ptr(),
+        });
+        if !unique
+            .iter()
+            .any(|(s, _)| s.allocator().note_captured_use(capture, Arc::clone(&used)))
+        {
+            tracing::debug!(
+                capture,
+                "an access inside a capture no operand's allocator began: its replays are not ordered"
+            );
+        }
+    }
+    Ok(())
 }

@@ -98,6 +98,9 @@ impl<const N: usize> HostKernelMemory<N> {
     /// Copies bytes `[offset, offset + out.len())` of range `i` into `out`.
     pub fn read(&self, i: usize, offset: usize, out: &mut [u8]) -> Result<()> {
         let src = self.at(i, offset, out.len())?;
+        if out.is_empty() {
+            return Ok(());
+        }
         // SAFETY: checked inside range `i`, which the driver keeps mapped while the kernel runs
         // (segments are unmapped only after every stream has drained); `out` is the caller's
         // distinct buffer.
@@ -120,6 +123,9 @@ impl<const N: usize> HostKernelMemory<N> {
             )));
         }
         let dst = self.at(i, offset, data.len())?;
+        if data.is_empty() {
+            return Ok(());
+        }
         // SAFETY: as in `read`, with `dst` writable device memory.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len()) };
         Ok(())
