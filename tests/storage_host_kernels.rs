@@ -10,64 +10,11 @@ mod common;
 
 use std::sync::Arc;
 
-use common::host_driver;
-use cudalloc::{
-    host_kernel, AllocatorConfig, CaptureMode, ErrorKind, HostDriver, Runtime, Sanitize, Storage,
-    StreamId,
-};
+use common::storage::{clean, ordered_or_manual as runtime, set, values};
+use cudalloc::{host_kernel, CaptureMode, ErrorKind, Runtime, Storage, StreamId};
 
 const N: usize = 16 << 10;
 const BYTES: u64 = (N * 4) as u64;
-
-/// A runtime with `conf`; ordered ones under the sanitizer (checked clean by `clean`).
-fn runtime(conf: &str) -> (Arc<Runtime>, Arc<HostDriver>) {
-    let host = Arc::new(host_driver());
-    let sanitize = if conf.contains("manual") {
-        Sanitize::Off
-    } else {
-        Sanitize::On(Default::default())
-    };
-    let rt = Arc::new(
-        Runtime::builder()
-            .config(AllocatorConfig::parse(conf).unwrap())
-            .sanitize(sanitize)
-            .check_invariants(true)
-            .build(host.clone())
-            .unwrap(),
-    );
-    (rt, host)
-}
-
-fn clean(rt: &Runtime) {
-    if let Some(sanitizer) = rt.sanitizer() {
-        let reports = sanitizer.take_reports();
-        assert!(reports.is_empty(), "{reports:#?}");
-    }
-}
-
-/// Sets every element of `s` to `v` on `stream`.
-fn set(rt: &Runtime, s: &Storage, stream: StreamId, v: f32) {
-    rt.launch_host(stream, s.writes::<f32>(), move |x| {
-        x.fill(v);
-        Ok(())
-    })
-    .unwrap();
-}
-
-/// The elements of `s`, read on a fresh stream through a kernel (and synchronized).
-fn values(rt: &Runtime, s: &Storage) -> Vec<f32> {
-    let stream = rt.create_stream(s.device()).unwrap();
-    let out = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let sink = Arc::clone(&out);
-    rt.launch_host(stream, s.reads::<f32>(), move |x| {
-        *sink.lock().unwrap() = x.to_vec();
-        Ok(())
-    })
-    .unwrap();
-    rt.driver().stream_synchronize(stream).unwrap();
-    let v = out.lock().unwrap().clone();
-    v
-}
 
 #[test]
 fn a_kernel_sees_its_operands_as_typed_slices() {

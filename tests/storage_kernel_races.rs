@@ -23,61 +23,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::host_driver;
-use cudalloc::{
-    AllocatorConfig, CaptureMode, ErrorKind, HostDriver, MemPoolOptions, Runtime, Sanitize,
-    Storage, StreamId,
-};
+use common::storage::{build, clean, reports, runtime, set, values};
+use cudalloc::{CaptureMode, ErrorKind, MemPoolOptions, Runtime, Storage, StreamId};
 
 const N: usize = 4096;
 const BYTES: u64 = (N * 4) as u64;
 const PROBE_WAIT: Duration = Duration::from_secs(3);
-
-fn build(host: &Arc<HostDriver>, conf: &str, sanitize: bool) -> Arc<Runtime> {
-    Arc::new(
-        Runtime::builder()
-            .config(AllocatorConfig::parse(conf).unwrap())
-            .sanitize(if sanitize {
-                Sanitize::On(Default::default())
-            } else {
-                Sanitize::Off
-            })
-            .check_invariants(true)
-            .build(host.clone())
-            .unwrap(),
-    )
-}
-
-fn runtime(conf: &str, sanitize: bool) -> (Arc<Runtime>, Arc<HostDriver>) {
-    let host = Arc::new(host_driver());
-    (build(&host, conf, sanitize), host)
-}
-
-fn reports(rt: &Runtime) -> Vec<cudalloc::HazardReport> {
-    rt.sanitizer().map(|s| s.take_reports()).unwrap_or_default()
-}
-
-fn set(rt: &Runtime, s: &Storage, stream: StreamId, v: f32) {
-    rt.launch_host(stream, s.writes::<f32>(), move |x| {
-        x.fill(v);
-        Ok(())
-    })
-    .unwrap();
-}
-
-/// The elements of `s`, read on a fresh stream through a kernel (synchronized).
-fn values(rt: &Runtime, s: &Storage) -> Vec<f32> {
-    let stream = rt.create_stream(s.device()).unwrap();
-    let out = Arc::new(Mutex::new(Vec::new()));
-    let sink = Arc::clone(&out);
-    rt.launch_host(stream, s.reads::<f32>(), move |x| {
-        *sink.lock().unwrap() = x.to_vec();
-        Ok(())
-    })
-    .unwrap();
-    rt.driver().stream_synchronize(stream).unwrap();
-    let v = out.lock().unwrap().clone();
-    v
-}
 
 /// What a blocker kernel saw.
 #[derive(Clone, Copy, Debug, Default)]
@@ -413,7 +364,7 @@ fn kernel_on_other_stream_waits_for_zero_copy_writer() {
     assert_eq!(seen.ptr, x.data_ptr().0, "zero copy");
     assert!(!seen.signalled && !seen.changed, "{seen:?}");
     assert!(values(&rt, &x).iter().all(|&v| v == 99.0));
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    clean(&rt);
 }
 
 /// A read on another stream of what a zero-copy kernel writes waits for it (and a write waits
@@ -431,7 +382,7 @@ fn reader_and_writer_wait_for_zero_copy_kernels() {
     let seen = reader.seen();
     assert_eq!(seen.ptr, x.data_ptr().0, "zero copy");
     assert!(!seen.signalled && !seen.changed, "{seen:?}");
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    clean(&rt);
 }
 
 /// `copy_from_host`, `copy_to_host`, `fill_pattern` and `count_pattern_mismatches` (on the
@@ -487,7 +438,7 @@ fn storage_copies_and_patterns_wait_for_zero_copy_writer() {
         assert_eq!(seen.ptr, x.data_ptr().0, "{name}: zero copy");
         assert!(!seen.signalled && !seen.changed, "{name}: {seen:?}");
     }
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    clean(&rt);
 }
 
 /// A lazy clone of memory a zero-copy kernel writes: the clone's first write copies after the
@@ -514,7 +465,7 @@ fn lazy_clone_copy_waits_for_zero_copy_writer() {
     assert_eq!(v[0], 2.0, "the copy saw the kernel's 1.0");
     assert!(v[1..].iter().all(|&v| v == 1.0));
     assert!(values(&rt, &x).iter().all(|&v| v == 1.0));
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    clean(&rt);
 }
 
 /// The same with the second lazy clone taken on another current stream (a context's
@@ -539,24 +490,13 @@ fn steal_waits_for_second_clones_reader_on_its_own_stream() {
         c1.lazy_clone().unwrap()
     };
     let gate = host.gate_stream(s).unwrap();
-    let got = Arc::new(Mutex::new(0.0f32));
-    let out = Arc::clone(&got);
-    rt.launch_host(s, c2.reads::<f32>(), move |c| {
-        *out.lock().unwrap() = c[0];
-        Ok(())
-    })
-    .unwrap();
+    let got = first_f32(&rt, s, &c2);
     drop(c2);
     drop(c1);
     set(&rt, &x, b, 99.0);
     let unordered = completes_while_gated(&rt, b, gate);
     sync(&rt, &[s, b]);
-    assert!(
-        !unordered,
-        "the steal's write ran while the reader was held"
-    );
-    assert_eq!(*got.lock().unwrap(), 4.0);
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    steal_waited(&rt, unordered, &got);
 }
 
 /// A lazy clone (or its copy-on-write source) is seen through a private copy: its memory is the
@@ -609,7 +549,7 @@ fn freed_block_not_reused_under_zero_copy_writer() {
         assert!(!seen.changed, "reused under the kernel: {seen:?}");
         drop(y);
     }
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    clean(&rt);
 }
 
 /// Same-process IPC: sharing and receiving (the original storage back) and writing through the
@@ -638,7 +578,7 @@ fn same_process_ipc_waits_for_zero_copy_writer() {
     })
     .unwrap();
     sync(&rt, &[a]);
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    clean(&rt);
 }
 
 /// A capture begun while a zero-copy kernel runs: the captured write of the same storage waits
@@ -659,7 +599,7 @@ fn capture_after_zero_copy_kernel() {
     assert!(!seen.signalled && !seen.changed, "{seen:?}");
     assert!(values(&rt, &x).iter().all(|&v| v == 99.0));
     drop(graph);
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    clean(&rt);
 }
 
 /// Sleep (offload) of a tag while a (staged: tags are pools) kernel that writes its memory is
@@ -718,7 +658,7 @@ fn mem_pool_storage_is_staged_and_right() {
     assert_ne!(seen.ptr, x.data_ptr().0, "staged");
     assert!(!seen.changed && !seen.signalled, "{seen:?}");
     assert!(values(&rt, &x).iter().all(|&v| v == 2.0));
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    clean(&rt);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -768,7 +708,7 @@ fn read_then_write_of_one_cow_storage_in_one_kernel() {
     let v = values(&rt, &c);
     let want: Vec<f32> = (0..N).map(|i| (i % h) as f32).collect();
     assert_eq!(v, want);
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    clean(&rt);
 }
 
 /// A chain of kernels on three streams with waits only from the storages, under a gate.
@@ -798,7 +738,7 @@ fn three_stream_pipeline_right() {
     sync(&rt, &[a, b, c]);
     assert!(values(&rt, &y).iter().all(|&v| v == 6.0));
     assert!(values(&rt, &x).iter().all(|&v| v == 7.0));
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    clean(&rt);
 }
 
 /// Manual order, correct program (host synchronization between streams): staged, right.
@@ -817,7 +757,7 @@ fn manual_correct_program_right() {
     sync(&rt, &[b]);
     let v = values(&rt, &x);
     assert_eq!(v[..4], [2.0, 10.0, 10.0, 2.0]);
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    clean(&rt);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -995,7 +935,7 @@ fn aliasing_between_handles_and_lazy_clones() {
     assert!(values(&rt, &c).iter().all(|&v| v == 1.0));
     assert!(values(&rt, &d).iter().all(|&v| v == 2.0));
     assert!(values(&rt, &x).iter().all(|&v| v == 3.0));
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    clean(&rt);
 }
 
 /// A kernel that panics: the stream reports it (or at least does not hang the next sync).
@@ -1216,13 +1156,13 @@ fn expandable_segments_zero_copy_across_pages() {
     .unwrap();
     sync(&rt, &[b]);
     assert!(*out.lock().unwrap());
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    clean(&rt);
 }
 
 /// A reader of a lazy clone (held by a gate); the clone is dropped; the source, now the last
 /// reference, steals the memory and writes it on another stream: the steal waits for the dropped
 /// clone's reader, which reads the bytes of before. (Lazy clones are staged, not zero copy: see
-/// `review_cow_operands_are_never_zero_copy`.)
+/// `cow_operands_are_staged`.)
 #[test]
 fn steal_waits_for_dropped_clones_reader() {
     let (rt, host) = runtime("", true);
@@ -1233,24 +1173,13 @@ fn steal_waits_for_dropped_clones_reader() {
     let c = x.lazy_clone().unwrap();
     let shared = c.data_ptr().0;
     let gate = host.gate_stream(a).unwrap();
-    let got = Arc::new(Mutex::new(0.0f32));
-    let out = Arc::clone(&got);
-    rt.launch_host(a, c.reads::<f32>(), move |c| {
-        *out.lock().unwrap() = c[0];
-        Ok(())
-    })
-    .unwrap();
+    let got = first_f32(&rt, a, &c);
     drop(c);
     set(&rt, &x, b, 99.0);
     assert_eq!(x.data_ptr().0, shared, "stolen in place");
     let unordered = completes_while_gated(&rt, b, gate);
     sync(&rt, &[a, b]);
-    assert!(
-        !unordered,
-        "the steal's write ran while the reader was held"
-    );
-    assert_eq!(*got.lock().unwrap(), 4.0);
-    assert!(reports(&rt).is_empty(), "{:#?}", reports(&rt));
+    steal_waited(&rt, unordered, &got);
 }
 
 /// Manual, no wait: a read on b of what a's (held) kernel writes is reported (the sanitizer's
@@ -1288,4 +1217,27 @@ fn misaligned_for_wide(rt: &Arc<Runtime>, s: StreamId) -> Storage {
         keep.push(Storage::new_on(rt, s, 512).unwrap());
     }
     panic!("no 2048-byte storage off a 1024-byte boundary among four with pads");
+}
+
+/// The first `f32` of `s`, as a kernel on `stream` reads it (when it runs).
+fn first_f32(rt: &Runtime, stream: StreamId, s: &Storage) -> Arc<Mutex<f32>> {
+    let got = Arc::new(Mutex::new(0.0f32));
+    let out = Arc::clone(&got);
+    rt.launch_host(stream, s.reads::<f32>(), move |c| {
+        *out.lock().unwrap() = c[0];
+        Ok(())
+    })
+    .unwrap();
+    got
+}
+
+/// A steal ordered after the held reader: it did not run while the reader was held, the reader
+/// read the bytes of before (4.0), and the sanitizer found nothing.
+fn steal_waited(rt: &Runtime, unordered: bool, got: &Mutex<f32>) {
+    assert!(
+        !unordered,
+        "the steal's write ran while the reader was held"
+    );
+    assert_eq!(*got.lock().unwrap(), 4.0);
+    clean(rt);
 }

@@ -11,39 +11,11 @@ mod common;
 
 use std::sync::Arc;
 
-use common::host_driver;
-use cudalloc::{AllocatorConfig, HostDriver, Runtime, Sanitize, Storage};
+use common::storage::{clean as ordered_and_clean, ordered_or_manual as runtime};
+use cudalloc::{HostDriver, Runtime, Storage};
 
 const ROUNDS: u64 = 100;
 const LEN: u64 = 64 << 10;
-
-/// A runtime with `conf`: ordered ones under the sanitizer (which must find nothing: checked at
-/// the end of each test), the manual ones without it (to measure the wrong bytes it would refuse).
-fn runtime(conf: &str) -> (Arc<Runtime>, Arc<HostDriver>) {
-    let host = Arc::new(host_driver());
-    let sanitize = if conf.contains("manual") {
-        Sanitize::Off
-    } else {
-        Sanitize::On(Default::default())
-    };
-    let rt = Arc::new(
-        Runtime::builder()
-            .config(AllocatorConfig::parse(conf).unwrap())
-            .sanitize(sanitize)
-            .check_invariants(true)
-            .build(host.clone())
-            .unwrap(),
-    );
-    (rt, host)
-}
-
-/// The sanitizer of an ordered runtime found nothing.
-fn ordered_and_clean(rt: &Runtime) {
-    if let Some(sanitizer) = rt.sanitizer() {
-        let reports = sanitizer.take_reports();
-        assert!(reports.is_empty(), "{reports:#?}");
-    }
-}
 
 /// A storage on `stream` filled there with the pattern of `seed` (through the storage's door).
 fn filled(rt: &Arc<Runtime>, stream: cudalloc::StreamId, seed: u64) -> Storage {

@@ -8,6 +8,7 @@ use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub mod faulty;
 pub mod forked;
+pub mod storage;
 
 use cudalloc::{CudaDriver, Driver, HostDriver};
 
