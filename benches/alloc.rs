@@ -21,7 +21,7 @@ mod common;
 mod cubecl_peer;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
-use cudalloc::{DataPtr, DeviceAddr, Driver, Runtime};
+use cudalloc::{backend::Driver, DataPtr, DeviceAddr, Runtime};
 
 const MIB: u64 = 1 << 20;
 
@@ -63,7 +63,7 @@ fn pair(c: &mut Criterion) {
     );
     let sanitized = Arc::new(
         Runtime::builder()
-            .sanitize(cudalloc::Sanitize::On(Default::default()))
+            .sanitize(cudalloc::sanitizer::Sanitize::On(Default::default()))
             .build(d.clone())
             .unwrap(),
     );
@@ -228,7 +228,7 @@ fn threads(c: &mut Criterion) {
 /// The cached pair's cost with the memory history off, alloc-only, all, and all with stacks (the
 /// ring full, so every record also drops the oldest entry).
 fn history(c: &mut Criterion) {
-    use cudalloc::{HistoryMode, HistoryOptions};
+    use cudalloc::{stats::HistoryMode, stats::HistoryOptions};
     let d = driver();
     let mut g = c.benchmark_group("history");
     for (name, mode, stacks) in [
@@ -250,7 +250,7 @@ fn history(c: &mut Criterion) {
 /// The cached pair three ways side by side: plain, with a memory pool's scope active, and inside
 /// a stream capture (the allocation routed to the graph's pool, uncached, while it runs).
 fn pools_and_capture(c: &mut Criterion) {
-    use cudalloc::{CaptureMode, MemPoolOptions};
+    use cudalloc::{graph::CaptureMode, pool::MemPoolOptions};
     let d = driver();
     let a = allocator(&d);
     let s = a.create_stream(0).unwrap();

@@ -4,11 +4,11 @@
 //! same group (the baseline the COW copy-materialize target is measured against).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use cudalloc::capability::Kernels;
+use cudalloc::backend::capability::Kernels;
 use std::time::Duration;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use cudalloc::{Driver, EventFlags, HostDriver};
+use cudalloc::{backend::Driver, backend::EventFlags, backend::HostDriver};
 
 fn driver() -> HostDriver {
     HostDriver::builder()

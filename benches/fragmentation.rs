@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::sync::Arc;
 
-use cudalloc::{AllocatorConfig, DataPtr, Driver, HostDriver, Runtime};
+use cudalloc::{backend::Driver, backend::HostDriver, AllocatorConfig, DataPtr, Runtime};
 
 const MIB: f64 = (1 << 20) as f64;
 

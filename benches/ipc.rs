@@ -20,7 +20,7 @@ use std::time::Duration;
 mod common;
 
 use criterion::{criterion_group, BatchSize, BenchmarkId, Criterion};
-use cudalloc::{IpcHandle, Runtime, Storage};
+use cudalloc::{ipc::IpcHandle, Runtime, Storage};
 
 fn allocator() -> Arc<Runtime> {
     common::pinned_allocator(2 << 30)

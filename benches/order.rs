@@ -12,7 +12,7 @@ use std::time::Duration;
 mod common;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use cudalloc::{AllocatorConfig, HostKernelMemory, HostRange, Runtime, Storage};
+use cudalloc::{backend::HostKernelMemory, backend::HostRange, AllocatorConfig, Runtime, Storage};
 
 const LAUNCHES: usize = 64;
 

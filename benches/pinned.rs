@@ -8,13 +8,15 @@
 //!   against the same copy from pageable memory (staged and waited for, as CUDA does).
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-use cudalloc::capability::PinnedHost;
+use cudalloc::backend::capability::PinnedHost;
 use std::alloc::Layout;
 use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use cudalloc::{Driver, HostDriver, PinnedAllocator, PinnedOptions};
+use cudalloc::{
+    backend::Driver, backend::HostDriver, pinned::PinnedAllocator, pinned::PinnedOptions,
+};
 
 fn driver() -> Arc<HostDriver> {
     Arc::new(

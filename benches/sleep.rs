@@ -23,7 +23,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use cudalloc::{DeviceAddr, Driver, HostDriver, PinnedBuffer, Runtime, Storage};
+use cudalloc::{
+    backend::Driver, backend::HostDriver, pinned::PinnedBuffer, DeviceAddr, Runtime, Storage,
+};
 
 const MIB: u64 = 1 << 20;
 const STORAGES: u64 = 16;
@@ -35,7 +37,7 @@ fn on_cuda() -> bool {
 
 fn runtime() -> Arc<Runtime> {
     let driver: Arc<dyn Driver> = if on_cuda() {
-        Arc::new(cudalloc::CudaDriver::new().unwrap())
+        Arc::new(cudalloc::backend::CudaDriver::new().unwrap())
     } else {
         Arc::new(
             HostDriver::builder()

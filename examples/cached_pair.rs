@@ -15,7 +15,7 @@ fn main() {
         .next()
         .map_or(512, |a| a.parse().expect("size in bytes"));
     let driver = Arc::new(
-        cudalloc::HostDriver::builder()
+        cudalloc::backend::HostDriver::builder()
             .devices(1)
             .memory_per_device(1 << 30)
             .build()

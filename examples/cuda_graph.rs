@@ -13,8 +13,8 @@
 use std::sync::Arc;
 
 use cudalloc::{
-    CaptureMode, DeviceAddr, Error, HostDriver, HostKernelMemory, HostRange, Result, Runtime,
-    Storage, StreamId,
+    backend::HostDriver, backend::HostKernelMemory, backend::HostRange, graph::CaptureMode,
+    DeviceAddr, Error, Result, Runtime, Storage, StreamId,
 };
 
 const LEN: u64 = 4096;

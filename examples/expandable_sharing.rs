@@ -19,7 +19,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudalloc::{AllocatorConfig, HostDriver, IpcHandle, Runtime, Storage};
+use cudalloc::{backend::HostDriver, ipc::IpcHandle, AllocatorConfig, Runtime, Storage};
 
 const CONSUMER: &str = "--consumer";
 

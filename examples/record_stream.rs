@@ -20,10 +20,10 @@
 use std::sync::Arc;
 
 use cudalloc::{
-    Error, ErrorKind, EventFlags, HostDriver, Result, Runtime, Sanitize, SanitizeOptions, Storage,
-    StreamId,
+    backend::EventFlags, backend::HostDriver, sanitizer::Sanitize, sanitizer::SanitizeOptions,
+    Error, ErrorKind, Result, Runtime, Storage, StreamId,
 };
-use cudalloc::{HostKernelMemory, HostRange};
+use cudalloc::{backend::HostKernelMemory, backend::HostRange};
 
 /// How a copy on another stream orders itself against the source's producer and free.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -18,7 +18,8 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 
 use cudalloc::{
-    AllocatorConfig, BackendChoice, Error, IpcHandle, Result, Runtime, Storage, StreamId, GLOBAL,
+    backend::BackendChoice, ipc::IpcHandle, AllocatorConfig, Error, Result, Runtime, Storage,
+    StreamId, GLOBAL,
 };
 
 /// The library's tensor: `len` f32 values on a stream.

@@ -137,7 +137,7 @@ pub enum Error {
         #[source]
         source: Option<Cause>,
     },
-    /// A host kernel of the caller's ([`HostDriver::enqueue_host`](crate::HostDriver::enqueue_host))
+    /// A host kernel of the caller's ([`HostDriver::enqueue_host`](crate::backend::HostDriver::enqueue_host))
     /// failed with an error of its own, kept as the [`source`](std::error::Error::source).
     /// Sticky on the stream, like a CUDA error.
     #[error("host kernel failed: {source}")]

@@ -4,8 +4,8 @@
 //!
 //! ## Layers of the crate
 //!
-//! Everything runs and is tested without a GPU on a real host backend ([`HostDriver`]); the CUDA
-//! backend ([`CudaDriver`]) is loaded at run time. Layers, bottom up (a module never imports a layer above it; `tests/layering.rs` checks it):
+//! Everything runs and is tested without a GPU on a real host backend ([`HostDriver`](backend::HostDriver)); the CUDA
+//! backend ([`CudaDriver`](backend::CudaDriver)) is loaded at run time. Layers, bottom up (a module never imports a layer above it; `tests/layering.rs` checks it):
 //!
 //! ```text
 //! cli        the `cudalloc` command (src/main.rs, src/cli/)
@@ -26,14 +26,14 @@ mod cow;
 mod driver;
 mod error;
 mod global;
-mod ipc;
+pub mod ipc;
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod nccl;
 #[cfg(feature = "nixl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
 pub mod nixl;
-mod pinned;
+pub mod pinned;
 mod process;
 #[cfg(feature = "replay")]
 #[cfg_attr(docsrs, doc(cfg(feature = "replay")))]
@@ -44,37 +44,74 @@ mod storage;
 mod sync;
 
 // One door (see "The public surface" in the crate docs): a library talks to `GLOBAL` and the
-// `Runtime` it hands out; embedders with a driver of their own build a `Runtime` over it. Every
-// public item has one path; `docs/public-api.txt` lists them (`tests/public_api.rs`).
-pub use alloc::{
-    format_size, trace_json_lines, Capture, CaptureRoute, DataPtr, DeviceStats, Frame,
-    FreeMemoryCallback, Graph, GraphPool, HistoryMode, HistoryOptions, MemPool, MemPoolId,
-    MemPoolOptions, OnRegistrationFailure, OutOfMemoryEvent, OutOfMemoryObserver, PoolScope,
-    PoolStats, Region, RegionKind, RegisteredRegion, Registrar, RegistrarId, RegistrarStats,
-    RegistrationStats, Sanitize, SegmentChange, SegmentEvent, SegmentId, SegmentObserver, Snapshot,
-    SnapshotBlock, SnapshotBlockState, SnapshotSegment, Stat, StreamGuard, TraceAction, TraceEntry,
-};
+// `Runtime` it hands out; embedders with a driver of their own build a `Runtime` over it. What a
+// program names every day is at the root; the rest is grouped by concern in the modules below.
+// Every public item has one path; `docs/public-api.txt` lists them (`tests/public_api.rs`).
+pub use alloc::{format_size, DataPtr, StreamGuard};
 pub use config::{AllocatorConfig, DefaultStream, StreamOrder};
-pub use driver::capability;
-pub use driver::cuda::driver_library_present;
-pub use driver::host::{parse_byte_size, HostKernelMemory, HostRange};
-pub use driver::pattern;
-pub use driver::sanitizer::{AccessKind, AccessReport, HazardKind, HazardReport, Touch};
-pub use driver::sim::MAX_SIM_DEVICES;
-pub use driver::{
-    Backend, BackendChoice, CaptureMode, CaptureStatus, ChunkId, CudaDriver, DeviceAddr, Driver,
-    EventFlags, EventId, ExportedChunk, GraphExecId, GraphId, HostAddr, HostDriver,
-    HostDriverBuilder, IpcEventHandle, IpcMemHandle, MemInfo, OpenedSegment, SanitizeOptions,
-    SanitizedDriver, Sanitizer, SelectedBackend, SimDriver, StreamId, IPC_HANDLE_SIZE,
-};
+pub use driver::host::parse_byte_size;
+pub use driver::{DeviceAddr, StreamId};
 pub use error::{Cause, Error, ErrorKind, ForeignEventFailure, Result};
 pub use global::{Global, GLOBAL};
-pub use ipc::{
-    Drained, IpcHandle, PageSocketLimits, WireHandle, WirePages, PAGE_SECRET_SIZE, WIRE_SIZE,
-};
-pub use pinned::{DurationStat, PinnedAllocator, PinnedBuffer, PinnedOptions, PinnedStats};
 pub use runtime::{Runtime, RuntimeBuilder, SleepReport, WakeOptions, WakeReport};
-pub use shm::sweep_orphans;
+
+/// The device layer: the [`Driver`](backend::Driver) trait and its capabilities, the backends
+/// (host, CUDA, simulated, sanitized), and the handles and ids a driver deals in. A program
+/// chooses a backend here and hands it to a [`Runtime`]; drivers of one's own implement the
+/// traits.
+pub mod backend {
+    pub use crate::driver::capability;
+    pub use crate::driver::cuda::driver_library_present;
+    pub use crate::driver::host::{HostKernelMemory, HostRange};
+    pub use crate::driver::pattern;
+    pub use crate::driver::sim::MAX_SIM_DEVICES;
+    pub use crate::driver::{
+        Backend, BackendChoice, CaptureStatus, ChunkId, CudaDriver, Driver, EventFlags, EventId,
+        ExportedChunk, GraphExecId, GraphId, HostAddr, HostDriver, HostDriverBuilder,
+        IpcEventHandle, IpcMemHandle, MemInfo, OpenedSegment, SanitizedDriver, SelectedBackend,
+        SimDriver, IPC_HANDLE_SIZE,
+    };
+}
+
+/// The stream sanitizer (`CUDALLOC_SANITIZE`): its options, its reports and what they name.
+pub mod sanitizer {
+    pub use crate::alloc::Sanitize;
+    pub use crate::driver::sanitizer::{
+        AccessKind, AccessReport, HazardKind, HazardReport, SanitizeOptions, Sanitizer, Touch,
+    };
+}
+
+/// What an allocator tells of itself: statistics (PyTorch's keys), snapshots, the memory history,
+/// out-of-memory facts, and the observers and callbacks that hear of them.
+pub mod stats {
+    pub use crate::alloc::{
+        trace_json_lines, DeviceStats, Frame, FreeMemoryCallback, HistoryMode, HistoryOptions,
+        OutOfMemoryEvent, OutOfMemoryObserver, PoolStats, SegmentChange, SegmentEvent,
+        SegmentObserver, Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment, Stat,
+        TraceAction, TraceEntry,
+    };
+}
+
+/// Stream capture and CUDA graphs through the allocator (PyTorch's `torch.cuda.graph`).
+pub mod graph {
+    pub use crate::alloc::{Capture, CaptureRoute, Graph, GraphPool};
+    pub use crate::driver::CaptureMode;
+}
+
+/// Private memory pools (PyTorch's `MemPool`, `use_mem_pool`), which tags and graphs are too.
+pub mod pool {
+    pub use crate::alloc::{MemPool, MemPoolId, MemPoolOptions, PoolScope};
+}
+
+/// Registering mapped memory with transfer engines (NIXL, NCCL, your own): the regions, the
+/// registrars and their figures.
+pub mod registration {
+    pub use crate::alloc::{
+        OnRegistrationFailure, Region, RegionKind, RegisteredRegion, Registrar, RegistrarId,
+        RegistrarStats, RegistrationStats, SegmentId,
+    };
+}
+
 #[cfg(feature = "cudarc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 pub use storage::views;

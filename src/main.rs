@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use cudalloc::{BackendChoice, Driver};
+use cudalloc::{backend::BackendChoice, backend::Driver};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -139,8 +139,8 @@ fn info(
             human_bytes(mem.free)
         );
     }
-    if driver.backend() == cudalloc::Backend::Host {
-        match cudalloc::HostDriver::shm_available_bytes() {
+    if driver.backend() == cudalloc::backend::Backend::Host {
+        match cudalloc::backend::HostDriver::shm_available_bytes() {
             Ok(free) => outln!(
                 out,
                 "  /dev/shm can back {} now (host segments live there; a full /dev/shm is out of memory)",
@@ -205,7 +205,7 @@ fn run(cli: Cli) -> Result<(), (u8, String)> {
             write_stdout(&report)
         }
         Command::Clean => {
-            let removed = cudalloc::sweep_orphans().map_err(|e| exit_code(&e))?;
+            let removed = cudalloc::ipc::sweep_orphans().map_err(|e| exit_code(&e))?;
             for name in &removed {
                 println!("removed /dev/shm/{name}");
             }

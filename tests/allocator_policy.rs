@@ -8,12 +8,12 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{Driver, Runtime};
-use cudalloc::{SnapshotBlockState, TraceAction};
+use cudalloc::{backend::Driver, Runtime};
+use cudalloc::{stats::SnapshotBlockState, stats::TraceAction};
 
 const MIB: u64 = 1 << 20;
 
-fn host() -> (Arc<dyn Driver>, Arc<cudalloc::HostDriver>) {
+fn host() -> (Arc<dyn Driver>, Arc<cudalloc::backend::HostDriver>) {
     let h = Arc::new(host_driver());
     (h.clone(), h)
 }
@@ -263,8 +263,8 @@ fn zero_byte_allocations_are_valid_and_empty() {
 fn history_records_the_trace() {
     let d = test_driver();
     let a = checked_allocator(d, "");
-    a.record_memory_history(cudalloc::HistoryOptions::new(
-        cudalloc::HistoryMode::All,
+    a.record_memory_history(cudalloc::stats::HistoryOptions::new(
+        cudalloc::stats::HistoryMode::All,
         100,
     ));
     let x = a.allocate(0, 4096).unwrap();
@@ -288,7 +288,10 @@ fn history_records_the_trace() {
             TraceAction::Snapshot
         ]
     );
-    a.record_memory_history(cudalloc::HistoryOptions::new(cudalloc::HistoryMode::Off, 0));
+    a.record_memory_history(cudalloc::stats::HistoryOptions::new(
+        cudalloc::stats::HistoryMode::Off,
+        0,
+    ));
     assert!(a.snapshot().trace.is_empty());
 }
 
@@ -382,7 +385,7 @@ fn the_default_stream_setting_chooses_legacy_dedicated_or_per_thread_streams() {
 
 #[test]
 fn segment_observers_see_maps_after_and_unmaps_before_the_driver_and_oom_observers_see_the_facts() {
-    use cudalloc::{OutOfMemoryEvent, SegmentChange, SegmentEvent};
+    use cudalloc::{stats::OutOfMemoryEvent, stats::SegmentChange, stats::SegmentEvent};
     use std::sync::Mutex;
     let (d, _) = host();
     let a = checked_allocator(d, "");

@@ -11,7 +11,10 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{DataPtr, Driver, ErrorKind, MemPool, MemPoolId, MemPoolOptions, PoolScope};
+use cudalloc::{
+    backend::Driver, pool::MemPool, pool::MemPoolId, pool::MemPoolOptions, pool::PoolScope,
+    DataPtr, ErrorKind,
+};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use cudalloc::{Driver, ErrorKind, Runtime};
+use cudalloc::{backend::Driver, ErrorKind, Runtime};
 
 const MIB: u64 = 1 << 20;
 

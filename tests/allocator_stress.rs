@@ -9,8 +9,8 @@ mod common;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
 
-use cudalloc::pattern;
-use cudalloc::{Driver, HostDriver, Runtime};
+use cudalloc::backend::pattern;
+use cudalloc::{backend::Driver, backend::HostDriver, Runtime};
 
 const THREADS: usize = 4;
 const OPS: u64 = 100_000;

@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
-use cudalloc::capability::Ipc;
-use cudalloc::{CudaDriver, Driver, ErrorKind};
+use cudalloc::backend::capability::Ipc;
+use cudalloc::{backend::CudaDriver, backend::Driver, ErrorKind};
 
 /// A CUDA driver on the double, or `None` (with the skip line).
 fn on_double(test: &str) -> Option<CudaDriver> {

@@ -11,8 +11,8 @@ mod common;
 use std::sync::Arc;
 
 use cudalloc::{
-    AllocatorConfig, CaptureMode, CaptureStatus, DataPtr, DeviceAddr, Driver, ErrorKind,
-    EventFlags, MemPoolId, Runtime, StreamId,
+    backend::CaptureStatus, backend::Driver, backend::EventFlags, graph::CaptureMode,
+    pool::MemPoolId, AllocatorConfig, DataPtr, DeviceAddr, ErrorKind, Runtime, StreamId,
 };
 
 const MIB: u64 = 1 << 20;
@@ -141,7 +141,8 @@ fn successive(graphs: usize) {
         let mut outputs = Vec::new();
         for g in 0..graphs {
             let pool = if share {
-                made.first().map(|g: &cudalloc::Graph| g.pool().clone())
+                made.first()
+                    .map(|g: &cudalloc::graph::Graph| g.pool().clone())
             } else {
                 None
             };
@@ -371,7 +372,7 @@ fn eager_allocations_never_get_a_live_graphs_memory() {
 /// is a clear error that leaves the allocator as it was.
 #[test]
 fn a_capture_on_a_backend_without_graphs_is_a_clear_error() {
-    let driver: Arc<dyn Driver> = Arc::new(cudalloc::SimDriver::new(1, 64 << 20).unwrap());
+    let driver: Arc<dyn Driver> = Arc::new(cudalloc::backend::SimDriver::new(1, 64 << 20).unwrap());
     let a = Runtime::new(driver, AllocatorConfig::default()).unwrap();
     let s = a.default_stream(0).unwrap();
     let err = a.begin_capture(s, None, CaptureMode::Global).unwrap_err();
@@ -390,7 +391,9 @@ fn the_sanitizer_checks_replays_without_false_reports() {
     let (driver, cap) = common::sized_driver(256 * MIB);
     let a = Runtime::builder()
         .config(cudalloc::AllocatorConfig::parse(&cap).unwrap())
-        .sanitize(cudalloc::Sanitize::On(cudalloc::SanitizeOptions::report()))
+        .sanitize(cudalloc::sanitizer::Sanitize::On(
+            cudalloc::sanitizer::SanitizeOptions::report(),
+        ))
         .build(driver)
         .unwrap();
     let d = Arc::clone(a.driver());

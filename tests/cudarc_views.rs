@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::*;
 use cudalloc::cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 use cudalloc::cudarc::nvrtc;
-use cudalloc::{CudaDriver, ErrorKind, Runtime, Storage};
+use cudalloc::{backend::CudaDriver, ErrorKind, Runtime, Storage};
 
 const MIB: u64 = 1 << 20;
 
@@ -213,7 +213,9 @@ fn device_ptr_on_another_stream_orders_it_after_the_views_stream() {
     use cudalloc::cudarc::driver::DevicePtr;
     let runtime = Arc::new(
         Runtime::builder()
-            .sanitize(cudalloc::Sanitize::On(cudalloc::SanitizeOptions::default()))
+            .sanitize(cudalloc::sanitizer::Sanitize::On(
+                cudalloc::sanitizer::SanitizeOptions::default(),
+            ))
             .build(Arc::new(CudaDriver::new().unwrap()))
             .unwrap(),
     );

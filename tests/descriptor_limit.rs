@@ -9,7 +9,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use common::forked::in_forked_child;
-use cudalloc::{ErrorKind, HostDriver, Runtime, Storage};
+use cudalloc::{backend::HostDriver, ErrorKind, Runtime, Storage};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 

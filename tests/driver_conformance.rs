@@ -10,12 +10,13 @@
 mod common;
 
 use common::*;
-use cudalloc::capability::Kernels;
-use cudalloc::pattern;
+use cudalloc::backend::capability::Kernels;
+use cudalloc::backend::pattern;
 use std::sync::Arc;
 
 use cudalloc::{
-    DeviceAddr, Driver, ErrorKind, EventFlags, IpcEventHandle, IpcMemHandle, SimDriver,
+    backend::Driver, backend::EventFlags, backend::IpcEventHandle, backend::IpcMemHandle,
+    backend::SimDriver, DeviceAddr, ErrorKind,
 };
 
 const MIB: u64 = 1 << 20;

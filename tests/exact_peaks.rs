@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{AllocatorConfig, DataPtr, Driver, Runtime, SimDriver};
+use cudalloc::{backend::Driver, backend::SimDriver, AllocatorConfig, DataPtr, Runtime};
 
 fn allocator(conf: &str) -> Runtime {
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 8 << 30).unwrap());

@@ -8,12 +8,12 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use common::*;
-use cudalloc::{SegmentChange, SegmentEvent};
+use cudalloc::{stats::SegmentChange, stats::SegmentEvent};
 
 const MIB: u64 = 1 << 20;
 
 /// A checked runtime with exactly `conf` (whatever the run's test settings are).
-fn runtime(driver: Arc<dyn cudalloc::Driver>, conf: &str) -> Arc<cudalloc::Runtime> {
+fn runtime(driver: Arc<dyn cudalloc::backend::Driver>, conf: &str) -> Arc<cudalloc::Runtime> {
     Arc::new(
         cudalloc::Runtime::builder()
             .config(cudalloc::AllocatorConfig::parse(conf).unwrap())
@@ -170,7 +170,7 @@ fn threads_growing_freeing_and_emptying_the_cache_at_once_keep_every_byte() {
                     let mut held = Vec::new();
                     for i in 0..60u64 {
                         // At most 5 held blocks of at most 2 MiB per thread: within the 64 MiB.
-                        let size = 1 + cudalloc::pattern::word(t, i) % (2 * MIB);
+                        let size = 1 + cudalloc::backend::pattern::word(t, i) % (2 * MIB);
                         let block = a.allocate(0, size).unwrap();
                         let seed = t * 1000 + i;
                         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.

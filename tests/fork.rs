@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{IpcHandle, Runtime, Storage};
+use cudalloc::{ipc::IpcHandle, Runtime, Storage};
 
 /// One fork at a time: a fork while another test thread holds a lock would copy it held.
 static FORKS: std::sync::Mutex<()> = std::sync::Mutex::new(());

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use common::forked::in_forked_child;
 use common::*;
-use cudalloc::{AllocatorConfig, ErrorKind, IpcHandle, Runtime, Storage};
+use cudalloc::{ipc::IpcHandle, AllocatorConfig, ErrorKind, Runtime, Storage};
 
 const MIB: u64 = 1 << 20;
 const CHILD: &str = "fork_safety_child";
@@ -219,7 +219,7 @@ fn a_forked_worker_releases_nothing_of_its_parent_and_its_own_runtime_works() {
 #[test]
 fn every_door_of_a_bare_driver_refuses_a_forked_child() {
     let _one = FORKS.lock().unwrap_or_else(|p| p.into_inner());
-    let d: Arc<dyn cudalloc::Driver> = Arc::new(host_driver());
+    let d: Arc<dyn cudalloc::backend::Driver> = Arc::new(host_driver());
     let s = d.stream_create(0).unwrap();
     let ptr = d.malloc(0, 4096).unwrap();
     let churn = Churn::start();
@@ -236,7 +236,7 @@ fn every_door_of_a_bare_driver_refuses_a_forked_child() {
         refused(
             "stream_begin_capture",
             d.graphs()
-                .stream_begin_capture(s, cudalloc::CaptureMode::Global),
+                .stream_begin_capture(s, cudalloc::graph::CaptureMode::Global),
         )?;
         refused("stream_capture_status", d.graphs().stream_capture_status(s))?;
         refused("host_alloc", d.pinned().host_alloc(4096))?;

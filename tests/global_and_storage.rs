@@ -91,7 +91,10 @@ fn global_child_bad_env() {
     // An init after that failed first use says the setup failed and why (before: "already set
     // up", as if it had worked).
     let err = GLOBAL
-        .init(cudalloc::Runtime::builder(), cudalloc::BackendChoice::Host)
+        .init(
+            cudalloc::Runtime::builder(),
+            cudalloc::backend::BackendChoice::Host,
+        )
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config);
     let text = err.to_string();
@@ -115,7 +118,7 @@ fn global_child_init() {
         return;
     }
     let driver = Arc::new(
-        cudalloc::HostDriver::builder()
+        cudalloc::backend::HostDriver::builder()
             .devices(1)
             .memory_per_device(96 * MIB)
             .build()
@@ -126,7 +129,7 @@ fn global_child_init() {
         .init_with_driver(Runtime::builder().config(config), driver)
         .unwrap();
     assert_eq!(runtime.config().max_split_size, 32 * MIB);
-    assert_eq!(GLOBAL.backend().unwrap(), cudalloc::Backend::Host);
+    assert_eq!(GLOBAL.backend().unwrap(), cudalloc::backend::Backend::Host);
     assert_eq!(GLOBAL.fallback_reason().unwrap(), None);
     assert_eq!(GLOBAL.get().unwrap().device_count(), 1);
     let s = GLOBAL.storage(0, MIB).unwrap();
@@ -136,7 +139,7 @@ fn global_child_init() {
     );
     // A second set-up, whichever way, is refused and changes nothing.
     let again = GLOBAL
-        .init(Runtime::builder(), cudalloc::BackendChoice::Host)
+        .init(Runtime::builder(), cudalloc::backend::BackendChoice::Host)
         .unwrap_err();
     assert_eq!(again.kind(), ErrorKind::Config);
     assert!(again.to_string().contains("already set up"), "{again}");
@@ -165,11 +168,11 @@ fn global_child_late_init() {
     }
     let _first_use = GLOBAL.storage(0, 4096).unwrap();
     let err = GLOBAL
-        .init(Runtime::builder(), cudalloc::BackendChoice::Host)
+        .init(Runtime::builder(), cudalloc::backend::BackendChoice::Host)
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config);
     assert!(err.to_string().contains("call GLOBAL.init before"), "{err}");
-    if GLOBAL.backend().unwrap() == cudalloc::Backend::Host {
+    if GLOBAL.backend().unwrap() == cudalloc::backend::Backend::Host {
         let why = GLOBAL
             .fallback_reason()
             .unwrap()
@@ -306,12 +309,14 @@ fn a_host_kernels_own_error_is_the_source_of_what_its_stream_reports() {
     unsafe {
         driver.enqueue_host(
             stream,
-            [cudalloc::HostRange::write(ptr, 4096)],
-            |_: &mut cudalloc::HostKernelMemory<1>| Err(cudalloc::Error::kernel(BadShape(7))),
+            [cudalloc::backend::HostRange::write(ptr, 4096)],
+            |_: &mut cudalloc::backend::HostKernelMemory<1>| {
+                Err(cudalloc::Error::kernel(BadShape(7)))
+            },
         )
     }
     .unwrap();
-    let err = cudalloc::Driver::stream_synchronize(&*driver, stream).unwrap_err();
+    let err = cudalloc::backend::Driver::stream_synchronize(&*driver, stream).unwrap_err();
     assert!(err.to_string().contains("bad shape: 7 dimensions"), "{err}");
     let mut chain = Vec::new();
     let mut at: Option<&(dyn std::error::Error + 'static)> = Some(&err);

@@ -56,8 +56,9 @@ use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 
 use cudalloc::{
-    Capture, CaptureMode, DataPtr, Driver, ErrorKind, EventFlags, EventId, Graph, MemPool,
-    MemPoolId, Runtime, SanitizeOptions, SanitizedDriver, SnapshotBlockState, StreamId,
+    backend::Driver, backend::EventFlags, backend::EventId, backend::SanitizedDriver,
+    graph::Capture, graph::CaptureMode, graph::Graph, pool::MemPool, pool::MemPoolId,
+    sanitizer::SanitizeOptions, stats::SnapshotBlockState, DataPtr, ErrorKind, Runtime, StreamId,
 };
 
 const MIB: u64 = 1 << 20;
@@ -257,7 +258,7 @@ fn a_use_on_oom_pool_never_lends_a_live_graphs_memory() {
     let _device = common::device_alone();
     let (a, d, s) = small_device();
     let pool = a
-        .mem_pool(cudalloc::MemPoolOptions::default().with_use_on_oom(true))
+        .mem_pool(cudalloc::pool::MemPoolOptions::default().with_use_on_oom(true))
         .unwrap();
     let capture = a
         .begin_capture(s, Some(&pool), CaptureMode::Global)

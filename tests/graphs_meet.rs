@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use cudalloc::{
-    CaptureMode, CaptureStatus, DeviceAddr, ErrorKind, IpcHandle, MemPoolId, MemPoolOptions,
-    Runtime, Storage,
+    backend::CaptureStatus, graph::CaptureMode, ipc::IpcHandle, pool::MemPoolId,
+    pool::MemPoolOptions, DeviceAddr, ErrorKind, Runtime, Storage,
 };
 
 const CHILD: &str = "graphs_meet_child";

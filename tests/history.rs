@@ -6,8 +6,10 @@ mod common;
 
 use std::sync::Arc;
 
-use cudalloc::{AllocatorConfig, DataPtr, Driver, Runtime, SimDriver};
-use cudalloc::{HistoryMode, HistoryOptions, SnapshotBlockState, TraceAction};
+use cudalloc::{backend::Driver, backend::SimDriver, AllocatorConfig, DataPtr, Runtime};
+use cudalloc::{
+    stats::HistoryMode, stats::HistoryOptions, stats::SnapshotBlockState, stats::TraceAction,
+};
 
 fn allocator(conf: &str) -> Runtime {
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 64 << 20).unwrap());

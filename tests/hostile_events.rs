@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use cudalloc::{HostDriver, IpcHandle, Runtime, Storage};
+use cudalloc::{backend::HostDriver, ipc::IpcHandle, Runtime, Storage};
 
 const CHILD: &str = "hostile_child";
 /// Bytes of a shared storage.
@@ -210,7 +210,7 @@ fn a_producer_killed_before_its_event_fails_only_the_dependent_wait() {
     );
     consumer.finish();
     // The killed producer's objects: nobody holds them any more.
-    cudalloc::sweep_orphans().unwrap();
+    cudalloc::ipc::sweep_orphans().unwrap();
 }
 
 /// `kind` of a result as a protocol word: `ok`, or the error kind (`ForeignEvent`, …).

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cudalloc::replay::{self, limits};
-use cudalloc::{AllocatorConfig, Driver, ErrorKind, Runtime, SimDriver};
+use cudalloc::{backend::Driver, backend::SimDriver, AllocatorConfig, ErrorKind, Runtime};
 
 const MIB: u64 = 1 << 20;
 

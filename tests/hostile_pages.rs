@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use common::*;
-use cudalloc::{Driver, IpcHandle, Runtime, Storage};
-use cudalloc::{PageSocketLimits, WireHandle};
+use cudalloc::{backend::Driver, ipc::IpcHandle, Runtime, Storage};
+use cudalloc::{ipc::PageSocketLimits, ipc::WireHandle};
 
 const CHILD: &str = "hostile_pages_child";
 const PAGE: u64 = 2 << 20;
@@ -63,7 +63,7 @@ fn roomy_driver(mib: u64) -> Arc<dyn Driver> {
         return test_driver();
     }
     Arc::new(
-        cudalloc::HostDriver::builder()
+        cudalloc::backend::HostDriver::builder()
             .devices(1)
             .memory_per_device(mib << 20)
             .build()

@@ -33,8 +33,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{cuda_suite, hex, test_config, test_driver, unhex};
-use cudalloc::pattern;
-use cudalloc::{IpcHandle, Runtime, Storage, StreamId};
+use cudalloc::backend::pattern;
+use cudalloc::{ipc::IpcHandle, Runtime, Storage, StreamId};
 
 /// A deterministic generator (splitmix over the pattern hash).
 struct Rng(u64, u64);
@@ -153,7 +153,7 @@ struct PendingRead {
 /// A graph captured into a private pool: it copies `input` (eager memory) to `output` (the
 /// graph's memory). Each replay refills the input first.
 struct GraphCase {
-    graph: cudalloc::Graph,
+    graph: cudalloc::graph::Graph,
     alloc: usize,
     /// The stream that captured it; the input is written there.
     stream: StreamId,
@@ -168,7 +168,7 @@ struct World {
     /// Live graphs (at most 2).
     graphs: Vec<GraphCase>,
     /// One memory pool per allocator.
-    pools: Vec<cudalloc::MemPool>,
+    pools: Vec<cudalloc::pool::MemPool>,
     allocators: [Arc<Runtime>; 2],
     streams: Vec<(usize, StreamId)>,
     live: BTreeMap<u64, Live>,
@@ -316,7 +316,8 @@ impl World {
                 let input = Storage::new_on(&a, stream, size)?;
                 let from = input.mutable_data_ptr_on(stream)?;
                 // Thread-local: the churn thread's allocations go on meanwhile.
-                let capture = a.begin_capture(stream, None, cudalloc::CaptureMode::ThreadLocal)?;
+                let capture =
+                    a.begin_capture(stream, None, cudalloc::graph::CaptureMode::ThreadLocal)?;
                 let output = Storage::new_on(&a, stream, size)?;
                 let to = output.mutable_data_ptr_on(stream)?;
                 // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
@@ -494,7 +495,7 @@ impl World {
             let own = Arc::new(
                 Runtime::new(
                     Arc::new(
-                        cudalloc::HostDriver::builder()
+                        cudalloc::backend::HostDriver::builder()
                             .devices(1)
                             .memory_per_device(64 << 20)
                             .build()
@@ -978,7 +979,7 @@ fn main() {
                     test_driver()
                 } else {
                     Arc::new(
-                        cudalloc::HostDriver::builder()
+                        cudalloc::backend::HostDriver::builder()
                             .devices(1)
                             .memory_per_device(256 << 20)
                             .build()

@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{Driver, IpcHandle, Runtime, Storage};
+use cudalloc::{backend::Driver, ipc::IpcHandle, Runtime, Storage};
 
 const CHILD: &str = "expandable_child";
 const PAGE: u64 = 2 << 20;
@@ -72,7 +72,7 @@ fn roomy_driver(mib: u64) -> Arc<dyn Driver> {
         return test_driver();
     }
     Arc::new(
-        cudalloc::HostDriver::builder()
+        cudalloc::backend::HostDriver::builder()
             .devices(1)
             .memory_per_device(mib << 20)
             .build()

@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{Driver, IpcHandle, Runtime, Storage};
+use cudalloc::{backend::Driver, ipc::IpcHandle, Runtime, Storage};
 
 const CHILD: &str = "interplay_child";
 
@@ -413,7 +413,7 @@ fn a_producer_that_dies_before_its_data_is_ready_is_an_error_for_the_consumer() 
     assert!(err.to_string().contains("exited before"), "{err}");
     // Nothing of the dead producers stays in /dev/shm once nobody holds it.
     drop(s);
-    cudalloc::sweep_orphans().unwrap();
+    cudalloc::ipc::sweep_orphans().unwrap();
     assert!(shm_names_with_prefix(&theirs).is_empty());
 }
 
@@ -438,14 +438,14 @@ fn a_dead_producers_objects_are_swept_once_no_consumer_holds_them() {
         v
     };
     let objects = sorted(objects);
-    cudalloc::sweep_orphans().unwrap();
+    cudalloc::ipc::sweep_orphans().unwrap();
     assert_eq!(
         sorted(shm_names_with_prefix(&theirs)),
         objects,
         "alive: kept"
     );
     child.kill();
-    cudalloc::sweep_orphans().unwrap();
+    cudalloc::ipc::sweep_orphans().unwrap();
     assert_eq!(
         sorted(shm_names_with_prefix(&theirs)),
         objects,
@@ -453,7 +453,7 @@ fn a_dead_producers_objects_are_swept_once_no_consumer_holds_them() {
     );
     assert_eq!(received.count_pattern_mismatches(31).unwrap(), 0);
     drop(received);
-    cudalloc::sweep_orphans().unwrap();
+    cudalloc::ipc::sweep_orphans().unwrap();
     assert!(
         shm_names_with_prefix(&theirs).is_empty(),
         "every object of the dead producer removed: {:?}",
@@ -485,7 +485,7 @@ fn a_stale_handle_cannot_take_the_count_of_the_slots_next_storage() {
 }
 
 fn wire_slot(bytes: &[u8]) -> u32 {
-    cudalloc::WireHandle::parse(bytes).unwrap().slot
+    cudalloc::ipc::WireHandle::parse(bytes).unwrap().slot
 }
 
 /// Waits (on the clock: the time-to-live is the behaviour under test) until `expires_ms` passed.

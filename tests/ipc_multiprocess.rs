@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{Driver, IpcHandle, Runtime, Storage};
+use cudalloc::{backend::Driver, ipc::IpcHandle, Runtime, Storage};
 
 const CHILD: &str = "ipc_child";
 

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use common::*;
 use cudalloc::{
-    CaptureMode, Driver, HostKernelMemory, HostRange, Runtime, Sanitize, SanitizeOptions, Storage,
-    StreamId,
+    backend::Driver, backend::HostKernelMemory, backend::HostRange, graph::CaptureMode,
+    sanitizer::Sanitize, sanitizer::SanitizeOptions, Runtime, Storage, StreamId,
 };
 
 const MIB: u64 = 1 << 20;
@@ -23,7 +23,7 @@ fn runtime(driver: Arc<dyn Driver>) -> Arc<Runtime> {
 
 /// A runtime on its own host driver with the sanitizer on in report mode (whatever
 /// `CUDALLOC_SANITIZE` says): its reports are this test's alone.
-fn reporting_runtime() -> (Arc<Runtime>, Arc<cudalloc::HostDriver>) {
+fn reporting_runtime() -> (Arc<Runtime>, Arc<cudalloc::backend::HostDriver>) {
     let host = Arc::new(host_driver());
     let rt = Arc::new(
         Runtime::builder()
@@ -95,7 +95,7 @@ fn steal_after_a_read_on_a_busy_stream(b: &TestBackend, rt: &Arc<Runtime>, how: 
     }
     assert_eq!(x.count_pattern_mismatches(2).unwrap(), 0, "{how:?}");
     match how {
-        Read::Pinned => cudalloc::pattern::count_mismatches(pinned.as_slice().unwrap(), 1),
+        Read::Pinned => cudalloc::backend::pattern::count_mismatches(pinned.as_slice().unwrap(), 1),
         Read::DeviceCopyAndRecordStream => device_copy.count_pattern_mismatches(1).unwrap(),
     }
 }
@@ -129,9 +129,9 @@ fn a_steal_after_a_read_on_another_stream_is_not_reported() {
 /// A graph that reads an 8-byte counter, takes its time, and writes the counter plus one.
 fn counting_graph(
     rt: &Arc<Runtime>,
-    host: &cudalloc::HostDriver,
+    host: &cudalloc::backend::HostDriver,
     counter: &Storage,
-) -> cudalloc::Graph {
+) -> cudalloc::graph::Graph {
     let capture_stream = rt.create_stream(0).unwrap();
     let addr = counter.mutable_data_ptr_on(capture_stream).unwrap();
     let capture = rt
@@ -157,7 +157,7 @@ fn counting_graph(
 
 /// Replays the counting graph on `a`, then on another stream `b`, waits for `b` alone and reads
 /// the counter: 2 when the second launch ran after the first.
-fn count_on_two_streams(rt: &Arc<Runtime>, host: &cudalloc::HostDriver) -> u64 {
+fn count_on_two_streams(rt: &Arc<Runtime>, host: &cudalloc::backend::HostDriver) -> u64 {
     let (a, b) = two_streams(rt);
     let counter = Storage::new(rt, 0, 8).unwrap();
     counter
@@ -262,7 +262,7 @@ fn stream_ordered_reuse_in_a_pool_a_live_graph_holds_is_not_reported() {
 /// The storage's own `record_stream(t)` survives a steal: its later free still waits for `t`
 /// (the steal waited for `t` but used to clear the record: 1,044,536 bytes of the next tenant
 /// overwritten).
-fn record_survives_steal(rt: &Arc<Runtime>, host: &cudalloc::HostDriver) -> (bool, u64) {
+fn record_survives_steal(rt: &Arc<Runtime>, host: &cudalloc::backend::HostDriver) -> (bool, u64) {
     let (s, t) = two_streams(rt);
     let x = filled_on(rt, s, MIB, 1);
     rt.driver().stream_synchronize(s).unwrap();
@@ -299,7 +299,7 @@ fn a_steal_keeps_the_storages_own_record_stream() {
 /// A host driver (sanitized when the run asks), its runtime, two streams `s` and `o`, a storage
 /// `x` filled with seed 1 on `s`, and a lazy clone of it made while `o` was current.
 fn source_and_clone_made_on_another_stream() -> (
-    Arc<cudalloc::HostDriver>,
+    Arc<cudalloc::backend::HostDriver>,
     Arc<Runtime>,
     StreamId,
     StreamId,
@@ -422,10 +422,10 @@ fn launches_of_an_empty_graph_are_ordered_too() {
 /// `p` and wrote it; the block's storage is dropped (freed into the pool the capture holds).
 fn a_capture_writing_a_block_of_its_pool() -> (
     Arc<Runtime>,
-    Arc<cudalloc::HostDriver>,
-    cudalloc::MemPool,
+    Arc<cudalloc::backend::HostDriver>,
+    cudalloc::pool::MemPool,
     StreamId,
-    cudalloc::Capture,
+    cudalloc::graph::Capture,
     cudalloc::DeviceAddr,
 ) {
     let (rt, host) = reporting_runtime();

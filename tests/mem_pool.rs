@@ -9,8 +9,8 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use cudalloc::{
-    AllocatorConfig, DataPtr, Driver, MemPool, MemPoolId, MemPoolOptions, Runtime, Sanitize,
-    SegmentChange, SimDriver, Snapshot,
+    backend::Driver, backend::SimDriver, pool::MemPool, pool::MemPoolId, pool::MemPoolOptions,
+    sanitizer::Sanitize, stats::SegmentChange, stats::Snapshot, AllocatorConfig, DataPtr, Runtime,
 };
 
 /// An allocator on the host backend with one device of `device_bytes`, or in a CUDA run (the

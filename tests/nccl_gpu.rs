@@ -8,11 +8,13 @@
 use std::sync::Arc;
 
 use cudalloc::nccl::{NcclComm, NcclRegistrar};
-use cudalloc::{AllocatorConfig, CudaDriver, OnRegistrationFailure, Runtime, Storage};
+use cudalloc::{
+    backend::CudaDriver, registration::OnRegistrationFailure, AllocatorConfig, Runtime, Storage,
+};
 
 #[test]
 fn regions_are_registered_with_a_communicator_and_deregistered_before_they_go() {
-    if !cudalloc::driver_library_present() {
+    if !cudalloc::backend::driver_library_present() {
         println!("skipped: no CUDA driver library on this machine (NCCL needs a GPU)");
         return;
     }

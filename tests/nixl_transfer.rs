@@ -18,7 +18,8 @@ use std::time::Duration;
 use common::*;
 use cudalloc::nixl::{NixlAgent, NixlOptions, RemoteStorage};
 use cudalloc::{
-    AllocatorConfig, ErrorKind, HostDriver, Runtime, Sanitize, SanitizeOptions, Storage, StreamId,
+    backend::HostDriver, sanitizer::Sanitize, sanitizer::SanitizeOptions, AllocatorConfig,
+    ErrorKind, Runtime, Storage, StreamId,
 };
 
 const MIB: u64 = 1 << 20;
@@ -280,7 +281,7 @@ fn a_peer_killed_mid_transfer_fails_the_transfer_and_the_survivor_goes_on() {
     s.fill_pattern(4).unwrap();
     assert_eq!(wrong(&s, 4), 0);
     assert_eq!(wrong(&big_source, 9), 0);
-    cudalloc::sweep_orphans().unwrap();
+    cudalloc::ipc::sweep_orphans().unwrap();
     assert!(shm_names_with_prefix(&child_prefix).is_empty());
     drop((s, source, big_source, agent));
     drop(rt);

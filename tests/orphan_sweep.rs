@@ -15,7 +15,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 use common::*;
-use cudalloc::{IpcHandle, Runtime, Storage};
+use cudalloc::{ipc::IpcHandle, Runtime, Storage};
 
 const CHILD: &str = "orphan_sweep_child";
 const PRODUCERS: usize = 10;
@@ -119,7 +119,7 @@ fn sweep_until_stopped(stop: OwnedFd, removed: OwnedFd, ready: OwnedFd) -> ! {
     let mut stop = std::fs::File::from(stop);
     let mut gone = Vec::new();
     loop {
-        if let Ok(names) = cudalloc::sweep_orphans() {
+        if let Ok(names) = cudalloc::ipc::sweep_orphans() {
             gone.extend(names);
         }
         let mut byte = [0u8; 1];
@@ -216,7 +216,7 @@ fn only_the_lock_decides_and_half_made_liveness_files_go() {
     // SAFETY: valid descriptor and flock; F_OFD_SETLK only reads and writes `fl`.
     let rc = unsafe { libc::fcntl(fd, libc::F_OFD_SETLK, &mut fl) };
     assert_eq!(rc, 0);
-    let removed = cudalloc::sweep_orphans().unwrap();
+    let removed = cudalloc::ipc::sweep_orphans().unwrap();
     assert!(
         live.exists() && kept.exists(),
         "removed while locked: {removed:?}"
@@ -227,7 +227,7 @@ fn only_the_lock_decides_and_half_made_liveness_files_go() {
     );
     // Its lock gone (the process died): its objects go.
     drop(holder);
-    let removed = cudalloc::sweep_orphans().unwrap();
+    let removed = cudalloc::ipc::sweep_orphans().unwrap();
     assert!(
         !live.exists() && !kept.exists(),
         "kept after the process died: {removed:?}"
@@ -246,7 +246,7 @@ fn a_dead_process_named_with_a_live_pid_of_this_namespace_is_swept_by_its_lock()
     for path in [&live, &seg] {
         std::fs::write(path, b"").unwrap();
     }
-    let removed = cudalloc::sweep_orphans().unwrap();
+    let removed = cudalloc::ipc::sweep_orphans().unwrap();
     let gone = !live.exists() && !seg.exists();
     for path in [&live, &seg] {
         let _ = std::fs::remove_file(path);

@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{IpcHandle, Runtime, Storage};
+use cudalloc::{ipc::IpcHandle, Runtime, Storage};
 
 const CHILD: &str = "namespaced_child";
 

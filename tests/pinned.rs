@@ -8,13 +8,14 @@
 
 mod common;
 
-use cudalloc::capability::PinnedHost;
+use cudalloc::backend::capability::PinnedHost;
 use std::sync::Arc;
 
 use common::{backends, checked_allocator, hold_stream, TestBackend};
 use cudalloc::{
-    DeviceAddr, Driver, ErrorKind, HazardKind, HostDriver, PinnedAllocator, PinnedOptions, Runtime,
-    SanitizeOptions, SanitizedDriver, Storage,
+    backend::Driver, backend::HostDriver, backend::SanitizedDriver, pinned::PinnedAllocator,
+    pinned::PinnedOptions, sanitizer::HazardKind, sanitizer::SanitizeOptions, DeviceAddr,
+    ErrorKind, Runtime, Storage,
 };
 
 const KIB: usize = 1 << 10;
@@ -38,9 +39,9 @@ fn read_back(s: &Storage, len: usize) -> Vec<u8> {
 fn not_reused_while_read(
     b: &TestBackend,
     rt: &Arc<Runtime>,
-    t: cudalloc::PinnedBuffer,
+    t: cudalloc::pinned::PinnedBuffer,
     device: usize,
-) -> cudalloc::PinnedBuffer {
+) -> cudalloc::pinned::PinnedBuffer {
     let ptr = t.addr();
     let stream = rt.create_stream(device).unwrap();
     let gpu = Storage::new_on(rt, stream, 4).unwrap();
@@ -369,7 +370,7 @@ fn copies_check_their_ranges() {
         );
         // Pageable memory is not accepted by the async copies.
         let pageable = vec![0u8; 4096];
-        let host = cudalloc::HostAddr(pageable.as_ptr() as u64);
+        let host = cudalloc::backend::HostAddr(pageable.as_ptr() as u64);
         // SAFETY: refused before anything is enqueued (the range is not page-locked).
         let refused = unsafe {
             rt.driver()
@@ -434,7 +435,7 @@ fn reporting() -> (Arc<HostDriver>, Arc<dyn Driver>, Arc<Runtime>) {
     let driver = SanitizedDriver::wrap(host.clone(), SanitizeOptions::report());
     let rt = Arc::new(
         Runtime::builder()
-            .sanitize(cudalloc::Sanitize::Off)
+            .sanitize(cudalloc::sanitizer::Sanitize::Off)
             .build(driver.clone())
             .unwrap(),
     );
@@ -547,7 +548,7 @@ fn host_register_contract() {
     let host = common::host_driver();
     let mut memory = vec![0u8; 4 * 4096];
     let page = (memory.as_mut_ptr() as u64 + 4095) & !4095;
-    let base = cudalloc::HostAddr(page);
+    let base = cudalloc::backend::HostAddr(page);
     // SAFETY: `memory` outlives every registration (each is ended below).
     unsafe { host.host_register(base, 4096).unwrap() };
     // SAFETY: as above.
@@ -718,7 +719,7 @@ fn copies_on_a_capturing_stream_are_refused() {
     let buf = rt.pinned(4096).unwrap();
     rt.driver()
         .graphs()
-        .stream_begin_capture(stream, cudalloc::CaptureMode::ThreadLocal)
+        .stream_begin_capture(stream, cudalloc::graph::CaptureMode::ThreadLocal)
         .unwrap();
     let err = s.copy_from_pinned(stream, 0, &buf, 0, 4096).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamCapture, "{err}");

@@ -12,7 +12,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{PinnedBuffer, Runtime, Storage, StreamId};
+use cudalloc::{pinned::PinnedBuffer, Runtime, Storage, StreamId};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]

@@ -17,8 +17,9 @@ use std::sync::{Arc, Mutex};
 use common::faulty::{Faults, FaultyDriver};
 use common::*;
 use cudalloc::{
-    AllocatorConfig, Driver, Error, ErrorKind, OnRegistrationFailure, Region, RegionKind,
-    Registrar, Result, Runtime, SegmentId, Storage,
+    backend::Driver, registration::OnRegistrationFailure, registration::Region,
+    registration::RegionKind, registration::Registrar, registration::SegmentId, AllocatorConfig,
+    Error, ErrorKind, Result, Runtime, Storage,
 };
 
 const MIB: u64 = 1 << 20;
@@ -444,7 +445,7 @@ fn expandable_pages_are_regions_and_page_release_deregisters_exactly_them() {
 fn the_out_of_memory_path_deregisters_what_it_frees() {
     let _shared = shared();
     let driver = FaultyDriver::new(Arc::new(
-        cudalloc::HostDriver::builder()
+        cudalloc::backend::HostDriver::builder()
             .devices(1)
             .memory_per_device(64 * MIB)
             .build()
@@ -602,14 +603,14 @@ fn memory_a_capture_maps_is_registered_and_a_refusal_inside_a_capture_is_freed_a
     rt.attach_registrar(rec.clone(), OnRegistrationFailure::FailAllocation)
         .unwrap();
     // Observers must see every unmap after its map (a refused segment is never announced).
-    let events: Arc<Mutex<Vec<cudalloc::SegmentEvent>>> = Arc::default();
+    let events: Arc<Mutex<Vec<cudalloc::stats::SegmentEvent>>> = Arc::default();
     let log = events.clone();
-    rt.register_segment_observer(Arc::new(move |e: &cudalloc::SegmentEvent| {
+    rt.register_segment_observer(Arc::new(move |e: &cudalloc::stats::SegmentEvent| {
         log.lock().unwrap().push(*e)
     }));
     let s = rt.create_stream(0).unwrap();
     let capture = rt
-        .begin_capture(s, None, cudalloc::CaptureMode::Global)
+        .begin_capture(s, None, cudalloc::graph::CaptureMode::Global)
         .unwrap();
     let out = rt.allocate_on(s, MIB).unwrap();
     let region = rt.registered_regions(0, out.ptr(), MIB).unwrap()[0].region;
@@ -638,7 +639,7 @@ fn memory_a_capture_maps_is_registered_and_a_refusal_inside_a_capture_is_freed_a
     let mut mapped = std::collections::HashSet::new();
     for e in events.lock().unwrap().iter() {
         match e.change {
-            cudalloc::SegmentChange::Map => assert!(mapped.insert(e.base)),
+            cudalloc::stats::SegmentChange::Map => assert!(mapped.insert(e.base)),
             _ => assert!(
                 mapped.remove(&e.base),
                 "unmap of {:#x} never mapped",

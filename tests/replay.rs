@@ -4,13 +4,14 @@
 
 mod common;
 
-use cudalloc::capability::{Ipc, Kernels, VirtualMemory};
+use cudalloc::backend::capability::{Ipc, Kernels, VirtualMemory};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use cudalloc::replay::{self, ReplayOptions, TraceFormat, TraceOp};
 use cudalloc::{
-    AllocatorConfig, DataPtr, Driver, ErrorKind, EventFlags, HostDriver, Runtime, SimDriver,
+    backend::Driver, backend::EventFlags, backend::HostDriver, backend::SimDriver, AllocatorConfig,
+    DataPtr, ErrorKind, Runtime,
 };
 
 const MIB: u64 = 1 << 20;
@@ -138,8 +139,8 @@ fn a_cudalloc_trace_replays_to_the_peaks_the_allocator_recorded() {
     // Record a run's history, write it as JSON lines, replay it: same peaks as the run itself.
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 4 << 30).unwrap());
     let a = Runtime::new(driver, AllocatorConfig::default()).unwrap();
-    a.record_memory_history(cudalloc::HistoryOptions::new(
-        cudalloc::HistoryMode::All,
+    a.record_memory_history(cudalloc::stats::HistoryOptions::new(
+        cudalloc::stats::HistoryMode::All,
         100_000,
     ));
     let mut live = HashMap::new();
@@ -151,7 +152,7 @@ fn a_cudalloc_trace_replays_to_the_peaks_the_allocator_recorded() {
     }
     drop(live);
     let stats = a.memory_stats(0).unwrap();
-    let text = cudalloc::trace_json_lines(&a.snapshot().trace);
+    let text = cudalloc::stats::trace_json_lines(&a.snapshot().trace);
     let trace = replay::parse(text.as_bytes()).unwrap();
     assert_eq!(trace.format, TraceFormat::CudallocJsonLines);
     assert_eq!(trace.allocations(), 400);
@@ -168,8 +169,8 @@ fn a_pytorch_snapshot_written_by_cudalloc_replays_to_the_same_peaks() {
     // Both features at once: the history written as PyTorch's pickle, read back by the replay.
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 4 << 30).unwrap());
     let a = Runtime::new(driver, AllocatorConfig::default()).unwrap();
-    a.record_memory_history(cudalloc::HistoryOptions::new(
-        cudalloc::HistoryMode::All,
+    a.record_memory_history(cudalloc::stats::HistoryOptions::new(
+        cudalloc::stats::HistoryMode::All,
         100_000,
     ));
     let side = a.create_stream(0).unwrap();

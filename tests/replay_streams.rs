@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use cudalloc::replay::{self, ReplayOptions};
-use cudalloc::{AllocatorConfig, DataPtr, Driver, Runtime, SimDriver, StreamId};
+use cudalloc::{backend::Driver, backend::SimDriver, AllocatorConfig, DataPtr, Runtime, StreamId};
 
 const MIB: u64 = 1 << 20;
 
@@ -126,8 +126,8 @@ fn a_two_device_trace_replays_with_its_figures_per_device() {
     // A two-device PyTorch snapshot written by cudalloc replays to each device's own peaks.
     let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(2, 4 << 30).unwrap());
     let a = Runtime::new(driver, AllocatorConfig::default()).unwrap();
-    a.record_memory_history(cudalloc::HistoryOptions::new(
-        cudalloc::HistoryMode::All,
+    a.record_memory_history(cudalloc::stats::HistoryOptions::new(
+        cudalloc::stats::HistoryMode::All,
         100_000,
     ));
     let side = a.create_stream(1).unwrap();

@@ -14,9 +14,12 @@ mod common;
 use std::sync::Arc;
 
 use common::{host_driver, no_reports, one_report, ChildProcess, ParentLink, ROLE_VAR};
-use cudalloc::HazardKind;
-use cudalloc::{ErrorKind, IpcHandle, Runtime, Sanitize, SanitizeOptions, Storage, StreamId};
-use cudalloc::{HostKernelMemory, HostRange};
+use cudalloc::sanitizer::HazardKind;
+use cudalloc::{backend::HostKernelMemory, backend::HostRange};
+use cudalloc::{
+    ipc::IpcHandle, sanitizer::Sanitize, sanitizer::SanitizeOptions, ErrorKind, Runtime, Storage,
+    StreamId,
+};
 
 const MIB: u64 = 1 << 20;
 const ROUNDS: usize = 100;

@@ -10,7 +10,10 @@ mod common;
 use std::sync::Arc;
 
 use common::{host_driver, no_reports, one_report};
-use cudalloc::{ErrorKind, HazardKind, HostKernelMemory, HostRange, Runtime, Sanitize, Storage};
+use cudalloc::{
+    backend::HostKernelMemory, backend::HostRange, sanitizer::HazardKind, sanitizer::Sanitize,
+    ErrorKind, Runtime, Storage,
+};
 
 const ROUNDS: usize = 100;
 const MIB: u64 = 1 << 20;

@@ -9,9 +9,11 @@ mod common;
 use std::sync::Arc;
 
 use common::host_driver;
-use cudalloc::HazardKind;
-use cudalloc::{AllocatorConfig, Runtime, Sanitize, SanitizeOptions, Storage, StreamId};
-use cudalloc::{HostKernelMemory, HostRange};
+use cudalloc::sanitizer::HazardKind;
+use cudalloc::{backend::HostKernelMemory, backend::HostRange};
+use cudalloc::{
+    sanitizer::Sanitize, sanitizer::SanitizeOptions, AllocatorConfig, Runtime, Storage, StreamId,
+};
 
 const MIB: u64 = 1 << 20;
 
@@ -40,7 +42,7 @@ const CONFIGS: [&str; 4] = [
     "expandable_segments:True,thread_cache_mb:64",
 ];
 
-fn take(rt: &Runtime) -> Vec<cudalloc::HazardReport> {
+fn take(rt: &Runtime) -> Vec<cudalloc::sanitizer::HazardReport> {
     rt.sanitizer().unwrap().take_reports()
 }
 

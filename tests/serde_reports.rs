@@ -9,8 +9,8 @@ use common::*;
 #[test]
 fn stats_and_snapshots_serialize_with_pytorch_names() {
     let a = checked_allocator(std::sync::Arc::new(host_driver()), "");
-    a.record_memory_history(cudalloc::HistoryOptions::new(
-        cudalloc::HistoryMode::All,
+    a.record_memory_history(cudalloc::stats::HistoryOptions::new(
+        cudalloc::stats::HistoryMode::All,
         16,
     ));
     let block = a.allocate(0, 1 << 20).unwrap();

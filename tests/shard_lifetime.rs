@@ -10,7 +10,7 @@ mod common;
 
 use std::sync::{Arc, Barrier};
 
-use cudalloc::{AllocatorConfig, DataPtr, Driver, HostDriver, Runtime, StreamId};
+use cudalloc::{backend::Driver, backend::HostDriver, AllocatorConfig, DataPtr, Runtime, StreamId};
 
 fn driver() -> Arc<HostDriver> {
     Arc::new(common::host_driver())

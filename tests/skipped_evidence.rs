@@ -2,13 +2,13 @@
 //! backend's cases print `skipped: ...` inside tests that then report `ok`, which libtest only
 //! shows with `--nocapture`. This harness-less test prints one line per kind of evidence, always.
 
+use cudalloc::backend::CudaDriver;
 use cudalloc::internals::kernels::nvrtc_present;
-use cudalloc::CudaDriver;
 
 fn main() {
     match CudaDriver::new() {
         Ok(d) => {
-            let name = cudalloc::Driver::device_name(&d, 0).unwrap_or_default();
+            let name = cudalloc::backend::Driver::device_name(&d, 0).unwrap_or_default();
             println!("evidence: CUDA backend cases RAN on {name}");
         }
         Err(err) => println!(

@@ -11,7 +11,8 @@ use std::sync::{Arc, Mutex};
 use common::faulty::FaultyDriver;
 use common::*;
 use cudalloc::{
-    Driver, ErrorKind, HostDriver, Region, Registrar, Runtime, SegmentChange, SegmentEvent, Storage,
+    backend::Driver, backend::HostDriver, registration::Region, registration::Registrar,
+    stats::SegmentChange, stats::SegmentEvent, ErrorKind, Runtime, Storage,
 };
 
 const MIB: u64 = 1 << 20;
@@ -324,7 +325,7 @@ fn panics_mid_sleep_or_wake_leave_the_tag_whole() {
     rt.attach_registrar(registrar.clone(), Default::default())
         .unwrap();
     rt.register_segment_observer(Arc::new(|_: &SegmentEvent| panic!("an observer panics")));
-    rt.register_out_of_memory_observer(Arc::new(|_: &cudalloc::OutOfMemoryEvent| {
+    rt.register_out_of_memory_observer(Arc::new(|_: &cudalloc::stats::OutOfMemoryEvent| {
         panic!("an observer panics")
     }));
     rt.register_free_memory_callback(Arc::new(|| panic!("a callback panics")));
@@ -385,10 +386,10 @@ fn panics_mid_sleep_or_wake_leave_the_tag_whole() {
 /// cycle, so a runtime with tags lets its devices — and their driver — go.
 #[test]
 fn a_runtime_with_tags_lets_its_devices_and_driver_go() {
-    let driver: Arc<dyn cudalloc::Driver> = Arc::new(common::host_driver());
+    let driver: Arc<dyn cudalloc::backend::Driver> = Arc::new(common::host_driver());
     let rt = Arc::new(
         cudalloc::Runtime::builder()
-            .sanitize(cudalloc::Sanitize::Off)
+            .sanitize(cudalloc::sanitizer::Sanitize::Off)
             .build(Arc::clone(&driver))
             .unwrap(),
     );

@@ -14,8 +14,9 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use cudalloc::{
-    CaptureMode, DeviceAddr, Driver, ErrorKind, HazardKind, HostDriver, Region, Registrar, Runtime,
-    Sanitize, SanitizeOptions, SegmentId, Storage, WakeOptions,
+    backend::Driver, backend::HostDriver, graph::CaptureMode, registration::Region,
+    registration::Registrar, registration::SegmentId, sanitizer::HazardKind, sanitizer::Sanitize,
+    sanitizer::SanitizeOptions, DeviceAddr, ErrorKind, Runtime, Storage, WakeOptions,
 };
 
 const MIB: u64 = 1 << 20;

@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{Driver, ErrorKind, HostDriver, Runtime, Storage};
+use cudalloc::{backend::Driver, backend::HostDriver, ErrorKind, Runtime, Storage};
 
 const SHM_MIB: u64 = 24;
 
@@ -210,7 +210,7 @@ fn small_shm_capture_child() {
         assert!(held.len() < 64, "never ran out");
     }
     let capture = a
-        .begin_capture(s, None, cudalloc::CaptureMode::Global)
+        .begin_capture(s, None, cudalloc::graph::CaptureMode::Global)
         .unwrap();
     let err = Storage::new(&a, 0, 3 << 20).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{err}");
@@ -219,14 +219,14 @@ fn small_shm_capture_child() {
     drop(capture);
     assert_eq!(
         a.driver().graphs().stream_capture_status(s).unwrap(),
-        cudalloc::CaptureStatus::None
+        cudalloc::backend::CaptureStatus::None
     );
     // Room again (a capture never releases cached memory, so release it before): a capture
     // allocates, and its graph replays.
     held.clear();
     a.empty_cache();
     let capture = a
-        .begin_capture(s, None, cudalloc::CaptureMode::Global)
+        .begin_capture(s, None, cudalloc::graph::CaptureMode::Global)
         .unwrap();
     let out = Storage::new(&a, 0, 3 << 20).unwrap();
     out.fill_pattern(5).unwrap();

@@ -10,8 +10,8 @@ use std::process::Command;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{AllocatorConfig, Driver, HostDriver, Runtime};
-use cudalloc::{HistoryMode, HistoryOptions};
+use cudalloc::{backend::Driver, backend::HostDriver, AllocatorConfig, Runtime};
+use cudalloc::{stats::HistoryMode, stats::HistoryOptions};
 use serde_pickle::{HashableValue as H, Value as V};
 
 fn checker() -> PathBuf {
@@ -141,8 +141,8 @@ fn running_out_of_memory_writes_the_snapshot_before_the_error_returns() {
     let _ = std::fs::remove_file(&file);
     let conf = format!("oom_snapshot_path:{}", file.display());
     let a = checked_allocator(Arc::new(host_driver()), &conf);
-    a.record_memory_history(cudalloc::HistoryOptions::new(
-        cudalloc::HistoryMode::All,
+    a.record_memory_history(cudalloc::stats::HistoryOptions::new(
+        cudalloc::stats::HistoryMode::All,
         1000,
     ));
     let _held = a.allocate(0, 40 << 20).unwrap();

@@ -11,7 +11,7 @@ mod common;
 use std::sync::Arc;
 
 use common::storage::{clean, ordered_or_manual as runtime, set, values};
-use cudalloc::{host_kernel, CaptureMode, ErrorKind, Runtime, Storage, StreamId};
+use cudalloc::{graph::CaptureMode, host_kernel, ErrorKind, Runtime, Storage, StreamId};
 
 const N: usize = 16 << 10;
 const BYTES: u64 = (N * 4) as u64;
@@ -391,7 +391,9 @@ fn a_captured_kernel_runs_at_each_replay() {
 fn host_kernels_are_the_host_backends() {
     let rt = Arc::new(
         Runtime::builder()
-            .build(Arc::new(cudalloc::SimDriver::new(1, 1 << 30).unwrap()))
+            .build(Arc::new(
+                cudalloc::backend::SimDriver::new(1, 1 << 30).unwrap(),
+            ))
             .unwrap(),
     );
     let s = rt.current_stream(0).unwrap();

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use common::host_driver;
 use common::storage::{build, clean, reports, runtime, set, values};
-use cudalloc::{CaptureMode, ErrorKind, MemPoolOptions, Runtime, Storage, StreamId};
+use cudalloc::{graph::CaptureMode, pool::MemPoolOptions, ErrorKind, Runtime, Storage, StreamId};
 
 const N: usize = 4096;
 const BYTES: u64 = (N * 4) as u64;

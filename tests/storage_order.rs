@@ -12,7 +12,7 @@ mod common;
 use std::sync::Arc;
 
 use common::storage::{clean as ordered_and_clean, ordered_or_manual as runtime};
-use cudalloc::{HostDriver, Runtime, Storage};
+use cudalloc::{backend::HostDriver, Runtime, Storage};
 
 const ROUNDS: u64 = 100;
 const LEN: u64 = 64 << 10;
@@ -283,7 +283,7 @@ fn storage_order_child() {
     assert_eq!(role, "read");
     let rt = Arc::new(Runtime::new(common::child_test_driver(), Default::default()).unwrap());
     let mut parent = common::ParentLink::new();
-    let handle = cudalloc::IpcHandle::from_bytes(&common::unhex(&parent.recv())).unwrap();
+    let handle = cudalloc::ipc::IpcHandle::from_bytes(&common::unhex(&parent.recv())).unwrap();
     let s = Storage::from_ipc(&rt, handle).unwrap();
     let d = rt.create_stream(0).unwrap();
     let y = Storage::new_on(&rt, d, LEN).unwrap();

@@ -13,8 +13,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudalloc::{
-    CaptureMode, CaptureStatus, DeviceAddr, Driver, ErrorKind, EventFlags, HostDriver, HostRange,
-    SanitizeOptions, SanitizedDriver, SimDriver, StreamId,
+    backend::CaptureStatus, backend::Driver, backend::EventFlags, backend::HostDriver,
+    backend::HostRange, backend::SanitizedDriver, backend::SimDriver, graph::CaptureMode,
+    sanitizer::SanitizeOptions, DeviceAddr, ErrorKind, StreamId,
 };
 
 fn driver() -> Arc<dyn Driver> {

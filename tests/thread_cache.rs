@@ -8,8 +8,8 @@ mod common;
 
 use std::sync::{mpsc, Arc, Barrier};
 
-use cudalloc::SnapshotBlockState;
-use cudalloc::{AllocatorConfig, Driver, HostDriver, Runtime};
+use cudalloc::stats::SnapshotBlockState;
+use cudalloc::{backend::Driver, backend::HostDriver, AllocatorConfig, Runtime};
 
 const MIB: u64 = 1 << 20;
 
@@ -284,11 +284,11 @@ fn off_by_default_the_freed_block_goes_back_to_the_shard_at_once() {
 
 #[test]
 fn the_history_sees_front_cache_frees_and_reuses_as_frees_and_allocations() {
-    use cudalloc::TraceAction;
+    use cudalloc::stats::TraceAction;
     let d = driver();
     let a = cached(&d, 8);
-    a.record_memory_history(cudalloc::HistoryOptions::new(
-        cudalloc::HistoryMode::All,
+    a.record_memory_history(cudalloc::stats::HistoryOptions::new(
+        cudalloc::stats::HistoryMode::All,
         1000,
     ));
     let p = a.allocate(0, 4096).unwrap();

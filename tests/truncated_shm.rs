@@ -8,12 +8,12 @@
 
 mod common;
 
-use cudalloc::capability::Ipc;
+use cudalloc::backend::capability::Ipc;
 use std::sync::{Arc, Mutex};
 
 use common::forked::in_forked_child;
 use common::*;
-use cudalloc::{Driver, EventFlags, IpcHandle, Runtime, Storage};
+use cudalloc::{backend::Driver, backend::EventFlags, ipc::IpcHandle, Runtime, Storage};
 
 /// Forking while another test of this binary runs its threads would copy them mid-work.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());

@@ -4,12 +4,12 @@
 
 mod common;
 
-use cudalloc::capability::Ipc;
+use cudalloc::backend::capability::Ipc;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use common::*;
-use cudalloc::{Driver, EventFlags, IpcHandle, Runtime, Storage};
+use cudalloc::{backend::Driver, backend::EventFlags, ipc::IpcHandle, Runtime, Storage};
 
 const CHILD: &str = "untrusted_child";
 /// Offsets in a ref-counter file (see `src/ipc/refcount.rs`): ring control, then the slots.

@@ -36,7 +36,7 @@ use crate::sync::os::Arc;
 /// thread that began it:
 ///
 /// ```compile_fail
-/// fn f(capture: cudalloc::Capture) {
+/// fn f(capture: cudalloc::graph::Capture) {
 ///     std::thread::spawn(move || drop(capture));
 /// }
 /// ```

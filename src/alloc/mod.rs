@@ -298,16 +298,6 @@ impl Drop for StreamGuard {
 }
 
 impl CachingAllocator {
-    /// A builder with the default configuration.
-    pub fn builder() -> CachingAllocatorBuilder {
-        CachingAllocatorBuilder::default()
-    }
-
-    /// An allocator over `driver` with `config`.
-    pub fn new(driver: Arc<dyn Driver>, config: AllocatorConfig) -> Result<Self> {
-        Self::builder().config(config).build(driver)
-    }
-
     /// The driver underneath (a [`SanitizedDriver`] when the sanitizer is on).
     pub fn driver(&self) -> &Arc<dyn Driver> {
         &self.driver
@@ -400,7 +390,7 @@ impl CachingAllocator {
     }
 
     /// Adopts a stream the caller made (a tensor library's own stream) by its raw handle; see
-    /// [`Interop::import_stream`](crate::capability::Interop::import_stream). cudalloc never destroys it.
+    /// [`Interop::import_stream`](crate::backend::capability::Interop::import_stream). cudalloc never destroys it.
     ///
     /// # Safety
     /// CUDA: `raw` must be a live `CUstream` of `device`'s primary context and stay alive while

@@ -16,8 +16,8 @@ use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudalloc::pattern;
-use cudalloc::{AllocatorConfig, BackendChoice, IpcHandle, Runtime, Storage};
+use cudalloc::backend::pattern;
+use cudalloc::{backend::BackendChoice, ipc::IpcHandle, AllocatorConfig, Runtime, Storage};
 
 /// Options of the demo.
 #[derive(Debug, Clone)]

@@ -243,7 +243,7 @@ pub trait Graphs {
     /// # Safety
     /// The replay writes what its capture wrote, outside the storages' order: as the raw memory
     /// operations of [`Driver`](super::Driver), not at the same time as a typed host kernel
-    /// that sees the same bytes. (The allocator's [`Graph::replay`](crate::Graph::replay) is
+    /// that sees the same bytes. (The allocator's [`Graph::replay`](crate::graph::Graph::replay) is
     /// safe: while its graphs live, typed kernels see private copies.)
     unsafe fn graph_launch(&self, exec: GraphExecId, stream: StreamId) -> Result<()>;
     /// Destroys `graph` (its instantiations stay usable).

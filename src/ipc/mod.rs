@@ -47,12 +47,14 @@ mod page_thread;
 mod producer;
 pub(crate) mod refcount;
 pub(crate) mod state;
-pub mod wire;
+mod wire;
 
+pub use crate::shm::sweep_orphans;
 pub use handle::IpcHandle;
 pub use page_protocol::PageSocketLimits;
+pub use state::Drained;
 pub(crate) use state::IpcState;
-pub use state::{Drained, DEFAULT_EVENT_BUDGET};
+pub(crate) use state::DEFAULT_EVENT_BUDGET;
 pub use wire::{WireHandle, WirePages, PAGE_SECRET_SIZE, WIRE_SIZE};
 
 use self::consumer::{Mapping, ReceivedMapping, ReceivedOwner};
@@ -281,12 +283,12 @@ pub(crate) fn is_received(data: &DataPtr) -> bool {
 }
 
 /// Memory of other processes mapped through `driver` now: whole segments and page spans.
-pub(crate) fn open_segments(driver: &Arc<dyn crate::Driver>) -> usize {
+pub(crate) fn open_segments(driver: &Arc<dyn crate::backend::Driver>) -> usize {
     Mapping::open_count(driver) + PageMapping::mapped(driver).0
 }
 
 /// Bytes of address space that `driver` holds for memory of other processes: the sizes of the
 /// whole segments opened and of the page spans mapped.
-pub(crate) fn imported_address_space(driver: &Arc<dyn crate::Driver>) -> u64 {
+pub(crate) fn imported_address_space(driver: &Arc<dyn crate::backend::Driver>) -> u64 {
     Mapping::open_bytes(driver) + PageMapping::mapped(driver).1
 }

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use super::{Trace, TraceOp};
-use crate::alloc::{CachingAllocator, DataPtr};
+use crate::alloc::{CachingAllocator, CachingAllocatorBuilder, DataPtr};
 use crate::config::AllocatorConfig;
 use crate::driver::{SimDriver, StreamId};
 use crate::error::{Error, Result};
@@ -160,7 +160,9 @@ pub fn replay(
 ) -> Result<ReplayReport> {
     let config = AllocatorConfig::parse(&options.conf)?;
     let driver = Arc::new(SimDriver::new(trace.devices, options.capacity)?);
-    let alloc = CachingAllocator::new(driver.clone(), config)?;
+    let alloc = CachingAllocatorBuilder::default()
+        .config(config)
+        .build(driver.clone())?;
     let mut streams: HashMap<(usize, u64), StreamId> = HashMap::new();
     let mut live: HashMap<u64, DataPtr> = HashMap::new();
     let mut per_device = vec![Current::default(); trace.devices];

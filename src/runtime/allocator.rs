@@ -63,7 +63,7 @@ impl Runtime {
     }
 
     /// Adopts a stream the caller made (a tensor library's own stream) by its raw handle; see
-    /// [`Interop::import_stream`](crate::capability::Interop::import_stream). cudalloc never destroys it.
+    /// [`Interop::import_stream`](crate::backend::capability::Interop::import_stream). cudalloc never destroys it.
     ///
     /// # Safety
     /// CUDA: `raw` must be a live `CUstream` of `device`'s primary context and stay alive while
@@ -311,7 +311,7 @@ impl Runtime {
     }
 
     // The driver and the checks.
-    /// The driver underneath (a [`SanitizedDriver`](crate::SanitizedDriver) when the sanitizer is on).
+    /// The driver underneath (a [`SanitizedDriver`](crate::backend::SanitizedDriver) when the sanitizer is on).
     pub fn driver(&self) -> &Arc<dyn Driver> {
         self.allocator.driver()
     }

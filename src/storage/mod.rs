@@ -192,14 +192,14 @@ impl Storage {
     /// in an expandable one (`src/alloc/registration.rs`). An error for a received storage (its
     /// memory is another process's to register) or an empty one.
     ///
-    /// [`SegmentId`]: crate::SegmentId
-    pub fn registered_regions(&self) -> Result<Vec<crate::RegisteredRegion>> {
+    /// [`SegmentId`]: crate::registration::SegmentId
+    pub fn registered_regions(&self) -> Result<Vec<crate::registration::RegisteredRegion>> {
         self.regions_at(self.data_ptr())
     }
 
     /// As [`registered_regions`](Self::registered_regions), for a transfer that *writes* the
     /// storage: a lazy clone is materialized first, as by [`mutable_data_ptr`](Self::mutable_data_ptr).
-    pub fn registered_regions_mut(&self) -> Result<Vec<crate::RegisteredRegion>> {
+    pub fn registered_regions_mut(&self) -> Result<Vec<crate::registration::RegisteredRegion>> {
         let addr = self.mutable_data_ptr()?;
         self.regions_at(addr)
     }
@@ -212,7 +212,7 @@ impl Storage {
         sharing::pin_memory(self)
     }
 
-    fn regions_at(&self, addr: DeviceAddr) -> Result<Vec<crate::RegisteredRegion>> {
+    fn regions_at(&self, addr: DeviceAddr) -> Result<Vec<crate::registration::RegisteredRegion>> {
         if self.inner.nbytes == 0 {
             return Err(Error::invalid("an empty storage has no registered region"));
         }

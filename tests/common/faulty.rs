@@ -7,10 +7,11 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use cudalloc::capability::{Graphs, Interop, Ipc, Kernels, PinnedHost, VirtualMemory};
-use cudalloc::HostDriver;
+use cudalloc::backend::capability::{Graphs, Interop, Ipc, Kernels, PinnedHost, VirtualMemory};
+use cudalloc::backend::HostDriver;
 use cudalloc::{
-    Backend, DeviceAddr, Driver, Error, EventFlags, EventId, HostAddr, MemInfo, Result, StreamId,
+    backend::Backend, backend::Driver, backend::EventFlags, backend::EventId, backend::HostAddr,
+    backend::MemInfo, DeviceAddr, Error, Result, StreamId,
 };
 
 /// Operations a [`FaultyDriver`] can be told to fail.
@@ -213,13 +214,13 @@ impl VirtualMemory for FaultyDriver {
     fn vm_free_reservation(&self, base: DeviceAddr) -> Result<()> {
         self.inner.vm_free_reservation(base)
     }
-    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<cudalloc::ChunkId> {
+    fn vm_create_chunk(&self, device: usize, size: u64) -> Result<cudalloc::backend::ChunkId> {
         self.inner.vm_create_chunk(device, size)
     }
-    fn vm_release_chunk(&self, chunk: cudalloc::ChunkId) -> Result<()> {
+    fn vm_release_chunk(&self, chunk: cudalloc::backend::ChunkId) -> Result<()> {
         self.inner.vm_release_chunk(chunk)
     }
-    fn vm_map(&self, addr: DeviceAddr, chunk: cudalloc::ChunkId) -> Result<()> {
+    fn vm_map(&self, addr: DeviceAddr, chunk: cudalloc::backend::ChunkId) -> Result<()> {
         self.inner.vm_map(addr, chunk)?;
         self.faults.log("vm_map", addr.0, 0);
         Ok(())
@@ -228,15 +229,18 @@ impl VirtualMemory for FaultyDriver {
         self.faults.log("vm_unmap", addr.0, size);
         self.inner.vm_unmap(addr, size)
     }
-    fn vm_export_chunk(&self, chunk: cudalloc::ChunkId) -> Result<cudalloc::ExportedChunk> {
+    fn vm_export_chunk(
+        &self,
+        chunk: cudalloc::backend::ChunkId,
+    ) -> Result<cudalloc::backend::ExportedChunk> {
         self.inner.vm_export_chunk(chunk)
     }
     fn vm_import_chunk(
         &self,
         device: usize,
-        chunk: cudalloc::ExportedChunk,
+        chunk: cudalloc::backend::ExportedChunk,
         size: u64,
-    ) -> Result<cudalloc::ChunkId> {
+    ) -> Result<cudalloc::backend::ChunkId> {
         self.inner.vm_import_chunk(device, chunk, size)
     }
 }

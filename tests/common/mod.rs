@@ -10,7 +10,7 @@ pub mod faulty;
 pub mod forked;
 pub mod storage;
 
-use cudalloc::{CudaDriver, Driver, HostDriver};
+use cudalloc::{backend::CudaDriver, backend::Driver, backend::HostDriver};
 
 /// Environment variable naming a child process's role.
 pub const ROLE_VAR: &str = "CUDALLOC_TEST_CHILD_ROLE";
@@ -31,8 +31,8 @@ pub fn host_driver() -> HostDriver {
 /// `driver` checked by the stream sanitizer when `CUDALLOC_SANITIZE` asks for it (the suites'
 /// own driver calls are then checked as well as the allocator's).
 pub fn sanitized(driver: Arc<dyn Driver>) -> Arc<dyn Driver> {
-    match cudalloc::SanitizeOptions::from_env().unwrap() {
-        Some(options) => cudalloc::SanitizedDriver::wrap(driver, options),
+    match cudalloc::sanitizer::SanitizeOptions::from_env().unwrap() {
+        Some(options) => cudalloc::backend::SanitizedDriver::wrap(driver, options),
         None => driver,
     }
 }
@@ -197,7 +197,7 @@ pub fn free_baseline(driver: &Arc<dyn Driver>) -> u64 {
     .unwrap();
     let graphs = driver.graphs();
     graphs
-        .stream_begin_capture(stream, cudalloc::CaptureMode::ThreadLocal)
+        .stream_begin_capture(stream, cudalloc::graph::CaptureMode::ThreadLocal)
         .unwrap();
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
     unsafe { driver.memset(stream, ptr, 0, 4096) }.unwrap();
@@ -531,7 +531,7 @@ pub fn hold_stream(b: &TestBackend, stream: cudalloc::StreamId) -> Hold {
                 .driver
                 .event_create(
                     b.driver.stream_device(stream).unwrap(),
-                    cudalloc::EventFlags::default(),
+                    cudalloc::backend::EventFlags::default(),
                 )
                 .unwrap();
             b.driver.event_record(event, stream).unwrap();
@@ -547,7 +547,7 @@ pub fn hold_stream(b: &TestBackend, stream: cudalloc::StreamId) -> Hold {
 /// elsewhere a sleep kernel followed by a marker event, which says whether the sleep still runs.
 pub struct Hold {
     gate: Option<cudalloc::internals::StreamGate>,
-    marker: Option<(Arc<dyn Driver>, cudalloc::EventId)>,
+    marker: Option<(Arc<dyn Driver>, cudalloc::backend::EventId)>,
 }
 
 impl Hold {
@@ -631,12 +631,15 @@ pub fn open_offered(
     let seed = seed
         .parse()
         .map_err(|_| cudalloc::Error::InvalidArgument(format!("bad seed in {word}")))?;
-    let handle = cudalloc::IpcHandle::from_bytes(&unhex(handle))?;
+    let handle = cudalloc::ipc::IpcHandle::from_bytes(&unhex(handle))?;
     Ok((cudalloc::Storage::from_ipc(rt, handle)?, seed))
 }
 
 /// The hazards the sanitizer of `rt` found since the last look: exactly one, of `kind`.
-pub fn one_report(rt: &cudalloc::Runtime, kind: cudalloc::HazardKind) -> cudalloc::HazardReport {
+pub fn one_report(
+    rt: &cudalloc::Runtime,
+    kind: cudalloc::sanitizer::HazardKind,
+) -> cudalloc::sanitizer::HazardReport {
     let mut reports = rt.sanitizer().unwrap().take_reports();
     assert_eq!(reports.len(), 1, "{reports:#?}");
     let report = reports.remove(0);

@@ -3,7 +3,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudalloc::{AllocatorConfig, HazardReport, HostDriver, Runtime, Sanitize, Storage, StreamId};
+use cudalloc::{
+    backend::HostDriver, sanitizer::HazardReport, sanitizer::Sanitize, AllocatorConfig, Runtime,
+    Storage, StreamId,
+};
 
 /// A runtime over `host` with `conf`, invariants checked after every operation, the sanitizer on
 /// when `sanitize`.

@@ -407,7 +407,7 @@ mod tests {
             "garbage_collection_threshold:0.5,per_process_memory_fraction:0.9,expandable_segments:True",
         ] {
             let driver: Arc<dyn Driver> = Arc::new(SimDriver::new(1, 320 * MIB).unwrap());
-            let a = CachingAllocator::new(driver, AllocatorConfig::parse(conf).unwrap()).unwrap();
+            let a = crate::alloc::CachingAllocatorBuilder::default().config(AllocatorConfig::parse(conf).unwrap()).build(driver).unwrap();
             let streams: Vec<_> = (0..16).map(|_| a.create_stream(0).unwrap()).collect();
             let mut held = BTreeMap::new();
             let mut max = [0u64; 3];

@@ -120,7 +120,7 @@ impl CudaDriver {
     }
 
     /// # Safety
-    /// As [`Driver::host_register`](crate::Driver::host_register).
+    /// As [`Driver::host_register`](crate::backend::Driver::host_register).
     pub(super) unsafe fn pinned_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
         if size == 0 {
             return Err(Error::invalid("host_register of 0 bytes"));

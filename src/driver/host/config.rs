@@ -107,8 +107,8 @@ impl HostDriverBuilder {
         self
     }
 
-    /// Most bytes of page-locked host memory ([`PinnedHost::host_alloc`](crate::capability::PinnedHost::host_alloc)
-    /// and [`PinnedHost::host_register`](crate::capability::PinnedHost::host_register) together, charged in whole
+    /// Most bytes of page-locked host memory ([`PinnedHost::host_alloc`](crate::backend::capability::PinnedHost::host_alloc)
+    /// and [`PinnedHost::host_register`](crate::backend::capability::PinnedHost::host_register) together, charged in whole
     /// pages) before either is out of memory; default: as much as the operating system locks
     /// (`RLIMIT_MEMLOCK` without `CAP_IPC_LOCK`). Also `CUDALLOC_HOST_PINNED_MEMORY`.
     pub fn pinned_memory(mut self, bytes: u64) -> Self {

@@ -4,7 +4,7 @@
 //! for test suites; add `,stacks` to capture the Rust stack of every access), or from code with
 //! [`CachingAllocatorBuilder::sanitize`](crate::CachingAllocatorBuilder::sanitize). The allocator
 //! wraps its driver in a [`SanitizedDriver`], so both backends (and the simulated one) feed the
-//! same checker; the host backend's library kernels ([`HostDriver::enqueue_host`](crate::HostDriver::enqueue_host))
+//! same checker; the host backend's library kernels ([`HostDriver::enqueue_host`](crate::backend::HostDriver::enqueue_host))
 //! and cudarc views report their accesses to it too, and the allocator reports its hand-outs and
 //! frees.
 //!
