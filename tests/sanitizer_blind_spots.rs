@@ -187,3 +187,46 @@ fn after_a_sleep_and_wake_both_checks_hold_and_the_wake_is_not_reported() {
         "the second storage kept its bytes"
     );
 }
+
+/// Before: a kernel touching bytes of an allocator segment that no allocation held (the tail of a
+/// segment the allocator never handed out) was not reported: the bounds were checked only for
+/// accesses that began in, or ran into, a live allocation. Now it is refused as out of bounds,
+/// naming the allocator's segment; the live allocation beside it is never reported.
+#[test]
+fn an_access_to_memory_the_allocator_never_handed_out_is_reported() {
+    let rt = sanitized();
+    let host = rt.driver().as_host().unwrap();
+    for _ in 0..ROUNDS {
+        let t = rt.create_stream(0).unwrap();
+        // One small block in a fresh 2 MiB segment: 1 MiB past it is nobody's.
+        let small = Storage::new_on(&rt, t, 512).unwrap();
+        let nobodys = small.data_ptr().offset(MIB).unwrap();
+        let s = rt.create_stream(0).unwrap();
+        common::wait_for(&rt, s, t);
+        // SAFETY: raw test ranges; no typed kernel sees them (the write is refused before it runs).
+        let err = unsafe {
+            host.enqueue_host(
+                s,
+                [HostRange::write(nobodys, 64)],
+                |m: &mut HostKernelMemory<1>| m.write(0, 0, &[7; 64]),
+            )
+        }
+        .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
+        let report = one_report(&rt, HazardKind::OutOfBounds);
+        assert!(report.to_string().contains("never handed out"), "{report}");
+        // The live allocation: never reported.
+        // SAFETY: as above; the storage's own bytes, on its stream.
+        unsafe {
+            host.enqueue_host(
+                t,
+                [HostRange::write(small.mutable_data_ptr_on(t).unwrap(), 512)],
+                |m: &mut HostKernelMemory<1>| m.write(0, 0, &[1; 512]),
+            )
+        }
+        .unwrap();
+        no_reports(&rt);
+        rt.driver().stream_synchronize(t).unwrap();
+        drop(small);
+    }
+}

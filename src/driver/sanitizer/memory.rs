@@ -26,6 +26,7 @@ impl Sanitizer {
             self.check_release(&mut st, base, size);
             Self::forget_locked(&mut st, base, size);
         }
+        st.managed.remove(&base);
     }
 
     /// `[start, start + len)` is gone (unmapped pages). The allocations that start there stay
@@ -260,6 +261,12 @@ impl Sanitizer {
         }
         st.shadow.tidy(start, end);
         st.next_allocation += 1;
+        // The segment is the allocator's: its bytes outside allocations are out of bounds.
+        if let Some((&base, &size)) = st.segments.range(..=start).next_back() {
+            if start < base.saturating_add(size) {
+                st.managed.insert(base, base.saturating_add(size));
+            }
+        }
         st.allocations.insert(
             start,
             Allocation {

@@ -407,6 +407,28 @@ impl Sanitizer {
                 };
                 return Err(self.fail(st, slot, report));
             }
+            let unallocated = (replay.is_none() && !own)
+                .then(|| st.unallocated(t.start, end))
+                .flatten();
+            if let Some((segment, len)) = unallocated {
+                let report = HazardReport {
+                    kind: HazardKind::OutOfBounds,
+                    earlier: AccessReport {
+                        kind: "never handed out",
+                        what: format!(
+                            "the allocator's segment at {segment:#x} (its bytes outside every live \
+                             allocation)"
+                        ),
+                        start: t.start,
+                        len,
+                        allocation: None,
+                        stack: None,
+                    },
+                    later: self.later_access(st, slot, what, t, None),
+                    free: None,
+                };
+                return Err(self.fail(st, slot, report));
+            }
             let cow = (t.kind == AccessKind::Write && replay.is_none() && !own)
                 .then(|| st.cow_shared_in(t.start, end));
             if let Some(allocation) = cow.flatten() {

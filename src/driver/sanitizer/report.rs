@@ -149,6 +149,12 @@ impl fmt::Display for HazardReport {
                 "out of bounds: {}\n  begins {} bytes before {} and runs into it (refused before it ran)",
                 self.later, self.earlier.len, self.earlier.what
             ),
+            HazardKind::OutOfBounds if self.earlier.kind == "never handed out" => write!(
+                f,
+                "out of bounds: {}\n  touches {} bytes of {}, which the allocator never handed \
+                 out to anyone (refused before it ran)",
+                self.later, self.earlier.len, self.earlier.what
+            ),
             HazardKind::OutOfBounds => write!(
                 f,
                 "out of bounds: {}\n  runs {} bytes past the end of {} (refused before it ran)",

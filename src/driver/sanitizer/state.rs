@@ -46,7 +46,11 @@ pub(super) struct State {
     pub(super) allocations: BTreeMap<u64, Allocation>,
     pub(super) next_allocation: u64,
     /// Memory the driver mapped (segments, opened segments): base → size, forgotten on free.
-    pub(super) segments: HashMap<u64, u64>,
+    pub(super) segments: BTreeMap<u64, u64>,
+    /// Segments the allocator hands out blocks of (seen at a hand-out): base → end. An access to
+    /// their bytes outside every live allocation touches memory the allocator holds but never
+    /// handed out (or handed out and took back): out of bounds.
+    pub(super) managed: BTreeMap<u64, u64>,
     pub(super) reports: Vec<HazardReport>,
     pub(super) hazards: u64,
     /// The host's actor, once it touched page-locked memory (`host.rs`).
@@ -128,6 +132,25 @@ impl State {
         }
         let (&at, a) = self.allocations.range(start..end).next()?;
         Some((Self::name(at, a), at - start))
+    }
+
+    /// The allocator's segment under `[start, end)` when no live allocation holds `start` and the
+    /// range touches that segment's bytes outside every allocation: its base and the bytes from
+    /// `start` to the first allocation (or the range's end).
+    pub(super) fn unallocated(&self, start: u64, end: u64) -> Option<(u64, u64)> {
+        if self.allocation_at(start).is_some() {
+            return None;
+        }
+        let (&base, &seg_end) = self.managed.range(..=start).next_back()?;
+        if start >= seg_end {
+            return None;
+        }
+        let next = self
+            .allocations
+            .range(start..end)
+            .next()
+            .map_or(end, |(&at, _)| at);
+        Some((base, next.min(seg_end) - start))
     }
 
     /// The allocation lazy clones share that `[start, end)` touches, named.
