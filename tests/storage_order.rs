@@ -274,17 +274,62 @@ fn a_received_storage_read_on_another_stream_waits_for_the_producer() {
     rt.ipc_collect();
 }
 
+/// A second receipt of a storage still open in the consumer: the producer wrote again (held on
+/// its stream) and shared it again; the consumer's second `from_ipc` gives the storage it has, and
+/// a read on another stream waits for the new write (before the fix the second receipt returned
+/// the storage without waiting for the new handle's event: the copy read the first write's bytes,
+/// every byte wrong against the second pattern).
+#[test]
+fn a_second_receipt_of_a_live_storage_waits_for_the_producers_new_write() {
+    let (rt, host) = runtime("");
+    let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
+    let x = filled(&rt, a, 42);
+    rt.driver().stream_synchronize(a).unwrap();
+    let first = {
+        let _on = rt.set_current_stream(b).unwrap();
+        x.share_ipc().unwrap()
+    };
+    let mut child = common::ChildProcess::spawn(CHILD, "again", "host");
+    child.send(&common::hex(&first.into_bytes()));
+    assert_eq!(child.recv(), "open");
+    let gate = host.gate_stream(a).unwrap();
+    fill(&rt, &x, a, 43);
+    let second = {
+        let _on = rt.set_current_stream(b).unwrap();
+        x.share_ipc().unwrap()
+    };
+    child.send(&common::hex(&second.into_bytes()));
+    assert_eq!(child.recv(), "queued");
+    drop(gate);
+    child.send("released");
+    assert_eq!(child.recv(), "mismatches=0");
+    child.send("done");
+    child.finish();
+    drop(x);
+    rt.ipc_collect();
+}
+
 #[test]
 #[ignore = "child process entry: run by the tests of this file"]
 fn storage_order_child() {
     let Ok(role) = std::env::var(common::ROLE_VAR) else {
         return;
     };
-    assert_eq!(role, "read");
     let rt = Arc::new(Runtime::new(common::child_test_driver(), Default::default()).unwrap());
     let mut parent = common::ParentLink::new();
     let handle = cudalloc::ipc::IpcHandle::from_bytes(&common::unhex(&parent.recv())).unwrap();
-    let s = Storage::from_ipc(&rt, handle).unwrap();
+    let mut s = Storage::from_ipc(&rt, handle).unwrap();
+    let mut seed = 42;
+    if role == "again" {
+        parent.send("open");
+        let handle = cudalloc::ipc::IpcHandle::from_bytes(&common::unhex(&parent.recv())).unwrap();
+        let again = Storage::from_ipc(&rt, handle).unwrap();
+        assert!(again.is_alias_of(&s), "the storage open here");
+        s = again;
+        seed = 43;
+    } else {
+        assert_eq!(role, "read");
+    }
     let d = rt.create_stream(0).unwrap();
     let y = Storage::new_on(&rt, d, LEN).unwrap();
     let dst = y.mutable_data_ptr_on(d).unwrap();
@@ -294,6 +339,6 @@ fn storage_order_child() {
     parent.send("queued");
     assert_eq!(parent.recv(), "released");
     rt.driver().stream_synchronize(d).unwrap();
-    parent.send(&format!("mismatches={}", mismatches(&rt, &y, 42)));
+    parent.send(&format!("mismatches={}", mismatches(&rt, &y, seed)));
     assert_eq!(parent.recv(), "done");
 }

@@ -234,26 +234,10 @@ pub(crate) fn open(
     .map_err(|err| producer_gone(claim.producer_alive(), pid, "its memory was opened", err))?;
     let lease = claim.into_lease()?;
     let stream = alloc.current_stream(device)?;
-    if let Some(event) = &wire.event {
-        let not_ready =
-            |err| producer_gone(lease.producer_alive(), pid, "its writes completed", err);
-        let e = ipc
-            .driver
-            .ipc()
-            .ipc_open_event(device, &crate::driver::IpcEventHandle(*event))
-            .map_err(not_ready)?;
-        // The producer wrote these bytes before its event: a stream that uses them must wait
-        // for it (the current stream does, just below).
-        let sanitizer = ipc.driver.sanitizer();
-        let epoch = sanitizer.as_ref().map(|s| s.remote_event(e, pid));
-        let waited = ipc.driver.stream_wait_event(stream, e).map_err(not_ready);
-        let destroyed = ipc.driver.event_destroy(e);
-        waited.and(destroyed)?;
-        if let (Some(sanitizer), Some(epoch)) = (sanitizer, epoch) {
-            let start = mapping.base().offset(wire.offset)?;
-            sanitizer.remote_write(start.0, wire.nbytes, pid, epoch);
-        }
-    }
+    let start = mapping.base().offset(wire.offset)?;
+    wait_for_producer(ipc, &wire, device, stream, start, &|| {
+        lease.producer_alive()
+    })?;
     let ptr = mapping.base().offset(wire.offset)?;
     let owner = ReceivedOwner {
         wire,
@@ -264,6 +248,41 @@ pub(crate) fn open(
         birth: crate::process::Birth::now(),
     };
     Ok(DataPtr::new(ptr, device, Owner::Shared(Box::new(owner))))
+}
+
+/// Makes `stream` wait for the producer's event of `wire`, if it carries one (its writes to the
+/// bytes at `start`, which the producer made before recording it), and tells the sanitizer so.
+/// At a first receipt and at every later receipt of memory already open here: the producer may
+/// have written again since. `alive` says whether the producer still runs (for the error).
+pub(crate) fn wait_for_producer(
+    ipc: &IpcState,
+    wire: &WireHandle,
+    device: usize,
+    stream: crate::driver::StreamId,
+    start: crate::driver::DeviceAddr,
+    alive: &dyn Fn() -> bool,
+) -> Result<()> {
+    let Some(event) = &wire.event else {
+        return Ok(());
+    };
+    let pid = wire.producer_pid;
+    let not_ready = |err| producer_gone(alive(), pid, "its writes completed", err);
+    let e = ipc
+        .driver
+        .ipc()
+        .ipc_open_event(device, &crate::driver::IpcEventHandle(*event))
+        .map_err(not_ready)?;
+    // The producer wrote these bytes before its event: a stream that uses them must wait for it
+    // (`stream` does, just below).
+    let sanitizer = ipc.driver.sanitizer();
+    let epoch = sanitizer.as_ref().map(|s| s.remote_event(e, pid));
+    let waited = ipc.driver.stream_wait_event(stream, e).map_err(not_ready);
+    let destroyed = ipc.driver.event_destroy(e);
+    waited.and(destroyed)?;
+    if let (Some(sanitizer), Some(epoch)) = (sanitizer, epoch) {
+        sanitizer.remote_write(start.0, wire.nbytes, pid, epoch);
+    }
+    Ok(())
 }
 
 /// `err` of opening a handle — or, when its producer is dead, an error that says so: its objects

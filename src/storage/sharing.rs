@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use super::{registry, Storage};
 use crate::alloc::DataPtr;
+use crate::driver::sanitizer::AccessKind;
 use crate::driver::StreamId;
 use crate::error::{Error, Result};
 use crate::ipc::IpcHandle;
@@ -150,7 +151,23 @@ pub(super) fn receive(runtime: &Arc<Runtime>, handle: IpcHandle) -> Result<Stora
     let mut guard = registry::received();
     let received = guard.get_or_insert_with(HashMap::new);
     if let Some(live) = received.get(&key).and_then(super::WeakStorage::upgrade) {
-        let (_, claim) = handle.into_parts();
+        // Memory open here already: the producer may have written since the first receipt (its
+        // new event says when). The current stream waits for it, as at a first receipt, and the
+        // storage counts as written there: its next accesses on other streams wait for that
+        // stream (found by review: a second receipt returned the storage without the wait).
+        let stream = runtime.current_stream(device)?;
+        refuse_while_capturing(runtime, stream, "received from another process")?;
+        let (wire, claim) = handle.into_parts();
+        let alive = || claim.as_ref().is_none_or(|c| c.producer_alive());
+        crate::ipc::wait_for_producer(
+            runtime.ipc(),
+            &wire,
+            device,
+            stream,
+            live.data_ptr(),
+            &alive,
+        )?;
+        live.access(stream, AccessKind::Write)?;
         if let Some(c) = claim {
             c.give_back();
         }
