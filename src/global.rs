@@ -148,10 +148,4 @@ impl Global {
     pub fn storage_on(&self, stream: StreamId, nbytes: u64) -> Result<Storage> {
         Storage::new_on(self.get()?, stream, nbytes)
     }
-
-    /// A pinned host buffer of at least `len` bytes from the process's pinned allocator (see
-    /// [`Runtime::pinned_allocator`]).
-    pub fn pinned(&self, len: usize) -> Result<crate::pinned::PinnedBuffer> {
-        self.get()?.pinned(len)
-    }
 }

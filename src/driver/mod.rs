@@ -594,7 +594,7 @@ impl BackendChoice {
     pub fn open(self) -> Result<SelectedBackend> {
         let host = |reason: Option<String>| -> Result<SelectedBackend> {
             Ok(SelectedBackend {
-                driver: crate::sync::os::Arc::new(HostDriver::from_env()?),
+                driver: crate::sync::os::Arc::new(host::HostDriverBuilder::from_env()?.build()?),
                 fallback_reason: reason,
             })
         };

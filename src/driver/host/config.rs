@@ -50,11 +50,6 @@ impl Default for HostDriverBuilder {
 }
 
 impl HostDriverBuilder {
-    /// Starts from the defaults (not the environment).
-    pub fn new() -> Self {
-        Self::default()
-    }
-
     /// Starts from `CUDALLOC_HOST_DEVICES`, `CUDALLOC_HOST_MEMORY`,
     /// `CUDALLOC_IPC_EVENT_TIMEOUT_S` and `CUDALLOC_HOST_PINNED_MEMORY` where set.
     pub fn from_env() -> Result<Self> {
@@ -240,12 +235,12 @@ mod tests {
 
     #[test]
     fn builder_rejects_nonsense() {
-        assert!(HostDriverBuilder::new().devices(0).validate().is_err());
-        assert!(HostDriverBuilder::new().devices(65).validate().is_err());
-        assert!(HostDriverBuilder::new()
+        assert!(HostDriverBuilder::default().devices(0).validate().is_err());
+        assert!(HostDriverBuilder::default().devices(65).validate().is_err());
+        assert!(HostDriverBuilder::default()
             .memory_per_device(100)
             .validate()
             .is_err());
-        assert!(HostDriverBuilder::new().validate().is_ok());
+        assert!(HostDriverBuilder::default().validate().is_ok());
     }
 }

@@ -107,12 +107,7 @@ impl std::fmt::Debug for HostDriver {
 impl HostDriver {
     /// A builder with the defaults.
     pub fn builder() -> HostDriverBuilder {
-        HostDriverBuilder::new()
-    }
-
-    /// A driver configured from `CUDALLOC_HOST_DEVICES` / `CUDALLOC_HOST_MEMORY`.
-    pub fn from_env() -> Result<Self> {
-        HostDriverBuilder::from_env()?.build()
+        HostDriverBuilder::default()
     }
 
     fn with_config(config: HostDriverBuilder) -> Result<Self> {
