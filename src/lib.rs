@@ -53,7 +53,7 @@ pub use driver::host::parse_byte_size;
 pub use driver::{DeviceAddr, StreamId};
 pub use error::{Cause, Error, ErrorKind, ForeignEventFailure, Result};
 pub use global::{Global, GLOBAL};
-pub use runtime::{Runtime, RuntimeBuilder, SleepReport, WakeOptions, WakeReport};
+pub use runtime::{Event, Runtime, RuntimeBuilder, SleepReport, WakeOptions, WakeReport};
 
 /// The device layer: the [`Driver`](backend::Driver) trait and its capabilities, the backends
 /// (host, CUDA, simulated, sanitized), and the handles and ids a driver deals in. A program

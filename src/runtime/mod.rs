@@ -14,6 +14,7 @@
 //! pools, tags and captures are the runtime's methods; the allocator is not public.
 
 mod allocator;
+mod events;
 mod sleep;
 
 use crate::alloc::{CachingAllocator, CachingAllocatorBuilder};
@@ -25,6 +26,7 @@ use crate::pinned::{PinnedAllocator, PinnedBuffer, PinnedOptions};
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex};
 
+pub use events::Event;
 pub use sleep::{SleepReport, WakeOptions, WakeReport};
 
 static NEXT_RUNTIME_ID: AtomicU64 = AtomicU64::new(1);
