@@ -36,8 +36,9 @@ use std::collections::HashMap;
 use super::pool_id::{MemPoolId, MemPoolOptions};
 use crate::driver::{EventId, StreamId};
 use crate::error::Result;
+use crate::process::PerProcess;
 use crate::sync::os::atomic::{AtomicUsize, Ordering};
-use crate::sync::os::{Arc, Mutex, RwLock, RwLockReadGuard};
+use crate::sync::os::{Arc, Mutex, RwLock, RwLockReadGuard, Weak};
 
 /// An access an upper layer took on a capturing stream (a storage's, `storage/order.rs`): kept
 /// by the capture's graph, which orders each replay with it.
@@ -58,6 +59,36 @@ pub(crate) trait CapturedUse: Send + Sync + std::fmt::Debug {
 
 /// The accesses of one capture.
 pub(crate) type CapturedUses = Vec<Arc<dyn CapturedUse>>;
+
+/// Every allocator's captures under way in this process, by the driver's capture id: an access
+/// inside a capture is kept by the allocator that began it, whichever allocator owns the storage
+/// (found by review: a capture of one runtime writing another runtime's storage kept nothing, and
+/// its replays wrote under the other runtime's zero-copy slices).
+static UNDER_WAY: PerProcess<Mutex<Vec<UnderWay>>> = PerProcess::new(|| Mutex::new(Vec::new()));
+
+/// A capture under way: its id, and the allocator that began it.
+type UnderWay = (u64, Weak<CaptureRoutes>);
+
+/// Whether any allocator of this process has a capture under way (one load).
+pub(crate) fn any_capture_under_way() -> bool {
+    UNDER_WAY_COUNT.load(Ordering::Acquire) != 0
+}
+
+/// How many captures [`UNDER_WAY`] holds (process-wide, like it; a forked child's copy may be
+/// off, which only costs a capture-status query per access).
+static UNDER_WAY_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// Keeps `used` for capture `capture` in the allocator that began it, if one did (a capture begun
+/// on the driver alone keeps nothing: its replays are raw and the caller's to order): whether
+/// one did.
+pub(crate) fn note_captured_use(capture: u64, used: Arc<dyn CapturedUse>) -> bool {
+    let routes = UNDER_WAY
+        .lock()
+        .iter()
+        .find(|(c, _)| *c == capture)
+        .and_then(|(_, r)| r.upgrade());
+    routes.is_some_and(|r| r.note_use(capture, used))
+}
 
 /// The captures of one allocator under way, by the driver's capture id.
 #[derive(Debug, Default)]
@@ -129,9 +160,17 @@ impl CaptureRoutes {
         (!self.any()).then_some(gate)
     }
 
-    /// Routes the allocations of driver capture `capture` to `pool`.
-    pub(crate) fn route(&self, capture: u64, pool: MemPoolId, options: MemPoolOptions) {
-        self.routes.write().push((capture, pool, options));
+    /// Routes the allocations of driver capture `capture` to `pool`, and makes the capture known
+    /// to the process (its accesses are kept here, [`note_captured_use`]).
+    pub(crate) fn route(
+        this: &Arc<CaptureRoutes>,
+        capture: u64,
+        pool: MemPoolId,
+        options: MemPoolOptions,
+    ) {
+        this.routes.write().push((capture, pool, options));
+        UNDER_WAY.lock().push((capture, Arc::downgrade(this)));
+        UNDER_WAY_COUNT.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Remembers `event`, recorded on `stream` just before capture `capture` began there.
@@ -205,6 +244,11 @@ impl CaptureRoutes {
         let mut tail = None;
         if let Some(capture) = capture {
             self.routes.write().retain(|(c, ..)| *c != capture);
+            let mut under_way = UNDER_WAY.lock();
+            let before = under_way.len();
+            under_way.retain(|(c, _)| *c != capture);
+            UNDER_WAY_COUNT.fetch_sub(before - under_way.len(), Ordering::AcqRel);
+            drop(under_way);
             // Not taken by a graph (a capture dropped or failed): nothing replays them.
             drop(self.take_uses(capture));
             let mut tails = self.tails.write();

@@ -171,7 +171,7 @@ impl CachingAllocator {
             self.capturing.tail(id, stream, event);
         }
         let hold = CaptureRoutes::hold(&self.capturing, pool.id());
-        self.capturing.route(id, pool.id(), pool.options());
+        CaptureRoutes::route(&self.capturing, id, pool.id(), pool.options());
         Ok(Route {
             driver: Arc::clone(&self.driver),
             capturing: Arc::clone(&self.capturing),
@@ -201,12 +201,6 @@ impl CachingAllocator {
     /// Whether any capture of this allocator is under way (one load).
     pub(crate) fn captures_under_way(&self) -> bool {
         self.capturing.any()
-    }
-
-    /// Keeps an access taken on a stream inside capture `capture` for the capture's graph, when
-    /// the capture is this allocator's: whether it is (`capturing.rs`).
-    pub(crate) fn note_captured_use(&self, capture: u64, used: Arc<dyn CapturedUse>) -> bool {
-        self.capturing.note_use(capture, used)
     }
 
     /// Destroys a capture's tail event (logged on failure).

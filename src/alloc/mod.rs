@@ -75,7 +75,7 @@ pub use registration::{
 pub use stacks::Frame;
 pub use stats::{DeviceStats, PoolStats, Stat};
 
-pub(crate) use capturing::CapturedUse;
+pub(crate) use capturing::{any_capture_under_way, note_captured_use, CapturedUse};
 pub use data_ptr::DataPtr;
 pub(crate) use data_ptr::{take_shared, BlockOwner, Owner, SharedOwner};
 pub(crate) use engine::expandable::PagesUnder;

@@ -269,32 +269,55 @@ fn locked<R>(
             .position(|(s, _)| s.is_alias_of(storage))
             .unwrap_or_default()
     };
-    let mut data: Vec<_> = unique.iter().map(|(s, _)| s.inner.data.lock()).collect();
-    match replay {
-        None => {
-            for ((storage, kind), data) in unique.iter().zip(&mut data) {
-                if *kind == AccessKind::Write {
-                    storage.materialize_locked(data, stream)?;
+    // A written lazy clone is materialized first, each under its own lock as by
+    // `mutable_data_ptr_on` (its copy ordered after the source's writes): the allocation may
+    // run observers and free-memory callbacks, which may touch these storages — never with
+    // their locks held (found by review: an observer reading another operand deadlocked). Then
+    // the data locks; a written operand a lazy clone made copy-on-write again in between is
+    // materialized again.
+    let mut data = Vec::new();
+    for attempt in 0.. {
+        if replay.is_none() {
+            for (storage, kind) in &unique {
+                if *kind == AccessKind::Write && storage.is_cow() {
+                    storage.mutable_data_ptr_on(stream)?;
                 }
             }
         }
-        Some(expected) => {
-            for ((storage, kind), &addr) in operands.iter().zip(expected) {
-                let data = &data[index_of(storage)];
-                if data.ptr() != addr {
-                    return Err(Error::invalid(format!(
-                        "a storage the graph's capture used at {addr} holds {} now (a lazy \
-                         clone's first write gave it new memory): the replay would touch \
-                         memory it no longer owns",
-                        data.ptr()
-                    )));
-                }
-                if *kind == AccessKind::Write && crate::cow::is_cow(data) {
-                    return Err(Error::invalid(format!(
-                        "the graph writes the storage at {addr}, which lazy clones share now: \
-                         the replay would change the clones"
-                    )));
-                }
+        data = unique.iter().map(|(s, _)| s.inner.data.lock()).collect();
+        let cow_again = replay.is_none()
+            && unique
+                .iter()
+                .zip(&data)
+                .any(|((_, kind), d)| *kind == AccessKind::Write && crate::cow::is_cow(d));
+        if !cow_again {
+            break;
+        }
+        data.clear();
+        if attempt == 8 {
+            return Err(Error::invalid(
+                "a storage written here was lazily cloned again at every attempt to give it memory \
+                 of its own: the work was not queued",
+            ));
+        }
+    }
+    if let Some(expected) = replay {
+        for ((storage, kind), &addr) in operands.iter().zip(expected) {
+            let data = &data[index_of(storage)];
+            if data.ptr() != addr {
+                return Err(Error::invalid(format!(
+                    "a storage the graph's capture used at {addr} holds {} now (a lazy clone's \
+                     first write gave it new memory — inside the capture too: make a lazy \
+                     clone's first write before capturing work that reads it): the replay would \
+                     touch memory it no longer owns",
+                    data.ptr()
+                )));
+            }
+            if *kind == AccessKind::Write && crate::cow::is_cow(data) {
+                return Err(Error::invalid(format!(
+                    "the graph writes the storage at {addr}, which lazy clones share now: the \
+                     replay would change the clones"
+                )));
             }
         }
     }
@@ -335,9 +358,9 @@ fn locked<R>(
     Ok(out)
 }
 
-/// On a stream an allocator of the operands is capturing, keeps each access for the capture's
-/// graph. A capture no operand's allocator began (another runtime's, or the driver's own) keeps
-/// nothing: its replays are that caller's to order.
+/// On a capturing stream, keeps each access for the capture's graph, in the allocator that began
+/// the capture (another runtime's too). A capture begun on the driver alone keeps nothing: its
+/// replays are raw (`unsafe`) and the caller's to order.
 fn note_if_captured(
     unique: &[(&Storage, AccessKind)],
     data: &[crate::sync::os::MutexGuard<'_, crate::alloc::DataPtr>],
@@ -346,10 +369,7 @@ fn note_if_captured(
     let Some(&(first, _)) = unique.first() else {
         return Ok(());
     };
-    if !unique
-        .iter()
-        .any(|(s, _)| s.allocator().captures_under_way())
-    {
+    if !crate::alloc::any_capture_under_way() {
         return Ok(());
     }
     let status = first
@@ -366,13 +386,10 @@ fn note_if_captured(
             kind: *kind,
             addr: data.ptr(),
         });
-        if !unique
-            .iter()
-            .any(|(s, _)| s.allocator().note_captured_use(capture, Arc::clone(&used)))
-        {
+        if !crate::alloc::note_captured_use(capture, used) {
             tracing::debug!(
                 capture,
-                "an access inside a capture no operand's allocator began: its replays are not ordered"
+                "an access inside a capture no allocator began: its replays are not ordered"
             );
         }
     }
