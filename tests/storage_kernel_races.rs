@@ -20,90 +20,16 @@ mod common;
 use std::hint::black_box;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use common::host_driver;
-use common::storage::{build, clean, reports, runtime, set, values};
+use common::storage::{
+    block_reading, block_writing, build, clean, reports, runtime, set, sync, values, Blocker, Seen,
+    PROBE_WAIT,
+};
 use cudalloc::{graph::CaptureMode, pool::MemPoolOptions, ErrorKind, Runtime, Storage, StreamId};
 
 const N: usize = 4096;
 const BYTES: u64 = (N * 4) as u64;
-const PROBE_WAIT: Duration = Duration::from_secs(3);
-
-/// What a blocker kernel saw.
-#[derive(Clone, Copy, Debug, Default)]
-struct Seen {
-    /// The slice's address (compare with the storage's address: zero copy when equal).
-    ptr: u64,
-    /// The signal came while the kernel held its slice.
-    signalled: bool,
-    /// The slice's bytes changed while the kernel held it.
-    changed: bool,
-    /// The first element after the wait (shown in the failure messages).
-    #[allow(dead_code)]
-    first_after: f32,
-}
-
-struct Blocker {
-    seen: Arc<Mutex<Option<Seen>>>,
-    tx: mpsc::Sender<()>,
-}
-
-impl Blocker {
-    fn seen(&self) -> Seen {
-        self.seen.lock().unwrap().expect("the blocker ran")
-    }
-}
-
-/// A kernel on `stream` writing `marker` to all of `x` through `&mut [f32]`, then holding the
-/// slice until signalled (or `PROBE_WAIT`).
-fn block_writing(rt: &Runtime, stream: StreamId, x: &Storage, marker: f32) -> Blocker {
-    let (tx, rx) = mpsc::channel::<()>();
-    let rx = Mutex::new(rx);
-    let seen = Arc::new(Mutex::new(None));
-    let out = Arc::clone(&seen);
-    rt.launch_host(stream, x.writes::<f32>(), move |x| {
-        x.fill(marker);
-        let ptr = x.as_ptr() as u64;
-        let signalled = rx.lock().unwrap().recv_timeout(PROBE_WAIT).is_ok();
-        let x = black_box(x);
-        let changed = x.iter().any(|&v| v != marker);
-        *out.lock().unwrap() = Some(Seen {
-            ptr,
-            signalled,
-            changed,
-            first_after: x[0],
-        });
-        Ok(())
-    })
-    .unwrap();
-    Blocker { seen, tx }
-}
-
-/// A kernel on `stream` reading `x` through `&[f32]`, holding the slice until signalled.
-fn block_reading(rt: &Runtime, stream: StreamId, x: &Storage) -> Blocker {
-    let (tx, rx) = mpsc::channel::<()>();
-    let rx = Mutex::new(rx);
-    let seen = Arc::new(Mutex::new(None));
-    let out = Arc::clone(&seen);
-    rt.launch_host(stream, x.reads::<f32>(), move |x| {
-        let before = x.to_vec();
-        let ptr = x.as_ptr() as u64;
-        let signalled = rx.lock().unwrap().recv_timeout(PROBE_WAIT).is_ok();
-        let x = black_box(x);
-        let changed = x != &before[..];
-        *out.lock().unwrap() = Some(Seen {
-            ptr,
-            signalled,
-            changed,
-            first_after: x[0],
-        });
-        Ok(())
-    })
-    .unwrap();
-    Blocker { seen, tx }
-}
-
 /// Queues on `stream` a kernel that signals the blocker (after the work queued there before).
 fn signal_after(rt: &Arc<Runtime>, stream: StreamId, blocker: &Blocker) {
     signal_with(rt, stream, blocker.tx.clone());
@@ -138,13 +64,6 @@ fn completes_while_gated(
     t.join().unwrap().unwrap();
     done
 }
-
-fn sync(rt: &Runtime, streams: &[StreamId]) {
-    for &s in streams {
-        rt.driver().stream_synchronize(s).unwrap();
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // (1) Zero-copy slices against other accesses to the same bytes.
 // ---------------------------------------------------------------------------------------------

@@ -18,62 +18,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::host_driver;
-use common::storage::{build, runtime, set, values};
-use cudalloc::{graph::CaptureMode, Runtime, Storage, StreamId};
+use common::storage::{block_writing, build, runtime, set, sync, values, PROBE_WAIT};
+use cudalloc::{graph::CaptureMode, Storage};
 
 const N: usize = 4096;
 const BYTES: u64 = (N * 4) as u64;
-const PROBE_WAIT: Duration = Duration::from_secs(3);
 const DEADLOCK_WAIT: Duration = Duration::from_secs(10);
-
-#[derive(Clone, Copy, Debug, Default)]
-struct Seen {
-    ptr: u64,
-    signalled: bool,
-    changed: bool,
-    #[allow(dead_code)]
-    first_after: f32,
-}
-
-struct Blocker {
-    seen: Arc<Mutex<Option<Seen>>>,
-    tx: mpsc::Sender<()>,
-}
-
-impl Blocker {
-    fn seen(&self) -> Seen {
-        self.seen.lock().unwrap().expect("the blocker ran")
-    }
-}
-
-fn block_writing(rt: &Runtime, stream: StreamId, x: &Storage, marker: f32) -> Blocker {
-    let (tx, rx) = mpsc::channel::<()>();
-    let rx = Mutex::new(rx);
-    let seen = Arc::new(Mutex::new(None));
-    let out = Arc::clone(&seen);
-    rt.launch_host(stream, x.writes::<f32>(), move |x| {
-        x.fill(marker);
-        let ptr = x.as_ptr() as u64;
-        let signalled = rx.lock().unwrap().recv_timeout(PROBE_WAIT).is_ok();
-        let x = black_box(x);
-        let changed = x.iter().any(|&v| v != marker);
-        *out.lock().unwrap() = Some(Seen {
-            ptr,
-            signalled,
-            changed,
-            first_after: x[0],
-        });
-        Ok(())
-    })
-    .unwrap();
-    Blocker { seen, tx }
-}
-
-fn sync(rt: &Runtime, streams: &[StreamId]) {
-    for &s in streams {
-        rt.driver().stream_synchronize(s).unwrap();
-    }
-}
 
 /// Runs `f` on a thread; `None` if it did not return within `DEADLOCK_WAIT` (deadlock).
 fn bounded<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Option<R> {

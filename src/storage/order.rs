@@ -193,9 +193,11 @@ pub(super) struct Placement {
 /// waits for an event recorded on the earlier stream at the access: work enqueued there after it
 /// would not be waited for — found by review, two threads' kernels overlapping on one storage).
 ///
-/// Under the data locks (taken first, in address order): a written lazy clone is materialized
-/// (its copy ordered by the hand-over). Under the uses locks (then, in the same order): each
-/// access of a storage that orders itself (the rule above; a stream of another device is the
+/// First a written lazy clone is materialized, each under its own lock, as by
+/// `mutable_data_ptr_on` (its copy ordered by the hand-over; the allocation may run observers and
+/// callbacks, never under these locks). Then the data locks (in address order; a written operand
+/// lazily cloned again meanwhile is materialized again) and the uses locks (in the same order):
+/// each access of a storage that orders itself (the rule above; a stream of another device is the
 /// program's to order). Then `enqueue` runs with the operands' placements, in the caller's
 /// order. Last, still under the locks, `stream` is recorded for each ordered storage's free, and
 /// on a stream an allocator is capturing the accesses are kept for the capture's graph, whose

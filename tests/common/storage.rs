@@ -71,3 +71,83 @@ pub fn values(rt: &Runtime, s: &Storage) -> Vec<f32> {
     let v = out.lock().unwrap().clone();
     v
 }
+
+/// A bounded wait for what a correct program never sends while a probe holds its slice (an upper
+/// bound only: a correct outcome waits it out, no outcome depends on it).
+pub const PROBE_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// What a probe kernel saw while it held its slice.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Seen {
+    /// The slice's address (compare with the storage's address: zero copy when equal).
+    pub ptr: u64,
+    /// The signal came while the kernel held its slice.
+    pub signalled: bool,
+    /// The slice's bytes changed while the kernel held it.
+    pub changed: bool,
+    /// The first element after the wait (shown in failure messages).
+    pub first_after: f32,
+}
+
+/// A probe kernel holding a storage as a slice until signalled (or [`PROBE_WAIT`]).
+pub struct Blocker {
+    pub seen: Arc<Mutex<Option<Seen>>>,
+    pub tx: std::sync::mpsc::Sender<()>,
+}
+
+impl Blocker {
+    /// What it saw (after its stream ran).
+    pub fn seen(&self) -> Seen {
+        self.seen.lock().unwrap().expect("the blocker ran")
+    }
+}
+
+fn probe(rt: &Runtime, stream: StreamId, x: &Storage, marker: Option<f32>) -> Blocker {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let rx = Mutex::new(rx);
+    let seen = Arc::new(Mutex::new(None));
+    let out = Arc::clone(&seen);
+    let look = move |x: &[f32], before: &[f32]| {
+        let ptr = x.as_ptr() as u64;
+        let signalled = rx.lock().unwrap().recv_timeout(PROBE_WAIT).is_ok();
+        let x = std::hint::black_box(x);
+        *out.lock().unwrap() = Some(Seen {
+            ptr,
+            signalled,
+            changed: x != before,
+            first_after: x[0],
+        });
+    };
+    match marker {
+        Some(m) => rt.launch_host(stream, x.writes::<f32>(), move |x| {
+            x.fill(m);
+            let before = x.to_vec();
+            look(x, &before);
+            Ok(())
+        }),
+        None => rt.launch_host(stream, x.reads::<f32>(), move |x| {
+            let before = x.to_vec();
+            look(x, &before);
+            Ok(())
+        }),
+    }
+    .unwrap();
+    Blocker { seen, tx }
+}
+
+/// A probe writing `marker` into `x` on `stream`, then holding it.
+pub fn block_writing(rt: &Runtime, stream: StreamId, x: &Storage, marker: f32) -> Blocker {
+    probe(rt, stream, x, Some(marker))
+}
+
+/// A probe reading `x` on `stream`, holding it.
+pub fn block_reading(rt: &Runtime, stream: StreamId, x: &Storage) -> Blocker {
+    probe(rt, stream, x, None)
+}
+
+/// Synchronizes `streams`.
+pub fn sync(rt: &Runtime, streams: &[StreamId]) {
+    for &s in streams {
+        rt.synchronize(s).unwrap();
+    }
+}
