@@ -10,7 +10,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::storage::{clean, ordered_or_manual as runtime, set, values};
+use common::storage::{clean, misaligned_for_1024, ordered_or_manual as runtime, set, values};
 use cudalloc::{graph::CaptureMode, host_kernel, ErrorKind, Runtime, Storage, StreamId};
 
 const N: usize = 16 << 10;
@@ -249,19 +249,7 @@ fn the_door_refuses_what_a_kernel_may_not_see() {
     );
     // Alignment: a 2048-byte storage off a 1024-byte boundary, for an element aligned to 1024;
     // an empty range of it is no access and is fine.
-    let mut keep = Vec::new();
-    let misaligned = loop {
-        let w = Storage::new_on(&rt, s, 2048).unwrap();
-        if !w.data_ptr().0.is_multiple_of(1024) {
-            break w;
-        }
-        keep.push(w);
-        keep.push(Storage::new_on(&rt, s, 512).unwrap());
-        assert!(
-            keep.len() < 8,
-            "blocks are packed 512-byte aligned in their segment"
-        );
-    };
+    let misaligned = misaligned_for_1024(&rt, s);
     invalid(
         rt.launch_host(s, misaligned.reads::<Wide>().elements(0..1), |_| Ok(())),
         &["not aligned", "Wide"],

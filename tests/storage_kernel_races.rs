@@ -23,8 +23,8 @@ use std::sync::{Arc, Mutex};
 
 use common::host_driver;
 use common::storage::{
-    block_reading, block_writing, build, clean, reports, runtime, set, sync, values, Blocker, Seen,
-    PROBE_WAIT,
+    block_reading, block_writing, build, clean, misaligned_for_1024, reports, runtime, set, sync,
+    values, Blocker, Seen, PROBE_WAIT,
 };
 use cudalloc::{graph::CaptureMode, pool::MemPoolOptions, ErrorKind, Runtime, Storage, StreamId};
 
@@ -781,7 +781,7 @@ unsafe impl bytemuck::Pod for Wide {}
 fn refused_launch_leaves_lazy_clone_unmaterialized() {
     let (rt, _) = runtime("", true);
     let s = rt.current_stream(0).unwrap();
-    let misaligned = misaligned_for_wide(&rt, s);
+    let misaligned = misaligned_for_1024(&rt, s);
     let x = Storage::new_on(&rt, s, BYTES).unwrap();
     let c = x.lazy_clone().unwrap();
     assert!(c.is_cow());
@@ -1121,21 +1121,6 @@ fn sanitizer_reports_manual_missing_wait() {
     let _ = rt.driver().stream_synchronize(b);
     let err = r.expect_err("the missing wait is not reported");
     assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
-}
-
-/// A storage of 2048 bytes whose address is not 1024-byte aligned (blocks are 512-byte aligned
-/// and packed in their segment: one of a few, with 512-byte pads between, is).
-fn misaligned_for_wide(rt: &Arc<Runtime>, s: StreamId) -> Storage {
-    let mut keep = Vec::new();
-    for _ in 0..4 {
-        let w = Storage::new_on(rt, s, 2048).unwrap();
-        if !w.data_ptr().0.is_multiple_of(1024) {
-            return w;
-        }
-        keep.push(w);
-        keep.push(Storage::new_on(rt, s, 512).unwrap());
-    }
-    panic!("no 2048-byte storage off a 1024-byte boundary among four with pads");
 }
 
 /// The first `f32` of `s`, as a kernel on `stream` reads it (when it runs).

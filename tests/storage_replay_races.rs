@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use common::host_driver;
 use common::storage::{block_writing, build, runtime, set, sync, values, PROBE_WAIT};
-use cudalloc::{graph::CaptureMode, Storage};
+use cudalloc::{graph::CaptureMode, Runtime, Storage};
 
 const N: usize = 4096;
 const BYTES: u64 = (N * 4) as u64;
@@ -106,100 +106,71 @@ fn other_runtime_capture_replay_writes_under_zero_copy_slice() {
 // (1) Callbacks run under the operands' locks.
 // ---------------------------------------------------------------------------------------------
 
-/// A kernel reads x and writes c (a lazy clone: its first write allocates the copy on a fresh
-/// stream, mapping a new segment). A segment observer that looks at x (`allocation_stream`, a
-/// read of a storage's state: observers "may read stats", they must not allocate or free) runs
-/// while the launch holds x's data lock.
+/// A launch that reads x and writes c (a lazy clone: its first write allocates the copy on a
+/// fresh stream, mapping a new segment), while a callback `hook` registers on the runtime touches
+/// x: the launch returns (before the fix it held x's data lock across the allocation, and the
+/// callback, run on the same thread, deadlocked). The whole body runs in a bounded thread: a
+/// deadlocked body also hangs in its drops.
+fn launch_while_a_callback_touches_the_other_operand(
+    what: &'static str,
+    hook: fn(&Runtime, Storage, Arc<AtomicUsize>),
+) {
+    let body = move || {
+        let (rt, _) = runtime("", false);
+        let s0 = rt.create_stream(0).unwrap();
+        let x = Storage::new_on(&rt, s0, BYTES).unwrap();
+        let src = Storage::new_on(&rt, s0, BYTES).unwrap();
+        sync(&rt, &[s0]);
+        let c = src.lazy_clone().unwrap();
+        let fresh = rt.create_stream(0).unwrap();
+        let calls = Arc::new(AtomicUsize::new(0));
+        hook(&rt, x.clone(), Arc::clone(&calls));
+        let rt2 = Arc::clone(&rt);
+        let done = bounded(move || {
+            rt2.launch_host(fresh, (x.reads::<f32>(), c.writes::<f32>()), |_| Ok(()))
+        });
+        assert!(
+            done.is_some(),
+            "launch deadlocked: the {what} ({} calls) touched x under its lock",
+            calls.load(Ordering::SeqCst)
+        );
+        done.unwrap().unwrap();
+        assert!(calls.load(Ordering::SeqCst) > 0, "the {what} ran");
+    };
+    let r = bounded_for(2 * DEADLOCK_WAIT, body);
+    assert!(
+        r.is_some(),
+        "{what}: the body did not finish within {DEADLOCK_WAIT:?}"
+    );
+}
+
+/// A segment observer reading x's state (`allocation_stream`: observers may read, not allocate).
 #[test]
 fn segment_observer_reading_other_operand_deadlocks() {
-    // The whole body in a bounded thread: a deadlocked body also hangs in its drops.
-    let r = bounded_for(
-        2 * DEADLOCK_WAIT,
-        segment_observer_reading_other_operand_deadlocks_body,
-    );
-    assert!(r.is_some(), "segment_observer_reading_other_operand_deadlocks: the body did not finish within {DEADLOCK_WAIT:?}");
-}
-
-fn segment_observer_reading_other_operand_deadlocks_body() {
-    let (rt, _) = runtime("", false);
-    let s0 = rt.create_stream(0).unwrap();
-    let x = Storage::new_on(&rt, s0, BYTES).unwrap();
-    let src = Storage::new_on(&rt, s0, BYTES).unwrap();
-    sync(&rt, &[s0]);
-    let c = src.lazy_clone().unwrap();
-    let fresh = rt.create_stream(0).unwrap();
-    let watched = Mutex::new(Some(x.clone()));
-    let calls = Arc::new(AtomicUsize::new(0));
-    let n = Arc::clone(&calls);
-    rt.register_segment_observer(Arc::new(move |_event| {
-        n.fetch_add(1, Ordering::SeqCst);
-        if let Some(x) = watched.lock().unwrap().take() {
-            let _ = black_box(x.allocation_stream());
-        }
-    }));
-    let rt2 = Arc::clone(&rt);
-    let done = bounded(move || {
-        rt2.launch_host(
-            fresh,
-            (x.reads::<f32>(), c.writes::<f32>()),
-            |(_, _)| Ok(()),
-        )
-        .map(|_| ())
+    launch_while_a_callback_touches_the_other_operand("segment observer", |rt, x, calls| {
+        let watched = Mutex::new(Some(x));
+        rt.register_segment_observer(Arc::new(move |_event| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            if let Some(x) = watched.lock().unwrap().take() {
+                let _ = black_box(x.allocation_stream());
+            }
+        }));
     });
-    assert!(
-        done.is_some(),
-        "launch deadlocked: the segment observer ({} calls) read x under x's data lock",
-        calls.load(Ordering::SeqCst)
-    );
-    done.unwrap().unwrap();
 }
 
-/// As above with a free-memory callback (run on the cache miss of the copy's allocation): it
-/// records a stream on x (a plain storage of the program's; no allocation, no free).
+/// A free-memory callback (run on the cache miss of the copy's allocation) touching x.
 #[test]
 fn free_memory_callback_touching_other_operand_deadlocks() {
-    // The whole body in a bounded thread: a deadlocked body also hangs in its drops.
-    let r = bounded_for(
-        2 * DEADLOCK_WAIT,
-        free_memory_callback_touching_other_operand_deadlocks_body,
-    );
-    assert!(r.is_some(), "free_memory_callback_touching_other_operand_deadlocks: the body did not finish within {DEADLOCK_WAIT:?}");
-}
-
-fn free_memory_callback_touching_other_operand_deadlocks_body() {
-    let (rt, _) = runtime("", false);
-    let s0 = rt.create_stream(0).unwrap();
-    let x = Storage::new_on(&rt, s0, BYTES).unwrap();
-    let src = Storage::new_on(&rt, s0, BYTES).unwrap();
-    sync(&rt, &[s0]);
-    let c = src.lazy_clone().unwrap();
-    let fresh = rt.create_stream(0).unwrap();
-    let watched = Mutex::new(Some(x.clone()));
-    let calls = Arc::new(AtomicUsize::new(0));
-    let n = Arc::clone(&calls);
-    rt.register_free_memory_callback(Arc::new(move || {
-        n.fetch_add(1, Ordering::SeqCst);
-        if let Some(x) = watched.lock().unwrap().take() {
-            let _ = black_box(x.is_received());
-        }
-        false
-    }));
-    let rt2 = Arc::clone(&rt);
-    let done = bounded(move || {
-        rt2.launch_host(
-            fresh,
-            (x.reads::<f32>(), c.writes::<f32>()),
-            |(_, _)| Ok(()),
-        )
-        .map(|_| ())
+    launch_while_a_callback_touches_the_other_operand("free-memory callback", |rt, x, calls| {
+        let watched = Mutex::new(Some(x));
+        rt.register_free_memory_callback(Arc::new(move || {
+            calls.fetch_add(1, Ordering::SeqCst);
+            if let Some(x) = watched.lock().unwrap().take() {
+                let _ = black_box(x.is_received());
+            }
+            false
+        }));
     });
-    let calls = calls.load(Ordering::SeqCst);
-    assert!(
-        done.is_some(),
-        "launch deadlocked: the free-memory callback ({calls} calls) touched x under its lock"
-    );
-    eprintln!("free-memory callback calls: {calls}");
-    done.unwrap().unwrap();
 }
 
 /// Two threads: T1's kernel (x reads, c writes: a lazy clone, so it allocates under x's lock)

@@ -151,3 +151,18 @@ pub fn sync(rt: &Runtime, streams: &[StreamId]) {
         rt.synchronize(s).unwrap();
     }
 }
+
+/// A storage of 2048 bytes whose address is off a 1024-byte boundary (blocks are 512-byte aligned
+/// and packed in their segment: one of a few, with 512-byte pads between, is).
+pub fn misaligned_for_1024(rt: &Arc<Runtime>, s: StreamId) -> Storage {
+    let mut keep = Vec::new();
+    for _ in 0..4 {
+        let w = Storage::new_on(rt, s, 2048).unwrap();
+        if !w.data_ptr().0.is_multiple_of(1024) {
+            return w;
+        }
+        keep.push(w);
+        keep.push(Storage::new_on(rt, s, 512).unwrap());
+    }
+    panic!("no 2048-byte storage off a 1024-byte boundary among four with pads");
+}
