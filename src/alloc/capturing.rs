@@ -53,6 +53,10 @@ pub(crate) trait CapturedUse: Send + Sync + std::fmt::Debug {
         launch: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()>;
 
+    /// Whether a replay ordered with this use is ordered as `other` asks too (the same memory,
+    /// the same or a weaker mode): `other` need not be kept.
+    fn covers(&self, other: &dyn CapturedUse) -> bool;
+
     /// For the upper layer to recognize its own uses.
     fn as_any(&self) -> &dyn std::any::Any;
 }
@@ -223,6 +227,9 @@ impl CaptureRoutes {
         }
         let mut uses = self.uses.lock();
         match uses.iter_mut().find(|(c, _)| *c == capture) {
+            // A capture of many kernels on the same storages keeps one use of each (at most a
+            // read and a write): a replay orders with each kept use.
+            Some((_, list)) if list.iter().any(|u| u.covers(&*used)) => {}
             Some((_, list)) => list.push(used),
             None => uses.push((capture, vec![used])),
         }

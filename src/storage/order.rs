@@ -241,6 +241,17 @@ impl CapturedUse for StorageUse {
         locked(&operands, stream, Some(&expected), |_| launch())
     }
 
+    fn covers(&self, other: &dyn CapturedUse) -> bool {
+        other
+            .as_any()
+            .downcast_ref::<StorageUse>()
+            .is_some_and(|o| {
+                o.storage.is_alias_of(&self.storage)
+                    && o.addr == self.addr
+                    && (self.kind == AccessKind::Write || o.kind == AccessKind::Read)
+            })
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
