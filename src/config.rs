@@ -431,7 +431,7 @@ impl AllocatorConfig {
     }
 
     /// Divisions for power-of-two rounding of a request of `size` bytes.
-    pub fn divisions_for(&self, size: u64) -> u64 {
+    pub(crate) fn divisions_for(&self, size: u64) -> u64 {
         let index = if size > MIB {
             (size.ilog2() - 20) as usize
         } else {

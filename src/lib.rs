@@ -63,7 +63,6 @@ pub mod backend {
     pub use crate::driver::capability;
     pub use crate::driver::cuda::driver_library_present;
     pub use crate::driver::host::{HostKernelMemory, HostRange};
-    pub use crate::driver::pattern;
     pub use crate::driver::sim::MAX_SIM_DEVICES;
     pub use crate::driver::{
         Backend, BackendChoice, CaptureStatus, ChunkId, CudaDriver, Driver, EventFlags, EventId,
@@ -117,14 +116,17 @@ pub mod registration {
 pub use storage::views;
 pub use storage::{host_kernel, Storage};
 
-/// The protocol cores that the loom models (`loom_tests/`) and the protocol tests check directly:
-/// not part of the API, and free to change in any release.
+/// What the loom models (`loom_tests/`) and the protocol tests reach directly — the protocol
+/// cores, a host stream's gate, the pattern kernels' reference bytes, the IPC wire format's
+/// decoded fields (a handle travels only as `IpcHandle::into_bytes`): not part of the API, and
+/// free to change in any release.
 #[doc(hidden)]
 pub mod internals {
     pub use crate::cow::cell;
     pub use crate::driver::cuda::kernels;
     pub use crate::driver::host::StreamGate;
-    pub use crate::ipc::{lease_table, limbo};
+    pub use crate::driver::pattern;
+    pub use crate::ipc::{lease_table, limbo, WireHandle, WirePages, PAGE_SECRET_SIZE, WIRE_SIZE};
 }
 
 /// The cudarc this crate is built with (feature `cudarc`): use it for your own launches, so the

@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
 
-use cudalloc::backend::pattern;
+use cudalloc::internals::pattern;
 use cudalloc::{backend::Driver, backend::HostDriver, Runtime};
 
 const THREADS: usize = 4;

@@ -272,7 +272,7 @@ fn stress_four_threads_of_concurrent_materializations() {
                     s.copy_from_host(
                         s.runtime().current_stream(s.device()).unwrap(),
                         0,
-                        &cudalloc::backend::pattern::expected(1024, seed),
+                        &cudalloc::internals::pattern::expected(1024, seed),
                     )
                     .unwrap();
                     let c = s.lazy_clone().unwrap();
@@ -339,7 +339,7 @@ fn a_failed_copy_leaves_the_storage_a_valid_cow_storage() {
     .unwrap();
     assert_eq!(&head[..3], &[1, 2, 3]);
     let expected: Vec<u8> = (3..8192u64)
-        .map(|i| cudalloc::backend::pattern::byte(3, i))
+        .map(|i| cudalloc::internals::pattern::byte(3, i))
         .collect();
     assert!(
         head[3..] == expected[..],

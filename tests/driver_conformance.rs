@@ -11,7 +11,7 @@ mod common;
 
 use common::*;
 use cudalloc::backend::capability::Kernels;
-use cudalloc::backend::pattern;
+use cudalloc::internals::pattern;
 use std::sync::Arc;
 
 use cudalloc::{

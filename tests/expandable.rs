@@ -170,7 +170,7 @@ fn threads_growing_freeing_and_emptying_the_cache_at_once_keep_every_byte() {
                     let mut held = Vec::new();
                     for i in 0..60u64 {
                         // At most 5 held blocks of at most 2 MiB per thread: within the 64 MiB.
-                        let size = 1 + cudalloc::backend::pattern::word(t, i) % (2 * MIB);
+                        let size = 1 + cudalloc::internals::pattern::word(t, i) % (2 * MIB);
                         let block = a.allocate(0, size).unwrap();
                         let seed = t * 1000 + i;
                         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.

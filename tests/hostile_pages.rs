@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use common::*;
 use cudalloc::{backend::Driver, ipc::IpcHandle, Runtime, Storage};
-use cudalloc::{ipc::PageSocketLimits, ipc::WireHandle};
+use cudalloc::{internals::WireHandle, ipc::PageSocketLimits};
 
 const CHILD: &str = "hostile_pages_child";
 const PAGE: u64 = 2 << 20;

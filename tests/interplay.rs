@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{cuda_suite, hex, test_config, test_driver, unhex};
-use cudalloc::backend::pattern;
+use cudalloc::internals::pattern;
 use cudalloc::{ipc::IpcHandle, Runtime, Storage, StreamId};
 
 /// A deterministic generator (splitmix over the pattern hash).

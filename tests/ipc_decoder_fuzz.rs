@@ -5,11 +5,11 @@
 
 use std::sync::Arc;
 
-use cudalloc::backend::pattern;
+use cudalloc::internals::pattern;
+use cudalloc::internals::{WireHandle, WirePages, WIRE_SIZE};
 use cudalloc::{
     backend::Backend, backend::HostDriver, ipc::IpcHandle, ErrorKind, Runtime, Storage,
 };
-use cudalloc::{ipc::WireHandle, ipc::WirePages, ipc::WIRE_SIZE};
 
 fn rng(seed: u64) -> impl FnMut() -> u64 {
     let mut i = 0u64;

@@ -485,7 +485,7 @@ fn a_stale_handle_cannot_take_the_count_of_the_slots_next_storage() {
 }
 
 fn wire_slot(bytes: &[u8]) -> u32 {
-    cudalloc::ipc::WireHandle::parse(bytes).unwrap().slot
+    cudalloc::internals::WireHandle::parse(bytes).unwrap().slot
 }
 
 /// Waits (on the clock: the time-to-live is the behaviour under test) until `expires_ms` passed.

@@ -4,8 +4,8 @@
 //! test prints why it was skipped.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use cudalloc::backend::pattern;
 use cudalloc::internals::kernels;
+use cudalloc::internals::pattern;
 
 #[test]
 fn every_kernel_file_compiles_to_ptx_with_its_entry_points() {

@@ -95,7 +95,9 @@ fn steal_after_a_read_on_a_busy_stream(b: &TestBackend, rt: &Arc<Runtime>, how: 
     }
     assert_eq!(x.count_pattern_mismatches(2).unwrap(), 0, "{how:?}");
     match how {
-        Read::Pinned => cudalloc::backend::pattern::count_mismatches(pinned.as_slice().unwrap(), 1),
+        Read::Pinned => {
+            cudalloc::internals::pattern::count_mismatches(pinned.as_slice().unwrap(), 1)
+        }
         Read::DeviceCopyAndRecordStream => device_copy.count_pattern_mismatches(1).unwrap(),
     }
 }

@@ -78,15 +78,15 @@ pub fn rmm_trace(max: u64, n: usize) -> Vec<(Option<u64>, u64)> {
     let mut live_bytes = Vec::new();
     let mut total = 0u64;
     for i in 0..n as u64 {
-        let r = cudalloc::backend::pattern::word(0x5EED, i);
-        let size = 1 + cudalloc::backend::pattern::word(0xB17E, i) % max;
+        let r = cudalloc::internals::pattern::word(0x5EED, i);
+        let size = 1 + cudalloc::internals::pattern::word(0xB17E, i) % max;
         let allocate = (r % 100) < 73 || live_bytes.is_empty();
         if allocate && total + size <= 1 << 30 {
             live_bytes.push(size);
             total += size;
             out.push((Some(size), 0));
         } else if !live_bytes.is_empty() {
-            let victim = cudalloc::backend::pattern::word(0xF4EE, i);
+            let victim = cudalloc::internals::pattern::word(0xF4EE, i);
             let idx = (victim % live_bytes.len() as u64) as usize;
             total -= live_bytes.swap_remove(idx);
             out.push((None, victim));

@@ -36,7 +36,7 @@ pub struct Stat {
 impl Stat {
     /// Adds `n` (updates `peak` and `allocated`); returns whether `current` went past its limit.
     #[inline]
-    pub fn increase(&mut self, n: i64) -> bool {
+    pub(crate) fn increase(&mut self, n: i64) -> bool {
         self.current += n;
         self.allocated += n;
         self.peak = self.peak.max(self.current);
@@ -45,7 +45,7 @@ impl Stat {
 
     /// Subtracts `n` (updates `freed`).
     #[inline]
-    pub fn decrease(&mut self, n: i64) {
+    pub(crate) fn decrease(&mut self, n: i64) {
         self.current -= n;
         self.freed += n;
     }
@@ -55,10 +55,6 @@ impl Stat {
         self.peak += other.peak;
         self.allocated += other.allocated;
         self.freed += other.freed;
-    }
-
-    fn reset_peak(&mut self) {
-        self.peak = self.current;
     }
 
     fn reset_accumulated(&mut self) {
@@ -252,7 +248,7 @@ impl DeviceStats {
     }
 
     /// Adds another shard's stats into these (counters too).
-    pub fn accumulate(&mut self, other: &DeviceStats) {
+    pub(crate) fn accumulate(&mut self, other: &DeviceStats) {
         for (mine, (_, theirs)) in self.arrays_mut().into_iter().zip(other.arrays()) {
             for (m, t) in mine.iter_mut().zip(theirs.iter()) {
                 m.add(t);
@@ -293,17 +289,8 @@ impl DeviceStats {
         self.num_device_free = self.num_device_free.saturating_sub(base.num_device_free);
     }
 
-    /// Sets every peak to its current value.
-    pub fn reset_peaks(&mut self) {
-        for array in self.arrays_mut() {
-            array.iter_mut().for_each(Stat::reset_peak);
-        }
-        self.oversize_allocations.reset_peak();
-        self.oversize_segments.reset_peak();
-    }
-
     /// Zeroes every `allocated`/`freed` sum and the event counters.
-    pub fn reset_accumulated(&mut self) {
+    pub(crate) fn reset_accumulated(&mut self) {
         for array in self.arrays_mut() {
             array.iter_mut().for_each(Stat::reset_accumulated);
         }
@@ -366,8 +353,6 @@ mod tests {
                 limit: 0,
             }
         );
-        s.reset_peak();
-        assert_eq!(s.peak, 8);
     }
 
     #[test]

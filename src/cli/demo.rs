@@ -16,7 +16,7 @@ use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudalloc::backend::pattern;
+use cudalloc::internals::pattern;
 use cudalloc::{backend::BackendChoice, ipc::IpcHandle, AllocatorConfig, Runtime, Storage};
 
 /// Options of the demo.

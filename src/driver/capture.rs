@@ -60,27 +60,6 @@ pub enum CaptureMode {
     Relaxed,
 }
 
-impl CaptureMode {
-    /// CUDA's value of the mode (`CU_STREAM_CAPTURE_MODE_*`).
-    pub fn raw(self) -> u32 {
-        match self {
-            CaptureMode::Global => 0,
-            CaptureMode::ThreadLocal => 1,
-            CaptureMode::Relaxed => 2,
-        }
-    }
-
-    /// The mode of CUDA's value `raw`, if it names one.
-    pub fn from_raw(raw: u32) -> Option<CaptureMode> {
-        match raw {
-            0 => Some(CaptureMode::Global),
-            1 => Some(CaptureMode::ThreadLocal),
-            2 => Some(CaptureMode::Relaxed),
-            _ => None,
-        }
-    }
-}
-
 /// Whether a stream is being captured (CUDA's `cuStreamGetCaptureInfo`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]

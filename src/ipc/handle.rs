@@ -37,6 +37,7 @@ impl IpcHandle {
     }
 
     /// The decoded fields.
+    #[doc(hidden)]
     pub fn wire(&self) -> &WireHandle {
         &self.wire
     }
@@ -47,13 +48,6 @@ impl IpcHandle {
             claim.forget();
         }
         self.wire.encode()
-    }
-
-    /// Builds a handle from fields received by other means (e.g. the `serde` feature): validated
-    /// exactly like bytes.
-    pub fn from_wire(wire: &WireHandle) -> Result<IpcHandle> {
-        wire.validate()?;
-        Self::from_bytes(&wire.encode())
     }
 
     /// Decodes bytes from another process: parses and validates them, opens (once per process)

@@ -55,6 +55,7 @@ pub use page_protocol::PageSocketLimits;
 pub use state::Drained;
 pub(crate) use state::IpcState;
 pub(crate) use state::DEFAULT_EVENT_BUDGET;
+#[doc(hidden)]
 pub use wire::{WireHandle, WirePages, PAGE_SECRET_SIZE, WIRE_SIZE};
 
 use self::consumer::{Mapping, ReceivedMapping, ReceivedOwner};

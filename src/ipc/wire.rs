@@ -52,11 +52,11 @@ const NAME_BYTES: usize = 64;
 /// Suffix pattern of ref-counter file names: `cudalloc-<pid>-<nonce>-ref<n>`.
 pub(crate) use crate::shm::REF_FILE_TAG;
 
-/// The decoded fields of a handle (pure data; owning nothing). With the `serde` feature it can be
-/// serialized in any serde format; deserialized values are checked like bytes are, through
-/// [`WireHandle::validate`] (an `IpcHandle` is only ever built from validated bytes).
+/// The decoded fields of a handle (pure data; owning nothing). Not public: a handle travels as
+/// [`IpcHandle::into_bytes`](super::IpcHandle::into_bytes) and is rebuilt by
+/// [`IpcHandle::from_bytes`](super::IpcHandle::from_bytes) (the one door, which validates), in
+/// whatever format carries bytes (serde included).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct WireHandle {
     /// Backend of the producer.
     pub backend: Backend,
@@ -67,7 +67,6 @@ pub struct WireHandle {
     /// Slot in the ref-counter file.
     pub slot: u32,
     /// The whole segment's memory handle.
-    #[cfg_attr(feature = "serde", serde(with = "serde_handles::one"))]
     pub memory: [u8; IPC_HANDLE_SIZE],
     /// Size of the whole segment.
     pub segment_size: u64,
@@ -78,7 +77,6 @@ pub struct WireHandle {
     /// Name of the ref-counter file in `/dev/shm`.
     pub ref_file: String,
     /// The producer's interprocess event, if the handle carries one.
-    #[cfg_attr(feature = "serde", serde(with = "serde_handles::optional"))]
     pub event: Option<[u8; IPC_HANDLE_SIZE]>,
     /// Generation of the slot when the handle was made: a handle whose storage was freed and whose
     /// slot now serves another storage is stale and refused.
@@ -94,7 +92,6 @@ pub const PAGE_SECRET_SIZE: usize = 16;
 
 /// The pages of a producer's expandable segment under a shared storage.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct WirePages {
     /// Bytes per page (a power of two, 4 KiB to 1 GiB).
     pub page: u64,
@@ -175,59 +172,6 @@ impl WirePages {
             )));
         }
         Ok(pages)
-    }
-}
-
-/// serde for 64-byte handles (serde derives arrays only up to 32 elements).
-#[cfg(feature = "serde")]
-mod serde_handles {
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    use crate::driver::IPC_HANDLE_SIZE;
-
-    fn to_array<E: serde::de::Error>(v: Vec<u8>) -> Result<[u8; IPC_HANDLE_SIZE], E> {
-        let len = v.len();
-        v.try_into()
-            .map_err(|_| E::custom(format!("expected {IPC_HANDLE_SIZE} bytes, got {len}")))
-    }
-
-    pub mod one {
-        use super::*;
-
-        pub fn serialize<S: Serializer>(
-            b: &[u8; IPC_HANDLE_SIZE],
-            s: S,
-        ) -> Result<S::Ok, S::Error> {
-            s.collect_seq(b.iter())
-        }
-
-        pub fn deserialize<'de, D: Deserializer<'de>>(
-            d: D,
-        ) -> Result<[u8; IPC_HANDLE_SIZE], D::Error> {
-            to_array(Vec::<u8>::deserialize(d)?)
-        }
-    }
-
-    pub mod optional {
-        use super::*;
-
-        pub fn serialize<S: Serializer>(
-            b: &Option<[u8; IPC_HANDLE_SIZE]>,
-            s: S,
-        ) -> Result<S::Ok, S::Error> {
-            match b {
-                Some(b) => s.serialize_some(&b[..]),
-                None => s.serialize_none(),
-            }
-        }
-
-        pub fn deserialize<'de, D: Deserializer<'de>>(
-            d: D,
-        ) -> Result<Option<[u8; IPC_HANDLE_SIZE]>, D::Error> {
-            Option::<Vec<u8>>::deserialize(d)?
-                .map(to_array::<D::Error>)
-                .transpose()
-        }
     }
 }
 
@@ -313,18 +257,6 @@ impl WireHandle {
         let sum = checksum(&b[0..SUMMED]);
         codec::put(&mut b, SUMMED, &sum.to_le_bytes());
         b
-    }
-
-    /// Checks the fields of a handle built by other means than [`WireHandle::parse`] (e.g. serde):
-    /// re-encodes and parses, so every rule of the byte format applies.
-    pub fn validate(&self) -> Result<()> {
-        let parsed = Self::parse(&self.encode())?;
-        if &parsed != self {
-            return Err(bad(
-                "handle fields do not survive encoding (name longer than 64 bytes?)",
-            ));
-        }
-        Ok(())
     }
 
     /// Decodes and validates `bytes` (see the module docs). Never panics.
@@ -585,26 +517,5 @@ mod tests {
         let mut flipped = sample().encode();
         flipped[100] ^= 1;
         assert!(WireHandle::parse(&flipped).is_err());
-    }
-}
-
-#[cfg(all(test, feature = "serde"))]
-mod serde_tests {
-    use super::*;
-
-    #[test]
-    fn serde_round_trip_and_validation() {
-        let h = WireHandle::empty(Backend::Host, 0, 9);
-        let json = serde_json::to_string(&h).unwrap();
-        let back: WireHandle = serde_json::from_str(&json).unwrap();
-        assert_eq!(back, h);
-        back.validate().unwrap();
-        let bad = WireHandle {
-            ref_file: "../../etc/passwd".into(),
-            nbytes: 1,
-            segment_size: 1,
-            ..h
-        };
-        assert!(bad.validate().is_err());
     }
 }

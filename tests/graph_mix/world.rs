@@ -13,7 +13,7 @@ struct Rng(u64);
 
 impl Rng {
     fn new(seed: u64) -> Self {
-        Rng(cudalloc::backend::pattern::word(seed, 1) | 1)
+        Rng(cudalloc::internals::pattern::word(seed, 1) | 1)
     }
 
     fn next(&mut self) -> u64 {

@@ -171,6 +171,7 @@ impl HostDriver {
 
     /// Holds `stream` at this point of its queue until the returned gate is opened or dropped
     /// (host-only; see [`StreamGate`]).
+    #[doc(hidden)]
     pub fn gate_stream(&self, stream: StreamId) -> Result<StreamGate> {
         self.this_process()?;
         StreamGate::install(&*self.stream(stream)?)
