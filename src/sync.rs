@@ -1,6 +1,7 @@
 //! The one place that chooses synchronization primitives.
 //!
-//! No other file names `std::sync` or `loom`. Two families are exported:
+//! No other file names `std::sync` or `loom` (but this module's own child, `short_mutex.rs`, a lock
+//! of our own built on an atomic word and `futex`). Two families are exported:
 //!
 //! * [`os`] — always the real thing (`std` locks without poisoning, atomics and `Arc`). Used by code that
 //!   talks to the operating system or to other processes (host-backend stream workers, shared-memory
@@ -10,6 +11,8 @@
 //!   context, the IPC slot protocol). Under `--cfg loom` they are loom's shims; otherwise the same
 //!   real types as [`os`], so production code pays nothing for being checkable.
 
+mod short_mutex;
+
 /// Real operating-system primitives, never swapped for loom's.
 ///
 /// The locks are `std`'s (futexes on Linux, whose whole state is the lock's own word) behind the
@@ -18,6 +21,7 @@
 /// not exist there, so a child's *own* fresh locks can deadlock or crash on first contention
 /// (parking_lot issue #515). A forked child may build a runtime of its own (`process`).
 pub(crate) mod os {
+    pub(crate) use super::short_mutex::{ShortMutex, ShortMutexGuard};
     pub(crate) use std::sync::{
         Arc, MutexGuard, OnceLock, RwLockReadGuard, RwLockWriteGuard, Weak,
     };

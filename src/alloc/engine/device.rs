@@ -33,7 +33,7 @@ use crate::driver::{Driver, EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex, MutexGuard, RwLock};
+use crate::sync::os::{Arc, Mutex, RwLock, ShortMutexGuard};
 
 /// What an allocator's devices share: callbacks, history, captures and tags.
 pub(crate) struct AllocatorWide {
@@ -142,7 +142,7 @@ impl DeviceCore {
 
     /// Ends a change of a shard's state: checks the invariants (when asked), releases the lock,
     /// and reconciles the device's peaks if a statistic went past its budget (`peaks.rs`).
-    pub(in crate::alloc) fn settle(&self, mut state: MutexGuard<'_, ShardState>) {
+    pub(in crate::alloc) fn settle(&self, mut state: ShortMutexGuard<'_, ShardState>) {
         self.verify(&state);
         let over = state.take_over_budget();
         drop(state);
@@ -156,7 +156,7 @@ impl DeviceCore {
     /// and this core may be dropped by another thread as soon as the lock is released.
     pub(in crate::alloc) fn settle_leaving(
         core: &Arc<Self>,
-        mut state: MutexGuard<'_, ShardState>,
+        mut state: ShortMutexGuard<'_, ShardState>,
     ) {
         core.verify(&state);
         let over = state.take_over_budget();
@@ -440,7 +440,7 @@ impl DeviceCore {
         let Request { requested, rounded } = req;
         let pool = req.pool();
         let seg = size::segment_size(rounded);
-        let held: Option<MutexGuard<'_, ShardState>> =
+        let held: Option<ShortMutexGuard<'_, ShardState>> =
             (!self.config.release_lock_on_cudamalloc).then(|| shard.state.lock());
         if !self.try_reserve(seg) {
             return Ok(None);

@@ -11,7 +11,7 @@ use crate::alloc::pool_id::{MemPoolId, MemPoolOptions};
 use crate::driver::StreamId;
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex};
+use crate::sync::os::{Arc, Mutex, ShortMutex};
 
 /// Serials of shards (`Shard::serial`).
 static NEXT_SHARD_SERIAL: AtomicU64 = AtomicU64::new(1);
@@ -73,7 +73,7 @@ impl DeviceCore {
             },
             birth: self.birth,
             sanitizer: self.sanitizer.clone(),
-            state: Mutex::new(ShardState {
+            state: ShortMutex::new(ShardState {
                 serial,
                 pool,
                 pool_options: options,

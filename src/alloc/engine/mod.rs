@@ -55,7 +55,7 @@ use crate::config::AllocatorConfig;
 use crate::driver::{Driver, EventId, StreamId};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex, RwLock, Weak};
+use crate::sync::os::{Arc, Mutex, RwLock, ShortMutex, Weak};
 
 /// One (device, stream) shard. Aligned to 128 bytes (two cache lines: the adjacent-line
 /// prefetcher pairs them) so that two shards' locks and hot state never share a line, wherever the
@@ -74,7 +74,7 @@ pub(crate) struct Shard {
     birth: Birth,
     /// The stream sanitizer (when on), next to the hot fields: told of hand-outs and frees.
     sanitizer: Option<Arc<crate::driver::Sanitizer>>,
-    state: Mutex<ShardState>,
+    state: ShortMutex<ShardState>,
     core: Arc<DeviceCore>,
     /// Every thread's front cache of this shard (`front.rs`; empty unless `thread_cache_mb`).
     fronts: Mutex<FrontRegistry>,
