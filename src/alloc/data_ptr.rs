@@ -94,8 +94,9 @@ impl BlockOwner {
 
     /// Its bytes go to a new owner that uses them on `to` next, without a free between
     /// (`engine/handover.rs`): `to` is ordered after every stream the block was used on.
-    pub(crate) fn hand_over_in_place(&self, to: StreamId) {
-        self.shard().hand_over_in_place(self.block(), to);
+    /// Whether that ordered `to` after another stream.
+    pub(crate) fn hand_over_in_place(&self, to: StreamId) -> bool {
+        self.shard().hand_over_in_place(self.block(), to)
     }
 
     /// Whether the block is the default pool's: memory no graph's replay writes (`graph.rs`).

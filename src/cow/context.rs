@@ -160,15 +160,16 @@ fn cow_owner(ctx: &Arc<CowContext>) -> Owner {
 
 /// Materializes the COW view `data` (a storage's `DataPtr` of `nbytes`, its lock held) for
 /// writing on `stream`: the copy (or the steal's waits) is enqueued there, so work queued on
-/// `stream` afterwards is ordered after it. Returns the address to write. Memory that is not a
-/// COW view is left alone. On error `data` is still a valid COW view (the reference was not
-/// given up).
+/// `stream` afterwards is ordered after it. Returns the address to write, and whether anything
+/// was queued (a copy, or waits for other streams: `false` for a steal whose memory only `stream`
+/// used). Memory that is not a COW view is left alone. On error `data` is still a valid COW view
+/// (the reference was not given up).
 pub(crate) fn materialize(
     alloc: &CachingAllocator,
     data: &mut DataPtr,
     nbytes: u64,
     stream: StreamId,
-) -> Result<DeviceAddr> {
+) -> Result<(DeviceAddr, bool)> {
     // The source's tag sleeps: nothing to copy from (`src/runtime/sleep.rs`).
     data.check_awake("materializing a lazy clone")?;
     let device = data.device();
@@ -181,7 +182,7 @@ pub(crate) fn materialize(
             Err(other) => {
                 // Not (or no longer) a COW view.
                 *data = DataPtr::new(shared_ptr, device, other);
-                return Ok(shared_ptr);
+                return Ok((shared_ptr, false));
             }
         };
     let ctx = Arc::clone(&owner.ctx);
@@ -225,19 +226,19 @@ pub(crate) fn materialize(
             std::panic::resume_unwind(panic);
         }
     };
-    let new_data = match outcome {
+    let (new_data, queued) = match outcome {
         Ok(Materialized::Stole(original)) => {
             // The reference is given up: from here nothing may fail. A change of owner without
             // a free: our stream waits for every stream that used the memory (`alloc/engine/handover.rs`).
-            if let Some(block) = original.block_owner() {
-                block.hand_over_in_place(stream);
-            }
+            let handed = original
+                .block_owner()
+                .is_some_and(|block| block.hand_over_in_place(stream));
             ctx.tell_sharing(shared_ptr, false);
-            original
+            (original, handed || stream != ctx.clone_stream)
         }
         Ok(Materialized::Copied(copy)) => {
             ctx.tell_if_alone(shared_ptr);
-            copy
+            (copy, true)
         }
         Err(err) => {
             // Still a valid COW storage (the reference was not given up).
@@ -250,7 +251,7 @@ pub(crate) fn materialize(
     drop(owner);
     let ptr = new_data.ptr();
     *data = new_data;
-    Ok(ptr)
+    Ok((ptr, queued))
 }
 
 /// Copier: the whole fallible copy step, done before the reference is given up. Allocates the

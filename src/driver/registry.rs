@@ -8,7 +8,7 @@
 //! child, it answers [`Error::ForkedChild`] before taking its lock. Inserting needs no check: what
 //! is inserted was just made through another door.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 use crate::error::{Error, Result};
 use crate::process::Birth;
@@ -36,7 +36,9 @@ impl IdCounter {
 #[derive(Debug)]
 pub(crate) struct Registry<T> {
     what: &'static str,
-    entries: RwLock<HashMap<u64, T>>,
+    /// Fx-hashed: the keys are this driver's own counter values, and a lookup (every stream and
+    /// event call) is on the hot path; SipHash cost ~150 instructions a lookup.
+    entries: RwLock<FxHashMap<u64, T>>,
     birth: Birth,
 }
 
@@ -45,7 +47,7 @@ impl<T: Clone> Registry<T> {
     pub(crate) fn new(what: &'static str) -> Self {
         Registry {
             what,
-            entries: RwLock::new(HashMap::new()),
+            entries: RwLock::new(FxHashMap::default()),
             birth: Birth::now(),
         }
     }

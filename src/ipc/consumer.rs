@@ -88,6 +88,11 @@ impl Claim {
         }
     }
 
+    /// The ref-counter file the claim counts in (`None` once used).
+    pub fn file(&self) -> Option<&Arc<RefCounterFile>> {
+        self.inner.as_ref().map(|(file, _)| file)
+    }
+
     /// Turns the claim into a lease of this process (see [`Lease`]). On error the count is given
     /// back (or, for an expired handle, left to the producer's reclaim).
     pub fn into_lease(mut self) -> Result<Lease> {

@@ -233,6 +233,9 @@ pub(crate) fn open(
         None => Mapping::open(&ipc.driver, &wire).map(ReceivedMapping::Segment),
     }
     .map_err(|err| producer_gone(claim.producer_alive(), pid, "its memory was opened", err))?;
+    if let Some(file) = claim.file() {
+        ipc.keep_recent(Arc::clone(file));
+    }
     let lease = claim.into_lease()?;
     let stream = alloc.current_stream(device)?;
     let start = mapping.base().offset(wire.offset)?;

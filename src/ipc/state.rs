@@ -95,6 +95,11 @@ pub(crate) struct IpcState {
     pub handle_ttl_ms: u64,
     pub live_events: AtomicU64,
     files: Mutex<Files>,
+    /// The producers' ref-counter files this runtime opened storages of last (at most
+    /// [`RECENT_FILES`]): kept mapped, so the next handle of the same producer is decoded without
+    /// opening and mapping its file again (the file cache of `consumer.rs` holds only what is
+    /// alive). Released with the runtime.
+    recent_files: Mutex<std::collections::VecDeque<Arc<RefCounterFile>>>,
     limbo: Limbo<(u64, u32), SentData>,
     /// Serves the pages of shared expandable memory; started by the first such share.
     page_server: Mutex<Option<PageServer>>,
@@ -107,6 +112,9 @@ impl std::fmt::Debug for IpcState {
             .finish()
     }
 }
+
+/// Ref-counter files a runtime keeps mapped after their storages are gone (`keep_recent`).
+const RECENT_FILES: usize = 8;
 
 impl IpcState {
     pub fn new(
@@ -126,9 +134,22 @@ impl IpcState {
             handle_ttl_ms,
             live_events: AtomicU64::new(0),
             files: Mutex::new(Files::default()),
+            recent_files: Mutex::new(std::collections::VecDeque::new()),
             limbo: Limbo::default(),
             page_server: Mutex::new(None),
         }
+    }
+
+    /// Keeps `file` among the recently opened ref-counter files (the oldest beyond
+    /// [`RECENT_FILES`] let go).
+    pub fn keep_recent(&self, file: Arc<RefCounterFile>) {
+        let mut recent = self.recent_files.lock();
+        if let Some(at) = recent.iter().position(|f| Arc::ptr_eq(f, &file)) {
+            recent.remove(at);
+        } else if recent.len() == RECENT_FILES {
+            recent.pop_back();
+        }
+        recent.push_front(file);
     }
 
     /// Refuses use by a forked child: the ref-counter files, slots, events and page socket are the

@@ -242,10 +242,11 @@ impl Storage {
             return Ok(DeviceAddr(word));
         }
         let stream = self.stream()?;
-        let ptr = self.with_data(|data| self.materialize_locked(data, stream))?;
-        // Inside a capture the copy is a node of the graph, run by each replay before the
-        // captured work after it: there is nothing to wait for (and waiting is forbidden).
-        if !self.allocator().stream_is_capturing(stream)? {
+        let (ptr, queued) = self.with_data(|data| self.materialize_locked(data, stream))?;
+        // Nothing queued (a steal of memory only `stream` used): nothing to wait for. Inside a
+        // capture the copy is a node of the graph, run by each replay before the captured work
+        // after it: there is nothing to wait for either (and waiting is forbidden).
+        if queued && !self.allocator().stream_is_capturing(stream)? {
             self.runtime().driver().stream_synchronize(stream)?;
         }
         Ok(ptr)
@@ -269,20 +270,27 @@ impl Storage {
         // written on `stream` alone (`materialize_locked`).
         self.access(stream, AccessKind::Read)?;
         self.with_data(|data| self.materialize_locked(data, stream))
+            .map(|(ptr, _)| ptr)
     }
 
     /// Materializes a COW storage with its lock held (`data` is its `DataPtr`) on `stream` and
-    /// publishes the new address; a storage that is not COW is left alone.
-    fn materialize_locked(&self, data: &mut DataPtr, stream: StreamId) -> Result<DeviceAddr> {
+    /// publishes the new address; a storage that is not COW is left alone. Also says whether
+    /// work was queued on `stream` (`cow::materialize`).
+    fn materialize_locked(
+        &self,
+        data: &mut DataPtr,
+        stream: StreamId,
+    ) -> Result<(DeviceAddr, bool)> {
         let was_cow = crate::cow::is_cow(data);
-        let ptr = crate::cow::materialize(self.allocator(), data, self.inner.nbytes, stream)?;
+        let (ptr, queued) =
+            crate::cow::materialize(self.allocator(), data, self.inner.nbytes, stream)?;
         self.set_cow_word(ptr, false);
         if was_cow {
             // Memory of its own now (a copy, or the steal's), written on `stream`: the uses of
             // the shared memory are the hand-over's (`order.rs`). Every caller goes through here.
             self.inner.uses.reset(stream);
         }
-        Ok(ptr)
+        Ok((ptr, queued))
     }
 
     /// A lazy clone: a new storage sharing this one's data copy-on-write (converting this storage

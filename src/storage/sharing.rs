@@ -111,8 +111,10 @@ pub(super) fn share(storage: &Storage) -> Result<IpcHandle> {
             // back into a COW view in between. The copy is enqueued on `stream`; nothing the
             // caller did asked for it, so it is made complete before any stream can touch the new
             // memory (a later write on another stream must not be overwritten by it).
-            storage.materialize_locked(data, stream)?;
-            runtime.driver().stream_synchronize(stream)?;
+            let (_, queued) = storage.materialize_locked(data, stream)?;
+            if queued {
+                runtime.driver().stream_synchronize(stream)?;
+            }
         }
         let shared = crate::ipc::share(runtime.ipc(), data, storage.nbytes(), stream)?;
         if let Some(key) = shared.first_share {

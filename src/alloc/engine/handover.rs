@@ -85,17 +85,21 @@ impl Shard {
     /// block's own stream and every stream recorded on it ([`DeviceCore::order_after`]). The
     /// recorded uses stay: the block's eventual free waits for them again, as `record_stream`
     /// promises its caller. Infallible: a wait that cannot be made is logged (the caller asked
-    /// [`Shard::can_hand_over_in_place`] first).
-    pub(in crate::alloc) fn hand_over_in_place(&self, id: BlockId, to: StreamId) {
+    /// [`Shard::can_hand_over_in_place`] first). Returns whether `to` was ordered after another
+    /// stream (`false`: every use was on `to`, nothing was queued).
+    pub(in crate::alloc) fn hand_over_in_place(&self, id: BlockId, to: StreamId) -> bool {
         let uses = self.state.lock().blocks[id].stream_uses.clone();
+        let mut ordered = false;
         for used in std::iter::once(self.stream)
             .chain(uses)
             .filter(|&s| s != to)
         {
+            ordered = true;
             if let Err(err) = self.core.order_after(to, used) {
                 tracing::error!(%err, "a change of owner could not be ordered after stream {}", used.raw());
             }
         }
+        ordered
     }
 }
 

@@ -103,8 +103,9 @@ impl HostDriver {
         }
         let seq = e.cell.begin_record();
         let cell = e.cell.clone();
-        // Control work: it runs (and completes the event) even behind a failed foreign wait.
-        if let Err(err) = s.enqueue_control(Box::new(move || cell.complete(seq))) {
+        // Control work: it runs (and completes the event) even behind a failed foreign wait; on
+        // an idle stream at once.
+        if let Err(err) = s.control_now_or_enqueue(Box::new(move || cell.complete(seq))) {
             e.cell.complete(seq);
             return Err(err);
         }

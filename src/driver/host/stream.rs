@@ -301,6 +301,32 @@ impl HostStream {
         self.push(Work::Control(op))
     }
 
+    /// Control work that an idle stream runs at once, on the calling thread (everything queued
+    /// before it is done, so running it now is running it in order); a busy stream queues it
+    /// (`enqueue_control`). For quick work that never touches this stream's queue (an event's
+    /// completion): it runs under the queue's lock. Saves the worker's wake-up and, for whoever
+    /// waits on the event, a wait that finds it already complete.
+    pub(crate) fn control_now_or_enqueue(&self, op: Op) -> Result<u64> {
+        let mut q = self.queue.lock();
+        self.check_usable(&q)?;
+        if !q.ops.is_empty() || q.completed != q.submitted {
+            drop(q);
+            return self.enqueue_control(op);
+        }
+        q.submitted += 1;
+        let ticket = q.submitted;
+        let outcome = execute(Work::Control(op), false);
+        q.completed += 1;
+        if let Outcome::Panicked(what) = outcome {
+            tracing::error!(stream = self.id, %what, "host stream operation panicked; stream failed");
+            q.failure.get_or_insert((what, None));
+        }
+        if q.waiters > 0 {
+            self.progressed.notify_all();
+        }
+        Ok(ticket)
+    }
+
     /// Appends a wait on another process's event; its error becomes a fault.
     pub(crate) fn enqueue_foreign_wait(&self, op: ForeignWaitOp) -> Result<u64> {
         self.push(Work::ForeignWait(op))
