@@ -8,7 +8,8 @@
 //! (nothing process-wide: a forked child's fresh locks are unaffected by the parent's threads),
 //! and differs in three ways:
 //!
-//! * a waiter first spins, with a growing pause between looks at the word; a look that finds the
+//! * one waiter at a time spins (with more threads than cores, spinners would take the holder's
+//!   core; the others sleep at once), with a growing pause between looks at the word; a look that finds the
 //!   word free looks again a moment later before taking it, so a holder that is merely between
 //!   two operations keeps the lock (a hand-off moves the whole protected state, a dozen cache
 //!   lines, to the other core); only a lock busy for a long time puts its waiters to sleep;
@@ -21,12 +22,14 @@
 //! |---|---|
 //! | bit 0 (`LOCKED`) | held |
 //! | bit 1 (`WOKEN`) | an unlock woke a sleeper that has not run yet: later unlocks wake no one |
-//! | bits 2.. (`SLEEPER` each) | threads registered to sleep (in the kernel, or on their way there) |
+//! | bit 2 (`SPINNER`) | a waiter is spinning: others go to sleep without spinning |
+//! | bits 3.. (`SLEEPER` each) | threads registered to sleep (in the kernel, or on their way there) |
 //!
 //! | step | word change | then |
 //! |---|---|---|
 //! | lock, free word | `0 → LOCKED` | held |
-//! | lock, held: spin | none (loads) | take it when `LOCKED` clears, or register to sleep |
+//! | lock, held, no spinner: spin | `w → w \| SPINNER`, then loads | take it (`→ (w \| LOCKED) & !SPINNER`) when `LOCKED` clears and stays clear a moment, or clear `SPINNER` and register to sleep |
+//! | lock, held, a spinner | none | register to sleep |
 //! | register to sleep | `w → w + SLEEPER`, only while `LOCKED` is set | `futex_wait(w + SLEEPER)`: returns at once if the word changed since |
 //! | back from the kernel | `w → (w - SLEEPER) & !WOKEN` | spin again |
 //! | unlock | `w → w - LOCKED` | if sleepers and no `WOKEN`, and still free: set `WOKEN`, wake one |
@@ -46,7 +49,8 @@ use rustix::thread::futex;
 
 const LOCKED: u32 = 1;
 const WOKEN: u32 = 2;
-const SLEEPER: u32 = 4;
+const SPINNER: u32 = 4;
+const SLEEPER: u32 = 8;
 
 /// Looks at the word before sleeping; the pause between looks doubles up to [`MAX_PAUSE`] spin
 /// hints (about 15,000 hints in all, ~0.4 ms where a hint takes 24 ns: only a lock that stays
@@ -144,25 +148,65 @@ impl<T: ?Sized> ShortMutex<T> {
         false
     }
 
+    /// Becomes the one spinning waiter if there is none; `true` if it did.
+    fn claim_spinner(&self) -> bool {
+        let mut w = self.word.load(Ordering::Relaxed);
+        while w & SPINNER == 0 {
+            match self.word.compare_exchange_weak(
+                w,
+                w | SPINNER,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return true,
+                Err(now) => w = now,
+            }
+        }
+        false
+    }
+
+    /// The spinner takes the lock if it is free, giving up `SPINNER` in the same step.
+    fn spinner_take(&self) -> bool {
+        let mut w = self.word.load(Ordering::Relaxed);
+        while w & LOCKED == 0 {
+            match self.word.compare_exchange_weak(
+                w,
+                (w | LOCKED) & !SPINNER,
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return true,
+                Err(now) => w = now,
+            }
+        }
+        false
+    }
+
     #[cold]
     fn lock_contended(&self) {
         loop {
-            // Spin: look at the word with growing pauses; take it when it is free and still free
-            // a moment later.
-            let mut pause = 1;
-            for _ in 0..SPIN_LOOKS {
-                if self.word.load(Ordering::Relaxed) & LOCKED == 0 {
-                    for _ in 0..CONFIRM_PAUSE {
+            // One waiter at a time spins (the others sleep at once: with more threads than
+            // cores, spinners would take the holder's core): it looks at the word with growing
+            // pauses and takes it when it is free and still free a moment later.
+            if self.claim_spinner() {
+                let mut pause = 1;
+                for _ in 0..SPIN_LOOKS {
+                    if self.word.load(Ordering::Relaxed) & LOCKED == 0 {
+                        for _ in 0..CONFIRM_PAUSE {
+                            std::hint::spin_loop();
+                        }
+                        if self.spinner_take() {
+                            return;
+                        }
+                    }
+                    for _ in 0..pause {
                         std::hint::spin_loop();
                     }
-                    if self.try_take() {
-                        return;
-                    }
+                    pause = (pause * 2).min(MAX_PAUSE);
                 }
-                for _ in 0..pause {
-                    std::hint::spin_loop();
-                }
-                pause = (pause * 2).min(MAX_PAUSE);
+                self.word.fetch_and(!SPINNER, Ordering::Relaxed);
+            } else if self.try_take() {
+                return;
             }
             // Register to sleep, only while the lock is held (so that its unlock sees us).
             let mut w = self.word.load(Ordering::Relaxed);
