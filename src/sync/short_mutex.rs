@@ -133,53 +133,30 @@ impl<T: ?Sized> ShortMutex<T> {
     /// Takes the lock if it is free now (whatever the sleepers); `true` if taken.
     #[inline]
     fn try_take(&self) -> bool {
-        let mut w = self.word.load(Ordering::Relaxed);
-        while w & LOCKED == 0 {
-            match self.word.compare_exchange_weak(
-                w,
-                w | LOCKED,
-                Ordering::Acquire,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return true,
-                Err(now) => w = now,
-            }
-        }
-        false
+        self.update(Ordering::Acquire, |w| {
+            (w & LOCKED == 0).then_some(w | LOCKED)
+        })
+    }
+
+    /// Applies `f` to the word until it holds (`f` says `None`: leave it); `true` if it changed.
+    /// `order` is the ordering of the successful change.
+    #[inline]
+    fn update(&self, order: Ordering, f: impl FnMut(u32) -> Option<u32>) -> bool {
+        self.word.fetch_update(order, Ordering::Relaxed, f).is_ok()
     }
 
     /// Becomes the one spinning waiter if there is none; `true` if it did.
     fn claim_spinner(&self) -> bool {
-        let mut w = self.word.load(Ordering::Relaxed);
-        while w & SPINNER == 0 {
-            match self.word.compare_exchange_weak(
-                w,
-                w | SPINNER,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return true,
-                Err(now) => w = now,
-            }
-        }
-        false
+        self.update(Ordering::Relaxed, |w| {
+            (w & SPINNER == 0).then_some(w | SPINNER)
+        })
     }
 
     /// The spinner takes the lock if it is free, giving up `SPINNER` in the same step.
     fn spinner_take(&self) -> bool {
-        let mut w = self.word.load(Ordering::Relaxed);
-        while w & LOCKED == 0 {
-            match self.word.compare_exchange_weak(
-                w,
-                (w | LOCKED) & !SPINNER,
-                Ordering::Acquire,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return true,
-                Err(now) => w = now,
-            }
-        }
-        false
+        self.update(Ordering::Acquire, |w| {
+            (w & LOCKED == 0).then_some((w | LOCKED) & !SPINNER)
+        })
     }
 
     #[cold]
@@ -209,40 +186,26 @@ impl<T: ?Sized> ShortMutex<T> {
                 return;
             }
             // Register to sleep, only while the lock is held (so that its unlock sees us).
-            let mut w = self.word.load(Ordering::Relaxed);
-            let expected = loop {
-                if w & LOCKED == 0 {
-                    if self.try_take() {
-                        return;
-                    }
-                    w = self.word.load(Ordering::Relaxed);
-                    continue;
+            let registered = self
+                .word
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+                    (w & LOCKED != 0).then_some(w + SLEEPER)
+                });
+            let Ok(before) = registered else {
+                // Freed meanwhile: take it if still free, else round again.
+                if self.try_take() {
+                    return;
                 }
-                match self.word.compare_exchange_weak(
-                    w,
-                    w + SLEEPER,
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                ) {
-                    Ok(_) => break w + SLEEPER,
-                    Err(now) => w = now,
-                }
+                continue;
             };
+            let expected = before + SLEEPER;
             // Returns at once if the word is no longer `expected` (an unlock came first), on a
             // wake, or on a signal: all the same here. No other error can come for a valid
             // address, and any would only mean one more round.
             let _ = futex::wait(&self.word, futex::Flags::PRIVATE, expected, None);
             // Running again: no longer registered, and no wake under way (ours, or one meant for
             // another sleeper: at worst a later unlock wakes one thread more).
-            let mut w = self.word.load(Ordering::Relaxed);
-            while let Err(now) = self.word.compare_exchange_weak(
-                w,
-                (w - SLEEPER) & !WOKEN,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                w = now;
-            }
+            self.update(Ordering::Relaxed, |w| Some((w - SLEEPER) & !WOKEN));
         }
     }
 
@@ -250,29 +213,20 @@ impl<T: ?Sized> ShortMutex<T> {
     fn unlock(&self) {
         let before = self.word.fetch_sub(LOCKED, Ordering::Release);
         if before >= SLEEPER && before & WOKEN == 0 {
-            self.wake_one(before - LOCKED);
+            self.wake_one();
         }
     }
 
     #[cold]
-    fn wake_one(&self, mut w: u32) {
+    fn wake_one(&self) {
         // Wake only while there is a sleeper, no wake is under way, and no one took the lock
         // meanwhile (its own unlock will wake).
-        while w >= SLEEPER && w & (WOKEN | LOCKED) == 0 {
-            match self.word.compare_exchange_weak(
-                w,
-                w | WOKEN,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => {
-                    // A failed wake leaves `WOKEN` set only until a registered thread returns
-                    // from its wait (module docs); it cannot fail for a valid address.
-                    let _ = futex::wake(&self.word, futex::Flags::PRIVATE, 1);
-                    return;
-                }
-                Err(now) => w = now,
-            }
+        if self.update(Ordering::Relaxed, |w| {
+            (w >= SLEEPER && w & (WOKEN | LOCKED) == 0).then_some(w | WOKEN)
+        }) {
+            // A failed wake leaves `WOKEN` set only until a registered thread returns from its
+            // wait (module docs); it cannot fail for a valid address.
+            let _ = futex::wake(&self.word, futex::Flags::PRIVATE, 1);
         }
     }
 }

@@ -220,40 +220,45 @@ impl HostStream {
                 }
             };
             let outcome = execute(work, in_fault);
-            let mut q = self.queue.lock();
-            q.completed += 1;
-            match outcome {
-                Outcome::Done | Outcome::Skipped => {}
-                Outcome::Failed(error) => {
-                    tracing::warn!(stream = self.id, %error, "host stream operation failed; stream failed");
-                    q.failure.get_or_insert((error.to_string(), Some(error)));
-                }
-                Outcome::Panicked(what) => {
-                    tracing::error!(stream = self.id, %what, "host stream operation panicked; stream failed");
-                    q.failure.get_or_insert((what, None));
-                }
-                Outcome::Fault(error) => {
-                    let last = q.submitted;
-                    tracing::warn!(
-                        stream = self.id,
-                        %error,
-                        tickets = last - ticket + 1,
-                        "a wait on another process's event failed: it and the work queued behind it fail; the stream stays usable"
-                    );
-                    if q.faults.len() == MAX_FAULTS {
-                        q.faults.pop_front();
-                    }
-                    q.faults.push_back(Fault {
-                        first: ticket,
-                        last,
-                        error,
-                        reported: false,
-                    });
-                }
+            self.complete(&mut self.queue.lock(), ticket, outcome);
+        }
+    }
+
+    /// Counts the operation with `ticket` done with `outcome` (a failure or fault recorded) and
+    /// wakes whoever waits for progress.
+    fn complete(&self, q: &mut Queue, ticket: u64, outcome: Outcome) {
+        q.completed += 1;
+        match outcome {
+            Outcome::Done | Outcome::Skipped => {}
+            Outcome::Failed(error) => {
+                tracing::warn!(stream = self.id, %error, "host stream operation failed; stream failed");
+                q.failure.get_or_insert((error.to_string(), Some(error)));
             }
-            if q.waiters > 0 {
-                self.progressed.notify_all();
+            Outcome::Panicked(what) => {
+                tracing::error!(stream = self.id, %what, "host stream operation panicked; stream failed");
+                q.failure.get_or_insert((what, None));
             }
+            Outcome::Fault(error) => {
+                let last = q.submitted;
+                tracing::warn!(
+                    stream = self.id,
+                    %error,
+                    tickets = last - ticket + 1,
+                    "a wait on another process's event failed: it and the work queued behind it fail; the stream stays usable"
+                );
+                if q.faults.len() == MAX_FAULTS {
+                    q.faults.pop_front();
+                }
+                q.faults.push_back(Fault {
+                    first: ticket,
+                    last,
+                    error,
+                    reported: false,
+                });
+            }
+        }
+        if q.waiters > 0 {
+            self.progressed.notify_all();
         }
     }
 
@@ -316,14 +321,7 @@ impl HostStream {
         q.submitted += 1;
         let ticket = q.submitted;
         let outcome = execute(Work::Control(op), false);
-        q.completed += 1;
-        if let Outcome::Panicked(what) = outcome {
-            tracing::error!(stream = self.id, %what, "host stream operation panicked; stream failed");
-            q.failure.get_or_insert((what, None));
-        }
-        if q.waiters > 0 {
-            self.progressed.notify_all();
-        }
+        self.complete(&mut q, ticket, outcome);
         Ok(ticket)
     }
 
