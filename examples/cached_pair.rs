@@ -2,8 +2,11 @@
 //! under callgrind at two loop lengths and prints the difference per pair, so set-up cancels).
 //!
 //! ```text
-//! cargo run --release --no-default-features --example cached_pair -- 10000 512
+//! cargo run --release --no-default-features --example cached_pair -- 10000 512 [config]
 //! ```
+//!
+//! The optional third argument is a `CUDALLOC_CONF` string (`thread_cache_mb:64` counts the pair
+//! with a thread front cache).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
@@ -21,7 +24,11 @@ fn main() {
             .build()
             .expect("host driver"),
     );
-    let runtime = cudalloc::Runtime::builder().build(driver).expect("runtime");
+    let config = cudalloc::AllocatorConfig::parse(&args.next().unwrap_or_default()).expect("config");
+    let runtime = cudalloc::Runtime::builder()
+        .config(config)
+        .build(driver)
+        .expect("runtime");
     let stream = runtime.default_stream(0).expect("default stream");
     for _ in 0..pairs {
         let data = runtime.allocate_on(stream, size).expect("allocation");
