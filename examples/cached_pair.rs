@@ -24,7 +24,8 @@ fn main() {
             .build()
             .expect("host driver"),
     );
-    let config = cudalloc::AllocatorConfig::parse(&args.next().unwrap_or_default()).expect("config");
+    let config =
+        cudalloc::AllocatorConfig::parse(&args.next().unwrap_or_default()).expect("config");
     let runtime = cudalloc::Runtime::builder()
         .config(config)
         .build(driver)
