@@ -23,6 +23,7 @@
 //! | `pinned_num_register_threads` | power of two ≤ 128: threads that fault in the pages of one registration | 1 |
 //! | `pinned_reserve_segment_size_mb` | integer ≥ 0 (MiB): one page-locked segment made on the first pinned allocation, from which later ones are carved before the driver is asked (never given back; `pinned/memory.rs`) | 0 (off) |
 //! | `stream_order` | `auto`: a storage orders itself — an access through it on a stream (`data_ptr_on`, `mutable_data_ptr_on`, its copies and kernels) waits for the earlier accesses on other streams it conflicts with (a write for every earlier reader and writer, a read for the last writer), and its free waits for every stream that used it (`storage/order.rs`); `manual`: PyTorch's rules (`record_stream` and waits are the program's; the sanitizer reports what is missing) (cudalloc's own key) | `auto` |
+//! | `cross_stream_reuse` | `off`: memory cached for one stream serves that stream only (PyTorch's order; other streams' idle segments are freed to the driver at the out-of-memory sequence's last step); `segments`: before asking the driver for a segment, a miss takes over the smallest whole idle segment cached under another stream that fits, ordered after that stream's work (no driver call); `blocks`: first the best-fitting free block cached under another stream, used on the asking stream after a wait on its owner's work and freed back to its owner after the asking stream's work, then as `segments` (`alloc/engine/cross_stream.rs`; cudalloc's own key) | `off` |
 //! | `pinned_use_background_threads` | `True`/`False`: validated; cudalloc polls the pinned allocator's events on every allocation that finds some queued (one atomic load when none) and in `empty_cache`, so no background thread is started | `False` |
 
 use crate::error::{Error, Result};
@@ -47,6 +48,20 @@ pub enum StreamOrder {
     Auto,
     /// PyTorch's rules: the program records streams and waits.
     Manual,
+}
+
+/// Whether memory cached for one stream serves another (`cross_stream_reuse` in the table
+/// above).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CrossStreamReuse {
+    /// PyTorch's order: a stream's cache serves that stream only.
+    #[default]
+    Off,
+    /// A miss takes over another stream's whole idle segment before asking the driver.
+    Segments,
+    /// A miss borrows another stream's best-fitting free block, else as `Segments`.
+    Blocks,
 }
 
 /// What a thread's current stream is until it sets one (`default_stream` in the table above).
@@ -103,6 +118,8 @@ pub struct AllocatorConfig {
     pub pinned_use_background_threads: bool,
     /// Whether storages order their accesses across streams themselves (`stream_order`).
     pub stream_order: StreamOrder,
+    /// Whether memory cached for one stream serves another (`cross_stream_reuse`).
+    pub cross_stream_reuse: CrossStreamReuse,
 }
 
 impl Default for AllocatorConfig {
@@ -124,6 +141,7 @@ impl Default for AllocatorConfig {
             pinned_reserve_segment_size: 0,
             pinned_use_background_threads: false,
             stream_order: StreamOrder::Auto,
+            cross_stream_reuse: CrossStreamReuse::Off,
         }
     }
 }
@@ -401,6 +419,14 @@ impl AllocatorConfig {
                         _ => return Err(bad(key, value, "auto or manual")),
                     }
                 }
+                "cross_stream_reuse" => {
+                    config.cross_stream_reuse = match value {
+                        "off" => CrossStreamReuse::Off,
+                        "segments" => CrossStreamReuse::Segments,
+                        "blocks" => CrossStreamReuse::Blocks,
+                        _ => return Err(bad(key, value, "off, segments or blocks")),
+                    }
+                }
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown key {key:?}; valid keys: max_split_size_mb, garbage_collection_threshold, \
@@ -408,7 +434,7 @@ impl AllocatorConfig {
                          per_process_memory_fraction, ipc_handle_ttl_s, default_stream, oom_snapshot_path, thread_cache_mb, \
                          max_non_split_rounding_mb, backend, pinned_use_cuda_host_register, \
                          pinned_num_register_threads, pinned_reserve_segment_size_mb, \
-                         pinned_use_background_threads, stream_order"
+                         pinned_use_background_threads, stream_order, cross_stream_reuse"
                     )))
                 }
             }

@@ -48,7 +48,7 @@ mod sync;
 // program names every day is at the root; the rest is grouped by concern in the modules below.
 // Every public item has one path; `docs/public-api.txt` lists them (`tests/public_api.rs`).
 pub use alloc::{format_size, DataPtr, StreamGuard};
-pub use config::{AllocatorConfig, DefaultStream, StreamOrder};
+pub use config::{AllocatorConfig, CrossStreamReuse, DefaultStream, StreamOrder};
 pub use driver::host::parse_byte_size;
 pub use driver::{DeviceAddr, StreamId};
 pub use error::{Cause, Error, ErrorKind, ForeignEventFailure, Result};

@@ -517,7 +517,7 @@ impl CachingAllocator {
     fn allocate_in(&self, shard: &Shard, size: u64) -> Result<DataPtr> {
         if shard.front_limit() > 0 {
             if let Some(hit) = shard.take_from_front(size) {
-                return self.data_ptr(shard, &hit);
+                return self.data_ptr(shard, shard, &hit);
             }
         }
         let mut lender = None;
@@ -530,21 +530,22 @@ impl CachingAllocator {
                 return Err(err);
             }
         };
-        self.data_ptr(lender.as_deref().unwrap_or(shard), &a)
+        self.data_ptr(lender.as_deref().unwrap_or(shard), shard, &a)
     }
 
-    /// The pointer owning block `a`, just handed out by `shard` (from its pools or this thread's
-    /// front cache).
+    /// The pointer owning block `a`, just handed out by `owner` (from its pools or this thread's
+    /// front cache) for use on `user`'s stream (the same shard, or a lender: a `use_on_oom` pool
+    /// on the same stream, another stream under `cross_stream_reuse:blocks`).
     #[inline]
-    fn data_ptr(&self, shard: &Shard, a: &Allocated) -> Result<DataPtr> {
+    fn data_ptr(&self, owner: &Shard, user: &Shard, a: &Allocated) -> Result<DataPtr> {
         // SAFETY: the shard (or a front cache of it) just handed `a.block` out, counted in its
         // owners; this is its only owner.
-        let data = match unsafe { BlockOwner::new(shard, a) } {
-            Some(owner) => DataPtr::new(DeviceAddr(a.ptr), shard.device(), Owner::Block(owner)),
-            None => return Err(shard.refuse_block(a.block)),
+        let data = match unsafe { BlockOwner::new(owner, a) } {
+            Some(block) => DataPtr::new(DeviceAddr(a.ptr), owner.device(), Owner::Block(block)),
+            None => return Err(owner.refuse_block(a.block)),
         };
         // After the pointer owns the block: in the sanitizer's panic mode the unwinding frees it.
-        shard.handed_out(a.ptr, a.rounded);
+        user.handed_out(a.ptr, a.rounded);
         Ok(data)
     }
 

@@ -334,6 +334,14 @@ impl Registry {
         Ok(())
     }
 
+    /// The segment at `base` of `device` moved to the shard of `stream` (`cross_stream.rs`):
+    /// the memory stays mapped and registered, only its owning stream changes.
+    pub fn rehome(&self, device: usize, base: u64, stream: StreamId) {
+        if let Some(record) = self.state.lock().regions.get_mut(&(device, base)) {
+            record.region.stream = stream;
+        }
+    }
+
     /// Deregisters and forgets every region of `device` inside `[base, base + size)`, before the
     /// caller unmaps or frees it.
     pub fn unmap(&self, device: usize, base: u64, size: u64) {

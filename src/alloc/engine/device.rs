@@ -9,7 +9,8 @@
 //!
 //! Miss path (PyTorch's order): poll completed events → best fit → free-memory callbacks, and best
 //! fit again if one freed something → garbage collection (when a threshold and a memory fraction
-//! are set) → driver malloc (within the per-process fraction) → free oversize cached segments and
+//! are set) → with `cross_stream_reuse` on, another stream's idle memory (`cross_stream.rs`) →
+//! driver malloc (within the per-process fraction) → free oversize cached segments and
 //! malloc again → wait for every pending event, free every cached segment of the device, best fit
 //! and malloc again → out-of-memory error.
 
@@ -304,6 +305,10 @@ impl DeviceCore {
             }
         }
         self.garbage_collect();
+        if let Some((lending, hit)) = self.reuse_across_streams(shard, req) {
+            *lender = lending;
+            return Ok(hit);
+        }
         let mut cause = None;
         if let Some(hit) = self.new_memory(shard, req, &mut cause)? {
             return Ok(hit);

@@ -17,6 +17,7 @@
 //! | `device_shards.rs` | one device's shards: creation per (stream, pool), retired shards, lending |
 //! | `device.rs` | one device: the hit and miss paths, release, stats, snapshots |
 //! | `device_release.rs` | giving cached memory back (`empty_cache`, the miss path's releases, GC) |
+//! | `cross_stream.rs` | idle memory moving between streams on a miss (`cross_stream_reuse`): another stream's whole idle segment taken over, or its free block lent |
 //! | `expandable.rs` | expandable segments: growth and the release of whole pages |
 //! | `sleep.rs` | sleep and wake of a tag's shards: their pages unmapped and mapped back |
 //! | `peaks.rs` | exact device-wide peaks: the book's reads, grants and reconciles |
@@ -24,6 +25,7 @@
 //! The fields' own types live below the engine (`block.rs`, `pool.rs`, `front.rs`, `stats.rs`,
 //! …); no file of the engine names a file of `alloc/` above it.
 
+mod cross_stream;
 pub(in crate::alloc) mod device;
 mod device_release;
 mod device_shards;

@@ -101,8 +101,21 @@ impl ShardState {
         size::fits_oversize_rules(block_size, rounded, config).then_some(id)
     }
 
-    /// Registers a new segment as one free block; returns it.
+    /// Registers a new segment from the driver as one free block; returns it.
     pub fn add_segment(
+        &mut self,
+        ptr: u64,
+        seg_size: u64,
+        pool: PoolKind,
+        config: &AllocatorConfig,
+    ) -> BlockId {
+        self.stats.num_device_alloc += 1;
+        self.enter_segment(ptr, seg_size, pool, config)
+    }
+
+    /// Enters a segment (new from the driver, or handed over by another stream's shard:
+    /// `cross_stream.rs`) as one free block; returns it.
+    pub(in crate::alloc) fn enter_segment(
         &mut self,
         ptr: u64,
         seg_size: u64,
@@ -133,7 +146,6 @@ impl ShardState {
         let s = &mut self.stats;
         self.over_budget |= stats::increase(&mut s.segment, pool, 1);
         self.over_budget |= stats::increase(&mut s.reserved_bytes, pool, seg_size);
-        s.num_device_alloc += 1;
         if oversize(seg_size, config) {
             self.over_budget |= s.oversize_segments.increase(1);
         }
@@ -427,20 +439,31 @@ impl ShardState {
             if enough(freed) {
                 break;
             }
-            self.remove_free(id);
-            let b = self.blocks.remove(id);
-            self.segments.remove(&b.ptr);
-            let s = &mut self.stats;
-            stats::decrease(&mut s.segment, b.pool, 1);
-            stats::decrease(&mut s.reserved_bytes, b.pool, b.size);
-            s.num_device_free += 1;
-            if oversize(b.size, config) {
-                s.oversize_segments.decrease(1);
-            }
-            freed += b.size;
-            released.push((b.ptr, b.size));
+            let (ptr, size) = self.remove_segment(id, config);
+            self.stats.num_device_free += 1;
+            freed += size;
+            released.push((ptr, size));
         }
         released
+    }
+
+    /// Takes free block `id`, a whole segment, out of the shard (to go back to the driver, or
+    /// to another stream's shard: `cross_stream.rs`); returns its (base, size).
+    pub(in crate::alloc) fn remove_segment(
+        &mut self,
+        id: BlockId,
+        config: &AllocatorConfig,
+    ) -> (u64, u64) {
+        self.remove_free(id);
+        let b = self.blocks.remove(id);
+        self.segments.remove(&b.ptr);
+        let s = &mut self.stats;
+        stats::decrease(&mut s.segment, b.pool, 1);
+        stats::decrease(&mut s.reserved_bytes, b.pool, b.size);
+        if oversize(b.size, config) {
+            s.oversize_segments.decrease(1);
+        }
+        (b.ptr, b.size)
     }
 
     /// Takes every pending event (for a synchronous drain): the caller synchronizes them and then

@@ -1,0 +1,220 @@
+//! Idle memory that moves between streams (`cross_stream_reuse`; `off` by default, PyTorch's
+//! order).
+//!
+//! **Why.** A stream's cache serves that stream only. A program that makes a fresh stream per
+//! step (vLLM's weight syncs) strands every earlier stream's cache: reserved memory grows by a
+//! step's need per step until the device is full, and only the out-of-memory sequence's last step
+//! (`release_cached`: wait for every pending free, free every whole cached segment to the driver)
+//! gives it back — one driver free per segment, and on CUDA a device synchronization each.
+//!
+//! **What moves, and what the new owner waits for** (the rule is `handover.rs`'s: the next owner
+//! is ordered after every stream that used the bytes, [`DeviceCore::order_after`]):
+//!
+//! | policy | on a miss, before new driver memory | the asking stream waits for | owner afterwards |
+//! |---|---|---|---|
+//! | `off` | nothing (other streams' whole idle segments are freed at the out-of-memory sequence's last step, as PyTorch) | — | — |
+//! | `segments` | the smallest whole idle segment of the request's pool kind that fits, over every other stream's shard (default pool and retired pools' shards): out of its shard (no driver call), into the asking shard, then split as any new segment | the segment's old stream's work so far (its blocks' other uses completed before they became free) | the asking stream's shard: counted, snapshotted and traced there (`segment_free` on the old stream, `segment_alloc` on the new one) |
+//! | `blocks` | the best-fitting free block over every other stream's shard, handed out there and lent (as a `use_on_oom` pool lends, `device_shards.rs`); if none, as `segments` | the block's stream's work so far | the lending shard: the block is recorded as used by the asking stream, so its free waits for that stream's work (an event, as `record_stream`) before the lender reuses it |
+//!
+//! The wait is made after the memory left its old shard, so no work of the old stream can be
+//! enqueued on those bytes between the wait and the hand-out. A stream that cannot be waited for
+//! (captured by a capture this allocator did not begin, or destroyed) is skipped before anything
+//! is taken; one that fails at the wait itself gives its segment back to the driver (a free waits
+//! for what a wait cannot) or its block back to its pool, and the search goes on. Private pools
+//! keep their memory (a graph's replays use their free blocks' addresses): only the default
+//! pool's shards and retired pools' take part, and only for the default pool's misses. Nothing
+//! moves while a capture is under way (the miss path does not come here then).
+//!
+//! Memory taken over this way is not new to the process: the device's reserved counter and the
+//! driver call counters do not move; `segment` and `reserved_bytes` move from one shard to the
+//! other.
+
+use super::device::Request;
+use super::{DeviceCore, Shard, ShardState};
+use crate::alloc::block::{Allocated, BlockId};
+use crate::alloc::history::TraceAction;
+use crate::alloc::size::{self, PoolKind};
+use crate::config::{AllocatorConfig, CrossStreamReuse};
+use crate::driver::StreamId;
+use crate::sync::os::Arc;
+
+use super::handover::Order;
+
+impl ShardState {
+    /// The smallest whole idle segment (a free block spanning its segment, not expandable) of
+    /// `pool` that may serve a rounded request under the oversize rules: its block.
+    pub(in crate::alloc) fn smallest_idle_segment(
+        &self,
+        pool: PoolKind,
+        rounded: u64,
+        config: &AllocatorConfig,
+    ) -> Option<(u64, BlockId)> {
+        self.free_blocks()
+            .filter(|&id| {
+                let b = &self.blocks[id];
+                b.pool == pool
+                    && !b.is_split()
+                    && !self.expandable.contains_key(&b.segment)
+                    && b.size >= rounded
+                    && size::fits_oversize_rules(b.size, rounded, config)
+            })
+            .map(|id| (self.blocks[id].size, id))
+            .min_by_key(|&(size, id)| (size, self.blocks[id].ptr))
+    }
+}
+
+impl DeviceCore {
+    /// A miss's step before new driver memory, under the `cross_stream_reuse` policy (the module
+    /// docs): memory cached under another stream, ordered for `shard`'s stream. The lending
+    /// shard comes back with the block when the block stays another stream's (`blocks`).
+    pub(super) fn reuse_across_streams(
+        &self,
+        shard: &Shard,
+        req: Request,
+    ) -> Option<(Option<Arc<Shard>>, Allocated)> {
+        let policy = self.config.cross_stream_reuse;
+        if policy == CrossStreamReuse::Off || !shard.state.lock().pool.is_default() {
+            return None;
+        }
+        let others: Vec<Arc<Shard>> = self
+            .releasable_shards()
+            .into_iter()
+            .filter(|other| !std::ptr::eq(Arc::as_ptr(other), shard))
+            .filter(|other| self.can_wait(shard.stream, other.stream))
+            .collect();
+        if others.is_empty() {
+            return None;
+        }
+        if policy == CrossStreamReuse::Blocks {
+            if let Some((lender, hit)) = self.borrow_block(shard, &others, req) {
+                return Some((Some(lender), hit));
+            }
+        }
+        self.adopt_segment(shard, &others, req)
+            .map(|hit| (None, hit))
+    }
+
+    /// Whether work next enqueued on `to` can be ordered after `used`'s.
+    fn can_wait(&self, to: StreamId, used: StreamId) -> bool {
+        matches!(self.order(to, used), Ok(o) if o != Order::Impossible)
+    }
+
+    /// `blocks`: the best fit over `others`' free blocks, handed out by its shard and lent to
+    /// `shard`'s stream.
+    fn borrow_block(
+        &self,
+        shard: &Shard,
+        others: &[Arc<Shard>],
+        req: Request,
+    ) -> Option<(Arc<Shard>, Allocated)> {
+        let pool = req.pool();
+        let mut fits: Vec<(u64, &Arc<Shard>)> = others
+            .iter()
+            .filter_map(|other| {
+                let mut st = other.state.lock();
+                if other
+                    .sleeping
+                    .load(crate::sync::os::atomic::Ordering::Relaxed)
+                {
+                    return None;
+                }
+                self.poll_events(other, &mut st);
+                let id = st.find_fit(pool, req.rounded, &self.config)?;
+                Some((st.blocks[id].size, other))
+            })
+            .collect();
+        fits.sort_by_key(|&(size, _)| size);
+        for (_, lender) in fits {
+            let Some(hit) = self.try_fit(lender, req) else {
+                continue;
+            };
+            if let Err(err) = self.order_after(shard.stream, lender.stream) {
+                tracing::warn!(%err, "a borrowed block could not be ordered after its stream's work; it goes back to its pool");
+                // Nothing used it: a free with no other stream to wait for.
+                lender.free(hit.block);
+                continue;
+            }
+            // Its free waits for the asking stream's work, as after `record_stream`.
+            lender.state.lock().record_use(hit.block, shard.stream);
+            return Some((Arc::clone(lender), hit));
+        }
+        None
+    }
+
+    /// `segments`: the smallest whole idle segment over `others` that fits, moved into `shard`
+    /// and allocated from.
+    fn adopt_segment(
+        &self,
+        shard: &Shard,
+        others: &[Arc<Shard>],
+        req: Request,
+    ) -> Option<Allocated> {
+        let pool = req.pool();
+        let mut fits: Vec<(u64, &Arc<Shard>)> = others
+            .iter()
+            .filter_map(|other| {
+                let mut st = other.state.lock();
+                if other
+                    .sleeping
+                    .load(crate::sync::os::atomic::Ordering::Relaxed)
+                {
+                    return None;
+                }
+                self.poll_events(other, &mut st);
+                let (size, _) = st.smallest_idle_segment(pool, req.rounded, &self.config)?;
+                Some((size, other))
+            })
+            .collect();
+        fits.sort_by_key(|&(size, _)| size);
+        for (_, from) in fits {
+            let taken = {
+                let mut st = from.state.lock();
+                let taken = st
+                    .smallest_idle_segment(pool, req.rounded, &self.config)
+                    .map(|(_, id)| st.remove_segment(id, &self.config));
+                self.settle(st);
+                taken
+            };
+            let Some((base, size)) = taken else {
+                continue;
+            };
+            if let Err(err) = self.order_after(shard.stream, from.stream) {
+                tracing::warn!(%err, "an idle segment could not be ordered after its stream's work; it goes back to the driver");
+                self.free_segments(from.stream, vec![(base, size)]);
+                continue;
+            }
+            self.callbacks
+                .registry
+                .rehome(self.device, base, shard.stream);
+            self.trace.record(
+                TraceAction::SegmentFree,
+                self.device,
+                base,
+                size,
+                from.stream,
+            );
+            self.trace.record(
+                TraceAction::SegmentAlloc,
+                self.device,
+                base,
+                size,
+                shard.stream,
+            );
+            let mut st = shard.state.lock();
+            let head = st.enter_segment(base, size, pool, &self.config);
+            let id = st.allocate(head, req.rounded, req.requested, &self.config);
+            let out = st.allocated(id, req.rounded);
+            self.settle(st);
+            self.record_alloc(shard, base, req.rounded);
+            tracing::debug!(
+                base,
+                size,
+                from = from.stream.raw(),
+                to = shard.stream.raw(),
+                "idle segment handed over between streams"
+            );
+            return Some(out);
+        }
+        None
+    }
+}
