@@ -44,8 +44,10 @@ pub struct SegmentEvent {
     pub stream: StreamId,
 }
 
-/// The facts of an allocation that failed for lack of memory (what the error message says).
-#[derive(Clone, Debug, PartialEq)]
+/// The facts of an allocation that failed for lack of memory (what the error message says):
+/// the device's totals, and why this request failed — what its stream's pool had free, what
+/// other streams, pools and graphs hold (`alloc/engine/explain.rs`).
+#[derive(Clone, Debug, Default, PartialEq)]
 #[non_exhaustive]
 pub struct OutOfMemoryEvent {
     /// The device.
@@ -64,6 +66,29 @@ pub struct OutOfMemoryEvent {
     pub fraction: Option<(f64, u64)>,
     /// What the driver said when it refused the last segment.
     pub cause: Option<String>,
+    /// The request as the allocator serves it (rounded).
+    pub rounded: u64,
+    /// The stream that asked.
+    pub stream: Option<StreamId>,
+    /// The largest free block in the asking stream's pool of the request's size class (small
+    /// or large pool; in the memory pool the allocation was routed to).
+    pub largest_free_block: u64,
+    /// Bytes free in that pool.
+    pub free_in_pool: u64,
+    /// Bytes cached free under other streams of the device (their default pool).
+    pub cached_on_other_streams: u64,
+    /// The largest of those free blocks that could have served this request (0: none could);
+    /// `cross_stream_reuse:blocks` lends such a block.
+    pub largest_fit_on_other_streams: u64,
+    /// Bytes reserved by private memory pools (`MemPool`, tags), graphs' pools included.
+    pub held_by_pools: u64,
+    /// Of those, the bytes of pools that live graphs hold.
+    pub held_by_graphs: u64,
+    /// Address space expandable segments reserve without mapping it (not memory).
+    pub reserved_unmapped: u64,
+    /// `1 − largest_free_block / free_in_pool`: how far the pool's free memory is from one block
+    /// (0 when nothing is free).
+    pub fragmentation: f64,
 }
 
 /// A segment observer.

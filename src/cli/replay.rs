@@ -37,16 +37,7 @@ pub fn table(trace: &Trace, reports: &[ReplayReport], capacity: u64) -> String {
         trace.devices,
         format_size(capacity)
     );
-    let names: Vec<&str> = reports
-        .iter()
-        .map(|r| {
-            if r.conf.is_empty() {
-                "default (PyTorch's policy)"
-            } else {
-                r.conf.as_str()
-            }
-        })
-        .collect();
+    let names: Vec<&str> = reports.iter().map(conf_name).collect();
     let w = names.iter().map(|n| n.len()).max().unwrap_or(0).max(13);
     let _ = writeln!(
         out,
@@ -54,7 +45,7 @@ pub fn table(trace: &Trace, reports: &[ReplayReport], capacity: u64) -> String {
         "configuration", "peak alloc", "peak reserv", "ratio", "segments", "mallocs/frees", "ns/op"
     );
     for (r, name) in reports.iter().zip(names) {
-        let oom = match r.first_oom {
+        let oom = match &r.first_oom {
             Some(at) => format!(
                 "op {} ({} with {} reserved; {} in all)",
                 at.op,
@@ -95,7 +86,27 @@ pub fn table(trace: &Trace, reports: &[ReplayReport], capacity: u64) -> String {
             }
         }
     }
+    for r in reports {
+        if let Some(at) = &r.first_oom {
+            let _ = writeln!(
+                out,
+                "\nfirst out-of-memory under {} (op {}): {}",
+                conf_name(r),
+                at.op,
+                at.explanation
+            );
+        }
+    }
     out
+}
+
+/// How a report's configuration is named in the table.
+fn conf_name(r: &ReplayReport) -> &str {
+    if r.conf.is_empty() {
+        "default (PyTorch's policy)"
+    } else {
+        r.conf.as_str()
+    }
 }
 
 /// Runs the command; returns the text to print.

@@ -56,7 +56,7 @@ pub struct Sample {
 }
 
 /// The first allocation that did not fit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct OomAt {
     /// Index of the operation.
@@ -67,6 +67,8 @@ pub struct OomAt {
     pub allocated: u64,
     /// Reserved bytes at that moment.
     pub reserved: u64,
+    /// The out-of-memory error's explanation (its message: why the request did not fit).
+    pub explanation: String,
 }
 
 /// What one replay measured on one device.
@@ -210,13 +212,14 @@ pub fn replay(
                     Ok(data) => {
                         live.insert(id, data);
                     }
-                    Err(Error::OutOfMemory { .. }) => {
+                    Err(Error::OutOfMemory { message, .. }) => {
                         report.ooms += 1;
                         report.first_oom.get_or_insert(OomAt {
                             op: i as u64,
                             size,
                             allocated: total.allocated,
                             reserved: total.reserved,
+                            explanation: message,
                         });
                     }
                     Err(err) => return Err(err),

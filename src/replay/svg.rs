@@ -96,7 +96,7 @@ pub fn plot_svg(reports: &[ReplayReport], title: &str) -> Result<String> {
                 .legend(move |(x, y)| {
                     PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
                 });
-            if let Some(oom) = report.first_oom {
+            if let Some(oom) = &report.first_oom {
                 let at = (oom.op as f64, oom.reserved as f64 / GIB);
                 chart
                     .draw_series(std::iter::once(Cross::new(at, 6, color.stroke_width(2))))

@@ -372,7 +372,7 @@ impl DeviceCore {
         let free = self.driver.mem_info(self.device).map_or(0, |m| m.free);
         self.trace
             .record_oom(self.device, requested, shard.stream, free);
-        let facts = OutOfMemoryEvent {
+        let mut facts = OutOfMemoryEvent {
             device: self.device,
             requested,
             capacity: self.capacity,
@@ -381,9 +381,11 @@ impl DeviceCore {
             reserved: stats.reserved_bytes.all.current as u64,
             fraction: self.fraction(),
             cause,
+            ..OutOfMemoryEvent::default()
         };
+        self.explain(shard, req, &mut facts);
         self.callbacks.observers.out_of_memory(&facts);
-        oom::out_of_memory(&facts)
+        oom::out_of_memory(&facts, &self.config)
     }
 
     /// Records the events of block `id` of `st`, freed while used by `uses` (one per stream); a

@@ -17,6 +17,7 @@
 //! | `device_shards.rs` | one device's shards: creation per (stream, pool), retired shards, lending |
 //! | `device.rs` | one device: the hit and miss paths, release, stats, snapshots |
 //! | `device_release.rs` | giving cached memory back (`empty_cache`, the miss path's releases, GC) |
+//! | `explain.rs` | why an allocation ran out of memory: the figures of the error and its event, on the failure path only |
 //! | `cross_stream.rs` | idle memory moving between streams on a miss (`cross_stream_reuse`): another stream's whole idle segment taken over, or its free block lent |
 //! | `expandable.rs` | expandable segments: growth and the release of whole pages |
 //! | `sleep.rs` | sleep and wake of a tag's shards: their pages unmapped and mapped back |
@@ -30,6 +31,7 @@ pub(in crate::alloc) mod device;
 mod device_release;
 mod device_shards;
 pub(in crate::alloc) mod expandable;
+mod explain;
 pub(in crate::alloc) mod handover;
 mod invariants;
 mod peaks;

@@ -1,0 +1,104 @@
+//! Why an allocation ran out of memory: the figures an out-of-memory error and its
+//! [`OutOfMemoryEvent`] carry beyond the device's totals — what this stream's pool has free and
+//! its largest block, what other streams cache and whether one of their blocks would have served
+//! the request, what private pools and graphs hold, the address space expandable segments reserve
+//! without mapping it. Computed on the failure path only (`DeviceCore::out_of_memory`), shard by
+//! shard under each shard's lock, so every figure is one shard's state at one moment: a snapshot
+//! taken right after the error (no other thread allocating) shows the same figures
+//! (`tests/oom_explained.rs` recomputes them from one).
+
+use super::device::Request;
+use super::{DeviceCore, Shard, ShardState};
+use crate::alloc::observers::OutOfMemoryEvent;
+use crate::alloc::size::{self, PoolKind};
+use crate::config::AllocatorConfig;
+
+/// One shard's free figures for a request of `rounded` bytes in `pool`.
+#[derive(Default)]
+struct Free {
+    /// Bytes free, every pool kind.
+    all: u64,
+    /// Bytes free in the request's pool kind.
+    in_pool: u64,
+    /// The largest free block of the request's pool kind.
+    largest: u64,
+    /// The largest free block of that kind that may serve the request (0: none).
+    largest_fit: u64,
+}
+
+impl ShardState {
+    fn free_figures(&self, pool: PoolKind, rounded: u64, config: &AllocatorConfig) -> Free {
+        let mut out = Free::default();
+        for id in self.free_blocks() {
+            let b = &self.blocks[id];
+            out.all += b.size;
+            if b.pool != pool {
+                continue;
+            }
+            out.in_pool += b.size;
+            out.largest = out.largest.max(b.size);
+            if b.size >= rounded && size::fits_oversize_rules(b.size, rounded, config) {
+                out.largest_fit = out.largest_fit.max(b.size);
+            }
+        }
+        out
+    }
+
+    /// Address space the shard's expandable segments reserve without mapping (asleep pages
+    /// included: their memory went back to the driver).
+    fn unmapped_bytes(&self) -> u64 {
+        self.expandable
+            .iter()
+            .map(|(base, pages)| {
+                let reserved = self.segments.get(base).map_or(0, |s| s.size);
+                reserved.saturating_sub(pages.chunks.len() as u64 * pages.page)
+            })
+            .sum()
+    }
+}
+
+impl DeviceCore {
+    /// Fills the explanation figures of `facts` for request `req` of `shard`.
+    pub(super) fn explain(&self, shard: &Shard, req: Request, facts: &mut OutOfMemoryEvent) {
+        let pool = req.pool();
+        facts.rounded = req.rounded;
+        facts.stream = Some(shard.stream);
+        let all_shards = self.all_shards();
+        let releasable = self.releasable_shards();
+        {
+            let st = shard.state.lock();
+            let own = st.free_figures(pool, req.rounded, &self.config);
+            facts.largest_free_block = own.largest;
+            facts.free_in_pool = own.in_pool;
+            facts.reserved_unmapped += st.unmapped_bytes();
+        }
+        for other in &all_shards {
+            if std::ptr::eq(&**other, shard) {
+                continue;
+            }
+            let st = other.state.lock();
+            facts.reserved_unmapped += st.unmapped_bytes();
+            if releasable.iter().any(|r| std::ptr::eq(&**r, &**other)) {
+                if other.stream == shard.stream {
+                    // The default pool of a pool's own stream: not another stream's cache.
+                    continue;
+                }
+                let free = st.free_figures(pool, req.rounded, &self.config);
+                facts.cached_on_other_streams += free.all;
+                facts.largest_fit_on_other_streams =
+                    facts.largest_fit_on_other_streams.max(free.largest_fit);
+            } else {
+                let reserved = st.stats.reserved_bytes.all.current.max(0) as u64;
+                facts.held_by_pools += reserved;
+                if self.capturing.held_by_graphs(st.pool) {
+                    facts.held_by_graphs += reserved;
+                }
+            }
+        }
+        facts.fragmentation = if facts.free_in_pool == 0 {
+            0.0
+        } else {
+            1.0 - facts.largest_free_block as f64 / facts.free_in_pool as f64
+        };
+    }
+}
