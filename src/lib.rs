@@ -47,7 +47,7 @@ mod sync;
 // `Runtime` it hands out; embedders with a driver of their own build a `Runtime` over it. What a
 // program names every day is at the root; the rest is grouped by concern in the modules below.
 // Every public item has one path; `docs/public-api.txt` lists them (`tests/public_api.rs`).
-pub use alloc::{format_size, DataPtr, StreamGuard};
+pub use alloc::{format_size, ConfigOverride, DataPtr, StreamGuard};
 pub use config::{AllocatorConfig, CrossStreamReuse, DefaultStream, StreamOrder};
 pub use driver::host::parse_byte_size;
 pub use driver::{DeviceAddr, StreamId};

@@ -1,7 +1,8 @@
 //! The one place that chooses synchronization primitives.
 //!
-//! No other file names `std::sync` or `loom` (but this module's own child, `short_mutex.rs`, a lock
-//! of our own built on an atomic word and `futex`). Two families are exported:
+//! No other file names `std::sync` or `loom` (but this module's own children: `short_mutex.rs`, a
+//! lock of our own built on an atomic word and `futex`, and `published.rs`, a value read without a
+//! lock and replaced by publishing another). Two families are exported:
 //!
 //! * [`os`] — always the real thing (`std` locks without poisoning, atomics and `Arc`). Used by code that
 //!   talks to the operating system or to other processes (host-backend stream workers, shared-memory
@@ -11,6 +12,7 @@
 //!   context, the IPC slot protocol). Under `--cfg loom` they are loom's shims; otherwise the same
 //!   real types as [`os`], so production code pays nothing for being checkable.
 
+mod published;
 mod short_mutex;
 
 /// Real operating-system primitives, never swapped for loom's.
@@ -21,6 +23,7 @@ mod short_mutex;
 /// not exist there, so a child's *own* fresh locks can deadlock or crash on first contention
 /// (parking_lot issue #515). A forked child may build a runtime of its own (`process`).
 pub(crate) mod os {
+    pub(crate) use super::published::Published;
     pub(crate) use super::short_mutex::{ShortMutex, ShortMutexGuard};
     pub(crate) use std::sync::{
         Arc, MutexGuard, OnceLock, RwLockReadGuard, RwLockWriteGuard, Weak,

@@ -98,10 +98,7 @@ fn cross_stream_reclaim_of_idle_segments_before_oom() {
         if policy == "segments" {
             let snapshot = a.snapshot();
             assert!(
-                snapshot
-                    .segments
-                    .iter()
-                    .all(|s| s.stream == a.raw_stream(s2).unwrap()),
+                snapshot.segments.iter().all(|s| s.stream == s2.raw()),
                 "the segments moved to the new stream's shard"
             );
         }

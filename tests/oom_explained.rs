@@ -130,7 +130,7 @@ fn oom_message_counts_memory_pools_and_fragmentation() {
 
 /// The figures of `e` recomputed from a snapshot taken right after the error.
 fn recompute(a: &Runtime, e: &OutOfMemoryEvent, asker: StreamId) -> OutOfMemoryEvent {
-    let raw = a.raw_stream(asker).unwrap();
+    let raw = asker.raw();
     let kind = if e.rounded <= MIB { "small" } else { "large" };
     let mut out = OutOfMemoryEvent::default();
     for seg in a.snapshot().segments {

@@ -26,14 +26,17 @@
 //!   retired when a pool drops; `tags.rs` — tags (named pools on expandable segments of their
 //!   own) and the phases of their sleep; `graph.rs` — CUDA graphs through the allocator ([`Capture`],
 //!   [`Graph`]): a capture's private pool, replays, the pool kept while the graph lives.
+//! * `reconfigure.rs` — settings changed on a live allocator, one key at a time or for a scope
+//!   ([`ConfigOverride`]).
 //! * this file — [`CachingAllocator`], the builder and the allocator's public face.
 //!
 //! The allocator knows nothing of sharing or copy-on-write: it hands out and takes back
 //! `DataPtr`s. IPC administration (ref-counter files, limbo, `ipc_collect`) lives in
 //! [`crate::Runtime`], which holds an allocator and the IPC state side by side.
 //!
-//! A segment belongs to one stream for its whole life (as in PyTorch), so each (device, stream)
-//! owns its pools and segments under its own lock: threads on different streams never contend, and
+//! A segment belongs to one stream at a time (for its whole life, as in PyTorch, unless
+//! `cross_stream_reuse` hands an idle one to another stream: `engine/cross_stream.rs`), so each
+//! (device, stream) owns its pools and segments under its own lock: threads on different streams never contend, and
 //! a free finds its shard through the [`DataPtr`]'s owner — there is no global pointer map and no
 //! device-wide mutex on the hot path.
 
@@ -51,6 +54,7 @@ mod pool;
 mod pool_id;
 #[cfg(feature = "pickle")]
 mod pytorch_pickle;
+mod reconfigure;
 mod registration;
 mod reports;
 pub mod size;
@@ -68,6 +72,7 @@ pub use observers::{
 };
 pub use oom::{format_size, FreeMemoryCallback};
 pub use pool_id::{MemPoolId, MemPoolOptions};
+pub use reconfigure::ConfigOverride;
 pub use registration::{
     OnRegistrationFailure, Region, RegionKind, RegisteredRegion, Registrar, RegistrarId,
     RegistrarStats, RegistrationStats, SegmentId,
@@ -94,7 +99,7 @@ use crate::driver::{DeviceAddr, Driver, SanitizeOptions, SanitizedDriver, Stream
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex};
+use crate::sync::os::{Arc, Mutex, Published};
 
 static NEXT_ALLOCATOR_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -158,7 +163,7 @@ impl CachingAllocatorBuilder {
             Some(options) => SanitizedDriver::wrap(driver, options),
             None => driver,
         };
-        let config = Arc::new(self.config);
+        let config = Arc::new(Published::new(self.config));
         let callbacks = Arc::new(Callbacks::default());
         let trace = Arc::new(Trace::default());
         let capturing = Arc::new(CaptureRoutes::default());
@@ -184,7 +189,7 @@ impl CachingAllocatorBuilder {
         // Streams the allocator makes itself (dedicated, per-thread) are destroyed with it.
         let owned_streams = Mutex::new(Vec::new());
         let default_streams = (0..driver.device_count())
-            .map(|d| match config.default_stream {
+            .map(|d| match config.get().default_stream {
                 DefaultStream::Dedicated => {
                     let s = driver.stream_create(d)?;
                     owned_streams.lock().push(s);
@@ -230,7 +235,7 @@ pub struct CachingAllocator {
     default_streams: Vec<StreamId>,
     owned_streams: Mutex<Vec<StreamId>>,
     driver: Arc<dyn Driver>,
-    config: Arc<AllocatorConfig>,
+    config: Arc<Published<AllocatorConfig>>,
     devices: Vec<Arc<DeviceCore>>,
     callbacks: Arc<Callbacks>,
     trace: Arc<Trace>,
@@ -308,9 +313,10 @@ impl CachingAllocator {
         self.driver.sanitizer()
     }
 
-    /// The configuration in force.
+    /// The configuration in force (as of this call: `reconfigure` publishes another; this one
+    /// stays readable).
     pub fn config(&self) -> &AllocatorConfig {
-        &self.config
+        self.config.get()
     }
 
     /// Number of devices.
@@ -345,7 +351,7 @@ impl CachingAllocator {
                 self.devices.len()
             ))
         })?;
-        if self.config.default_stream != DefaultStream::PerThread {
+        if self.config().default_stream != DefaultStream::PerThread {
             return Ok(shared);
         }
         if let Some(stream) = engine::thread::per_thread_stream(self.id, device) {

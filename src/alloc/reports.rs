@@ -144,7 +144,7 @@ impl CachingAllocator {
     #[cfg(feature = "pickle")]
     #[cfg_attr(docsrs, doc(cfg(feature = "pickle")))]
     pub fn dump_snapshot(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        let bytes = self.snapshot().to_pytorch_pickle(&self.config)?;
+        let bytes = self.snapshot().to_pytorch_pickle(self.config())?;
         super::pytorch_pickle::write_snapshot_file(path.as_ref(), &bytes)
     }
 
@@ -155,11 +155,11 @@ impl CachingAllocator {
     /// out-of-memory error.
     pub(super) fn dump_snapshot_on_oom(&self) {
         #[cfg(feature = "pickle")]
-        if let Some(path) = &self.config.oom_snapshot_path {
+        if let Some(path) = &self.config().oom_snapshot_path {
             let _one_at_a_time = self.oom_dump.lock();
             let written = self
                 .snapshot()
-                .to_pytorch_pickle(&self.config)
+                .to_pytorch_pickle(self.config())
                 .and_then(|bytes| {
                     super::pytorch_pickle::write_snapshot_file(path.as_ref(), &bytes)
                 });

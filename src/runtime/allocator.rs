@@ -338,9 +338,27 @@ impl Runtime {
         self.allocator.driver().stream_synchronize(stream)
     }
 
-    /// The allocator's configuration (`CUDALLOC_CONF`'s keys).
+    /// The allocator's configuration in force (`CUDALLOC_CONF`'s keys; `Display` prints one
+    /// `key: value` line each). [`Runtime::reconfigure`] publishes another; this one stays
+    /// readable as it was.
     pub fn config(&self) -> &crate::config::AllocatorConfig {
         self.allocator.config()
+    }
+
+    /// Changes the settings named in `changes` (`CUDALLOC_CONF`'s grammar, e.g.
+    /// `"garbage_collection_threshold:0.8"`) on this live runtime and keeps every other one
+    /// (PyTorch's `_set_allocator_settings` resets the keys it is not given). A key that cannot
+    /// change now is an [`ErrorKind::Config`](crate::ErrorKind::Config) error naming it and why
+    /// (`thread_cache_mb`, `default_stream`, `stream_order`, the IPC and pinned keys always;
+    /// `max_split_size_mb` while memory is reserved), and nothing changes. Returns the keys named.
+    pub fn reconfigure(&self, changes: &str) -> Result<Vec<&'static str>> {
+        self.allocator.reconfigure(changes)
+    }
+
+    /// [`Runtime::reconfigure`] for a scope: when the guard drops, the keys it changed get back
+    /// the values they had (the others keep any change made meanwhile).
+    pub fn override_config(&self, changes: &str) -> Result<crate::ConfigOverride<'_>> {
+        self.allocator.override_config(changes)
     }
 
     /// Checks every invariant of the allocator's books (blocks, pools, stats, segments) now; the

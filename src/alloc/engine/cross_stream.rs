@@ -72,7 +72,7 @@ impl DeviceCore {
         shard: &Shard,
         req: Request,
     ) -> Option<(Option<Arc<Shard>>, Allocated)> {
-        let policy = self.config.cross_stream_reuse;
+        let policy = self.config().cross_stream_reuse;
         if policy == CrossStreamReuse::Off || !shard.state.lock().pool.is_default() {
             return None;
         }
@@ -119,7 +119,7 @@ impl DeviceCore {
                     return None;
                 }
                 self.poll_events(other, &mut st);
-                let id = st.find_fit(pool, req.rounded, &self.config)?;
+                let id = st.find_fit(pool, req.rounded, self.config())?;
                 Some((st.blocks[id].size, other))
             })
             .collect();
@@ -161,7 +161,7 @@ impl DeviceCore {
                     return None;
                 }
                 self.poll_events(other, &mut st);
-                let (size, _) = st.smallest_idle_segment(pool, req.rounded, &self.config)?;
+                let (size, _) = st.smallest_idle_segment(pool, req.rounded, self.config())?;
                 Some((size, other))
             })
             .collect();
@@ -170,8 +170,8 @@ impl DeviceCore {
             let taken = {
                 let mut st = from.state.lock();
                 let taken = st
-                    .smallest_idle_segment(pool, req.rounded, &self.config)
-                    .map(|(_, id)| st.remove_segment(id, &self.config));
+                    .smallest_idle_segment(pool, req.rounded, self.config())
+                    .map(|(_, id)| st.remove_segment(id, self.config()));
                 self.settle(st);
                 taken
             };
@@ -201,8 +201,8 @@ impl DeviceCore {
                 shard.stream,
             );
             let mut st = shard.state.lock();
-            let head = st.enter_segment(base, size, pool, &self.config);
-            let id = st.allocate(head, req.rounded, req.requested, &self.config);
+            let head = st.enter_segment(base, size, pool, self.config());
+            let id = st.allocate(head, req.rounded, req.requested, self.config());
             let out = st.allocated(id, req.rounded);
             self.settle(st);
             self.record_alloc(shard, base, req.rounded);

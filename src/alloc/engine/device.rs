@@ -34,7 +34,7 @@ use crate::driver::{Driver, EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex, RwLock, ShortMutexGuard};
+use crate::sync::os::{Arc, Mutex, Published, RwLock, ShortMutexGuard};
 
 /// What an allocator's devices share: callbacks, history, captures and tags.
 pub(crate) struct AllocatorWide {
@@ -86,12 +86,12 @@ impl DeviceCore {
     pub fn new(
         device: usize,
         driver: Arc<dyn Driver>,
-        config: Arc<AllocatorConfig>,
+        config: Arc<Published<AllocatorConfig>>,
         wide: &AllocatorWide,
         check_invariants: bool,
     ) -> Result<Self> {
         let capacity = driver.mem_info(device)?.total;
-        let fraction = config.per_process_memory_fraction;
+        let fraction = config.get().per_process_memory_fraction;
         Ok(DeviceCore {
             device,
             birth: Birth::now(),
@@ -118,6 +118,12 @@ impl DeviceCore {
             peaks: Mutex::new(Default::default()),
             config,
         })
+    }
+
+    /// The configuration in force (as of this call).
+    #[inline]
+    pub(in crate::alloc) fn config(&self) -> &AllocatorConfig {
+        self.config.get()
     }
 
     /// Sets the per-process memory fraction.
@@ -225,7 +231,7 @@ impl DeviceCore {
             return None;
         }
         self.poll_events(shard, &mut st);
-        let id = st.allocate_best_fit(pool, rounded, requested, &self.config)?;
+        let id = st.allocate_best_fit(pool, rounded, requested, self.config())?;
         let out = st.allocated(id, rounded);
         self.settle(st);
         self.record_alloc(shard, out.ptr, rounded);
@@ -254,7 +260,7 @@ impl DeviceCore {
         if requested > size::MAX_REQUEST {
             return None;
         }
-        let rounded = size::round_size(requested, &self.config);
+        let rounded = size::round_size(requested, self.config());
         let (block, ptr) =
             super::thread::take_from_front(shard, crate::alloc::front::class_of(rounded)?)?;
         self.record_alloc(shard, ptr, rounded);
@@ -279,7 +285,7 @@ impl DeviceCore {
         size::check_request(self.device, requested)?;
         // A sleeping tag's shard: `try_fit` finds nothing (it reads the flag under the lock)
         // and the slow path says why — no load here on the hot path.
-        let req = Request::new(requested, &self.config);
+        let req = Request::new(requested, self.config());
         if let Some(hit) = self.try_fit(shard, req) {
             return Ok(hit);
         }
@@ -385,7 +391,7 @@ impl DeviceCore {
         };
         self.explain(shard, req, &mut facts);
         self.callbacks.observers.out_of_memory(&facts);
-        oom::out_of_memory(&facts, &self.config)
+        oom::out_of_memory(&facts, self.config())
     }
 
     /// Records the events of block `id` of `st`, freed while used by `uses` (one per stream); a
@@ -428,7 +434,8 @@ impl DeviceCore {
         req: Request,
         cause: &mut Option<String>,
     ) -> Result<Option<Allocated>> {
-        if self.config.expandable_segments || shard.state.lock().pool_options.expandable_segments {
+        if self.config().expandable_segments || shard.state.lock().pool_options.expandable_segments
+        {
             self.grow_expandable(shard, req, cause)
         } else {
             self.allocate_segment(shard, req, cause)
@@ -448,7 +455,7 @@ impl DeviceCore {
         let pool = req.pool();
         let seg = size::segment_size(rounded);
         let held: Option<ShortMutexGuard<'_, ShardState>> =
-            (!self.config.release_lock_on_cudamalloc).then(|| shard.state.lock());
+            (!self.config().release_lock_on_cudamalloc).then(|| shard.state.lock());
         if !self.try_reserve(seg) {
             return Ok(None);
         }
@@ -477,8 +484,8 @@ impl DeviceCore {
             return Err(err);
         }
         let mut st = held.unwrap_or_else(|| shard.state.lock());
-        let head = st.add_segment(ptr.0, seg, pool, &self.config);
-        let id = st.allocate(head, rounded, requested, &self.config);
+        let head = st.add_segment(ptr.0, seg, pool, self.config());
+        let id = st.allocate(head, rounded, requested, self.config());
         let out = st.allocated(id, rounded);
         self.settle(st);
         self.callbacks.observers.segment(SegmentEvent {
@@ -519,12 +526,12 @@ impl DeviceCore {
     pub fn stats(&self) -> DeviceStats {
         let mut total = self.exact_stats(false);
         for shard in self.all_shards() {
-            shard.hide_fronts(&mut total, self.config.max_split_size);
+            shard.hide_fronts(&mut total, self.config().max_split_size);
         }
         total.num_alloc_retries += self.alloc_retries.load(Ordering::Relaxed);
         total.num_ooms += self.ooms.load(Ordering::Relaxed);
         total.num_sync_all_streams += self.sync_all.load(Ordering::Relaxed);
-        total.max_split_size = i64::try_from(self.config.max_split_size).unwrap_or(-1);
+        total.max_split_size = i64::try_from(self.config().max_split_size).unwrap_or(-1);
         total
     }
 

@@ -68,7 +68,7 @@ impl DeviceCore {
     /// if there is one, else oversize segments largest first. Only when `max_split_size` is set.
     /// True when at least `rounded` bytes were freed.
     pub(in crate::alloc) fn release_oversize(&self, rounded: u64) -> bool {
-        let max_split = self.config.max_split_size;
+        let max_split = self.config().max_split_size;
         if max_split == u64::MAX {
             return false;
         }
@@ -114,7 +114,7 @@ impl DeviceCore {
     ) -> Vec<(u64, u64)> {
         let taken = {
             let mut st = shard.state.lock();
-            let taken = st.take_free_segments(&self.config, select, order, enough);
+            let taken = st.take_free_segments(self.config(), select, order, enough);
             self.settle(st);
             taken
         };
@@ -155,7 +155,7 @@ impl DeviceCore {
             }
             self.poll_events(shard, &mut st);
             let taken =
-                st.take_free_segments(&self.config, |_| true, ReleaseOrder::Largest, |_| false);
+                st.take_free_segments(self.config(), |_| true, ReleaseOrder::Largest, |_| false);
             self.settle(st);
             taken
         };
@@ -167,7 +167,7 @@ impl DeviceCore {
     /// Reclaims the oldest cached segments while reserved memory exceeds the threshold share of
     /// the allowed memory (only with `garbage_collection_threshold` and a memory fraction).
     pub(in crate::alloc) fn garbage_collect(&self) {
-        let threshold = self.config.garbage_collection_threshold;
+        let threshold = self.config().garbage_collection_threshold;
         let Some((_, allowed)) = self.fraction().filter(|_| threshold > 0.0) else {
             return;
         };

@@ -67,7 +67,7 @@ impl DeviceCore {
             serial,
             // A pool's blocks go back to the pool's shard directly: no thread front caches.
             front_limit: if pool.is_default() {
-                self.config.thread_cache
+                self.config().thread_cache
             } else {
                 0
             },

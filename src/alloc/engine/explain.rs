@@ -67,7 +67,7 @@ impl DeviceCore {
         let releasable = self.releasable_shards();
         {
             let st = shard.state.lock();
-            let own = st.free_figures(pool, req.rounded, &self.config);
+            let own = st.free_figures(pool, req.rounded, self.config());
             facts.largest_free_block = own.largest;
             facts.free_in_pool = own.in_pool;
             facts.reserved_unmapped += st.unmapped_bytes();
@@ -83,7 +83,7 @@ impl DeviceCore {
                     // The default pool of a pool's own stream: not another stream's cache.
                     continue;
                 }
-                let free = st.free_figures(pool, req.rounded, &self.config);
+                let free = st.free_figures(pool, req.rounded, self.config());
                 facts.cached_on_other_streams += free.all;
                 facts.largest_fit_on_other_streams =
                     facts.largest_fit_on_other_streams.max(free.largest_fit);

@@ -35,7 +35,7 @@ impl Shard {
     /// once when none) — and the sanitizer is told of the free.
     pub(super) fn leave(&self, st: &mut ShardState, id: BlockId) -> Vec<StreamId> {
         let (ptr, size) = (st.blocks[id].ptr, st.blocks[id].size);
-        let uses = st.release(id, &self.core.config);
+        let uses = st.release(id, self.core.config());
         if let Some(sanitizer) = &self.sanitizer {
             let graph_held = self.core.capturing.held_by_graphs(st.pool);
             sanitizer.free(ptr, size, self.stream, &uses, graph_held);

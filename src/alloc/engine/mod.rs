@@ -59,7 +59,7 @@ use crate::config::AllocatorConfig;
 use crate::driver::{Driver, EventId, StreamId};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex, RwLock, ShortMutex, Weak};
+use crate::sync::os::{Arc, Mutex, Published, RwLock, ShortMutex, Weak};
 
 /// One (device, stream) shard. Aligned to 128 bytes (two cache lines: the adjacent-line
 /// prefetcher pairs them) so that two shards' locks and hot state never share a line, wherever the
@@ -94,7 +94,7 @@ pub(crate) struct DeviceCore {
     /// The process the allocator belongs to (see `process`).
     birth: Birth,
     driver: Arc<dyn Driver>,
-    config: Arc<AllocatorConfig>,
+    config: Arc<Published<AllocatorConfig>>,
     callbacks: Arc<Callbacks>,
     trace: Arc<Trace>,
     /// The allocator's captures under way (`capturing.rs`).

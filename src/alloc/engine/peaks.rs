@@ -365,7 +365,7 @@ impl CachingAllocator {
     pub(crate) fn usage_now(&self, device: usize) -> crate::error::Result<[u64; 3]> {
         use crate::alloc::stats::{ALLOCATED_BYTES_ALL, SEGMENT_ALL};
         let get = |v: i64| u64::try_from(v).unwrap_or(0);
-        if self.config.thread_cache > 0 {
+        if self.config().thread_cache > 0 {
             // Front caches hide their blocks from the totals only when all are summed.
             let s = self.memory_stats(device)?;
             return Ok([

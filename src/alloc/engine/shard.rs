@@ -331,7 +331,7 @@ impl Drop for Shard {
         }
         let _ = st.complete_events(|_| Ok(true));
         let taken = st.take_free_segments(
-            &self.core.config,
+            self.core.config(),
             |_| true,
             ReleaseOrder::Largest,
             |_| false,

@@ -193,8 +193,11 @@ impl ShardState {
         requested: u64,
         config: &AllocatorConfig,
     ) -> BlockId {
-        let (pool, block_size) = (self.blocks[id].pool, self.blocks[id].size);
-        let expandable = config.expandable_segments || self.pool_options.expandable_segments;
+        let b = &self.blocks[id];
+        let (pool, block_size, segment) = (b.pool, b.size, b.segment);
+        // The kind of the segment the block lies in, not the setting: `expandable_segments`
+        // may have changed since the segment was made (`config/live.rs`).
+        let expandable = !self.expandable.is_empty() && self.expandable.contains_key(&segment);
         if !self.pool_options.no_split
             && size::should_split(pool, block_size, rounded, config, expandable)
         {

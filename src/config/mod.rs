@@ -28,6 +28,8 @@
 
 use crate::error::{Error, Result};
 
+pub(crate) mod live;
+
 /// Bytes in a MiB.
 const MIB: u64 = 1 << 20;
 /// Number of size intervals of `roundup_power2_divisions` (1 MiB, 2 MiB, … 32 GiB and above).
@@ -331,8 +333,25 @@ impl std::fmt::Display for AllocatorConfig {
 impl AllocatorConfig {
     /// Parses a `PYTORCH_CUDA_ALLOC_CONF`-style string.
     pub fn parse(text: &str) -> Result<Self> {
-        let compact: String = text.chars().filter(|c| !c.is_whitespace()).collect();
         let mut config = AllocatorConfig::default();
+        config.apply(text)?;
+        Ok(config)
+    }
+
+    /// Applies the `key:value` pairs of `text` on top of this configuration: the keys it names
+    /// take their new values (a key's whole value: `roundup_power2_divisions` given as a list
+    /// resets the intervals it does not name), the others keep theirs. Returns the keys named, by
+    /// their canonical names, in order. On an error nothing changes.
+    pub fn apply(&mut self, text: &str) -> Result<Vec<&'static str>> {
+        let mut next = self.clone();
+        let keys = next.apply_pairs(text)?;
+        *self = next;
+        Ok(keys)
+    }
+
+    fn apply_pairs(&mut self, text: &str) -> Result<Vec<&'static str>> {
+        let compact: String = text.chars().filter(|c| !c.is_whitespace()).collect();
+        let mut keys = Vec::new();
         for item in split_top_level(&compact)
             .into_iter()
             .filter(|s| !s.is_empty())
@@ -340,6 +359,7 @@ impl AllocatorConfig {
             let (key, value) = item
                 .split_once(':')
                 .ok_or_else(|| Error::Config(format!("{item:?} is not of the form key:value")))?;
+            keys.push(live::canonical(key).unwrap_or("?"));
             match key {
                 "max_split_size_mb" => {
                     let mb: u64 = value.parse().map_err(|_| {
@@ -348,19 +368,19 @@ impl AllocatorConfig {
                     if mb <= MIN_MAX_SPLIT_MB {
                         return Err(bad(key, value, &format!("an integer number of MiB > {MIN_MAX_SPLIT_MB}")));
                     }
-                    config.max_split_size = mb.saturating_mul(MIB);
+                    self.max_split_size = mb.saturating_mul(MIB);
                 }
                 "garbage_collection_threshold" => {
-                    config.garbage_collection_threshold = parse_fraction(key, value, true, true)?;
+                    self.garbage_collection_threshold = parse_fraction(key, value, true, true)?;
                 }
-                "roundup_power2_divisions" => config.roundup_power2_divisions = parse_divisions(value)?,
-                "expandable_segments" => config.expandable_segments = parse_bool(key, value)?,
-                "release_lock_on_cudamalloc" => config.release_lock_on_cudamalloc = parse_bool(key, value)?,
+                "roundup_power2_divisions" => self.roundup_power2_divisions = parse_divisions(value)?,
+                "expandable_segments" => self.expandable_segments = parse_bool(key, value)?,
+                "release_lock_on_cudamalloc" => self.release_lock_on_cudamalloc = parse_bool(key, value)?,
                 "per_process_memory_fraction" => {
-                    config.per_process_memory_fraction = parse_fraction(key, value, false, false)?;
+                    self.per_process_memory_fraction = parse_fraction(key, value, false, false)?;
                 }
                 "default_stream" => {
-                    config.default_stream = match value {
+                    self.default_stream = match value {
                         "legacy" => DefaultStream::Legacy,
                         "per_thread" => DefaultStream::PerThread,
                         "dedicated" => DefaultStream::Dedicated,
@@ -373,7 +393,7 @@ impl AllocatorConfig {
                         .ok()
                         .filter(|s: &f64| s.is_finite() && *s > 0.0 && *s <= 1e9)
                         .ok_or_else(|| bad(key, value, "a number of seconds > 0"))?;
-                    config.ipc_handle_ttl_ms = ((seconds * 1000.0).ceil() as u64).max(1);
+                    self.ipc_handle_ttl_ms = ((seconds * 1000.0).ceil() as u64).max(1);
                 }
                 "oom_snapshot_path" => {
                     if value.is_empty() {
@@ -384,10 +404,10 @@ impl AllocatorConfig {
                             "{key} needs cudalloc built with the `pickle` feature (PyTorch's snapshot layout)"
                         )));
                     }
-                    config.oom_snapshot_path = Some(value.to_owned());
+                    self.oom_snapshot_path = Some(value.to_owned());
                 }
-                "thread_cache_mb" => config.thread_cache = parse_mib(key, value)?,
-                "max_non_split_rounding_mb" => config.max_non_split_rounding = parse_mib(key, value)?,
+                "thread_cache_mb" => self.thread_cache = parse_mib(key, value)?,
+                "max_non_split_rounding_mb" => self.max_non_split_rounding = parse_mib(key, value)?,
                 "backend" => match value {
                     "native" => {}
                     "cudaMallocAsync" => {
@@ -400,27 +420,27 @@ impl AllocatorConfig {
                     _ => return Err(bad(key, value, "native (cudaMallocAsync is not available)")),
                 },
                 "pinned_use_cuda_host_register" | "pinned_use_host_register" => {
-                    config.pinned_use_host_register = parse_bool(key, value)?;
+                    self.pinned_use_host_register = parse_bool(key, value)?;
                 }
                 "pinned_use_background_threads" => {
-                    config.pinned_use_background_threads = parse_bool(key, value)?;
+                    self.pinned_use_background_threads = parse_bool(key, value)?;
                 }
                 "pinned_num_register_threads" => {
-                    config.pinned_num_register_threads =
+                    self.pinned_num_register_threads =
                         parse_power_of_two(key, "threads", value, 128)?;
                 }
                 "pinned_reserve_segment_size_mb" => {
-                    config.pinned_reserve_segment_size = parse_mib(key, value)?;
+                    self.pinned_reserve_segment_size = parse_mib(key, value)?;
                 }
                 "stream_order" => {
-                    config.stream_order = match value {
+                    self.stream_order = match value {
                         "auto" => StreamOrder::Auto,
                         "manual" => StreamOrder::Manual,
                         _ => return Err(bad(key, value, "auto or manual")),
                     }
                 }
                 "cross_stream_reuse" => {
-                    config.cross_stream_reuse = match value {
+                    self.cross_stream_reuse = match value {
                         "off" => CrossStreamReuse::Off,
                         "segments" => CrossStreamReuse::Segments,
                         "blocks" => CrossStreamReuse::Blocks,
@@ -439,7 +459,7 @@ impl AllocatorConfig {
                 }
             }
         }
-        Ok(config)
+        Ok(keys)
     }
 
     /// Reads `CUDALLOC_CONF` (unset or empty: defaults).
