@@ -163,7 +163,7 @@ impl CachingAllocatorBuilder {
             Some(options) => SanitizedDriver::wrap(driver, options),
             None => driver,
         };
-        let config = Arc::new(Published::new(self.config));
+        let config = Published::new(self.config);
         let callbacks = Arc::new(Callbacks::default());
         let trace = Arc::new(Trace::default());
         let capturing = Arc::new(CaptureRoutes::default());
@@ -179,7 +179,7 @@ impl CachingAllocatorBuilder {
                 DeviceCore::new(
                     d,
                     Arc::clone(&driver),
-                    Arc::clone(&config),
+                    config.get().clone(),
                     &wide,
                     self.check_invariants,
                 )
@@ -235,7 +235,7 @@ pub struct CachingAllocator {
     default_streams: Vec<StreamId>,
     owned_streams: Mutex<Vec<StreamId>>,
     driver: Arc<dyn Driver>,
-    config: Arc<Published<AllocatorConfig>>,
+    config: Published<AllocatorConfig>,
     devices: Vec<Arc<DeviceCore>>,
     callbacks: Arc<Callbacks>,
     trace: Arc<Trace>,

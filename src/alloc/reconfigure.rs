@@ -5,8 +5,9 @@
 //! change, and why the others may not, is `config/live.rs`'s table; a refused key is an
 //! [`Error::Config`] naming it and the reason, and nothing changes.
 //!
-//! The configuration is published whole (`sync::Published`): an allocation reads the one in force
-//! when it starts and finishes under it; the next one sees the new settings.
+//! The configuration is published whole (`sync::Published`), to each device's cell and then the
+//! allocator's, one writer at a time: an allocation reads the one in force when it starts and
+//! finishes under it; the next one sees the new settings.
 
 use super::CachingAllocator;
 use crate::config::live::{self, Change};
@@ -23,6 +24,7 @@ impl CachingAllocator {
             let mut next = current.clone();
             named = next.apply(changes)?;
             self.check_changes(current, &next, &named)?;
+            self.publish_to_devices(&next);
             Ok::<_, Error>(next)
         })?;
         self.apply_fraction(&named)?;
@@ -79,6 +81,14 @@ impl CachingAllocator {
         Ok(())
     }
 
+    /// Each device reads the configuration from a cell of its own (one load on the hot path, no
+    /// shared line); they get the new one before the allocator's own, under its writer lock.
+    fn publish_to_devices(&self, config: &AllocatorConfig) {
+        for device in &self.devices {
+            device.publish_config(config.clone());
+        }
+    }
+
     /// A changed memory fraction takes effect on every device at once.
     fn apply_fraction(&self, named: &[&'static str]) -> Result<()> {
         if named.contains(&"per_process_memory_fraction") {
@@ -98,6 +108,7 @@ impl CachingAllocator {
                 live::copy_key(key, previous, &mut next);
             }
             self.check_changes(current, &next, keys)?;
+            self.publish_to_devices(&next);
             Ok::<_, Error>(next)
         })?;
         self.apply_fraction(keys)

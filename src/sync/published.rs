@@ -48,8 +48,7 @@ impl<T> Published<T> {
 
 impl<T: PartialEq> Published<T> {
     /// Makes `value` the one later `get`s return (earlier references stay valid).
-    #[cfg(test)]
-    fn publish(&self, value: T) {
+    pub(crate) fn publish(&self, value: T) {
         let mut kept = self.kept.lock();
         Self::publish_locked(&self.current, &mut kept, value);
     }

@@ -86,12 +86,12 @@ impl DeviceCore {
     pub fn new(
         device: usize,
         driver: Arc<dyn Driver>,
-        config: Arc<Published<AllocatorConfig>>,
+        config: AllocatorConfig,
         wide: &AllocatorWide,
         check_invariants: bool,
     ) -> Result<Self> {
         let capacity = driver.mem_info(device)?.total;
-        let fraction = config.get().per_process_memory_fraction;
+        let fraction = config.per_process_memory_fraction;
         Ok(DeviceCore {
             device,
             birth: Birth::now(),
@@ -116,7 +116,7 @@ impl DeviceCore {
             ooms: AtomicU64::new(0),
             sync_all: AtomicU64::new(0),
             peaks: Mutex::new(Default::default()),
-            config,
+            config: Published::new(config),
         })
     }
 
@@ -124,6 +124,11 @@ impl DeviceCore {
     #[inline]
     pub(in crate::alloc) fn config(&self) -> &AllocatorConfig {
         self.config.get()
+    }
+
+    /// Makes `config` the configuration in force (`alloc/reconfigure.rs`, which checked it).
+    pub(in crate::alloc) fn publish_config(&self, config: AllocatorConfig) {
+        self.config.publish(config);
     }
 
     /// Sets the per-process memory fraction.

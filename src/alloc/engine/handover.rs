@@ -25,6 +25,7 @@ use super::DeviceCore;
 use super::Shard;
 use super::ShardState;
 use crate::alloc::block::BlockId;
+use crate::config::AllocatorConfig;
 use crate::driver::capability::relaxed;
 use crate::driver::{EventId, StreamId};
 use crate::error::{Error, Result};
@@ -33,9 +34,14 @@ impl Shard {
     /// The owner of handed-out block `id` gave it up (a free): its statistics are settled and the
     /// streams it was used on returned — the next owner waits for them (pending events, or at
     /// once when none) — and the sanitizer is told of the free.
-    pub(super) fn leave(&self, st: &mut ShardState, id: BlockId) -> Vec<StreamId> {
+    pub(super) fn leave(
+        &self,
+        st: &mut ShardState,
+        id: BlockId,
+        config: &AllocatorConfig,
+    ) -> Vec<StreamId> {
         let (ptr, size) = (st.blocks[id].ptr, st.blocks[id].size);
-        let uses = st.release(id, self.core.config());
+        let uses = st.release(id, config);
         if let Some(sanitizer) = &self.sanitizer {
             let graph_held = self.core.capturing.held_by_graphs(st.pool);
             sanitizer.free(ptr, size, self.stream, &uses, graph_held);

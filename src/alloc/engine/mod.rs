@@ -94,7 +94,7 @@ pub(crate) struct DeviceCore {
     /// The process the allocator belongs to (see `process`).
     birth: Birth,
     driver: Arc<dyn Driver>,
-    config: Arc<Published<AllocatorConfig>>,
+    config: Published<AllocatorConfig>,
     callbacks: Arc<Callbacks>,
     trace: Arc<Trace>,
     /// The allocator's captures under way (`capturing.rs`).

@@ -112,6 +112,8 @@ impl Shard {
     /// the last block of an orphaned shard: the caller then calls [`Shard::release_orphan`].
     pub fn free(&self, id: BlockId) -> bool {
         let core = &self.core;
+        // Read before the lock: the configuration's load orders the loads after it.
+        let config = core.config();
         let mut st = self.state.lock();
         let (ptr, size) = (st.blocks[id].ptr, st.blocks[id].size);
         core.trace.record(
@@ -122,7 +124,7 @@ impl Shard {
             self.stream,
         );
         // What the block's next owner waits for is decided in `handover.rs`.
-        let uses = self.leave(&mut st, id);
+        let uses = self.leave(&mut st, id, config);
         if uses.is_empty() {
             core.trace.record(
                 TraceAction::FreeCompleted,
