@@ -40,7 +40,7 @@ CUDALLOC_TEST_EXPANDABLE=1 cargo test --no-fail-fast --test allocator_pytorch --
   --test ipc_multiprocess --test ipc_interplay
 echo "== stream capture, CUDA graphs and memory pools (one test at a time: a capture anywhere on the"
 echo "   device forbids a free, which synchronizes it, and the double's device is the process's)"
-cargo test --no-fail-fast --test stream_capture --test cuda_graphs --test mem_pool --test graphs_meet \
+cargo test --no-fail-fast --test stream_capture --test cuda_graphs --test mem_pool --test pool_stats --test graphs_meet \
   --test graph_mix -- --test-threads=1
 CUDALLOC_TEST_EXPANDABLE=1 cargo test --no-fail-fast --test cuda_graphs --test mem_pool --test graph_mix -- \
   --test-threads=1

@@ -85,9 +85,9 @@ pub mod sanitizer {
 pub mod stats {
     pub use crate::alloc::{
         trace_json_lines, DeviceStats, Frame, FreeMemoryCallback, HistoryMode, HistoryOptions,
-        OutOfMemoryEvent, OutOfMemoryObserver, PoolStats, SegmentChange, SegmentEvent,
-        SegmentObserver, Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment, Stat,
-        TraceAction, TraceEntry,
+        OutOfMemoryEvent, OutOfMemoryObserver, PoolStats, PoolsReserved, SegmentChange,
+        SegmentEvent, SegmentObserver, Snapshot, SnapshotBlock, SnapshotBlockState,
+        SnapshotSegment, Stat, TraceAction, TraceEntry,
     };
 }
 

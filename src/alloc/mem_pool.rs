@@ -24,8 +24,9 @@
 //! graphs hold the pool.
 //!
 //! A pool's statistics ([`MemPool::memory_stats`]) are the sums of its shards' — currents and
-//! accumulated counts, exact. Peaks are the device's (`peaks.rs` reconciles them across shards);
-//! a pool's `peak` fields are its currents.
+//! accumulated counts, exact — and its own peaks, the highest those sums reached, resettable
+//! ([`MemPool::reset_peak_stats`]; the pool's book: `engine/pool_peaks.rs`). What all pools and
+//! graphs reserve is one cheap call (`Runtime::pools_reserved`).
 
 use super::engine::snapshot::Snapshot;
 use super::engine::thread;
@@ -100,21 +101,36 @@ impl MemPool {
         }
     }
 
-    /// The pool's statistics on `device`: the sums of its shards' — currents and accumulated
-    /// counts; a pool's `peak` fields are its currents (peaks are the device's).
+    /// The pool's statistics on `device`: the sums of its shards' currents and accumulated
+    /// counts, and the pool's own peaks — the highest the sums over its streams reached since
+    /// the pool was made or [`MemPool::reset_peak_stats`] (`engine/pool_peaks.rs`).
     pub fn memory_stats(&self, device: usize) -> Result<DeviceStats> {
-        let core = self.inner.devices.get(device).ok_or_else(|| {
-            Error::invalid(format!(
-                "device {device} does not exist ({} device(s))",
-                self.inner.devices.len()
-            ))
-        })?;
+        let core = self.core(device)?;
         let mut total = DeviceStats::default();
         for shard in core.pool_shards(self.inner.id) {
             total.accumulate(&shard.pool_stats());
         }
-        total.for_each_peak_stat_mut(|_, s| s.peak = s.current);
+        let peaks = core.pool_peaks(self.inner.id);
+        total.for_each_peak_stat_mut(|k, s| {
+            s.peak = peaks.map_or(s.current, |p| p[k].max(s.current));
+        });
         Ok(total)
+    }
+
+    /// Resets the pool's peaks on `device` to its currents (PyTorch's
+    /// `reset_peak_memory_stats`, for one pool); the device's peaks are untouched.
+    pub fn reset_peak_stats(&self, device: usize) -> Result<()> {
+        self.core(device)?.reset_pool_peaks(self.inner.id);
+        Ok(())
+    }
+
+    fn core(&self, device: usize) -> Result<&Arc<DeviceCore>> {
+        self.inner.devices.get(device).ok_or_else(|| {
+            Error::invalid(format!(
+                "device {device} does not exist ({} device(s))",
+                self.inner.devices.len()
+            ))
+        })
     }
 
     /// Waits for the pool's pending frees and gives its cached whole segments back to the

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use super::engine::snapshot::SnapshotBlockState;
 use super::history::TraceAction;
-use super::{summary, CachingAllocator, DeviceStats, HistoryOptions, Snapshot};
+use super::{summary, CachingAllocator, DeviceStats, HistoryOptions, PoolsReserved, Snapshot};
 use crate::driver::StreamId;
 use crate::error::Result;
 
@@ -44,6 +44,13 @@ impl CachingAllocator {
     /// Stats of `device`.
     pub fn memory_stats(&self, device: usize) -> Result<DeviceStats> {
         Ok(self.device(device)?.stats())
+    }
+
+    /// What live memory pools (and, of that, pools graphs hold) reserve on `device`: one lock
+    /// per pool shard, no statistics copied (PyTorch has no such figure; `memory_stats` of every
+    /// pool would copy every shard's statistics).
+    pub fn pools_reserved(&self, device: usize) -> Result<PoolsReserved> {
+        Ok(self.device(device)?.pools_reserved())
     }
 
     /// Stats of `device` with PyTorch's keys.

@@ -220,8 +220,7 @@ impl DeviceStats {
         ]
     }
 
-    /// [`Self::for_each_peak_stat_mut`], read-only (tests).
-    #[cfg(test)]
+    /// [`Self::for_each_peak_stat_mut`], read-only.
     pub(crate) fn for_each_peak_stat(&self, mut f: impl FnMut(usize, &Stat)) {
         let arrays = self.arrays();
         let stats = arrays

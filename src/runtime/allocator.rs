@@ -121,6 +121,12 @@ impl Runtime {
         self.allocator.memory_stats(device)
     }
 
+    /// What live memory pools reserve on `device`, and how much of that is in pools CUDA graphs
+    /// hold: cheap (no statistics copied), for a serving loop to watch.
+    pub fn pools_reserved(&self, device: usize) -> Result<crate::stats::PoolsReserved> {
+        self.allocator.pools_reserved(device)
+    }
+
     /// Stats of `device` with PyTorch's keys.
     pub fn memory_stats_map(&self, device: usize) -> Result<BTreeMap<String, i64>> {
         self.allocator.memory_stats_map(device)

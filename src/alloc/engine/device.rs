@@ -116,6 +116,7 @@ impl DeviceCore {
             ooms: AtomicU64::new(0),
             sync_all: AtomicU64::new(0),
             peaks: Mutex::new(Default::default()),
+            pool_books: Mutex::new(HashMap::new()),
             config: Published::new(config),
         })
     }
@@ -152,10 +153,14 @@ impl DeviceCore {
         Some((f, (self.capacity as f64 * f) as u64))
     }
 
-    /// Ends a change of a shard's state: checks the invariants (when asked), releases the lock,
-    /// and reconciles the device's peaks if a statistic went past its budget (`peaks.rs`).
+    /// Ends a change of a shard's state: checks the invariants (when asked), tells a pool's book
+    /// (`pool_peaks.rs`), releases the lock, and reconciles the device's peaks if a statistic
+    /// went past its budget (`peaks.rs`).
     pub(in crate::alloc) fn settle(&self, mut state: ShortMutexGuard<'_, ShardState>) {
         self.verify(&state);
+        if state.pooled {
+            self.tell_pool(&mut state);
+        }
         let over = state.take_over_budget();
         drop(state);
         if over {
@@ -171,6 +176,9 @@ impl DeviceCore {
         mut state: ShortMutexGuard<'_, ShardState>,
     ) {
         core.verify(&state);
+        if state.pooled {
+            core.tell_pool(&mut state);
+        }
         let over = state.take_over_budget();
         let kept = over.then(|| Arc::clone(core));
         drop(state);
@@ -229,6 +237,8 @@ impl DeviceCore {
     pub(super) fn try_fit(&self, shard: &Shard, req: Request) -> Option<Allocated> {
         let Request { requested, rounded } = req;
         let pool = req.pool();
+        // Read before the lock (as the free path does): its load orders the loads after it.
+        let config = self.config();
         let mut st = shard.state.lock();
         // Under the lock: a tag falling asleep sets the flag before it locks to list what to
         // offload, so this sees it or the sleep sees the block (`sleep.rs`).
@@ -236,7 +246,7 @@ impl DeviceCore {
             return None;
         }
         self.poll_events(shard, &mut st);
-        let id = st.allocate_best_fit(pool, rounded, requested, self.config())?;
+        let id = st.allocate_best_fit(pool, rounded, requested, config)?;
         let out = st.allocated(id, rounded);
         self.settle(st);
         self.record_alloc(shard, out.ptr, rounded);

@@ -49,6 +49,7 @@ impl DeviceCore {
                     .store(self.tags.is_sleeping(pool), Ordering::SeqCst);
                 shards.insert((stream, pool), Arc::clone(&shard));
                 drop(shards);
+                self.open_pool_book(pool);
                 for base in bases {
                     if let Err(err) = self
                         .driver
@@ -76,6 +77,7 @@ impl DeviceCore {
             state: ShortMutex::new(ShardState {
                 serial,
                 pool,
+                pooled: !pool.is_default(),
                 pool_options: options,
                 ..ShardState::default()
             }),
@@ -87,6 +89,9 @@ impl DeviceCore {
         });
         shards.insert((stream, pool), Arc::clone(&shard));
         drop(shards);
+        if !pool.is_default() {
+            self.open_pool_book(pool);
+        }
         // In the peak book from its creation (the book's lock is taken after the map's).
         self.register_for_peaks(&shard);
         Ok(shard)
@@ -144,8 +149,11 @@ impl DeviceCore {
         let mut st = shard.state.lock();
         let bases = st.take_empty_expandable();
         st.pool = pool;
+        st.pooled = !pool.is_default();
         st.pool_options = options;
         st.pool_base = st.stats.clone();
+        // Its currents are the new pool's from now on: told whole at its next settle.
+        st.pool_told = Default::default();
         drop(st);
         Some((shard, bases))
     }
@@ -196,5 +204,7 @@ impl DeviceCore {
         let keys: Vec<_> = shards.keys().filter(|(_, p)| *p == pool).copied().collect();
         let leaving: Vec<Arc<Shard>> = keys.iter().filter_map(|k| shards.remove(k)).collect();
         self.retired.lock().extend(leaving);
+        drop(shards);
+        self.close_pool_book(pool);
     }
 }

@@ -87,14 +87,11 @@ impl DeviceCore {
                 facts.cached_on_other_streams += free.all;
                 facts.largest_fit_on_other_streams =
                     facts.largest_fit_on_other_streams.max(free.largest_fit);
-            } else {
-                let reserved = st.stats.reserved_bytes.all.current.max(0) as u64;
-                facts.held_by_pools += reserved;
-                if self.capturing.held_by_graphs(st.pool) {
-                    facts.held_by_graphs += reserved;
-                }
             }
         }
+        let pools = self.pools_reserved();
+        facts.held_by_pools = pools.pools;
+        facts.held_by_graphs = pools.graphs;
         facts.fragmentation = if facts.free_in_pool == 0 {
             0.0
         } else {

@@ -22,6 +22,7 @@
 //! | `expandable.rs` | expandable segments: growth and the release of whole pages |
 //! | `sleep.rs` | sleep and wake of a tag's shards: their pages unmapped and mapped back |
 //! | `peaks.rs` | exact device-wide peaks: the book's reads, grants and reconciles |
+//! | `pool_peaks.rs` | each memory pool's peaks (resettable) and what pools and graphs reserve |
 //!
 //! The fields' own types live below the engine (`block.rs`, `pool.rs`, `front.rs`, `stats.rs`,
 //! …); no file of the engine names a file of `alloc/` above it.
@@ -35,6 +36,7 @@ mod explain;
 pub(in crate::alloc) mod handover;
 mod invariants;
 mod peaks;
+pub(in crate::alloc) mod pool_peaks;
 mod shard;
 mod sleep;
 pub(in crate::alloc) mod snapshot;
@@ -127,6 +129,7 @@ pub(crate) struct DeviceCore {
     sync_all: AtomicU64,
     /// The recorded device-wide peaks (`peaks.rs`).
     peaks: Mutex<PeakBook>,
+    pool_books: Mutex<HashMap<MemPoolId, PoolBook>>,
     /// Cached segments taken for release while a capture began: `(stream, base, size)`, freed
     /// by the next release after the captures (`DeviceCore::free_segments`), or at the end.
     unfreed: Mutex<Vec<(StreamId, u64, u64)>>,
@@ -163,6 +166,9 @@ pub(crate) struct ShardState {
     expandable: HashMap<u64, ExpandablePages>,
     /// A statistic went past its limit since the flag was last taken (`peaks.rs`).
     over_budget: bool,
+    /// The shard serves a memory pool (not the default pool): its settles tell the pool's book
+    /// (`pool_peaks.rs`). `pool` says which; this flag is what the hot path reads.
+    pooled: bool,
     /// Blocks handed out and not yet released: each has a `BlockOwner` pointing at this shard.
     owners: u64,
     /// The allocator is gone while blocks were out: the last release drops the shard.
@@ -178,10 +184,20 @@ pub(crate) struct ShardState {
     /// Blocks freed with stream uses while a capture was under way, and those streams: pending
     /// until the last capture ends, when their events are recorded (`capturing.rs`).
     deferred: Vec<(BlockId, Vec<StreamId>)>,
+    /// A pool shard's currents as its pool's book last added them (`pool_peaks.rs`).
+    pool_told: Figures,
 }
 
 /// Statistics, one value per statistic with a peak.
 pub(in crate::alloc) type Figures = [i64; PEAK_STATS];
+
+/// One live memory pool's figures on one device: the sums of its shards' currents as they
+/// told them, and the highest each sum reached since the last reset (`pool_peaks.rs`).
+#[derive(Debug, Default)]
+pub(in crate::alloc) struct PoolBook {
+    sums: Figures,
+    peaks: Figures,
+}
 
 /// What the book knows of one shard.
 #[derive(Debug)]
