@@ -140,6 +140,26 @@ fn fresh_stream_per_step_does_not_strand_memory() {
         );
         peaks.push((policy, most as u64));
     }
+    // The same steps destroying each step's stream once it is done: under PyTorch's order too,
+    // its idle segment goes back to the driver instead of being stranded.
+    let (d, a) = sized_runtime(512 * MIB, "off");
+    let mut most = 0i64;
+    for step in 0..50u64 {
+        let s = a.create_stream(0).unwrap();
+        let x = a.allocate_on(s, 6 * MIB).unwrap();
+        let y = a.allocate_on(s, 6 * MIB).unwrap();
+        fill(&d, s, &x, 6 * MIB, step);
+        most = most.max(a.memory_stats(0).unwrap().reserved_bytes.all.current);
+        drop((x, y));
+        a.destroy_stream(s).unwrap();
+        assert_eq!(
+            a.memory_stats(0).unwrap().reserved_bytes.all.current,
+            0,
+            "step {step}"
+        );
+    }
+    println!("fresh stream per step, 50 steps, cross_stream_reuse:off, streams destroyed: most reserved {} MiB", most as u64 / MIB);
+    assert_eq!(most, 20 * MIB as i64);
     for (policy, most) in &peaks {
         if *policy == "off" {
             // PyTorch's order strands each step's segment until the device is full.
@@ -266,4 +286,102 @@ fn cross_stream_reuse_values_are_checked() {
     let err = cudalloc::AllocatorConfig::parse("cross_stream_reuse:always").unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config);
     assert!(err.to_string().contains("cross_stream_reuse"), "{err}");
+}
+
+// RMM's PyTorch-style caching resource (`caching_memory_resource`, its stream-reuse policies),
+// its expectations ported by behaviour: another stream's freed block is reused under a
+// cross-stream policy and not under PyTorch's, a destroyed stream's cache is not stranded, and
+// frees on two streams merge into a segment that a release gives back whole.
+
+#[test]
+fn another_streams_freed_block_is_reused_only_under_a_cross_stream_policy() {
+    let _device = device_shared();
+    for policy in POLICIES {
+        let a = Runtime::builder()
+            .config(
+                cudalloc::AllocatorConfig::parse(&format!("cross_stream_reuse:{policy}")).unwrap(),
+            )
+            .check_invariants(true)
+            .build(test_driver())
+            .unwrap();
+        let s = a.create_stream(0).unwrap();
+        let first = a.allocate_on(s, 4096).unwrap();
+        let addr = first.ptr();
+        drop(first);
+        let second = a.allocate(0, 4096).unwrap();
+        let segments = a.memory_stats(0).unwrap().segment.all.current;
+        if policy == "off" {
+            assert_ne!(second.ptr(), addr, "{policy}");
+            assert_eq!(segments, 2, "{policy}");
+        } else {
+            assert_eq!(second.ptr(), addr, "{policy}");
+            assert_eq!(segments, 1, "{policy}");
+        }
+    }
+}
+
+#[test]
+fn a_destroyed_streams_cache_is_not_stranded() {
+    let _device = device_shared();
+    for policy in POLICIES {
+        let d = test_driver();
+        let a = Runtime::builder()
+            .config(
+                cudalloc::AllocatorConfig::parse(&format!("cross_stream_reuse:{policy}")).unwrap(),
+            )
+            .check_invariants(true)
+            .build(Arc::clone(&d))
+            .unwrap();
+        let s = a.create_stream(0).unwrap();
+        let first = a.allocate_on(s, 4096).unwrap();
+        let kept = a.allocate_on(s, 2 * MIB).unwrap();
+        fill(&d, s, &first, 4096, 7);
+        let addr = first.ptr();
+        drop(first);
+        a.destroy_stream(s).unwrap();
+        // A block still out stays valid after its stream is gone.
+        let main = a.default_stream(0).unwrap();
+        fill(&d, main, &kept, 2 * MIB, 8);
+        assert_eq!(mismatches(&d, main, &kept, 2 * MIB, 8), 0);
+        let reserved = a.memory_stats(0).unwrap().reserved_bytes.all.current;
+        let second = a.allocate(0, 4096).unwrap();
+        if policy == "off" {
+            // Its idle small segment went back to the driver at once; the large one is in use.
+            assert_eq!(reserved, 20 * MIB as i64, "{policy}");
+            assert_eq!(a.memory_stats(0).unwrap().num_device_free, 1, "{policy}");
+        } else {
+            assert_eq!(second.ptr(), addr, "{policy}: reused without a wait");
+        }
+        drop((second, kept));
+        a.check_invariants().unwrap();
+        assert_eq!(
+            a.destroy_stream(main).unwrap_err().kind(),
+            ErrorKind::InvalidArgument,
+            "the default stream is not destroyed"
+        );
+    }
+}
+
+#[test]
+fn frees_on_two_streams_merge_and_release_whole() {
+    let _device = device_shared();
+    let d = test_driver();
+    let a = Runtime::builder()
+        .check_invariants(true)
+        .build(Arc::clone(&d))
+        .unwrap();
+    let s = a.create_stream(0).unwrap();
+    let p1 = a.allocate(0, 4096).unwrap();
+    let p2 = a.allocate(0, 4096).unwrap();
+    a.record_stream(&p2, s).unwrap();
+    drop(p1);
+    drop(p2);
+    d.stream_synchronize(s).unwrap();
+    a.empty_cache();
+    let stats = a.memory_stats(0).unwrap();
+    assert_eq!(
+        stats.reserved_bytes.all.current, 0,
+        "the segment merged and went back whole"
+    );
+    assert_eq!(stats.num_device_free, 1);
 }

@@ -463,6 +463,25 @@ impl CachingAllocator {
         self.driver.stream_create(device)
     }
 
+    /// Waits for `stream`'s work and destroys it. The memory cached for it is not stranded:
+    /// under `cross_stream_reuse:segments` or `blocks` other streams take it over without a
+    /// wait (its work is done), under `off` its whole idle segments go back to the driver now
+    /// (`engine/cross_stream.rs`). Blocks still allocated on it stay valid and return to its
+    /// cache when freed. The device's default stream (and a stream being captured) is refused.
+    pub fn destroy_stream(&self, stream: StreamId) -> Result<()> {
+        let device = self.driver.stream_device(stream)?;
+        if self.default_stream(device)? == stream {
+            return Err(Error::invalid(format!(
+                "stream {} is device {device}'s default stream: it is not destroyed",
+                stream.raw()
+            )));
+        }
+        self.driver.stream_synchronize(stream)?;
+        self.driver.stream_destroy(stream)?;
+        self.device(device)?.stream_finished(stream);
+        Ok(())
+    }
+
     /// This thread's current stream on `device` (the default stream unless set).
     pub fn current_stream(&self, device: usize) -> Result<StreamId> {
         match engine::thread::current_stream(self.id, device) {

@@ -23,6 +23,13 @@ impl Runtime {
         self.allocator.create_stream(device)
     }
 
+    /// Waits for `stream`'s work and destroys it; the memory cached for it goes to other
+    /// streams (`cross_stream_reuse:segments`/`blocks`) or back to the driver (`off`) instead of
+    /// being stranded. Blocks still allocated on it stay valid. The default stream is refused.
+    pub fn destroy_stream(&self, stream: StreamId) -> Result<()> {
+        self.allocator.destroy_stream(stream)
+    }
+
     /// This thread's current stream on `device` (the default stream unless set).
     pub fn current_stream(&self, device: usize) -> Result<StreamId> {
         self.allocator.current_stream(device)

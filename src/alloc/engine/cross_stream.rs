@@ -16,6 +16,10 @@
 //! | `segments` | the smallest whole idle segment of the request's pool kind that fits, over every other stream's shard (default pool and retired pools' shards): out of its shard (no driver call), into the asking shard, then split as any new segment | the segment's old stream's work so far (its blocks' other uses completed before they became free) | the asking stream's shard: counted, snapshotted and traced there (`segment_free` on the old stream, `segment_alloc` on the new one) |
 //! | `blocks` | the best-fitting free block over every other stream's shard, handed out there and lent (as a `use_on_oom` pool lends, `device_shards.rs`); if none, as `segments` | the block's stream's work so far | the lending shard: the block is recorded as used by the asking stream, so its free waits for that stream's work (an event, as `record_stream`) before the lender reuses it |
 //!
+//! A stream destroyed through `Runtime::destroy_stream` was synchronized first: its shard is
+//! *finished*, retired from the device's map, and its idle memory moves without a wait (under
+//! `off` its whole idle segments go back to the driver at once: no stream could reuse them).
+//!
 //! The wait is made after the memory left its old shard, so no work of the old stream can be
 //! enqueued on those bytes between the wait and the hand-out. A stream that cannot be waited for
 //! (captured by a capture this allocator did not begin, or destroyed) is skipped before anything
@@ -36,6 +40,8 @@ use crate::alloc::history::TraceAction;
 use crate::alloc::size::{self, PoolKind};
 use crate::config::{AllocatorConfig, CrossStreamReuse};
 use crate::driver::StreamId;
+use crate::error::Result;
+use crate::sync::os::atomic::Ordering;
 use crate::sync::os::Arc;
 
 use super::handover::Order;
@@ -80,7 +86,7 @@ impl DeviceCore {
             .releasable_shards()
             .into_iter()
             .filter(|other| !std::ptr::eq(Arc::as_ptr(other), shard))
-            .filter(|other| self.can_wait(shard.stream, other.stream))
+            .filter(|other| self.can_wait(shard.stream, other))
             .collect();
         if others.is_empty() {
             return None;
@@ -94,9 +100,20 @@ impl DeviceCore {
             .map(|hit| (None, hit))
     }
 
-    /// Whether work next enqueued on `to` can be ordered after `used`'s.
-    fn can_wait(&self, to: StreamId, used: StreamId) -> bool {
-        matches!(self.order(to, used), Ok(o) if o != Order::Impossible)
+    /// Whether work next enqueued on `to` can be ordered after the work of `used`'s stream (a
+    /// finished stream's is all done).
+    fn can_wait(&self, to: StreamId, used: &Shard) -> bool {
+        used.finished.load(Ordering::SeqCst)
+            || matches!(self.order(to, used.stream), Ok(o) if o != Order::Impossible)
+    }
+
+    /// Orders `to` after the work of `used`'s stream so far (nothing to wait for when that
+    /// stream is finished: synchronized before it was destroyed).
+    fn wait_for(&self, to: StreamId, used: &Shard) -> Result<()> {
+        if used.finished.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.order_after(to, used.stream)
     }
 
     /// `blocks`: the best fit over `others`' free blocks, handed out by its shard and lent to
@@ -128,7 +145,7 @@ impl DeviceCore {
             let Some(hit) = self.try_fit(lender, req) else {
                 continue;
             };
-            if let Err(err) = self.order_after(shard.stream, lender.stream) {
+            if let Err(err) = self.wait_for(shard.stream, lender) {
                 tracing::warn!(%err, "a borrowed block could not be ordered after its stream's work; it goes back to its pool");
                 // Nothing used it: a free with no other stream to wait for.
                 lender.free(hit.block);
@@ -178,7 +195,7 @@ impl DeviceCore {
             let Some((base, size)) = taken else {
                 continue;
             };
-            if let Err(err) = self.order_after(shard.stream, from.stream) {
+            if let Err(err) = self.wait_for(shard.stream, from) {
                 tracing::warn!(%err, "an idle segment could not be ordered after its stream's work; it goes back to the driver");
                 self.free_segments(from.stream, vec![(base, size)]);
                 continue;

@@ -86,6 +86,7 @@ impl DeviceCore {
             // Read under the map's write lock: a tag put to sleep marks itself before it lists
             // its shards (under the read lock), so a shard made meanwhile is listed or asleep.
             sleeping: AtomicBool::new(self.tags.is_sleeping(pool)),
+            finished: AtomicBool::new(false),
         });
         shards.insert((stream, pool), Arc::clone(&shard));
         drop(shards);
@@ -156,6 +157,29 @@ impl DeviceCore {
         st.pool_told = Default::default();
         drop(st);
         Some((shard, bases))
+    }
+
+    /// `stream` was synchronized and is about to be destroyed: its shards are finished (their
+    /// idle memory goes to other streams without a wait); the default pool's leaves the map for
+    /// the retired list (it lives on for the blocks still out and the thread caches that point at
+    /// it, and its cache is released with every release of the default pool). With
+    /// `cross_stream_reuse:off` its whole idle segments go back to the driver now: no stream
+    /// could reuse them.
+    pub(in crate::alloc) fn stream_finished(&self, stream: StreamId) {
+        let mut shards = self.shards.write();
+        for ((s, _), shard) in shards.iter() {
+            if *s == stream {
+                shard.finished.store(true, Ordering::SeqCst);
+            }
+        }
+        let gone = shards.remove(&(stream, MemPoolId::DEFAULT));
+        drop(shards);
+        if let Some(shard) = gone {
+            self.retired.lock().push(Arc::clone(&shard));
+            if self.config().cross_stream_reuse == crate::config::CrossStreamReuse::Off {
+                self.release_shard(&shard, false);
+            }
+        }
     }
 
     /// Every shard of the device: the default pool's, the live pools', the retired ones.

@@ -88,6 +88,10 @@ pub(crate) struct Shard {
     /// the shard's lock is taken to collect what to offload, read on every allocation of the
     /// shard (once before, once under the lock), cleared when the tag is awake again.
     sleeping: AtomicBool,
+    /// Its stream was synchronized and destroyed (`Runtime::destroy_stream`): nothing of it is
+    /// left to wait for, so its idle memory goes to another stream without a wait
+    /// (`cross_stream.rs`).
+    finished: AtomicBool,
 }
 
 /// Everything an allocator keeps per device.
