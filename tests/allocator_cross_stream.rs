@@ -77,12 +77,14 @@ fn cross_stream_reclaim_of_idle_segments_before_oom() {
         match policy {
             "off" => {
                 // PyTorch's order: the out-of-memory sequence's last step freed s1's segments.
+                assert_eq!(stats.num_cross_stream_reuses, 0, "{policy}");
                 assert_eq!(stats.num_device_free, 2, "{policy}");
                 assert_eq!(stats.num_device_alloc, 4, "{policy}");
                 assert_eq!(stats.num_alloc_retries, 1, "{policy}");
             }
             _ => {
                 // Taken over (segments) or lent (blocks): no driver call, no retry.
+                assert_eq!(stats.num_cross_stream_reuses, 2, "{policy}");
                 assert_eq!(stats.num_device_alloc, 2, "{policy}");
                 assert_eq!(stats.num_device_free, 0, "{policy}");
                 assert_eq!(stats.num_alloc_retries, 0, "{policy}");

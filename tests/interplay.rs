@@ -762,6 +762,18 @@ impl World {
                     }
                 }
             }
+            91..=93 if self.rng.below(2) == 0 => {
+                // Settings changed under the run (issue 38): allocator 0's cross-stream policy
+                // and rounding, while its storages, pools, graphs and shares live on.
+                let policy = ["off", "segments", "blocks"][self.rng.below(3) as usize];
+                let divisions = [1, 4][self.rng.below(2) as usize];
+                let changes =
+                    format!("cross_stream_reuse:{policy},roundup_power2_divisions:{divisions}");
+                self.log.push(format!("reconfigure allocator 0: {changes}"));
+                self.allocators[0]
+                    .reconfigure(&changes)
+                    .map_err(|e| format!("reconfigure {changes}: {e}"))?;
+            }
             91..=93 => {
                 self.log.push("empty_cache".into());
                 for a in &self.allocators {
@@ -969,10 +981,22 @@ fn main() {
     // The second allocator keeps thread front caches (`thread_cache_mb`, issue 14): its freed
     // blocks may be reused by this thread without its shards' locks, and must still never be
     // handed out twice, shared after reuse or lost.
+    // The first starts under a cross-stream policy chosen by the seed (issue 38: another stream's
+    // idle memory taken over or lent, ordered after its work) and changes it during the run.
+    let first = [
+        "",
+        "cross_stream_reuse:segments",
+        "cross_stream_reuse:blocks",
+    ][(seed % 3) as usize];
+    println!("interplay: allocator 0 starts with {first:?}");
     let allocators = [0, 1].map(|i| {
         Arc::new(
             Runtime::builder()
-                .config(test_config(if i == 1 { "thread_cache_mb:16" } else { "" }))
+                .config(test_config(if i == 1 {
+                    "thread_cache_mb:16"
+                } else {
+                    first
+                }))
                 .ipc_slots_per_file(32)
                 .check_invariants(true)
                 .build(if cuda_suite() {
@@ -1115,6 +1139,14 @@ fn main() {
         count("replay graph"),
         churned.unwrap_or(0),
         start.elapsed().as_secs_f64()
+    );
+    println!(
+        "interplay: allocator 0 reconfigured {} times, {} misses served by another stream's memory",
+        count("reconfigure allocator 0"),
+        world.allocators[0]
+            .memory_stats(0)
+            .unwrap()
+            .num_cross_stream_reuses
     );
     println!("interplay: 1 passed, 0 failed");
 }

@@ -184,6 +184,9 @@ pub struct DeviceStats {
     pub num_device_alloc: u64,
     /// Driver `free` calls.
     pub num_device_free: u64,
+    /// cudalloc's own (not in PyTorch's map): misses served by memory another stream had cached
+    /// (`cross_stream_reuse`: an idle segment taken over or a free block lent).
+    pub num_cross_stream_reuses: u64,
     /// The configured `max_split_size` in bytes (-1 when unlimited: PyTorch's `SIZE_MAX` as int64).
     pub max_split_size: i64,
     /// A shard's: whether its device's peak book has yet to read its latest figures (`peaks.rs`).
@@ -258,6 +261,7 @@ impl DeviceStats {
         self.num_alloc_retries += other.num_alloc_retries;
         self.num_ooms += other.num_ooms;
         self.num_sync_all_streams += other.num_sync_all_streams;
+        self.num_cross_stream_reuses += other.num_cross_stream_reuses;
         self.num_device_alloc += other.num_device_alloc;
         self.num_device_free += other.num_device_free;
     }
@@ -284,6 +288,9 @@ impl DeviceStats {
         self.num_sync_all_streams = self
             .num_sync_all_streams
             .saturating_sub(base.num_sync_all_streams);
+        self.num_cross_stream_reuses = self
+            .num_cross_stream_reuses
+            .saturating_sub(base.num_cross_stream_reuses);
         self.num_device_alloc = self.num_device_alloc.saturating_sub(base.num_device_alloc);
         self.num_device_free = self.num_device_free.saturating_sub(base.num_device_free);
     }
@@ -298,6 +305,7 @@ impl DeviceStats {
         self.num_alloc_retries = 0;
         self.num_ooms = 0;
         self.num_sync_all_streams = 0;
+        self.num_cross_stream_reuses = 0;
         self.num_device_alloc = 0;
         self.num_device_free = 0;
     }

@@ -91,13 +91,20 @@ impl DeviceCore {
         if others.is_empty() {
             return None;
         }
-        if policy == CrossStreamReuse::Blocks {
-            if let Some((lender, hit)) = self.borrow_block(shard, &others, req) {
-                return Some((Some(lender), hit));
-            }
+        let borrowed = match policy {
+            CrossStreamReuse::Blocks => self
+                .borrow_block(shard, &others, req)
+                .map(|(lender, hit)| (Some(lender), hit)),
+            _ => None,
+        };
+        let got = borrowed.or_else(|| {
+            self.adopt_segment(shard, &others, req)
+                .map(|hit| (None, hit))
+        });
+        if got.is_some() {
+            self.cross_stream.fetch_add(1, Ordering::Relaxed);
         }
-        self.adopt_segment(shard, &others, req)
-            .map(|hit| (None, hit))
+        got
     }
 
     /// Whether work next enqueued on `to` can be ordered after the work of `used`'s stream (a

@@ -115,6 +115,7 @@ impl DeviceCore {
             alloc_retries: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
             sync_all: AtomicU64::new(0),
+            cross_stream: AtomicU64::new(0),
             peaks: Mutex::new(Default::default()),
             pool_books: Mutex::new(HashMap::new()),
             config: Published::new(config),
@@ -546,6 +547,7 @@ impl DeviceCore {
         total.num_alloc_retries += self.alloc_retries.load(Ordering::Relaxed);
         total.num_ooms += self.ooms.load(Ordering::Relaxed);
         total.num_sync_all_streams += self.sync_all.load(Ordering::Relaxed);
+        total.num_cross_stream_reuses += self.cross_stream.load(Ordering::Relaxed);
         total.max_split_size = i64::try_from(self.config().max_split_size).unwrap_or(-1);
         total
     }
@@ -562,7 +564,12 @@ impl DeviceCore {
             st.stats.reset_accumulated();
             st.pool_base.reset_accumulated();
         }
-        for counter in [&self.alloc_retries, &self.ooms, &self.sync_all] {
+        for counter in [
+            &self.alloc_retries,
+            &self.ooms,
+            &self.sync_all,
+            &self.cross_stream,
+        ] {
             counter.store(0, Ordering::Relaxed);
         }
     }

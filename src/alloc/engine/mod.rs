@@ -131,6 +131,7 @@ pub(crate) struct DeviceCore {
     alloc_retries: AtomicU64,
     ooms: AtomicU64,
     sync_all: AtomicU64,
+    cross_stream: AtomicU64,
     /// The recorded device-wide peaks (`peaks.rs`).
     peaks: Mutex<PeakBook>,
     pool_books: Mutex<HashMap<MemPoolId, PoolBook>>,
