@@ -387,3 +387,39 @@ fn frees_on_two_streams_merge_and_release_whole() {
     );
     assert_eq!(stats.num_device_free, 1);
 }
+
+#[test]
+fn a_destroyed_streams_front_cache_goes_back_and_a_capturing_stream_is_not_destroyed() {
+    let _device = device_alone();
+    let d = test_driver();
+    let a = Runtime::builder()
+        .config(
+            cudalloc::AllocatorConfig::parse("cross_stream_reuse:segments,thread_cache_mb:8")
+                .unwrap(),
+        )
+        .check_invariants(true)
+        .build(Arc::clone(&d))
+        .unwrap();
+    let s = a.create_stream(0).unwrap();
+    let block = a.allocate_on(s, 4096).unwrap();
+    let addr = block.ptr();
+    drop(block); // kept by this thread's front cache for s
+    a.destroy_stream(s).unwrap();
+    // The front cache gave the block back: s's segment is idle, and another stream takes it.
+    let other = a.create_stream(0).unwrap();
+    let again = a.allocate_on(other, 4096).unwrap();
+    assert_eq!(again.ptr(), addr);
+    assert_eq!(a.memory_stats(0).unwrap().num_cross_stream_reuses, 1);
+    drop(again);
+
+    match a.begin_capture(other, None, cudalloc::graph::CaptureMode::Global) {
+        Ok(capture) => {
+            let err = a.destroy_stream(other).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::StreamCapture, "{err}");
+            drop(capture.end().unwrap());
+        }
+        Err(err) => println!("capture part skipped: {err}"),
+    }
+    a.destroy_stream(other).unwrap();
+    a.check_invariants().unwrap();
+}

@@ -90,6 +90,31 @@ fn oom_message_names_largest_free_block_and_other_streams() {
 }
 
 #[test]
+fn no_cross_stream_advice_where_nothing_could_be_lent() {
+    let _device = device_alone();
+    let (_d, a, events) = runtime("");
+    let (s1, s2) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
+    // s2 caches an 8 MiB free block in a split segment, as in the test above.
+    let x = a.allocate_on(s2, 6 * MIB).unwrap();
+    let held = a.allocate_on(s2, 6 * MIB).unwrap();
+    drop(x);
+    let full: Vec<_> = (0..2)
+        .map(|_| a.allocate_on(s1, 20 * MIB).unwrap())
+        .collect();
+    // A memory pool's allocation is never lent another stream's block.
+    let pool = a.mem_pool(Default::default()).unwrap();
+    let err = {
+        let _scope = a.use_mem_pool(&pool, 0).unwrap();
+        a.allocate_on(s1, 8 * MIB).unwrap_err()
+    };
+    let e = events.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(e.cached_on_other_streams, 14 * MIB, "{e:?}");
+    assert_eq!(e.largest_fit_on_other_streams, 0, "{e:?}");
+    assert!(!err.to_string().contains("cross_stream_reuse"), "{err}");
+    drop((full, held, pool));
+}
+
+#[test]
 fn oom_message_counts_memory_pools_and_fragmentation() {
     let _device = device_alone();
     if expandable_run() {

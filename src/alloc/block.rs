@@ -56,6 +56,9 @@ pub(crate) struct Block {
     pub pending_events: u32,
     /// Shard allocation counter when the block last became free (garbage collection age).
     pub freed_at: u64,
+    /// Counted in `oversize_allocations` when handed out (by the `max_split_size` then in force;
+    /// its release takes back what was counted, whatever the setting is by then).
+    pub counted_oversize: bool,
 }
 
 impl Block {
@@ -74,6 +77,8 @@ pub(crate) type FreeKey = (u64, u64, BlockId);
 pub(crate) struct SegmentInfo {
     pub size: u64,
     pub pool: PoolKind,
+    /// Counted in `oversize_segments` when entered (as `Block::counted_oversize`).
+    pub counted_oversize: bool,
     /// First block of the segment.
     pub head: BlockId,
 }

@@ -148,7 +148,7 @@ impl MemPool {
         }
         for device in &self.inner.devices {
             for shard in device.pool_shards(self.inner.id) {
-                device.release_shard(&shard, true);
+                device.release_shard(&shard, true, false);
             }
         }
     }

@@ -476,9 +476,29 @@ impl CachingAllocator {
                 stream.raw()
             )));
         }
+        if self.capturing.any()
+            || self
+                .driver
+                .graphs()
+                .stream_capture_status(stream)?
+                .is_capturing()
+        {
+            return Err(Error::capture(format!(
+                "stream {} cannot be destroyed while a stream capture is under way (its \
+                 synchronization would invalidate the capture): end the capture first",
+                stream.raw()
+            )));
+        }
+        let core = self.device(device)?;
         self.driver.stream_synchronize(stream)?;
-        self.driver.stream_destroy(stream)?;
-        self.device(device)?.stream_finished(stream);
+        // Finished before the destruction, so no search meanwhile waits on a dead stream; the
+        // work it would wait for is done.
+        core.mark_finished(stream, true);
+        if let Err(err) = self.driver.stream_destroy(stream) {
+            core.mark_finished(stream, false);
+            return Err(err);
+        }
+        core.stream_finished(stream);
         Ok(())
     }
 

@@ -77,8 +77,9 @@ pub struct OutOfMemoryEvent {
     pub free_in_pool: u64,
     /// Bytes cached free under other streams of the device (their default pool).
     pub cached_on_other_streams: u64,
-    /// The largest of those free blocks that could have served this request (0: none could);
-    /// `cross_stream_reuse:blocks` lends such a block.
+    /// The largest of those free blocks that `cross_stream_reuse:blocks` could have lent to
+    /// this request (0: none could — none fits, or the request is a memory pool's or made during
+    /// a capture, or its stream cannot wait for theirs).
     pub largest_fit_on_other_streams: u64,
     /// Bytes reserved by private memory pools (`MemPool`, tags), graphs' pools included.
     pub held_by_pools: u64,

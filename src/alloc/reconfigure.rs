@@ -19,31 +19,39 @@ impl CachingAllocator {
     /// `"garbage_collection_threshold:0.8,expandable_segments:True"`) and keeps every other one.
     /// Returns the keys named, by their canonical names.
     pub fn reconfigure(&self, changes: &str) -> Result<Vec<&'static str>> {
-        let mut named = Vec::new();
-        self.config.update(|current| {
-            let mut next = current.clone();
-            named = next.apply(changes)?;
-            self.check_changes(current, &next, &named)?;
-            self.publish_to_devices(&next);
-            Ok::<_, Error>(next)
-        })?;
-        self.apply_fraction(&named)?;
-        tracing::info!(changes, "allocator reconfigured");
-        Ok(named)
+        self.change(changes).map(|(named, _)| named)
     }
 
     /// [`Self::reconfigure`] until the returned guard drops (or is restored): then the keys
     /// named get back the values they had, and the settings changed meanwhile by others keep
     /// theirs.
     pub fn override_config(&self, changes: &str) -> Result<ConfigOverride<'_>> {
-        let previous = self.config().clone();
-        let keys = self.reconfigure(changes)?;
+        let (keys, previous) = self.change(changes)?;
         Ok(ConfigOverride {
             allocator: self,
             previous,
             keys,
             restored: false,
         })
+    }
+
+    /// Applies `changes`; returns the keys named and the configuration they replaced (read under
+    /// the writers' lock, so an override restores what it replaced, not what another writer
+    /// published meanwhile).
+    fn change(&self, changes: &str) -> Result<(Vec<&'static str>, AllocatorConfig)> {
+        let mut named = Vec::new();
+        let mut previous = AllocatorConfig::default();
+        self.config.update(|current| {
+            let mut next = current.clone();
+            named = next.apply(changes)?;
+            self.check_changes(current, &next, &named)?;
+            self.publish_to_devices(&next);
+            previous = current.clone();
+            Ok::<_, Error>(next)
+        })?;
+        self.apply_fraction(&named)?;
+        tracing::info!(changes, "allocator reconfigured");
+        Ok((named, previous))
     }
 
     /// Refuses keys a live allocator cannot change (only those whose value changes: naming a
@@ -62,15 +70,6 @@ impl CachingAllocator {
             }
             match live::change_of(key) {
                 Change::Live => {}
-                Change::WhileEmpty(reason) => {
-                    let reserved: u64 = self.devices.iter().map(|d| d.reserved_bytes()).sum();
-                    if reserved > 0 {
-                        return Err(Error::Config(format!(
-                            "{key} cannot change while the allocator reserves memory ({} now): {reason}",
-                            super::format_size(reserved)
-                        )));
-                    }
-                }
                 Change::Refused(reason) => {
                     return Err(Error::Config(format!(
                         "{key} cannot change on a live runtime: {reason}"
@@ -117,8 +116,8 @@ impl CachingAllocator {
 
 /// Settings changed for a scope ([`crate::Runtime::override_config`]): dropping it (or
 /// [`ConfigOverride::restore`]) gives the keys it changed back the values they had, and leaves
-/// the others as they are then. A restore that is refused (`max_split_size_mb` while memory is
-/// reserved) is an error from `restore`, and logged when the guard drops.
+/// the others as they are then. Overrides nest: drop them in the reverse order of their making (an
+/// inner one dropped after its outer one puts back the value it saw, the outer one's).
 #[must_use = "the settings are restored when the guard drops"]
 pub struct ConfigOverride<'a> {
     allocator: &'a CachingAllocator,

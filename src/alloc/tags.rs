@@ -348,7 +348,7 @@ impl CachingAllocator {
             // come back with the wake, so they sleep with the rest.
             if !self.capturing.held_by_graphs(pool.id()) {
                 let before = shard.reserved_bytes();
-                core.release_shard(shard, true);
+                core.release_shard(shard, true, false);
                 released_cached += u64::try_from(before - shard.reserved_bytes()).unwrap_or(0);
             }
             for stream in shard.sleep_streams() {

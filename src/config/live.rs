@@ -10,7 +10,7 @@
 //! | `expandable_segments` | changes | new segments are of the new kind; a block is split by the kind of the segment it lies in |
 //! | `per_process_memory_fraction` | changes | set on every device (as `set_memory_fraction`) |
 //! | `pinned_use_background_threads` | changes | validated only |
-//! | `max_split_size_mb` | only while no memory is reserved | oversize blocks and segments are counted in the statistics when handed out and again when freed, by this limit: a change with memory reserved would count a block under one limit and release it under another |
+//! | `max_split_size_mb` | changes | read when a block is fitted, split or counted; a block (a segment) counted as oversize when handed out (made) is taken back as such, whatever the limit is by then (`Block::counted_oversize`) |
 //! | `thread_cache_mb` | refused | each stream's front-cache limit is fixed when its shard is made |
 //! | `default_stream` | refused | threads have already chosen their default streams by it |
 //! | `stream_order` | refused | storages already made order themselves by it; a change would mix two rules on one storage |
@@ -53,8 +53,6 @@ pub(crate) fn canonical(key: &str) -> Option<&'static str> {
 pub(crate) enum Change {
     /// At any time.
     Live,
-    /// Only while no device has memory reserved; the reason when refused.
-    WhileEmpty(&'static str),
     /// Never; the reason.
     Refused(&'static str),
 }
@@ -70,11 +68,8 @@ pub(crate) fn change_of(key: &str) -> Change {
         | "max_non_split_rounding_mb"
         | "expandable_segments"
         | "per_process_memory_fraction"
-        | "pinned_use_background_threads" => Change::Live,
-        "max_split_size_mb" => Change::WhileEmpty(
-            "oversize blocks and segments are counted in the statistics by this limit when handed \
-             out and again when freed; free every allocation and call empty_cache first",
-        ),
+        | "pinned_use_background_threads"
+        | "max_split_size_mb" => Change::Live,
         "thread_cache_mb" => Change::Refused(
             "each stream's front-cache limit is fixed when the stream is first used",
         ),

@@ -361,9 +361,9 @@ impl Runtime {
     /// Changes the settings named in `changes` (`CUDALLOC_CONF`'s grammar, e.g.
     /// `"garbage_collection_threshold:0.8"`) on this live runtime and keeps every other one
     /// (PyTorch's `_set_allocator_settings` resets the keys it is not given). A key that cannot
-    /// change now is an [`ErrorKind::Config`](crate::ErrorKind::Config) error naming it and why
-    /// (`thread_cache_mb`, `default_stream`, `stream_order`, the IPC and pinned keys always;
-    /// `max_split_size_mb` while memory is reserved), and nothing changes. Returns the keys named.
+    /// change on a live runtime is an [`ErrorKind::Config`](crate::ErrorKind::Config) error naming
+    /// it and why (`thread_cache_mb`, `default_stream`, `stream_order`, the IPC and pinned keys),
+    /// and nothing changes. Returns the keys named.
     pub fn reconfigure(&self, changes: &str) -> Result<Vec<&'static str>> {
         self.allocator.reconfigure(changes)
     }

@@ -5,43 +5,52 @@
 //! Every value ever published stays alive until the cell drops, so a reference handed out keeps
 //! pointing at the value it was read from (a reader mid-way through an allocation finishes it
 //! under the settings it started with). Publishing a value equal to one kept before reuses it, so
-//! a program toggling between settings keeps one copy of each, not one per toggle.
+//! a program toggling between settings keeps one copy of each, not one per toggle. The values
+//! live in heap cells the cell owns through raw pointers and only ever reads through shared
+//! references: a kept value is never borrowed mutably again once published.
 
 use std::marker::PhantomData;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 use super::os::Mutex;
 
 /// See the module docs.
 pub(crate) struct Published<T> {
-    /// The value `get` returns: always one of `kept`'s boxes.
+    /// The value `get` returns: always one of `kept`.
     current: AtomicPtr<T>,
-    /// Every value published, in boxes that never move their contents; only grows.
-    kept: Mutex<Vec<Box<T>>>,
-    /// `get` hands `&T` to every thread: the cell is `Sync` only where `T` is.
-    _shared: PhantomData<T>,
+    /// Every value published (from `Box::into_raw`, freed in `Drop`); only grows.
+    kept: Mutex<Vec<NonNull<T>>>,
+    /// The cell owns `T`s and hands `&T` to every thread.
+    _owns: PhantomData<T>,
 }
+
+// SAFETY: the cell owns its values (dropped with it, possibly on another thread: `T: Send`) and
+// gives shared references to them to any thread holding `&Published` (`T: Sync`); the raw
+// pointers are only the ownership's representation.
+unsafe impl<T: Send + Sync> Send for Published<T> {}
+// SAFETY: as above; writers are serialized by `kept`'s lock, readers only load `current`.
+unsafe impl<T: Send + Sync> Sync for Published<T> {}
 
 impl<T> Published<T> {
     /// A cell holding `value`.
     pub(crate) fn new(value: T) -> Self {
-        let mut first = Box::new(value);
-        let current = AtomicPtr::new(&mut *first as *mut T);
+        let first = NonNull::from(Box::leak(Box::new(value)));
         Published {
-            current,
+            current: AtomicPtr::new(first.as_ptr()),
             kept: Mutex::new(vec![first]),
-            _shared: PhantomData,
+            _owns: PhantomData,
         }
     }
 
     /// The value published last (as of this call).
     #[inline]
     pub(crate) fn get(&self) -> &T {
-        // SAFETY: `current` always points into one of `kept`'s boxes (set in `new` and
-        // `publish`, under `kept`'s lock, only to a box `kept` holds); the boxes are never
-        // removed or dropped before `self`, and a box's contents do not move when the vector
-        // grows. The Acquire load pairs with `publish`'s Release store, so the value is seen
-        // whole. The reference borrows `self`, which outlives it.
+        // SAFETY: `current` always points at one of `kept`'s values (set in `new` and
+        // `publish_locked` only to a pointer `kept` holds), each a live heap allocation freed
+        // only in `Drop`, which cannot run while `&self` is borrowed; nothing writes a kept value
+        // after it was published. The Acquire load pairs with the Release store that published
+        // it, so the value is seen whole.
         unsafe { &*self.current.load(Ordering::Acquire) }
     }
 }
@@ -62,22 +71,34 @@ impl<T: PartialEq> Published<T> {
         Ok(())
     }
 
-    fn publish_locked(current: &AtomicPtr<T>, kept: &mut Vec<Box<T>>, value: T) {
-        let at = match kept.iter().position(|k| **k == value) {
-            Some(at) => at,
+    fn publish_locked(current: &AtomicPtr<T>, kept: &mut Vec<NonNull<T>>, value: T) {
+        // SAFETY: every pointer in `kept` is a live value of this cell (see `get`), read shared.
+        let found = kept.iter().find(|k| unsafe { k.as_ref() } == &value);
+        let ptr = match found {
+            Some(k) => *k,
             None => {
-                kept.push(Box::new(value));
-                kept.len() - 1
+                let fresh = NonNull::from(Box::leak(Box::new(value)));
+                kept.push(fresh);
+                fresh
             }
         };
-        let ptr: *mut T = &mut *kept[at];
-        current.store(ptr, Ordering::Release);
+        current.store(ptr.as_ptr(), Ordering::Release);
     }
 
     /// How many distinct values the cell keeps.
     #[cfg(test)]
     fn kept(&self) -> usize {
         self.kept.lock().len()
+    }
+}
+
+impl<T> Drop for Published<T> {
+    fn drop(&mut self) {
+        for value in self.kept.lock().drain(..) {
+            // SAFETY: each pointer came from `Box::leak` in this cell, is in `kept` once, and no
+            // reference from `get` outlives `&self`, which `drop`'s `&mut self` excludes.
+            drop(unsafe { Box::from_raw(value.as_ptr()) });
+        }
     }
 }
 
@@ -104,5 +125,8 @@ mod tests {
         }
         assert_eq!(cell.kept(), 2);
         assert_eq!(cell.get(), "b");
+        let failed: Result<(), &str> = cell.update(|_| Err("refused"));
+        assert!(failed.is_err());
+        assert_eq!(cell.get(), "b", "a failed update publishes nothing");
     }
 }

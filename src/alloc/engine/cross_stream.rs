@@ -109,7 +109,7 @@ impl DeviceCore {
 
     /// Whether work next enqueued on `to` can be ordered after the work of `used`'s stream (a
     /// finished stream's is all done).
-    fn can_wait(&self, to: StreamId, used: &Shard) -> bool {
+    pub(super) fn can_wait(&self, to: StreamId, used: &Shard) -> bool {
         used.finished.load(Ordering::SeqCst)
             || matches!(self.order(to, used.stream), Ok(o) if o != Order::Impossible)
     }
@@ -136,10 +136,7 @@ impl DeviceCore {
             .iter()
             .filter_map(|other| {
                 let mut st = other.state.lock();
-                if other
-                    .sleeping
-                    .load(crate::sync::os::atomic::Ordering::Relaxed)
-                {
+                if other.sleeping.load(Ordering::Relaxed) || !st.releasable() {
                     return None;
                 }
                 self.poll_events(other, &mut st);
@@ -149,7 +146,8 @@ impl DeviceCore {
             .collect();
         fits.sort_by_key(|&(size, _)| size);
         for (_, lender) in fits {
-            let Some(hit) = self.try_fit(lender, req) else {
+            // Under the lock again: the lender may have become a live pool's meanwhile.
+            let Some(hit) = self.try_fit_where(lender, req, ShardState::releasable) else {
                 continue;
             };
             if let Err(err) = self.wait_for(shard.stream, lender) {
@@ -178,10 +176,7 @@ impl DeviceCore {
             .iter()
             .filter_map(|other| {
                 let mut st = other.state.lock();
-                if other
-                    .sleeping
-                    .load(crate::sync::os::atomic::Ordering::Relaxed)
-                {
+                if other.sleeping.load(Ordering::Relaxed) || !st.releasable() {
                     return None;
                 }
                 self.poll_events(other, &mut st);
@@ -193,9 +188,13 @@ impl DeviceCore {
         for (_, from) in fits {
             let taken = {
                 let mut st = from.state.lock();
-                let taken = st
-                    .smallest_idle_segment(pool, req.rounded, self.config())
-                    .map(|(_, id)| st.remove_segment(id, self.config()));
+                // Under the lock again: `from` may have become a live pool's meanwhile.
+                let found = if st.releasable() {
+                    st.smallest_idle_segment(pool, req.rounded, self.config())
+                } else {
+                    None
+                };
+                let taken = found.map(|(_, id)| st.remove_segment(id));
                 self.settle(st);
                 taken
             };
@@ -204,6 +203,7 @@ impl DeviceCore {
             };
             if let Err(err) = self.wait_for(shard.stream, from) {
                 tracing::warn!(%err, "an idle segment could not be ordered after its stream's work; it goes back to the driver");
+                from.state.lock().stats.num_device_free += 1;
                 self.free_segments(from.stream, vec![(base, size)]);
                 continue;
             }

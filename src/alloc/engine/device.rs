@@ -111,6 +111,7 @@ impl DeviceCore {
             reserved: AtomicU64::new(0),
             shards: RwLock::new(HashMap::new()),
             retired: Mutex::new(Vec::new()),
+            buried: Mutex::new(Vec::new()),
             events: Mutex::new(Vec::new()),
             alloc_retries: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
@@ -235,7 +236,19 @@ impl DeviceCore {
     }
 
     /// Best fit in the shard (after polling its events), allocating on success.
+    #[inline]
     pub(super) fn try_fit(&self, shard: &Shard, req: Request) -> Option<Allocated> {
+        self.try_fit_where(shard, req, |_| true)
+    }
+
+    /// [`Self::try_fit`] in a shard whose state, under its lock, passes `eligible`.
+    #[inline]
+    pub(super) fn try_fit_where(
+        &self,
+        shard: &Shard,
+        req: Request,
+        eligible: impl Fn(&ShardState) -> bool,
+    ) -> Option<Allocated> {
         let Request { requested, rounded } = req;
         let pool = req.pool();
         // Read before the lock (as the free path does): its load orders the loads after it.
@@ -243,7 +256,7 @@ impl DeviceCore {
         let mut st = shard.state.lock();
         // Under the lock: a tag falling asleep sets the flag before it locks to list what to
         // offload, so this sees it or the sleep sees the block (`sleep.rs`).
-        if shard.sleeping.load(Ordering::Relaxed) {
+        if shard.sleeping.load(Ordering::Relaxed) || !eligible(&st) {
             return None;
         }
         self.poll_events(shard, &mut st);
@@ -542,7 +555,7 @@ impl DeviceCore {
     pub fn stats(&self) -> DeviceStats {
         let mut total = self.exact_stats(false);
         for shard in self.all_shards() {
-            shard.hide_fronts(&mut total, self.config().max_split_size);
+            shard.hide_fronts(&mut total);
         }
         total.num_alloc_retries += self.alloc_retries.load(Ordering::Relaxed);
         total.num_ooms += self.ooms.load(Ordering::Relaxed);

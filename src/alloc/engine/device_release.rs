@@ -114,7 +114,11 @@ impl DeviceCore {
     ) -> Vec<(u64, u64)> {
         let taken = {
             let mut st = shard.state.lock();
-            let taken = st.take_free_segments(self.config(), select, order, enough);
+            if !st.releasable() {
+                // Retired when listed, taken by a new pool since: the pool's cache now.
+                return Vec::new();
+            }
+            let taken = st.take_free_segments(select, order, enough);
             self.settle(st);
             taken
         };
@@ -130,14 +134,22 @@ impl DeviceCore {
         }
         let mut any = false;
         for shard in self.releasable_shards() {
-            any |= self.release_shard(&shard, sync);
+            any |= self.release_shard(&shard, sync, true);
         }
+        self.bury_finished();
         any
     }
 
     /// Frees every cached whole segment (and free page) of one shard, first waiting for its
-    /// pending frees' events with `sync`. Returns whether anything was freed.
-    pub(in crate::alloc) fn release_shard(&self, shard: &Shard, sync: bool) -> bool {
+    /// pending frees' events with `sync`. Returns whether anything was freed. With
+    /// `releasable_only` (a device-wide release over a list of shards made before), nothing when
+    /// the shard is a live pool's by the time it is locked ([`ShardState::releasable`]).
+    pub(in crate::alloc) fn release_shard(
+        &self,
+        shard: &Shard,
+        sync: bool,
+        releasable_only: bool,
+    ) -> bool {
         if self.capturing.any() {
             // Releasing synchronizes and frees, which a capture forbids; the next release after
             // the captures gives this memory back.
@@ -146,6 +158,9 @@ impl DeviceCore {
         shard.flush_fronts();
         let taken = {
             let mut st = shard.state.lock();
+            if releasable_only && !st.releasable() {
+                return false;
+            }
             if sync {
                 for e in st.pending_events() {
                     if let Err(err) = self.free_events.event_synchronize(e) {
@@ -154,14 +169,13 @@ impl DeviceCore {
                 }
             }
             self.poll_events(shard, &mut st);
-            let taken =
-                st.take_free_segments(self.config(), |_| true, ReleaseOrder::Largest, |_| false);
+            let taken = st.take_free_segments(|_| true, ReleaseOrder::Largest, |_| false);
             self.settle(st);
             taken
         };
         let any = !taken.is_empty();
         self.free_segments(shard.stream, taken);
-        any | (self.release_pages(shard, |_| true, |_| false) > 0)
+        any | (self.release_pages(shard, |_| true, |_| false, releasable_only) > 0)
     }
 
     /// Reclaims the oldest cached segments while reserved memory exceeds the threshold share of
@@ -190,7 +204,7 @@ impl DeviceCore {
                 .map(|s| s.1)
                 .sum::<u64>();
             let so_far = freed;
-            freed += self.release_pages(&shard, |_| true, |f| f + so_far >= target);
+            freed += self.release_pages(&shard, |_| true, |f| f + so_far >= target, true);
             if freed >= target {
                 break;
             }

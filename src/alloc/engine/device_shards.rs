@@ -47,9 +47,9 @@ impl DeviceCore {
                 shard
                     .sleeping
                     .store(self.tags.is_sleeping(pool), Ordering::SeqCst);
+                self.open_pool_book(pool);
                 shards.insert((stream, pool), Arc::clone(&shard));
                 drop(shards);
-                self.open_pool_book(pool);
                 for base in bases {
                     if let Err(err) = self
                         .driver
@@ -88,11 +88,13 @@ impl DeviceCore {
             sleeping: AtomicBool::new(self.tags.is_sleeping(pool)),
             finished: AtomicBool::new(false),
         });
-        shards.insert((stream, pool), Arc::clone(&shard));
-        drop(shards);
+        // The pool's book opens before the shard is in the map, where another thread could find
+        // it and settle a change the book would then miss (`pool_peaks.rs`).
         if !pool.is_default() {
             self.open_pool_book(pool);
         }
+        shards.insert((stream, pool), Arc::clone(&shard));
+        drop(shards);
         // In the peak book from its creation (the book's lock is taken after the map's).
         self.register_for_peaks(&shard);
         Ok(shard)
@@ -150,6 +152,7 @@ impl DeviceCore {
         let mut st = shard.state.lock();
         let bases = st.take_empty_expandable();
         st.pool = pool;
+        st.retired = false;
         st.pooled = !pool.is_default();
         st.pool_options = options;
         st.pool_base = st.stats.clone();
@@ -159,33 +162,66 @@ impl DeviceCore {
         Some((shard, bases))
     }
 
-    /// `stream` was synchronized and is about to be destroyed: its shards are finished (their
-    /// idle memory goes to other streams without a wait); the default pool's leaves the map for
-    /// the retired list (it lives on for the blocks still out and the thread caches that point at
-    /// it, and its cache is released with every release of the default pool). With
-    /// `cross_stream_reuse:off` its whole idle segments go back to the driver now: no stream
-    /// could reuse them.
-    pub(in crate::alloc) fn stream_finished(&self, stream: StreamId) {
-        let mut shards = self.shards.write();
-        for ((s, _), shard) in shards.iter() {
+    /// Marks `stream`'s shards finished (`true`: synchronized, about to be destroyed — their idle
+    /// memory goes to other streams without a wait) or not (`false`: its destruction failed).
+    pub(in crate::alloc) fn mark_finished(&self, stream: StreamId, finished: bool) {
+        for ((s, _), shard) in self.shards.read().iter() {
             if *s == stream {
-                shard.finished.store(true, Ordering::SeqCst);
+                shard.finished.store(finished, Ordering::SeqCst);
             }
         }
+    }
+
+    /// `stream` was destroyed (its shards marked finished before): the default pool's shard
+    /// leaves the map for the retired list (it lives on for the blocks still out and the thread
+    /// caches that point at it, and its cache is released with every release of the default
+    /// pool). With `cross_stream_reuse:off` its whole idle segments go back to the driver now:
+    /// no stream could reuse them. Finished shards that hold nothing are buried.
+    pub(in crate::alloc) fn stream_finished(&self, stream: StreamId) {
+        // Out of the map and into the retired list in one step under the map's lock: never in
+        // neither, where the allocator's teardown (and stats, snapshots) would miss it.
+        let mut shards = self.shards.write();
         let gone = shards.remove(&(stream, MemPoolId::DEFAULT));
+        if let Some(shard) = &gone {
+            shard.state.lock().retired = true;
+            self.retired.lock().push(Arc::clone(shard));
+        }
         drop(shards);
         if let Some(shard) = gone {
-            self.retired.lock().push(Arc::clone(&shard));
+            // Its thread front caches hold blocks no thread will take again: back to the shard,
+            // so its segments can go idle (and be taken over or released).
+            shard.flush_fronts();
             if self.config().cross_stream_reuse == crate::config::CrossStreamReuse::Off {
-                self.release_shard(&shard, false);
+                self.release_shard(&shard, false, true);
             }
         }
+        self.bury_finished();
+    }
+
+    /// Moves the retired shards of destroyed streams that hold nothing (no block out, no
+    /// segment, nothing pending) to the buried list: a program that makes and destroys a stream
+    /// per step does not grow what every miss and release walks.
+    pub(in crate::alloc) fn bury_finished(&self) {
+        let mut retired = self.retired.lock();
+        let (empty, kept): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut *retired)
+                .into_iter()
+                .partition(|shard| {
+                    shard.finished.load(Ordering::SeqCst) && {
+                        let st = shard.state.lock();
+                        st.owners == 0 && st.segments.is_empty() && !st.has_pending()
+                    }
+                });
+        *retired = kept;
+        drop(retired);
+        self.buried.lock().extend(empty);
     }
 
     /// Every shard of the device: the default pool's, the live pools', the retired ones.
     pub(in crate::alloc) fn all_shards(&self) -> Vec<Arc<Shard>> {
         let mut all: Vec<_> = self.shards.read().values().cloned().collect();
         all.extend(self.retired.lock().iter().cloned());
+        all.extend(self.buried.lock().iter().cloned());
         all
     }
 
@@ -222,11 +258,14 @@ impl DeviceCore {
         // to the retired list in one step under the map's lock: a shard is never in neither,
         // where the allocator's teardown (and stats, snapshots) would miss it.
         for shard in self.pool_shards(pool) {
-            self.release_shard(&shard, false);
+            self.release_shard(&shard, false, false);
         }
         let mut shards = self.shards.write();
         let keys: Vec<_> = shards.keys().filter(|(_, p)| *p == pool).copied().collect();
         let leaving: Vec<Arc<Shard>> = keys.iter().filter_map(|k| shards.remove(k)).collect();
+        for shard in &leaving {
+            shard.state.lock().retired = true;
+        }
         self.retired.lock().extend(leaving);
         drop(shards);
         self.close_pool_book(pool);

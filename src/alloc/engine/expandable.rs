@@ -116,12 +116,14 @@ impl ShardState {
             stream_uses: Vec::new(),
             pending_events: 0,
             freed_at: self.tick,
+            counted_oversize: false,
         });
         self.segments.insert(
             base,
             SegmentInfo {
                 size: reserved,
                 pool,
+                counted_oversize: false,
                 head: id,
             },
         );
@@ -402,6 +404,7 @@ impl DeviceCore {
             shard,
             |b| Some(b.ptr) != keep && b.pool == pool,
             |f| f >= len,
+            false,
         );
         let mut st = shard.state.lock();
         if shard.sleeping.load(Ordering::Relaxed) {
@@ -540,8 +543,9 @@ impl DeviceCore {
         shard: &Shard,
         select: impl Fn(&crate::alloc::block::Block) -> bool,
         enough: impl Fn(u64) -> bool,
+        releasable_only: bool,
     ) -> u64 {
-        let freed = self.release_free_pages(shard, select, enough);
+        let freed = self.release_free_pages(shard, select, enough, releasable_only);
         self.tell_peaks(shard);
         freed
     }
@@ -551,6 +555,7 @@ impl DeviceCore {
         shard: &Shard,
         select: impl Fn(&crate::alloc::block::Block) -> bool,
         enough: impl Fn(u64) -> bool,
+        releasable_only: bool,
     ) -> u64 {
         // Held across the unmaps: a capture does not begin in between (`capturing.rs`).
         let Some(_no_capture) = self.capturing.releasing() else {
@@ -558,6 +563,9 @@ impl DeviceCore {
         };
         let pages = {
             let mut st = shard.state.lock();
+            if releasable_only && !st.releasable() {
+                return 0;
+            }
             let pages = st.take_free_pages(select, enough);
             self.verify(&st);
             pages

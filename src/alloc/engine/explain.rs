@@ -64,27 +64,37 @@ impl DeviceCore {
         facts.rounded = req.rounded;
         facts.stream = Some(shard.stream);
         let all_shards = self.all_shards();
-        let releasable = self.releasable_shards();
-        {
+        let lendable = {
             let st = shard.state.lock();
             let own = st.free_figures(pool, req.rounded, self.config());
             facts.largest_free_block = own.largest;
             facts.free_in_pool = own.in_pool;
             facts.reserved_unmapped += st.unmapped_bytes();
-        }
+            // `cross_stream_reuse:blocks` lends only to the default pool's misses, never during
+            // a capture (`cross_stream.rs`).
+            st.pool.is_default() && !self.capturing.any()
+        };
         for other in &all_shards {
             if std::ptr::eq(&**other, shard) {
                 continue;
             }
+            // Asked before the lock (a driver call): could the asking stream wait for it?
+            let waitable =
+                lendable && other.stream != shard.stream && self.can_wait(shard.stream, other);
             let st = other.state.lock();
             facts.reserved_unmapped += st.unmapped_bytes();
-            if releasable.iter().any(|r| std::ptr::eq(&**r, &**other)) {
-                if other.stream == shard.stream {
-                    // The default pool of a pool's own stream: not another stream's cache.
-                    continue;
-                }
-                let free = st.free_figures(pool, req.rounded, self.config());
-                facts.cached_on_other_streams += free.all;
+            // Another stream's cache: the default pool's and retired shards' (a pool's own
+            // stream's default pool is not another stream's).
+            if !st.releasable() || other.stream == shard.stream {
+                continue;
+            }
+            let free = st.free_figures(pool, req.rounded, self.config());
+            facts.cached_on_other_streams += free.all;
+            if waitable
+                && !other
+                    .sleeping
+                    .load(crate::sync::os::atomic::Ordering::Relaxed)
+            {
                 facts.largest_fit_on_other_streams =
                     facts.largest_fit_on_other_streams.max(free.largest_fit);
             }

@@ -25,7 +25,6 @@ use super::DeviceCore;
 use super::Shard;
 use super::ShardState;
 use crate::alloc::block::BlockId;
-use crate::config::AllocatorConfig;
 use crate::driver::capability::relaxed;
 use crate::driver::{EventId, StreamId};
 use crate::error::{Error, Result};
@@ -34,14 +33,9 @@ impl Shard {
     /// The owner of handed-out block `id` gave it up (a free): its statistics are settled and the
     /// streams it was used on returned — the next owner waits for them (pending events, or at
     /// once when none) — and the sanitizer is told of the free.
-    pub(super) fn leave(
-        &self,
-        st: &mut ShardState,
-        id: BlockId,
-        config: &AllocatorConfig,
-    ) -> Vec<StreamId> {
+    pub(super) fn leave(&self, st: &mut ShardState, id: BlockId) -> Vec<StreamId> {
         let (ptr, size) = (st.blocks[id].ptr, st.blocks[id].size);
-        let uses = st.release(id, config);
+        let uses = st.release(id);
         if let Some(sanitizer) = &self.sanitizer {
             let graph_held = self.core.capturing.held_by_graphs(st.pool);
             sanitizer.free(ptr, size, self.stream, &uses, graph_held);
@@ -76,13 +70,22 @@ impl Shard {
         }
     }
 
+    /// The shard's own stream, unless it is finished (synchronized and destroyed: nothing of it
+    /// is left to wait for, and the driver knows it no more).
+    fn own_stream_to_wait_for(&self) -> impl Iterator<Item = StreamId> {
+        let finished = self
+            .finished
+            .load(crate::sync::os::atomic::Ordering::SeqCst);
+        (!finished).then_some(self.stream).into_iter()
+    }
+
     /// Whether the bytes of handed-out block `id` can go to a new owner using them on `to`
     /// without a free between: every stream that used them can be waited for from `to`
     /// ([`DeviceCore::order`]). When not, the new owner copies instead and the block is freed —
     /// a free waits for what a wait cannot (`capturing.rs` defers it past the captures).
     pub(in crate::alloc) fn can_hand_over_in_place(&self, id: BlockId, to: StreamId) -> bool {
         let uses = self.state.lock().blocks[id].stream_uses.clone();
-        std::iter::once(self.stream)
+        self.own_stream_to_wait_for()
             .chain(uses)
             .filter(|&s| s != to)
             .all(|used| matches!(self.core.order(to, used), Ok(o) if o != Order::Impossible))
@@ -98,7 +101,8 @@ impl Shard {
     pub(in crate::alloc) fn hand_over_in_place(&self, id: BlockId, to: StreamId) -> bool {
         let uses = self.state.lock().blocks[id].stream_uses.clone();
         let mut ordered = false;
-        for used in std::iter::once(self.stream)
+        for used in self
+            .own_stream_to_wait_for()
             .chain(uses)
             .filter(|&s| s != to)
         {

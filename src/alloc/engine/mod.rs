@@ -127,6 +127,10 @@ pub(crate) struct DeviceCore {
     /// them), released like the default pool's, and taken again by the next pool on their stream
     /// once empty.
     retired: Mutex<Vec<Arc<Shard>>>,
+    /// Shards of destroyed streams that hold nothing: kept alive (a thread's shard cache may
+    /// point at one) but out of every list the miss and release paths walk
+    /// (`DeviceCore::stream_finished`).
+    buried: Mutex<Vec<Arc<Shard>>>,
     events: Mutex<Vec<EventId>>,
     alloc_retries: AtomicU64,
     ooms: AtomicU64,
@@ -171,6 +175,11 @@ pub(crate) struct ShardState {
     expandable: HashMap<u64, ExpandablePages>,
     /// A statistic went past its limit since the flag was last taken (`peaks.rs`).
     over_budget: bool,
+    /// The shard is in its device's retired list (its pool dropped, or its stream destroyed):
+    /// its cache is the device's to release or hand over until a new pool takes it. Checked
+    /// under the lock by the paths that take the default pool's and retired shards' memory: a
+    /// list of shards made before can hold a retired shard that a new pool took meanwhile.
+    retired: bool,
     /// The shard serves a memory pool (not the default pool): its settles tell the pool's book
     /// (`pool_peaks.rs`). `pool` says which; this flag is what the hot path reads.
     pooled: bool,

@@ -97,13 +97,18 @@ impl DeviceCore {
         for &pool in &pools {
             self.sync_pool(pool);
         }
-        let books = self.pool_books.lock();
+        // Read, then asked of the captures outside the book's lock (a leaf lock).
+        let reserved: Vec<(MemPoolId, u64)> = self
+            .pool_books
+            .lock()
+            .iter()
+            .map(|(pool, book)| (*pool, book.sums[RESERVED_BYTES_ALL].max(0) as u64))
+            .collect();
         let mut out = PoolsReserved::default();
-        for (pool, book) in books.iter() {
-            let reserved = book.sums[RESERVED_BYTES_ALL].max(0) as u64;
-            out.pools += reserved;
-            if self.capturing.held_by_graphs(*pool) {
-                out.graphs += reserved;
+        for (pool, bytes) in reserved {
+            out.pools += bytes;
+            if self.capturing.held_by_graphs(pool) {
+                out.graphs += bytes;
             }
         }
         out

@@ -112,8 +112,6 @@ impl Shard {
     /// the last block of an orphaned shard: the caller then calls [`Shard::release_orphan`].
     pub fn free(&self, id: BlockId) -> bool {
         let core = &self.core;
-        // Read before the lock: the configuration's load orders the loads after it.
-        let config = core.config();
         let mut st = self.state.lock();
         let (ptr, size) = (st.blocks[id].ptr, st.blocks[id].size);
         core.trace.record(
@@ -124,7 +122,7 @@ impl Shard {
             self.stream,
         );
         // What the block's next owner waits for is decided in `handover.rs`.
-        let uses = self.leave(&mut st, id, config);
+        let uses = self.leave(&mut st, id);
         if uses.is_empty() {
             core.trace.record(
                 TraceAction::FreeCompleted,
@@ -298,7 +296,7 @@ impl Shard {
 
     /// Subtracts what this shard's front caches hold from `stats` (registry → cache → shard
     /// state, the lock order of `front.rs`).
-    pub fn hide_fronts(&self, stats: &mut DeviceStats, max_split_size: u64) {
+    pub fn hide_fronts(&self, stats: &mut DeviceStats) {
         for cache in &self.fronts.lock().caches {
             cache.with_entries(|entries| {
                 let blocks = &self.state.lock().blocks;
@@ -311,7 +309,7 @@ impl Shard {
                     stats::hide(&mut stats.active, b.pool, 1);
                     stats::hide(&mut stats.active_bytes, b.pool, b.size);
                     stats::hide(&mut stats.requested_bytes, b.pool, b.requested);
-                    if b.size >= max_split_size {
+                    if b.counted_oversize {
                         stats.oversize_allocations.current -= 1;
                     }
                 }
@@ -332,12 +330,7 @@ impl Drop for Shard {
             let _ = self.core.free_events.event_synchronize(e);
         }
         let _ = st.complete_events(|_| Ok(true));
-        let taken = st.take_free_segments(
-            self.core.config(),
-            |_| true,
-            ReleaseOrder::Largest,
-            |_| false,
-        );
+        let taken = st.take_free_segments(|_| true, ReleaseOrder::Largest, |_| false);
         self.core.free_segments(self.stream, taken);
         let pages = st.take_free_pages(|_| true, |_| false);
         let starts: Vec<u64> = pages.iter().map(|p| p.0).collect();

@@ -37,6 +37,12 @@ fn oversize(size: u64, config: &AllocatorConfig) -> bool {
 }
 
 impl ShardState {
+    /// Whether the device may release or hand over this shard's cache (the default pool's, or a
+    /// retired shard's; not a live pool's). Asked under the lock.
+    pub(in crate::alloc) fn releasable(&self) -> bool {
+        self.pool.is_default() || self.retired
+    }
+
     fn free_set(&mut self, pool: PoolKind) -> &mut FreePool {
         match pool {
             PoolKind::Small => &mut self.free_small,
@@ -134,19 +140,22 @@ impl ShardState {
             stream_uses: Vec::new(),
             pending_events: 0,
             freed_at: self.tick,
+            counted_oversize: false,
         });
         self.segments.insert(
             ptr,
             SegmentInfo {
                 size: seg_size,
                 pool,
+                counted_oversize: oversize(seg_size, config),
                 head: id,
             },
         );
+        let counted_oversize = oversize(seg_size, config);
         let s = &mut self.stats;
         self.over_budget |= stats::increase(&mut s.segment, pool, 1);
         self.over_budget |= stats::increase(&mut s.reserved_bytes, pool, seg_size);
-        if oversize(seg_size, config) {
+        if counted_oversize {
             self.over_budget |= s.oversize_segments.increase(1);
         }
         self.insert_free(id);
@@ -219,6 +228,7 @@ impl ShardState {
         self.over_budget |= stats::increase(&mut s.requested_bytes, pool, requested);
         if oversize(size, config) {
             self.over_budget |= s.oversize_allocations.increase(1);
+            self.blocks[id].counted_oversize = true;
         }
         id
     }
@@ -243,7 +253,7 @@ impl ShardState {
 
     /// The caller dropped block `id`. Returns the streams that used it (events must be recorded on
     /// each, then [`Self::add_pending`]); when none, the block is free already.
-    pub fn release(&mut self, id: BlockId, config: &AllocatorConfig) -> Vec<StreamId> {
+    pub fn release(&mut self, id: BlockId) -> Vec<StreamId> {
         let b = &mut self.blocks[id];
         debug_assert_eq!(b.state, BlockState::Allocated);
         let (size, pool, requested) = (b.size, b.pool, b.requested);
@@ -253,7 +263,7 @@ impl ShardState {
         stats::decrease(&mut s.allocation, pool, 1);
         stats::decrease(&mut s.allocated_bytes, pool, size);
         stats::decrease(&mut s.requested_bytes, pool, requested);
-        if oversize(size, config) {
+        if std::mem::take(&mut self.blocks[id].counted_oversize) {
             s.oversize_allocations.decrease(1);
         }
         if uses.is_empty() {
@@ -302,6 +312,7 @@ impl ShardState {
             stream_uses: Vec::new(),
             pending_events: 0,
             freed_at: b.freed_at,
+            counted_oversize: false,
         };
         let rest_id = self.blocks.insert(rest);
         if let Some(next) = self.blocks[rest_id].next {
@@ -414,7 +425,6 @@ impl ShardState {
     /// to give back to the driver.
     pub fn take_free_segments(
         &mut self,
-        config: &AllocatorConfig,
         select: impl Fn(&Block) -> bool,
         order: ReleaseOrder,
         enough: impl Fn(u64) -> bool,
@@ -442,7 +452,7 @@ impl ShardState {
             if enough(freed) {
                 break;
             }
-            let (ptr, size) = self.remove_segment(id, config);
+            let (ptr, size) = self.remove_segment(id);
             self.stats.num_device_free += 1;
             freed += size;
             released.push((ptr, size));
@@ -452,18 +462,17 @@ impl ShardState {
 
     /// Takes free block `id`, a whole segment, out of the shard (to go back to the driver, or
     /// to another stream's shard: `cross_stream.rs`); returns its (base, size).
-    pub(in crate::alloc) fn remove_segment(
-        &mut self,
-        id: BlockId,
-        config: &AllocatorConfig,
-    ) -> (u64, u64) {
+    pub(in crate::alloc) fn remove_segment(&mut self, id: BlockId) -> (u64, u64) {
         self.remove_free(id);
         let b = self.blocks.remove(id);
-        self.segments.remove(&b.ptr);
+        let counted_oversize = self
+            .segments
+            .remove(&b.ptr)
+            .is_some_and(|info| info.counted_oversize);
         let s = &mut self.stats;
         stats::decrease(&mut s.segment, b.pool, 1);
         stats::decrease(&mut s.reserved_bytes, b.pool, b.size);
-        if oversize(b.size, config) {
+        if counted_oversize {
             s.oversize_segments.decrease(1);
         }
         (b.ptr, b.size)
