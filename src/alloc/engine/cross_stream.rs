@@ -146,8 +146,7 @@ impl DeviceCore {
             .collect();
         fits.sort_by_key(|&(size, _)| size);
         for (_, lender) in fits {
-            // Under the lock again: the lender may have become a live pool's meanwhile.
-            let Some(hit) = self.try_fit_where(lender, req, ShardState::releasable) else {
+            let Some(hit) = self.fit_releasable(lender, req) else {
                 continue;
             };
             if let Err(err) = self.wait_for(shard.stream, lender) {
@@ -161,6 +160,21 @@ impl DeviceCore {
             return Some((Arc::clone(lender), hit));
         }
         None
+    }
+
+    /// `try_fit` in `lender`, if under its lock it is still the default pool's or retired (it
+    /// may have become a live pool's since the shards were listed) and awake.
+    fn fit_releasable(&self, lender: &Shard, req: Request) -> Option<Allocated> {
+        let config = self.config();
+        let mut st = lender.state.lock();
+        if lender.sleeping.load(Ordering::Relaxed) || !st.releasable() {
+            return None;
+        }
+        self.poll_events(lender, &mut st);
+        // Two searches (find, then take): not the hot path's one, which stays its caller's alone.
+        let found = st.find_fit(req.pool(), req.rounded, config)?;
+        let id = st.allocate(found, req.rounded, req.requested, config);
+        self.hand_out_fit(lender, st, id, req.rounded)
     }
 
     /// `segments`: the smallest whole idle segment over `others` that fits, moved into `shard`

@@ -236,19 +236,7 @@ impl DeviceCore {
     }
 
     /// Best fit in the shard (after polling its events), allocating on success.
-    #[inline]
     pub(super) fn try_fit(&self, shard: &Shard, req: Request) -> Option<Allocated> {
-        self.try_fit_where(shard, req, |_| true)
-    }
-
-    /// [`Self::try_fit`] in a shard whose state, under its lock, passes `eligible`.
-    #[inline]
-    pub(super) fn try_fit_where(
-        &self,
-        shard: &Shard,
-        req: Request,
-        eligible: impl Fn(&ShardState) -> bool,
-    ) -> Option<Allocated> {
         let Request { requested, rounded } = req;
         let pool = req.pool();
         // Read before the lock (as the free path does): its load orders the loads after it.
@@ -256,11 +244,23 @@ impl DeviceCore {
         let mut st = shard.state.lock();
         // Under the lock: a tag falling asleep sets the flag before it locks to list what to
         // offload, so this sees it or the sleep sees the block (`sleep.rs`).
-        if shard.sleeping.load(Ordering::Relaxed) || !eligible(&st) {
+        if shard.sleeping.load(Ordering::Relaxed) {
             return None;
         }
         self.poll_events(shard, &mut st);
         let id = st.allocate_best_fit(pool, rounded, requested, config)?;
+        self.hand_out_fit(shard, st, id, rounded)
+    }
+
+    /// The end of a fit: the block `id` just handed out under `st`, settled and recorded.
+    #[inline]
+    pub(super) fn hand_out_fit(
+        &self,
+        shard: &Shard,
+        st: ShortMutexGuard<'_, ShardState>,
+        id: BlockId,
+        rounded: u64,
+    ) -> Option<Allocated> {
         let out = st.allocated(id, rounded);
         self.settle(st);
         self.record_alloc(shard, out.ptr, rounded);

@@ -258,12 +258,13 @@ impl ShardState {
         debug_assert_eq!(b.state, BlockState::Allocated);
         let (size, pool, requested) = (b.size, b.pool, b.requested);
         let uses = std::mem::take(&mut b.stream_uses);
+        let counted_oversize = std::mem::take(&mut b.counted_oversize);
         self.owners -= 1;
         let s = &mut self.stats;
         stats::decrease(&mut s.allocation, pool, 1);
         stats::decrease(&mut s.allocated_bytes, pool, size);
         stats::decrease(&mut s.requested_bytes, pool, requested);
-        if std::mem::take(&mut self.blocks[id].counted_oversize) {
+        if counted_oversize {
             s.oversize_allocations.decrease(1);
         }
         if uses.is_empty() {
