@@ -176,16 +176,7 @@ fn fresh_stream_per_step_does_not_strand_memory() {
 fn an_adopted_segment_is_written_after_its_old_stream_finished() {
     let _device = device_alone();
     for b in backends("an_adopted_segment_is_written_after_its_old_stream_finished") {
-        let conf = match &b.host {
-            Some(_) => "cross_stream_reuse:segments".to_owned(),
-            None => continue_with_cuda_cap(&b),
-        };
-        let d = Arc::clone(&b.driver);
-        let a = Runtime::builder()
-            .config(cudalloc::AllocatorConfig::parse(&conf).unwrap())
-            .build(Arc::clone(&d))
-            .unwrap();
-        let (s1, s2) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
+        let (d, a, s1, s2) = ordering_runtime(&b, "segments");
         let len = 24 * MIB;
         let x = a.allocate_on(s1, len).unwrap();
         let x_addr = x.ptr();
@@ -226,16 +217,7 @@ fn an_adopted_segment_is_written_after_its_old_stream_finished() {
 fn a_borrowed_block_returns_to_its_lender_after_the_borrower_finished() {
     let _device = device_alone();
     for b in backends("a_borrowed_block_returns_to_its_lender_after_the_borrower_finished") {
-        let conf = match &b.host {
-            Some(_) => "cross_stream_reuse:blocks".to_owned(),
-            None => continue_with_cuda_cap(&b).replace("segments", "blocks"),
-        };
-        let d = Arc::clone(&b.driver);
-        let a = Runtime::builder()
-            .config(cudalloc::AllocatorConfig::parse(&conf).unwrap())
-            .build(Arc::clone(&d))
-            .unwrap();
-        let (s1, s2) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
+        let (d, a, s1, s2) = ordering_runtime(&b, "blocks");
         let len = 24 * MIB;
         let x = a.allocate_on(s1, len).unwrap();
         let x_addr = x.ptr();
@@ -268,12 +250,26 @@ fn a_borrowed_block_returns_to_its_lender_after_the_borrower_finished() {
     }
 }
 
-/// The configuration of the ordering tests on CUDA: `segments`, capped at 64 MiB so the second
-/// stream's request misses.
-fn continue_with_cuda_cap(b: &TestBackend) -> String {
-    let total = b.driver.mem_info(0).unwrap().total;
-    let fraction = (64 * MIB) as f64 / total as f64;
-    format!("cross_stream_reuse:segments,per_process_memory_fraction:{fraction}")
+/// A runtime of the ordering tests under `cross_stream_reuse:policy` on backend `b` (in a CUDA
+/// run capped at 64 MiB by the memory fraction, so the second stream's request misses), and two
+/// streams.
+fn ordering_runtime(
+    b: &TestBackend,
+    policy: &str,
+) -> (Arc<dyn Driver>, Runtime, StreamId, StreamId) {
+    let mut conf = format!("cross_stream_reuse:{policy}");
+    if b.host.is_none() {
+        let total = b.driver.mem_info(0).unwrap().total;
+        let fraction = (64 * MIB) as f64 / total as f64;
+        conf.push_str(&format!(",per_process_memory_fraction:{fraction}"));
+    }
+    let d = Arc::clone(&b.driver);
+    let a = Runtime::builder()
+        .config(cudalloc::AllocatorConfig::parse(&conf).unwrap())
+        .build(Arc::clone(&d))
+        .unwrap();
+    let (s1, s2) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
+    (d, a, s1, s2)
 }
 
 #[test]

@@ -34,20 +34,23 @@ fn runtime(conf: &str) -> (Arc<dyn Driver>, Runtime, Arc<Mutex<Vec<OutOfMemoryEv
     (driver, a, events)
 }
 
+/// On a 64 MiB device: s2 with one 20 MiB segment split into 6 MiB (freed), 6 MiB (held) and
+/// 8 MiB (free); s1 filling the rest with two whole 20 MiB segments. The held blocks come back.
+fn split_on_one_full_on_another(a: &Runtime) -> (StreamId, StreamId, Vec<cudalloc::DataPtr>) {
+    let (s1, s2) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
+    let x = a.allocate_on(s2, 6 * MIB).unwrap();
+    let mut held = vec![a.allocate_on(s2, 6 * MIB).unwrap()];
+    drop(x);
+    held.extend((0..2).map(|_| a.allocate_on(s1, 20 * MIB).unwrap()));
+    (s1, s2, held)
+}
+
 #[test]
 fn oom_message_names_largest_free_block_and_other_streams() {
     let _device = device_alone();
     for policy in ["off", "blocks"] {
         let (_d, a, events) = runtime(&format!("cross_stream_reuse:{policy}"));
-        let (s1, s2) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
-        // s2: one 20 MiB segment split into 6 MiB (freed), 6 MiB (held) and 8 MiB (free).
-        let x = a.allocate_on(s2, 6 * MIB).unwrap();
-        let held = a.allocate_on(s2, 6 * MIB).unwrap();
-        drop(x);
-        // s1 fills the rest of the device with two whole 20 MiB segments.
-        let full: Vec<_> = (0..2)
-            .map(|_| a.allocate_on(s1, 20 * MIB).unwrap())
-            .collect();
+        let (s1, s2, held) = split_on_one_full_on_another(&a);
         let asked = 8 * MIB;
         match (policy, a.allocate_on(s1, asked)) {
             ("off", Err(err)) => {
@@ -84,7 +87,7 @@ fn oom_message_names_largest_free_block_and_other_streams() {
             }
             (policy, got) => panic!("{policy}: {:?}", got.map(|p| p.ptr())),
         }
-        drop((full, held));
+        drop(held);
         a.check_invariants().unwrap();
     }
 }
@@ -93,14 +96,7 @@ fn oom_message_names_largest_free_block_and_other_streams() {
 fn no_cross_stream_advice_where_nothing_could_be_lent() {
     let _device = device_alone();
     let (_d, a, events) = runtime("");
-    let (s1, s2) = (a.create_stream(0).unwrap(), a.create_stream(0).unwrap());
-    // s2 caches an 8 MiB free block in a split segment, as in the test above.
-    let x = a.allocate_on(s2, 6 * MIB).unwrap();
-    let held = a.allocate_on(s2, 6 * MIB).unwrap();
-    drop(x);
-    let full: Vec<_> = (0..2)
-        .map(|_| a.allocate_on(s1, 20 * MIB).unwrap())
-        .collect();
+    let (s1, _s2, held) = split_on_one_full_on_another(&a);
     // A memory pool's allocation is never lent another stream's block.
     let pool = a.mem_pool(Default::default()).unwrap();
     let err = {
@@ -111,7 +107,7 @@ fn no_cross_stream_advice_where_nothing_could_be_lent() {
     assert_eq!(e.cached_on_other_streams, 14 * MIB, "{e:?}");
     assert_eq!(e.largest_fit_on_other_streams, 0, "{e:?}");
     assert!(!err.to_string().contains("cross_stream_reuse"), "{err}");
-    drop((full, held, pool));
+    drop((held, pool));
 }
 
 #[test]

@@ -131,21 +131,11 @@ impl DeviceCore {
         others: &[Arc<Shard>],
         req: Request,
     ) -> Option<(Arc<Shard>, Allocated)> {
-        let pool = req.pool();
-        let mut fits: Vec<(u64, &Arc<Shard>)> = others
-            .iter()
-            .filter_map(|other| {
-                let mut st = other.state.lock();
-                if other.sleeping.load(Ordering::Relaxed) || !st.releasable() {
-                    return None;
-                }
-                self.poll_events(other, &mut st);
-                let id = st.find_fit(pool, req.rounded, self.config())?;
-                Some((st.blocks[id].size, other))
-            })
-            .collect();
-        fits.sort_by_key(|&(size, _)| size);
-        for (_, lender) in fits {
+        let fits = self.ranked(others, |st| {
+            let id = st.find_fit(req.pool(), req.rounded, self.config())?;
+            Some(st.blocks[id].size)
+        });
+        for lender in fits {
             let Some(hit) = self.fit_releasable(lender, req) else {
                 continue;
             };
@@ -160,6 +150,29 @@ impl DeviceCore {
             return Some((Arc::clone(lender), hit));
         }
         None
+    }
+
+    /// The shards of `others` that are, under their locks, still the default pool's or retired
+    /// and awake, with what `size` finds in each (their pending frees polled first), smallest
+    /// first. A peek: the caller takes under the lock again.
+    fn ranked<'a>(
+        &self,
+        others: &'a [Arc<Shard>],
+        size: impl Fn(&ShardState) -> Option<u64>,
+    ) -> Vec<&'a Arc<Shard>> {
+        let mut fits: Vec<(u64, &Arc<Shard>)> = others
+            .iter()
+            .filter_map(|other| {
+                let mut st = other.state.lock();
+                if other.sleeping.load(Ordering::Relaxed) || !st.releasable() {
+                    return None;
+                }
+                self.poll_events(other, &mut st);
+                Some((size(&st)?, other))
+            })
+            .collect();
+        fits.sort_by_key(|&(size, _)| size);
+        fits.into_iter().map(|(_, shard)| shard).collect()
     }
 
     /// `try_fit` in `lender`, if under its lock it is still the default pool's or retired (it
@@ -186,20 +199,11 @@ impl DeviceCore {
         req: Request,
     ) -> Option<Allocated> {
         let pool = req.pool();
-        let mut fits: Vec<(u64, &Arc<Shard>)> = others
-            .iter()
-            .filter_map(|other| {
-                let mut st = other.state.lock();
-                if other.sleeping.load(Ordering::Relaxed) || !st.releasable() {
-                    return None;
-                }
-                self.poll_events(other, &mut st);
-                let (size, _) = st.smallest_idle_segment(pool, req.rounded, self.config())?;
-                Some((size, other))
-            })
-            .collect();
-        fits.sort_by_key(|&(size, _)| size);
-        for (_, from) in fits {
+        let fits = self.ranked(others, |st| {
+            let (size, _) = st.smallest_idle_segment(pool, req.rounded, self.config())?;
+            Some(size)
+        });
+        for from in fits {
             let taken = {
                 let mut st = from.state.lock();
                 // Under the lock again: `from` may have become a live pool's meanwhile.
