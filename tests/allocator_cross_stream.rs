@@ -111,6 +111,18 @@ fn cross_stream_reclaim_of_idle_segments_before_oom() {
     }
 }
 
+/// One step of the pattern on a fresh stream, as a weight sync makes one: two 6 MiB buffers (one
+/// 20 MiB segment), written and checked, then freed. Returns the step's stream.
+fn weight_sync_step(d: &Arc<dyn Driver>, a: &Runtime, step: u64) -> StreamId {
+    let s = a.create_stream(0).unwrap();
+    let x = a.allocate_on(s, 6 * MIB).unwrap();
+    let y = a.allocate_on(s, 6 * MIB).unwrap();
+    fill(d, s, &x, 6 * MIB, step);
+    fill(d, s, &y, 6 * MIB, step + 1);
+    assert_eq!(mismatches(d, s, &x, 6 * MIB, step), 0, "step {step}");
+    s
+}
+
 #[test]
 fn fresh_stream_per_step_does_not_strand_memory() {
     let _device = device_alone();
@@ -121,17 +133,7 @@ fn fresh_stream_per_step_does_not_strand_memory() {
         for step in 0..50u64 {
             // A fresh stream per step, as a weight sync makes one: two 6 MiB buffers (one
             // 20 MiB segment), written, then freed, the step's stream finished.
-            let s = a.create_stream(0).unwrap();
-            let x = a.allocate_on(s, 6 * MIB).unwrap();
-            let y = a.allocate_on(s, 6 * MIB).unwrap();
-            fill(&d, s, &x, 6 * MIB, step);
-            fill(&d, s, &y, 6 * MIB, step + 1);
-            assert_eq!(
-                mismatches(&d, s, &x, 6 * MIB, step),
-                0,
-                "{policy} step {step}"
-            );
-            drop((x, y));
+            let s = weight_sync_step(&d, &a, step);
             d.stream_synchronize(s).unwrap();
             most = most.max(a.memory_stats(0).unwrap().reserved_bytes.all.current);
         }
@@ -147,12 +149,8 @@ fn fresh_stream_per_step_does_not_strand_memory() {
     let (d, a) = sized_runtime(512 * MIB, "off");
     let mut most = 0i64;
     for step in 0..50u64 {
-        let s = a.create_stream(0).unwrap();
-        let x = a.allocate_on(s, 6 * MIB).unwrap();
-        let y = a.allocate_on(s, 6 * MIB).unwrap();
-        fill(&d, s, &x, 6 * MIB, step);
+        let s = weight_sync_step(&d, &a, step);
         most = most.max(a.memory_stats(0).unwrap().reserved_bytes.all.current);
-        drop((x, y));
         a.destroy_stream(s).unwrap();
         assert_eq!(
             a.memory_stats(0).unwrap().reserved_bytes.all.current,
