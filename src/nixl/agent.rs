@@ -194,7 +194,20 @@ impl NixlAgent {
         Ok(peers::seal(generation, &nixl))
     }
 
-    /// Loads a peer's metadata (replacing what was loaded of it before) and returns its name.
+    /// This agent's metadata in NIXL's own form (`get_local_md`, what the Python API's
+    /// `add_remote_agent` takes), for a peer that is not cudalloc. Without cudalloc's envelope a
+    /// peer cannot tell stale metadata from fresh: send it again after segments were freed.
+    pub fn nixl_metadata(&self) -> Result<Vec<u8>> {
+        self.core.alive()?;
+        self.core
+            .agent
+            .get_local_md()
+            .map_err(|e| nixl_error("reading this agent's metadata", e))
+    }
+
+    /// Loads a peer's metadata — a cudalloc agent's [`metadata`](Self::metadata), or NIXL's own
+    /// (`get_agent_metadata` of a foreign peer) — replacing what was loaded of it before, and
+    /// returns its name.
     /// The bytes are untrusted: checked before NIXL parses them (`peers.rs`). Refused while
     /// transfers with that peer are in flight.
     pub fn load_peer(&self, metadata: &[u8]) -> Result<String> {

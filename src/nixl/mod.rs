@@ -9,7 +9,8 @@
 //!
 //! The files, from the ground up: `library.rs` (loading `libnixl_capi.so` and proving it is not
 //! nixl-sys's aborting stub), `descriptor.rs` ([`RemoteStorage`], its checked encoding, pairing
-//! local and remote regions), `core.rs` (what an agent and its transfers share), `peers.rs` (the metadata envelope, checks on a peer's bytes before
+//! local and remote regions), `foreign.rs` (NIXL's own forms of a descriptor list, bare and as its Python API
+//! pickles them, for peers that are not cudalloc), `core.rs` (what an agent and its transfers share), `peers.rs` (the metadata envelope, checks on a peer's bytes before
 //! NIXL parses them, what is known of each peer), `registrar.rs` (the registrar), `transfer.rs`
 //! ([`Transfer`] and the stream sanitizer's view of it), `agent.rs` ([`NixlAgent`]: set-up,
 //! metadata, descriptions, notifications), `post.rs` (writes and reads).
@@ -24,6 +25,15 @@
 //! | learn | [`NixlAgent::wait_notification`], then [`NixlAgent::received`] orders its stream after the bytes | — |
 //! | free | drops the storage; once its segment is released (deregistered first), sends fresh metadata | [`NixlAgent::load_peer`] again: NIXL then refuses transfers into the freed memory |
 //!
+//! **A peer that is not cudalloc** speaks NIXL's own forms (`foreign.rs`): it loads
+//! [`NixlAgent::nixl_metadata`] (NIXL's `get_local_md`; no envelope, so no generation: send it
+//! again after segments were freed), reads [`RemoteStorage::to_nixl_descs`] with its Python API's
+//! `deserialize_descs`, and sends its own `get_agent_metadata` and `get_serialized_descs` bytes,
+//! which [`NixlAgent::load_peer`] and [`RemoteStorage::from_nixl_descs`] read (generation 0).
+//! cudalloc's own description encoding stays for cudalloc peers: it carries the owner's
+//! registration generation, which NIXL's lists do not, and so turns a stale peer's transfer into a
+//! clear error instead of NIXL's "no backend had the required registrations".
+//!
 //! **What NIXL does and does not check.** NIXL refuses a descriptor outside memory registered on
 //! either side, as it knows the peer's registrations from the last metadata it loaded. A peer that
 //! still holds *stale* metadata can still target memory the owner has deregistered (UCX moves the
@@ -37,6 +47,7 @@
 mod agent;
 mod core;
 mod descriptor;
+mod foreign;
 mod library;
 mod peers;
 mod post;

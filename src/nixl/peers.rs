@@ -38,21 +38,30 @@ pub(crate) fn seal(generation: u64, nixl: &[u8]) -> Vec<u8> {
     out
 }
 
-/// A peer's metadata, checked: its generation, NIXL's bytes and the agent name in them.
+/// A peer's metadata, checked: its generation, NIXL's bytes and the agent name in them. A
+/// cudalloc agent's comes in the envelope; a foreign peer's (NIXL's own `get_agent_metadata`)
+/// bare, with generation 0 (descriptions of its memory carry no generation either).
 pub(crate) fn open(bytes: &[u8], max: usize) -> Result<(u64, &[u8], String)> {
     let bad = |what: String| Error::transfer(format!("peer metadata: {what}"));
-    if bytes.len() <= ENVELOPE + NIXL_HEADER.len() + 8 || bytes.len() > max {
+    if bytes.len() <= NIXL_HEADER.len() + 8 || bytes.len() > max {
         return Err(bad(format!(
             "{} bytes (more than {} and at most {max})",
             bytes.len(),
-            ENVELOPE + NIXL_HEADER.len() + 8
+            NIXL_HEADER.len() + 8
         )));
     }
-    if &bytes[..8] != MAGIC {
-        return Err(bad("not a cudalloc NIXL agent's metadata".into()));
-    }
-    let generation = u64_at(bytes, 8);
-    let nixl = &bytes[ENVELOPE..];
+    let (generation, nixl) = if bytes.starts_with(MAGIC) {
+        if bytes.len() <= ENVELOPE + NIXL_HEADER.len() + 8 {
+            return Err(bad(format!("an envelope of {} bytes", bytes.len())));
+        }
+        (u64_at(bytes, 8), &bytes[ENVELOPE..])
+    } else if bytes.starts_with(NIXL_HEADER) {
+        (0, bytes)
+    } else {
+        return Err(bad(
+            "neither a cudalloc NIXL agent's metadata nor NIXL's own".into(),
+        ));
+    };
     if !nixl.starts_with(NIXL_HEADER) {
         return Err(bad("not NIXL's serialized layout".into()));
     }
@@ -169,10 +178,18 @@ mod tests {
             seal(1, &nixl_like(&[b'x'; 300])),
             seal(1, b"nixlSerDes|Agent\x09\0\0\0\0\0\0\0short"),
             seal(1, b"somethingElse|Agent\x01\0\0\0\0\0\0\0a|"),
-            nixl_like(b"no-envelope"),
+            nixl_like(&[0xFF, 0xFE]),
+            b"somethingElse|Agent\x01\0\0\0\0\0\0\0a|".to_vec(),
         ] {
             assert!(open(&bad, 1 << 20).is_err());
         }
+        // A foreign peer's metadata is NIXL's own, bare: generation 0.
+        let bare = nixl_like(b"python-peer");
+        let (generation, nixl, name) = open(&bare, 1 << 20).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (generation, name.as_str(), nixl),
+            (0, "python-peer", &bare[..])
+        );
         assert!(open(&md, md.len() - 1).is_err(), "over the size limit");
         // Every truncation is an error, never a panic.
         for cut in 0..md.len() {

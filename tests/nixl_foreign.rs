@@ -1,0 +1,215 @@
+//! A foreign NIXL peer (feature `nixl`, issue 39): `tests/nixl_foreign/peer.py`, a program on the
+//! `nixl` wheel's public Python API only — `nixl_agent`, `get_agent_metadata` / `add_remote_agent`,
+//! descriptor lists serialized by NIXL (`get_serialized_descs` / `deserialize_descs`),
+//! `initialize_xfer`, notifications — reads storages cudalloc offered and checks every byte, writes
+//! into storages cudalloc offered (cudalloc learns it by the notification and orders its stream
+//! after the bytes), and offers a buffer of its own that cudalloc reads and writes. UCX on
+//! loopback. Registrations stay one per mapped region.
+//!
+//! The engine and the peer are the point: without NIXL's library, or without a Python that has the
+//! wheel and numpy (`CUDALLOC_NIXL_PYTHON`, which `.ci/run` sets), every test here **fails**.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use cudalloc::backend::HostDriver;
+use cudalloc::nixl::{NixlAgent, NixlOptions, RemoteStorage};
+use cudalloc::{Runtime, Storage};
+
+const MIB: u64 = 1 << 20;
+const WAIT: Duration = Duration::from_secs(60);
+const PYTHON_VAR: &str = "CUDALLOC_NIXL_PYTHON";
+
+/// NIXL's agents and UCX's threads are process-wide: one test at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn setup() -> MutexGuard<'static, ()> {
+    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
+    if std::env::var_os("UCX_NET_DEVICES").is_none() {
+        std::env::set_var("UCX_NET_DEVICES", "lo");
+    }
+    cudalloc::nixl::load_library(None).unwrap_or_else(|e| {
+        panic!("the NIXL engine is required by this suite and could not be loaded: {e}")
+    });
+    guard
+}
+
+/// The foreign peer, a Python process.
+struct Peer {
+    child: Child,
+    input: ChildStdin,
+    output: BufReader<ChildStdout>,
+}
+
+impl Peer {
+    fn spawn(name: &str) -> Peer {
+        let python = std::env::var(PYTHON_VAR).unwrap_or_else(|_| {
+            panic!(
+                "{PYTHON_VAR} must name a Python with the nixl wheel and numpy (the foreign peer \
+                 is the point of this suite; .ci/run sets it)"
+            )
+        });
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/nixl_foreign/peer.py");
+        let mut child = Command::new(&python)
+            .arg(script)
+            .arg(name)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting the foreign peer with {python}: {e}"));
+        let input = child.stdin.take().unwrap();
+        let output = BufReader::new(child.stdout.take().unwrap());
+        Peer {
+            child,
+            input,
+            output,
+        }
+    }
+
+    fn send(&mut self, line: &str) {
+        writeln!(self.input, "{line}").unwrap();
+        self.input.flush().unwrap();
+    }
+
+    /// The next answer, which must start with `word`; its rest.
+    fn expect(&mut self, word: &str) -> String {
+        let mut line = String::new();
+        self.output.read_line(&mut line).unwrap();
+        let line = line.trim_end();
+        match line.split_once(' ') {
+            Some((w, rest)) if w == word => rest.to_owned(),
+            _ if line == word => String::new(),
+            _ => panic!("the foreign peer answered {line:?} where {word} was expected"),
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = writeln!(self.input, "QUIT");
+        let _ = self.child.wait();
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Vec<u8> {
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+fn runtime() -> Arc<Runtime> {
+    let host = HostDriver::builder()
+        .devices(1)
+        .memory_per_device(1 << 30)
+        .build()
+        .unwrap();
+    Arc::new(
+        Runtime::builder()
+            .sanitize(cudalloc::sanitizer::Sanitize::FromEnv)
+            .check_invariants(true)
+            .build(Arc::new(host))
+            .unwrap(),
+    )
+}
+
+const SIZES: [u64; 8] = [
+    512,
+    4096,
+    100_003,
+    MIB,
+    3 * MIB + 17,
+    7 * MIB,
+    12 * MIB,
+    25 * MIB,
+];
+
+#[test]
+fn a_foreign_peer_reads_and_writes_cudalloc_storages_and_offers_its_own() {
+    let _one = setup();
+    let rt = runtime();
+    let name = format!("cudalloc-{}", std::process::id());
+    let agent = NixlAgent::new(&rt, NixlOptions::new(name)).unwrap();
+    let stream = rt.default_stream(0).unwrap();
+    let mut peer = Peer::spawn(&format!("python-{}", std::process::id()));
+    // Meet: each side loads the other's metadata in NIXL's own form.
+    let theirs = agent.load_peer(&unhex(&peer.expect("META"))).unwrap();
+
+    let storages: Vec<Storage> = SIZES
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let s = Storage::new_on(&rt, stream, n).unwrap();
+            s.fill_pattern(100 + i as u64).unwrap();
+            s
+        })
+        .collect();
+    let targets: Vec<Storage> = SIZES
+        .iter()
+        .map(|&n| Storage::new_on(&rt, stream, n).unwrap())
+        .collect();
+    rt.synchronize(stream).unwrap();
+    peer.send(&format!("META {}", hex(&agent.nixl_metadata().unwrap())));
+    assert_eq!(peer.expect("OK"), agent.name());
+
+    // (a) The peer reads what cudalloc offers, every byte checked there.
+    for (i, s) in storages.iter().enumerate() {
+        let offer = agent.describe(s, stream).unwrap().to_nixl_descs();
+        peer.send(&format!("READ {} {}", 100 + i, hex(&offer)));
+        assert_eq!(peer.expect("READ"), "0", "storage {i} read by the peer");
+    }
+    // (b) The peer writes into storages cudalloc offers; cudalloc learns it by the notification
+    // and orders its stream after the bytes before reading them.
+    for (i, t) in targets.iter().enumerate() {
+        let offer = agent.describe(t, stream).unwrap().to_nixl_descs();
+        peer.send(&format!("WRITE {} {}", 200 + i, hex(&offer)));
+        peer.expect("WROTE");
+        agent
+            .wait_notification(&theirs, b"write-done", WAIT)
+            .unwrap();
+        agent.received(t, stream).unwrap();
+        assert_eq!(
+            t.count_pattern_mismatches(200 + i as u64).unwrap(),
+            0,
+            "storage {i} written by the peer"
+        );
+    }
+    // (c) The peer offers a buffer of its own: cudalloc reads it, then writes it.
+    let n = 5 * MIB + 3;
+    peer.send(&format!("OFFER {n} 300"));
+    let offered = unhex(&peer.expect("OFFER"));
+    assert_eq!(
+        agent.load_peer(&unhex(&peer.expect("META"))).unwrap(),
+        theirs
+    );
+    let remote = RemoteStorage::from_nixl_descs(&theirs, &offered).unwrap();
+    assert_eq!(remote.nbytes(), n);
+    let into = Storage::new_on(&rt, stream, n).unwrap();
+    let mut read = agent.read(stream, &[(&into, &remote)], None).unwrap();
+    read.wait(WAIT).unwrap();
+    drop(read);
+    assert_eq!(
+        into.count_pattern_mismatches(300).unwrap(),
+        0,
+        "read from the peer"
+    );
+    let from = Storage::new_on(&rt, stream, n).unwrap();
+    from.fill_pattern(301).unwrap();
+    let mut write = agent.write(stream, &[(&from, &remote)], None).unwrap();
+    write.wait(WAIT).unwrap();
+    drop(write);
+    peer.send("CHECK 301");
+    assert_eq!(peer.expect("CHECK"), "0", "written into the peer's buffer");
+
+    // Registrations are the mapped regions, never one per storage or per transfer.
+    let stats = rt.registration_stats();
+    assert_eq!(agent.registered_regions() as u64, stats.mapped_regions);
+    assert_eq!(stats.registrars[0].failures, 0);
+}

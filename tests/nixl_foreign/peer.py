@@ -1,0 +1,118 @@
+"""A foreign NIXL peer: a program on the `nixl` wheel's public Python API only (no cudalloc),
+driven line by line over stdin/stdout by `tests/nixl_foreign.rs`.
+
+Commands (binary values in hex):
+  META <hex>            load the other agent's metadata (NIXL's own form); answers `OK <name>`
+  READ <seed> <hex>     read the storage the pickled descriptor list names into a buffer of ours and
+                        count the bytes that differ from the pattern of <seed>; answers
+                        `READ <mismatches>` (the transfer notifies "read-done")
+  WRITE <seed> <hex>    write the pattern of <seed> into that storage; answers `WROTE` (notifies
+                        "write-done")
+  OFFER <len> <seed>    register a buffer of ours filled with the pattern of <seed>; answers
+                        `OFFER <hex of our descriptor list>` and then `META <hex of our metadata>`
+  CHECK <seed>          count the bytes of the offered buffer that differ from the pattern of
+                        <seed>; answers `CHECK <mismatches>`
+  QUIT
+At start it prints `META <hex of its metadata>`. Errors are answered `ERR <message>`.
+"""
+
+import os
+import sys
+import time
+
+# The answers go to the original stdout; everything else written there (NIXL's and UCX's logs,
+# from Python or C) goes to stderr.
+ANSWERS = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+import numpy as np  # noqa: E402
+from nixl_cu12._api import nixl_agent, nixl_agent_config  # noqa: E402
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+M1 = np.uint64(0xBF58476D1CE4E5B9)
+M2 = np.uint64(0x94D049BB133111EB)
+
+
+def pattern(seed, n):
+    """cudalloc's pattern bytes (src/driver/pattern.rs), the same function written again."""
+    words = (n + 7) // 8
+    with np.errstate(over="ignore"):
+        w = np.arange(words, dtype=np.uint64)
+        z = np.uint64(seed) + w * GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * M1
+        z = (z ^ (z >> np.uint64(27))) * M2
+        z = z ^ (z >> np.uint64(31))
+    return z.astype("<u8").view(np.uint8)[:n]
+
+
+def say(line):
+    ANSWERS.write(line + "\n")
+    ANSWERS.flush()
+
+
+def main():
+    name = sys.argv[1]
+    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    say("META " + agent.get_agent_metadata().hex())
+    remote = None
+    offered = None
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        try:
+            cmd = words[0]
+            if cmd == "QUIT":
+                break
+            if cmd == "META":
+                remote = agent.add_remote_agent(bytes.fromhex(words[1]))
+                if isinstance(remote, bytes):
+                    remote = remote.decode()
+                say("OK " + remote)
+            elif cmd in ("READ", "WRITE"):
+                seed = int(words[1])
+                descs = agent.deserialize_descs(bytes.fromhex(words[2]))
+                lengths = [descs[i][1] for i in range(descs.descCount())]
+                total = sum(lengths)
+                buf = pattern(seed, total).copy() if cmd == "WRITE" else np.zeros(total, np.uint8)
+                base = buf.ctypes.data
+                reg = agent.register_memory([(base, total, 0, "")], "DRAM")
+                local, at = [], 0
+                for n in lengths:
+                    local.append((base + at, n, 0))
+                    at += n
+                local = agent.get_xfer_descs(local, "DRAM")
+                done = b"read-done" if cmd == "READ" else b"write-done"
+                handle = agent.initialize_xfer(cmd, local, descs, remote, done)
+                state = agent.transfer(handle)
+                deadline = time.time() + 60
+                while state not in ("DONE", "ERR") and time.time() < deadline:
+                    state = agent.check_xfer_state(handle)
+                agent.release_xfer_handle(handle)
+                agent.deregister_memory(reg)
+                if state != "DONE":
+                    say("ERR transfer " + state)
+                elif cmd == "READ":
+                    say("READ %d" % int(np.count_nonzero(buf != pattern(seed, total))))
+                else:
+                    say("WROTE")
+            elif cmd == "OFFER":
+                n, seed = int(words[1]), int(words[2])
+                buf = pattern(seed, n).copy()
+                reg = agent.register_memory([(buf.ctypes.data, n, 0, "")], "DRAM")
+                offered = (buf, reg)
+                descs = agent.get_xfer_descs([(buf.ctypes.data, n, 0)], "DRAM")
+                say("OFFER " + agent.get_serialized_descs(descs).hex())
+                say("META " + agent.get_agent_metadata().hex())
+            elif cmd == "CHECK":
+                buf = offered[0]
+                say("CHECK %d" % int(np.count_nonzero(buf != pattern(int(words[1]), len(buf)))))
+            else:
+                say("ERR unknown command " + cmd)
+        except Exception as e:  # noqa: BLE001 - every failure is the driver's to judge
+            say("ERR %s: %s" % (type(e).__name__, str(e).replace("\n", " ")))
+
+
+if __name__ == "__main__":
+    main()
