@@ -213,3 +213,80 @@ fn a_foreign_peer_reads_and_writes_cudalloc_storages_and_offers_its_own() {
     assert_eq!(agent.registered_regions() as u64, stats.mapped_regions);
     assert_eq!(stats.registrars[0].failures, 0);
 }
+
+#[test]
+fn a_foreign_peer_with_fresh_metadata_cannot_reach_a_freed_storage_and_its_death_harms_nothing() {
+    let _one = setup();
+    let rt = runtime();
+    let agent = NixlAgent::new(
+        &rt,
+        NixlOptions::new(format!("owner-{}", std::process::id())),
+    )
+    .unwrap();
+    let stream = rt.default_stream(0).unwrap();
+    let mut peer = Peer::spawn(&format!("reader-{}", std::process::id()));
+    agent.load_peer(&unhex(&peer.expect("META"))).unwrap();
+
+    // A storage alone in its segment, offered and read once.
+    let doomed = Storage::new_on(&rt, stream, 24 * MIB).unwrap();
+    doomed.fill_pattern(7).unwrap();
+    rt.synchronize(stream).unwrap();
+    let offer = agent.describe(&doomed, stream).unwrap().to_nixl_descs();
+    peer.send(&format!("META {}", hex(&agent.nixl_metadata().unwrap())));
+    peer.expect("OK");
+    peer.send(&format!("READ 7 {}", hex(&offer)));
+    assert_eq!(peer.expect("READ"), "0");
+    // Freed and its segment given back (deregistered first); the peer loads fresh metadata.
+    let regions = agent.registered_regions();
+    drop(doomed);
+    rt.empty_cache();
+    assert_eq!(agent.registered_regions(), regions - 1);
+    peer.send(&format!("META {}", hex(&agent.nixl_metadata().unwrap())));
+    peer.expect("OK");
+    peer.send(&format!("READ 7 {}", hex(&offer)));
+    let mut line = String::new();
+    peer.output.read_line(&mut line).unwrap();
+    assert!(
+        line.starts_with("ERR"),
+        "a read of a freed storage must fail at the peer, got {line:?}"
+    );
+
+    // A peer killed while it reads: cudalloc's storages and registrations are untouched, and a
+    // new peer reads them.
+    let kept: Vec<Storage> = (0..4)
+        .map(|i| {
+            let s = Storage::new_on(&rt, stream, 25 * MIB).unwrap();
+            s.fill_pattern(40 + i).unwrap();
+            s
+        })
+        .collect();
+    rt.synchronize(stream).unwrap();
+    peer.send(&format!("META {}", hex(&agent.nixl_metadata().unwrap())));
+    peer.expect("OK");
+    let offers: Vec<Vec<u8>> = kept
+        .iter()
+        .map(|s| agent.describe(s, stream).unwrap().to_nixl_descs())
+        .collect();
+    peer.send(&format!("READ 40 {}", hex(&offers[0])));
+    peer.child.kill().unwrap();
+    peer.child.wait().unwrap();
+    drop(peer);
+    let regions = agent.registered_regions();
+    assert_eq!(regions as u64, rt.registration_stats().mapped_regions);
+    for (i, s) in kept.iter().enumerate() {
+        assert_eq!(s.count_pattern_mismatches(40 + i as u64).unwrap(), 0);
+    }
+    let mut next = Peer::spawn(&format!("reader2-{}", std::process::id()));
+    agent.load_peer(&unhex(&next.expect("META"))).unwrap();
+    next.send(&format!("META {}", hex(&agent.nixl_metadata().unwrap())));
+    next.expect("OK");
+    for (i, offer) in offers.iter().enumerate() {
+        next.send(&format!("READ {} {}", 40 + i, hex(offer)));
+        assert_eq!(
+            next.expect("READ"),
+            "0",
+            "storage {i} after the first peer died"
+        );
+    }
+    assert_eq!(agent.registered_regions(), regions);
+}

@@ -2,7 +2,8 @@
 driven line by line over stdin/stdout by `tests/nixl_foreign.rs`.
 
 Commands (binary values in hex):
-  META <hex>            load the other agent's metadata (NIXL's own form); answers `OK <name>`
+  META <hex>            load the other agent's metadata (NIXL's own form), replacing an earlier
+                        copy; answers `OK <name>`
   READ <seed> <hex>     read the storage the pickled descriptor list names into a buffer of ours and
                         count the bytes that differ from the pattern of <seed>; answers
                         `READ <mismatches>` (the transfer notifies "read-done")
@@ -66,6 +67,9 @@ def main():
             if cmd == "QUIT":
                 break
             if cmd == "META":
+                if remote is not None:
+                    # NIXL keeps the first copy of a peer's metadata: drop it, load the new one.
+                    agent.remove_remote_agent(remote)
                 remote = agent.add_remote_agent(bytes.fromhex(words[1]))
                 if isinstance(remote, bytes):
                     remote = remote.decode()
