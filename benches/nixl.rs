@@ -3,7 +3,7 @@
 //! * `registration` — registering what the storages live in with a NIXL agent: one registration
 //!   per region the allocator mapped (what cudalloc's registrar does) against one per storage (what
 //!   a tensor library without a registration model does), each deregistered after.
-//! * `transfer` — the 1,000 storages written process to process (this bench re-executed as the
+//! * `transfer` — the 1,000 storages written and read process to process (this bench re-executed as the
 //!   receiver) in one NIXL transfer over UCX on loopback, against a plain `memcpy` of the same
 //!   bytes in this process; `transfer_large` — the same for the storages of at least 1 MiB.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
@@ -213,6 +213,54 @@ fn transfer_group(c: &mut Criterion, group: &str, large: bool) {
         },
     );
     g.bench_function(
+        BenchmarkId::new("nixl read, two processes", local.len()),
+        |b| {
+            b.iter_custom(|iters| {
+                let started = Instant::now();
+                for _ in 0..iters {
+                    agent
+                        .read(stream, &pairs, None)
+                        .unwrap()
+                        .wait(WAIT)
+                        .unwrap();
+                }
+                started.elapsed()
+            })
+        },
+    );
+    // A foreign peer (tests/nixl_foreign/peer.py, the nixl wheel's Python API only) reading this
+    // process's storages in one transfer of NIXL's own descriptor list: the transfers' time as it
+    // measures it.
+    if let Some(mut peer) = ForeignPeer::spawn() {
+        peer.send(&format!(
+            "META {}",
+            common::hex(&agent.nixl_metadata().unwrap())
+        ));
+        peer.expect("OK");
+        let pieces: Vec<(u64, u64)> = local
+            .iter()
+            .flat_map(|s| agent.describe(s, stream).unwrap().pieces().to_vec())
+            .collect();
+        let all = RemoteStorage::new(
+            agent.name().to_owned(),
+            cudalloc::nixl::MemoryKind::Dram,
+            0,
+            pieces,
+        )
+        .unwrap()
+        .to_nixl_descs();
+        let all = common::hex(&all);
+        g.bench_function(
+            BenchmarkId::new("foreign peer read (Python, nixl wheel)", local.len()),
+            |b| {
+                b.iter_custom(|iters| {
+                    peer.send(&format!("BENCH {iters} {all}"));
+                    Duration::from_secs_f64(peer.expect("BENCH").parse().unwrap())
+                })
+            },
+        );
+    }
+    g.bench_function(
         BenchmarkId::new("memcpy of the same bytes", local.len()),
         |b| {
             b.iter(|| {
@@ -226,6 +274,62 @@ fn transfer_group(c: &mut Criterion, group: &str, large: bool) {
     g.finish();
     drop(child.stdin.take());
     child.wait().unwrap();
+}
+
+/// The foreign peer of `tests/nixl_foreign.rs`, when `CUDALLOC_NIXL_PYTHON` names a Python with
+/// the nixl wheel (else its row is left out, said so).
+struct ForeignPeer {
+    child: std::process::Child,
+    input: std::process::ChildStdin,
+    output: BufReader<std::process::ChildStdout>,
+}
+
+impl ForeignPeer {
+    fn spawn() -> Option<ForeignPeer> {
+        let Some(python) = std::env::var_os("CUDALLOC_NIXL_PYTHON") else {
+            println!("foreign peer read: left out (CUDALLOC_NIXL_PYTHON is not set)");
+            return None;
+        };
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/nixl_foreign/peer.py");
+        let mut child = Command::new(python)
+            .arg(script)
+            .arg(format!("bench-py-{}", std::process::id()))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let input = child.stdin.take().unwrap();
+        let output = BufReader::new(child.stdout.take().unwrap());
+        let mut peer = ForeignPeer {
+            child,
+            input,
+            output,
+        };
+        peer.expect("META");
+        Some(peer)
+    }
+
+    fn send(&mut self, line: &str) {
+        writeln!(self.input, "{line}").unwrap();
+        self.input.flush().unwrap();
+    }
+
+    fn expect(&mut self, word: &str) -> String {
+        let mut line = String::new();
+        self.output.read_line(&mut line).unwrap();
+        let line = line.trim_end();
+        let rest = line
+            .strip_prefix(word)
+            .unwrap_or_else(|| panic!("the peer said {line:?}"));
+        rest.trim_start().to_owned()
+    }
+}
+
+impl Drop for ForeignPeer {
+    fn drop(&mut self) {
+        let _ = writeln!(self.input, "QUIT");
+        let _ = self.child.wait();
+    }
 }
 
 fn transfer(c: &mut Criterion) {

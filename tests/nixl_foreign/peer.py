@@ -13,6 +13,8 @@ Commands (binary values in hex):
                         `OFFER <hex of our descriptor list>` and then `META <hex of our metadata>`
   CHECK <seed>          count the bytes of the offered buffer that differ from the pattern of
                         <seed>; answers `CHECK <mismatches>`
+  BENCH <reps> <hex>    read the storages the list names into one buffer of ours <reps> times with
+                        one transfer handle; answers `BENCH <seconds>` (the transfers alone)
   QUIT
 At start it prints `META <hex of its metadata>`. Errors are answered `ERR <message>`.
 """
@@ -58,6 +60,7 @@ def main():
     say("META " + agent.get_agent_metadata().hex())
     remote = None
     offered = None
+    bench = None
     for line in sys.stdin:
         words = line.split()
         if not words:
@@ -101,6 +104,36 @@ def main():
                     say("READ %d" % int(np.count_nonzero(buf != pattern(seed, total))))
                 else:
                     say("WROTE")
+            elif cmd == "BENCH":
+                reps = int(words[1])
+                if bench is None or bench[0] != words[2]:
+                    # Set up once per list: a buffer of ours with its pages touched, registered,
+                    # and one transfer handle (what a serving loop keeps).
+                    descs = agent.deserialize_descs(bytes.fromhex(words[2]))
+                    lengths = [descs[i][1] for i in range(descs.descCount())]
+                    buf = np.ones(sum(lengths), np.uint8)
+                    base = buf.ctypes.data
+                    reg = agent.register_memory([(base, len(buf), 0, "")], "DRAM")
+                    local, at = [], 0
+                    for n in lengths:
+                        local.append((base + at, n, 0))
+                        at += n
+                    local = agent.get_xfer_descs(local, "DRAM")
+                    handle = agent.initialize_xfer("READ", local, descs, remote)
+                    bench = (words[2], buf, reg, handle)
+                handle = bench[3]
+                took = 0.0
+                failed = None
+                for _ in range(reps):
+                    started = time.perf_counter()
+                    state = agent.transfer(handle)
+                    while state not in ("DONE", "ERR"):
+                        state = agent.check_xfer_state(handle)
+                    took += time.perf_counter() - started
+                    if state != "DONE":
+                        failed = state
+                        break
+                say("ERR transfer " + failed if failed else "BENCH %.9f" % took)
             elif cmd == "OFFER":
                 n, seed = int(words[1]), int(words[2])
                 buf = pattern(seed, n).copy()
