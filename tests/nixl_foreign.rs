@@ -46,6 +46,15 @@ struct Peer {
 
 impl Peer {
     fn spawn(name: &str) -> Peer {
+        Self::start(name, None)
+    }
+
+    /// A peer running NIXL's metadata listener on `port`.
+    fn spawn_listening(name: &str, port: u16) -> Peer {
+        Self::start(name, Some(port))
+    }
+
+    fn start(name: &str, listen: Option<u16>) -> Peer {
         let python = std::env::var(PYTHON_VAR).unwrap_or_else(|_| {
             panic!(
                 "{PYTHON_VAR} must name a Python with the nixl wheel and numpy (the foreign peer \
@@ -53,9 +62,12 @@ impl Peer {
             )
         });
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/nixl_foreign/peer.py");
-        let mut child = Command::new(&python)
-            .arg(script)
-            .arg(name)
+        let mut command = Command::new(&python);
+        command.arg(script).arg(name);
+        if let Some(port) = listen {
+            command.arg(port.to_string());
+        }
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -289,4 +301,57 @@ fn a_foreign_peer_with_fresh_metadata_cannot_reach_a_freed_storage_and_its_death
         );
     }
     assert_eq!(agent.registered_regions(), regions);
+}
+
+/// A TCP port nothing listens on now (the kernel's choice; released before NIXL binds it).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn metadata_travels_by_nixls_own_listeners_both_ways() {
+    let _one = setup();
+    let rt = runtime();
+    let (ours, theirs) = (free_port(), free_port());
+    let name = format!("listening-{}", std::process::id());
+    let agent = NixlAgent::new(&rt, NixlOptions::new(name.clone()).listen(ours)).unwrap();
+    let stream = rt.default_stream(0).unwrap();
+    let python = format!("py-listening-{}", std::process::id());
+    let mut peer = Peer::spawn_listening(&python, theirs);
+    peer.expect("META"); // not used: the metadata goes by the listeners
+                         // The peer sends its metadata to our listener; ours goes to its listener.
+    peer.send(&format!("SENDMD 127.0.0.1 {ours}"));
+    peer.expect("SENT");
+    assert_eq!(agent.await_peer(&python, WAIT).unwrap(), python);
+    // What the peer will read exists (and is registered) before our metadata leaves.
+    let s = Storage::new_on(&rt, stream, 3 * MIB + 5).unwrap();
+    s.fill_pattern(77).unwrap();
+    rt.synchronize(stream).unwrap();
+    agent.send_metadata("127.0.0.1", theirs).unwrap();
+    peer.send(&format!("WAITMD {name}"));
+    assert_eq!(peer.expect("OK"), name);
+    // And then a read each way.
+    peer.send(&format!(
+        "READ 77 {}",
+        hex(&agent.describe(&s, stream).unwrap().to_nixl_descs())
+    ));
+    assert_eq!(peer.expect("READ"), "0");
+    peer.send(&format!("OFFER {} 78", 2 * MIB));
+    let offered = unhex(&peer.expect("OFFER"));
+    peer.expect("META");
+    // The peer's new registration reaches us by its listener message again.
+    peer.send(&format!("SENDMD 127.0.0.1 {ours}"));
+    peer.expect("SENT");
+    let remote = RemoteStorage::from_nixl_descs(&python, &offered).unwrap();
+    let into = Storage::new_on(&rt, stream, 2 * MIB).unwrap();
+    // The re-sent metadata arrives asynchronously: wait until it covers the offered buffer.
+    agent.await_description(&remote, WAIT).unwrap();
+    let mut read = agent.read(stream, &[(&into, &remote)], None).unwrap();
+    read.wait(WAIT).unwrap();
+    drop(read);
+    assert_eq!(into.count_pattern_mismatches(78).unwrap(), 0);
 }

@@ -35,6 +35,10 @@ pub struct NixlOptions {
     /// How long NIXL's progress thread sleeps between polls, in µs. 0 spins a core; the default
     /// (1,000) costs little CPU and still completes transfers and notifications promptly.
     pub progress_delay_us: u64,
+    /// NIXL's metadata listener on this TCP port (NIXL's socket exchange:
+    /// [`NixlAgent::send_metadata`], [`NixlAgent::fetch_peer`], [`NixlAgent::await_peer`], and a
+    /// Python peer's `send_local_metadata` / `fetch_remote_metadata`); `None`: no listener.
+    pub listen_port: Option<u16>,
 }
 
 impl NixlOptions {
@@ -44,7 +48,14 @@ impl NixlOptions {
             name: name.into(),
             on_failure: OnRegistrationFailure::FailAllocation,
             progress_delay_us: 1_000,
+            listen_port: None,
         }
+    }
+
+    /// Runs NIXL's metadata listener on TCP `port` (see [`NixlOptions::listen_port`]).
+    pub fn listen(mut self, port: u16) -> Self {
+        self.listen_port = Some(port);
+        self
     }
 
     /// Sets what a failed registration does.
@@ -113,7 +124,8 @@ impl NixlAgent {
         };
         let config = AgentConfig {
             enable_prog_thread: true,
-            enable_listen_thread: false,
+            enable_listen_thread: options.listen_port.is_some(),
+            listen_port: options.listen_port.map_or(0, i32::from),
             thread_sync: ThreadSync::Rw,
             pthr_delay_us: options.progress_delay_us,
             ..AgentConfig::default()
@@ -239,6 +251,81 @@ impl NixlAgent {
         }
         self.core.peers.loaded(&name, generation);
         Ok(name)
+    }
+
+    /// Sends this agent's metadata, NIXL's own form, to the NIXL listener at `ip:port` (a peer's
+    /// [`NixlOptions::listen`], or a Python agent's `enable_listen_thread`): NIXL's socket
+    /// exchange. The peer then knows this agent without any other channel.
+    pub fn send_metadata(&self, ip: &str, port: u16) -> Result<()> {
+        self.core.alive()?;
+        let args = listener_args(ip, port)?;
+        self.core
+            .agent
+            .send_local_md(Some(&args))
+            .map_err(|e| nixl_error(&format!("sending this agent's metadata to {ip}:{port}"), e))
+    }
+
+    /// Asks the NIXL listener at `ip:port` for agent `peer`'s metadata and waits at most
+    /// `timeout` for it to arrive (NIXL loads it; generation 0, as a foreign peer's). Returns the
+    /// peer's name.
+    pub fn fetch_peer(&self, peer: &str, ip: &str, port: u16, timeout: Duration) -> Result<String> {
+        self.core.alive()?;
+        self.core.peers.may_replace(peer)?;
+        let args = listener_args(ip, port)?;
+        self.core
+            .agent
+            .fetch_remote_md(peer, Some(&args))
+            .map_err(|e| nixl_error(&format!("asking {ip}:{port} for {peer}'s metadata"), e))?;
+        self.await_peer(peer, timeout)
+    }
+
+    /// Waits at most `timeout` for agent `peer`'s metadata to reach this agent's listener (the
+    /// peer sent it: its `send_local_metadata`, or [`NixlAgent::send_metadata`]); then transfers
+    /// with it are allowed (generation 0). Returns the peer's name.
+    pub fn await_peer(&self, peer: &str, timeout: Duration) -> Result<String> {
+        self.core.alive()?;
+        if peer.is_empty() || peer.len() > MAX_AGENT_NAME || peer == self.name {
+            return Err(Error::invalid(format!("a peer agent named {peer:?}")));
+        }
+        let deadline = Instant::now() + timeout;
+        while !self.core.agent.check_remote_metadata(peer, None) {
+            if Instant::now() >= deadline {
+                return Err(Error::transfer(format!(
+                    "{peer}'s metadata did not reach this agent's listener within {timeout:?}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.core.peers.loaded(peer, 0);
+        Ok(peer.to_owned())
+    }
+
+    /// Waits at most `timeout` until the metadata this agent holds of `remote`'s owner covers
+    /// every piece of `remote` (metadata sent by a listener arrives asynchronously: a peer's new
+    /// registration is unknown here until it does).
+    pub fn await_description(&self, remote: &RemoteStorage, timeout: Duration) -> Result<()> {
+        self.core.alive()?;
+        let what = "describing a remote storage to NIXL";
+        let mut descs = nixl_sys::XferDescList::new(super::descriptor::mem_type(remote.kind()))
+            .map_err(|e| nixl_error(what, e))?;
+        for &(addr, len) in remote.pieces() {
+            descs.add_desc(addr as usize, len as usize, remote.device());
+        }
+        let deadline = Instant::now() + timeout;
+        while !self
+            .core
+            .agent
+            .check_remote_metadata(remote.agent(), Some(&descs))
+        {
+            if Instant::now() >= deadline {
+                return Err(Error::transfer(format!(
+                    "{}'s metadata did not cover the described storage within {timeout:?}",
+                    remote.agent()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
     }
 
     /// Forgets a peer's metadata (transfers with it are refused until it is loaded again).
@@ -391,4 +478,13 @@ impl NixlAgent {
         actors.finish(actor);
         Ok(())
     }
+}
+
+/// NIXL's optional arguments naming a listener.
+fn listener_args(ip: &str, port: u16) -> Result<nixl_sys::OptArgs> {
+    let bad = |e| nixl_error("building the listener's address", e);
+    let mut args = nixl_sys::OptArgs::new().map_err(bad)?;
+    args.set_ip_addr(ip).map_err(bad)?;
+    args.set_port(port).map_err(bad)?;
+    Ok(args)
 }

@@ -34,6 +34,14 @@ pub enum MemoryKind {
     Vram,
 }
 
+/// NIXL's memory type of a [`MemoryKind`].
+pub(super) fn mem_type(kind: MemoryKind) -> nixl_sys::MemType {
+    match kind {
+        MemoryKind::Dram => nixl_sys::MemType::Dram,
+        MemoryKind::Vram => nixl_sys::MemType::Vram,
+    }
+}
+
 /// A storage of another agent, as its owner described it ([`NixlAgent::describe`]): the target
 /// or source of this side's transfers.
 ///

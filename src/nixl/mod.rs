@@ -30,6 +30,9 @@
 //! again after segments were freed), reads [`RemoteStorage::to_nixl_descs`] with its Python API's
 //! `deserialize_descs`, and sends its own `get_agent_metadata` and `get_serialized_descs` bytes,
 //! which [`NixlAgent::load_peer`] and [`RemoteStorage::from_nixl_descs`] read (generation 0).
+//! Metadata may instead go by NIXL's listeners ([`NixlOptions::listen`],
+//! [`NixlAgent::send_metadata`], [`NixlAgent::fetch_peer`], [`NixlAgent::await_peer`]); it then
+//! arrives asynchronously, and [`NixlAgent::await_description`] waits until it covers a storage.
 //! cudalloc's own description encoding stays for cudalloc peers: it carries the owner's
 //! registration generation, which NIXL's lists do not, and so turns a stale peer's transfer into a
 //! clear error instead of NIXL's "no backend had the required registrations".

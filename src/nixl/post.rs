@@ -2,23 +2,18 @@
 //! remote regions into NIXL descriptors, the checks before NIXL sees them, the host ordering and
 //! the sanitizer's view (`transfer.rs`), and what keeps the local memory in place until the end.
 
-use nixl_sys::{MemType, OptArgs, XferDescList, XferOp};
+use nixl_sys::{OptArgs, XferDescList, XferOp};
 
 use super::agent::NixlAgent;
 use super::core::nixl_error;
-use super::descriptor::{pair, MemoryKind, RemoteStorage};
+use super::descriptor::{pair, RemoteStorage};
 use super::transfer::{touches, Transfer};
 use crate::driver::StreamId;
 use crate::error::{Error, ErrorKind, Result};
 use crate::storage::Storage;
 use crate::sync::os::Arc;
 
-fn mem_type(kind: MemoryKind) -> MemType {
-    match kind {
-        MemoryKind::Dram => MemType::Dram,
-        MemoryKind::Vram => MemType::Vram,
-    }
-}
+use super::descriptor::mem_type;
 
 impl NixlAgent {
     /// Writes each local storage into the remote storage paired with it (equal sizes), after the

@@ -13,6 +13,10 @@ Commands (binary values in hex):
                         `OFFER <hex of our descriptor list>` and then `META <hex of our metadata>`
   CHECK <seed>          count the bytes of the offered buffer that differ from the pattern of
                         <seed>; answers `CHECK <mismatches>`
+  SENDMD <ip> <port>    send our metadata to the NIXL listener there (NIXL's socket exchange);
+                        answers `SENT`
+  WAITMD <name>         wait for agent <name>'s metadata to reach our listener (started with a port
+                        as second argument); answers `OK <name>`
   BENCH <reps> <hex>    read the storages the list names into one buffer of ours <reps> times with
                         one transfer handle; answers `BENCH <seconds>` (the transfers alone)
   QUIT
@@ -56,7 +60,14 @@ def say(line):
 
 def main():
     name = sys.argv[1]
-    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    # An optional second argument: run NIXL's metadata listener on that port.
+    listen = int(sys.argv[2]) if len(sys.argv) > 2 else None
+    config = (
+        nixl_agent_config(backends=["UCX"], enable_listen_thread=True, listen_port=listen)
+        if listen
+        else nixl_agent_config(backends=["UCX"])
+    )
+    agent = nixl_agent(name, config)
     say("META " + agent.get_agent_metadata().hex())
     remote = None
     offered = None
@@ -77,6 +88,18 @@ def main():
                 if isinstance(remote, bytes):
                     remote = remote.decode()
                 say("OK " + remote)
+            elif cmd == "SENDMD":
+                agent.send_local_metadata(words[1], int(words[2]))
+                say("SENT")
+            elif cmd == "WAITMD":
+                deadline = time.time() + 60
+                while not agent.check_remote_metadata(words[1]) and time.time() < deadline:
+                    time.sleep(0.001)
+                if agent.check_remote_metadata(words[1]):
+                    remote = words[1]
+                    say("OK " + remote)
+                else:
+                    say("ERR no metadata from " + words[1])
             elif cmd in ("READ", "WRITE"):
                 seed = int(words[1])
                 descs = agent.deserialize_descs(bytes.fromhex(words[2]))
