@@ -14,6 +14,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod common;
+#[path = "../tests/nixl_foreign/peer_driver.rs"]
+#[allow(dead_code)] // the suite's listening peer is not benchmarked
+mod peer_driver;
 
 use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use cudalloc::nixl::{NixlAgent, NixlOptions, RemoteStorage};
@@ -231,7 +234,14 @@ fn transfer_group(c: &mut Criterion, group: &str, large: bool) {
     // A foreign peer (tests/nixl_foreign/peer.py, the nixl wheel's Python API only) reading this
     // process's storages in one transfer of NIXL's own descriptor list: the transfers' time as it
     // measures it.
-    if let Some(mut peer) = ForeignPeer::spawn() {
+    if std::env::var_os(peer_driver::PYTHON_VAR).is_none() {
+        println!(
+            "foreign peer read: left out ({} is not set)",
+            peer_driver::PYTHON_VAR
+        );
+    } else {
+        let mut peer = peer_driver::Peer::spawn(&format!("bench-py-{}", std::process::id()));
+        peer.expect("META");
         peer.send(&format!(
             "META {}",
             common::hex(&agent.nixl_metadata().unwrap())
@@ -274,62 +284,6 @@ fn transfer_group(c: &mut Criterion, group: &str, large: bool) {
     g.finish();
     drop(child.stdin.take());
     child.wait().unwrap();
-}
-
-/// The foreign peer of `tests/nixl_foreign.rs`, when `CUDALLOC_NIXL_PYTHON` names a Python with
-/// the nixl wheel (else its row is left out, said so).
-struct ForeignPeer {
-    child: std::process::Child,
-    input: std::process::ChildStdin,
-    output: BufReader<std::process::ChildStdout>,
-}
-
-impl ForeignPeer {
-    fn spawn() -> Option<ForeignPeer> {
-        let Some(python) = std::env::var_os("CUDALLOC_NIXL_PYTHON") else {
-            println!("foreign peer read: left out (CUDALLOC_NIXL_PYTHON is not set)");
-            return None;
-        };
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/nixl_foreign/peer.py");
-        let mut child = Command::new(python)
-            .arg(script)
-            .arg(format!("bench-py-{}", std::process::id()))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let input = child.stdin.take().unwrap();
-        let output = BufReader::new(child.stdout.take().unwrap());
-        let mut peer = ForeignPeer {
-            child,
-            input,
-            output,
-        };
-        peer.expect("META");
-        Some(peer)
-    }
-
-    fn send(&mut self, line: &str) {
-        writeln!(self.input, "{line}").unwrap();
-        self.input.flush().unwrap();
-    }
-
-    fn expect(&mut self, word: &str) -> String {
-        let mut line = String::new();
-        self.output.read_line(&mut line).unwrap();
-        let line = line.trim_end();
-        let rest = line
-            .strip_prefix(word)
-            .unwrap_or_else(|| panic!("the peer said {line:?}"));
-        rest.trim_start().to_owned()
-    }
-}
-
-impl Drop for ForeignPeer {
-    fn drop(&mut self) {
-        let _ = writeln!(self.input, "QUIT");
-        let _ = self.child.wait();
-    }
 }
 
 fn transfer(c: &mut Criterion) {

@@ -10,8 +10,7 @@
 //! wheel and numpy (`CUDALLOC_NIXL_PYTHON`, which `.ci/run` sets), every test here **fails**.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::io::BufRead;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -21,7 +20,9 @@ use cudalloc::{Runtime, Storage};
 
 const MIB: u64 = 1 << 20;
 const WAIT: Duration = Duration::from_secs(60);
-const PYTHON_VAR: &str = "CUDALLOC_NIXL_PYTHON";
+#[path = "nixl_foreign/peer_driver.rs"]
+mod peer_driver;
+use peer_driver::Peer;
 
 /// NIXL's agents and UCX's threads are process-wide: one test at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -35,75 +36,6 @@ fn setup() -> MutexGuard<'static, ()> {
         panic!("the NIXL engine is required by this suite and could not be loaded: {e}")
     });
     guard
-}
-
-/// The foreign peer, a Python process.
-struct Peer {
-    child: Child,
-    input: ChildStdin,
-    output: BufReader<ChildStdout>,
-}
-
-impl Peer {
-    fn spawn(name: &str) -> Peer {
-        Self::start(name, None)
-    }
-
-    /// A peer running NIXL's metadata listener on `port`.
-    fn spawn_listening(name: &str, port: u16) -> Peer {
-        Self::start(name, Some(port))
-    }
-
-    fn start(name: &str, listen: Option<u16>) -> Peer {
-        let python = std::env::var(PYTHON_VAR).unwrap_or_else(|_| {
-            panic!(
-                "{PYTHON_VAR} must name a Python with the nixl wheel and numpy (the foreign peer \
-                 is the point of this suite; .ci/run sets it)"
-            )
-        });
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/nixl_foreign/peer.py");
-        let mut command = Command::new(&python);
-        command.arg(script).arg(name);
-        if let Some(port) = listen {
-            command.arg(port.to_string());
-        }
-        let mut child = command
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting the foreign peer with {python}: {e}"));
-        let input = child.stdin.take().unwrap();
-        let output = BufReader::new(child.stdout.take().unwrap());
-        Peer {
-            child,
-            input,
-            output,
-        }
-    }
-
-    fn send(&mut self, line: &str) {
-        writeln!(self.input, "{line}").unwrap();
-        self.input.flush().unwrap();
-    }
-
-    /// The next answer, which must start with `word`; its rest.
-    fn expect(&mut self, word: &str) -> String {
-        let mut line = String::new();
-        self.output.read_line(&mut line).unwrap();
-        let line = line.trim_end();
-        match line.split_once(' ') {
-            Some((w, rest)) if w == word => rest.to_owned(),
-            _ if line == word => String::new(),
-            _ => panic!("the foreign peer answered {line:?} where {word} was expected"),
-        }
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = writeln!(self.input, "QUIT");
-        let _ = self.child.wait();
-    }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -354,4 +286,71 @@ fn metadata_travels_by_nixls_own_listeners_both_ways() {
     read.wait(WAIT).unwrap();
     drop(read);
     assert_eq!(into.count_pattern_mismatches(78).unwrap(), 0);
+}
+
+#[test]
+fn an_offered_storage_stays_allocated_until_the_peer_releases_it() {
+    let _one = setup();
+    let rt = runtime();
+    let agent = NixlAgent::new(
+        &rt,
+        NixlOptions::new(format!("offering-{}", std::process::id())),
+    )
+    .unwrap();
+    let stream = rt.default_stream(0).unwrap();
+    let mut peer = Peer::spawn(&format!("leasing-{}", std::process::id()));
+    agent.load_peer(&unhex(&peer.expect("META"))).unwrap();
+
+    let len = 4 * MIB;
+    let offered = Storage::new_on(&rt, stream, len).unwrap();
+    offered.fill_pattern(9).unwrap();
+    let addr = offered.data_ptr();
+    let (id, description) = agent.offer(&offered, stream, WAIT * 10).unwrap();
+    let descs = hex(&description.to_nixl_descs());
+    peer.send(&format!("META {}", hex(&agent.nixl_metadata().unwrap())));
+    peer.expect("OK");
+    // The program lets go of its handle: the offer keeps the bytes where the peer reads them.
+    drop(offered);
+    let other = Storage::new_on(&rt, stream, len).unwrap();
+    assert_ne!(
+        other.data_ptr(),
+        addr,
+        "an offered storage's memory went to another owner"
+    );
+    other.fill_pattern(10).unwrap();
+    rt.synchronize(stream).unwrap();
+    peer.send(&format!("READ 9 {descs}"));
+    assert_eq!(
+        peer.expect("READ"),
+        "0",
+        "the peer still reads the offered bytes"
+    );
+
+    // The peer releases it by a notification; the memory is then the allocator's again.
+    peer.send(&format!("RELEASE {id}"));
+    peer.expect("RELEASED");
+    let deadline = std::time::Instant::now() + WAIT;
+    let counts = loop {
+        let counts = agent.collect_offers().unwrap();
+        if counts.released == 1 {
+            break counts;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no release arrived: {counts:?}"
+        );
+        std::thread::yield_now();
+    };
+    assert_eq!((counts.held, counts.expired), (0, 0));
+    let again = Storage::new_on(&rt, stream, len).unwrap();
+    assert_eq!(
+        again.data_ptr(),
+        addr,
+        "released: best fit hands the block out again"
+    );
+
+    // An offer nobody releases expires.
+    let (_, _) = agent.offer(&again, stream, Duration::ZERO).unwrap();
+    let counts = agent.collect_offers().unwrap();
+    assert_eq!((counts.held, counts.released, counts.expired), (0, 1, 1));
 }

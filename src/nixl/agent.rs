@@ -86,6 +86,8 @@ pub struct NixlAgent {
     pub(crate) core: Arc<Core>,
     name: String,
     pending: Mutex<Vec<Notification>>,
+    pub(super) offers: super::core::Offers,
+    pub(super) offer_counts: Mutex<super::core::OfferCounts>,
     pub(crate) actors: Option<Arc<Actors>>,
 }
 
@@ -165,6 +167,8 @@ impl NixlAgent {
             }),
             name: options.name,
             pending: Mutex::new(Vec::new()),
+            offers: Default::default(),
+            offer_counts: Mutex::new(Default::default()),
             actors,
         })
     }
@@ -385,6 +389,21 @@ impl NixlAgent {
     pub fn notifications(&self) -> Result<Vec<Notification>> {
         self.fetch()?;
         Ok(std::mem::take(&mut *self.pending.lock()))
+    }
+
+    /// Fetches notifications and takes out those `take` selects (the others stay for
+    /// [`notifications`](Self::notifications) and [`wait_notification`](Self::wait_notification)).
+    pub(super) fn take_notifications(
+        &self,
+        take: impl Fn(&Notification) -> bool,
+    ) -> Result<Vec<Notification>> {
+        self.fetch()?;
+        let mut pending = self.pending.lock();
+        let (taken, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut *pending)
+            .into_iter()
+            .partition(|n| take(n));
+        *pending = kept;
+        Ok(taken)
     }
 
     /// Waits at most `timeout` for the notification `message` from `from`, keeping the others

@@ -1,7 +1,9 @@
-//! [`Core`]: what a [`NixlAgent`](super::NixlAgent) and its transfers share, and NIXL's errors as
-//! cudalloc's.
+//! [`Core`]: what a [`NixlAgent`](super::NixlAgent) and its transfers share, NIXL's errors as
+//! cudalloc's, and the state of an agent's offers (`offers.rs`).
 
+use std::collections::HashMap;
 use std::mem::ManuallyDrop;
+use std::time::Instant;
 
 use nixl_sys::Agent;
 
@@ -11,7 +13,8 @@ use crate::alloc::RegistrarId;
 use crate::error::Error;
 use crate::process::Birth;
 use crate::runtime::Runtime;
-use crate::sync::os::Arc;
+use crate::storage::Storage;
+use crate::sync::os::{Arc, Mutex};
 
 /// What an agent and its transfers share: the NIXL agent, its registrar's attachment and what is
 /// known of peers. Its last holder detaches the registrar, so no region is deregistered under a
@@ -51,4 +54,29 @@ impl Core {
 /// NIXL's error as a transfer error saying what was being done.
 pub(crate) fn nixl_error(what: &str, err: nixl_sys::NixlError) -> Error {
     Error::transfer(format!("{what}: NIXL said {err}"))
+}
+
+#[derive(Debug)]
+pub(crate) struct Offered {
+    pub(super) _storage: Storage,
+    pub(super) until: Instant,
+}
+
+/// An agent's offers (`offers.rs`).
+#[derive(Debug, Default)]
+pub(crate) struct Offers {
+    pub(super) held: Mutex<HashMap<u64, Offered>>,
+    pub(super) next: Mutex<u64>,
+}
+
+/// What an agent's offers came to ([`NixlAgent::collect_offers`](super::NixlAgent::collect_offers)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OfferCounts {
+    /// Held now.
+    pub held: usize,
+    /// Released by a peer's notification since the agent was made.
+    pub released: u64,
+    /// Expired (their time to live passed) since the agent was made.
+    pub expired: u64,
 }

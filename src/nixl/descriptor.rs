@@ -138,39 +138,6 @@ impl RemoteStorage {
         &self.pieces
     }
 
-    /// The description as NIXL serializes a transfer descriptor list, wrapped as the Python
-    /// API's `get_serialized_descs` returns it (what a foreign peer's `deserialize_descs` reads:
-    /// one descriptor per piece, the device id of each). The agent's name travels beside it
-    /// (NIXL's lists do not carry it).
-    pub fn to_nixl_descs(&self) -> Vec<u8> {
-        let serdes = super::foreign::serdes(self.kind, self.device, &self.pieces);
-        super::foreign::pickle(&serdes, super::foreign::PYTHON_BINDINGS)
-    }
-
-    /// A description of agent `agent`'s memory from a descriptor list NIXL serialized — as its
-    /// Python API's `get_serialized_descs` returns it, or bare — of one device (untrusted input:
-    /// checked as [`RemoteStorage::from_bytes`] is). Generation 0: a foreign peer's metadata
-    /// carries none.
-    pub fn from_nixl_descs(agent: &str, bytes: &[u8]) -> Result<Self> {
-        let serdes = if bytes.starts_with(b"nixlSerDes|") {
-            bytes
-        } else {
-            super::foreign::unpickle(bytes)?
-        };
-        let (kind, descs) = super::foreign::parse_serdes(serdes)?;
-        let device = descs[0].2;
-        if descs.iter().any(|d| d.2 != device) {
-            return Err(Error::transfer(
-                "a NIXL descriptor list spanning devices (one storage is on one device)",
-            ));
-        }
-        let pieces = descs
-            .into_iter()
-            .map(|(addr, len, _)| (addr, len))
-            .collect();
-        Self::new(agent.to_owned(), kind, device, pieces)
-    }
-
     /// The bytes to send to the peer.
     pub fn to_bytes(&self) -> Vec<u8> {
         let name = self.agent.as_bytes();

@@ -13,7 +13,8 @@
 //! pickles them, for peers that are not cudalloc), `core.rs` (what an agent and its transfers share), `peers.rs` (the metadata envelope, checks on a peer's bytes before
 //! NIXL parses them, what is known of each peer), `registrar.rs` (the registrar), `transfer.rs`
 //! ([`Transfer`] and the stream sanitizer's view of it), `agent.rs` ([`NixlAgent`]: set-up,
-//! metadata, descriptions, notifications), `post.rs` (writes and reads).
+//! metadata, descriptions, notifications), `post.rs` (writes and reads), `offers.rs` (storages held
+//! for peers until they release them: a foreign peer's lease).
 //!
 //! The protocol between two agents, over any byte channel:
 //!
@@ -33,6 +34,9 @@
 //! Metadata may instead go by NIXL's listeners ([`NixlOptions::listen`],
 //! [`NixlAgent::send_metadata`], [`NixlAgent::fetch_peer`], [`NixlAgent::await_peer`]); it then
 //! arrives asynchronously, and [`NixlAgent::await_description`] waits until it covers a storage.
+//! A storage for a foreign peer is offered ([`NixlAgent::offer`], `offers.rs`): held allocated
+//! until the peer's release notification or a time to live, so the peer never meets a later
+//! owner's bytes at the same address while it holds its lease.
 //! cudalloc's own description encoding stays for cudalloc peers: it carries the owner's
 //! registration generation, which NIXL's lists do not, and so turns a stale peer's transfer into a
 //! clear error instead of NIXL's "no backend had the required registrations".
@@ -52,6 +56,7 @@ mod core;
 mod descriptor;
 mod foreign;
 mod library;
+mod offers;
 mod peers;
 mod post;
 mod registrar;
@@ -60,6 +65,8 @@ mod transfer;
 pub use agent::{
     NixlAgent, NixlOptions, Notification, MAX_METADATA_BYTES, MAX_PENDING_NOTIFICATIONS,
 };
+pub use core::OfferCounts;
 pub use descriptor::{MemoryKind, RemoteStorage, MAX_AGENT_NAME, MAX_PIECES};
 pub use library::{load_library, NixlLibrary, NIXL_LIB_DIR_VAR};
+pub use offers::{MAX_OFFERS, RELEASE_PREFIX};
 pub use transfer::{Transfer, DROP_DEADLINE};

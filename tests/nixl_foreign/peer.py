@@ -13,6 +13,8 @@ Commands (binary values in hex):
                         `OFFER <hex of our descriptor list>` and then `META <hex of our metadata>`
   CHECK <seed>          count the bytes of the offered buffer that differ from the pattern of
                         <seed>; answers `CHECK <mismatches>`
+  RELEASE <id>          tell the other agent we are done with its offer <id> (the notification
+                        `cudalloc-release:<id>`); answers `RELEASED`
   SENDMD <ip> <port>    send our metadata to the NIXL listener there (NIXL's socket exchange);
                         answers `SENT`
   WAITMD <name>         wait for agent <name>'s metadata to reach our listener (started with a port
@@ -88,6 +90,9 @@ def main():
                 if isinstance(remote, bytes):
                     remote = remote.decode()
                 say("OK " + remote)
+            elif cmd == "RELEASE":
+                agent.send_notif(remote, b"cudalloc-release:" + words[1].encode())
+                say("RELEASED")
             elif cmd == "SENDMD":
                 agent.send_local_metadata(words[1], int(words[2]))
                 say("SENT")
