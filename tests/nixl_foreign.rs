@@ -354,3 +354,53 @@ fn an_offered_storage_stays_allocated_until_the_peer_releases_it() {
     let counts = agent.collect_offers().unwrap();
     assert_eq!((counts.held, counts.released, counts.expired), (0, 1, 1));
 }
+
+#[test]
+fn a_foreign_peer_cannot_reach_a_sleeping_storage_and_reaches_it_again_after_the_wake() {
+    let _one = setup();
+    let rt = runtime();
+    let agent = NixlAgent::new(
+        &rt,
+        NixlOptions::new(format!("sleeper-{}", std::process::id())),
+    )
+    .unwrap();
+    let stream = rt.default_stream(0).unwrap();
+    let mut peer = Peer::spawn(&format!("waker-{}", std::process::id()));
+    agent.load_peer(&unhex(&peer.expect("META"))).unwrap();
+    let weights = {
+        let _in = rt.use_tag("weights", 0).unwrap();
+        Storage::new_on(&rt, stream, 6 * MIB).unwrap()
+    };
+    weights.fill_pattern(11).unwrap();
+    let descs = hex(&agent.describe(&weights, stream).unwrap().to_nixl_descs());
+    peer.send(&format!("META {}", hex(&agent.nixl_metadata().unwrap())));
+    peer.expect("OK");
+    peer.send(&format!("READ 11 {descs}"));
+    assert_eq!(peer.expect("READ"), "0");
+
+    // Asleep: its pages deregistered and given back; a peer with fresh metadata is refused.
+    let regions = agent.registered_regions();
+    rt.sleep(&["weights"], &[]).unwrap();
+    assert!(agent.registered_regions() < regions);
+    peer.send(&format!("META {}", hex(&agent.nixl_metadata().unwrap())));
+    peer.expect("OK");
+    peer.send(&format!("READ 11 {descs}"));
+    let mut line = String::new();
+    peer.output.read_line(&mut line).unwrap();
+    assert!(
+        line.starts_with("ERR"),
+        "a read of sleeping memory: {line:?}"
+    );
+
+    // Awake: the same addresses registered again, the same bytes (offloaded and restored).
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
+    assert_eq!(agent.registered_regions(), regions);
+    peer.send(&format!("META {}", hex(&agent.nixl_metadata().unwrap())));
+    peer.expect("OK");
+    peer.send(&format!("READ 11 {descs}"));
+    assert_eq!(
+        peer.expect("READ"),
+        "0",
+        "the same descriptors after the wake"
+    );
+}
