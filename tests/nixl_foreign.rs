@@ -299,13 +299,13 @@ fn an_offered_storage_stays_allocated_until_the_peer_releases_it() {
     .unwrap();
     let stream = rt.default_stream(0).unwrap();
     let mut peer = Peer::spawn(&format!("leasing-{}", std::process::id()));
-    agent.load_peer(&unhex(&peer.expect("META"))).unwrap();
+    let theirs = agent.load_peer(&unhex(&peer.expect("META"))).unwrap();
 
     let len = 4 * MIB;
     let offered = Storage::new_on(&rt, stream, len).unwrap();
     offered.fill_pattern(9).unwrap();
     let addr = offered.data_ptr();
-    let (id, description) = agent.offer(&offered, stream, WAIT * 10).unwrap();
+    let (id, description) = agent.offer(&offered, stream, &theirs, WAIT * 10).unwrap();
     let descs = hex(&description.to_nixl_descs());
     peer.send(&format!("META {}", hex(&agent.nixl_metadata().unwrap())));
     peer.expect("OK");
@@ -326,6 +326,9 @@ fn an_offered_storage_stays_allocated_until_the_peer_releases_it() {
         "the peer still reads the offered bytes"
     );
 
+    // A release for an id that was never offered is refused; the offer stays.
+    peer.send(&format!("RELEASE {}", id.wrapping_add(1)));
+    peer.expect("RELEASED");
     // The peer releases it by a notification; the memory is then the allocator's again.
     peer.send(&format!("RELEASE {id}"));
     peer.expect("RELEASED");
@@ -341,7 +344,15 @@ fn an_offered_storage_stays_allocated_until_the_peer_releases_it() {
         );
         std::thread::yield_now();
     };
-    assert_eq!((counts.held, counts.expired), (0, 0));
+    assert_eq!((counts.held, counts.expired, counts.refused), (0, 0, 1));
+    assert!(
+        !agent
+            .notifications()
+            .unwrap()
+            .iter()
+            .any(|n| n.message.starts_with(cudalloc::nixl::RELEASE_PREFIX)),
+        "releases are never among the program's notifications"
+    );
     let again = Storage::new_on(&rt, stream, len).unwrap();
     assert_eq!(
         again.data_ptr(),
@@ -350,7 +361,9 @@ fn an_offered_storage_stays_allocated_until_the_peer_releases_it() {
     );
 
     // An offer nobody releases expires.
-    let (_, _) = agent.offer(&again, stream, Duration::ZERO).unwrap();
+    let (_, _) = agent
+        .offer(&again, stream, &theirs, Duration::ZERO)
+        .unwrap();
     let counts = agent.collect_offers().unwrap();
     assert_eq!((counts.held, counts.released, counts.expired), (0, 1, 1));
 }

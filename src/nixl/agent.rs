@@ -37,7 +37,14 @@ pub struct NixlOptions {
     pub progress_delay_us: u64,
     /// NIXL's metadata listener on this TCP port (NIXL's socket exchange:
     /// [`NixlAgent::send_metadata`], [`NixlAgent::fetch_peer`], [`NixlAgent::await_peer`], and a
-    /// Python peer's `send_local_metadata` / `fetch_remote_metadata`); `None`: no listener.
+    /// Python peer's `send_local_metadata` / `fetch_remote_metadata`); `None` (the default): no
+    /// listener.
+    ///
+    /// **Trust.** NIXL's listener binds every interface and authenticates no one: whoever
+    /// reaches the port gets this agent's metadata — the keys to every registered region, the
+    /// whole cached pool, not only what was offered — and can load metadata into it (bytes NIXL
+    /// parses without cudalloc's checks). Listen only on a network where every host is trusted
+    /// (or the port is firewalled to them).
     pub listen_port: Option<u16>,
 }
 
@@ -274,6 +281,7 @@ impl NixlAgent {
     /// peer's name.
     pub fn fetch_peer(&self, peer: &str, ip: &str, port: u16, timeout: Duration) -> Result<String> {
         self.core.alive()?;
+        self.check_peer_name(peer)?;
         self.core.peers.may_replace(peer)?;
         let args = listener_args(ip, port)?;
         self.core
@@ -288,9 +296,7 @@ impl NixlAgent {
     /// with it are allowed (generation 0). Returns the peer's name.
     pub fn await_peer(&self, peer: &str, timeout: Duration) -> Result<String> {
         self.core.alive()?;
-        if peer.is_empty() || peer.len() > MAX_AGENT_NAME || peer == self.name {
-            return Err(Error::invalid(format!("a peer agent named {peer:?}")));
-        }
+        self.check_peer_name(peer)?;
         let deadline = Instant::now() + timeout;
         while !self.core.agent.check_remote_metadata(peer, None) {
             if Instant::now() >= deadline {
@@ -300,8 +306,16 @@ impl NixlAgent {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        self.core.peers.loaded(peer, 0);
+        // A peer known already (its envelope loaded) keeps its generation and transfers.
+        self.core.peers.learn(peer);
         Ok(peer.to_owned())
+    }
+
+    fn check_peer_name(&self, peer: &str) -> Result<()> {
+        if peer.is_empty() || peer.len() > MAX_AGENT_NAME || peer == self.name {
+            return Err(Error::invalid(format!("a peer agent named {peer:?}")));
+        }
+        Ok(())
     }
 
     /// Waits at most `timeout` until the metadata this agent holds of `remote`'s owner covers
@@ -391,19 +405,9 @@ impl NixlAgent {
         Ok(std::mem::take(&mut *self.pending.lock()))
     }
 
-    /// Fetches notifications and takes out those `take` selects (the others stay for
-    /// [`notifications`](Self::notifications) and [`wait_notification`](Self::wait_notification)).
-    pub(super) fn take_notifications(
-        &self,
-        take: impl Fn(&Notification) -> bool,
-    ) -> Result<Vec<Notification>> {
-        self.fetch()?;
-        let mut pending = self.pending.lock();
-        let (taken, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut *pending)
-            .into_iter()
-            .partition(|n| take(n));
-        *pending = kept;
-        Ok(taken)
+    /// Fetches notifications (releases of offers go to the offers' queue).
+    pub(super) fn fetch_notifications(&self) -> Result<()> {
+        self.fetch()
     }
 
     /// Waits at most `timeout` for the notification `message` from `from`, keeping the others
@@ -456,6 +460,26 @@ impl NixlAgent {
                 }
             }
         }
+        // Releases of offers go to the offers' queue (bounded like the notifications).
+        let (releases, fresh): (Vec<_>, Vec<_>) = fresh
+            .into_iter()
+            .partition(|n| super::core::release_id(&n.message).is_some());
+        if !releases.is_empty() {
+            let mut queue = self.offers.releases.lock();
+            queue.extend(
+                releases
+                    .into_iter()
+                    .filter_map(|n| super::core::release_id(&n.message).map(|id| (n.from, id))),
+            );
+            if queue.len() > MAX_PENDING_NOTIFICATIONS {
+                let extra = queue.len() - MAX_PENDING_NOTIFICATIONS;
+                queue.drain(..extra);
+                tracing::warn!(
+                    extra,
+                    "release notifications dropped (a peer sends more than offers exist)"
+                );
+            }
+        }
         let mut pending = self.pending.lock();
         pending.extend(fresh);
         if pending.len() > MAX_PENDING_NOTIFICATIONS {
@@ -499,11 +523,15 @@ impl NixlAgent {
     }
 }
 
-/// NIXL's optional arguments naming a listener.
+/// NIXL's optional arguments naming a listener (`ip` must be an IP address: nixl-sys would
+/// panic on an interior NUL).
 fn listener_args(ip: &str, port: u16) -> Result<nixl_sys::OptArgs> {
+    let ip: std::net::IpAddr = ip
+        .parse()
+        .map_err(|_| Error::invalid(format!("{ip:?} is not an IP address")))?;
     let bad = |e| nixl_error("building the listener's address", e);
     let mut args = nixl_sys::OptArgs::new().map_err(bad)?;
-    args.set_ip_addr(ip).map_err(bad)?;
+    args.set_ip_addr(&ip.to_string()).map_err(bad)?;
     args.set_port(port).map_err(bad)?;
     Ok(args)
 }

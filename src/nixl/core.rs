@@ -58,8 +58,27 @@ pub(crate) fn nixl_error(what: &str, err: nixl_sys::NixlError) -> Error {
 
 #[derive(Debug)]
 pub(crate) struct Offered {
+    /// The storage (the program's handle may be gone).
     pub(super) _storage: Storage,
+    /// Its memory as it was offered: a lazy clone materialized later moves the storage, not
+    /// the offered bytes, which this keeps (`Storage::pin_memory`).
+    pub(super) _pinned: Option<Storage>,
+    /// The only peer whose release counts.
+    pub(super) peer: String,
     pub(super) until: Instant,
+}
+
+/// A peer's release of offer `id` is the notification `RELEASE_PREFIX` followed by `id` in
+/// decimal digits (`cudalloc-release:42`).
+pub const RELEASE_PREFIX: &[u8] = b"cudalloc-release:";
+
+/// The offer id in a release notification, if `message` is one (decimal digits only).
+pub(crate) fn release_id(message: &[u8]) -> Option<u64> {
+    let digits = message.strip_prefix(RELEASE_PREFIX)?;
+    if digits.is_empty() || digits.len() > 20 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(digits).ok()?.parse().ok()
 }
 
 /// An agent's offers (`offers.rs`).
@@ -67,6 +86,9 @@ pub(crate) struct Offered {
 pub(crate) struct Offers {
     pub(super) held: Mutex<HashMap<u64, Offered>>,
     pub(super) next: Mutex<u64>,
+    /// Releases (peer, id) taken out of the notifications as they are fetched, so the program's
+    /// own reads of notifications never swallow one.
+    pub(super) releases: Mutex<Vec<(String, u64)>>,
 }
 
 /// What an agent's offers came to ([`NixlAgent::collect_offers`](super::NixlAgent::collect_offers)).
@@ -77,6 +99,29 @@ pub struct OfferCounts {
     pub held: usize,
     /// Released by a peer's notification since the agent was made.
     pub released: u64,
+    /// Release notifications refused: for no offer held, or from a peer the offer was not made
+    /// to.
+    pub refused: u64,
     /// Expired (their time to live passed) since the agent was made.
     pub expired: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn release_ids_are_decimal_digits_only() {
+        assert_eq!(release_id(b"cudalloc-release:42"), Some(42));
+        for bad in [
+            &b"cudalloc-release:"[..],
+            b"cudalloc-release:+7",
+            b"cudalloc-release:-7",
+            b"cudalloc-release: 7",
+            b"cudalloc-release:99999999999999999999999",
+            b"write-done",
+        ] {
+            assert_eq!(release_id(bad), None, "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
 }

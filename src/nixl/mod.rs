@@ -35,8 +35,11 @@
 //! [`NixlAgent::send_metadata`], [`NixlAgent::fetch_peer`], [`NixlAgent::await_peer`]); it then
 //! arrives asynchronously, and [`NixlAgent::await_description`] waits until it covers a storage.
 //! A storage for a foreign peer is offered ([`NixlAgent::offer`], `offers.rs`): held allocated
-//! until the peer's release notification or a time to live, so the peer never meets a later
-//! owner's bytes at the same address while it holds its lease.
+//! until that peer's release notification or a time to live (applied by
+//! [`NixlAgent::collect_offers`]), so the peer does not meet a later owner's bytes at the same
+//! address while it holds its lease. NIXL itself refuses only descriptors outside *all* memory the
+//! owner registered (its whole cached pool), not outside the offered storage: a peer holding the
+//! metadata is trusted with the pool.
 //! cudalloc's own description encoding stays for cudalloc peers: it carries the owner's
 //! registration generation, which NIXL's lists do not, and so turns a stale peer's transfer into a
 //! clear error instead of NIXL's "no backend had the required registrations".
@@ -65,8 +68,8 @@ mod transfer;
 pub use agent::{
     NixlAgent, NixlOptions, Notification, MAX_METADATA_BYTES, MAX_PENDING_NOTIFICATIONS,
 };
-pub use core::OfferCounts;
+pub use core::{OfferCounts, RELEASE_PREFIX};
 pub use descriptor::{MemoryKind, RemoteStorage, MAX_AGENT_NAME, MAX_PIECES};
 pub use library::{load_library, NixlLibrary, NIXL_LIB_DIR_VAR};
-pub use offers::{MAX_OFFERS, RELEASE_PREFIX};
+pub use offers::MAX_OFFERS;
 pub use transfer::{Transfer, DROP_DEADLINE};

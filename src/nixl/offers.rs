@@ -22,38 +22,34 @@
 use std::time::{Duration, Instant};
 
 use super::agent::NixlAgent;
+use std::hash::BuildHasher;
+
 use super::core::{OfferCounts, Offered};
 use super::descriptor::RemoteStorage;
 use crate::driver::StreamId;
 use crate::error::{Error, Result};
 use crate::storage::Storage;
 
-/// A peer's release of offer `id` is the notification `RELEASE_PREFIX` followed by `id` in
-/// decimal (`cudalloc-release:42`).
-pub const RELEASE_PREFIX: &[u8] = b"cudalloc-release:";
 /// Most offers an agent holds at once.
 pub const MAX_OFFERS: usize = 1 << 20;
 
-/// The offer id in a release notification, if `message` is one.
-fn release_id(message: &[u8]) -> Option<u64> {
-    let digits = message.strip_prefix(RELEASE_PREFIX)?;
-    if digits.is_empty() || digits.len() > 20 {
-        return None;
-    }
-    std::str::from_utf8(digits).ok()?.parse().ok()
-}
-
 impl NixlAgent {
-    /// Offers `storage` to peers: its description ([`NixlAgent::describe`], after `stream`'s
-    /// work) and an id, with the storage kept allocated until a peer sends the release
-    /// notification for that id or `ttl` passes ([`NixlAgent::collect_offers`]).
+    /// Offers `storage` to `peer`: its description ([`NixlAgent::describe`], after `stream`'s
+    /// work) and an id no peer can guess, with the storage's memory kept allocated (as it is now:
+    /// a lazy clone written later moves the storage, not these bytes) until `peer` sends the
+    /// release notification for that id or `ttl` passes ([`NixlAgent::collect_offers`]).
     pub fn offer(
         &self,
         storage: &Storage,
         stream: StreamId,
+        peer: &str,
         ttl: Duration,
     ) -> Result<(u64, RemoteStorage)> {
         let description = self.describe(storage, stream)?;
+        let pinned = storage.pin_memory()?;
+        let until = Instant::now()
+            .checked_add(ttl)
+            .ok_or_else(|| Error::invalid(format!("an offer's time to live of {ttl:?}")))?;
         let offers = &self.offers;
         let mut held = offers.held.lock();
         if held.len() >= MAX_OFFERS {
@@ -61,39 +57,42 @@ impl NixlAgent {
                 "{MAX_OFFERS} offers are held: collect released ones first"
             )));
         }
+        // Ids no peer can guess (a hostile peer could otherwise release others' offers by
+        // counting; NIXL's sender names are the sender's word).
         let id = {
             let mut next = offers.next.lock();
             *next += 1;
-            *next
+            std::collections::hash_map::RandomState::new().hash_one(*next)
         };
-        let until = Instant::now()
-            .checked_add(ttl)
-            .ok_or_else(|| Error::invalid(format!("an offer's time to live of {ttl:?}")))?;
         held.insert(
             id,
             Offered {
                 _storage: storage.clone(),
+                _pinned: pinned,
+                peer: peer.to_owned(),
                 until,
             },
         );
         Ok((id, description))
     }
 
-    /// Applies peers' release notifications (taken out of the notifications this agent returns)
-    /// and expiries; returns the counts. The released storages are freed once the program holds
-    /// them no more.
+    /// Applies peers' release notifications (never among the notifications this agent returns:
+    /// they are set aside as they arrive) and expiries; returns the counts. A release from a peer
+    /// the offer was not made to, or for no offer held, is refused (counted). The released
+    /// storages are freed once the program holds them no more.
     pub fn collect_offers(&self) -> Result<OfferCounts> {
-        let releases: Vec<u64> = self
-            .take_notifications(|n| release_id(&n.message).is_some())?
-            .iter()
-            .filter_map(|n| release_id(&n.message))
-            .collect();
+        self.fetch_notifications()?;
+        let releases = std::mem::take(&mut *self.offers.releases.lock());
         let now = Instant::now();
         let mut held = self.offers.held.lock();
         let mut counts = self.offer_counts.lock();
-        for id in releases {
-            if held.remove(&id).is_some() {
-                counts.released += 1;
+        for (from, id) in releases {
+            match held.get(&id) {
+                Some(o) if o.peer == from => {
+                    held.remove(&id);
+                    counts.released += 1;
+                }
+                _ => counts.refused += 1,
             }
         }
         let before = held.len();

@@ -118,6 +118,15 @@ impl Peers {
         );
     }
 
+    /// Knows `name` at generation 0 (metadata that reached NIXL by its listener) unless it is
+    /// known already: a known peer keeps its generation and its transfers in flight.
+    pub fn learn(&self, name: &str) {
+        self.known.lock().entry(name.to_owned()).or_insert(Peer {
+            generation: 0,
+            in_flight: 0,
+        });
+    }
+
     pub fn forget(&self, name: &str) -> bool {
         self.known.lock().remove(name).is_some()
     }

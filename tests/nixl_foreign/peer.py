@@ -23,6 +23,9 @@ Commands (binary values in hex):
                         one transfer handle; answers `BENCH <seconds>` (the transfers alone)
   QUIT
 At start it prints `META <hex of its metadata>`. Errors are answered `ERR <message>`.
+
+The wheel's `deserialize_descs` is `pickle.loads`: a program like this one must take descriptor
+lists only from a peer it trusts (here, the test that started it).
 """
 
 import os
