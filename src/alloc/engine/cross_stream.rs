@@ -23,8 +23,10 @@
 //! The wait is made after the memory left its old shard, so no work of the old stream can be
 //! enqueued on those bytes between the wait and the hand-out. A stream that cannot be waited for
 //! (captured by a capture this allocator did not begin, or destroyed) is skipped before anything
-//! is taken; one that fails at the wait itself gives its segment back to the driver (a free waits
-//! for what a wait cannot) or its block back to its pool, and the search goes on. Private pools
+//! is taken; one that fails at the wait itself gives its segment back to the driver with the next
+//! release (a free waits for what a wait cannot) or its block back to its pool, and the search
+//! goes on. The search holds the capture gate (`capturing.rs`): no capture of this allocator
+//! begins while it queries events and orders streams, and none runs when it starts. Private pools
 //! keep their memory (a graph's replays use their free blocks' addresses): only the default
 //! pool's shards and retired pools' take part, and only for the default pool's misses. Nothing
 //! moves while a capture is under way (the miss path does not come here then).
@@ -82,6 +84,9 @@ impl DeviceCore {
         if policy == CrossStreamReuse::Off || !shard.state.lock().pool.is_default() {
             return None;
         }
+        // Held throughout: no capture of this allocator begins while the search queries events
+        // and orders streams (calls a global capture forbids; `capturing.rs`). None while one runs.
+        let _no_capture = self.capturing.releasing()?;
         let others: Vec<Arc<Shard>> = self
             .releasable_shards()
             .into_iter()
@@ -222,7 +227,8 @@ impl DeviceCore {
             if let Err(err) = self.wait_for(shard.stream, from) {
                 tracing::warn!(%err, "an idle segment could not be ordered after its stream's work; it goes back to the driver");
                 from.state.lock().stats.num_device_free += 1;
-                self.free_segments(from.stream, vec![(base, size)]);
+                // Freed with the next release (the capture gate is held here: no free now).
+                self.unfreed.lock().push((from.stream, base, size));
                 continue;
             }
             self.callbacks
