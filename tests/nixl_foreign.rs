@@ -20,6 +20,9 @@ use cudalloc::{Runtime, Storage};
 
 const MIB: u64 = 1 << 20;
 const WAIT: Duration = Duration::from_secs(60);
+mod common;
+use common::{hex, unhex};
+
 #[path = "nixl_foreign/peer_driver.rs"]
 mod peer_driver;
 use peer_driver::Peer;
@@ -36,17 +39,6 @@ fn setup() -> MutexGuard<'static, ()> {
         panic!("the NIXL engine is required by this suite and could not be loaded: {e}")
     });
     guard
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Vec<u8> {
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
-        .collect()
 }
 
 fn runtime() -> Arc<Runtime> {

@@ -405,11 +405,6 @@ impl NixlAgent {
         Ok(std::mem::take(&mut *self.pending.lock()))
     }
 
-    /// Fetches notifications (releases of offers go to the offers' queue).
-    pub(super) fn fetch_notifications(&self) -> Result<()> {
-        self.fetch()
-    }
-
     /// Waits at most `timeout` for the notification `message` from `from`, keeping the others
     /// for later calls.
     pub fn wait_notification(&self, from: &str, message: &[u8], timeout: Duration) -> Result<()> {
@@ -437,7 +432,8 @@ impl NixlAgent {
         }
     }
 
-    fn fetch(&self) -> Result<()> {
+    /// Fetches notifications (releases of offers go to the offers' queue, `offers.rs`).
+    pub(super) fn fetch(&self) -> Result<()> {
         self.core.alive()?;
         let mut map = NotificationMap::new().map_err(|e| nixl_error("notifications", e))?;
         self.core

@@ -81,7 +81,7 @@ impl NixlAgent {
     /// the offer was not made to, or for no offer held, is refused (counted). The released
     /// storages are freed once the program holds them no more.
     pub fn collect_offers(&self) -> Result<OfferCounts> {
-        self.fetch_notifications()?;
+        self.fetch()?;
         let releases = std::mem::take(&mut *self.offers.releases.lock());
         let now = Instant::now();
         let mut held = self.offers.held.lock();
