@@ -101,4 +101,7 @@ pub(crate) struct Allocated {
     pub block: BlockId,
     pub ptr: u64,
     pub rounded: u64,
+    /// Whether its free may go to a thread's front cache: only its shard's stream uses it so far
+    /// (`false` once another stream is recorded on it, as for a lent block: `engine/handover.rs`).
+    pub front: bool,
 }

@@ -62,7 +62,11 @@ impl BlockOwner {
         Some(BlockOwner {
             shard: NonNull::from(shard),
             block: u32::try_from(block.block).ok()?,
-            class: AtomicU32::new(front::class_of(block.rounded).map_or(0, NonZeroU32::get)),
+            class: AtomicU32::new(
+                front::class_of(block.rounded)
+                    .filter(|_| block.front)
+                    .map_or(0, NonZeroU32::get),
+            ),
         })
     }
 

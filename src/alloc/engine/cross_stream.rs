@@ -150,9 +150,7 @@ impl DeviceCore {
                 lender.free(hit.block);
                 continue;
             }
-            // Its free waits for the asking stream's work, as after `record_stream`.
-            lender.state.lock().record_use(hit.block, shard.stream);
-            return Some((Arc::clone(lender), hit));
+            return Some((Arc::clone(lender), lender.lend(hit, shard.stream)));
         }
         None
     }

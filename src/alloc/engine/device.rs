@@ -297,6 +297,8 @@ impl DeviceCore {
             block,
             ptr,
             rounded,
+            // A front cache holds only blocks no other stream used (`handover.rs`).
+            front: true,
         })
     }
 

@@ -8,12 +8,12 @@
 //! | handed out, used on its stream and recorded streams (`record_stream`, copies to pinned memory, a lazy clone's copiers) | the owner drops it: [`Shard::leave`] | every stream it was used on: an event per recorded stream, polled before reuse (PyTorch's rule); none when only its own stream used it | a free whose clock covers those streams |
 //! | handed out, stolen by a lazy clone's last reference (`cow::context`) | [`Shard::hand_over_in_place`]: no free, the bytes keep their address; the recorded streams stay recorded (the eventual free waits for them again) | the stealing stream is ordered after the block's own stream and every recorded stream (clones dropped while another stream still read them): a stream-ordered wait, or across a capture the capture's tail event ([`Order`]); where no order can be made ([`Shard::can_hand_over_in_place`]), the stealer copies instead and the block is freed | the waits themselves (ordinary driver calls) |
 //! | freed into a pool that live graphs hold | [`Shard::leave`], as any free | as any free | a free marked *graph-held*: the graphs' replays may still touch the bytes |
-//! | kept by a thread's front cache (`front.rs`) | [`Shard::leave_to_front`] (only blocks no other stream used) | nothing: the same thread on the same stream takes them next | a free on its own stream |
+//! | kept by a thread's front cache (`front.rs`) | [`Shard::leave_to_front`] (only blocks no other stream used: never a lent block, [`Shard::lend`], nor one recorded on another stream) | nothing: the same thread on the same stream takes them next | a free on its own stream |
 //! | freed while a capture is under way | [`Shard::leave`], then pending until the last capture ends (`capturing.rs`) | as any free | as any free |
 //! | counted by other processes (shared, in the runtime's limbo: `ipc/limbo.rs`) | when no process counts on it any more, the runtime drops its `DataPtr`: [`Shard::leave`], as any free | as any free (a consumer lets go only after its own work on the bytes: `ipc/consumer.rs`) | as any free |
 //! | asleep (its tag sleeps: `engine/sleep.rs`, `runtime/sleep.rs`) | not a change of owner: the owner keeps the block, its bytes wait in page-locked memory and its pages are unmapped | — (work on it is refused with `Error::Asleep`) | asleep, then awake: any work on the range meanwhile is reported |
 //! | cached under another stream, taken over on a miss (`cross_stream_reuse:segments`: a whole idle segment moves to the asking stream's shard; `cross_stream.rs`) | out of its shard, then into the asking one and handed out | the old stream's work so far ([`DeviceCore::order_after`], made after the segment left its shard) | a hand-out on the asking stream, after the wait |
-//! | lent to another stream (`cross_stream_reuse:blocks`: a free block of another stream's shard handed out to the asking stream; `cross_stream.rs`) | the borrower drops it: [`Shard::leave`] in the lending shard, which waits for the borrower's stream (recorded as a use) | at hand-out, the asking stream waits for the lender's work so far; at the free, the lender waits for the borrower's (an event, as any recorded stream) | a hand-out on the asking stream, after the wait; a free whose clock covers the borrower |
+//! | lent to another stream (`cross_stream_reuse:blocks`: a free block of another stream's shard handed out to the asking stream; `cross_stream.rs`) | the borrower drops it: [`Shard::leave`] in the lending shard, which waits for the borrower's stream (recorded as a use by [`Shard::lend`]; never through a front cache) | at hand-out, the asking stream waits for the lender's work so far; at the free, the lender waits for the borrower's (an event, as any recorded stream) | a hand-out on the asking stream, after the wait; a free whose clock covers the borrower |
 //! | pending (events recorded) | events complete (`state.rs`) | — | — |
 //! | cached (free in its pool) | handed out again (`state.rs`), or given back to the driver (`device_release.rs`) | — | a hand-out checks every access on another stream was ordered before the free |
 //!
@@ -24,7 +24,7 @@
 use super::DeviceCore;
 use super::Shard;
 use super::ShardState;
-use crate::alloc::block::BlockId;
+use crate::alloc::block::{Allocated, BlockId};
 use crate::driver::capability::relaxed;
 use crate::driver::{EventId, StreamId};
 use crate::error::{Error, Result};
@@ -51,6 +51,15 @@ impl Shard {
             sanitizer.free(ptr, bytes, self.stream, &[], false);
         }
         self.core.record_front_free(self, ptr, bytes);
+    }
+
+    /// Free block `hit`, just handed out by this shard, is lent to `borrower` (another stream,
+    /// `cross_stream_reuse:blocks`): its free waits for the borrower's work as for any recorded
+    /// stream, so it never goes to a front cache, whose next taker waits for nothing.
+    pub(in crate::alloc) fn lend(&self, mut hit: Allocated, borrower: StreamId) -> Allocated {
+        self.state.lock().record_use(hit.block, borrower);
+        hit.front = false;
+        hit
     }
 
     /// Bytes `[ptr, ptr + len)` of this shard were handed out to a new owner (from its pools or

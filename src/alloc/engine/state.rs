@@ -240,6 +240,7 @@ impl ShardState {
             block: id,
             ptr: self.blocks[id].ptr,
             rounded,
+            front: self.blocks[id].stream_uses.is_empty(),
         }
     }
 
