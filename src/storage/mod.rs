@@ -268,9 +268,10 @@ impl Storage {
         }
         // Orders the copy after the writes before the lazy clone (`cow`), then the new memory is
         // written on `stream` alone (`materialize_locked`).
-        self.access(stream, AccessKind::Read)?;
-        self.with_data(|data| self.materialize_locked(data, stream))
-            .map(|(ptr, _)| ptr)
+        self.with_access(stream, AccessKind::Read, |data| {
+            self.materialize_locked(data, stream)
+        })
+        .map(|(ptr, _)| ptr)
     }
 
     /// Materializes a COW storage with its lock held (`data` is its `DataPtr`) on `stream` and
@@ -296,9 +297,9 @@ impl Storage {
     /// A lazy clone: a new storage sharing this one's data copy-on-write (converting this storage
     /// to COW on its first lazy clone). Not an alias: writes to either stay private.
     pub fn lazy_clone(&self) -> Result<Storage> {
-        // A read on the current stream: the copy of the first write follows it (`cow`).
-        self.access(self.stream()?, AccessKind::Read)?;
-        sharing::lazy_clone(self)
+        // A read on the current stream, taken with the clone: the copy of the first write
+        // follows it (`cow`).
+        sharing::lazy_clone(self, self.stream()?)
     }
 
     /// Whether the storage shares its data copy-on-write.
@@ -333,8 +334,8 @@ impl Storage {
     /// Shares this storage with other processes: the returned handle owns one count on the
     /// storage's slot (see `src/ipc/mod.rs`). Sharing a received storage forwards it.
     pub fn share_ipc(&self) -> Result<IpcHandle> {
-        // Consumers read after an event of the current stream: it follows the last write.
-        self.access(self.stream()?, AccessKind::Read)?;
+        // Consumers read after an event of the current stream: it follows the last write (the
+        // read access is taken with the share, under the storage's lock).
         sharing::share(self)
     }
 

@@ -147,6 +147,29 @@ impl Storage {
         Ok(true)
     }
 
+    /// Runs `change` on the storage's memory under its data lock, after taking the access of
+    /// `kind` on `stream` under the same lock and recording `stream` for the free: no work the
+    /// storages enqueue (which takes the data lock, [`enqueue_ordered`]) falls between the access
+    /// and the change that depends on it (a lazy clone, a share, a materialization). Found by a
+    /// hostile round: with the access taken first and the lock after, a kernel queued between
+    /// them was neither waited for nor kept off the memory a lazy clone then shared.
+    pub(super) fn with_access<R>(
+        &self,
+        stream: StreamId,
+        kind: AccessKind,
+        change: impl FnOnce(&mut crate::alloc::DataPtr) -> Result<R>,
+    ) -> Result<R> {
+        self.with_data(|data| {
+            let ordered = self.orders_itself()
+                && self.allocator().driver().stream_device(stream)? == self.inner.device
+                && self.order_locked(&mut self.inner.uses.uses.lock(), stream, kind)?;
+            if ordered && data.allocation_stream() != Some(stream) {
+                data.record_stream(stream)?;
+            }
+            change(data)
+        })
+    }
+
     /// Makes `stream` wait for `earlier`; a stream destroyed since is skipped (its work cannot
     /// be waited for any more, as a free of memory it used does not wait for it either).
     fn wait_for(&self, stream: StreamId, earlier: StreamId) -> Result<()> {

@@ -13,13 +13,15 @@ use crate::runtime::Runtime;
 use crate::sync::os::Arc;
 
 /// A lazy clone of `storage` (converting it to COW in place on its first lazy clone).
-pub(super) fn lazy_clone(storage: &Storage) -> Result<Storage> {
+pub(super) fn lazy_clone(storage: &Storage, stream: StreamId) -> Result<Storage> {
     if storage.nbytes() == 0 {
         return Storage::new(storage.runtime(), storage.device(), 0);
     }
-    storage.with_data(|data| match cow_sibling(storage, data, true)? {
-        Some(clone) => Ok(clone),
-        None => eager_clone(storage, data),
+    storage.with_access(stream, AccessKind::Read, |data| {
+        match cow_sibling(storage, data, true)? {
+            Some(clone) => Ok(clone),
+            None => eager_clone(storage, data),
+        }
     })
 }
 
@@ -104,7 +106,7 @@ pub(super) fn share(storage: &Storage) -> Result<IpcHandle> {
     let runtime = storage.runtime();
     let stream = runtime.current_stream(storage.device())?;
     refuse_while_capturing(runtime, stream, "shared with another process")?;
-    storage.with_data(|data| {
+    storage.with_access(stream, AccessKind::Read, |data| {
         if crate::cow::is_cow(data) {
             // A consumer may write: the shared memory must be this storage's own. Materialized
             // under the same lock as the wrapping below, so a concurrent lazy clone cannot turn it
