@@ -27,6 +27,11 @@
 //! work falls between an access and its work; an access inside a capture is kept for the graph,
 //! and each replay is ordered as one more access of those storages.
 //!
+//! A change of the storage's state that depends on an access — a lazy clone (the clone's bytes
+//! are the source's as the access saw them), a share with another process, a lazy clone's
+//! materialization — takes the access under the same data lock as the change
+//! (`Storage::with_access`), so no such work falls between them either.
+//!
 //! Outside the rule, the program's to order as in manual mode: work on raw addresses
 //! (`data_ptr()`, `mutable_data_ptr()`, `unsafe` on the host backend), captured raw work, and
 //! streams of another device. A stream destroyed since its access is
