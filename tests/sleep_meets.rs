@@ -403,3 +403,43 @@ fn a_runtime_with_tags_lets_its_devices_and_driver_go() {
         "the allocator's devices outlived it (a reference cycle through the tags)"
     );
 }
+
+/// Found by a hostile round: a tag's storage allocated on a stream that is destroyed while the
+/// tag sleeps — both wakes failed ("stream … was destroyed") and the bytes stayed unreachable for
+/// the runtime's life; and a stream destroyed before the sleep (the storage's own, or one that
+/// only read it) made every sleep fail. `destroy_stream` keeps blocks allocated on the stream
+/// valid: a destroyed stream has nothing left to wait for, and the allocator's own copies of a
+/// tag's bytes run on a live stream.
+#[test]
+fn destroyed_streams_do_not_strand_a_tags_bytes() {
+    let _device = device_alone();
+    for destroyed_before_sleep in [false, true] {
+        let rt = checked_allocator(test_driver(), "");
+        let (s, reader) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
+        let x = {
+            let _on = rt.set_current_stream(s).unwrap();
+            tagged(&rt, "weights", &[4 * MIB], 7).remove(0)
+        };
+        {
+            // Another stream reads the storage (recorded for its free).
+            let _on = rt.set_current_stream(reader).unwrap();
+            assert_eq!(x.count_pattern_mismatches(7).unwrap(), 0);
+        }
+        let what = if destroyed_before_sleep {
+            rt.destroy_stream(s).unwrap();
+            rt.destroy_stream(reader).unwrap();
+            rt.sleep(&["weights"], &[])
+                .unwrap_or_else(|e| panic!("a sleep after the streams' destruction: {e}"));
+            "destroyed before the sleep"
+        } else {
+            rt.sleep(&["weights"], &[]).unwrap();
+            rt.destroy_stream(s).unwrap();
+            rt.destroy_stream(reader).unwrap();
+            "destroyed while asleep"
+        };
+        rt.wake_up(&[], cudalloc::WakeOptions::default())
+            .unwrap_or_else(|e| panic!("{what}: the wake failed: {e}"));
+        assert_eq!(x.count_pattern_mismatches(7).unwrap(), 0, "{what}");
+        rt.check_invariants().unwrap();
+    }
+}

@@ -354,10 +354,11 @@ impl CachingAllocator {
             for stream in shard.sleep_streams() {
                 self.driver.stream_synchronize(stream)?;
             }
+            let stream = shard.copy_stream(|| self.default_stream(*device))?;
             shard.offload_allocated(|addr, len| {
                 let range = TagRange {
                     device: *device,
-                    stream: shard.stream(),
+                    stream,
                     addr,
                     len,
                 };
@@ -411,6 +412,11 @@ impl CachingAllocator {
         let pool = self.step(name, Phase::Asleep, Phase::Waking)?;
         let undo = PhaseUndo::new(self, &pool, Phase::Asleep);
         let shards = self.tag_shards(&pool);
+        // A stream destroyed while the tag slept: the restore runs on a live one.
+        let streams = shards
+            .iter()
+            .map(|(device, shard)| shard.copy_stream(|| self.default_stream(*device)))
+            .collect::<Result<Vec<StreamId>>>()?;
         let mut mapped = self.map_back(name, &shards);
         if matches!(mapped, Err(Error::OutOfMemory { .. })) {
             // As an allocation would: free-memory callbacks, then every cache, then once more.
@@ -421,22 +427,20 @@ impl CachingAllocator {
             mapped = self.map_back(name, &shards);
         }
         let mapped_bytes = mapped?;
-        let ranges = shards
-            .iter()
-            .flat_map(|(device, shard)| {
-                let stream = shard.stream();
-                let device = *device;
+        let mut ranges = Vec::new();
+        for ((device, shard), &stream) in shards.iter().zip(&streams) {
+            ranges.extend(
                 shard
                     .allocated_ranges()
                     .into_iter()
-                    .map(move |(addr, len)| TagRange {
-                        device,
+                    .map(|(addr, len)| TagRange {
+                        device: *device,
                         stream,
                         addr,
                         len,
-                    })
-            })
-            .collect();
+                    }),
+            );
+        }
         undo.disarm();
         Ok(WakeStart {
             tag: name.to_owned(),

@@ -243,29 +243,35 @@ impl Runtime {
         };
         let kept = self.sleepers.lock().remove(name).unwrap_or_default();
         report.mapped_bytes += start.mapped_bytes;
-        let live: HashSet<(usize, u64)> = start.ranges.iter().map(|r| (r.device, r.addr)).collect();
+        // The blocks still allocated, with the stream their restore runs on now (not the one of
+        // the sleep's copy: a stream destroyed meanwhile is replaced by a live one).
+        let live: HashMap<(usize, u64), StreamId> = start
+            .ranges
+            .iter()
+            .map(|r| ((r.device, r.addr), r.stream))
+            .collect();
         let driver = self.allocator().driver();
         let mut streams: Vec<StreamId> = Vec::new();
         // The allocator's own writes of the program's bytes (the sanitizer's bounds and
         // copy-on-write checks do not concern them: `driver::sanitizer::allocators_own`).
         let restore = || -> Result<()> {
             for (range, buffer) in &kept.buffers {
-                if !live.contains(&(range.device, range.addr)) {
+                let Some(&stream) = live.get(&(range.device, range.addr)) else {
                     continue; // freed while asleep
-                }
-                // SAFETY: the copy reads only the buffer's first `len` bytes, on `range.stream`;
-                // the buffer lives in `kept` until that stream is synchronized below.
+                };
+                // SAFETY: the copy reads only the buffer's first `len` bytes, on `stream`; the
+                // buffer lives in `kept` until that stream is synchronized below.
                 unsafe {
-                    buffer.enqueue_read(range.stream, 0..buffer.len(), |src, len| {
+                    buffer.enqueue_read(stream, 0..buffer.len(), |src, len| {
                         driver.pinned().copy_pinned_to_device(
-                            range.stream,
+                            stream,
                             DeviceAddr(range.addr),
                             src,
                             len,
                         )
                     })?;
                 }
-                streams.push(range.stream);
+                streams.push(stream);
                 report.restored_bytes += range.len;
             }
             if !kept.offloaded && options.zero_discarded {

@@ -143,6 +143,15 @@ pub(in crate::alloc) enum Order {
 }
 
 impl DeviceCore {
+    /// Whether `stream` is gone: destroyed (synchronized first: `CachingAllocator::destroy_stream`),
+    /// so nothing of it is left to wait for and the driver knows it no more. The one answer to
+    /// "does a destroyed stream need a wait" (it does not) for every exit that waits for the
+    /// streams a block was used on; blocks allocated on it stay valid, and the allocator's own
+    /// work on them runs on a live stream (`tags.rs`).
+    pub(in crate::alloc) fn stream_gone(&self, stream: StreamId) -> bool {
+        self.driver.stream_device(stream).is_err()
+    }
+
     /// How `to` can be ordered after `used` now.
     pub(in crate::alloc) fn order(&self, to: StreamId, used: StreamId) -> Result<Order> {
         // Asked of the driver even while this allocator runs no capture: a library may capture a

@@ -172,9 +172,24 @@ impl Shard {
         self.state.lock().stats.reserved_bytes.all.current
     }
 
-    /// The streams a sleep waits for (see [`ShardState::sleep_streams`]).
+    /// The streams a sleep waits for (see [`ShardState::sleep_streams`]), but those destroyed
+    /// since they used the shard's memory: nothing of theirs is left to wait for
+    /// ([`DeviceCore::stream_gone`]).
     pub(crate) fn sleep_streams(&self) -> Vec<StreamId> {
-        self.state.lock().sleep_streams(self.stream)
+        let mut streams = self.state.lock().sleep_streams(self.stream);
+        streams.retain(|&s| !self.core.stream_gone(s));
+        streams
+    }
+
+    /// The stream the allocator's own copies of this shard's bytes run on (a tag's offload and
+    /// restore): the shard's, unless it was destroyed — its blocks stay valid — and then `live`,
+    /// a stream of the device the driver still knows.
+    pub(crate) fn copy_stream(&self, live: impl FnOnce() -> Result<StreamId>) -> Result<StreamId> {
+        if self.core.stream_gone(self.stream) {
+            live()
+        } else {
+            Ok(self.stream)
+        }
     }
 
     /// Calls `offload` with `(address, size)` of every allocated block, by address, under the
