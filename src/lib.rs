@@ -84,9 +84,9 @@ pub mod sanitizer {
 /// out-of-memory facts, and the observers and callbacks that hear of them.
 pub mod stats {
     pub use crate::alloc::{
-        trace_json_lines, DeviceStats, Frame, FreeMemoryCallback, HistoryMode, HistoryOptions,
-        OutOfMemoryEvent, OutOfMemoryObserver, PoolStats, PoolsReserved, SegmentChange,
-        SegmentEvent, SegmentObserver, Snapshot, SnapshotBlock, SnapshotBlockState,
+        trace_json_lines, Bookkeeping, DeviceStats, Frame, FreeMemoryCallback, HistoryMode,
+        HistoryOptions, OutOfMemoryEvent, OutOfMemoryObserver, PoolStats, PoolsReserved,
+        SegmentChange, SegmentEvent, SegmentObserver, Snapshot, SnapshotBlock, SnapshotBlockState,
         SnapshotSegment, Stat, TraceAction, TraceEntry,
     };
 }

@@ -63,6 +63,7 @@ mod stats;
 mod summary;
 mod tags;
 
+pub use engine::device_shards::Bookkeeping;
 pub use engine::pool_peaks::PoolsReserved;
 pub use engine::snapshot::{Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment};
 pub use graph::{Capture, CaptureRoute, Graph, GraphPool};

@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 
 use super::engine::snapshot::SnapshotBlockState;
 use super::history::TraceAction;
-use super::{summary, CachingAllocator, DeviceStats, HistoryOptions, PoolsReserved, Snapshot};
+use super::{
+    summary, Bookkeeping, CachingAllocator, DeviceStats, HistoryOptions, PoolsReserved, Snapshot,
+};
 use crate::driver::StreamId;
 use crate::error::Result;
 
@@ -51,6 +53,20 @@ impl CachingAllocator {
     /// pool would copy every shard's statistics).
     pub fn pools_reserved(&self, device: usize) -> Result<PoolsReserved> {
         Ok(self.device(device)?.pools_reserved())
+    }
+
+    /// What the allocator keeps on `device` besides memory: shards live, retired and kept for
+    /// reuse, configurations kept ([`Bookkeeping`]).
+    pub fn bookkeeping(&self, device: usize) -> Result<Bookkeeping> {
+        self.birth.check("this allocator")?;
+        let mut kept = self.device(device)?.bookkeeping();
+        kept.configurations = self.config.kept()
+            + self
+                .devices
+                .iter()
+                .map(|d| d.configurations_kept())
+                .sum::<usize>();
+        Ok(kept)
     }
 
     /// Stats of `device` with PyTorch's keys.

@@ -134,6 +134,12 @@ impl Runtime {
         self.allocator.pools_reserved(device)
     }
 
+    /// What the allocator keeps on `device` besides memory (shards, configurations): bounded by
+    /// what is live, for a long-running program to watch.
+    pub fn bookkeeping(&self, device: usize) -> Result<crate::stats::Bookkeeping> {
+        self.allocator.bookkeeping(device)
+    }
+
     /// Stats of `device` with PyTorch's keys.
     pub fn memory_stats_map(&self, device: usize) -> Result<BTreeMap<String, i64>> {
         self.allocator.memory_stats_map(device)

@@ -85,9 +85,8 @@ impl<T: PartialEq> Published<T> {
         current.store(ptr.as_ptr(), Ordering::Release);
     }
 
-    /// How many distinct values the cell keeps.
-    #[cfg(test)]
-    fn kept(&self) -> usize {
+    /// How many values the cell keeps.
+    pub(crate) fn kept(&self) -> usize {
         self.kept.lock().len()
     }
 }

@@ -91,7 +91,7 @@ impl DeviceCore {
             .releasable_shards()
             .into_iter()
             .filter(|other| !std::ptr::eq(Arc::as_ptr(other), shard))
-            .filter(|other| self.can_wait(shard.stream, other))
+            .filter(|other| self.can_wait(shard.stream(), other))
             .collect();
         if others.is_empty() {
             return None;
@@ -116,7 +116,7 @@ impl DeviceCore {
     /// finished stream's is all done).
     pub(super) fn can_wait(&self, to: StreamId, used: &Shard) -> bool {
         used.finished.load(Ordering::SeqCst)
-            || matches!(self.order(to, used.stream), Ok(o) if o != Order::Impossible)
+            || matches!(self.order(to, used.stream()), Ok(o) if o != Order::Impossible)
     }
 
     /// Orders `to` after the work of `used`'s stream so far (nothing to wait for when that
@@ -125,7 +125,7 @@ impl DeviceCore {
         if used.finished.load(Ordering::SeqCst) {
             return Ok(());
         }
-        self.order_after(to, used.stream)
+        self.order_after(to, used.stream())
     }
 
     /// `blocks`: the best fit over `others`' free blocks, handed out by its shard and lent to
@@ -144,13 +144,13 @@ impl DeviceCore {
             let Some(hit) = self.fit_releasable(lender, req) else {
                 continue;
             };
-            if let Err(err) = self.wait_for(shard.stream, lender) {
+            if let Err(err) = self.wait_for(shard.stream(), lender) {
                 tracing::warn!(%err, "a borrowed block could not be ordered after its stream's work; it goes back to its pool");
                 // Nothing used it: a free with no other stream to wait for.
                 lender.free(hit.block);
                 continue;
             }
-            return Some((Arc::clone(lender), lender.lend(hit, shard.stream)));
+            return Some((Arc::clone(lender), lender.lend(hit, shard.stream())));
         }
         None
     }
@@ -222,29 +222,29 @@ impl DeviceCore {
             let Some((base, size)) = taken else {
                 continue;
             };
-            if let Err(err) = self.wait_for(shard.stream, from) {
+            if let Err(err) = self.wait_for(shard.stream(), from) {
                 tracing::warn!(%err, "an idle segment could not be ordered after its stream's work; it goes back to the driver");
                 from.state.lock().stats.num_device_free += 1;
                 // Freed with the next release (the capture gate is held here: no free now).
-                self.unfreed.lock().push((from.stream, base, size));
+                self.unfreed.lock().push((from.stream(), base, size));
                 continue;
             }
             self.callbacks
                 .registry
-                .rehome(self.device, base, shard.stream);
+                .rehome(self.device, base, shard.stream());
             self.trace.record(
                 TraceAction::SegmentFree,
                 self.device,
                 base,
                 size,
-                from.stream,
+                from.stream(),
             );
             self.trace.record(
                 TraceAction::SegmentAlloc,
                 self.device,
                 base,
                 size,
-                shard.stream,
+                shard.stream(),
             );
             let mut st = shard.state.lock();
             let head = st.enter_segment(base, size, pool, self.config());
@@ -255,8 +255,8 @@ impl DeviceCore {
             tracing::debug!(
                 base,
                 size,
-                from = from.stream.raw(),
-                to = shard.stream.raw(),
+                from = from.stream().raw(),
+                to = shard.stream().raw(),
                 "idle segment handed over between streams"
             );
             return Some(out);

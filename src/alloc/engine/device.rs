@@ -134,6 +134,11 @@ impl DeviceCore {
         self.config.publish(config);
     }
 
+    /// Configurations the device's cell keeps.
+    pub(in crate::alloc) fn configurations_kept(&self) -> usize {
+        self.config.kept()
+    }
+
     /// Sets the per-process memory fraction.
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
         if !(0.0..=1.0).contains(&fraction) {
@@ -230,7 +235,7 @@ impl DeviceCore {
                 self.device,
                 addr,
                 size,
-                shard.stream,
+                shard.stream(),
             );
         }
     }
@@ -270,8 +275,13 @@ impl DeviceCore {
     /// Records an allocation of `rounded` bytes at `ptr` in the history (when it is on).
     #[inline]
     pub(in crate::alloc) fn record_alloc(&self, shard: &Shard, ptr: u64, rounded: u64) {
-        self.trace
-            .record(TraceAction::Alloc, self.device, ptr, rounded, shard.stream);
+        self.trace.record(
+            TraceAction::Alloc,
+            self.device,
+            ptr,
+            rounded,
+            shard.stream(),
+        );
     }
 
     /// Records the free of `rounded` bytes at `ptr` that a front cache took (requested and
@@ -279,7 +289,7 @@ impl DeviceCore {
     pub(in crate::alloc) fn record_front_free(&self, shard: &Shard, ptr: u64, rounded: u64) {
         for action in [TraceAction::FreeRequested, TraceAction::FreeCompleted] {
             self.trace
-                .record(action, self.device, ptr, rounded, shard.stream);
+                .record(action, self.device, ptr, rounded, shard.stream());
         }
     }
 
@@ -380,7 +390,7 @@ impl DeviceCore {
         let capturing = self
             .driver
             .graphs()
-            .stream_capture_status(shard.stream)
+            .stream_capture_status(shard.stream())
             .is_ok_and(|s| s.is_capturing());
         let got = if capturing {
             relaxed(self.driver.graphs(), || {
@@ -408,7 +418,7 @@ impl DeviceCore {
         let stats = self.stats();
         let free = self.driver.mem_info(self.device).map_or(0, |m| m.free);
         self.trace
-            .record_oom(self.device, requested, shard.stream, free);
+            .record_oom(self.device, requested, shard.stream(), free);
         let mut facts = OutOfMemoryEvent {
             device: self.device,
             requested,
@@ -506,7 +516,7 @@ impl DeviceCore {
         // Registered before any block of it is handed out (`registration.rs`).
         if let Err(err) = self.callbacks.registry.map(
             self.device,
-            shard.stream,
+            shard.stream(),
             RegionKind::Segment,
             [(ptr.0, seg)],
         ) {
@@ -524,14 +534,14 @@ impl DeviceCore {
             device: self.device,
             base: ptr,
             size: seg,
-            stream: shard.stream,
+            stream: shard.stream(),
         });
         self.trace.record(
             TraceAction::SegmentAlloc,
             self.device,
             ptr.0,
             seg,
-            shard.stream,
+            shard.stream(),
         );
         self.record_alloc(shard, ptr.0, rounded);
         Ok(Some(out))
@@ -592,7 +602,7 @@ impl DeviceCore {
     /// Appends every segment of the device to `out`.
     pub fn snapshot_into(&self, out: &mut Vec<SnapshotSegment>) {
         for shard in self.all_shards() {
-            snapshot::shard_segments(&shard.state.lock(), self.device, shard.stream, out);
+            snapshot::shard_segments(&shard.state.lock(), self.device, shard.stream(), out);
         }
     }
 

@@ -122,7 +122,7 @@ impl DeviceCore {
             self.settle(st);
             taken
         };
-        self.free_segments(shard.stream, taken.clone());
+        self.free_segments(shard.stream(), taken.clone());
         taken
     }
 
@@ -174,7 +174,7 @@ impl DeviceCore {
             taken
         };
         let any = !taken.is_empty();
-        self.free_segments(shard.stream, taken);
+        self.free_segments(shard.stream(), taken);
         any | (self.release_pages(shard, |_| true, |_| false, releasable_only) > 0)
     }
 

@@ -13,6 +13,24 @@ use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex, ShortMutex};
 
+/// What an allocator keeps on a device beyond the memory itself: bounded by what is live — the
+/// streams and pools alive at once, the settings in force — never by how many streams, pools or
+/// settings the runtime has seen (a soak of 100,000 steps: `benches/soak.rs`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Bookkeeping {
+    /// Shards serving a live (stream, pool).
+    pub shards: usize,
+    /// Shards of destroyed streams and dropped pools still holding memory (released or taken
+    /// over by other streams and pools).
+    pub retired_shards: usize,
+    /// Empty shards of destroyed streams, kept for the next new stream's shard (never more than
+    /// the most streams alive at once).
+    pub buried_shards: usize,
+    /// Configurations the allocator keeps (the one in force, and those a reader may still hold).
+    pub configurations: usize,
+}
+
 /// Serials of shards (`Shard::serial`).
 static NEXT_SHARD_SERIAL: AtomicU64 = AtomicU64::new(1);
 
@@ -63,31 +81,43 @@ impl DeviceCore {
             }
         }
         let serial = NEXT_SHARD_SERIAL.fetch_add(1, Ordering::Relaxed);
-        let shard = Arc::new(Shard {
-            stream,
-            serial,
-            // A pool's blocks go back to the pool's shard directly: no thread front caches.
-            front_limit: if pool.is_default() {
-                self.config().thread_cache
-            } else {
-                0
-            },
-            birth: self.birth,
-            sanitizer: self.sanitizer.clone(),
-            state: ShortMutex::new(ShardState {
-                serial,
-                pool,
-                pooled: !pool.is_default(),
-                pool_options: options,
-                ..ShardState::default()
-            }),
-            core: Arc::clone(self),
-            fronts: Mutex::new(Default::default()),
-            // Read under the map's write lock: a tag put to sleep marks itself before it lists
-            // its shards (under the read lock), so a shard made meanwhile is listed or asleep.
-            sleeping: AtomicBool::new(self.tags.is_sleeping(pool)),
-            finished: AtomicBool::new(false),
-        });
+        // A pool's blocks go back to the pool's shard directly: no thread front caches.
+        let front_limit = if pool.is_default() {
+            self.config().thread_cache
+        } else {
+            0
+        };
+        // Read under the map's write lock: a tag put to sleep marks itself before it lists its
+        // shards (under the read lock), so a shard made meanwhile is listed or asleep.
+        let sleeping = self.tags.is_sleeping(pool);
+        let recycled = self.buried.lock().pop();
+        let (shard, fresh) = match recycled {
+            Some(shard) => {
+                shard.recycle(stream, serial, front_limit, pool, options, sleeping);
+                (shard, false)
+            }
+            None => (
+                Arc::new(Shard {
+                    stream: AtomicU64::new(stream.raw()),
+                    serial: AtomicU64::new(serial),
+                    front_limit: AtomicU64::new(front_limit),
+                    birth: self.birth,
+                    sanitizer: self.sanitizer.clone(),
+                    state: ShortMutex::new(ShardState {
+                        serial,
+                        pool,
+                        pooled: !pool.is_default(),
+                        pool_options: options,
+                        ..ShardState::default()
+                    }),
+                    core: Arc::clone(self),
+                    fronts: Mutex::new(Default::default()),
+                    sleeping: AtomicBool::new(sleeping),
+                    finished: AtomicBool::new(false),
+                }),
+                true,
+            ),
+        };
         // The pool's book opens before the shard is in the map, where another thread could find
         // it and settle a change the book would then miss (`pool_peaks.rs`).
         if !pool.is_default() {
@@ -95,8 +125,11 @@ impl DeviceCore {
         }
         shards.insert((stream, pool), Arc::clone(&shard));
         drop(shards);
-        // In the peak book from its creation (the book's lock is taken after the map's).
-        self.register_for_peaks(&shard);
+        // In the peak book from its creation (the book's lock is taken after the map's); a
+        // recycled shard is in it already.
+        if fresh {
+            self.register_for_peaks(&shard);
+        }
         Ok(shard)
     }
 
@@ -110,7 +143,7 @@ impl DeviceCore {
             .shards
             .read()
             .iter()
-            .filter(|((stream, p), _)| *stream == shard.stream && !p.is_default())
+            .filter(|((stream, p), _)| *stream == shard.stream() && !p.is_default())
             .map(|(_, s)| Arc::clone(s))
             .collect();
         lenders.into_iter().find_map(|lending| {
@@ -138,7 +171,7 @@ impl DeviceCore {
     ) -> Option<(Arc<Shard>, Vec<u64>)> {
         let mut retired = self.retired.lock();
         let at = retired.iter().position(|shard| {
-            shard.stream == stream && {
+            shard.stream() == stream && {
                 let st = shard.state.lock();
                 st.owners == 0
                     && st
@@ -199,8 +232,10 @@ impl DeviceCore {
     }
 
     /// Moves the retired shards of destroyed streams that hold nothing (no block out, no
-    /// segment, nothing pending) to the buried list: a program that makes and destroys a stream
-    /// per step does not grow what every miss and release walks.
+    /// segment, nothing pending) to the buried list, where the next new shard takes one
+    /// ([`Shard::recycle`]): a program that makes and destroys a stream per step neither grows
+    /// what every miss and release walks nor the memory the allocator keeps — the buried list
+    /// is never longer than the most streams alive at once.
     pub(in crate::alloc) fn bury_finished(&self) {
         let mut retired = self.retired.lock();
         let (empty, kept): (Vec<_>, Vec<_>) =
@@ -215,6 +250,16 @@ impl DeviceCore {
         *retired = kept;
         drop(retired);
         self.buried.lock().extend(empty);
+    }
+
+    /// What the device keeps for its shards (see [`Bookkeeping`]).
+    pub(in crate::alloc) fn bookkeeping(&self) -> Bookkeeping {
+        Bookkeeping {
+            shards: self.shards.read().len(),
+            retired_shards: self.retired.lock().len(),
+            buried_shards: self.buried.lock().len(),
+            configurations: 0,
+        }
     }
 
     /// Every shard of the device: the default pool's, the live pools', the retired ones.

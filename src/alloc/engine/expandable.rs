@@ -438,7 +438,7 @@ impl DeviceCore {
             let pages = mapped.iter().map(|&(at, _)| (at, page));
             if let Err(err) = self.callbacks.registry.map(
                 self.device,
-                shard.stream,
+                shard.stream(),
                 RegionKind::ExpandablePage,
                 pages,
             ) {
@@ -478,14 +478,14 @@ impl DeviceCore {
             device: self.device,
             base: DeviceAddr(addr),
             size: len,
-            stream: shard.stream,
+            stream: shard.stream(),
         });
         self.trace.record(
             TraceAction::SegmentMap,
             self.device,
             addr,
             len,
-            shard.stream,
+            shard.stream(),
         );
         self.record_alloc(shard, out.ptr, rounded);
         Ok(Some(out))
@@ -575,7 +575,7 @@ impl DeviceCore {
         }
         let freed = pages.iter().map(|p| p.1).sum();
         let starts: Vec<u64> = pages.iter().map(|p| p.0).collect();
-        self.free_pages(shard.stream, pages);
+        self.free_pages(shard.stream(), pages);
         let mut st = shard.state.lock();
         for addr in starts {
             st.finish_release(addr);

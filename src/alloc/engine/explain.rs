@@ -62,7 +62,7 @@ impl DeviceCore {
     pub(super) fn explain(&self, shard: &Shard, req: Request, facts: &mut OutOfMemoryEvent) {
         let pool = req.pool();
         facts.rounded = req.rounded;
-        facts.stream = Some(shard.stream);
+        facts.stream = Some(shard.stream());
         let all_shards = self.all_shards();
         let lendable = {
             let st = shard.state.lock();
@@ -79,13 +79,14 @@ impl DeviceCore {
                 continue;
             }
             // Asked before the lock (a driver call): could the asking stream wait for it?
-            let waitable =
-                lendable && other.stream != shard.stream && self.can_wait(shard.stream, other);
+            let waitable = lendable
+                && other.stream() != shard.stream()
+                && self.can_wait(shard.stream(), other);
             let st = other.state.lock();
             facts.reserved_unmapped += st.unmapped_bytes();
             // Another stream's cache: the default pool's and retired shards' (a pool's own
             // stream's default pool is not another stream's).
-            if !st.releasable() || other.stream == shard.stream {
+            if !st.releasable() || other.stream() == shard.stream() {
                 continue;
             }
             let free = st.free_figures(pool, req.rounded, self.config());

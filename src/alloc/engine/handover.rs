@@ -38,7 +38,7 @@ impl Shard {
         let uses = st.release(id);
         if let Some(sanitizer) = &self.sanitizer {
             let graph_held = self.core.capturing.held_by_graphs(st.pool);
-            sanitizer.free(ptr, size, self.stream, &uses, graph_held);
+            sanitizer.free(ptr, size, self.stream(), &uses, graph_held);
         }
         uses
     }
@@ -48,7 +48,7 @@ impl Shard {
     /// sanitizer and the history the program freed the block (its next hand-out is an alloc).
     pub(in crate::alloc) fn leave_to_front(&self, ptr: u64, bytes: u64) {
         if let Some(sanitizer) = &self.sanitizer {
-            sanitizer.free(ptr, bytes, self.stream, &[], false);
+            sanitizer.free(ptr, bytes, self.stream(), &[], false);
         }
         self.core.record_front_free(self, ptr, bytes);
     }
@@ -73,9 +73,9 @@ impl Shard {
                     .core
                     .driver
                     .graphs()
-                    .stream_capture_status(self.stream)
+                    .stream_capture_status(self.stream())
                     .is_ok_and(|s| s.is_capturing());
-            sanitizer.hand_out(ptr, len, self.stream, !captured);
+            sanitizer.hand_out(ptr, len, self.stream(), !captured);
         }
     }
 
@@ -85,7 +85,7 @@ impl Shard {
         let finished = self
             .finished
             .load(crate::sync::os::atomic::Ordering::SeqCst);
-        (!finished).then_some(self.stream).into_iter()
+        (!finished).then_some(self.stream()).into_iter()
     }
 
     /// Whether the bytes of handed-out block `id` can go to a new owner using them on `to`

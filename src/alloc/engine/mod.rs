@@ -30,7 +30,7 @@
 mod cross_stream;
 pub(in crate::alloc) mod device;
 mod device_release;
-mod device_shards;
+pub(in crate::alloc) mod device_shards;
 pub(in crate::alloc) mod expandable;
 mod explain;
 pub(in crate::alloc) mod handover;
@@ -69,12 +69,16 @@ use crate::sync::os::{Arc, Mutex, Published, RwLock, ShortMutex, Weak};
 #[derive(Debug)]
 #[repr(align(128))]
 pub(crate) struct Shard {
-    stream: StreamId,
-    /// Unique in the process, never reused: tells this shard from a later one at the same address
-    /// (thread-local caches compare it; `thread.rs`).
-    serial: u64,
+    /// The stream (`StreamId`'s raw value). Fixed while the shard serves it; an empty shard of a
+    /// destroyed stream is recycled for the next stream's shard (`device_shards.rs`), and only
+    /// then does it change, with `serial`.
+    stream: AtomicU64,
+    /// Unique in the process, never reused: tells this shard from a later one at the same address,
+    /// or from the same shard recycled for another stream (thread-local caches compare it;
+    /// `thread.rs`).
+    serial: AtomicU64,
     /// `thread_cache_mb` in bytes (0: no front caches), next to the lock the free path takes.
-    front_limit: u64,
+    front_limit: AtomicU64,
     /// The process the allocator belongs to, next to the hot fields: a forked child's frees
     /// release nothing (`process`).
     birth: Birth,

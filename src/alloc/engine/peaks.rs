@@ -54,7 +54,7 @@ thread_local! {
 
 /// The book's key for a shard: its serial, which its state carries too (what its settle knows).
 fn key_of(shard: &Shard) -> usize {
-    shard.serial as usize
+    shard.serial() as usize
 }
 
 /// A shard read in this reconcile: what its high-water mark asks for, and whether it shares

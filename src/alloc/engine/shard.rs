@@ -41,7 +41,14 @@ impl Shard {
     /// The stream whose blocks this shard holds.
     #[inline]
     pub(in crate::alloc) fn stream(&self) -> StreamId {
-        self.stream
+        StreamId(self.stream.load(Ordering::Acquire))
+    }
+
+    /// The shard's serial (see [`Shard`]'s field): changes only when an empty shard of a
+    /// destroyed stream is recycled for another stream.
+    #[inline]
+    pub(in crate::alloc) fn serial(&self) -> u64 {
+        self.serial.load(Ordering::Acquire)
     }
 
     /// The device of the shard.
@@ -53,7 +60,7 @@ impl Shard {
     /// `thread_cache_mb` in bytes (0: no front caches).
     #[inline]
     pub(in crate::alloc) fn front_limit(&self) -> u64 {
-        self.front_limit
+        self.front_limit.load(Ordering::Relaxed)
     }
 
     /// The process of the allocator: a forked child's blocks release nothing.
@@ -94,7 +101,7 @@ impl Shard {
     /// Appends this shard's segments to `out` (a pool's snapshot).
     pub(in crate::alloc) fn segments_into(&self, out: &mut Vec<SnapshotSegment>) {
         let st = self.state.lock();
-        super::snapshot::shard_segments(&st, self.core.device, self.stream, out);
+        super::snapshot::shard_segments(&st, self.core.device, self.stream(), out);
     }
 
     /// This shard's statistics as its pool's: the accumulated counts of earlier pools that held
@@ -119,7 +126,7 @@ impl Shard {
             core.device,
             ptr,
             size,
-            self.stream,
+            self.stream(),
         );
         // What the block's next owner waits for is decided in `handover.rs`.
         let uses = self.leave(&mut st, id);
@@ -129,7 +136,7 @@ impl Shard {
                 core.device,
                 ptr,
                 size,
-                self.stream,
+                self.stream(),
             );
         } else if core.capturing.any() {
             // No event may be recorded (nor later queried) on a capturing stream: the block
@@ -203,7 +210,7 @@ impl Shard {
             requested: 0,
             message: format!(
                 "stream {} has more than {} blocks; free some memory first",
-                self.stream.raw(),
+                self.stream().raw(),
                 u32::MAX
             ),
         }
@@ -224,7 +231,7 @@ impl Shard {
 
     /// Marks block `id` as used by `stream` (`record_stream`).
     pub fn record_use(&self, id: BlockId, stream: StreamId) -> Result<()> {
-        if stream == self.stream {
+        if stream == self.stream() {
             return Ok(());
         }
         let device = self.core.driver.stream_device(stream)?;
@@ -240,6 +247,53 @@ impl Shard {
     }
 }
 
+impl Shard {
+    /// A buried shard (of a destroyed stream, holding nothing: `DeviceCore::bury_finished`)
+    /// becomes the shard of `stream` in `pool`, under a new `serial`, so that the shards a
+    /// device keeps are bounded by the streams alive at once. Its accumulated statistics stay
+    /// (the device's totals keep counting them; its currents are zero), as does its entry in the
+    /// peak book. Thread caches that still point at it compare its serial and miss
+    /// (`thread.rs`); its front caches, flushed when its stream was destroyed, are retired.
+    pub(in crate::alloc) fn recycle(
+        &self,
+        stream: StreamId,
+        serial: u64,
+        front_limit: u64,
+        pool: MemPoolId,
+        options: crate::alloc::pool_id::MemPoolOptions,
+        sleeping: bool,
+    ) {
+        let caches = std::mem::take(&mut self.fronts.lock().caches);
+        for cache in caches {
+            // SAFETY: a cache registered with this shard; the caller's reference keeps the shard
+            // alive.
+            unsafe { Shard::flush_front(NonNull::from(self), &cache, true) };
+        }
+        let mut st = self.state.lock();
+        debug_assert!(st.owners == 0 && st.segments.is_empty() && !st.has_pending());
+        st.serial = serial;
+        st.retired = false;
+        st.orphaned = false;
+        st.pool = pool;
+        st.pooled = !pool.is_default();
+        st.pool_options = options;
+        st.pool_base = if st.pooled {
+            st.stats.clone()
+        } else {
+            DeviceStats::default()
+        };
+        st.pool_told = Default::default();
+        st.over_budget = false;
+        st.pending.clear();
+        st.deferred.clear();
+        self.stream.store(stream.raw(), Ordering::Release);
+        self.front_limit.store(front_limit, Ordering::Relaxed);
+        self.sleeping.store(sleeping, Ordering::SeqCst);
+        self.finished.store(false, Ordering::SeqCst);
+        self.serial.store(serial, Ordering::Release);
+    }
+}
+
 /// The front caches registered with a shard (`front.rs`): what the allocator does to all of them,
 /// and a thread's give-back of one.
 impl Shard {
@@ -252,7 +306,7 @@ impl Shard {
             return None;
         }
         registry.caches.retain(|c| !c.is_retired());
-        let cache = Arc::new(FrontCache::new(self.serial, self.birth));
+        let cache = Arc::new(FrontCache::new(self.serial(), self.birth));
         registry.caches.push(Arc::clone(&cache));
         Some(cache)
     }
@@ -325,16 +379,17 @@ impl Drop for Shard {
             return;
         }
         // Only reached after the allocator shut down and the last block of this shard was freed.
+        let stream = self.stream();
         let st = self.state.get_mut();
         for e in st.pending_events() {
             let _ = self.core.free_events.event_synchronize(e);
         }
         let _ = st.complete_events(|_| Ok(true));
         let taken = st.take_free_segments(|_| true, ReleaseOrder::Largest, |_| false);
-        self.core.free_segments(self.stream, taken);
+        self.core.free_segments(stream, taken);
         let pages = st.take_free_pages(|_| true, |_| false);
         let starts: Vec<u64> = pages.iter().map(|p| p.0).collect();
-        self.core.free_pages(self.stream, pages);
+        self.core.free_pages(stream, pages);
         for addr in starts {
             st.finish_release(addr);
         }

@@ -176,7 +176,7 @@ impl Shard {
     /// since they used the shard's memory: nothing of theirs is left to wait for
     /// ([`DeviceCore::stream_gone`]).
     pub(crate) fn sleep_streams(&self) -> Vec<StreamId> {
-        let mut streams = self.state.lock().sleep_streams(self.stream);
+        let mut streams = self.state.lock().sleep_streams(self.stream());
         streams.retain(|&s| !self.core.stream_gone(s));
         streams
     }
@@ -185,10 +185,10 @@ impl Shard {
     /// restore): the shard's, unless it was destroyed — its blocks stay valid — and then `live`,
     /// a stream of the device the driver still knows.
     pub(crate) fn copy_stream(&self, live: impl FnOnce() -> Result<StreamId>) -> Result<StreamId> {
-        if self.core.stream_gone(self.stream) {
+        if self.core.stream_gone(self.stream()) {
             live()
         } else {
-            Ok(self.stream)
+            Ok(self.stream())
         }
     }
 
@@ -258,7 +258,7 @@ impl DeviceCore {
             })
             .collect();
         let spans: Vec<(u64, u64)> = runs.iter().map(|&(at, len, _)| (at, len)).collect();
-        self.free_pages(shard.stream, runs);
+        self.free_pages(shard.stream(), runs);
         if let Some(sanitizer) = &self.sanitizer {
             for &(at, len) in &spans {
                 sanitizer.asleep(at, len, tag);
@@ -303,7 +303,7 @@ impl DeviceCore {
                 .flat_map(|(_, page, chunks)| chunks.iter().map(move |&(at, _)| (at, *page)));
             if let Err(err) = self.callbacks.registry.map(
                 self.device,
-                shard.stream,
+                shard.stream(),
                 RegionKind::ExpandablePage,
                 regions,
             ) {
@@ -330,14 +330,14 @@ impl DeviceCore {
                     device: self.device,
                     base: DeviceAddr(at),
                     size: *page,
-                    stream: shard.stream,
+                    stream: shard.stream(),
                 });
                 self.trace.record(
                     TraceAction::SegmentMap,
                     self.device,
                     at,
                     *page,
-                    shard.stream,
+                    shard.stream(),
                 );
             }
         }

@@ -240,7 +240,9 @@ impl ShardState {
             block: id,
             ptr: self.blocks[id].ptr,
             rounded,
-            front: self.blocks[id].stream_uses.is_empty(),
+            // A block leaves its pool with no stream uses (`release` took them): only a loan
+            // records one (`handover.rs`).
+            front: true,
         }
     }
 

@@ -5,8 +5,11 @@
 //! The cache holds plain pointers keyed by (allocator id, stream). That is sound without any
 //! reference count because of two facts the allocator guarantees:
 //!
-//! * a shard stays in its device (its map, or the retired list once its memory pool dropped) for
-//!   the allocator's whole life — only the allocator's `Drop` removes shards;
+//! * a shard stays in its device (its map, the retired list once its memory pool dropped or its
+//!   stream was destroyed, the buried list once empty) for the allocator's whole life — only the
+//!   allocator's `Drop` removes shards. A buried shard is recycled for the next new stream under
+//!   a new serial (`Shard::recycle`), and a slot whose serial no longer matches its shard's is a
+//!   miss, so a slot never serves another stream's shard;
 //! * allocator ids come from a process-wide counter and are never reused.
 //!
 //! So an entry is only ever read by a call on the allocator that cached it (`&self` proves that
@@ -247,7 +250,14 @@ fn lookup(alloc: u64, key: SlotKey) -> Option<*const Shard> {
         } else {
             cache.0.iter().find(|slot| hit(slot))?
         };
-        (!slot.shard.is_null()).then_some(slot.shard)
+        if slot.shard.is_null() {
+            return None;
+        }
+        // SAFETY: a shard of allocator `alloc`, alive while it lives (see the module docs); only
+        // that allocator looks its slots up.
+        let serial = unsafe { &*slot.shard }.serial();
+        // Recycled for another stream since it was cached (`Shard::recycle`): a miss.
+        (serial == slot.serial).then_some(slot.shard)
     })
 }
 
@@ -262,7 +272,7 @@ fn remember(alloc: u64, key: SlotKey, shard: *const Shard) {
                 .borrow()
                 .0
                 .iter()
-                .find(|f| f.cache.serves(live.serial) && !f.cache.is_retired())
+                .find(|f| f.cache.serves(live.serial()) && !f.cache.is_retired())
                 .map_or(std::ptr::null(), |f| Arc::as_ptr(&f.cache))
         })
         .unwrap_or(std::ptr::null());
@@ -272,7 +282,7 @@ fn remember(alloc: u64, key: SlotKey, shard: *const Shard) {
             alloc,
             key,
             shard,
-            serial: live.serial,
+            serial: live.serial(),
             front,
         };
         *next = (*next + 1) % SHARD_SLOTS;
@@ -290,7 +300,7 @@ fn known_front(shard: &Shard) -> Option<*const FrontCache> {
                 .iter()
                 .find(|slot| {
                     std::ptr::eq(slot.shard, shard)
-                        && slot.serial == shard.serial
+                        && slot.serial == shard.serial()
                         && !slot.front.is_null()
                 })
                 .map(|slot| slot.front)
@@ -336,7 +346,7 @@ fn start_front(shard: &Shard) -> Option<*const FrontCache> {
             if let Some(found) = fronts
                 .0
                 .iter()
-                .find(|f| f.cache.serves(shard.serial) && !f.cache.is_retired())
+                .find(|f| f.cache.serves(shard.serial()) && !f.cache.is_retired())
             {
                 return Some(Arc::as_ptr(&found.cache));
             }
@@ -363,7 +373,7 @@ fn start_front(shard: &Shard) -> Option<*const FrontCache> {
         .flatten()?;
     let _ = SHARDS.try_with(|cache| {
         for slot in cache.borrow_mut().0.iter_mut() {
-            if std::ptr::eq(slot.shard, shard) && slot.serial == shard.serial {
+            if std::ptr::eq(slot.shard, shard) && slot.serial == shard.serial() {
                 slot.front = front;
             }
         }
