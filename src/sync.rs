@@ -12,7 +12,6 @@
 //!   context, the IPC slot protocol). Under `--cfg loom` they are loom's shims; otherwise the same
 //!   real types as [`os`], so production code pays nothing for being checkable.
 
-mod published;
 mod short_mutex;
 
 /// Real operating-system primitives, never swapped for loom's.
@@ -23,7 +22,6 @@ mod short_mutex;
 /// not exist there, so a child's *own* fresh locks can deadlock or crash on first contention
 /// (parking_lot issue #515). A forked child may build a runtime of its own (`process`).
 pub(crate) mod os {
-    pub(crate) use super::published::Published;
     pub(crate) use super::short_mutex::{ShortMutex, ShortMutexGuard};
     pub(crate) use std::sync::{
         Arc, MutexGuard, OnceLock, RwLockReadGuard, RwLockWriteGuard, Weak,

@@ -52,3 +52,46 @@ fn destroyed_streams_leave_no_bookkeeping_behind() {
         }
     }
 }
+
+/// Found by a hostile round: 20,000 `reconfigure` calls with distinct values grew the allocator
+/// by 9.5 MiB and each call from 19.5 to 220.9 µs (every published value kept and compared). A
+/// configuration is now the readers' once superseded: the runtime holds none but the one in force.
+#[test]
+fn superseded_settings_are_not_kept() {
+    let rt = checked_allocator(test_driver(), "");
+    let first = rt.config();
+    let mut earlier = Vec::new();
+    for step in 0..2_000u32 {
+        let threshold = 0.5 + f64::from(step) / 10_000.0;
+        rt.reconfigure(&format!(
+            "garbage_collection_threshold:{threshold},max_split_size_mb:{}",
+            21 + step % 7
+        ))
+        .unwrap();
+        if step % 500 == 0 {
+            earlier.push(rt.config());
+        }
+        // Allocations under every setting, each rounded and fitted by the one in force.
+        let x = Storage::new(&rt, 0, 64 * KIB).unwrap();
+        x.fill_pattern(u64::from(step)).unwrap();
+    }
+    assert_eq!(
+        first.garbage_collection_threshold, 0.0,
+        "a reader's value stays as it was"
+    );
+    assert_eq!(
+        std::sync::Arc::strong_count(&first),
+        1,
+        "the runtime keeps no superseded value"
+    );
+    for held in &earlier {
+        assert_eq!(std::sync::Arc::strong_count(held), 1);
+    }
+    let now = rt.config();
+    assert!(
+        (now.garbage_collection_threshold - 0.6999).abs() < 1e-9,
+        "{now:?}"
+    );
+    assert_eq!(now.max_split_size, (21 + 1999 % 7) << 20);
+    rt.check_invariants().unwrap();
+}

@@ -27,7 +27,7 @@ fn reconfigure_one_key_keeps_the_others() {
     let _device = device_shared();
     let a =
         runtime("max_split_size_mb:64,garbage_collection_threshold:0.6,roundup_power2_divisions:4");
-    let before = a.config().clone();
+    let before = (*a.config()).clone();
     let named = a.reconfigure("garbage_collection_threshold:0.8").unwrap();
     assert_eq!(named, ["garbage_collection_threshold"]);
     let after = a.config();
@@ -99,7 +99,7 @@ fn expandable_segments_and_cross_stream_reuse_change_live() {
 fn scoped_config_restores_the_previous() {
     let _device = device_shared();
     let a = runtime("garbage_collection_threshold:0.5,release_lock_on_cudamalloc:True");
-    let before = a.config().clone();
+    let before = (*a.config()).clone();
     {
         let scope = a
             .override_config("garbage_collection_threshold:0.9,expandable_segments:True")
@@ -142,7 +142,7 @@ fn scoped_config_restores_the_previous() {
 fn keys_that_cannot_change_are_refused_by_name_and_change_nothing() {
     let _device = device_shared();
     let a = runtime("thread_cache_mb:4");
-    let before = a.config().clone();
+    let before = (*a.config()).clone();
     for (changes, key) in [
         (
             "garbage_collection_threshold:0.5,thread_cache_mb:8",

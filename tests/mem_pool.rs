@@ -173,7 +173,7 @@ fn test_mempool_snapshot() {
     #[cfg(feature = "pickle")]
     {
         // PyTorch's layout carries the pool as a pair.
-        let bytes = all.to_pytorch_pickle(a.config()).unwrap();
+        let bytes = all.to_pytorch_pickle(&a.config()).unwrap();
         let value: serde_pickle::Value =
             serde_pickle::value_from_slice(&bytes, Default::default()).unwrap();
         let text = format!("{value:?}");

@@ -193,7 +193,7 @@ fn a_pytorch_snapshot_written_by_cudalloc_replays_to_the_same_peaks() {
         }
     }
     drop(live);
-    let bytes = a.snapshot().to_pytorch_pickle(a.config()).unwrap();
+    let bytes = a.snapshot().to_pytorch_pickle(&a.config()).unwrap();
     let trace = replay::parse(&bytes).unwrap();
     assert_eq!(trace.format, TraceFormat::PytorchSnapshot);
     assert_eq!(trace.allocations(), 300);

@@ -144,7 +144,7 @@ fn a_two_device_trace_replays_with_its_figures_per_device() {
         }
     }
     drop(held);
-    let bytes = a.snapshot().to_pytorch_pickle(a.config()).unwrap();
+    let bytes = a.snapshot().to_pytorch_pickle(&a.config()).unwrap();
     let trace = replay::parse(&bytes).unwrap();
     assert_eq!(trace.devices, 2);
     let r = replay::replay(&trace, &ReplayOptions::new("", 4 << 30), &mut no_progress).unwrap();

@@ -97,7 +97,7 @@ fn a_snapshot_has_pytorchs_layout_and_passes_the_memory_viz_checks() {
         let snap = a.snapshot();
         drop(gate);
         drop(held);
-        let bytes = snap.to_pytorch_pickle(a.config()).unwrap();
+        let bytes = snap.to_pytorch_pickle(&a.config()).unwrap();
         let file = temp_file("snapshot.pickle");
         std::fs::write(&file, &bytes).unwrap();
         if let Some(passed) = check("a_snapshot_has_pytorchs_layout", &file) {

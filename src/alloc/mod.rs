@@ -96,12 +96,13 @@ use self::engine::Shard;
 use self::history::Trace;
 use self::oom::Callbacks;
 use self::tags::Tags;
+use crate::config::cell::ConfigCell;
 use crate::config::{AllocatorConfig, DefaultStream};
 use crate::driver::{DeviceAddr, Driver, SanitizeOptions, SanitizedDriver, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex, Published};
+use crate::sync::os::{Arc, Mutex};
 
 static NEXT_ALLOCATOR_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -165,7 +166,9 @@ impl CachingAllocatorBuilder {
             Some(options) => SanitizedDriver::wrap(driver, options),
             None => driver,
         };
-        let config = Published::new(self.config);
+        let stream_order = self.config.stream_order;
+        let per_thread_default = self.config.default_stream == DefaultStream::PerThread;
+        let config = ConfigCell::new(self.config);
         let callbacks = Arc::new(Callbacks::default());
         let trace = Arc::new(Trace::default());
         let capturing = Arc::new(CaptureRoutes::default());
@@ -181,7 +184,7 @@ impl CachingAllocatorBuilder {
                 DeviceCore::new(
                     d,
                     Arc::clone(&driver),
-                    config.get().clone(),
+                    (*config.get()).clone(),
                     &wide,
                     self.check_invariants,
                 )
@@ -211,6 +214,8 @@ impl CachingAllocatorBuilder {
             owned_streams,
             driver,
             config,
+            stream_order,
+            per_thread_default,
             devices,
             callbacks,
             trace,
@@ -237,7 +242,13 @@ pub struct CachingAllocator {
     default_streams: Vec<StreamId>,
     owned_streams: Mutex<Vec<StreamId>>,
     driver: Arc<dyn Driver>,
-    config: Published<AllocatorConfig>,
+    config: ConfigCell,
+    /// `stream_order`, fixed for the allocator's life (`config/live.rs`): read on every storage
+    /// access.
+    stream_order: crate::config::StreamOrder,
+    /// `default_stream:per_thread`, fixed for the allocator's life: read by every allocation on
+    /// a thread's default stream.
+    per_thread_default: bool,
     devices: Vec<Arc<DeviceCore>>,
     callbacks: Arc<Callbacks>,
     trace: Arc<Trace>,
@@ -316,9 +327,16 @@ impl CachingAllocator {
     }
 
     /// The configuration in force (as of this call: `reconfigure` publishes another; this one
-    /// stays readable).
-    pub fn config(&self) -> &AllocatorConfig {
+    /// stays readable as long as it is held).
+    pub fn config(&self) -> Arc<AllocatorConfig> {
         self.config.get()
+    }
+
+    /// Whether storages order their accesses themselves (`stream_order`, fixed for the
+    /// allocator's life).
+    #[inline]
+    pub(crate) fn stream_order(&self) -> crate::config::StreamOrder {
+        self.stream_order
     }
 
     /// Number of devices.
@@ -353,7 +371,7 @@ impl CachingAllocator {
                 self.devices.len()
             ))
         })?;
-        if self.config().default_stream != DefaultStream::PerThread {
+        if !self.per_thread_default {
             return Ok(shared);
         }
         if let Some(stream) = engine::thread::per_thread_stream(self.id, device) {

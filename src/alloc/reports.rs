@@ -56,17 +56,10 @@ impl CachingAllocator {
     }
 
     /// What the allocator keeps on `device` besides memory: shards live, retired and kept for
-    /// reuse, configurations kept ([`Bookkeeping`]).
+    /// reuse ([`Bookkeeping`]; of configurations it keeps the one in force: `config/cell.rs`).
     pub fn bookkeeping(&self, device: usize) -> Result<Bookkeeping> {
         self.birth.check("this allocator")?;
-        let mut kept = self.device(device)?.bookkeeping();
-        kept.configurations = self.config.kept()
-            + self
-                .devices
-                .iter()
-                .map(|d| d.configurations_kept())
-                .sum::<usize>();
-        Ok(kept)
+        Ok(self.device(device)?.bookkeeping())
     }
 
     /// Stats of `device` with PyTorch's keys.
@@ -167,7 +160,7 @@ impl CachingAllocator {
     #[cfg(feature = "pickle")]
     #[cfg_attr(docsrs, doc(cfg(feature = "pickle")))]
     pub fn dump_snapshot(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        let bytes = self.snapshot().to_pytorch_pickle(self.config())?;
+        let bytes = self.snapshot().to_pytorch_pickle(&self.config())?;
         super::pytorch_pickle::write_snapshot_file(path.as_ref(), &bytes)
     }
 
@@ -178,11 +171,13 @@ impl CachingAllocator {
     /// out-of-memory error.
     pub(super) fn dump_snapshot_on_oom(&self) {
         #[cfg(feature = "pickle")]
-        if let Some(path) = &self.config().oom_snapshot_path {
+        let config = self.config();
+        #[cfg(feature = "pickle")]
+        if let Some(path) = &config.oom_snapshot_path {
             let _one_at_a_time = self.oom_dump.lock();
             let written = self
                 .snapshot()
-                .to_pytorch_pickle(self.config())
+                .to_pytorch_pickle(&config)
                 .and_then(|bytes| {
                     super::pytorch_pickle::write_snapshot_file(path.as_ref(), &bytes)
                 });

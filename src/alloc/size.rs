@@ -10,6 +10,8 @@
 //! gives d > 1 divisions for the size's interval and the size exceeds 512 × d — up to the next of d
 //! equal steps between two powers of two (e.g. d = 4: 4097 → 5120, 6000 → 6144).
 
+use crate::config::cell::FitRules;
+#[cfg(test)]
 use crate::config::AllocatorConfig;
 use crate::error::{Error, Result};
 
@@ -64,12 +66,20 @@ pub fn check_request(device: usize, size: u64) -> Result<()> {
     Ok(())
 }
 
-/// Rounds a request (≤ [`MAX_REQUEST`]) to a block size.
+/// Rounds a request (≤ [`MAX_REQUEST`]) to a block size under `config`.
+#[cfg(test)]
 pub fn round_size(size: u64, config: &AllocatorConfig) -> u64 {
+    round_size_by(size, |size| config.divisions_for(size))
+}
+
+/// [`round_size`] with `divisions_for` giving the `roundup_power2_divisions` entry of a size
+/// (`ConfigCell::divisions_for`: one atomic load on the hot path).
+#[inline]
+pub fn round_size_by(size: u64, divisions_for: impl FnOnce(u64) -> u64) -> u64 {
     if size < MIN_BLOCK_SIZE {
         return MIN_BLOCK_SIZE;
     }
-    let divisions = config.divisions_for(size);
+    let divisions = divisions_for(size);
     if divisions > 1 && size > MIN_BLOCK_SIZE * divisions {
         round_to_power2_division(size, divisions)
     } else {
@@ -107,7 +117,7 @@ pub fn should_split(
     pool: PoolKind,
     block_size: u64,
     rounded: u64,
-    config: &AllocatorConfig,
+    rules: FitRules,
     expandable: bool,
 ) -> bool {
     let remaining = block_size - rounded;
@@ -118,13 +128,13 @@ pub fn should_split(
     }
     match pool {
         PoolKind::Small => remaining >= MIN_BLOCK_SIZE,
-        PoolKind::Large => rounded < config.max_split_size && remaining > SMALL_SIZE,
+        PoolKind::Large => rounded < rules.max_split_size && remaining > SMALL_SIZE,
     }
 }
 
 /// The oversize rules of best fit: may a free block of `block_size` serve `rounded` bytes?
-pub fn fits_oversize_rules(block_size: u64, rounded: u64, config: &AllocatorConfig) -> bool {
-    let max_split = config.max_split_size;
+pub fn fits_oversize_rules(block_size: u64, rounded: u64, rules: FitRules) -> bool {
+    let max_split = rules.max_split_size;
     if max_split == u64::MAX {
         return true;
     }
@@ -134,7 +144,7 @@ pub fn fits_oversize_rules(block_size: u64, rounded: u64, config: &AllocatorConf
     }
     // ...and an oversize request takes an oversize block only if it wastes less than
     // `max_non_split_rounding` (20 MiB unless set).
-    !(rounded >= max_split && block_size >= rounded.saturating_add(config.max_non_split_rounding))
+    !(rounded >= max_split && block_size >= rounded.saturating_add(rules.max_non_split_rounding))
 }
 
 #[cfg(test)]
@@ -181,14 +191,32 @@ mod tests {
     #[test]
     fn split_and_oversize_rules() {
         let c = AllocatorConfig::default();
-        assert!(should_split(PoolKind::Small, 1024, 512, &c, false));
-        assert!(!should_split(PoolKind::Small, 1024, 1024, &c, false));
-        assert!(!should_split(PoolKind::Large, 3 << 20, 2 << 20, &c, false)); // remainder exactly 1 MiB
+        assert!(should_split(
+            PoolKind::Small,
+            1024,
+            512,
+            c.fit_rules(),
+            false
+        ));
+        assert!(!should_split(
+            PoolKind::Small,
+            1024,
+            1024,
+            c.fit_rules(),
+            false
+        ));
+        assert!(!should_split(
+            PoolKind::Large,
+            3 << 20,
+            2 << 20,
+            c.fit_rules(),
+            false
+        )); // remainder exactly 1 MiB
         assert!(should_split(
             PoolKind::Large,
             3 << 20,
             (2 << 20) - 512,
-            &c,
+            c.fit_rules(),
             false
         ));
         let m = AllocatorConfig::parse("max_split_size_mb:40").unwrap();
@@ -196,12 +224,12 @@ mod tests {
             PoolKind::Large,
             100 << 20,
             50 << 20,
-            &m,
+            m.fit_rules(),
             m.expandable_segments
         ));
-        assert!(!fits_oversize_rules(50 << 20, 2 << 20, &m));
-        assert!(fits_oversize_rules(50 << 20, 45 << 20, &m));
-        assert!(!fits_oversize_rules(70 << 20, 45 << 20, &m));
-        assert!(fits_oversize_rules(30 << 20, 2 << 20, &m));
+        assert!(!fits_oversize_rules(50 << 20, 2 << 20, m.fit_rules()));
+        assert!(fits_oversize_rules(50 << 20, 45 << 20, m.fit_rules()));
+        assert!(!fits_oversize_rules(70 << 20, 45 << 20, m.fit_rules()));
+        assert!(fits_oversize_rules(30 << 20, 2 << 20, m.fit_rules()));
     }
 }

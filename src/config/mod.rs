@@ -28,6 +28,7 @@
 
 use crate::error::{Error, Result};
 
+pub(crate) mod cell;
 pub(crate) mod live;
 
 /// Bytes in a MiB.
@@ -477,13 +478,20 @@ impl AllocatorConfig {
     }
 
     /// Divisions for power-of-two rounding of a request of `size` bytes.
+    #[cfg(test)]
     pub(crate) fn divisions_for(&self, size: u64) -> u64 {
+        self.roundup_power2_divisions[Self::division_interval(size)]
+    }
+
+    /// The index of `size`'s interval in `roundup_power2_divisions`.
+    #[inline]
+    pub(crate) fn division_interval(size: u64) -> usize {
         let index = if size > MIB {
             (size.ilog2() - 20) as usize
         } else {
             0
         };
-        self.roundup_power2_divisions[index.min(ROUNDUP_INTERVALS - 1)]
+        index.min(ROUNDUP_INTERVALS - 1)
     }
 }
 

@@ -134,8 +134,8 @@ impl Runtime {
         self.allocator.pools_reserved(device)
     }
 
-    /// What the allocator keeps on `device` besides memory (shards, configurations): bounded by
-    /// what is live, for a long-running program to watch.
+    /// What the allocator keeps of its shards on `device`: bounded by the streams and pools
+    /// alive at once, for a long-running program to watch.
     pub fn bookkeeping(&self, device: usize) -> Result<crate::stats::Bookkeeping> {
         self.allocator.bookkeeping(device)
     }
@@ -360,7 +360,7 @@ impl Runtime {
     /// The allocator's configuration in force (`CUDALLOC_CONF`'s keys; `Display` prints one
     /// `key: value` line each). [`Runtime::reconfigure`] publishes another; this one stays
     /// readable as it was.
-    pub fn config(&self) -> &crate::config::AllocatorConfig {
+    pub fn config(&self) -> Arc<crate::config::AllocatorConfig> {
         self.allocator.config()
     }
 

@@ -106,7 +106,7 @@ impl RuntimeBuilder {
         }));
         let host = PinnedAllocator::build(
             Arc::clone(allocator.driver()),
-            PinnedOptions::from_config(allocator.config()),
+            PinnedOptions::from_config(&allocator.config()),
             check_invariants,
         );
         Ok(Runtime {

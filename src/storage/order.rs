@@ -94,7 +94,7 @@ impl Storage {
     /// Whether this storage's runtime orders storages (`stream_order:auto`).
     #[inline]
     pub(super) fn orders_itself(&self) -> bool {
-        self.allocator().config().stream_order == StreamOrder::Auto
+        self.allocator().stream_order() == StreamOrder::Auto
     }
 
     /// Orders an access of `kind` on `stream` after the conflicting earlier ones on other streams

@@ -40,7 +40,7 @@ use super::{DeviceCore, Shard, ShardState};
 use crate::alloc::block::{Allocated, BlockId};
 use crate::alloc::history::TraceAction;
 use crate::alloc::size::{self, PoolKind};
-use crate::config::{AllocatorConfig, CrossStreamReuse};
+use crate::config::CrossStreamReuse;
 use crate::driver::StreamId;
 use crate::error::Result;
 use crate::sync::os::atomic::Ordering;
@@ -55,7 +55,6 @@ impl ShardState {
         &self,
         pool: PoolKind,
         rounded: u64,
-        config: &AllocatorConfig,
     ) -> Option<(u64, BlockId)> {
         self.free_blocks()
             .filter(|&id| {
@@ -64,7 +63,7 @@ impl ShardState {
                     && !b.is_split()
                     && !self.expandable.contains_key(&b.segment)
                     && b.size >= rounded
-                    && size::fits_oversize_rules(b.size, rounded, config)
+                    && size::fits_oversize_rules(b.size, rounded, self.rules)
             })
             .map(|id| (self.blocks[id].size, id))
             .min_by_key(|&(size, id)| (size, self.blocks[id].ptr))
@@ -137,7 +136,7 @@ impl DeviceCore {
         req: Request,
     ) -> Option<(Arc<Shard>, Allocated)> {
         let fits = self.ranked(others, |st| {
-            let id = st.find_fit(req.pool(), req.rounded, self.config())?;
+            let id = st.find_fit(req.pool(), req.rounded)?;
             Some(st.blocks[id].size)
         });
         for lender in fits {
@@ -181,15 +180,14 @@ impl DeviceCore {
     /// `try_fit` in `lender`, if under its lock it is still the default pool's or retired (it
     /// may have become a live pool's since the shards were listed) and awake.
     fn fit_releasable(&self, lender: &Shard, req: Request) -> Option<Allocated> {
-        let config = self.config();
         let mut st = lender.state.lock();
         if lender.sleeping.load(Ordering::Relaxed) || !st.releasable() {
             return None;
         }
         self.poll_events(lender, &mut st);
         // Two searches (find, then take): not the hot path's one, which stays its caller's alone.
-        let found = st.find_fit(req.pool(), req.rounded, config)?;
-        let id = st.allocate(found, req.rounded, req.requested, config);
+        let found = st.find_fit(req.pool(), req.rounded)?;
+        let id = st.allocate(found, req.rounded, req.requested);
         self.hand_out_fit(lender, st, id, req.rounded)
     }
 
@@ -203,7 +201,7 @@ impl DeviceCore {
     ) -> Option<Allocated> {
         let pool = req.pool();
         let fits = self.ranked(others, |st| {
-            let (size, _) = st.smallest_idle_segment(pool, req.rounded, self.config())?;
+            let (size, _) = st.smallest_idle_segment(pool, req.rounded)?;
             Some(size)
         });
         for from in fits {
@@ -211,7 +209,7 @@ impl DeviceCore {
                 let mut st = from.state.lock();
                 // Under the lock again: `from` may have become a live pool's meanwhile.
                 let found = if st.releasable() {
-                    st.smallest_idle_segment(pool, req.rounded, self.config())
+                    st.smallest_idle_segment(pool, req.rounded)
                 } else {
                     None
                 };
@@ -247,8 +245,8 @@ impl DeviceCore {
                 shard.stream(),
             );
             let mut st = shard.state.lock();
-            let head = st.enter_segment(base, size, pool, self.config());
-            let id = st.allocate(head, req.rounded, req.requested, self.config());
+            let head = st.enter_segment(base, size, pool);
+            let id = st.allocate(head, req.rounded, req.requested);
             let out = st.allocated(id, req.rounded);
             self.settle(st);
             self.record_alloc(shard, base, req.rounded);

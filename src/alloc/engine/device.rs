@@ -29,12 +29,13 @@ use crate::alloc::pool_id::{MemPoolId, TagPhases};
 use crate::alloc::registration::RegionKind;
 use crate::alloc::size::{self, PoolKind};
 use crate::alloc::stats::DeviceStats;
+use crate::config::cell::ConfigCell;
 use crate::config::AllocatorConfig;
 use crate::driver::{Driver, EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex, Published, RwLock, ShortMutexGuard};
+use crate::sync::os::{Arc, Mutex, RwLock, ShortMutexGuard};
 
 /// What an allocator's devices share: callbacks, history, captures and tags.
 pub(crate) struct AllocatorWide {
@@ -59,9 +60,11 @@ pub(super) struct Request {
 impl Request {
     /// The request for `requested` bytes under `config`'s rounding.
     #[inline]
-    pub(super) fn new(requested: u64, config: &AllocatorConfig) -> Self {
-        let rounded = size::round_size(requested, config);
-        Request { requested, rounded }
+    pub(super) fn new(requested: u64, core: &DeviceCore) -> Self {
+        Request {
+            requested,
+            rounded: core.round(requested),
+        }
     }
 
     /// The small or large pool.
@@ -119,24 +122,39 @@ impl DeviceCore {
             cross_stream: AtomicU64::new(0),
             peaks: Mutex::new(Default::default()),
             pool_books: Mutex::new(HashMap::new()),
-            config: Published::new(config),
+            config: ConfigCell::new(config),
         })
     }
 
-    /// The configuration in force (as of this call).
-    #[inline]
-    pub(in crate::alloc) fn config(&self) -> &AllocatorConfig {
+    /// The configuration in force (as of this call), for the paths off the hot one: the hot
+    /// paths read the rounding ([`Request::new`]) and, under a shard's lock, its fit rules
+    /// (`config/cell.rs`).
+    pub(in crate::alloc) fn config(&self) -> Arc<AllocatorConfig> {
         self.config.get()
     }
 
-    /// Makes `config` the configuration in force (`alloc/reconfigure.rs`, which checked it).
-    pub(in crate::alloc) fn publish_config(&self, config: AllocatorConfig) {
-        self.config.publish(config);
+    /// `requested` rounded by the configuration in force (one atomic load).
+    #[inline]
+    pub(in crate::alloc) fn round(&self, requested: u64) -> u64 {
+        size::round_size_by(requested, |size| self.config.divisions_for(size))
     }
 
-    /// Configurations the device's cell keeps.
-    pub(in crate::alloc) fn configurations_kept(&self) -> usize {
-        self.config.kept()
+    /// Makes `config` the configuration in force (`alloc/reconfigure.rs`, which checked it):
+    /// the device's cell, then every shard's fit rules, under the map's write lock (no shard is
+    /// made, retired or taken from the retired list meanwhile; a shard made before reads the new
+    /// cell when the lock is released — `shard_in` reads it under the lock).
+    pub(in crate::alloc) fn publish_config(&self, config: AllocatorConfig) {
+        let rules = config.fit_rules();
+        let shards = self.shards.write();
+        self.config.publish(config);
+        let others: Vec<Arc<Shard>> = {
+            let mut all: Vec<Arc<Shard>> = self.retired.lock().iter().cloned().collect();
+            all.extend(self.buried.lock().iter().cloned());
+            all
+        };
+        for shard in shards.values().chain(&others) {
+            shard.state.lock().rules = rules;
+        }
     }
 
     /// Sets the per-process memory fraction.
@@ -244,8 +262,6 @@ impl DeviceCore {
     pub(super) fn try_fit(&self, shard: &Shard, req: Request) -> Option<Allocated> {
         let Request { requested, rounded } = req;
         let pool = req.pool();
-        // Read before the lock (as the free path does): its load orders the loads after it.
-        let config = self.config();
         let mut st = shard.state.lock();
         // Under the lock: a tag falling asleep sets the flag before it locks to list what to
         // offload, so this sees it or the sleep sees the block (`sleep.rs`).
@@ -253,7 +269,7 @@ impl DeviceCore {
             return None;
         }
         self.poll_events(shard, &mut st);
-        let id = st.allocate_best_fit(pool, rounded, requested, config)?;
+        let id = st.allocate_best_fit(pool, rounded, requested)?;
         self.hand_out_fit(shard, st, id, rounded)
     }
 
@@ -299,7 +315,7 @@ impl DeviceCore {
         if requested > size::MAX_REQUEST {
             return None;
         }
-        let rounded = size::round_size(requested, self.config());
+        let rounded = self.round(requested);
         let (block, ptr) =
             super::thread::take_from_front(shard, crate::alloc::front::class_of(rounded)?)?;
         self.record_alloc(shard, ptr, rounded);
@@ -326,7 +342,7 @@ impl DeviceCore {
         size::check_request(self.device, requested)?;
         // A sleeping tag's shard: `try_fit` finds nothing (it reads the flag under the lock)
         // and the slow path says why — no load here on the hot path.
-        let req = Request::new(requested, self.config());
+        let req = Request::new(requested, self);
         if let Some(hit) = self.try_fit(shard, req) {
             return Ok(hit);
         }
@@ -432,7 +448,7 @@ impl DeviceCore {
         };
         self.explain(shard, req, &mut facts);
         self.callbacks.observers.out_of_memory(&facts);
-        oom::out_of_memory(&facts, self.config())
+        oom::out_of_memory(&facts, &self.config())
     }
 
     /// Records the events of block `id` of `st`, freed while used by `uses` (one per stream); a
@@ -525,8 +541,8 @@ impl DeviceCore {
             return Err(err);
         }
         let mut st = held.unwrap_or_else(|| shard.state.lock());
-        let head = st.add_segment(ptr.0, seg, pool, self.config());
-        let id = st.allocate(head, rounded, requested, self.config());
+        let head = st.add_segment(ptr.0, seg, pool);
+        let id = st.allocate(head, rounded, requested);
         let out = st.allocated(id, rounded);
         self.settle(st);
         self.callbacks.observers.segment(SegmentEvent {

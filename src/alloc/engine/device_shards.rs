@@ -13,9 +13,9 @@ use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex, ShortMutex};
 
-/// What an allocator keeps on a device beyond the memory itself: bounded by what is live — the
-/// streams and pools alive at once, the settings in force — never by how many streams, pools or
-/// settings the runtime has seen (a soak of 100,000 steps: `benches/soak.rs`).
+/// What an allocator keeps of its shards on a device: bounded by the streams and pools alive at
+/// once, never by how many the runtime has seen (a soak of 100,000 steps: `benches/soak.rs`). Of
+/// configurations it keeps the one in force (`config/cell.rs`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Bookkeeping {
@@ -27,8 +27,6 @@ pub struct Bookkeeping {
     /// Empty shards of destroyed streams, kept for the next new stream's shard (never more than
     /// the most streams alive at once).
     pub buried_shards: usize,
-    /// Configurations the allocator keeps (the one in force, and those a reader may still hold).
-    pub configurations: usize,
 }
 
 /// Serials of shards (`Shard::serial`).
@@ -81,20 +79,32 @@ impl DeviceCore {
             }
         }
         let serial = NEXT_SHARD_SERIAL.fetch_add(1, Ordering::Relaxed);
+        // Read under the map's write lock, which a publish holds too (`publish_config`).
+        let config = self.config();
+        let rules = config.fit_rules();
         // A pool's blocks go back to the pool's shard directly: no thread front caches.
         let front_limit = if pool.is_default() {
-            self.config().thread_cache
+            config.thread_cache
         } else {
             0
         };
         // Read under the map's write lock: a tag put to sleep marks itself before it lists its
         // shards (under the read lock), so a shard made meanwhile is listed or asleep.
         let sleeping = self.tags.is_sleeping(pool);
+        let state = ShardState {
+            serial,
+            pool,
+            pooled: !pool.is_default(),
+            pool_options: options,
+            rules,
+            ..ShardState::default()
+        };
         let recycled = self.buried.lock().pop();
-        let (shard, fresh) = match recycled {
+        let (shard, recycled_from) = match recycled {
             Some(shard) => {
-                shard.recycle(stream, serial, front_limit, pool, options, sleeping);
-                (shard, false)
+                let old = shard.serial();
+                shard.recycle(stream, front_limit, sleeping, state);
+                (shard, Some(old))
             }
             None => (
                 Arc::new(Shard {
@@ -103,19 +113,13 @@ impl DeviceCore {
                     front_limit: AtomicU64::new(front_limit),
                     birth: self.birth,
                     sanitizer: self.sanitizer.clone(),
-                    state: ShortMutex::new(ShardState {
-                        serial,
-                        pool,
-                        pooled: !pool.is_default(),
-                        pool_options: options,
-                        ..ShardState::default()
-                    }),
+                    state: ShortMutex::new(state),
                     core: Arc::clone(self),
                     fronts: Mutex::new(Default::default()),
                     sleeping: AtomicBool::new(sleeping),
                     finished: AtomicBool::new(false),
                 }),
-                true,
+                None,
             ),
         };
         // The pool's book opens before the shard is in the map, where another thread could find
@@ -126,9 +130,10 @@ impl DeviceCore {
         shards.insert((stream, pool), Arc::clone(&shard));
         drop(shards);
         // In the peak book from its creation (the book's lock is taken after the map's); a
-        // recycled shard is in it already.
-        if fresh {
-            self.register_for_peaks(&shard);
+        // recycled shard is in it already, under its former serial.
+        match recycled_from {
+            Some(old) => self.rekey_for_peaks(old, &shard),
+            None => self.register_for_peaks(&shard),
         }
         Ok(shard)
     }
@@ -258,7 +263,6 @@ impl DeviceCore {
             shards: self.shards.read().len(),
             retired_shards: self.retired.lock().len(),
             buried_shards: self.buried.lock().len(),
-            configurations: 0,
         }
     }
 

@@ -464,13 +464,13 @@ impl DeviceCore {
         st.commit_growth(addr, len, mapped);
         // The grown free block was made for this request: take it even where best fit's oversize
         // rules would refuse it (its remainder can be unmapped again, so splitting is harmless).
-        let id = match st.find_fit(pool, rounded, self.config()) {
+        let id = match st.find_fit(pool, rounded) {
             Some(id) => id,
             None => st.grown_block(addr, rounded).ok_or_else(|| {
                 Error::invalid("an expandable segment grew but holds no free block for the request")
             })?,
         };
-        let id = st.allocate(id, rounded, requested, self.config());
+        let id = st.allocate(id, rounded, requested);
         let out = st.allocated(id, rounded);
         self.settle(st);
         self.callbacks.observers.segment(SegmentEvent {

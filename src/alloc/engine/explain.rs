@@ -11,7 +11,6 @@ use super::device::Request;
 use super::{DeviceCore, Shard, ShardState};
 use crate::alloc::observers::OutOfMemoryEvent;
 use crate::alloc::size::{self, PoolKind};
-use crate::config::AllocatorConfig;
 
 /// One shard's free figures for a request of `rounded` bytes in `pool`.
 #[derive(Default)]
@@ -27,7 +26,7 @@ struct Free {
 }
 
 impl ShardState {
-    fn free_figures(&self, pool: PoolKind, rounded: u64, config: &AllocatorConfig) -> Free {
+    fn free_figures(&self, pool: PoolKind, rounded: u64) -> Free {
         let mut out = Free::default();
         for id in self.free_blocks() {
             let b = &self.blocks[id];
@@ -37,7 +36,7 @@ impl ShardState {
             }
             out.in_pool += b.size;
             out.largest = out.largest.max(b.size);
-            if b.size >= rounded && size::fits_oversize_rules(b.size, rounded, config) {
+            if b.size >= rounded && size::fits_oversize_rules(b.size, rounded, self.rules) {
                 out.largest_fit = out.largest_fit.max(b.size);
             }
         }
@@ -66,7 +65,7 @@ impl DeviceCore {
         let all_shards = self.all_shards();
         let lendable = {
             let st = shard.state.lock();
-            let own = st.free_figures(pool, req.rounded, self.config());
+            let own = st.free_figures(pool, req.rounded);
             facts.largest_free_block = own.largest;
             facts.free_in_pool = own.in_pool;
             facts.reserved_unmapped += st.unmapped_bytes();
@@ -89,7 +88,7 @@ impl DeviceCore {
             if !st.releasable() || other.stream() == shard.stream() {
                 continue;
             }
-            let free = st.free_figures(pool, req.rounded, self.config());
+            let free = st.free_figures(pool, req.rounded);
             facts.cached_on_other_streams += free.all;
             if waitable
                 && !other

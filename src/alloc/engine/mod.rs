@@ -57,11 +57,11 @@ use super::pool_id::MemPoolOptions;
 use super::pool_id::{MemPoolId, TagPhases};
 use super::stats::DeviceStats;
 use super::stats::PEAK_STATS;
-use crate::config::AllocatorConfig;
+use crate::config::cell::{ConfigCell, FitRules};
 use crate::driver::{Driver, EventId, StreamId};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex, Published, RwLock, ShortMutex, Weak};
+use crate::sync::os::{Arc, Mutex, RwLock, ShortMutex, Weak};
 
 /// One (device, stream) shard. Aligned to 128 bytes (two cache lines: the adjacent-line
 /// prefetcher pairs them) so that two shards' locks and hot state never share a line, wherever the
@@ -104,7 +104,7 @@ pub(crate) struct DeviceCore {
     /// The process the allocator belongs to (see `process`).
     birth: Birth,
     driver: Arc<dyn Driver>,
-    config: Published<AllocatorConfig>,
+    config: ConfigCell,
     callbacks: Arc<Callbacks>,
     trace: Arc<Trace>,
     /// The allocator's captures under way (`capturing.rs`).
@@ -204,6 +204,9 @@ pub(crate) struct ShardState {
     deferred: Vec<(BlockId, Vec<StreamId>)>,
     /// A pool shard's currents as its pool's book last added them (`pool_peaks.rs`).
     pool_told: Figures,
+    /// The fit rules of the configuration in force, copied here by every publish
+    /// (`config/cell.rs`): read under the lock, with nothing to keep alive.
+    rules: FitRules,
 }
 
 /// Statistics, one value per statistic with a peak.

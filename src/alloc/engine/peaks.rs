@@ -87,6 +87,15 @@ impl PeakBook {
         self.unread.push(slot);
     }
 
+    /// The shard known as `old` was recycled under the serial `new` (`Shard::recycle`): the
+    /// same entry, under its new key.
+    fn rekey(&mut self, old: usize, new: usize) {
+        if let Some(slot) = self.by_key.remove(&old) {
+            self.entries[slot].key = new;
+            self.by_key.insert(new, slot);
+        }
+    }
+
     fn tell(&mut self, key: usize) {
         match self.by_key.get(&key) {
             Some(&slot) => {
@@ -231,6 +240,11 @@ impl DeviceCore {
     /// Enters `shard` in the peak book (at its creation; see the module docs).
     pub(in crate::alloc) fn register_for_peaks(&self, shard: &Arc<Shard>) {
         self.peaks.lock().register(shard);
+    }
+
+    /// `shard`, known to the book under serial `old`, was recycled under its serial now.
+    pub(in crate::alloc) fn rekey_for_peaks(&self, old: u64, shard: &Arc<Shard>) {
+        self.peaks.lock().rekey(old as usize, key_of(shard));
     }
 
     /// Tells the book that `shard`'s statistics may have changed on a path that does not settle

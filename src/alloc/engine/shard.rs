@@ -249,19 +249,18 @@ impl Shard {
 
 impl Shard {
     /// A buried shard (of a destroyed stream, holding nothing: `DeviceCore::bury_finished`)
-    /// becomes the shard of `stream` in `pool`, under a new `serial`, so that the shards a
-    /// device keeps are bounded by the streams alive at once. Its accumulated statistics stay
+    /// becomes the shard of `stream` with `fresh` (the state a new shard gets: its new serial,
+    /// pool and fit rules), so that the shards a device keeps are bounded by the streams alive
+    /// at once. Its accumulated statistics stay
     /// (the device's totals keep counting them; its currents are zero), as does its entry in the
     /// peak book. Thread caches that still point at it compare its serial and miss
     /// (`thread.rs`); its front caches, flushed when its stream was destroyed, are retired.
     pub(in crate::alloc) fn recycle(
         &self,
         stream: StreamId,
-        serial: u64,
         front_limit: u64,
-        pool: MemPoolId,
-        options: crate::alloc::pool_id::MemPoolOptions,
         sleeping: bool,
+        mut fresh: super::ShardState,
     ) {
         let caches = std::mem::take(&mut self.fronts.lock().caches);
         for cache in caches {
@@ -269,23 +268,17 @@ impl Shard {
             // alive.
             unsafe { Shard::flush_front(NonNull::from(self), &cache, true) };
         }
+        let serial = fresh.serial;
         let mut st = self.state.lock();
         debug_assert!(st.owners == 0 && st.segments.is_empty() && !st.has_pending());
-        st.serial = serial;
-        st.retired = false;
-        st.orphaned = false;
-        st.pool = pool;
-        st.pooled = !pool.is_default();
-        st.pool_options = options;
-        st.pool_base = if st.pooled {
-            st.stats.clone()
-        } else {
-            DeviceStats::default()
-        };
-        st.pool_told = Default::default();
-        st.over_budget = false;
-        st.pending.clear();
-        st.deferred.clear();
+        // The accumulated counts and the age clock go on; everything else is the new shard's.
+        fresh.stats = std::mem::take(&mut st.stats);
+        fresh.tick = st.tick;
+        if fresh.pooled {
+            fresh.pool_base = fresh.stats.clone();
+        }
+        *st = fresh;
+        drop(st);
         self.stream.store(stream.raw(), Ordering::Release);
         self.front_limit.store(front_limit, Ordering::Relaxed);
         self.sleeping.store(sleeping, Ordering::SeqCst);

@@ -14,7 +14,7 @@ use crate::alloc::pool::FreePool;
 
 use crate::alloc::size::{self, PoolKind};
 use crate::alloc::stats;
-use crate::config::AllocatorConfig;
+use crate::config::cell::FitRules;
 use crate::driver::{EventId, StreamId};
 use crate::error::Result;
 
@@ -32,8 +32,8 @@ pub(crate) enum ReleaseOrder {
 }
 
 /// Whether a block of this size counts as oversize.
-fn oversize(size: u64, config: &AllocatorConfig) -> bool {
-    size >= config.max_split_size
+fn oversize(size: u64, rules: FitRules) -> bool {
+    size >= rules.max_split_size
 }
 
 impl ShardState {
@@ -93,30 +93,19 @@ impl ShardState {
     }
 
     /// Best fit in `pool` for a rounded request, under the oversize rules.
-    pub fn find_fit(
-        &self,
-        pool: PoolKind,
-        rounded: u64,
-        config: &AllocatorConfig,
-    ) -> Option<BlockId> {
+    pub fn find_fit(&self, pool: PoolKind, rounded: u64) -> Option<BlockId> {
         let set = match pool {
             PoolKind::Small => &self.free_small,
             PoolKind::Large => &self.free_large,
         };
         let (block_size, _, id) = set.best_fit(rounded)?;
-        size::fits_oversize_rules(block_size, rounded, config).then_some(id)
+        size::fits_oversize_rules(block_size, rounded, self.rules).then_some(id)
     }
 
     /// Registers a new segment from the driver as one free block; returns it.
-    pub fn add_segment(
-        &mut self,
-        ptr: u64,
-        seg_size: u64,
-        pool: PoolKind,
-        config: &AllocatorConfig,
-    ) -> BlockId {
+    pub fn add_segment(&mut self, ptr: u64, seg_size: u64, pool: PoolKind) -> BlockId {
         self.stats.num_device_alloc += 1;
-        self.enter_segment(ptr, seg_size, pool, config)
+        self.enter_segment(ptr, seg_size, pool)
     }
 
     /// Enters a segment (new from the driver, or handed over by another stream's shard:
@@ -126,7 +115,6 @@ impl ShardState {
         ptr: u64,
         seg_size: u64,
         pool: PoolKind,
-        config: &AllocatorConfig,
     ) -> BlockId {
         let id = self.blocks.insert(Block {
             ptr,
@@ -147,11 +135,11 @@ impl ShardState {
             SegmentInfo {
                 size: seg_size,
                 pool,
-                counted_oversize: oversize(seg_size, config),
+                counted_oversize: oversize(seg_size, self.rules),
                 head: id,
             },
         );
-        let counted_oversize = oversize(seg_size, config);
+        let counted_oversize = oversize(seg_size, self.rules);
         let s = &mut self.stats;
         self.over_budget |= stats::increase(&mut s.segment, pool, 1);
         self.over_budget |= stats::increase(&mut s.reserved_bytes, pool, seg_size);
@@ -170,45 +158,33 @@ impl ShardState {
         pool: PoolKind,
         rounded: u64,
         requested: u64,
-        config: &AllocatorConfig,
     ) -> Option<BlockId> {
+        let rules = self.rules;
         let (found, _, id) = self.free_set(pool).take_best_fit(rounded, |found| {
-            size::fits_oversize_rules(found, rounded, config)
+            size::fits_oversize_rules(found, rounded, rules)
         })?;
         let split = self.blocks[id].is_split();
         self.account_inactive(split, pool, found, false);
-        Some(self.hand_out(id, rounded, requested, config))
+        Some(self.hand_out(id, rounded, requested))
     }
 
     /// Hands out free block `id` for a request (splitting off the remainder when the policy says
     /// so); returns the allocated block (the same id).
-    pub fn allocate(
-        &mut self,
-        id: BlockId,
-        rounded: u64,
-        requested: u64,
-        config: &AllocatorConfig,
-    ) -> BlockId {
+    pub fn allocate(&mut self, id: BlockId, rounded: u64, requested: u64) -> BlockId {
         self.remove_free(id);
-        self.hand_out(id, rounded, requested, config)
+        self.hand_out(id, rounded, requested)
     }
 
     /// [`Self::allocate`] of a block already taken out of its pool.
     #[inline]
-    fn hand_out(
-        &mut self,
-        id: BlockId,
-        rounded: u64,
-        requested: u64,
-        config: &AllocatorConfig,
-    ) -> BlockId {
+    fn hand_out(&mut self, id: BlockId, rounded: u64, requested: u64) -> BlockId {
         let b = &self.blocks[id];
         let (pool, block_size, segment) = (b.pool, b.size, b.segment);
         // The kind of the segment the block lies in, not the setting: `expandable_segments`
         // may have changed since the segment was made (`config/live.rs`).
         let expandable = !self.expandable.is_empty() && self.expandable.contains_key(&segment);
         if !self.pool_options.no_split
-            && size::should_split(pool, block_size, rounded, config, expandable)
+            && size::should_split(pool, block_size, rounded, self.rules, expandable)
         {
             let rest = self.split_off(id, rounded, BlockState::Free);
             self.blocks[rest].freed_at = self.tick;
@@ -226,7 +202,7 @@ impl ShardState {
         self.over_budget |= stats::increase(&mut s.active, pool, 1);
         self.over_budget |= stats::increase(&mut s.active_bytes, pool, size);
         self.over_budget |= stats::increase(&mut s.requested_bytes, pool, requested);
-        if oversize(size, config) {
+        if oversize(size, self.rules) {
             self.over_budget |= s.oversize_allocations.increase(1);
             self.blocks[id].counted_oversize = true;
         }
