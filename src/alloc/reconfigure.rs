@@ -8,11 +8,17 @@
 //! The configuration is published whole (`sync::Published`), to each device's cell and then the
 //! allocator's, one writer at a time: an allocation reads the one in force when it starts and
 //! finishes under it; the next one sees the new settings.
+//!
+//! In a forked child every change is refused ([`Error::ForkedChild`]) before the writers' lock —
+//! which a thread of the parent may have held at the fork — and dropping an override inherited
+//! from the parent restores nothing.
 
+use super::engine::DeviceCore;
 use super::CachingAllocator;
 use crate::config::live::{self, Change};
 use crate::config::AllocatorConfig;
 use crate::error::{Error, Result};
+use crate::sync::os::Arc;
 
 impl CachingAllocator {
     /// Changes the settings named in `changes` (`CUDALLOC_CONF`'s grammar, e.g.
@@ -39,13 +45,15 @@ impl CachingAllocator {
     /// the writers' lock, so an override restores what it replaced, not what another writer
     /// published meanwhile).
     fn change(&self, changes: &str) -> Result<(Vec<&'static str>, AllocatorConfig)> {
+        // The fork check, before the writers' lock.
+        let devices = self.devices.all("this allocator")?;
         let mut named = Vec::new();
         let mut previous = AllocatorConfig::default();
         self.config.update(|current| {
             let mut next = current.clone();
             named = next.apply(changes)?;
             self.check_changes(current, &next, &named)?;
-            self.publish_to_devices(&next);
+            publish_to(devices, &next);
             previous = current.clone();
             Ok::<_, Error>(next)
         })?;
@@ -80,19 +88,11 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// Each device reads the configuration from a cell of its own (one load on the hot path, no
-    /// shared line); they get the new one before the allocator's own, under its writer lock.
-    fn publish_to_devices(&self, config: &AllocatorConfig) {
-        for device in &self.devices {
-            device.publish_config(config.clone());
-        }
-    }
-
     /// A changed memory fraction takes effect on every device at once.
     fn apply_fraction(&self, named: &[&'static str]) -> Result<()> {
         if named.contains(&"per_process_memory_fraction") {
             let fraction = self.config().per_process_memory_fraction;
-            for device in &self.devices {
+            for device in self.devices.all("this allocator")? {
                 device.set_memory_fraction(fraction)?;
             }
         }
@@ -101,16 +101,26 @@ impl CachingAllocator {
 
     /// Puts back `keys`' values from `previous`, keeping the others as they are now.
     fn restore(&self, previous: &AllocatorConfig, keys: &[&'static str]) -> Result<()> {
+        // The fork check, before the writers' lock.
+        let devices = self.devices.all("this allocator")?;
         self.config.update(|current| {
             let mut next = current.clone();
             for key in keys {
                 live::copy_key(key, previous, &mut next);
             }
             self.check_changes(current, &next, keys)?;
-            self.publish_to_devices(&next);
+            publish_to(devices, &next);
             Ok::<_, Error>(next)
         })?;
         self.apply_fraction(keys)
+    }
+}
+
+/// Each device reads the configuration from a cell of its own (one load on the hot path, no
+/// shared line); they get the new one before the allocator's own, under its writer lock.
+fn publish_to(devices: &[Arc<DeviceCore>], config: &AllocatorConfig) {
+    for device in devices {
+        device.publish_config(config.clone());
     }
 }
 
@@ -149,7 +159,8 @@ impl std::fmt::Debug for ConfigOverride<'_> {
 
 impl Drop for ConfigOverride<'_> {
     fn drop(&mut self) {
-        if self.restored {
+        // In a forked child the configuration is the parent's: nothing to restore.
+        if self.restored || !self.allocator.birth.is_current() {
             return;
         }
         if let Err(err) = self.allocator.restore(&self.previous, &self.keys) {

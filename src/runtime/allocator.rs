@@ -363,13 +363,15 @@ impl Runtime {
     /// (PyTorch's `_set_allocator_settings` resets the keys it is not given). A key that cannot
     /// change on a live runtime is an [`ErrorKind::Config`](crate::ErrorKind::Config) error naming
     /// it and why (`thread_cache_mb`, `default_stream`, `stream_order`, the IPC and pinned keys),
-    /// and nothing changes. Returns the keys named.
+    /// and nothing changes. Returns the keys named. Refused in a forked child (before the
+    /// configuration's writer lock, which a thread of the parent may have held at the fork).
     pub fn reconfigure(&self, changes: &str) -> Result<Vec<&'static str>> {
         self.allocator.reconfigure(changes)
     }
 
     /// [`Runtime::reconfigure`] for a scope: when the guard drops, the keys it changed get back
-    /// the values they had (the others keep any change made meanwhile).
+    /// the values they had (the others keep any change made meanwhile). Refused in a forked
+    /// child, where dropping a guard inherited from the parent restores nothing.
     pub fn override_config(&self, changes: &str) -> Result<crate::ConfigOverride<'_>> {
         self.allocator.override_config(changes)
     }

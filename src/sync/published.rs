@@ -94,7 +94,9 @@ impl<T: PartialEq> Published<T> {
 
 impl<T> Drop for Published<T> {
     fn drop(&mut self) {
-        for value in self.kept.lock().drain(..) {
+        // Through `&mut self`, not the lock: a forked child dropping its copy must not wait for
+        // a lock a thread of its parent held at the fork (`process`).
+        for value in self.kept.get_mut().drain(..) {
             // SAFETY: each pointer came from `Box::leak` in this cell, is in `kept` once, and no
             // reference from `get` outlives `&self`, which `drop`'s `&mut self` excludes.
             drop(unsafe { Box::from_raw(value.as_ptr()) });
