@@ -735,11 +735,6 @@ impl CachingAllocator {
         }
     }
 
-    /// Caps this process's reservations on `device` at `fraction` of its capacity.
-    pub fn set_per_process_memory_fraction(&self, fraction: f64, device: usize) -> Result<()> {
-        self.device(device)?.set_memory_fraction(fraction)
-    }
-
     /// Runs the invariant scanner over every shard.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.devices

@@ -9,6 +9,12 @@
 //! allocator's, one writer at a time: an allocation reads the one in force when it starts and
 //! finishes under it; the next one sees the new settings.
 //!
+//! A setting has one home, the configuration: [`CachingAllocator::set_per_process_memory_fraction`]
+//! is a reconfiguration of `per_process_memory_fraction` (a device's own value in the key's list
+//! form), and the devices read their caps from the configuration published to them. So an override
+//! of the key puts back the setter's values too, and a setter inside an override's scope changes
+//! the key the override puts back at its end, as `reconfigure` would.
+//!
 //! In a forked child every change is refused ([`Error::ForkedChild`]) before the writers' lock —
 //! which a thread of the parent may have held at the fork — and dropping an override inherited
 //! from the parent restores nothing.
@@ -41,35 +47,70 @@ impl CachingAllocator {
         })
     }
 
+    /// Caps this process's reservations on `device` at `fraction` of its capacity (PyTorch's
+    /// `set_per_process_memory_fraction`): a reconfiguration of `per_process_memory_fraction`
+    /// that gives `device` a value of its own (see the module docs).
+    pub fn set_per_process_memory_fraction(&self, fraction: f64, device: usize) -> Result<()> {
+        self.devices.get(device, "this allocator")?;
+        self.update(|next| {
+            next.set_device_memory_fraction(device, fraction)?;
+            Ok(vec!["per_process_memory_fraction"])
+        })?;
+        tracing::info!(fraction, device, "per-process memory fraction set");
+        Ok(())
+    }
+
     /// Applies `changes`; returns the keys named and the configuration they replaced (read under
     /// the writers' lock, so an override restores what it replaced, not what another writer
     /// published meanwhile).
     fn change(&self, changes: &str) -> Result<(Vec<&'static str>, AllocatorConfig)> {
-        // The fork check, before the writers' lock.
+        let done = self.update(|next| next.apply(changes))?;
+        tracing::info!(changes, "allocator reconfigured");
+        Ok(done)
+    }
+
+    /// The one path of every change: the fork check (before the writers' lock), then `edit` on
+    /// a copy of the configuration in force, which returns the keys it changed; the change is
+    /// checked and published to the devices and then to the allocator, or nothing changes.
+    /// Returns the keys and the configuration replaced.
+    fn update(
+        &self,
+        edit: impl FnOnce(&mut AllocatorConfig) -> Result<Vec<&'static str>>,
+    ) -> Result<(Vec<&'static str>, AllocatorConfig)> {
         let devices = self.devices.all("this allocator")?;
         let mut named = Vec::new();
         let mut previous = AllocatorConfig::default();
         self.config.update(|current| {
             let mut next = current.clone();
-            named = next.apply(changes)?;
+            named = edit(&mut next)?;
             self.check_changes(current, &next, &named)?;
             publish_to(devices, &next);
             previous = current.clone();
             Ok::<_, Error>(next)
         })?;
-        self.apply_fraction(&named)?;
-        tracing::info!(changes, "allocator reconfigured");
         Ok((named, previous))
     }
 
     /// Refuses keys a live allocator cannot change (only those whose value changes: naming a
-    /// key with its current value is harmless).
+    /// key with its current value is harmless), and memory fractions of devices that do not
+    /// exist.
     fn check_changes(
         &self,
         current: &AllocatorConfig,
         next: &AllocatorConfig,
         named: &[&'static str],
     ) -> Result<()> {
+        if let Some(device) = next
+            .device_memory_fractions
+            .keys()
+            .find(|&&d| d >= self.devices.len())
+        {
+            return Err(Error::Config(format!(
+                "per_process_memory_fraction names device {device}, which does not exist ({} \
+                 device(s))",
+                self.devices.len()
+            )));
+        }
         for &key in named {
             let mut probe = current.clone();
             live::copy_key(key, next, &mut probe);
@@ -88,31 +129,15 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// A changed memory fraction takes effect on every device at once.
-    fn apply_fraction(&self, named: &[&'static str]) -> Result<()> {
-        if named.contains(&"per_process_memory_fraction") {
-            let fraction = self.config().per_process_memory_fraction;
-            for device in self.devices.all("this allocator")? {
-                device.set_memory_fraction(fraction)?;
-            }
-        }
-        Ok(())
-    }
-
     /// Puts back `keys`' values from `previous`, keeping the others as they are now.
     fn restore(&self, previous: &AllocatorConfig, keys: &[&'static str]) -> Result<()> {
-        // The fork check, before the writers' lock.
-        let devices = self.devices.all("this allocator")?;
-        self.config.update(|current| {
-            let mut next = current.clone();
+        self.update(|next| {
             for key in keys {
-                live::copy_key(key, previous, &mut next);
+                live::copy_key(key, previous, next);
             }
-            self.check_changes(current, &next, keys)?;
-            publish_to(devices, &next);
-            Ok::<_, Error>(next)
-        })?;
-        self.apply_fraction(keys)
+            Ok(keys.to_vec())
+        })
+        .map(drop)
     }
 }
 

@@ -115,7 +115,13 @@ impl Runtime {
         self.allocator.empty_cache()
     }
 
-    /// Caps this process's reservations on `device` at `fraction` of its capacity.
+    /// Caps this process's reservations on `device` at `fraction` of its capacity (PyTorch's
+    /// `torch.cuda.set_per_process_memory_fraction`). A reconfiguration of the
+    /// `per_process_memory_fraction` key — `device`'s own value, seen in [`Runtime::config`]
+    /// ([`AllocatorConfig::memory_fraction`](crate::AllocatorConfig::memory_fraction)) —, so an
+    /// [`Runtime::override_config`] of the key puts it back at the override's end, and one made
+    /// inside an override's scope is put back by the scope's end. An error for a fraction outside
+    /// [0.0, 1.0] or a device that does not exist, and in a forked child.
     pub fn set_per_process_memory_fraction(&self, fraction: f64, device: usize) -> Result<()> {
         self.allocator
             .set_per_process_memory_fraction(fraction, device)
@@ -370,8 +376,10 @@ impl Runtime {
     }
 
     /// [`Runtime::reconfigure`] for a scope: when the guard drops, the keys it changed get back
-    /// the values they had (the others keep any change made meanwhile). Refused in a forked
-    /// child, where dropping a guard inherited from the parent restores nothing.
+    /// the values they had (the others keep any change made meanwhile; a change of one of its
+    /// keys meanwhile — by `reconfigure` or `set_per_process_memory_fraction` — is put back too).
+    /// Refused in a forked child, where dropping a guard inherited from the parent restores
+    /// nothing.
     pub fn override_config(&self, changes: &str) -> Result<crate::ConfigOverride<'_>> {
         self.allocator.override_config(changes)
     }

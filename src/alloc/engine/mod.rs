@@ -116,9 +116,6 @@ pub(crate) struct DeviceCore {
     /// sanitizer covers that reuse with the free's clock).
     free_events: Arc<dyn Driver>,
     capacity: u64,
-    /// `f64` bits of the per-process memory fraction; `fraction_set` says whether one was chosen.
-    fraction_bits: AtomicU64,
-    fraction_set: AtomicBool,
     /// Bytes of live segments on this device (all shards).
     reserved: AtomicU64,
     /// The shards by (stream, memory pool): one per stream for the default pool, one per stream
