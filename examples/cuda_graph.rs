@@ -123,7 +123,7 @@ fn main() -> Result<()> {
     let out = step(runtime, stream, &x, &w, &b)?;
     let graph = capture.end()?;
     let pool = graph.pool().clone();
-    let layout = pool.snapshot().segments;
+    let layout = pool.snapshot()?.segments;
     println!(
         "captured: {} nodes, output at {:#x}, graph pool {} ({} segment(s), {} bytes allocated)",
         graph.node_count(),
@@ -152,7 +152,7 @@ fn main() -> Result<()> {
         }
         // Eager work between replays never gets the graph's memory.
         let eager = Storage::new_on(runtime, stream, LEN)?;
-        if pool.snapshot().segments.iter().any(|s| {
+        if pool.snapshot()?.segments.iter().any(|s| {
             s.blocks
                 .iter()
                 .any(|b| b.addr <= eager.data_ptr().0 && eager.data_ptr().0 < b.addr + b.size)
@@ -162,7 +162,7 @@ fn main() -> Result<()> {
             )));
         }
     }
-    let stable = pool.snapshot().segments == layout;
+    let stable = pool.snapshot()?.segments == layout;
     let stats = runtime.memory_stats(0)?;
     println!(
         "replayed {REPLAYS} times: outputs checked, addresses stable: {stable}; device: {} bytes \

@@ -16,6 +16,13 @@
 //! | allocate, stream work, share, open, stats | done               | [`Error::ForkedChild`] naming both pids   |
 //! | free, drop, empty the cache              | done               | nothing: the object and what it holds are leaked in the child (the child's copy of its own heap is private; what is shared belongs to the parent) |
 //!
+//! Where an object's state is reached through one value, the check is made by that value, so no
+//! door can forget it: the allocator, its memory pools and its captures reach their devices only
+//! through `alloc::engine::Cores`, which checks first (its `all`/`get` answer
+//! [`Error::ForkedChild`], its `in_its_process` gives a drop nothing to release); a storage
+//! reaches its lock only through a checked accessor; every configuration change goes through one
+//! checked path (`alloc/reconfigure.rs`).
+//!
 //! A child that wants memory builds its own runtime (and driver): objects born in the child are
 //! the child's, and work normally there. The process-wide registries under those objects (live
 //! shared-memory names, leases, opened mappings, sanitizers) are [`PerProcess`] values: a child

@@ -1,8 +1,7 @@
 //! The one place that chooses synchronization primitives.
 //!
-//! No other file names `std::sync` or `loom` (but this module's own children: `short_mutex.rs`, a
-//! lock of our own built on an atomic word and `futex`, and `published.rs`, a value read without a
-//! lock and replaced by publishing another). Two families are exported:
+//! No other file names `std::sync` or `loom` (but this module's own child `short_mutex.rs`, a
+//! lock of our own built on an atomic word and `futex`). Two families are exported:
 //!
 //! * [`os`] — always the real thing (`std` locks without poisoning, atomics and `Arc`). Used by code that
 //!   talks to the operating system or to other processes (host-backend stream workers, shared-memory

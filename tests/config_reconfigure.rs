@@ -1,12 +1,15 @@
 //! Settings that change on a live runtime without forgetting the others (`Runtime::reconfigure`,
 //! `Runtime::override_config`; `alloc/reconfigure.rs`, `config/live.rs`): one key changes and
 //! the rest keep their values, a scoped override puts back exactly what it changed, keys that
-//! cannot change are refused by name with the reason and change nothing, and allocations running
-//! on other threads while settings change keep the allocator consistent.
+//! cannot change are refused by name with the reason and change nothing, allocations running
+//! on other threads while settings change keep the allocator consistent, and the memory
+//! fraction's setter is a reconfiguration of its key (one home for the setting: overrides put
+//! back what the setter set).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use common::*;
@@ -262,4 +265,130 @@ fn allocations_on_other_threads_while_settings_change_stay_consistent() {
     let stats = a.memory_stats(0).unwrap();
     assert_eq!(stats.allocated_bytes.all.current, 0);
     assert_eq!(stats.active.all.current, 0);
+}
+
+/// Whether `mib` MiB fit on device 0 under the cap in force (the cache emptied first: a cap
+/// limits what is reserved, and a cached segment would serve without a reservation).
+fn fits(a: &Runtime, mib: u64) -> bool {
+    a.empty_cache();
+    match a.allocate(0, mib * MIB) {
+        Ok(_) => true,
+        Err(err) if err.kind() == ErrorKind::OutOfMemory => false,
+        Err(err) => panic!("allocating {mib} MiB: {err}"),
+    }
+}
+
+/// The memory fraction has one home, the configuration: `set_per_process_memory_fraction` is a
+/// reconfiguration of `per_process_memory_fraction`, so an override of the key puts back what the
+/// setter set, and a setter inside an override's scope is a change of the key that the scope's
+/// end puts back, as a `reconfigure` would be.
+#[test]
+fn the_memory_fraction_setter_and_overrides_share_one_home() {
+    let _device = device_alone();
+    let (driver, cap) = sized_driver(64 * MIB);
+    let a = Runtime::builder()
+        .config(AllocatorConfig::parse(&cap).unwrap())
+        .build(sanitized(driver))
+        .unwrap();
+    // The fraction that is the whole 64 MiB (1.0 on the host backend).
+    let whole = a.config().per_process_memory_fraction;
+    assert!(fits(&a, 40));
+
+    // The setter's cap, overridden for a scope: after it, the setter's cap again (32 MiB).
+    a.set_per_process_memory_fraction(whole * 0.5, 0).unwrap();
+    assert!(!fits(&a, 40) && fits(&a, 30));
+    {
+        let _scope = a
+            .override_config(&format!("per_process_memory_fraction:{}", whole * 0.25))
+            .unwrap();
+        assert!(!fits(&a, 30) && fits(&a, 12));
+    }
+    assert!(
+        !fits(&a, 40),
+        "40 MiB fit after the override: the setter's cap was lost"
+    );
+    assert!(fits(&a, 30));
+    assert_eq!(a.config().memory_fraction(0), Some(whole * 0.5));
+
+    // An override lifting the setter's cap puts it back too.
+    {
+        let _scope = a
+            .override_config(&format!("per_process_memory_fraction:{whole}"))
+            .unwrap();
+        assert!(fits(&a, 40));
+    }
+    assert!(!fits(&a, 40) && fits(&a, 30), "the setter's cap is back");
+
+    // A setter inside a scope changes the key the scope puts back at its end.
+    a.reconfigure(&format!("per_process_memory_fraction:{whole}"))
+        .unwrap();
+    assert!(fits(&a, 40));
+    {
+        let _scope = a
+            .override_config(&format!("per_process_memory_fraction:{}", whole * 0.25))
+            .unwrap();
+        a.set_per_process_memory_fraction(whole * 0.5, 0).unwrap();
+        assert!(
+            !fits(&a, 40) && fits(&a, 30),
+            "the setter is in force in the scope"
+        );
+    }
+    assert!(
+        fits(&a, 40),
+        "the scope's end put back what was in force before it"
+    );
+    a.check_invariants().unwrap();
+}
+
+/// The setter's value is the configuration's: `config()` (and `cudalloc info`, which prints it)
+/// shows it in a form the grammar reads back, a bad value or device is refused with nothing
+/// changed, and the key's plain form — every device — clears the devices' own values.
+#[test]
+fn the_memory_fraction_setter_is_seen_in_the_configuration() {
+    let _device = device_shared();
+    let a = runtime("");
+    let every = a.config().per_process_memory_fraction;
+    a.set_per_process_memory_fraction(0.5, 0).unwrap();
+    assert_eq!(a.config().memory_fraction(0), Some(0.5));
+    assert_eq!(
+        a.config().device_memory_fractions,
+        BTreeMap::from([(0, 0.5)])
+    );
+    let printed = a.config().to_string();
+    let line = printed
+        .lines()
+        .find(|l| l.starts_with("per_process_memory_fraction:"))
+        .unwrap();
+    assert_eq!(
+        line,
+        format!("per_process_memory_fraction: [*:{every},0:0.5]")
+    );
+    assert_eq!(
+        AllocatorConfig::parse(line).unwrap().memory_fraction(0),
+        Some(0.5)
+    );
+
+    let before = (*a.config()).clone();
+    assert_eq!(
+        a.set_per_process_memory_fraction(1.5, 0)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::InvalidArgument
+    );
+    let missing = a.device_count();
+    assert_eq!(
+        a.set_per_process_memory_fraction(0.5, missing)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::InvalidArgument
+    );
+    let err = a
+        .reconfigure(&format!("per_process_memory_fraction:[{missing}:0.5]"))
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert_eq!(*a.config(), before, "nothing changed");
+
+    a.reconfigure("per_process_memory_fraction:0.75").unwrap();
+    assert!(a.config().device_memory_fractions.is_empty());
+    assert_eq!(a.config().memory_fraction(0), Some(0.75));
 }

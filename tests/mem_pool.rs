@@ -86,7 +86,7 @@ fn test_mempool_context() {
     let snap = a.snapshot();
     assert_eq!(pool_of(&snap, &inside), Some(pool.id()));
     assert_eq!(pool_of(&snap, &outside), Some(MemPoolId::DEFAULT));
-    let mine = pool.snapshot();
+    let mine = pool.snapshot().unwrap();
     assert!(holds(&mine, &inside));
     assert!(!holds(&mine, &outside));
     assert!(mine.segments.iter().all(|s| s.segment_pool_id == pool.id()));
@@ -130,7 +130,7 @@ fn test_mempool_multithread() {
     assert_eq!(ids.len(), 8, "every thread's pool has its own id");
     let snap = a.snapshot();
     for (pool, ptrs) in &results {
-        let mine = pool.snapshot();
+        let mine = pool.snapshot().unwrap();
         for p in ptrs {
             assert_eq!(pool_of(&snap, p), Some(pool.id()));
             assert!(holds(&mine, p));
@@ -160,7 +160,7 @@ fn test_mempool_snapshot() {
     let all = a.snapshot();
     let pools: Vec<_> = all.segments.iter().map(|s| s.segment_pool_id).collect();
     assert!(pools.contains(&pool.id()) && pools.contains(&MemPoolId::DEFAULT));
-    let mine = pool.snapshot();
+    let mine = pool.snapshot().unwrap();
     assert_eq!(
         mine.segments.len(),
         all.segments
@@ -223,8 +223,13 @@ fn test_use_mem_pool_current_thread_all_streams() {
     }
     assert_eq!(pool_of(&snap, &after), Some(MemPoolId::DEFAULT));
     // One segment per stream in the pool: each stream has its own shard of it.
-    let streams: std::collections::BTreeSet<u64> =
-        pool.snapshot().segments.iter().map(|s| s.stream).collect();
+    let streams: std::collections::BTreeSet<u64> = pool
+        .snapshot()
+        .unwrap()
+        .segments
+        .iter()
+        .map(|s| s.stream)
+        .collect();
     assert_eq!(streams.len(), 3);
 }
 
@@ -237,7 +242,7 @@ fn test_mempool_expandable() {
         let _in_pool = a.use_mem_pool(&pool, 0).unwrap();
         (0..4).map(|_| a.allocate(0, 3 << 20).unwrap()).collect()
     };
-    let mine = pool.snapshot();
+    let mine = pool.snapshot().unwrap();
     assert!(!mine.segments.is_empty());
     assert!(mine.segments.iter().all(|s| s.is_expandable));
     assert!(inside.iter().all(|p| holds(&mine, p)));
@@ -354,7 +359,7 @@ fn pools_made_and_dropped_in_a_loop_stay_exact() {
         let stats = pool.memory_stats(0).unwrap();
         assert_eq!(stats.allocation.all.current, 1, "round {round}");
         assert_eq!(
-            pool.snapshot().segments.len(),
+            pool.snapshot().unwrap().segments.len(),
             1,
             "round {round}: only this pool's segment"
         );
@@ -377,7 +382,7 @@ fn a_no_split_pool_hands_every_block_out_whole() {
         let _in_pool = a.use_mem_pool(&pool, 0).unwrap();
         (0..3).map(|_| a.allocate(0, 512).unwrap()).collect()
     };
-    let mine = pool.snapshot();
+    let mine = pool.snapshot().unwrap();
     assert_eq!(
         mine.segments.len(),
         3,
@@ -451,7 +456,7 @@ fn storages_made_in_a_scope_live_in_the_pool() {
         s
     };
     let addr = s.data_ptr().0;
-    assert!(pool.snapshot().segments.iter().any(|seg| seg
+    assert!(pool.snapshot().unwrap().segments.iter().any(|seg| seg
         .blocks
         .iter()
         .any(|b| b.addr <= addr && addr < b.addr + b.size)));
@@ -463,7 +468,7 @@ fn storages_made_in_a_scope_live_in_the_pool() {
         clone.mutable_data_ptr().unwrap().0
     };
     assert_ne!(copied, addr);
-    assert!(pool.snapshot().segments.iter().any(|seg| seg
+    assert!(pool.snapshot().unwrap().segments.iter().any(|seg| seg
         .blocks
         .iter()
         .any(|b| b.addr <= copied && copied < b.addr + b.size)));

@@ -77,7 +77,12 @@ fn offloaded_bytes_come_back_at_the_same_addresses() {
         assert_eq!(report.released_bytes, reserved as u64, "{}", b.name);
         assert_eq!(tag_reserved(&rt, "weights"), 0, "{}", b.name);
         assert!(
-            rt.tag("weights").unwrap().snapshot().segments.is_empty(),
+            rt.tag("weights")
+                .unwrap()
+                .snapshot()
+                .unwrap()
+                .segments
+                .is_empty(),
             "{}: a sleeping tag's snapshot shows no memory",
             b.name
         );

@@ -36,7 +36,7 @@ use std::collections::HashMap;
 use super::pool_id::{MemPoolId, MemPoolOptions};
 use crate::driver::{EventId, StreamId};
 use crate::error::Result;
-use crate::process::PerProcess;
+use crate::process::{Birth, PerProcess};
 use crate::sync::os::atomic::{AtomicUsize, Ordering};
 use crate::sync::os::{Arc, Mutex, RwLock, RwLockReadGuard, Weak};
 
@@ -117,22 +117,28 @@ pub(crate) struct CaptureRoutes {
     uses: Mutex<Vec<(u64, CapturedUses)>>,
 }
 
-/// One capture's or one graph's hold on its pool (see the module docs); released on drop.
+/// One capture's or one graph's hold on its pool (see the module docs); released on drop — in
+/// the allocator's process only (in a forked child the holds are the parent's, and the lock of
+/// the book may have been held by a parent thread at the fork).
 #[derive(Debug)]
 pub(crate) struct GraphHold {
     routes: Arc<CaptureRoutes>,
     pool: MemPoolId,
+    birth: Birth,
 }
 
 impl GraphHold {
     /// Another hold on the same pool (a graph taking over from its capture).
     pub(crate) fn another(&self) -> GraphHold {
-        CaptureRoutes::hold(&self.routes, self.pool)
+        CaptureRoutes::hold(&self.routes, self.pool, self.birth)
     }
 }
 
 impl Drop for GraphHold {
     fn drop(&mut self) {
+        if !self.birth.is_current() {
+            return;
+        }
         let mut held = self.routes.held.write();
         if let Some(n) = held.get_mut(&self.pool) {
             *n -= 1;
@@ -200,8 +206,8 @@ impl CaptureRoutes {
             .map(|&(_, pool, options)| (pool, options))
     }
 
-    /// A hold of a capture or graph on `pool`.
-    pub(crate) fn hold(this: &Arc<CaptureRoutes>, pool: MemPoolId) -> GraphHold {
+    /// A hold of a capture or graph on `pool`, by the allocator born in `birth`.
+    pub(crate) fn hold(this: &Arc<CaptureRoutes>, pool: MemPoolId, birth: Birth) -> GraphHold {
         let mut held = this.held.write();
         let n = held.entry(pool).or_insert(0);
         if *n == 0 {
@@ -211,6 +217,7 @@ impl CaptureRoutes {
         GraphHold {
             routes: Arc::clone(this),
             pool,
+            birth,
         }
     }
 

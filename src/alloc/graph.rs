@@ -22,9 +22,10 @@
 //! the pool back when it finishes, for the library to keep beside its graph.
 
 use super::capturing::{CaptureRoutes, CapturedUse, GraphHold};
+use super::engine::Cores;
 use super::mem_pool::MemPool;
 use super::pool_id::MemPoolOptions;
-use super::{CachingAllocator, DeviceCore};
+use super::CachingAllocator;
 use crate::driver::capability::relaxed;
 use crate::driver::{CaptureMode, Driver, GraphExecId, StreamId};
 use crate::error::{Error, Result};
@@ -170,7 +171,7 @@ impl CachingAllocator {
         if let Some(event) = tail {
             self.capturing.tail(id, stream, event);
         }
-        let hold = CaptureRoutes::hold(&self.capturing, pool.id());
+        let hold = CaptureRoutes::hold(&self.capturing, pool.id(), self.birth);
         CaptureRoutes::route(&self.capturing, id, pool.id(), pool.options());
         Ok(Route {
             driver: Arc::clone(&self.driver),
@@ -212,7 +213,7 @@ impl CachingAllocator {
     /// events when it was the only one.
     fn capture_never_began(&self) {
         if self.capturing.ended(None).0 {
-            for device in &self.devices {
+            for device in self.devices.in_its_process().unwrap_or_default() {
                 device.flush_deferred();
             }
         }
@@ -233,7 +234,7 @@ fn destroy_tail(driver: &Arc<dyn Driver>, tail: Option<crate::driver::EventId>) 
 struct Route {
     driver: Arc<dyn Driver>,
     capturing: Arc<CaptureRoutes>,
-    devices: Vec<Arc<DeviceCore>>,
+    devices: Cores,
     stream: StreamId,
     /// The driver's id of the capture (`None` once the routing stopped).
     capture: Option<u64>,
@@ -251,7 +252,7 @@ impl Route {
             let (last, tail) = self.capturing.ended(Some(capture));
             destroy_tail(&self.driver, tail);
             if last {
-                for device in &self.devices {
+                for device in self.devices.in_its_process().unwrap_or_default() {
                     device.flush_deferred();
                 }
             }
@@ -272,8 +273,9 @@ impl Capture {
     }
 
     /// Ends the capture: the graph, instantiated — or the error that ended it (an invalidated
-    /// capture, a forked stream never joined back).
+    /// capture, a forked stream never joined back). Refused in a forked child.
     pub fn end(mut self) -> Result<Graph> {
+        self.route.birth.check("this capture")?;
         let uses = match self.route.capture {
             Some(capture) => self.route.capturing.take_uses(capture),
             None => Vec::new(),

@@ -27,14 +27,19 @@
 //! accumulated counts, exact — and its own peaks, the highest those sums reached, resettable
 //! ([`MemPool::reset_peak_stats`]; the pool's book: `engine/pool_peaks.rs`). What all pools and
 //! graphs reserve is one cheap call (`Runtime::pools_reserved`).
+//!
+//! A pool reaches its devices only through the fork check (`engine::Cores`): in a process forked
+//! from the pool's, its statistics, peaks and snapshot are
+//! [`ErrorKind::ForkedChild`](crate::ErrorKind::ForkedChild) errors and `empty_cache` and a drop
+//! do nothing — before any lock, which a thread of the parent may have held at the fork.
 
 use super::engine::snapshot::Snapshot;
 use super::engine::thread;
+use super::engine::Cores;
 use super::pool_id::{MemPoolId, MemPoolOptions};
 use super::stats::DeviceStats;
 use super::{CachingAllocator, DeviceCore};
 use crate::error::{Error, Result};
-use crate::process::Birth;
 use crate::sync::os::Arc;
 
 /// A private memory pool of one allocator (PyTorch's `torch.cuda.MemPool`; how pools work is in
@@ -51,17 +56,15 @@ struct PoolInner {
     options: MemPoolOptions,
     /// The allocator the pool belongs to.
     allocator: u64,
-    devices: Vec<Arc<DeviceCore>>,
-    birth: Birth,
+    /// Its devices, reached through the fork check only (`engine::Cores`): in a forked child
+    /// every door of the pool is refused, or does nothing, before any lock.
+    devices: Cores,
 }
 
 impl Drop for PoolInner {
     fn drop(&mut self) {
-        if !self.birth.is_current() {
-            // A forked child's copy: the shards are the parent's.
-            return;
-        }
-        for device in &self.devices {
+        // In a forked child nothing: the shards are the parent's.
+        for device in self.devices.in_its_process().unwrap_or_default() {
             device.retire_pool(self.id);
         }
     }
@@ -85,25 +88,29 @@ impl MemPool {
     }
 
     /// The segments of this pool on every device, by device then address (PyTorch's
-    /// `MemPool.snapshot()`); the trace is left empty (the allocator's snapshot has it).
-    pub fn snapshot(&self) -> Snapshot {
+    /// `MemPool.snapshot()`); the trace is left empty (the allocator's snapshot has it). In a
+    /// process forked from the pool's, an [`ErrorKind::ForkedChild`](crate::ErrorKind::ForkedChild)
+    /// error: the segments are the parent's.
+    pub fn snapshot(&self) -> Result<Snapshot> {
+        let devices = self.cores()?;
         let mut segments = Vec::new();
-        for device in &self.inner.devices {
+        for device in devices {
             for shard in device.pool_shards(self.inner.id) {
                 shard.segments_into(&mut segments);
             }
         }
         segments.sort_by_key(|s| (s.device, s.address));
-        Snapshot {
+        Ok(Snapshot {
             segments,
             trace: Vec::new(),
-            device_count: self.inner.devices.len(),
-        }
+            device_count: devices.len(),
+        })
     }
 
     /// The pool's statistics on `device`: the sums of its shards' currents and accumulated
     /// counts, and the pool's own peaks — the highest the sums over its streams reached since
-    /// the pool was made or [`MemPool::reset_peak_stats`] (`engine/pool_peaks.rs`).
+    /// the pool was made or [`MemPool::reset_peak_stats`] (`engine/pool_peaks.rs`). In a
+    /// forked child, an [`ErrorKind::ForkedChild`](crate::ErrorKind::ForkedChild) error.
     pub fn memory_stats(&self, device: usize) -> Result<DeviceStats> {
         let core = self.core(device)?;
         let mut total = DeviceStats::default();
@@ -124,29 +131,35 @@ impl MemPool {
         Ok(())
     }
 
+    /// Device `device` of the pool: [`Error::ForkedChild`] in a forked child, before any lock
+    /// (every door that reaches a device comes through here or [`Self::cores`]).
     fn core(&self, device: usize) -> Result<&Arc<DeviceCore>> {
-        self.inner.devices.get(device).ok_or_else(|| {
-            Error::invalid(format!(
-                "device {device} does not exist ({} device(s))",
-                self.inner.devices.len()
-            ))
-        })
+        self.inner.devices.get(device, "this memory pool")
+    }
+
+    /// Every device of the pool: [`Error::ForkedChild`] in a forked child, before any lock.
+    fn cores(&self) -> Result<&[Arc<DeviceCore>]> {
+        self.inner.devices.all("this memory pool")
     }
 
     /// Waits for the pool's pending frees and gives its cached whole segments back to the
     /// driver (the allocator's `empty_cache` leaves a live pool's cache alone). Nothing while a
     /// capture or a graph holds the pool: its free blocks are the graph's, which replays write
-    /// (`capturing.rs`).
+    /// (`capturing.rs`). Nothing in a forked child (the cached segments are the parent's).
     pub fn empty_cache(&self) {
-        if !self.inner.birth.is_current() {
+        let Some(devices) = self
+            .inner
+            .devices
+            .unless_child("emptying a memory pool's cache")
+        else {
             return;
-        }
-        for device in &self.inner.devices {
+        };
+        for device in devices {
             if device.held_by_graphs(self.inner.id) {
                 return;
             }
         }
-        for device in &self.inner.devices {
+        for device in devices {
             for shard in device.pool_shards(self.inner.id) {
                 device.release_shard(&shard, true, false);
             }
@@ -203,7 +216,6 @@ impl CachingAllocator {
                 options,
                 allocator: self.id,
                 devices: self.devices.clone(),
-                birth: self.birth,
             }),
         }
     }

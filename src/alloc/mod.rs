@@ -91,8 +91,8 @@ pub(crate) use tags::{SleepStart, TagRange};
 use self::block::Allocated;
 use self::capturing::CaptureRoutes;
 use self::engine::device::AllocatorWide;
-use self::engine::DeviceCore;
 use self::engine::Shard;
+use self::engine::{Cores, DeviceCore};
 use self::history::Trace;
 use self::oom::Callbacks;
 use self::tags::Tags;
@@ -203,9 +203,10 @@ impl CachingAllocatorBuilder {
                 _ => driver.default_stream(d),
             })
             .collect::<Result<Vec<_>>>()?;
+        let birth = Birth::now();
         Ok(CachingAllocator {
             id: NEXT_ALLOCATOR_ID.fetch_add(1, Ordering::Relaxed),
-            birth: Birth::now(),
+            birth,
             library_defaults: (0..driver.device_count())
                 .map(|_| AtomicU64::new(NO_STREAM))
                 .collect(),
@@ -216,7 +217,7 @@ impl CachingAllocatorBuilder {
             config,
             stream_order,
             per_thread_default,
-            devices,
+            devices: Cores::new(birth, devices),
             callbacks,
             trace,
             capturing,
@@ -249,7 +250,8 @@ pub struct CachingAllocator {
     /// `default_stream:per_thread`, fixed for the allocator's life: read by every allocation on
     /// a thread's default stream.
     per_thread_default: bool,
-    devices: Vec<Arc<DeviceCore>>,
+    /// The devices, reached through the fork check only (`engine::Cores`).
+    devices: Cores,
     callbacks: Arc<Callbacks>,
     trace: Arc<Trace>,
     /// The captures under way and their pools (`capturing.rs`, `graph.rs`).
@@ -344,14 +346,17 @@ impl CachingAllocator {
         self.devices.len()
     }
 
+    /// `Ok` in the process that built the allocator; in a forked child
+    /// [`Error::ForkedChild`] saying that `what` belongs to the parent — for the objects above
+    /// the allocator that lock state of their own (storages, the runtime's sleepers) to ask
+    /// before they take a lock.
+    #[inline]
+    pub(crate) fn check_process(&self, what: &str) -> Result<()> {
+        self.birth.check(what)
+    }
+
     fn device(&self, device: usize) -> Result<&Arc<DeviceCore>> {
-        self.birth.check("this allocator")?;
-        self.devices.get(device).ok_or_else(|| {
-            Error::invalid(format!(
-                "device {device} does not exist ({} device(s))",
-                self.devices.len()
-            ))
-        })
+        self.devices.get(device, "this allocator")
     }
 
     /// The device's default stream for this thread: the library's
@@ -686,8 +691,15 @@ impl CachingAllocator {
         self.callbacks.registry.detach(id)
     }
 
-    /// The regions mapped now and each attached registrar's figures.
+    /// The regions mapped now and each attached registrar's figures (none in a forked child:
+    /// the registry is the parent's, and its lock may be held for good there).
     pub fn registration_stats(&self) -> RegistrationStats {
+        if self
+            .birth
+            .ignored_in_child("reading the registration statistics")
+        {
+            return RegistrationStats::default();
+        }
         self.callbacks.registry.stats()
     }
 
@@ -699,6 +711,7 @@ impl CachingAllocator {
         addr: DeviceAddr,
         len: u64,
     ) -> Result<Vec<RegisteredRegion>> {
+        self.birth.check("this allocator")?;
         self.callbacks.registry.regions_of(device, addr.0, len)
     }
 
@@ -729,41 +742,37 @@ impl CachingAllocator {
     /// Waits for pending frees and returns every cached whole segment of every device to the driver.
     /// In a forked child it does nothing (the cached segments are the parent's).
     pub fn empty_cache(&self) {
-        if self.birth.ignored_in_child("emptying the cache") {
+        let Some(devices) = self.devices.unless_child("emptying the cache") else {
             return;
-        }
+        };
         if self.capturing.any() {
             tracing::warn!("empty_cache during a stream capture does nothing: releasing would synchronize and free, which the capture forbids");
             return;
         }
-        for d in &self.devices {
+        for d in devices {
             d.release_cached(true);
         }
     }
 
-    /// Caps this process's reservations on `device` at `fraction` of its capacity.
-    pub fn set_per_process_memory_fraction(&self, fraction: f64, device: usize) -> Result<()> {
-        self.device(device)?.set_memory_fraction(fraction)
-    }
-
     /// Runs the invariant scanner over every shard.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.birth
-            .check("this allocator")
-            .map_err(|err| err.to_string())?;
-        self.devices.iter().try_for_each(|d| d.check_invariants())
+        self.devices
+            .all("this allocator")
+            .map_err(|err| err.to_string())?
+            .iter()
+            .try_for_each(|d| d.check_invariants())
     }
 }
 
 impl Drop for CachingAllocator {
     fn drop(&mut self) {
-        if !self.birth.is_current() {
+        let Some(devices) = self.devices.in_its_process() else {
             // A forked child's copy: the shards, segments and streams are the parent's.
-            crate::process::leak_in_child(self.birth, &mut self.devices);
+            self.devices.leak_in_child();
             crate::process::leak_in_child(self.birth, &mut self.owned_streams);
             return;
-        }
-        for d in &self.devices {
+        };
+        for d in devices {
             d.shutdown();
         }
         for stream in self.owned_streams.lock().drain(..) {

@@ -5,14 +5,27 @@
 //! change, and why the others may not, is `config/live.rs`'s table; a refused key is an
 //! [`Error::Config`] naming it and the reason, and nothing changes.
 //!
-//! The configuration is published whole (`sync::Published`), to each device's cell and then the
-//! allocator's, one writer at a time: an allocation reads the one in force when it starts and
-//! finishes under it; the next one sees the new settings.
+//! The configuration is published whole (`config/cell.rs`), to each device's cell (and from there
+//! each shard's fit rules) and then the allocator's, one writer at a time: an allocation rounds
+//! its request by one setting and fits it under one setting's rules; the next one sees the new
+//! settings. Nothing of a superseded configuration is kept but what its readers hold.
+//!
+//! A setting has one home, the configuration: [`CachingAllocator::set_per_process_memory_fraction`]
+//! is a reconfiguration of `per_process_memory_fraction` (a device's own value in the key's list
+//! form), and the devices read their caps from the configuration published to them. So an override
+//! of the key puts back the setter's values too, and a setter inside an override's scope changes
+//! the key the override puts back at its end, as `reconfigure` would.
+//!
+//! In a forked child every change is refused ([`Error::ForkedChild`]) before the writers' lock —
+//! which a thread of the parent may have held at the fork — and dropping an override inherited
+//! from the parent restores nothing.
 
+use super::engine::DeviceCore;
 use super::CachingAllocator;
 use crate::config::live::{self, Change};
 use crate::config::AllocatorConfig;
 use crate::error::{Error, Result};
+use crate::sync::os::Arc;
 
 impl CachingAllocator {
     /// Changes the settings named in `changes` (`CUDALLOC_CONF`'s grammar, e.g.
@@ -35,33 +48,70 @@ impl CachingAllocator {
         })
     }
 
+    /// Caps this process's reservations on `device` at `fraction` of its capacity (PyTorch's
+    /// `set_per_process_memory_fraction`): a reconfiguration of `per_process_memory_fraction`
+    /// that gives `device` a value of its own (see the module docs).
+    pub fn set_per_process_memory_fraction(&self, fraction: f64, device: usize) -> Result<()> {
+        self.devices.get(device, "this allocator")?;
+        self.update(|next| {
+            next.set_device_memory_fraction(device, fraction)?;
+            Ok(vec!["per_process_memory_fraction"])
+        })?;
+        tracing::info!(fraction, device, "per-process memory fraction set");
+        Ok(())
+    }
+
     /// Applies `changes`; returns the keys named and the configuration they replaced (read under
     /// the writers' lock, so an override restores what it replaced, not what another writer
     /// published meanwhile).
     fn change(&self, changes: &str) -> Result<(Vec<&'static str>, AllocatorConfig)> {
+        let done = self.update(|next| next.apply(changes))?;
+        tracing::info!(changes, "allocator reconfigured");
+        Ok(done)
+    }
+
+    /// The one path of every change: the fork check (before the writers' lock), then `edit` on
+    /// a copy of the configuration in force, which returns the keys it changed; the change is
+    /// checked and published to the devices and then to the allocator, or nothing changes.
+    /// Returns the keys and the configuration replaced.
+    fn update(
+        &self,
+        edit: impl FnOnce(&mut AllocatorConfig) -> Result<Vec<&'static str>>,
+    ) -> Result<(Vec<&'static str>, AllocatorConfig)> {
+        let devices = self.devices.all("this allocator")?;
         let mut named = Vec::new();
         let mut previous = AllocatorConfig::default();
         self.config.update(|current| {
             let mut next = current.clone();
-            named = next.apply(changes)?;
+            named = edit(&mut next)?;
             self.check_changes(current, &next, &named)?;
-            self.publish_to_devices(&next);
+            publish_to(devices, &next);
             previous = current.clone();
             Ok::<_, Error>(next)
         })?;
-        self.apply_fraction(&named)?;
-        tracing::info!(changes, "allocator reconfigured");
         Ok((named, previous))
     }
 
     /// Refuses keys a live allocator cannot change (only those whose value changes: naming a
-    /// key with its current value is harmless).
+    /// key with its current value is harmless), and memory fractions of devices that do not
+    /// exist.
     fn check_changes(
         &self,
         current: &AllocatorConfig,
         next: &AllocatorConfig,
         named: &[&'static str],
     ) -> Result<()> {
+        if let Some(device) = next
+            .device_memory_fractions
+            .keys()
+            .find(|&&d| d >= self.devices.len())
+        {
+            return Err(Error::Config(format!(
+                "per_process_memory_fraction names device {device}, which does not exist ({} \
+                 device(s))",
+                self.devices.len()
+            )));
+        }
         for &key in named {
             let mut probe = current.clone();
             live::copy_key(key, next, &mut probe);
@@ -80,37 +130,23 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// Each device reads the configuration from a cell of its own (one load on the hot path, no
-    /// shared line); they get the new one before the allocator's own, under its writer lock.
-    fn publish_to_devices(&self, config: &AllocatorConfig) {
-        for device in &self.devices {
-            device.publish_config(config.clone());
-        }
-    }
-
-    /// A changed memory fraction takes effect on every device at once.
-    fn apply_fraction(&self, named: &[&'static str]) -> Result<()> {
-        if named.contains(&"per_process_memory_fraction") {
-            let fraction = self.config().per_process_memory_fraction;
-            for device in &self.devices {
-                device.set_memory_fraction(fraction)?;
-            }
-        }
-        Ok(())
-    }
-
     /// Puts back `keys`' values from `previous`, keeping the others as they are now.
     fn restore(&self, previous: &AllocatorConfig, keys: &[&'static str]) -> Result<()> {
-        self.config.update(|current| {
-            let mut next = current.clone();
+        self.update(|next| {
             for key in keys {
-                live::copy_key(key, previous, &mut next);
+                live::copy_key(key, previous, next);
             }
-            self.check_changes(current, &next, keys)?;
-            self.publish_to_devices(&next);
-            Ok::<_, Error>(next)
-        })?;
-        self.apply_fraction(keys)
+            Ok(keys.to_vec())
+        })
+        .map(drop)
+    }
+}
+
+/// Each device reads the configuration from a cell of its own (one load on the hot path, no
+/// shared line); they get the new one before the allocator's own, under its writer lock.
+fn publish_to(devices: &[Arc<DeviceCore>], config: &AllocatorConfig) {
+    for device in devices {
+        device.publish_config(config.clone());
     }
 }
 
@@ -149,7 +185,8 @@ impl std::fmt::Debug for ConfigOverride<'_> {
 
 impl Drop for ConfigOverride<'_> {
     fn drop(&mut self) {
-        if self.restored {
+        // In a forked child the configuration is the parent's: nothing to restore.
+        if self.restored || !self.allocator.birth.is_current() {
             return;
         }
         if let Err(err) = self.allocator.restore(&self.previous, &self.keys) {

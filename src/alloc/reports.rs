@@ -110,18 +110,18 @@ impl CachingAllocator {
     /// its parent's shards may be locked for good there).
     pub fn snapshot(&self) -> Snapshot {
         let mut segments = Vec::new();
-        if self.birth.ignored_in_child("taking a snapshot") {
+        let Some(devices) = self.devices.unless_child("taking a snapshot") else {
             return Snapshot {
                 segments,
                 trace: Vec::new(),
                 device_count: self.devices.len(),
             };
-        }
-        for d in &self.devices {
+        };
+        for d in devices {
             d.snapshot_into(&mut segments);
         }
         segments.sort_by_key(|s| (s.device, s.address));
-        if let Some(first) = self.devices.first() {
+        if let Some(first) = devices.first() {
             let stream = self
                 .driver
                 .default_stream(first.device())
@@ -144,7 +144,7 @@ impl CachingAllocator {
         Snapshot {
             segments,
             trace,
-            device_count: self.devices.len(),
+            device_count: devices.len(),
         }
     }
 
@@ -156,10 +156,12 @@ impl CachingAllocator {
     /// PyTorch's `torch.cuda.memory._dump_snapshot(path)`: takes a [`Snapshot`] and writes it to
     /// `path` in PyTorch's pickled layout (what `python -m torch.cuda._memory_viz` and
     /// pytorch.org/memory_viz read) — through a fresh temporary file renamed over `path`, so
-    /// nothing planted there is followed or opened.
+    /// nothing planted there is followed or opened. Refused in a forked child (its snapshot
+    /// would be empty).
     #[cfg(feature = "pickle")]
     #[cfg_attr(docsrs, doc(cfg(feature = "pickle")))]
     pub fn dump_snapshot(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        self.birth.check("this allocator")?;
         let bytes = self.snapshot().to_pytorch_pickle(&self.config())?;
         super::pytorch_pickle::write_snapshot_file(path.as_ref(), &bytes)
     }

@@ -28,7 +28,7 @@
 //! allocation racing a sleep either finishes before the listing (its block is offloaded) or is
 //! refused.
 
-use super::engine::Shard;
+use super::engine::{DeviceCore, Shard};
 use super::mem_pool::{MemPool, PoolScope};
 use super::pool_id::{MemPoolId, MemPoolOptions, Phase, TagPhases};
 use super::CachingAllocator;
@@ -246,8 +246,12 @@ impl CachingAllocator {
         self.use_mem_pool(&pool, device)
     }
 
-    /// The tags made so far, by name.
+    /// The tags made so far, by name (none in a forked child: the tags are the parent's, and
+    /// their lock may be held for good there).
     pub fn tag_names(&self) -> Vec<String> {
+        if self.birth.ignored_in_child("listing the tags") {
+            return Vec::new();
+        }
         let mut names: Vec<String> = self
             .tags
             .records
@@ -260,8 +264,9 @@ impl CachingAllocator {
     }
 
     /// Whether tag `name` is asleep (or on its way to or from sleep); an error for an unknown
-    /// tag.
+    /// tag, and in a forked child.
     pub fn is_asleep(&self, name: &str) -> Result<bool> {
+        self.birth.check("this allocator")?;
         let records = self.tags.records.read();
         let record = records.iter().find(|r| &*r.name == name).ok_or_else(|| {
             let names: Vec<&str> = records.iter().map(|r| &*r.name).collect();
@@ -290,9 +295,11 @@ impl CachingAllocator {
         Ok(record.pool.clone())
     }
 
-    /// Every shard of `pool` on every device.
+    /// Every shard of `pool` on every device (none in a forked child).
     fn tag_shards(&self, pool: &MemPool) -> Vec<(usize, Arc<Shard>)> {
         self.devices
+            .in_its_process()
+            .unwrap_or_default()
             .iter()
             .flat_map(|d| {
                 d.pool_shards(pool.id())
@@ -313,10 +320,10 @@ impl CachingAllocator {
         name: &str,
         offload: impl FnMut(&TagRange) -> Result<()>,
     ) -> Result<SleepStart> {
-        self.birth.check("this allocator")?;
+        let devices = self.devices.all("this allocator")?;
         let pool = self.step(name, Phase::Awake, Phase::FallingAsleep)?;
         let undo = PhaseUndo::new(self, &pool, Phase::Awake);
-        let start = self.prepare_sleep(name, &pool, offload)?;
+        let start = self.prepare_sleep(name, &pool, devices, offload)?;
         undo.disarm();
         Ok(start)
     }
@@ -325,6 +332,7 @@ impl CachingAllocator {
         &self,
         name: &str,
         pool: &MemPool,
+        devices: &[Arc<DeviceCore>],
         mut offload: impl FnMut(&TagRange) -> Result<()>,
     ) -> Result<SleepStart> {
         if self.capturing.any() {
@@ -342,7 +350,7 @@ impl CachingAllocator {
         let mut ranges = Vec::new();
         let mut released_cached = 0;
         for (device, shard) in &shards {
-            let core = &self.devices[*device];
+            let core = &devices[*device];
             // Cached free pages first: they need no copy (and pending frees are waited for) —
             // unless graphs hold the pool: their replays write its free blocks, whose pages must
             // come back with the wake, so they sleep with the rest.
@@ -381,6 +389,7 @@ impl CachingAllocator {
     /// (cached pages included). All under one hold of the capture gate, so a capture cannot
     /// begin between two tags: refused as a whole (the caller cancels) when one is under way.
     pub(crate) fn finish_sleeps(&self, starts: &[&SleepStart]) -> Result<Vec<u64>> {
+        let devices = self.devices.all("this allocator")?;
         // Held across the unmaps: a capture does not begin in between (`capturing.rs`).
         let Some(_no_capture) = self.capturing.releasing() else {
             return Err(Error::capture(
@@ -391,7 +400,7 @@ impl CachingAllocator {
         for start in starts {
             let mut released = start.released_cached;
             for (device, shard) in &start.shards {
-                released += self.devices[*device].sleep_shard(shard, &start.tag);
+                released += devices[*device].sleep_shard(shard, &start.tag);
             }
             self.tags.set_phase(start.pool.id(), Phase::Asleep);
             out.push(released);
@@ -408,7 +417,7 @@ impl CachingAllocator {
     /// returns the blocks still allocated (whose bytes are to be restored). On a failure the
     /// tag stays asleep and nothing is mapped.
     pub(crate) fn begin_wake(&self, name: &str) -> Result<WakeStart> {
-        self.birth.check("this allocator")?;
+        let devices = self.devices.all("this allocator")?;
         let pool = self.step(name, Phase::Asleep, Phase::Waking)?;
         let undo = PhaseUndo::new(self, &pool, Phase::Asleep);
         let shards = self.tag_shards(&pool);
@@ -417,14 +426,14 @@ impl CachingAllocator {
             .iter()
             .map(|(device, shard)| shard.copy_stream(|| self.default_stream(*device)))
             .collect::<Result<Vec<StreamId>>>()?;
-        let mut mapped = self.map_back(name, &shards);
+        let mut mapped = self.map_back(name, devices, &shards);
         if matches!(mapped, Err(Error::OutOfMemory { .. })) {
             // As an allocation would: free-memory callbacks, then every cache, then once more.
             self.callbacks.run();
-            for device in &self.devices {
+            for device in devices {
                 device.release_cached(true);
             }
-            mapped = self.map_back(name, &shards);
+            mapped = self.map_back(name, devices, &shards);
         }
         let mapped_bytes = mapped?;
         let mut ranges = Vec::new();
@@ -453,7 +462,12 @@ impl CachingAllocator {
 
     /// Maps the pages of `shards` back (all or nothing: on an error what was mapped is unmapped
     /// again); the bytes mapped.
-    fn map_back(&self, name: &str, shards: &[(usize, Arc<Shard>)]) -> Result<u64> {
+    fn map_back(
+        &self,
+        name: &str,
+        devices: &[Arc<DeviceCore>],
+        shards: &[(usize, Arc<Shard>)],
+    ) -> Result<u64> {
         // Held across the maps: a capture does not begin in between.
         let Some(_no_capture) = self.capturing.releasing() else {
             return Err(Error::capture(format!(
@@ -464,7 +478,7 @@ impl CachingAllocator {
         let mut mapped_bytes = 0;
         for entry in shards {
             let (device, shard) = entry;
-            let woke = catch_unwind(AssertUnwindSafe(|| self.devices[*device].wake_shard(shard)));
+            let woke = catch_unwind(AssertUnwindSafe(|| devices[*device].wake_shard(shard)));
             if let Ok(Ok(bytes)) = woke {
                 mapped_bytes += bytes;
                 woken.push(entry);
@@ -472,7 +486,7 @@ impl CachingAllocator {
             }
             // Back to sleep, on an error or an unwind: what was woken holds nothing restored yet.
             for (device, shard) in woken {
-                self.devices[*device].sleep_shard(shard, name);
+                devices[*device].sleep_shard(shard, name);
             }
             return match woke {
                 Err(panic) => resume_unwind(panic),
@@ -490,8 +504,11 @@ impl CachingAllocator {
     /// Gives up a wake begun with [`Self::begin_wake`] (its bytes could not be restored): the
     /// pages are unmapped again and the tag is asleep.
     pub(crate) fn sleep_again(&self, start: WakeStart) {
+        let devices = self.devices.in_its_process().unwrap_or_default();
         for (device, shard) in &start.shards {
-            self.devices[*device].sleep_shard(shard, &start.tag);
+            if let Some(core) = devices.get(*device) {
+                core.sleep_shard(shard, &start.tag);
+            }
         }
         self.end_phase(&start.pool, Phase::Asleep);
     }

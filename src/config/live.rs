@@ -8,7 +8,7 @@
 //! | `garbage_collection_threshold`, `release_lock_on_cudamalloc`, `cross_stream_reuse`, `oom_snapshot_path` | changes | read at each miss (or out-of-memory) |
 //! | `roundup_power2_divisions`, `max_non_split_rounding_mb` | changes | read when a request is rounded and fitted; blocks already handed out keep their sizes |
 //! | `expandable_segments` | changes | new segments are of the new kind; a block is split by the kind of the segment it lies in |
-//! | `per_process_memory_fraction` | changes | set on every device (as `set_memory_fraction`) |
+//! | `per_process_memory_fraction` | changes | each device reads its cap from the configuration it was published (the one home of the setting): the value for every device and the devices' own values, which `set_per_process_memory_fraction` sets — a reconfiguration of this key, so an override of the key puts back both, exactly what was in force |
 //! | `pinned_use_background_threads` | changes | validated only |
 //! | `max_split_size_mb` | changes | read when a block is fitted, split or counted; a block (a segment) counted as oversize when handed out (made) is taken back as such, whatever the limit is by then (`Block::counted_oversize`) |
 //! | `thread_cache_mb` | refused | each stream's front-cache limit is fixed when its shard is made |
@@ -98,7 +98,9 @@ pub(crate) fn copy_key(key: &str, from: &AllocatorConfig, to: &mut AllocatorConf
             to.release_lock_on_cudamalloc = from.release_lock_on_cudamalloc
         }
         "per_process_memory_fraction" => {
-            to.per_process_memory_fraction = from.per_process_memory_fraction
+            to.per_process_memory_fraction = from.per_process_memory_fraction;
+            to.device_memory_fractions
+                .clone_from(&from.device_memory_fractions);
         }
         "default_stream" => to.default_stream = from.default_stream,
         "ipc_handle_ttl_s" => to.ipc_handle_ttl_ms = from.ipc_handle_ttl_ms,
@@ -134,7 +136,7 @@ mod tests {
         let tuned = AllocatorConfig::parse(
             "max_split_size_mb:64,garbage_collection_threshold:0.5,roundup_power2_divisions:4,\
              expandable_segments:True,release_lock_on_cudamalloc:True,\
-             per_process_memory_fraction:0.5,default_stream:dedicated,ipc_handle_ttl_s:5,\
+             per_process_memory_fraction:[*:0.5,1:0.25],default_stream:dedicated,ipc_handle_ttl_s:5,\
              thread_cache_mb:8,max_non_split_rounding_mb:40,pinned_use_cuda_host_register:True,\
              pinned_num_register_threads:4,pinned_reserve_segment_size_mb:16,\
              pinned_use_background_threads:True,stream_order:manual,cross_stream_reuse:blocks",

@@ -12,7 +12,7 @@
 //! | `roundup_power2_divisions` | power of two ≤ 64, or `[256:1,512:2,>:4]` per size interval | off |
 //! | `expandable_segments` | `True`/`False`: one segment per stream and pool that grows and shrinks in pages on the driver's virtual memory (shared between processes by page) | `False` |
 //! | `release_lock_on_cudamalloc` | `True`/`False`: call the driver's malloc without holding the shard lock | `False` |
-//! | `per_process_memory_fraction` | 0.0 ≤ f ≤ 1.0 of each device's total memory | 1.0 |
+//! | `per_process_memory_fraction` | 0.0 ≤ f ≤ 1.0 of each device's total memory; or a list `[*:f,d:f,...]`: `*` every device not named (1.0 when absent), `d` device `d` alone (what `set_per_process_memory_fraction(f, d)` sets: the setter is a reconfiguration of this key, and `Display` prints the list form once a device has a value of its own). Either form is the key's whole value: the plain form clears the devices' own values. A device is capped when it has a value of its own, or the value for every device is below 1.0 | 1.0 |
 //! | `default_stream` | `legacy`: the device's default stream (CUDA's legacy NULL stream, what PyTorch and candle launch on); `per_thread`: one stream per thread and device, made by cudalloc on first use and kept for the allocator's life; `dedicated`: one non-blocking stream per device made by cudalloc (cudalloc's own key) | `legacy` |
 //! | `ipc_handle_ttl_s` | seconds > 0 (cudalloc's own key): an IPC handle not opened within this time is refused by consumers and its count reclaimed by `ipc_collect()` | off |
 //! | `oom_snapshot_path` | a file (cudalloc's own key; feature `pickle`): when an allocation runs out of memory, a snapshot in PyTorch's pickled layout is written there before the error returns (with history on, it holds the trace), through a fresh temporary file beside it renamed over the path: a symlink or FIFO planted there is replaced, never followed or opened. No commas or whitespace in the path | off |
@@ -25,6 +25,8 @@
 //! | `stream_order` | `auto`: a storage orders itself — an access through it on a stream (`data_ptr_on`, `mutable_data_ptr_on`, its copies and kernels) waits for the earlier accesses on other streams it conflicts with (a write for every earlier reader and writer, a read for the last writer), and its free waits for every stream that used it (`storage/order.rs`); `manual`: PyTorch's rules (`record_stream` and waits are the program's; the sanitizer reports what is missing) (cudalloc's own key) | `auto` |
 //! | `cross_stream_reuse` | `off`: memory cached for one stream serves that stream only (PyTorch's order; other streams' idle segments are freed to the driver at the out-of-memory sequence's last step); `segments`: before asking the driver for a segment, a miss takes over the smallest whole idle segment cached under another stream that fits, ordered after that stream's work (no driver call); `blocks`: first the best-fitting free block cached under another stream, used on the asking stream after a wait on its owner's work and freed back to its owner after the asking stream's work, then as `segments` (`alloc/engine/cross_stream.rs`; cudalloc's own key) | `off` |
 //! | `pinned_use_background_threads` | `True`/`False`: validated; cudalloc polls the pinned allocator's events on every allocation that finds some queued (one atomic load when none) and in `empty_cache`, so no background thread is started | `False` |
+
+use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
 
@@ -95,8 +97,12 @@ pub struct AllocatorConfig {
     /// Expandable segments: one growing segment per stream and pool on the driver's virtual
     /// memory, mapped and unmapped in pages (`alloc/engine/expandable.rs`).
     pub expandable_segments: bool,
-    /// Fraction of each device's memory this process may reserve.
+    /// Fraction of each device's memory this process may reserve (the devices without a value of
+    /// their own in `device_memory_fractions`).
     pub per_process_memory_fraction: f64,
+    /// Devices' own fractions (`set_per_process_memory_fraction(f, device)`, or the list form of
+    /// `per_process_memory_fraction`), by device: they override `per_process_memory_fraction`.
+    pub device_memory_fractions: BTreeMap<usize, f64>,
     /// Time-to-live of IPC handles in milliseconds (0: handles never expire).
     pub ipc_handle_ttl_ms: u64,
     /// What a thread's current stream is until it sets one.
@@ -134,6 +140,7 @@ impl Default for AllocatorConfig {
             release_lock_on_cudamalloc: false,
             expandable_segments: false,
             per_process_memory_fraction: 1.0,
+            device_memory_fractions: BTreeMap::new(),
             ipc_handle_ttl_ms: 0,
             default_stream: DefaultStream::Legacy,
             oom_snapshot_path: None,
@@ -246,6 +253,41 @@ fn parse_fraction(key: &str, value: &str, open_low: bool, open_high: bool) -> Re
     Ok(v)
 }
 
+/// Largest device ordinal the list form of `per_process_memory_fraction` accepts (more is a typo,
+/// not a device).
+const MAX_DEVICE: usize = 1 << 16;
+
+/// `per_process_memory_fraction`'s value: a fraction for every device, or a list
+/// `[*:f,d:f,...]` (`*`: every device not named, 1.0 when absent; `d`: device `d`).
+fn parse_memory_fractions(key: &str, value: &str) -> Result<(f64, BTreeMap<usize, f64>)> {
+    let Some(list) = value.strip_prefix('[') else {
+        return Ok((parse_fraction(key, value, false, false)?, BTreeMap::new()));
+    };
+    let form = "a fraction, or a list [*:f,device:f,...] of fractions in [0.0, 1.0]";
+    let list = list
+        .strip_suffix(']')
+        .ok_or_else(|| bad(key, value, form))?;
+    let (mut every, mut devices) = (None, BTreeMap::new());
+    for entry in list.split(',').filter(|e| !e.is_empty()) {
+        let (which, fraction) = entry.split_once(':').ok_or_else(|| bad(key, value, form))?;
+        let fraction = parse_fraction(key, fraction, false, false)?;
+        let again = if which == "*" {
+            every.replace(fraction).is_some()
+        } else {
+            let device = which
+                .parse::<usize>()
+                .ok()
+                .filter(|&d| d <= MAX_DEVICE)
+                .ok_or_else(|| bad(key, value, "device ordinals (or *) before each fraction"))?;
+            devices.insert(device, fraction).is_some()
+        };
+        if again {
+            return Err(bad(key, value, "each device (and *) named once"));
+        }
+    }
+    Ok((every.unwrap_or(1.0), devices))
+}
+
 /// Splits at commas that are not inside `[...]`.
 fn split_top_level(text: &str) -> Vec<&str> {
     let (mut parts, mut depth, mut start) = (Vec::new(), 0i32, 0);
@@ -304,11 +346,26 @@ impl std::fmt::Display for AllocatorConfig {
             self.release_lock_on_cudamalloc
         )?;
         writeln!(f, "expandable_segments: {}", self.expandable_segments)?;
-        writeln!(
-            f,
-            "per_process_memory_fraction: {}",
-            self.per_process_memory_fraction
-        )?;
+        if self.device_memory_fractions.is_empty() {
+            writeln!(
+                f,
+                "per_process_memory_fraction: {}",
+                self.per_process_memory_fraction
+            )?;
+        } else {
+            // The list form, which the grammar reads back.
+            let devices: Vec<String> = self
+                .device_memory_fractions
+                .iter()
+                .map(|(device, fraction)| format!("{device}:{fraction}"))
+                .collect();
+            writeln!(
+                f,
+                "per_process_memory_fraction: [*:{},{}]",
+                self.per_process_memory_fraction,
+                devices.join(",")
+            )?;
+        }
         writeln!(
             f,
             "ipc_handle_ttl_s: {}",
@@ -378,7 +435,8 @@ impl AllocatorConfig {
                 "expandable_segments" => self.expandable_segments = parse_bool(key, value)?,
                 "release_lock_on_cudamalloc" => self.release_lock_on_cudamalloc = parse_bool(key, value)?,
                 "per_process_memory_fraction" => {
-                    self.per_process_memory_fraction = parse_fraction(key, value, false, false)?;
+                    (self.per_process_memory_fraction, self.device_memory_fractions) =
+                        parse_memory_fractions(key, value)?;
                 }
                 "default_stream" => {
                     self.default_stream = match value {
@@ -475,6 +533,34 @@ impl AllocatorConfig {
                 Err(Error::Config("CUDALLOC_CONF is not valid UTF-8".into()))
             }
         }
+    }
+
+    /// The cap on what this process may reserve on `device`, a fraction of its total memory, when
+    /// one is in force: the device's own value (`set_per_process_memory_fraction`), else
+    /// `per_process_memory_fraction` when below 1.0.
+    pub fn memory_fraction(&self, device: usize) -> Option<f64> {
+        match self.device_memory_fractions.get(&device) {
+            Some(&own) => Some(own),
+            None => {
+                (self.per_process_memory_fraction < 1.0).then_some(self.per_process_memory_fraction)
+            }
+        }
+    }
+
+    /// Gives `device` a memory fraction of its own (`set_per_process_memory_fraction`): an
+    /// error, nothing changed, when it is not in [0.0, 1.0].
+    pub(crate) fn set_device_memory_fraction(
+        &mut self,
+        device: usize,
+        fraction: f64,
+    ) -> Result<()> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(Error::invalid(format!(
+                "memory fraction {fraction} is not in [0.0, 1.0]"
+            )));
+        }
+        self.device_memory_fractions.insert(device, fraction);
+        Ok(())
     }
 
     /// Divisions for power-of-two rounding of a request of `size` bytes.
@@ -606,6 +692,54 @@ mod tests {
             AllocatorConfig::parse("").unwrap(),
             AllocatorConfig::default()
         );
+    }
+
+    #[test]
+    fn memory_fractions_both_forms_and_the_printed_form_reads_back() {
+        let every = AllocatorConfig::parse("per_process_memory_fraction:0.5").unwrap();
+        assert_eq!(every.memory_fraction(0), Some(0.5));
+        assert_eq!(every.memory_fraction(7), Some(0.5));
+        assert_eq!(AllocatorConfig::default().memory_fraction(0), None);
+        let list = AllocatorConfig::parse("per_process_memory_fraction:[1:0.25,*:0.75]").unwrap();
+        assert_eq!(list.per_process_memory_fraction, 0.75);
+        assert_eq!(list.memory_fraction(0), Some(0.75));
+        assert_eq!(list.memory_fraction(1), Some(0.25));
+        // A device's own value is in force even at 1.0; no `*` is 1.0 for the others.
+        let own = AllocatorConfig::parse("per_process_memory_fraction:[0:1]").unwrap();
+        assert_eq!(own.memory_fraction(0), Some(1.0));
+        assert_eq!(own.memory_fraction(1), None);
+        // The plain form is the key's whole value: the devices' own values go.
+        let mut cleared = list.clone();
+        cleared.apply("per_process_memory_fraction:0.5").unwrap();
+        assert_eq!(cleared, every);
+        // What `Display` prints (and `cudalloc info`) is the setting, and reads back.
+        for config in [&every, &list, &own, &AllocatorConfig::default()] {
+            let printed = config.to_string();
+            let line = printed
+                .lines()
+                .find(|l| l.starts_with("per_process_memory_fraction:"))
+                .unwrap();
+            assert_eq!(&AllocatorConfig::parse(line).unwrap(), config, "{line}");
+        }
+        let mut set = AllocatorConfig::default();
+        set.set_device_memory_fraction(0, 0.5).unwrap();
+        assert!(set.set_device_memory_fraction(0, 1.5).is_err());
+        assert!(set.set_device_memory_fraction(0, f64::NAN).is_err());
+        assert_eq!(set.memory_fraction(0), Some(0.5));
+        for bad in [
+            "per_process_memory_fraction:[0:1.5]",
+            "per_process_memory_fraction:[x:0.5]",
+            "per_process_memory_fraction:[0:0.5,0:0.25]",
+            "per_process_memory_fraction:[*:0.5,*:0.25]",
+            "per_process_memory_fraction:[0:0.5",
+            "per_process_memory_fraction:[0.5]",
+        ] {
+            let err = AllocatorConfig::parse(bad).unwrap_err();
+            assert!(
+                err.to_string().contains("per_process_memory_fraction"),
+                "{bad}: {err}"
+            );
+        }
     }
 
     #[test]

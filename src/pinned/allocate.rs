@@ -192,18 +192,26 @@ impl PinnedAllocator {
         }
     }
 
-    /// Its statistics (PyTorch's `host_memory_stats`; keys: [`PinnedStats::to_map`]).
+    /// Its statistics (PyTorch's `host_memory_stats`; keys: [`PinnedStats::to_map`]); zeros in
+    /// a forked child (the blocks are the parent's).
     pub fn stats(&self) -> PinnedStats {
-        self.lock().stats
+        self.lock_unless_child("reading the pinned statistics")
+            .map(|state| state.stats)
+            .unwrap_or_default()
     }
 
-    /// Resets the peaks to the current values.
+    /// Resets the peaks to the current values (nothing in a forked child).
     pub fn reset_peak_stats(&self) {
-        self.lock().stats.reset_peak();
+        if let Some(mut state) = self.lock_unless_child("resetting the pinned peaks") {
+            state.stats.reset_peak();
+        }
     }
 
-    /// Resets the accumulated counts (allocated, freed, driver calls and times).
+    /// Resets the accumulated counts (allocated, freed, driver calls and times; nothing in a
+    /// forked child).
     pub fn reset_accumulated_stats(&self) {
-        self.lock().stats.reset_accumulated();
+        if let Some(mut state) = self.lock_unless_child("resetting the pinned counts") {
+            state.stats.reset_accumulated();
+        }
     }
 }

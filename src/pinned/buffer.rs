@@ -164,7 +164,15 @@ impl PinnedBuffer {
 
     /// The reuse of this buffer's memory waits for the work queued on `stream` when the buffer
     /// is dropped (PyTorch's `record_event`): for work on it that cudalloc did not enqueue.
+    /// Nothing in a forked child (the buffer is the parent's).
     pub fn record_stream(&self, stream: StreamId) {
+        if self
+            .alloc
+            .birth
+            .ignored_in_child("recording a stream on a pinned buffer")
+        {
+            return;
+        }
         let mut uses = self.uses.lock();
         if !uses.recorded.contains(&stream) {
             uses.recorded.push(stream);
@@ -221,6 +229,8 @@ impl PinnedBuffer {
         writes: bool,
         launch: impl FnOnce(HostAddr, u64) -> Result<()>,
     ) -> Result<()> {
+        // Before the uses' lock, which a thread of the parent may have held at the fork.
+        self.alloc.birth.check("this pinned buffer")?;
         let (addr, len) = self.range(&range)?;
         if len == 0 {
             return Ok(());

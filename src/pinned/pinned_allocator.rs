@@ -98,6 +98,13 @@ impl PinnedAllocator {
         self.state.lock()
     }
 
+    /// The state, locked — in the allocator's process only: `None` in a forked child, after a
+    /// warning that `what` was ignored, and before the lock (which a thread of the parent may
+    /// have held at the fork). For the doors that return no `Result`.
+    pub(super) fn lock_unless_child(&self, what: &str) -> Option<MutexGuard<'_, State>> {
+        (!self.birth.ignored_in_child(what)).then(|| self.state.lock())
+    }
+
     /// Runs the invariant scanner when on; a violation panics (tests only turn it on).
     pub(super) fn checked(&self, state: &State) {
         if self.check_invariants {
@@ -107,8 +114,12 @@ impl PinnedAllocator {
         }
     }
 
-    /// Checks the invariants now (`state.rs`); the first violation.
+    /// Checks the invariants now (`state.rs`); the first violation (an error in a forked
+    /// child).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.birth
+            .check("this pinned host allocator")
+            .map_err(|err| err.to_string())?;
         self.lock().check()
     }
 

@@ -115,7 +115,13 @@ impl Runtime {
         self.allocator.empty_cache()
     }
 
-    /// Caps this process's reservations on `device` at `fraction` of its capacity.
+    /// Caps this process's reservations on `device` at `fraction` of its capacity (PyTorch's
+    /// `torch.cuda.set_per_process_memory_fraction`). A reconfiguration of the
+    /// `per_process_memory_fraction` key — `device`'s own value, seen in [`Runtime::config`]
+    /// ([`AllocatorConfig::memory_fraction`](crate::AllocatorConfig::memory_fraction)) —, so an
+    /// [`Runtime::override_config`] of the key puts it back at the override's end, and one made
+    /// inside an override's scope is put back by the scope's end. An error for a fraction outside
+    /// [0.0, 1.0] or a device that does not exist, and in a forked child.
     pub fn set_per_process_memory_fraction(&self, fraction: f64, device: usize) -> Result<()> {
         self.allocator
             .set_per_process_memory_fraction(fraction, device)
@@ -369,13 +375,17 @@ impl Runtime {
     /// (PyTorch's `_set_allocator_settings` resets the keys it is not given). A key that cannot
     /// change on a live runtime is an [`ErrorKind::Config`](crate::ErrorKind::Config) error naming
     /// it and why (`thread_cache_mb`, `default_stream`, `stream_order`, the IPC and pinned keys),
-    /// and nothing changes. Returns the keys named.
+    /// and nothing changes. Returns the keys named. Refused in a forked child (before the
+    /// configuration's writer lock, which a thread of the parent may have held at the fork).
     pub fn reconfigure(&self, changes: &str) -> Result<Vec<&'static str>> {
         self.allocator.reconfigure(changes)
     }
 
     /// [`Runtime::reconfigure`] for a scope: when the guard drops, the keys it changed get back
-    /// the values they had (the others keep any change made meanwhile).
+    /// the values they had (the others keep any change made meanwhile; a change of one of its
+    /// keys meanwhile — by `reconfigure` or `set_per_process_memory_fraction` — is put back too).
+    /// Refused in a forked child, where dropping a guard inherited from the parent restores
+    /// nothing.
     pub fn override_config(&self, changes: &str) -> Result<crate::ConfigOverride<'_>> {
         self.allocator.override_config(changes)
     }

@@ -108,8 +108,9 @@ impl Runtime {
     /// `pinned_allocator().empty_cache()` gives them back. They live in this runtime: dropping it
     /// while tags sleep drops them, and the tags' memory then goes back with the allocator.
     /// Tags already asleep (or on their way) are refused with [`Error::Asleep`]; so is memory
-    /// other processes still count on.
+    /// other processes still count on. Refused in a forked child.
     pub fn sleep(&self, offload: &[&str], discard: &[&str]) -> Result<SleepReport> {
+        self.allocator.check_process("this runtime")?;
         let mut seen = HashSet::new();
         for name in offload.iter().chain(discard) {
             self.is_asleep(name)?;
@@ -211,7 +212,10 @@ impl Runtime {
     /// addresses, offloaded bytes restored, discarded bytes undefined unless `options` zero them
     /// (`WakeOptions::default()`: as vLLM's `wake_up`). Tag by tag: on an error (out of memory)
     /// the tags before it are awake, it and the rest still asleep with their bytes kept.
+    /// Refused in a forked child.
     pub fn wake_up(&self, tags: &[&str], options: WakeOptions) -> Result<WakeReport> {
+        // Before the sleepers' lock, which a thread of the parent may have held at the fork.
+        self.allocator.check_process("this runtime")?;
         let mut names: Vec<String> = if tags.is_empty() {
             self.sleepers.lock().keys().cloned().collect()
         } else {

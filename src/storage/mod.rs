@@ -27,6 +27,12 @@
 //! Copies to and from host memory (pageable and pinned) live in `copies.rs`; typed host kernels over storages
 //! in `host_kernel.rs`.
 //!
+//! In a process forked from the storage's, every door that takes one of its locks is refused
+//! ([`Error::ForkedChild`]) before the lock — a thread of the parent may have held it at the
+//! fork: the locks are reached only through `Storage::data` and the ordering's `uses`, which
+//! check first. The few doors that return no `Result` answer as for memory they know nothing
+//! of (`allocation_stream`: `None`; `is_received`: `false`); a drop releases nothing there.
+//!
 //! A lazy clone of shared memory is an eager copy because the memory is an alias of other
 //! processes' storages (see `cow/mod.rs`); sharing a COW storage materializes it first because a
 //! consumer may write.
@@ -48,7 +54,7 @@ use crate::error::{Error, Result};
 use crate::ipc::IpcHandle;
 use crate::runtime::Runtime;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex, Weak};
+use crate::sync::os::{Arc, Mutex, MutexGuard, Weak};
 
 /// Bit 0 of the address word: the storage is a COW view (set by lazy clones).
 const COW_TAG: u64 = 1;
@@ -144,9 +150,9 @@ impl Storage {
     }
 
     /// The stream the memory was allocated on (`None` for memory not from this process's
-    /// allocator: received from another process, or empty).
+    /// allocator: received from another process, or empty; and in a forked child).
     pub fn allocation_stream(&self) -> Option<StreamId> {
-        self.with_data(|d| d.allocation_stream())
+        self.data().ok()?.allocation_stream()
     }
 
     /// Size in bytes.
@@ -328,7 +334,7 @@ impl Storage {
     /// Marks the storage's memory as used on `stream` (see [`Runtime::record_stream`](crate::Runtime::record_stream)).
     /// For a received storage, the lease is released only after `stream`'s work is done.
     pub fn record_stream(&self, stream: StreamId) -> Result<()> {
-        self.inner.data.lock().record_stream(stream)
+        self.data()?.record_stream(stream)
     }
 
     /// Shares this storage with other processes: the returned handle owns one count on the
@@ -346,18 +352,32 @@ impl Storage {
         sharing::receive(runtime, handle)
     }
 
-    /// Whether the memory came from another process.
+    /// Whether the memory came from another process (`false` in a forked child).
     pub fn is_received(&self) -> bool {
-        crate::ipc::is_received(&self.inner.data.lock())
+        self.data().is_ok_and(|data| crate::ipc::is_received(&data))
     }
 
     pub(crate) fn downgrade(&self) -> WeakStorage {
         WeakStorage(Arc::downgrade(&self.inner))
     }
 
-    /// Runs `f` on the storage's `DataPtr` under its lock.
-    pub(crate) fn with_data<R>(&self, f: impl FnOnce(&mut DataPtr) -> R) -> R {
-        f(&mut self.inner.data.lock())
+    /// `Ok` in the storage's process; [`Error::ForkedChild`] in a forked child — asked before
+    /// any of the storage's locks is taken.
+    #[inline]
+    pub(crate) fn this_process(&self) -> Result<()> {
+        self.allocator().check_process("this storage")
+    }
+
+    /// The storage's `DataPtr`, locked, after [`Self::this_process`]: the one way to its lock.
+    #[inline]
+    fn data(&self) -> Result<MutexGuard<'_, DataPtr>> {
+        self.this_process()?;
+        Ok(self.inner.data.lock())
+    }
+
+    /// Runs `f` on the storage's `DataPtr` under its lock (after [`Self::this_process`]).
+    pub(crate) fn with_data<R>(&self, f: impl FnOnce(&mut DataPtr) -> Result<R>) -> Result<R> {
+        f(&mut *self.data()?)
     }
 
     fn stream(&self) -> Result<StreamId> {
@@ -367,7 +387,7 @@ impl Storage {
     /// [`Error::Asleep`] when the storage's memory belongs to a tag that sleeps: `what` is
     /// refused before it touches unmapped memory (`src/runtime/sleep.rs`).
     pub(crate) fn check_awake(&self, what: &str) -> Result<()> {
-        self.inner.data.lock().check_awake(what)
+        self.data()?.check_awake(what)
     }
 
     /// Enqueues the fill kernel over the whole storage on the current stream.

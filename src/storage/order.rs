@@ -114,6 +114,7 @@ impl Storage {
         if self.allocator().driver().stream_device(stream)? != self.inner.device {
             return Ok(());
         }
+        self.this_process()?;
         let used = self.order_locked(&mut self.inner.uses.uses.lock(), stream, kind)?;
         // Outside the lock of the uses: `record_stream` takes the storage's data lock, which a
         // lazy clone's first write holds while it resets the uses.
@@ -325,7 +326,10 @@ fn locked<R>(
                 }
             }
         }
-        data = unique.iter().map(|(s, _)| s.inner.data.lock()).collect();
+        data = unique
+            .iter()
+            .map(|(s, _)| s.data())
+            .collect::<Result<Vec<_>>>()?;
         let cow_again = replay.is_none()
             && unique
                 .iter()

@@ -1,10 +1,13 @@
 //! Running a closure in a forked child: its verdict comes back over a pipe, a panic is a failure
 //! (never an unwinding into libtest's own machinery in the child), and a hang ends in `SIGALRM`.
+//! One child at a time ([`in_forked_child`]), or several side by side ([`fork_child`], each
+//! waited for until a deadline that detects a hang: [`ForkedChild::wait_until`]).
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::{Read, Write};
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::Command;
+use std::time::Instant;
 
 /// Environment variable naming the one test a re-executed test binary runs.
 const ALONE_VAR: &str = "CUDALLOC_TEST_ALONE";
@@ -42,6 +45,29 @@ pub const CHILD_DEADLINE_S: u32 = 60;
 /// binary holds, or the test run [`alone`] — so the child inherits no lock another test's thread
 /// held at the fork; the allocator's own threads are the point.
 pub fn in_forked_child(f: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+    fork_child(f).wait().map_err(|failure| failure.why)
+}
+
+/// Why a forked child failed: `hung` when it never ended by itself (its `SIGALRM`, or the
+/// parent's kill at the deadline of [`ForkedChild::wait_until`]).
+#[derive(Debug)]
+pub struct ChildFailure {
+    pub hung: bool,
+    pub why: String,
+}
+
+/// A child forked by [`fork_child`], not yet waited for.
+#[must_use = "wait for the child"]
+pub struct ForkedChild {
+    pid: libc::pid_t,
+    verdict: OwnedFd,
+}
+
+/// Forks; the child runs `f` (ended by `SIGALRM` after [`CHILD_DEADLINE_S`]) and `_exit`s, 0 if
+/// `f` returned `Ok`; the parent goes on at once. Several children may run at a time: each
+/// has its own pipe for its verdict (the other children inherit only read ends of it, which
+/// never hold its end of file back). Fork as [`in_forked_child`] says.
+pub fn fork_child(f: impl FnOnce() -> Result<(), String>) -> ForkedChild {
     let mut fds = [0; 2];
     // SAFETY: `fds` is a valid out-array of two descriptors.
     let rc = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) };
@@ -76,24 +102,102 @@ pub fn in_forked_child(f: impl FnOnce() -> Result<(), String>) -> Result<(), Str
         unsafe { libc::_exit(i32::from(!verdict.is_empty())) };
     }
     drop(write_end);
-    let mut verdict = String::new();
-    std::fs::File::from(read_end)
-        .read_to_string(&mut verdict)
-        .unwrap();
+    ForkedChild {
+        pid,
+        verdict: read_end,
+    }
+}
+
+impl ForkedChild {
+    /// The child's pid.
+    pub fn pid(&self) -> libc::pid_t {
+        self.pid
+    }
+
+    /// Waits for the child to end by itself (a hang ends in its `SIGALRM`); its verdict.
+    pub fn wait(self) -> Result<(), ChildFailure> {
+        let mut verdict = String::new();
+        std::fs::File::from(self.verdict)
+            .read_to_string(&mut verdict)
+            .unwrap();
+        reap(self.pid, verdict)
+    }
+
+    /// Waits for the child's verdict until `deadline` at the latest — `poll` on its pipe, which
+    /// ends when the child does — then kills it, a hang: a detector of children that never end,
+    /// not a measure of how long they take. Its verdict.
+    pub fn wait_until(self, deadline: Instant) -> Result<(), ChildFailure> {
+        let mut file = std::fs::File::from(self.verdict);
+        let mut verdict = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut fd = libc::pollfd {
+                fd: file.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let timeout = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
+            // SAFETY: `fd` is one valid pollfd for the pipe this function owns.
+            let ready = unsafe { libc::poll(&mut fd, 1, timeout) };
+            if ready < 0
+                && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
+            {
+                continue;
+            }
+            assert!(
+                ready >= 0,
+                "poll failed: {}",
+                std::io::Error::last_os_error()
+            );
+            if ready == 0 {
+                // SAFETY: kills the child this value owns and has not reaped yet.
+                unsafe { libc::kill(self.pid, libc::SIGKILL) };
+                let mut status = 0;
+                // SAFETY: reaps that child; `status` is a valid out-pointer.
+                assert_eq!(unsafe { libc::waitpid(self.pid, &mut status, 0) }, self.pid);
+                return Err(ChildFailure {
+                    hung: true,
+                    why: format!(
+                        "child {} still ran at the deadline: killed (a hang)",
+                        self.pid
+                    ),
+                });
+            }
+            let mut chunk = [0u8; 4096];
+            match file.read(&mut chunk) {
+                Ok(0) => break,
+                Ok(n) => verdict.extend_from_slice(&chunk[..n]),
+                Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(err) => panic!("reading child {}'s verdict: {err}", self.pid),
+            }
+        }
+        reap(self.pid, String::from_utf8_lossy(&verdict).into_owned())
+    }
+}
+
+/// Waits for child `pid`, whose pipe gave `verdict`; how it ended.
+fn reap(pid: libc::pid_t, verdict: String) -> Result<(), ChildFailure> {
     let mut status = 0;
-    // SAFETY: waits for the child forked above; `status` is a valid out-pointer.
+    // SAFETY: waits for a child forked by `fork_child`; `status` is a valid out-pointer.
     assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
     if libc::WIFSIGNALED(status) {
         let signal = libc::WTERMSIG(status);
-        let why = if signal == libc::SIGALRM {
+        let hung = signal == libc::SIGALRM;
+        let why = if hung {
             format!(" (it ran past {CHILD_DEADLINE_S} s: a hang)")
         } else {
             String::new()
         };
-        return Err(format!("the child died of signal {signal}{why}"));
+        return Err(ChildFailure {
+            hung,
+            why: format!("the child died of signal {signal}{why}"),
+        });
     }
     match (libc::WEXITSTATUS(status), verdict.is_empty()) {
         (0, true) => Ok(()),
-        (code, _) => Err(format!("the child exited with {code}: {verdict}")),
+        (code, _) => Err(ChildFailure {
+            hung: false,
+            why: format!("the child exited with {code}: {verdict}"),
+        }),
     }
 }

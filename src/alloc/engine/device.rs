@@ -34,7 +34,7 @@ use crate::config::AllocatorConfig;
 use crate::driver::{Driver, EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
-use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex, RwLock, ShortMutexGuard};
 
 /// What an allocator's devices share: callbacks, history, captures and tags.
@@ -94,7 +94,6 @@ impl DeviceCore {
         check_invariants: bool,
     ) -> Result<Self> {
         let capacity = driver.mem_info(device)?.total;
-        let fraction = config.per_process_memory_fraction;
         Ok(DeviceCore {
             device,
             birth: Birth::now(),
@@ -109,8 +108,6 @@ impl DeviceCore {
             capacity,
             unfreed: Mutex::new(Vec::new()),
             refused: Mutex::new(Vec::new()),
-            fraction_bits: AtomicU64::new(fraction.to_bits()),
-            fraction_set: AtomicBool::new(fraction < 1.0),
             reserved: AtomicU64::new(0),
             shards: RwLock::new(HashMap::new()),
             retired: Mutex::new(Vec::new()),
@@ -157,24 +154,11 @@ impl DeviceCore {
         }
     }
 
-    /// Sets the per-process memory fraction.
-    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
-        if !(0.0..=1.0).contains(&fraction) {
-            return Err(Error::invalid(format!(
-                "memory fraction {fraction} is not in [0.0, 1.0]"
-            )));
-        }
-        self.fraction_bits
-            .store(fraction.to_bits(), Ordering::Relaxed);
-        self.fraction_set.store(true, Ordering::Relaxed);
-        Ok(())
-    }
-
+    /// The per-process memory cap in force on this device, if any — (fraction, bytes) — as
+    /// the configuration in force says (`AllocatorConfig::memory_fraction`: the setting's one
+    /// home, which `set_per_process_memory_fraction` and overrides change).
     pub(in crate::alloc) fn fraction(&self) -> Option<(f64, u64)> {
-        if !self.fraction_set.load(Ordering::Relaxed) {
-            return None;
-        }
-        let f = f64::from_bits(self.fraction_bits.load(Ordering::Relaxed));
+        let f = self.config().memory_fraction(self.device)?;
         Some((f, (self.capacity as f64 * f) as u64))
     }
 

@@ -5,7 +5,8 @@
 //! `driver/host/`). The rest of `alloc/` (the allocator's face in `mod.rs`, pools, tags, graphs,
 //! `DataPtr`) reaches them through a handful of methods: a shard's stream, device, birth and front
 //! limit, its allocation and hand-out, its part in a sleep, a pool's view of it. A shard's lock is
-//! taken in this folder only.
+//! taken in this folder only. The allocator, its pools and its captures hold their devices as
+//! [`Cores`], which hands a `DeviceCore` out only after the fork check (`process`).
 //!
 //! | file | what it does with these types |
 //! |---|---|
@@ -119,9 +120,6 @@ pub(crate) struct DeviceCore {
     /// sanitizer covers that reuse with the free's clock).
     free_events: Arc<dyn Driver>,
     capacity: u64,
-    /// `f64` bits of the per-process memory fraction; `fraction_set` says whether one was chosen.
-    fraction_bits: AtomicU64,
-    fraction_set: AtomicBool,
     /// Bytes of live segments on this device (all shards).
     reserved: AtomicU64,
     /// The shards by (stream, memory pool): one per stream for the default pool, one per stream
@@ -149,6 +147,68 @@ pub(crate) struct DeviceCore {
     /// Segments a registrar refused while a capture ran: `(base, size)`, never seen by observers
     /// or the trace, freed quietly by the next release or at the end (`return_unregistered`).
     refused: Mutex<Vec<(u64, u64)>>,
+}
+
+/// An allocator's devices, reached only through the fork check (`process`; DESIGN's "one door
+/// for forks"): every way to a [`DeviceCore`] — one device, all of them, a drop's teardown —
+/// asks the allocator's birth first, so a forked child is refused (or, in a drop, does nothing)
+/// before any lock of the engine is reachable; no door of `alloc/` can forget the check.
+#[derive(Clone, Debug)]
+pub(crate) struct Cores {
+    birth: Birth,
+    cores: Vec<Arc<DeviceCore>>,
+}
+
+impl Cores {
+    /// The devices of an allocator born in process `birth`.
+    pub(crate) fn new(birth: Birth, cores: Vec<Arc<DeviceCore>>) -> Self {
+        Cores { birth, cores }
+    }
+
+    /// How many devices (no lock: any process may ask).
+    pub(crate) fn len(&self) -> usize {
+        self.cores.len()
+    }
+
+    /// Every device; in a forked child [`Error::ForkedChild`](crate::error::Error::ForkedChild)
+    /// saying that `what` belongs to the parent.
+    #[inline]
+    pub(crate) fn all(&self, what: &str) -> crate::error::Result<&[Arc<DeviceCore>]> {
+        self.birth.check(what)?;
+        Ok(&self.cores)
+    }
+
+    /// Device `device`, after the fork check (as [`Self::all`]); an error naming the devices
+    /// when it does not exist.
+    #[inline]
+    pub(crate) fn get(&self, device: usize, what: &str) -> crate::error::Result<&Arc<DeviceCore>> {
+        self.birth.check(what)?;
+        self.cores.get(device).ok_or_else(|| {
+            crate::error::Error::invalid(format!(
+                "device {device} does not exist ({} device(s))",
+                self.cores.len()
+            ))
+        })
+    }
+
+    /// Every device in the process they belong to; `None` in a forked child — for the calls
+    /// that return no `Result` and do nothing there (a drop, `empty_cache`: the parent's memory
+    /// is the parent's to release).
+    #[inline]
+    pub(crate) fn in_its_process(&self) -> Option<&[Arc<DeviceCore>]> {
+        self.birth.is_current().then_some(&*self.cores)
+    }
+
+    /// As [`Self::in_its_process`], with a warning in a forked child that `what` was ignored.
+    pub(crate) fn unless_child(&self, what: &str) -> Option<&[Arc<DeviceCore>]> {
+        (!self.birth.ignored_in_child(what)).then_some(&*self.cores)
+    }
+
+    /// In a forked child, leaks the references (their drops would act for the parent); nothing
+    /// in the devices' own process.
+    pub(crate) fn leak_in_child(&mut self) {
+        crate::process::leak_in_child(self.birth, &mut self.cores);
+    }
 }
 
 impl std::fmt::Debug for DeviceCore {
