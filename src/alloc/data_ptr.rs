@@ -93,7 +93,10 @@ impl BlockOwner {
     /// Whether its bytes can go to a new owner using them on `to` without a free between
     /// (`engine/handover.rs`).
     pub(crate) fn can_hand_over_in_place(&self, to: StreamId) -> bool {
-        self.shard().can_hand_over_in_place(self.block(), to)
+        matches!(
+            self.shard().plan_steal(self.block(), to),
+            super::engine::handover::StealPlan::HandOver(_)
+        )
     }
 
     /// Its bytes go to a new owner that uses them on `to` next, without a free between

@@ -241,6 +241,14 @@ pub struct OpenedSegment {
     pub size: u64,
 }
 
+/// Whether `stream` is gone: destroyed (or never made by `driver`), so nothing of it is left to
+/// wait for. Stream ids are never reused by a driver, so a stream the driver does not know has no
+/// work queued that anything could still wait for: the allocator's exits (`alloc/engine/handover.rs`)
+/// and the storages' ordering (`storage/order.rs`) skip it.
+pub(crate) fn stream_gone(driver: &dyn Driver, stream: StreamId) -> bool {
+    driver.stream_device(stream).is_err()
+}
+
 /// Everything the allocator needs from a device (the ordering model: `src/driver/mod.rs`).
 ///
 /// All methods validate their arguments: an unknown device, stream, event or pointer, a range that

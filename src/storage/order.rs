@@ -181,7 +181,7 @@ impl Storage {
     fn wait_for(&self, stream: StreamId, earlier: StreamId) -> Result<()> {
         let allocator = self.allocator();
         match allocator.order_after(stream, earlier) {
-            Err(err) if allocator.driver().stream_device(earlier).is_err() => {
+            Err(err) if crate::driver::stream_gone(allocator.driver().as_ref(), earlier) => {
                 tracing::warn!(%err, "a stream that used a storage was destroyed: not waited for");
                 Ok(())
             }

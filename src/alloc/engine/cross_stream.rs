@@ -121,7 +121,7 @@ impl DeviceCore {
     /// Orders `to` after the work of `used`'s stream so far (nothing to wait for when that
     /// stream is finished: synchronized before it was destroyed).
     fn wait_for(&self, to: StreamId, used: &Shard) -> Result<()> {
-        if used.finished.load(Ordering::SeqCst) {
+        if used.own_stream_done() {
             return Ok(());
         }
         self.order_after(to, used.stream())

@@ -22,6 +22,7 @@
 
 use std::ptr::NonNull;
 
+use super::handover::FreePlan;
 use super::snapshot::SnapshotSegment;
 use super::state::ReleaseOrder;
 use super::{DeviceCore, Shard};
@@ -128,22 +129,17 @@ impl Shard {
             size,
             self.stream(),
         );
-        // What the block's next owner waits for is decided in `handover.rs`.
-        let uses = self.leave(&mut st, id);
-        if uses.is_empty() {
-            core.trace.record(
+        // What the block's next owner waits for is decided in `handover.rs`; carried out here.
+        match self.leave(&mut st, id) {
+            FreePlan::Now => core.trace.record(
                 TraceAction::FreeCompleted,
                 core.device,
                 ptr,
                 size,
                 self.stream(),
-            );
-        } else if core.capturing.any() {
-            // No event may be recorded (nor later queried) on a capturing stream: the block
-            // stays pending until the last capture ends (`capturing.rs`).
-            st.deferred.push((id, uses));
-        } else {
-            core.insert_free_events(&mut st, id, uses);
+            ),
+            FreePlan::AfterCaptures(waits) => st.deferred.push((id, waits)),
+            FreePlan::AfterEvents(waits) => core.insert_free_events(&mut st, id, waits),
         }
         let orphan_released = st.orphaned && st.owners == 0;
         st.orphaned &= !orphan_released;
