@@ -176,17 +176,10 @@ impl Storage {
         })
     }
 
-    /// Makes `stream` wait for `earlier`; a stream destroyed since is skipped (its work cannot
-    /// be waited for any more, as a free of memory it used does not wait for it either).
+    /// Makes `stream` wait for `earlier`; a stream destroyed since is skipped (its work was done
+    /// before it went: the allocator's one rule, `alloc/engine/handover.rs`).
     fn wait_for(&self, stream: StreamId, earlier: StreamId) -> Result<()> {
-        let allocator = self.allocator();
-        match allocator.order_after(stream, earlier) {
-            Err(err) if crate::driver::stream_gone(allocator.driver().as_ref(), earlier) => {
-                tracing::warn!(%err, "a stream that used a storage was destroyed: not waited for");
-                Ok(())
-            }
-            other => other,
-        }
+        self.allocator().order_after(stream, earlier)
     }
 
     /// The memory's free waits for `stream` (`record_stream` by construction; nothing for its own

@@ -17,7 +17,7 @@
 use crate::driver::capability::relaxed;
 use std::collections::HashMap;
 
-use super::snapshot::{self, SnapshotSegment};
+use super::snapshot::SnapshotSegment;
 use super::ShardState;
 use super::{DeviceCore, Shard};
 use crate::alloc::block::{Allocated, BlockId};
@@ -112,6 +112,7 @@ impl DeviceCore {
             shards: RwLock::new(HashMap::new()),
             retired: Mutex::new(Vec::new()),
             buried: Mutex::new(Vec::new()),
+            finishing: Mutex::new(Vec::new()),
             events: Mutex::new(Vec::new()),
             alloc_retries: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
@@ -602,7 +603,7 @@ impl DeviceCore {
     /// Appends every segment of the device to `out`.
     pub fn snapshot_into(&self, out: &mut Vec<SnapshotSegment>) {
         for shard in self.all_shards() {
-            snapshot::shard_segments(&shard.state.lock(), self.device, shard.stream(), out);
+            shard.segments_into(out);
         }
     }
 

@@ -203,6 +203,13 @@ impl DeviceCore {
     /// Marks `stream`'s shards finished (`true`: synchronized, about to be destroyed — their idle
     /// memory goes to other streams without a wait) or not (`false`: its destruction failed).
     pub(in crate::alloc) fn mark_finished(&self, stream: StreamId, finished: bool) {
+        {
+            let mut finishing = self.finishing.lock();
+            finishing.retain(|&s| s != stream);
+            if finished {
+                finishing.push(stream);
+            }
+        }
         for ((s, _), shard) in self.shards.read().iter() {
             if *s == stream {
                 shard.finished.store(finished, Ordering::SeqCst);
@@ -216,6 +223,8 @@ impl DeviceCore {
     /// pool). With `cross_stream_reuse:off` its whole idle segments go back to the driver now:
     /// no stream could reuse them. Finished shards that hold nothing are buried.
     pub(in crate::alloc) fn stream_finished(&self, stream: StreamId) {
+        // The driver knows it no more: gone without the list.
+        self.finishing.lock().retain(|&s| s != stream);
         // Out of the map and into the retired list in one step under the map's lock: never in
         // neither, where the allocator's teardown (and stats, snapshots) would miss it.
         let mut shards = self.shards.write();

@@ -133,6 +133,9 @@ pub(crate) struct DeviceCore {
     /// point at one) but out of every list the miss and release paths walk
     /// (`DeviceCore::stream_finished`).
     buried: Mutex<Vec<Arc<Shard>>>,
+    /// Streams being destroyed (synchronized, not yet forgotten by the driver): gone for every
+    /// wait ([`DeviceCore::stream_gone`]), as their work is done.
+    finishing: Mutex<Vec<StreamId>>,
     events: Mutex<Vec<EventId>>,
     alloc_retries: AtomicU64,
     ooms: AtomicU64,

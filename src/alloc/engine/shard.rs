@@ -99,10 +99,17 @@ impl Shard {
         self.core.allocate(self, requested, lender)
     }
 
-    /// Appends this shard's segments to `out` (a pool's snapshot).
+    /// Appends this shard's segments to `out` (a snapshot). The blocks threads' front caches
+    /// hold are inactive there, as in the statistics ([`Shard::hide_fronts`]): for the program
+    /// they were freed (registry → cache → shard state, the lock order of `front.rs`).
     pub(in crate::alloc) fn segments_into(&self, out: &mut Vec<SnapshotSegment>) {
+        let registry = self.fronts.lock();
+        let mut held: Vec<BlockId> = Vec::new();
+        for cache in &registry.caches {
+            cache.with_entries(|entries| held.extend(entries.iter().map(|e| e.block)));
+        }
         let st = self.state.lock();
-        super::snapshot::shard_segments(&st, self.core.device, self.stream(), out);
+        super::snapshot::shard_segments(&st, self.core.device, self.stream(), &held, out);
     }
 
     /// This shard's statistics as its pool's: the accumulated counts of earlier pools that held

@@ -2,7 +2,7 @@
 //! recorded so far (`history.rs`). `pytorch_pickle.rs` writes them in PyTorch's layout.
 
 use super::ShardState;
-use crate::alloc::block::BlockState;
+use crate::alloc::block::{BlockId, BlockState};
 use crate::alloc::history::TraceEntry;
 use crate::alloc::pool_id::MemPoolId;
 use crate::alloc::stacks::Frame;
@@ -94,11 +94,13 @@ pub struct Snapshot {
     pub device_count: usize,
 }
 
-/// Appends the segments of one shard to `out`.
+/// Appends the segments of one shard to `out`; the blocks of `in_front_caches` (held by threads'
+/// front caches: freed, for the program) are inactive.
 pub(crate) fn shard_segments(
     state: &ShardState,
     device: usize,
     stream: StreamId,
+    in_front_caches: &[BlockId],
     out: &mut Vec<SnapshotSegment>,
 ) {
     for (&address, seg) in &state.segments {
@@ -116,6 +118,9 @@ pub(crate) fn shard_segments(
         while let Some(id) = at {
             let b = &state.blocks[id];
             let st = match b.state {
+                BlockState::Allocated if in_front_caches.contains(&id) => {
+                    SnapshotBlockState::Inactive
+                }
                 BlockState::Allocated => SnapshotBlockState::ActiveAllocated,
                 BlockState::PendingFree => SnapshotBlockState::ActivePendingFree,
                 BlockState::Free => SnapshotBlockState::Inactive,

@@ -19,14 +19,17 @@ impl Sanitizer {
         st.segments.insert(base, size);
     }
 
-    /// The driver's memory at `base` (a segment mapped before) is gone.
-    pub(crate) fn unmapped_segment(&self, base: u64) {
+    /// The driver's memory at `base` (a segment mapped before) is going back (told before the
+    /// call that gives it back: `SanitizedDriver::unmapping`). Its size, when it was known.
+    pub(crate) fn unmapped_segment(&self, base: u64) -> Option<u64> {
         let mut st = self.state.lock();
-        if let Some(size) = st.segments.remove(&base) {
+        let size = st.segments.remove(&base);
+        if let Some(size) = size {
             self.check_release(&mut st, base, size);
             Self::forget_locked(&mut st, base, size);
         }
         st.managed.remove(&base);
+        size
     }
 
     /// `[start, start + len)` is gone (unmapped pages). The allocations that start there stay

@@ -118,6 +118,23 @@ fn shared_sanitizer(driver: &Arc<dyn Driver>, options: SanitizeOptions) -> Arc<S
 }
 
 impl SanitizedDriver {
+    /// Gives the memory mapped at `base` back with `release`, the sanitizer told first: once
+    /// the release returns, another thread may get the same addresses from the driver and hand
+    /// them out, which a later "unmapped" would wipe (found by the model of every exit: a block
+    /// handed out in a segment mapped where another had just been freed was then "never handed
+    /// out"). Should the release fail, the segment is known again, its allocations forgotten:
+    /// the failure is the allocator's to report (a driver that cannot free memory).
+    fn unmapping(&self, base: DeviceAddr, release: impl FnOnce() -> Result<()>) -> Result<()> {
+        let size = self.sanitizer.unmapped_segment(base.0);
+        let released = release();
+        if released.is_err() {
+            if let Some(size) = size {
+                self.sanitizer.mapped(base.0, size);
+            }
+        }
+        released
+    }
+
     /// Stream work checked by the sanitizer (or, on a capturing stream, forwarded unchecked).
     fn checked<T>(
         &self,
@@ -183,9 +200,7 @@ impl Driver for SanitizedDriver {
         // It drains every stream, but only the allocator frees segments (empty_cache, the
         // out-of-memory path, garbage collection): when it happens depends on memory pressure,
         // so it does not order the program's accesses (a race straddling it is still one).
-        self.inner.free(ptr)?;
-        self.sanitizer.unmapped_segment(ptr.0);
-        Ok(())
+        self.unmapping(ptr, || self.inner.free(ptr))
     }
 
     fn default_stream(&self, device: usize) -> Result<StreamId> {
@@ -370,10 +385,10 @@ impl VirtualMemory for SanitizedDriver {
         self.inner.vm().vm_map(addr, chunk)
     }
     fn vm_unmap(&self, addr: DeviceAddr, size: u64) -> Result<()> {
-        // As `free`: page release is the allocator's, not the program's synchronization.
-        self.inner.vm().vm_unmap(addr, size)?;
+        // As `free`: page release is the allocator's, not the program's synchronization. Told
+        // first, as `unmapping` says why.
         self.sanitizer.forget(addr.0, size);
-        Ok(())
+        self.inner.vm().vm_unmap(addr, size)
     }
     fn vm_export_chunk(&self, chunk: ChunkId) -> Result<ExportedChunk> {
         self.inner.vm().vm_export_chunk(chunk)
@@ -394,9 +409,7 @@ impl Ipc for SanitizedDriver {
     }
     fn ipc_close_memory(&self, ptr: DeviceAddr) -> Result<()> {
         // As `free`: the IPC layer's own step, not the program's synchronization.
-        self.inner.ipc().ipc_close_memory(ptr)?;
-        self.sanitizer.unmapped_segment(ptr.0);
-        Ok(())
+        self.unmapping(ptr, || self.inner.ipc().ipc_close_memory(ptr))
     }
     fn ipc_export_event(&self, event: EventId) -> Result<IpcEventHandle> {
         self.inner.ipc().ipc_export_event(event)
@@ -416,9 +429,9 @@ impl PinnedHost for SanitizedDriver {
     }
     unsafe fn host_free(&self, ptr: HostAddr) -> Result<()> {
         // SAFETY: the caller's contract is the trait's.
-        unsafe { self.inner.pinned().host_free(ptr) }?;
-        self.sanitizer.unmapped_segment(ptr.0);
-        Ok(())
+        self.unmapping(DeviceAddr(ptr.0), || unsafe {
+            self.inner.pinned().host_free(ptr)
+        })
     }
     unsafe fn host_register(&self, ptr: HostAddr, size: u64) -> Result<()> {
         // SAFETY: the caller's contract is the trait's.
@@ -428,9 +441,9 @@ impl PinnedHost for SanitizedDriver {
     }
     unsafe fn host_unregister(&self, ptr: HostAddr) -> Result<()> {
         // SAFETY: the caller's contract is the trait's.
-        unsafe { self.inner.pinned().host_unregister(ptr) }?;
-        self.sanitizer.unmapped_segment(ptr.0);
-        Ok(())
+        self.unmapping(DeviceAddr(ptr.0), || unsafe {
+            self.inner.pinned().host_unregister(ptr)
+        })
     }
     unsafe fn copy_pinned_to_device(
         &self,
