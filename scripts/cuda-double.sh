@@ -29,7 +29,8 @@ export CUDA_DOUBLE_REPORT="$root/report"
 
 suites=(driver_conformance allocator_pytorch allocator_policy allocator_properties allocator_stress cow
         ipc_multiprocess ipc_interplay ipc_expandable global_and_storage cuda_contract expandable pinned pinned_properties sleep_wake sleep_meets
-        lifecycle_handover allocator_cross_stream oom_explained config_reconfigure)
+        lifecycle_handover allocator_cross_stream oom_explained config_reconfigure allocator_bookkeeping
+        model_exits fork_doors)
 args=()
 for s in "${suites[@]}"; do args+=(--test "$s"); done
 echo "== CUDA backend on the contract double: ${suites[*]}"
