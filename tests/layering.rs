@@ -83,8 +83,55 @@ fn reexports(lib: &str) -> BTreeMap<String, String> {
     out
 }
 
-/// The top-level modules a line of code names through `crate::`.
-fn referenced(line: &str, roots: &BTreeMap<String, String>) -> Vec<String> {
+/// The grouping modules `lib.rs` declares inline (`pub mod stats { pub use crate::alloc::{…}; }`):
+/// group → (public name → defining top-level module).
+fn groups(lib: &str) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut out: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    let mut rest = lib;
+    while let Some(at) = rest.find("pub mod ") {
+        rest = &rest[at + "pub mod ".len()..];
+        let name_end = rest
+            .find(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .unwrap_or(rest.len());
+        let name = rest[..name_end].to_owned();
+        let Some(body) = rest[name_end..].trim_start().strip_prefix('{') else {
+            continue; // `pub mod x;`: a module of its own, ranked by its name
+        };
+        let end = body.find("\n}").unwrap_or(body.len());
+        let names = out.entry(name).or_default();
+        for stmt in body[..end].replace('\n', " ").split(';') {
+            let Some(path) = stmt.trim().strip_prefix("pub use crate::") else {
+                continue;
+            };
+            let (module, items) = path.split_once("::").unwrap_or((path, ""));
+            let items = match items.rfind("::{") {
+                Some(brace) => &items[brace + 3..],
+                None => items,
+            };
+            let items = items.trim().trim_start_matches('{').trim_end_matches('}');
+            for item in items.split(',') {
+                let item = item.trim().rsplit("::").next().unwrap_or("").trim();
+                let item = item.rsplit(" as ").next().unwrap_or(item).trim();
+                if !item.is_empty() {
+                    names.insert(item.to_owned(), module.trim().to_owned());
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The top-level modules a line of code names through `crate::` (a grouping module's names
+/// resolved to the modules that define them).
+fn referenced(
+    line: &str,
+    roots: &BTreeMap<String, String>,
+    groups: &BTreeMap<String, BTreeMap<String, String>>,
+) -> Vec<String> {
+    let ident_end = |s: &str| {
+        s.find(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .unwrap_or(s.len())
+    };
     let mut out = Vec::new();
     let mut rest = line;
     while let Some(at) = rest.find("crate::") {
@@ -96,10 +143,25 @@ fn referenced(line: &str, roots: &BTreeMap<String, String>) -> Vec<String> {
                 heads.push(part.trim().split("::").next().unwrap_or("").to_owned());
             }
         } else {
-            let end = rest
-                .find(|c: char| !(c.is_alphanumeric() || c == '_'))
-                .unwrap_or(rest.len());
-            heads.push(rest[..end].to_owned());
+            let end = ident_end(rest);
+            let head = &rest[..end];
+            match (groups.get(head), rest[end..].strip_prefix("::")) {
+                (Some(names), Some(after)) => {
+                    let items: Vec<&str> = match after.strip_prefix('{') {
+                        Some(list) => list[..list.find('}').unwrap_or(list.len())]
+                            .split(',')
+                            .map(|i| i.trim().split("::").next().unwrap_or(""))
+                            .collect(),
+                        None => vec![&after[..ident_end(after)]],
+                    };
+                    for item in items {
+                        if let Some(module) = names.get(item) {
+                            out.push(module.clone());
+                        }
+                    }
+                }
+                _ => heads.push(head.to_owned()),
+            }
         }
         for head in heads {
             if head.is_empty() {
@@ -117,8 +179,18 @@ fn referenced(line: &str, roots: &BTreeMap<String, String>) -> Vec<String> {
 #[test]
 fn no_module_imports_a_layer_above_it() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let roots = reexports(&std::fs::read_to_string(src.join("lib.rs")).unwrap());
+    let lib = std::fs::read_to_string(src.join("lib.rs")).unwrap();
+    let roots = reexports(&lib);
+    let groups = groups(&lib);
     assert!(roots.contains_key("Storage"), "lib.rs re-exports parsed");
+    assert_eq!(
+        groups
+            .get("stats")
+            .and_then(|g| g.get("DeviceStats"))
+            .map(String::as_str),
+        Some("alloc"),
+        "lib.rs grouping modules parsed"
+    );
     let mut files = Vec::new();
     rust_files(&src, &mut files);
     let mut violations = Vec::new();
@@ -131,7 +203,7 @@ fn no_module_imports_a_layer_above_it() {
         let text = std::fs::read_to_string(file).unwrap();
         for (n, line) in text.lines().enumerate() {
             let code = line.split("//").next().unwrap_or("");
-            for target in referenced(code, &roots) {
+            for target in referenced(code, &roots, &groups) {
                 if target == module {
                     continue;
                 }
@@ -160,13 +232,28 @@ fn no_module_imports_a_layer_above_it() {
 #[test]
 fn the_checker_catches_an_upward_import() {
     let roots = reexports("pub use storage::Storage;\npub use alloc::{CachingAllocator, DataPtr};");
+    let groups = groups("pub mod stats {\n    pub use crate::alloc::{DeviceStats, Snapshot};\n}\npub mod backend {\n    pub use crate::driver::host::{HostDriver};\n}\n");
     assert_eq!(
-        referenced("use crate::{Storage, alloc::X};", &roots),
+        referenced("use crate::{Storage, alloc::X};", &roots, &groups),
         vec!["storage", "alloc"]
     );
     assert_eq!(
-        referenced("let s: crate::ipc::IpcHandle;", &roots),
+        referenced("let s: crate::ipc::IpcHandle;", &roots, &groups),
         vec!["ipc"]
+    );
+    // A grouping module's names are their defining modules': a driver naming the statistics
+    // through `crate::stats::` names the allocator.
+    assert_eq!(
+        referenced(
+            "use crate::stats::{DeviceStats, Snapshot};",
+            &roots,
+            &groups
+        ),
+        vec!["alloc", "alloc"]
+    );
+    assert_eq!(
+        referenced("let d: crate::backend::HostDriver;", &roots, &groups),
+        vec!["driver"]
     );
     assert!(rank("storage").unwrap() > rank("alloc").unwrap());
 }
