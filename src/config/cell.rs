@@ -19,7 +19,8 @@
 //! would make.
 
 use super::{AllocatorConfig, ROUNDUP_INTERVALS};
-use crate::sync::os::atomic::{AtomicU64, Ordering};
+use crate::process::Birth;
+use crate::sync::os::atomic::{AtomicPtr, AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex};
 
 /// The settings a fit, a split and the oversize count read under a shard's lock, by value.
@@ -45,6 +46,13 @@ impl AllocatorConfig {
 #[derive(Debug)]
 pub(crate) struct ConfigCell {
     current: Mutex<Arc<AllocatorConfig>>,
+    /// The configuration `current` holds, as a pointer: what a forked child reads, where the
+    /// lock may be held by a parent thread that does not exist there (`process`). Set under the
+    /// lock, before the value it replaces is dropped, so it always points at a live value — in
+    /// a child too, where the parent's writer never drops the value it was replacing.
+    forked: AtomicPtr<AllocatorConfig>,
+    /// The process the cell belongs to.
+    birth: Birth,
     /// `roundup_power2_divisions` of the configuration in force, entry by entry.
     divisions: [AtomicU64; ROUNDUP_INTERVALS],
     /// Writers one at a time ([`ConfigCell::update`]).
@@ -55,8 +63,11 @@ impl ConfigCell {
     /// A cell holding `config`.
     pub(crate) fn new(config: AllocatorConfig) -> Self {
         let divisions = config.roundup_power2_divisions.map(AtomicU64::new);
+        let current = Arc::new(config);
         ConfigCell {
-            current: Mutex::new(Arc::new(config)),
+            forked: AtomicPtr::new(Arc::as_ptr(&current).cast_mut()),
+            birth: Birth::now(),
+            current: Mutex::new(current),
             divisions,
             writers: Mutex::new(()),
         }
@@ -64,6 +75,19 @@ impl ConfigCell {
 
     /// The configuration in force (as of this call), kept alive by the returned reference.
     pub(crate) fn get(&self) -> Arc<AllocatorConfig> {
+        if !self.birth.is_current() {
+            // A forked child: no lock (a parent thread may have held it at the fork).
+            let ptr = self.forked.load(Ordering::Acquire).cast_const();
+            // SAFETY: `forked` points at the value of an `Arc` the cell holds, or held until a
+            // writer of the parent replaced it and had not yet dropped it (see the field; that
+            // writer does not exist in this child, so it never will). This thread is the
+            // child's only one: nothing drops the value while its count is raised here, and
+            // from then on the returned `Arc` owns that count — what `Arc::clone` does.
+            return unsafe {
+                Arc::increment_strong_count(ptr);
+                Arc::from_raw(ptr)
+            };
+        }
         Arc::clone(&self.current.lock())
     }
 
@@ -79,8 +103,12 @@ impl ConfigCell {
         for (cell, &value) in self.divisions.iter().zip(&config.roundup_power2_divisions) {
             cell.store(value, Ordering::Relaxed);
         }
-        let previous = std::mem::replace(&mut *self.current.lock(), Arc::new(config));
-        // Dropped outside the lock.
+        let mut current = self.current.lock();
+        let previous = std::mem::replace(&mut *current, Arc::new(config));
+        self.forked
+            .store(Arc::as_ptr(&current).cast_mut(), Ordering::Release);
+        drop(current);
+        // Dropped outside the lock, after `forked` moved on.
         drop(previous);
     }
 

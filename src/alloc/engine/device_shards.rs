@@ -215,6 +215,13 @@ impl DeviceCore {
                 shard.finished.store(finished, Ordering::SeqCst);
             }
         }
+        // The retired shards of dropped pools on that stream too (found by review: a pool
+        // dropped before its stream's destruction left a shard per step, never buried).
+        for shard in self.retired.lock().iter() {
+            if shard.stream() == stream {
+                shard.finished.store(finished, Ordering::SeqCst);
+            }
+        }
     }
 
     /// `stream` was destroyed (its shards marked finished before): the default pool's shard
@@ -252,18 +259,53 @@ impl DeviceCore {
     /// is never longer than the most streams alive at once.
     pub(in crate::alloc) fn bury_finished(&self) {
         let mut retired = self.retired.lock();
+        let mut reservations = Vec::new();
+        let mut rekeyed = Vec::new();
         let (empty, kept): (Vec<_>, Vec<_>) =
             std::mem::take(&mut *retired)
                 .into_iter()
                 .partition(|shard| {
-                    shard.finished.load(Ordering::SeqCst) && {
-                        let st = shard.state.lock();
-                        st.owners == 0 && st.segments.is_empty() && !st.has_pending()
+                    if !shard.finished.load(Ordering::SeqCst) {
+                        return false;
                     }
+                    let mut st = shard.state.lock();
+                    if st.owners != 0 || st.has_pending() {
+                        return false;
+                    }
+                    // Expandable segments with nothing mapped hold only address space: given back
+                    // (found by review: under `expandable_segments` no destroyed stream's shard was
+                    // ever buried, and each kept a reservation of twice the device's memory).
+                    reservations.extend(st.take_empty_expandable());
+                    if !st.segments.is_empty() {
+                        return false;
+                    }
+                    // Out of reach from here: a thread's slot still naming it misses (a new serial),
+                    // and an allocation that reached it already is refused under this lock (found by
+                    // review: a slot of the destroyed stream put a block into a buried shard, which
+                    // its recycling then lost).
+                    let old = shard.serial();
+                    let serial = NEXT_SHARD_SERIAL.fetch_add(1, Ordering::Relaxed);
+                    st.serial = serial;
+                    shard.serial.store(serial, Ordering::Release);
+                    shard.sleeping.store(true, Ordering::SeqCst);
+                    rekeyed.push((old, Arc::clone(shard)));
+                    true
                 });
         *retired = kept;
         drop(retired);
         self.buried.lock().extend(empty);
+        for (old, shard) in rekeyed {
+            self.rekey_for_peaks(old, &shard);
+        }
+        for base in reservations {
+            if let Err(err) = self
+                .driver
+                .vm()
+                .vm_free_reservation(crate::driver::DeviceAddr(base))
+            {
+                tracing::error!(%err, base, "freeing a destroyed stream's expandable reservation failed");
+            }
+        }
     }
 
     /// What the device keeps for its shards (see [`Bookkeeping`]).
@@ -327,5 +369,7 @@ impl DeviceCore {
         self.retired.lock().extend(leaving);
         drop(shards);
         self.close_pool_book(pool);
+        // Those of destroyed streams that hold nothing go at once.
+        self.bury_finished();
     }
 }

@@ -223,6 +223,14 @@ impl Shard {
 impl DeviceCore {
     /// The error of a refused use of sleeping memory of `shard`'s pool.
     pub(in crate::alloc) fn asleep_error(&self, shard: &Shard, what: &str) -> Error {
+        if shard.finished.load(Ordering::SeqCst) {
+            // A buried shard refuses allocations the same way (`DeviceCore::bury_finished`).
+            return Error::invalid(format!(
+                "{what} on device {}: stream {} was destroyed",
+                self.device,
+                shard.stream().raw()
+            ));
+        }
         let pool = shard.state.lock().pool;
         let tag = self
             .tags
