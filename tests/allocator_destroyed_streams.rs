@@ -1,4 +1,6 @@
-//! Hostile review round 46: recycled shards, destroyed streams, the configuration cell.
+//! Where destroyed streams meet recycled shards, pools, expandable segments, lazy clones, forks and
+//! the configuration cell: the findings of a hostile review of issue 46 (each failed before its fix)
+//! and its checks that held.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -93,7 +95,7 @@ fn a_forked_child_reads_the_inherited_configuration() {
                 for _ in 0..64 {
                     drop(rt.config());
                 }
-                let threshold = if i % 2 == 0 { "0.6" } else { "0.7" };
+                let threshold = if i.is_multiple_of(2) { "0.6" } else { "0.7" };
                 rt.reconfigure(&format!("garbage_collection_threshold:{threshold}"))
                     .unwrap();
                 i += 1;
@@ -312,7 +314,7 @@ fn reconfigure_races_allocations_on_recycled_shards() {
         rt.reconfigure(changes[i % changes.len()]).unwrap();
         {
             let _scope = rt.override_config("max_split_size_mb:30").unwrap();
-            rt.set_per_process_memory_fraction(if i % 2 == 0 { 1.0 } else { 0.95 }, 0)
+            rt.set_per_process_memory_fraction(if i.is_multiple_of(2) { 1.0 } else { 0.95 }, 0)
                 .unwrap();
             rt.memory_stats(0).unwrap();
         }
