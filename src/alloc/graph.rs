@@ -323,7 +323,9 @@ impl Drop for Capture {
         }
         match self.finish() {
             Ok(graph) => {
-                let _ = self.route.driver.graphs().graph_destroy(graph);
+                if let Err(err) = self.route.driver.graphs().graph_destroy(graph) {
+                    tracing::warn!(%err, "destroying the graph of a capture dropped without its end failed");
+                }
             }
             Err(err) => {
                 tracing::debug!(%err, "a capture dropped without its end ended with an error")

@@ -1,6 +1,7 @@
 //! `memory_summary`: the familiar table of PyTorch's `torch.cuda.memory_summary()`, rendered from
 //! [`DeviceStats`].
 
+// Writing to a `String` cannot fail: the results of `writeln!` below are ignored.
 use std::fmt::Write;
 
 use super::stats::{DeviceStats, PoolStats, Stat};

@@ -129,8 +129,10 @@ impl Drop for Consumer {
     fn drop(&mut self) {
         // On an early return the consumer may still run: stop it rather than leave it behind.
         if matches!(self.child.try_wait(), Ok(None)) {
+            // Already exited in between is fine; the wait below reaps it either way.
             let _ = self.child.kill();
         }
+        // A drop has nowhere to report; the wait only reaps the child.
         let _ = self.child.wait();
     }
 }
@@ -255,6 +257,7 @@ fn run_on(opts: &DemoOptions, a: &Arc<Runtime>, start: Instant) -> Result<String
         let stream = match accept_consumer(&listener, &mut child, opts.connect_timeout) {
             Ok(stream) => stream,
             Err(why) => {
+                // The error reported is `why`; this only stops and reaps the child.
                 let _ = child.kill();
                 let _ = child.wait();
                 return Err(why);
@@ -292,6 +295,7 @@ fn run_on(opts: &DemoOptions, a: &Arc<Runtime>, start: Instant) -> Result<String
     }
     progress.finish_and_clear();
     for mut c in consumers {
+        // A consumer that already left answers nothing; its exit status is checked next.
         let _ = c.ask("BYE");
         let status = c.child.wait().map_err(|e| e.to_string())?;
         if !status.success() {
@@ -362,6 +366,7 @@ pub fn consumer(socket: &std::path::Path, backend: BackendChoice) -> Result<(), 
         let mut parts = line.split(' ');
         let reply = match (parts.next(), parts.next(), parts.next(), parts.next()) {
             (Some("BYE"), ..) => {
+                // The producer may have closed its end already: the goodbye is a courtesy.
                 let _ = writeln!(writer, "BYE");
                 return Ok(());
             }

@@ -3,6 +3,7 @@
 //! device under each when the trace uses several) and writes a plot. Reading the file is bounded
 //! (`cudalloc::replay::limits`): a hostile file is a one-line error, never a crash or a hang.
 
+// Writing to a `String` cannot fail: the results of `write!` below are ignored.
 use std::fmt::Write as _;
 use std::path::PathBuf;
 

@@ -185,7 +185,10 @@ impl Lease {
                         .map_err(|refused| refused.into_error(slot))
                 });
                 if claimed.is_err() {
-                    let _ = file.unlock(slot);
+                    if let Err(err) = file.unlock(slot) {
+                        tracing::error!(%err, slot,
+                            "unlocking an IPC slot after a refused claim failed; the producer cannot free it while this process lives");
+                    }
                 }
                 claimed
             },

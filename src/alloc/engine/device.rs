@@ -627,7 +627,9 @@ impl DeviceCore {
         self.release_cached(true);
         let events: Vec<_> = std::mem::take(&mut *self.events.lock());
         for e in events {
-            let _ = self.free_events.event_destroy(e);
+            if let Err(err) = self.free_events.event_destroy(e) {
+                tracing::debug!(%err, "destroying a cached event at the allocator's shutdown failed");
+            }
         }
         let mut shards: Vec<_> = self.shards.write().drain().map(|(_, s)| s).collect();
         shards.append(&mut self.retired.lock());

@@ -449,8 +449,7 @@ impl DeviceCore {
             // Give back what was mapped of this step; the request fails as out of memory (or
             // with the driver's error).
             for &(at, chunk) in &mapped {
-                let _ = self.driver.vm().vm_unmap(DeviceAddr(at), page);
-                let _ = self.driver.vm().vm_release_chunk(chunk);
+                self.unmap_fresh_page(at, page, chunk, "a failed growth");
             }
             self.reserved.fetch_sub(len, Ordering::SeqCst);
             return match err {
@@ -497,9 +496,29 @@ impl DeviceCore {
         match self.driver.vm().vm_map(DeviceAddr(at), chunk) {
             Ok(()) => Ok(chunk),
             Err(err) => {
-                let _ = self.driver.vm().vm_release_chunk(chunk);
+                if let Err(release_err) = self.driver.vm().vm_release_chunk(chunk) {
+                    tracing::error!(err = %release_err, at, page,
+                        "releasing a chunk that could not be mapped failed; it leaks");
+                }
                 Err(err)
             }
+        }
+    }
+
+    /// Rolls back a page that [`Self::map_fresh_page`] mapped at `at`, for `what` (the step that
+    /// failed): unmaps it and releases its chunk, logging what fails (the memory may leak).
+    pub(in crate::alloc) fn unmap_fresh_page(
+        &self,
+        at: u64,
+        page: u64,
+        chunk: ChunkId,
+        what: &str,
+    ) {
+        if let Err(err) = self.driver.vm().vm_unmap(DeviceAddr(at), page) {
+            tracing::error!(%err, at, page, "unmapping a page on the rollback of {what} failed");
+        }
+        if let Err(err) = self.driver.vm().vm_release_chunk(chunk) {
+            tracing::error!(%err, at, page, "releasing a page's chunk on the rollback of {what} failed");
         }
     }
 

@@ -165,7 +165,8 @@ impl Shard {
         }
         st.orphaned = true;
         drop(st);
-        // Reclaimed by `release_orphan`, called once by the owner whose `free` cleared the flag.
+        // Leaked on purpose: reclaimed by `release_orphan`, called once by the owner whose `free`
+        // cleared the flag.
         let _ = Arc::into_raw(shard);
     }
 
@@ -374,10 +375,20 @@ impl Drop for Shard {
         // Only reached after the allocator shut down and the last block of this shard was freed.
         let stream = self.stream();
         let st = self.state.get_mut();
+        let free_events = &self.core.free_events;
         for e in st.pending_events() {
-            let _ = self.core.free_events.event_synchronize(e);
+            if let Err(err) = free_events.event_synchronize(e) {
+                tracing::warn!(%err, "synchronizing a pending free at a shard's teardown failed; its segment is released anyway");
+            }
         }
-        let _ = st.complete_events(|_| Ok(true));
+        // The allocator's event pool was emptied at its shutdown: the completed events are
+        // destroyed here. The freed ranges need no trace at teardown.
+        let (completed, _freed) = st.complete_events(|_| Ok(true));
+        for e in completed {
+            if let Err(err) = free_events.event_destroy(e) {
+                tracing::debug!(%err, "destroying a pending free's event at a shard's teardown failed");
+            }
+        }
         let taken = st.take_free_segments(|_| true, ReleaseOrder::Largest, |_| false);
         self.core.free_segments(stream, taken);
         let pages = st.take_free_pages(|_| true, |_| false);

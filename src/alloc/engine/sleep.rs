@@ -313,8 +313,7 @@ impl DeviceCore {
         if let Some(err) = failure {
             for (_, page, chunks) in &mapped {
                 for &(at, chunk) in chunks {
-                    let _ = self.driver.vm().vm_unmap(DeviceAddr(at), *page);
-                    let _ = self.driver.vm().vm_release_chunk(chunk);
+                    self.unmap_fresh_page(at, *page, chunk, "a failed wake");
                 }
             }
             self.reserved.fetch_sub(total, Ordering::SeqCst);
