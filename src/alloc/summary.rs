@@ -39,7 +39,7 @@ fn section(out: &mut String, label: &str, array: &PoolStats, fmt: &dyn Fn(i64) -
 }
 
 /// Renders the summary of one device.
-pub fn render(device: usize, backend: &str, s: &DeviceStats) -> String {
+pub(super) fn render(device: usize, backend: &str, s: &DeviceStats) -> String {
     let mut out = String::new();
     let line = "=".repeat(WIDTH);
     let count = |n: i64| n.to_string();

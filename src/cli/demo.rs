@@ -21,7 +21,7 @@ use cudalloc::{backend::BackendChoice, ipc::IpcHandle, AllocatorConfig, Runtime,
 
 /// Options of the demo.
 #[derive(Debug, Clone)]
-pub struct DemoOptions {
+pub(crate) struct DemoOptions {
     pub consumers: usize,
     pub storages: usize,
     pub max_size: u64,
@@ -157,7 +157,7 @@ impl Consumer {
 /// Why the demo did not pass: it could not be set up (a bad backend or setting: the user's
 /// mistake), or it ran and failed.
 #[derive(Debug)]
-pub enum DemoFailure {
+pub(crate) enum DemoFailure {
     /// The backend or the allocator could not be made.
     Setup(cudalloc::Error),
     /// The run failed; what went wrong.
@@ -165,7 +165,7 @@ pub enum DemoFailure {
 }
 
 /// Runs the producer side; returns the verdict line or why it did not pass.
-pub fn run(opts: &DemoOptions) -> Result<String, DemoFailure> {
+pub(crate) fn run(opts: &DemoOptions) -> Result<String, DemoFailure> {
     let start = Instant::now();
     let a = allocator(opts.backend).map_err(DemoFailure::Setup)?;
     run_on(opts, &a, start).map_err(DemoFailure::Failed)
@@ -356,7 +356,7 @@ fn backend_name(b: BackendChoice) -> &'static str {
 }
 
 /// The consumer process: verify, maybe answer, release, reply — until `BYE`.
-pub fn consumer(socket: &std::path::Path, backend: BackendChoice) -> Result<(), String> {
+pub(crate) fn consumer(socket: &std::path::Path, backend: BackendChoice) -> Result<(), String> {
     let a = allocator(backend).map_err(|e| e.to_string())?;
     let stream =
         UnixStream::connect(socket).map_err(|e| format!("connect {}: {e}", socket.display()))?;

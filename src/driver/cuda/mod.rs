@@ -34,7 +34,7 @@ mod capture;
 mod host_memory;
 pub mod kernels;
 #[cfg(feature = "nccl")]
-pub mod nccl;
+pub(crate) mod nccl;
 mod process_ipc;
 mod vm;
 
