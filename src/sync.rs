@@ -123,7 +123,7 @@ pub(crate) mod os {
 /// await point (each critical section is a few field updates), so later users go on with it rather
 /// than every call site writing `unwrap_or_else(|p| p.into_inner())`.
 #[allow(unused_imports)]
-pub mod model {
+pub(crate) mod model {
     #[cfg(loom)]
     use loom::sync as inner;
     #[cfg(not(loom))]
@@ -170,10 +170,10 @@ pub mod model {
     }
 
     /// Atomics of the modeled protocols.
-    pub mod atomic {
+    pub(crate) mod atomic {
         #[cfg(loom)]
-        pub use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+        pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
         #[cfg(not(loom))]
-        pub use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+        pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
     }
 }

@@ -10,7 +10,7 @@ use cudalloc::{backend::CudaDriver, backend::Driver, backend::HostDriver, Runtim
 /// The driver the benchmarks run on: a host driver of `capacity` bytes that does not poison freed
 /// segments (memory is only committed when touched; the benchmarks measure the allocator, not
 /// memset), or the CUDA driver when `CUDALLOC_BENCH_BACKEND=cuda` (used by `scripts/gpu-check.sh`).
-pub fn bench_driver(capacity: u64) -> Arc<dyn Driver> {
+pub(crate) fn bench_driver(capacity: u64) -> Arc<dyn Driver> {
     if std::env::var("CUDALLOC_BENCH_BACKEND").as_deref() == Ok("cuda") {
         return Arc::new(CudaDriver::new().unwrap());
     }
@@ -23,7 +23,7 @@ pub fn bench_driver(capacity: u64) -> Arc<dyn Driver> {
 }
 
 /// A caching allocator over [`bench_driver`].
-pub fn pinned_allocator(capacity: u64) -> Arc<Runtime> {
+pub(crate) fn pinned_allocator(capacity: u64) -> Arc<Runtime> {
     Arc::new(Runtime::new(bench_driver(capacity), Default::default()).unwrap())
 }
 
@@ -32,7 +32,7 @@ pub fn pinned_allocator(capacity: u64) -> Arc<Runtime> {
 /// thread may not even be scheduled while two workers hold both cores of a small machine, so it
 /// cannot time them; and the threads start on a spinning line, because a sleeping barrier wakes
 /// them milliseconds apart there, which a 30 ms run would count as lost scaling.
-pub fn time_threads(a: &Arc<Runtime>, streams: &[StreamId], pairs: u64) -> Duration {
+pub(crate) fn time_threads(a: &Arc<Runtime>, streams: &[StreamId], pairs: u64) -> Duration {
     let arrived = Arc::new(AtomicUsize::new(0));
     let n = streams.len();
     let handles: Vec<_> = streams
@@ -60,12 +60,12 @@ pub fn time_threads(a: &Arc<Runtime>, streams: &[StreamId], pairs: u64) -> Durat
 }
 
 /// Lower-case hex of `bytes`.
-pub fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The bytes of `hex`'s text (the peer of a benchmark's child process).
-pub fn unhex(text: &str) -> Vec<u8> {
+pub(crate) fn unhex(text: &str) -> Vec<u8> {
     (0..text.len() / 2)
         .map(|i| u8::from_str_radix(&text[2 * i..2 * i + 2], 16).unwrap())
         .collect()
@@ -73,7 +73,7 @@ pub fn unhex(text: &str) -> Vec<u8> {
 
 /// One step of the RMM trace: `Some(size)` to allocate, `None` to free the live allocation at
 /// `victim % live`.
-pub fn rmm_trace(max: u64, n: usize) -> Vec<(Option<u64>, u64)> {
+pub(crate) fn rmm_trace(max: u64, n: usize) -> Vec<(Option<u64>, u64)> {
     let mut out = Vec::with_capacity(n);
     let mut live_bytes = Vec::new();
     let mut total = 0u64;

@@ -63,7 +63,7 @@ pub(crate) struct Block {
 
 impl Block {
     /// Whether the block shares its segment with others (the segment is split).
-    pub fn is_split(&self) -> bool {
+    pub(super) fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()
     }
 }

@@ -80,7 +80,7 @@ pub(crate) struct FrontEntry {
 
 impl FrontEntry {
     /// The rounded size of the request the block served.
-    pub fn bytes(&self) -> u64 {
+    pub(crate) fn bytes(&self) -> u64 {
         u64::from(self.class.get()) * CLASS_BYTES
     }
 }
@@ -110,7 +110,7 @@ pub(crate) struct FrontCache {
 
 impl FrontCache {
     /// An empty cache for the shard of serial `serial`, made in process `birth`.
-    pub fn new(serial: u64, birth: Birth) -> Self {
+    pub(crate) fn new(serial: u64, birth: Birth) -> Self {
         FrontCache {
             serial,
             birth,
@@ -123,13 +123,13 @@ impl FrontCache {
     }
 
     /// Whether this is the cache of the shard of serial `serial` (serials are never reused).
-    pub fn serves(&self, serial: u64) -> bool {
+    pub(crate) fn serves(&self, serial: u64) -> bool {
         self.serial == serial
     }
 
     /// Takes the newest block held for requests of size class `class`.
     #[inline]
-    pub fn take(&self, class: NonZeroU32) -> Option<FrontEntry> {
+    pub(crate) fn take(&self, class: NonZeroU32) -> Option<FrontEntry> {
         let mut st = self.state.lock();
         let at = st.entries.iter().rposition(|e| e.class == class)?;
         // Usually the newest entry (a free, then an allocation of the same size): a pop.
@@ -145,7 +145,7 @@ impl FrontCache {
     /// Keeps `entry` if the cache is open and has room within `limit` bytes (counted by the
     /// rounded sizes of the requests the blocks served).
     #[inline]
-    pub fn keep(&self, entry: FrontEntry, limit: u64) -> bool {
+    pub(crate) fn keep(&self, entry: FrontEntry, limit: u64) -> bool {
         let mut st = self.state.lock();
         let room = st.entries.len() < FRONT_BLOCKS
             && st
@@ -164,7 +164,7 @@ impl FrontCache {
 
     /// Takes every held block, for the caller to give back to the shard (`retire`: and accepts
     /// none again). A forked child's copy gives nothing: the parent's blocks are the parent's.
-    pub fn take_all(&self, retire: bool) -> ArrayVec<FrontEntry, FRONT_BLOCKS> {
+    pub(crate) fn take_all(&self, retire: bool) -> ArrayVec<FrontEntry, FRONT_BLOCKS> {
         if !self.birth.is_current() {
             return ArrayVec::new();
         }
@@ -175,14 +175,14 @@ impl FrontCache {
     }
 
     /// Whether the cache was retired and holds nothing (safe to forget).
-    pub fn is_retired(&self) -> bool {
+    pub(crate) fn is_retired(&self) -> bool {
         let st = self.state.lock();
         st.retired && st.entries.is_empty()
     }
 
     /// Calls `f` with the held blocks, under this cache's lock (statistics: the shard's lock is
     /// taken inside it, the only place both are held, always in this order).
-    pub fn with_entries(&self, f: impl FnOnce(&[FrontEntry])) {
+    pub(crate) fn with_entries(&self, f: impl FnOnce(&[FrontEntry])) {
         let st = self.state.lock();
         if !st.entries.is_empty() {
             f(&st.entries);

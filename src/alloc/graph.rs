@@ -85,7 +85,7 @@ impl CachingAllocator {
     /// Begins capturing `stream` into a graph in `mode` (PyTorch's `torch.cuda.graph(g,
     /// pool=…, capture_error_mode=…)`): allocations on the stream — and on streams that join the
     /// capture — come from `pool`, or from a fresh private pool when `pool` is `None`.
-    pub fn begin_capture(
+    pub(crate) fn begin_capture(
         &self,
         stream: StreamId,
         pool: Option<&MemPool>,
@@ -107,7 +107,11 @@ impl CachingAllocator {
     /// capture's end, no event is queried meanwhile. After the library ends its capture,
     /// [`CaptureRoute::finish`] gives the pool back: keep it as long as the library's graph
     /// lives, since the graph names its addresses. An error when the stream is not capturing.
-    pub fn route_capture(&self, stream: StreamId, pool: Option<&MemPool>) -> Result<CaptureRoute> {
+    pub(crate) fn route_capture(
+        &self,
+        stream: StreamId,
+        pool: Option<&MemPool>,
+    ) -> Result<CaptureRoute> {
         let route = self.start_route(stream, pool, false, || Ok(()))?;
         Ok(CaptureRoute {
             route,
@@ -323,7 +327,9 @@ impl Drop for Capture {
         }
         match self.finish() {
             Ok(graph) => {
-                let _ = self.route.driver.graphs().graph_destroy(graph);
+                if let Err(err) = self.route.driver.graphs().graph_destroy(graph) {
+                    tracing::warn!(%err, "destroying the graph of a capture dropped without its end failed");
+                }
             }
             Err(err) => {
                 tracing::debug!(%err, "a capture dropped without its end ended with an error")

@@ -247,7 +247,7 @@ pub(crate) struct Trace {
 
 impl Trace {
     /// Applies `options` (turning history off clears what was recorded).
-    pub fn configure(&self, options: HistoryOptions) {
+    pub(super) fn configure(&self, options: HistoryOptions) {
         let mut ring = self.ring.lock();
         ring.capacity = options.max_entries.max(1);
         let mode = match options.mode {
@@ -271,7 +271,7 @@ impl Trace {
 
     /// Records one event (when the mode asks for it).
     #[inline]
-    pub fn record(
+    pub(super) fn record(
         &self,
         action: TraceAction,
         device: usize,
@@ -287,7 +287,7 @@ impl Trace {
     }
 
     /// Records an out-of-memory with the device's free bytes.
-    pub fn record_oom(&self, device: usize, size: u64, stream: StreamId, device_free: u64) {
+    pub(super) fn record_oom(&self, device: usize, size: u64, stream: StreamId, device_free: u64) {
         let mode = self.mode.load(Ordering::Relaxed);
         if mode == OFF {
             return;
@@ -354,7 +354,7 @@ impl Trace {
 
     /// The entries recorded so far, oldest first, stacks symbolized; and the symbolized stacks of
     /// live allocations by (device, address).
-    pub fn entries_and_live_frames(&self) -> (Vec<TraceEntry>, LiveFrames) {
+    pub(super) fn entries_and_live_frames(&self) -> (Vec<TraceEntry>, LiveFrames) {
         type Copied = (Vec<(TraceEntry, Option<Stack>)>, Vec<(BlockKey, Stack)>);
         let (recorded, live): Copied = {
             let ring = self.ring.lock();

@@ -48,7 +48,7 @@ mod front;
 mod graph;
 mod history;
 mod mem_pool;
-pub mod observers;
+pub(crate) mod observers;
 mod oom;
 mod pool;
 mod pool_id;
@@ -57,7 +57,7 @@ mod pytorch_pickle;
 mod reconfigure;
 mod registration;
 mod reports;
-pub mod size;
+pub(crate) mod size;
 mod stacks;
 mod stats;
 mod summary;
@@ -111,7 +111,7 @@ const NO_STREAM: u64 = u64::MAX;
 
 /// Options of a [`CachingAllocator`].
 #[derive(Clone, Debug, Default)]
-pub struct CachingAllocatorBuilder {
+pub(crate) struct CachingAllocatorBuilder {
     config: AllocatorConfig,
     check_invariants: bool,
     sanitize: Sanitize,
@@ -133,13 +133,13 @@ pub enum Sanitize {
 
 impl CachingAllocatorBuilder {
     /// Uses `config` (default: [`AllocatorConfig::default`]).
-    pub fn config(mut self, config: AllocatorConfig) -> Self {
+    pub(crate) fn config(mut self, config: AllocatorConfig) -> Self {
         self.config = config;
         self
     }
 
     /// Runs the invariant scanner after every mutation and panics on a violation (tests).
-    pub fn check_invariants(mut self, on: bool) -> Self {
+    pub(crate) fn check_invariants(mut self, on: bool) -> Self {
         self.check_invariants = on;
         self
     }
@@ -150,13 +150,13 @@ impl CachingAllocatorBuilder {
     }
 
     /// Checks the driver with the stream sanitizer (default: as `CUDALLOC_SANITIZE` says).
-    pub fn sanitize(mut self, sanitize: Sanitize) -> Self {
+    pub(crate) fn sanitize(mut self, sanitize: Sanitize) -> Self {
         self.sanitize = sanitize;
         self
     }
 
     /// Builds the allocator over `driver` (wrapped in a [`SanitizedDriver`] when sanitizing).
-    pub fn build(self, driver: Arc<dyn Driver>) -> Result<CachingAllocator> {
+    pub(crate) fn build(self, driver: Arc<dyn Driver>) -> Result<CachingAllocator> {
         let options = match self.sanitize {
             Sanitize::FromEnv => SanitizeOptions::from_env()?,
             Sanitize::Off => None,
@@ -229,7 +229,7 @@ impl CachingAllocatorBuilder {
 }
 
 /// A caching allocator over any [`Driver`], for all its devices.
-pub struct CachingAllocator {
+pub(crate) struct CachingAllocator {
     id: u64,
     /// The process this allocator belongs to (see `process`): in a forked child it refuses
     /// allocation and stream work and releases nothing.
@@ -319,18 +319,18 @@ impl Drop for StreamGuard {
 
 impl CachingAllocator {
     /// The driver underneath (a [`SanitizedDriver`] when the sanitizer is on).
-    pub fn driver(&self) -> &Arc<dyn Driver> {
+    pub(crate) fn driver(&self) -> &Arc<dyn Driver> {
         &self.driver
     }
 
     /// The stream sanitizer checking this allocator's driver, when on.
-    pub fn sanitizer(&self) -> Option<Arc<crate::driver::Sanitizer>> {
+    pub(crate) fn sanitizer(&self) -> Option<Arc<crate::driver::Sanitizer>> {
         self.driver.sanitizer()
     }
 
     /// The configuration in force (as of this call: `reconfigure` publishes another; this one
     /// stays readable as long as it is held).
-    pub fn config(&self) -> Arc<AllocatorConfig> {
+    pub(crate) fn config(&self) -> Arc<AllocatorConfig> {
         self.config.get()
     }
 
@@ -342,7 +342,7 @@ impl CachingAllocator {
     }
 
     /// Number of devices.
-    pub fn device_count(&self) -> usize {
+    pub(crate) fn device_count(&self) -> usize {
         self.devices.len()
     }
 
@@ -363,7 +363,7 @@ impl CachingAllocator {
     /// ([`Runtime::set_default_stream`](crate::Runtime::set_default_stream)) when one is set, else as the `default_stream`
     /// setting chooses — the driver's default stream (CUDA's legacy NULL stream), this thread's
     /// own stream, or the allocator's dedicated stream.
-    pub fn default_stream(&self, device: usize) -> Result<StreamId> {
+    pub(crate) fn default_stream(&self, device: usize) -> Result<StreamId> {
         if let Some(library) = self.library_defaults.get(device) {
             let raw = library.load(Ordering::Acquire);
             if raw != NO_STREAM {
@@ -393,7 +393,7 @@ impl CachingAllocator {
     /// [`StreamGuard`] made another stream current — the way a library that keeps one stream
     /// per device works, with no guard anywhere. It overrides the `default_stream` setting until
     /// [`Runtime::clear_default_stream`](crate::Runtime::clear_default_stream). The stream must outlive its use as default.
-    pub fn set_default_stream(&self, stream: StreamId) -> Result<()> {
+    pub(crate) fn set_default_stream(&self, stream: StreamId) -> Result<()> {
         let device = self.driver.stream_device(stream)?;
         let slot = self.library_defaults.get(device).ok_or_else(|| {
             Error::invalid(format!(
@@ -411,7 +411,7 @@ impl CachingAllocator {
 
     /// Gives `device` back its configured default stream (undoes
     /// [`Runtime::set_default_stream`](crate::Runtime::set_default_stream)).
-    pub fn clear_default_stream(&self, device: usize) -> Result<()> {
+    pub(crate) fn clear_default_stream(&self, device: usize) -> Result<()> {
         self.device(device)?;
         if let Some(slot) = self.library_defaults.get(device) {
             slot.store(NO_STREAM, Ordering::Release);
@@ -426,7 +426,7 @@ impl CachingAllocator {
     /// # Safety
     /// CUDA: `raw` must be a live `CUstream` of `device`'s primary context and stay alive while
     /// memory allocated or recorded on the returned stream is in use.
-    pub unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
+    pub(crate) unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
         self.device(device)?;
         // SAFETY: forwarded; the caller upholds the driver's contract.
         unsafe { self.driver.interop().import_stream(device, raw) }
@@ -434,7 +434,7 @@ impl CachingAllocator {
 
     /// The raw handle of `stream` (CUDA: its `CUstream`, 0 for the legacy stream), for a
     /// library's own launches.
-    pub fn raw_stream(&self, stream: StreamId) -> Result<u64> {
+    pub(crate) fn raw_stream(&self, stream: StreamId) -> Result<u64> {
         self.driver.interop().raw_stream(stream)
     }
 
@@ -483,7 +483,7 @@ impl CachingAllocator {
     }
 
     /// Creates a new stream on `device`.
-    pub fn create_stream(&self, device: usize) -> Result<StreamId> {
+    pub(crate) fn create_stream(&self, device: usize) -> Result<StreamId> {
         self.driver.stream_create(device)
     }
 
@@ -492,7 +492,7 @@ impl CachingAllocator {
     /// wait (its work is done), under `off` its whole idle segments go back to the driver now
     /// (`engine/cross_stream.rs`). Blocks still allocated on it stay valid and return to its
     /// cache when freed. The device's default stream (and a stream being captured) is refused.
-    pub fn destroy_stream(&self, stream: StreamId) -> Result<()> {
+    pub(crate) fn destroy_stream(&self, stream: StreamId) -> Result<()> {
         let device = self.driver.stream_device(stream)?;
         if self.default_stream(device)? == stream {
             return Err(Error::invalid(format!(
@@ -527,7 +527,7 @@ impl CachingAllocator {
     }
 
     /// This thread's current stream on `device` (the default stream unless set).
-    pub fn current_stream(&self, device: usize) -> Result<StreamId> {
+    pub(crate) fn current_stream(&self, device: usize) -> Result<StreamId> {
         match engine::thread::current_stream(self.id, device) {
             Some(stream) => Ok(stream),
             None => self.default_stream(device),
@@ -535,7 +535,7 @@ impl CachingAllocator {
     }
 
     /// Makes `stream` this thread's current stream on its device until the guard drops.
-    pub fn set_current_stream(&self, stream: StreamId) -> Result<StreamGuard> {
+    pub(crate) fn set_current_stream(&self, stream: StreamId) -> Result<StreamGuard> {
         let device = self.driver.stream_device(stream)?;
         let previous = engine::thread::set_current_stream(self.id, device, Some(stream));
         Ok(StreamGuard {
@@ -550,7 +550,7 @@ impl CachingAllocator {
     /// In a process forked from the one that built the allocator this is an
     /// [`ErrorKind::ForkedChild`](crate::ErrorKind::ForkedChild) error: the child would be handed
     /// the blocks its parent is handed next (build a runtime in the child).
-    pub fn allocate(&self, device: usize, size: u64) -> Result<DataPtr> {
+    pub(crate) fn allocate(&self, device: usize, size: u64) -> Result<DataPtr> {
         self.birth.check("this allocator")?;
         if size == 0 {
             self.device(device)?;
@@ -574,7 +574,7 @@ impl CachingAllocator {
     }
 
     /// Allocates `size` bytes for use on `stream`.
-    pub fn allocate_on(&self, stream: StreamId, size: u64) -> Result<DataPtr> {
+    pub(crate) fn allocate_on(&self, stream: StreamId, size: u64) -> Result<DataPtr> {
         self.birth.check("this allocator")?;
         if size == 0 {
             return Ok(DataPtr::empty(self.driver.stream_device(stream)?));
@@ -628,7 +628,7 @@ impl CachingAllocator {
     }
 
     /// Marks `data` as used on `stream`: its free will wait for the work queued there so far.
-    pub fn record_stream(&self, data: &DataPtr, stream: StreamId) -> Result<()> {
+    pub(crate) fn record_stream(&self, data: &DataPtr, stream: StreamId) -> Result<()> {
         data.record_stream(stream)
     }
 
@@ -636,7 +636,12 @@ impl CachingAllocator {
     /// copy of `src`'s first `nbytes` there (stream-ordered, not blocking). `src` is marked as used
     /// by `stream`, so its free waits for the copy. (DESIGN calls this `clone`; renamed so it
     /// cannot be confused with `Clone::clone` on an `Arc<CachingAllocator>`.)
-    pub fn clone_data(&self, src: &DataPtr, nbytes: u64, stream: StreamId) -> Result<DataPtr> {
+    pub(crate) fn clone_data(
+        &self,
+        src: &DataPtr,
+        nbytes: u64,
+        stream: StreamId,
+    ) -> Result<DataPtr> {
         let device = self.driver.stream_device(stream)?;
         if device != src.device() {
             return Err(Error::invalid(format!(
@@ -658,7 +663,7 @@ impl CachingAllocator {
 
     /// Calls `observer` on every segment this allocator maps from its driver (after) and returns
     /// to it (before); see `src/alloc/observers.rs`.
-    pub fn register_segment_observer(&self, observer: SegmentObserver) {
+    pub(crate) fn register_segment_observer(&self, observer: SegmentObserver) {
         if self
             .birth
             .ignored_in_child("registering a segment observer")
@@ -673,7 +678,7 @@ impl CachingAllocator {
     /// (`src/alloc/registration.rs`). Several registrars may be attached at once. A failure on a
     /// region already mapped fails the attach (leaving nothing registered with it) unless
     /// `on_failure` counts and skips failures. Refused in a forked child.
-    pub fn attach_registrar(
+    pub(crate) fn attach_registrar(
         &self,
         registrar: Arc<dyn Registrar>,
         on_failure: OnRegistrationFailure,
@@ -684,7 +689,7 @@ impl CachingAllocator {
 
     /// Detaches a registrar, deregistering every region it holds; false if it was not attached.
     /// In a forked child it does nothing (the registrations are the parent's).
-    pub fn detach_registrar(&self, id: RegistrarId) -> bool {
+    pub(crate) fn detach_registrar(&self, id: RegistrarId) -> bool {
         if self.birth.ignored_in_child("detaching a registrar") {
             return false;
         }
@@ -693,7 +698,7 @@ impl CachingAllocator {
 
     /// The regions mapped now and each attached registrar's figures (none in a forked child:
     /// the registry is the parent's, and its lock may be held for good there).
-    pub fn registration_stats(&self) -> RegistrationStats {
+    pub(crate) fn registration_stats(&self) -> RegistrationStats {
         if self
             .birth
             .ignored_in_child("reading the registration statistics")
@@ -705,7 +710,7 @@ impl CachingAllocator {
 
     /// The mapped regions that hold bytes `[addr, addr + len)` of `device`, with the bytes in
     /// each (several only in expandable segments, whose pages are regions of their own).
-    pub fn registered_regions(
+    pub(crate) fn registered_regions(
         &self,
         device: usize,
         addr: DeviceAddr,
@@ -717,7 +722,7 @@ impl CachingAllocator {
 
     /// Calls `observer` with the facts of every allocation that fails for lack of memory, before
     /// its error returns.
-    pub fn register_out_of_memory_observer(&self, observer: OutOfMemoryObserver) {
+    pub(crate) fn register_out_of_memory_observer(&self, observer: OutOfMemoryObserver) {
         if self
             .birth
             .ignored_in_child("registering an out-of-memory observer")
@@ -729,7 +734,7 @@ impl CachingAllocator {
 
     /// Registers a callback run on a cache miss before asking the driver for memory; it returns
     /// whether it freed anything (then best fit is retried).
-    pub fn register_free_memory_callback(&self, callback: FreeMemoryCallback) {
+    pub(crate) fn register_free_memory_callback(&self, callback: FreeMemoryCallback) {
         if self
             .birth
             .ignored_in_child("registering a free-memory callback")
@@ -741,7 +746,7 @@ impl CachingAllocator {
 
     /// Waits for pending frees and returns every cached whole segment of every device to the driver.
     /// In a forked child it does nothing (the cached segments are the parent's).
-    pub fn empty_cache(&self) {
+    pub(crate) fn empty_cache(&self) {
         let Some(devices) = self.devices.unless_child("emptying the cache") else {
             return;
         };
@@ -755,7 +760,7 @@ impl CachingAllocator {
     }
 
     /// Runs the invariant scanner over every shard.
-    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+    pub(crate) fn check_invariants(&self) -> std::result::Result<(), String> {
         self.devices
             .all("this allocator")
             .map_err(|err| err.to_string())?

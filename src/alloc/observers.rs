@@ -114,16 +114,16 @@ impl std::fmt::Debug for Observers {
 }
 
 impl Observers {
-    pub fn add_segment(&self, observer: SegmentObserver) {
+    pub(crate) fn add_segment(&self, observer: SegmentObserver) {
         self.segments.write().push(observer);
     }
 
-    pub fn add_out_of_memory(&self, observer: OutOfMemoryObserver) {
+    pub(crate) fn add_out_of_memory(&self, observer: OutOfMemoryObserver) {
         self.out_of_memory.write().push(observer);
     }
 
     /// Tells every segment observer (a copy of the list: an observer may register another).
-    pub fn segment(&self, event: SegmentEvent) {
+    pub(crate) fn segment(&self, event: SegmentEvent) {
         let list: Vec<_> = self.segments.read().clone();
         for observer in list {
             if let Err(panic) = caught(|| observer(&event)) {
@@ -133,7 +133,7 @@ impl Observers {
     }
 
     /// Tells every out-of-memory observer.
-    pub fn out_of_memory(&self, event: &OutOfMemoryEvent) {
+    pub(crate) fn out_of_memory(&self, event: &OutOfMemoryEvent) {
         let list: Vec<_> = self.out_of_memory.read().clone();
         for observer in list {
             if let Err(panic) = caught(|| observer(event)) {

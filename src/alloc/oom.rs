@@ -42,13 +42,13 @@ impl std::fmt::Debug for Callbacks {
 }
 
 impl Callbacks {
-    pub fn register(&self, callback: FreeMemoryCallback) {
+    pub(super) fn register(&self, callback: FreeMemoryCallback) {
         self.list.write().push(callback);
     }
 
     /// Runs every callback; true if any freed something. A panicking callback is caught and
     /// logged, and counts as having freed nothing.
-    pub fn run(&self) -> bool {
+    pub(super) fn run(&self) -> bool {
         let list: Vec<_> = self.list.read().clone();
         list.iter().fold(false, |freed, cb| {
             let this = caught(|| cb()).unwrap_or_else(|panic| {

@@ -67,7 +67,7 @@ fn lower_bound(v: &[(u128, BlockId)], key: u128) -> usize {
 impl FreePool {
     /// Adds free block `id` of `size` bytes at `ptr`.
     #[inline]
-    pub fn insert(&mut self, size: u64, ptr: u64, id: BlockId) {
+    pub(super) fn insert(&mut self, size: u64, ptr: u64, id: BlockId) {
         let key = pack(size, ptr);
         match &mut self.repr {
             Repr::Sorted(v) => {
@@ -98,7 +98,7 @@ impl FreePool {
 
     /// Removes the free block of `size` bytes at `ptr`; false if it was not there.
     #[inline]
-    pub fn remove(&mut self, size: u64, ptr: u64) -> bool {
+    pub(super) fn remove(&mut self, size: u64, ptr: u64) -> bool {
         let key = pack(size, ptr);
         match &mut self.repr {
             Repr::Sorted(v) => {
@@ -124,7 +124,7 @@ impl FreePool {
 
     /// The smallest block of at least `size` bytes (lowest address on ties).
     #[inline]
-    pub fn best_fit(&self, size: u64) -> Option<FreeKey> {
+    pub(super) fn best_fit(&self, size: u64) -> Option<FreeKey> {
         let key = pack(size, 0);
         match &self.repr {
             Repr::Sorted(v) => v.get(lower_bound(v, key)).map(|&(k, id)| unpack(k, id)),
@@ -135,7 +135,7 @@ impl FreePool {
     /// Takes the best fit for `size` out of the pool if `accept` (given the block's size) agrees:
     /// [`Self::best_fit`] and [`Self::remove`] with one search.
     #[inline]
-    pub fn take_best_fit(
+    pub(super) fn take_best_fit(
         &mut self,
         size: u64,
         accept: impl FnOnce(u64) -> bool,
@@ -167,7 +167,7 @@ impl FreePool {
     }
 
     /// Every free block, smallest first.
-    pub fn iter(&self) -> Box<dyn Iterator<Item = FreeKey> + '_> {
+    pub(super) fn iter(&self) -> Box<dyn Iterator<Item = FreeKey> + '_> {
         match &self.repr {
             Repr::Sorted(v) => Box::new(v.iter().map(|&(k, id)| unpack(k, id))),
             Repr::Tree(t) => Box::new(t.iter().map(|(&k, &id)| unpack(k, id))),
@@ -175,7 +175,7 @@ impl FreePool {
     }
 
     /// Number of free blocks.
-    pub fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         match &self.repr {
             Repr::Sorted(v) => v.len(),
             Repr::Tree(t) => t.len(),

@@ -217,6 +217,7 @@ pub(crate) fn write_snapshot_file(path: &std::path::Path, bytes: &[u8]) -> Resul
             .write_all(bytes)
             .and_then(|()| std::fs::rename(&tmp, path));
         if let Err(e) = written {
+            // Best effort: the write's error is the one reported.
             let _ = std::fs::remove_file(&tmp);
             return Err(failed("writing", e));
         }

@@ -31,14 +31,14 @@ impl CachingAllocator {
     /// Changes the settings named in `changes` (`CUDALLOC_CONF`'s grammar, e.g.
     /// `"garbage_collection_threshold:0.8,expandable_segments:True"`) and keeps every other one.
     /// Returns the keys named, by their canonical names.
-    pub fn reconfigure(&self, changes: &str) -> Result<Vec<&'static str>> {
+    pub(crate) fn reconfigure(&self, changes: &str) -> Result<Vec<&'static str>> {
         self.change(changes).map(|(named, _)| named)
     }
 
     /// [`Self::reconfigure`] until the returned guard drops (or is restored): then the keys
     /// named get back the values they had, and the settings changed meanwhile by others keep
     /// theirs.
-    pub fn override_config(&self, changes: &str) -> Result<ConfigOverride<'_>> {
+    pub(crate) fn override_config(&self, changes: &str) -> Result<ConfigOverride<'_>> {
         let (keys, previous) = self.change(changes)?;
         Ok(ConfigOverride {
             allocator: self,
@@ -51,7 +51,11 @@ impl CachingAllocator {
     /// Caps this process's reservations on `device` at `fraction` of its capacity (PyTorch's
     /// `set_per_process_memory_fraction`): a reconfiguration of `per_process_memory_fraction`
     /// that gives `device` a value of its own (see the module docs).
-    pub fn set_per_process_memory_fraction(&self, fraction: f64, device: usize) -> Result<()> {
+    pub(crate) fn set_per_process_memory_fraction(
+        &self,
+        fraction: f64,
+        device: usize,
+    ) -> Result<()> {
         self.devices.get(device, "this allocator")?;
         self.update(|next| {
             next.set_device_memory_fraction(device, fraction)?;

@@ -291,7 +291,7 @@ impl Registry {
     /// Enters freshly mapped regions `(base, size)` of `device` and registers them with every
     /// registrar. On a failure that fails the allocation, nothing of them stays registered or
     /// entered, and the caller gives the memory back.
-    pub fn map(
+    pub(super) fn map(
         &self,
         device: usize,
         stream: StreamId,
@@ -336,7 +336,7 @@ impl Registry {
 
     /// The segment at `base` of `device` moved to the shard of `stream` (`cross_stream.rs`):
     /// the memory stays mapped and registered, only its owning stream changes.
-    pub fn rehome(&self, device: usize, base: u64, stream: StreamId) {
+    pub(super) fn rehome(&self, device: usize, base: u64, stream: StreamId) {
         if let Some(record) = self.state.lock().regions.get_mut(&(device, base)) {
             record.region.stream = stream;
         }
@@ -344,7 +344,7 @@ impl Registry {
 
     /// Deregisters and forgets every region of `device` inside `[base, base + size)`, before the
     /// caller unmaps or frees it.
-    pub fn unmap(&self, device: usize, base: u64, size: u64) {
+    pub(super) fn unmap(&self, device: usize, base: u64, size: u64) {
         let mut st = self.state.lock();
         let end = base.saturating_add(size);
         let keys: Vec<(usize, u64)> = st
@@ -361,7 +361,7 @@ impl Registry {
 
     /// Attaches `registrar`, registering every region mapped so far (all or nothing when a
     /// failure fails).
-    pub fn attach(
+    pub(super) fn attach(
         &self,
         registrar: Arc<dyn Registrar>,
         on_failure: OnRegistrationFailure,
@@ -411,7 +411,7 @@ impl Registry {
     }
 
     /// Detaches registrar `id`, deregistering every region it holds. False if it is not attached.
-    pub fn detach(&self, id: RegistrarId) -> bool {
+    pub(super) fn detach(&self, id: RegistrarId) -> bool {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let Some(at) = st.registrars.iter().position(|a| a.id == id) else {
@@ -425,7 +425,7 @@ impl Registry {
     }
 
     /// The figures.
-    pub fn stats(&self) -> RegistrationStats {
+    pub(super) fn stats(&self) -> RegistrationStats {
         let st = self.state.lock();
         RegistrationStats {
             mapped_regions: st.regions.len() as u64,
@@ -436,7 +436,12 @@ impl Registry {
 
     /// The regions `[addr, addr + len)` of `device` lies in, with its bytes in each, in address
     /// order; an error if any byte is in no mapped region of this allocator.
-    pub fn regions_of(&self, device: usize, addr: u64, len: u64) -> Result<Vec<RegisteredRegion>> {
+    pub(super) fn regions_of(
+        &self,
+        device: usize,
+        addr: u64,
+        len: u64,
+    ) -> Result<Vec<RegisteredRegion>> {
         let end = addr
             .checked_add(len)
             .ok_or_else(|| Error::invalid(format!("bytes at {addr:#x} + {len} overflow")))?;

@@ -16,25 +16,25 @@ use crate::error::Result;
 impl CachingAllocator {
     /// Bytes allocated on `device` now (PyTorch's `memory_allocated`: rounded block sizes, all
     /// pools).
-    pub fn memory_allocated(&self, device: usize) -> Result<u64> {
+    pub(crate) fn memory_allocated(&self, device: usize) -> Result<u64> {
         self.all_pools(device, |s| s.allocated_bytes.all.current)
     }
 
     /// The most bytes allocated on `device` since the last peak reset
     /// (`max_memory_allocated`).
-    pub fn max_memory_allocated(&self, device: usize) -> Result<u64> {
+    pub(crate) fn max_memory_allocated(&self, device: usize) -> Result<u64> {
         self.all_pools(device, |s| s.allocated_bytes.all.peak)
     }
 
     /// Bytes of segments held from the driver on `device` now (`memory_reserved`; the device's
     /// reserved counter, without summing the shards).
-    pub fn memory_reserved(&self, device: usize) -> Result<u64> {
+    pub(crate) fn memory_reserved(&self, device: usize) -> Result<u64> {
         self.reserved_bytes(device)
     }
 
     /// The most bytes held from the driver on `device` since the last peak reset
     /// (`max_memory_reserved`).
-    pub fn max_memory_reserved(&self, device: usize) -> Result<u64> {
+    pub(crate) fn max_memory_reserved(&self, device: usize) -> Result<u64> {
         self.all_pools(device, |s| s.reserved_bytes.all.peak)
     }
 
@@ -44,43 +44,43 @@ impl CachingAllocator {
     }
 
     /// Stats of `device`.
-    pub fn memory_stats(&self, device: usize) -> Result<DeviceStats> {
+    pub(crate) fn memory_stats(&self, device: usize) -> Result<DeviceStats> {
         Ok(self.device(device)?.stats())
     }
 
     /// What live memory pools (and, of that, pools graphs hold) reserve on `device`: one lock
     /// per pool shard, no statistics copied (PyTorch has no such figure; `memory_stats` of every
     /// pool would copy every shard's statistics).
-    pub fn pools_reserved(&self, device: usize) -> Result<PoolsReserved> {
+    pub(crate) fn pools_reserved(&self, device: usize) -> Result<PoolsReserved> {
         Ok(self.device(device)?.pools_reserved())
     }
 
     /// What the allocator keeps on `device` besides memory: shards live, retired and kept for
     /// reuse ([`Bookkeeping`]; of configurations it keeps the one in force: `config/cell.rs`).
-    pub fn bookkeeping(&self, device: usize) -> Result<Bookkeeping> {
+    pub(crate) fn bookkeeping(&self, device: usize) -> Result<Bookkeeping> {
         self.birth.check("this allocator")?;
         Ok(self.device(device)?.bookkeeping())
     }
 
     /// Stats of `device` with PyTorch's keys.
-    pub fn memory_stats_map(&self, device: usize) -> Result<BTreeMap<String, i64>> {
+    pub(crate) fn memory_stats_map(&self, device: usize) -> Result<BTreeMap<String, i64>> {
         Ok(self.memory_stats(device)?.to_map())
     }
 
     /// Resets every `peak` of `device` to its current value.
-    pub fn reset_peak_memory_stats(&self, device: usize) -> Result<()> {
+    pub(crate) fn reset_peak_memory_stats(&self, device: usize) -> Result<()> {
         self.device(device)?.reset_stats(true);
         Ok(())
     }
 
     /// Zeroes the accumulated counts of `device`.
-    pub fn reset_accumulated_memory_stats(&self, device: usize) -> Result<()> {
+    pub(crate) fn reset_accumulated_memory_stats(&self, device: usize) -> Result<()> {
         self.device(device)?.reset_stats(false);
         Ok(())
     }
 
     /// The summary table of `device`.
-    pub fn memory_summary(&self, device: usize) -> Result<String> {
+    pub(crate) fn memory_summary(&self, device: usize) -> Result<String> {
         let stats = self.memory_stats(device)?;
         Ok(summary::render(
             device,
@@ -92,7 +92,7 @@ impl CachingAllocator {
     /// PyTorch's `_record_memory_history`: what the history records, how many entries it keeps,
     /// and whether allocations carry their Rust stack (see `alloc/history.rs`). Turning it off
     /// clears what was recorded.
-    pub fn record_memory_history(&self, options: HistoryOptions) {
+    pub(crate) fn record_memory_history(&self, options: HistoryOptions) {
         if self.birth.ignored_in_child("recording the memory history") {
             return;
         }
@@ -108,7 +108,7 @@ impl CachingAllocator {
 
     /// Every segment with its blocks, and the trace when history is on (empty in a forked child:
     /// its parent's shards may be locked for good there).
-    pub fn snapshot(&self) -> Snapshot {
+    pub(crate) fn snapshot(&self) -> Snapshot {
         let mut segments = Vec::new();
         let Some(devices) = self.devices.unless_child("taking a snapshot") else {
             return Snapshot {
@@ -149,7 +149,7 @@ impl CachingAllocator {
     }
 
     /// Bytes of segments held from the driver on `device`.
-    pub fn reserved_bytes(&self, device: usize) -> Result<u64> {
+    pub(crate) fn reserved_bytes(&self, device: usize) -> Result<u64> {
         Ok(self.device(device)?.reserved_bytes())
     }
 
@@ -160,7 +160,7 @@ impl CachingAllocator {
     /// would be empty).
     #[cfg(feature = "pickle")]
     #[cfg_attr(docsrs, doc(cfg(feature = "pickle")))]
-    pub fn dump_snapshot(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+    pub(crate) fn dump_snapshot(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
         self.birth.check("this allocator")?;
         let bytes = self.snapshot().to_pytorch_pickle(&self.config())?;
         super::pytorch_pickle::write_snapshot_file(path.as_ref(), &bytes)

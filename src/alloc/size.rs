@@ -16,24 +16,24 @@ use crate::config::AllocatorConfig;
 use crate::error::{Error, Result};
 
 /// Smallest block and rounding quantum.
-pub const MIN_BLOCK_SIZE: u64 = 512;
+pub(crate) const MIN_BLOCK_SIZE: u64 = 512;
 /// Largest request served by the small pool.
-pub const SMALL_SIZE: u64 = 1 << 20;
+pub(crate) const SMALL_SIZE: u64 = 1 << 20;
 /// Segment size of the small pool.
-pub const SMALL_BUFFER: u64 = 2 << 20;
+pub(crate) const SMALL_BUFFER: u64 = 2 << 20;
 /// Segment size for requests between 1 and 10 MiB.
-pub const LARGE_BUFFER: u64 = 20 << 20;
+pub(crate) const LARGE_BUFFER: u64 = 20 << 20;
 /// Requests at least this large get a segment of their own size.
-pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
+pub(crate) const MIN_LARGE_ALLOC: u64 = 10 << 20;
 /// Granularity of those segments.
-pub const ROUND_LARGE: u64 = 2 << 20;
+pub(crate) const ROUND_LARGE: u64 = 2 << 20;
 /// Requests above this fail at once (1 EB): no arithmetic downstream can overflow.
-pub const MAX_REQUEST: u64 = 1 << 60;
+pub(crate) const MAX_REQUEST: u64 = 1 << 60;
 
 /// Which pool a block lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[non_exhaustive]
-pub enum PoolKind {
+pub(crate) enum PoolKind {
     /// Blocks of ≤ 1 MiB, carved from 2 MiB segments.
     Small,
     /// Everything else.
@@ -42,7 +42,7 @@ pub enum PoolKind {
 
 impl PoolKind {
     /// The pool for a rounded request.
-    pub fn for_size(rounded: u64) -> Self {
+    pub(crate) fn for_size(rounded: u64) -> Self {
         if rounded <= SMALL_SIZE {
             PoolKind::Small
         } else {
@@ -52,7 +52,7 @@ impl PoolKind {
 }
 
 /// Checks a request against the 1 EB ceiling.
-pub fn check_request(device: usize, size: u64) -> Result<()> {
+pub(crate) fn check_request(device: usize, size: u64) -> Result<()> {
     if size > MAX_REQUEST {
         return Err(Error::OutOfMemory {
             device,
@@ -68,14 +68,14 @@ pub fn check_request(device: usize, size: u64) -> Result<()> {
 
 /// Rounds a request (≤ [`MAX_REQUEST`]) to a block size under `config`.
 #[cfg(test)]
-pub fn round_size(size: u64, config: &AllocatorConfig) -> u64 {
+pub(crate) fn round_size(size: u64, config: &AllocatorConfig) -> u64 {
     round_size_by(size, |size| config.divisions_for(size))
 }
 
 /// [`round_size`] with `divisions_for` giving the `roundup_power2_divisions` entry of a size
 /// (`ConfigCell::divisions_for`: one atomic load on the hot path).
 #[inline]
-pub fn round_size_by(size: u64, divisions_for: impl FnOnce(u64) -> u64) -> u64 {
+pub(crate) fn round_size_by(size: u64, divisions_for: impl FnOnce(u64) -> u64) -> u64 {
     if size < MIN_BLOCK_SIZE {
         return MIN_BLOCK_SIZE;
     }
@@ -101,7 +101,7 @@ fn round_to_power2_division(size: u64, divisions: u64) -> u64 {
 }
 
 /// Size of the segment to allocate for a rounded request.
-pub fn segment_size(rounded: u64) -> u64 {
+pub(crate) fn segment_size(rounded: u64) -> u64 {
     if rounded <= SMALL_SIZE {
         SMALL_BUFFER
     } else if rounded < MIN_LARGE_ALLOC {
@@ -113,7 +113,7 @@ pub fn segment_size(rounded: u64) -> u64 {
 
 /// Whether a free block of `block_size` serving `rounded` bytes is split, leaving the remainder
 /// free (`expandable`: the block lies in an expandable segment).
-pub fn should_split(
+pub(crate) fn should_split(
     pool: PoolKind,
     block_size: u64,
     rounded: u64,
@@ -133,7 +133,7 @@ pub fn should_split(
 }
 
 /// The oversize rules of best fit: may a free block of `block_size` serve `rounded` bytes?
-pub fn fits_oversize_rules(block_size: u64, rounded: u64, rules: FitRules) -> bool {
+pub(crate) fn fits_oversize_rules(block_size: u64, rounded: u64, rules: FitRules) -> bool {
     let max_split = rules.max_split_size;
     if max_split == u64::MAX {
         return true;

@@ -122,18 +122,18 @@ impl PoolStats {
 }
 
 /// PyTorch's pool names, in [`PoolStats::iter`] order.
-pub const POOL_NAMES: [&str; 3] = ["all", "small_pool", "large_pool"];
+pub(super) const POOL_NAMES: [&str; 3] = ["all", "small_pool", "large_pool"];
 
 /// Increases the `all` entry and the pool's entry; returns whether either went past its limit.
 #[inline]
-pub fn increase(array: &mut PoolStats, pool: PoolKind, n: u64) -> bool {
+pub(super) fn increase(array: &mut PoolStats, pool: PoolKind, n: u64) -> bool {
     let n = n as i64;
     array.all.increase(n) | array.pool_mut(pool).increase(n)
 }
 
 /// Decreases the `all` entry and the pool's entry.
 #[inline]
-pub fn decrease(array: &mut PoolStats, pool: PoolKind, n: u64) {
+pub(super) fn decrease(array: &mut PoolStats, pool: PoolKind, n: u64) {
     let n = n as i64;
     array.all.decrease(n);
     array.pool_mut(pool).decrease(n);

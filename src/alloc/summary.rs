@@ -1,6 +1,7 @@
 //! `memory_summary`: the familiar table of PyTorch's `torch.cuda.memory_summary()`, rendered from
 //! [`DeviceStats`].
 
+// Writing to a `String` cannot fail: the results of `writeln!` below are ignored.
 use std::fmt::Write;
 
 use super::stats::{DeviceStats, PoolStats, Stat};
@@ -38,7 +39,7 @@ fn section(out: &mut String, label: &str, array: &PoolStats, fmt: &dyn Fn(i64) -
 }
 
 /// Renders the summary of one device.
-pub fn render(device: usize, backend: &str, s: &DeviceStats) -> String {
+pub(super) fn render(device: usize, backend: &str, s: &DeviceStats) -> String {
     let mut out = String::new();
     let line = "=".repeat(WIDTH);
     let count = |n: i64| n.to_string();

@@ -218,7 +218,7 @@ impl CachingAllocator {
     /// memory back and [`Runtime::wake_up`](crate::Runtime::wake_up) map it back at the same
     /// addresses. Allocate into it with [`Runtime::use_tag`](crate::Runtime::use_tag) (or
     /// [`Runtime::use_mem_pool`](crate::Runtime::use_mem_pool) with this pool). Tags live as long as the allocator.
-    pub fn tag(&self, name: &str) -> Result<MemPool> {
+    pub(crate) fn tag(&self, name: &str) -> Result<MemPool> {
         self.birth.check("this allocator")?;
         if name.is_empty() || name.len() > 256 {
             return Err(Error::invalid(format!(
@@ -241,14 +241,14 @@ impl CachingAllocator {
 
     /// Makes this thread allocate into tag `name` on `device`, on every stream, until the scope
     /// drops (vLLM's `use_memory_pool(tag=…)`); the tag is made on first use.
-    pub fn use_tag(&self, name: &str, device: usize) -> Result<PoolScope> {
+    pub(crate) fn use_tag(&self, name: &str, device: usize) -> Result<PoolScope> {
         let pool = self.tag(name)?;
         self.use_mem_pool(&pool, device)
     }
 
     /// The tags made so far, by name (none in a forked child: the tags are the parent's, and
     /// their lock may be held for good there).
-    pub fn tag_names(&self) -> Vec<String> {
+    pub(crate) fn tag_names(&self) -> Vec<String> {
         if self.birth.ignored_in_child("listing the tags") {
             return Vec::new();
         }
@@ -265,7 +265,7 @@ impl CachingAllocator {
 
     /// Whether tag `name` is asleep (or on its way to or from sleep); an error for an unknown
     /// tag, and in a forked child.
-    pub fn is_asleep(&self, name: &str) -> Result<bool> {
+    pub(crate) fn is_asleep(&self, name: &str) -> Result<bool> {
         self.birth.check("this allocator")?;
         let records = self.tags.records.read();
         let record = records.iter().find(|r| &*r.name == name).ok_or_else(|| {

@@ -21,7 +21,7 @@ use cudalloc::{backend::BackendChoice, ipc::IpcHandle, AllocatorConfig, Runtime,
 
 /// Options of the demo.
 #[derive(Debug, Clone)]
-pub struct DemoOptions {
+pub(crate) struct DemoOptions {
     pub consumers: usize,
     pub storages: usize,
     pub max_size: u64,
@@ -129,8 +129,10 @@ impl Drop for Consumer {
     fn drop(&mut self) {
         // On an early return the consumer may still run: stop it rather than leave it behind.
         if matches!(self.child.try_wait(), Ok(None)) {
+            // Already exited in between is fine; the wait below reaps it either way.
             let _ = self.child.kill();
         }
+        // A drop has nowhere to report; the wait only reaps the child.
         let _ = self.child.wait();
     }
 }
@@ -155,7 +157,7 @@ impl Consumer {
 /// Why the demo did not pass: it could not be set up (a bad backend or setting: the user's
 /// mistake), or it ran and failed.
 #[derive(Debug)]
-pub enum DemoFailure {
+pub(crate) enum DemoFailure {
     /// The backend or the allocator could not be made.
     Setup(cudalloc::Error),
     /// The run failed; what went wrong.
@@ -163,7 +165,7 @@ pub enum DemoFailure {
 }
 
 /// Runs the producer side; returns the verdict line or why it did not pass.
-pub fn run(opts: &DemoOptions) -> Result<String, DemoFailure> {
+pub(crate) fn run(opts: &DemoOptions) -> Result<String, DemoFailure> {
     let start = Instant::now();
     let a = allocator(opts.backend).map_err(DemoFailure::Setup)?;
     run_on(opts, &a, start).map_err(DemoFailure::Failed)
@@ -255,6 +257,7 @@ fn run_on(opts: &DemoOptions, a: &Arc<Runtime>, start: Instant) -> Result<String
         let stream = match accept_consumer(&listener, &mut child, opts.connect_timeout) {
             Ok(stream) => stream,
             Err(why) => {
+                // The error reported is `why`; this only stops and reaps the child.
                 let _ = child.kill();
                 let _ = child.wait();
                 return Err(why);
@@ -292,6 +295,7 @@ fn run_on(opts: &DemoOptions, a: &Arc<Runtime>, start: Instant) -> Result<String
     }
     progress.finish_and_clear();
     for mut c in consumers {
+        // A consumer that already left answers nothing; its exit status is checked next.
         let _ = c.ask("BYE");
         let status = c.child.wait().map_err(|e| e.to_string())?;
         if !status.success() {
@@ -352,7 +356,7 @@ fn backend_name(b: BackendChoice) -> &'static str {
 }
 
 /// The consumer process: verify, maybe answer, release, reply — until `BYE`.
-pub fn consumer(socket: &std::path::Path, backend: BackendChoice) -> Result<(), String> {
+pub(crate) fn consumer(socket: &std::path::Path, backend: BackendChoice) -> Result<(), String> {
     let a = allocator(backend).map_err(|e| e.to_string())?;
     let stream =
         UnixStream::connect(socket).map_err(|e| format!("connect {}: {e}", socket.display()))?;
@@ -362,6 +366,7 @@ pub fn consumer(socket: &std::path::Path, backend: BackendChoice) -> Result<(), 
         let mut parts = line.split(' ');
         let reply = match (parts.next(), parts.next(), parts.next(), parts.next()) {
             (Some("BYE"), ..) => {
+                // The producer may have closed its end already: the goodbye is a courtesy.
                 let _ = writeln!(writer, "BYE");
                 return Ok(());
             }

@@ -3,6 +3,7 @@
 //! device under each when the trace uses several) and writes a plot. Reading the file is bounded
 //! (`cudalloc::replay::limits`): a hostile file is a one-line error, never a crash or a hang.
 
+// Writing to a `String` cannot fail: the results of `write!` below are ignored.
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
@@ -11,7 +12,7 @@ use cudalloc::replay::{self, ReplayOptions, ReplayReport, Trace};
 
 /// What the command was asked.
 #[derive(Debug)]
-pub struct ReplayArgs {
+pub(crate) struct ReplayArgs {
     /// The trace file.
     pub file: PathBuf,
     /// Configurations (`PYTORCH_CUDA_ALLOC_CONF` grammar); empty: PyTorch's default and
@@ -25,7 +26,7 @@ pub struct ReplayArgs {
 }
 
 /// The table of `reports` (one row per configuration).
-pub fn table(trace: &Trace, reports: &[ReplayReport], capacity: u64) -> String {
+pub(crate) fn table(trace: &Trace, reports: &[ReplayReport], capacity: u64) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -110,7 +111,7 @@ fn conf_name(r: &ReplayReport) -> &str {
 }
 
 /// Runs the command; returns the text to print.
-pub fn run(args: &ReplayArgs) -> cudalloc::Result<String> {
+pub(crate) fn run(args: &ReplayArgs) -> cudalloc::Result<String> {
     let trace = replay::load(&args.file)?;
     let confs = if args.confs.is_empty() {
         vec![String::new(), "expandable_segments:True".to_owned()]

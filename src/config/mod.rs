@@ -36,7 +36,7 @@ pub(crate) mod live;
 /// Bytes in a MiB.
 const MIB: u64 = 1 << 20;
 /// Number of size intervals of `roundup_power2_divisions` (1 MiB, 2 MiB, … 32 GiB and above).
-pub const ROUNDUP_INTERVALS: usize = 16;
+pub(crate) const ROUNDUP_INTERVALS: usize = 16;
 /// Largest `thread_cache_mb` (1 TiB): more is a typo, not a cache.
 const MAX_THREAD_CACHE_MB: u64 = 1 << 20;
 /// `max_split_size_mb` must exceed this (PyTorch's large-buffer size, 20 MiB).

@@ -48,25 +48,26 @@
 //! for the same reason.
 
 pub mod capability;
-pub mod capture;
-pub mod cuda;
-pub mod host;
-pub mod host_memory;
+pub(crate) mod capture;
+pub(crate) mod cuda;
+pub(crate) mod host;
+pub(crate) mod host_memory;
 pub mod pattern;
 mod ranges;
 pub(crate) mod registry;
-pub mod sanitizer;
-pub mod sim;
+pub(crate) mod sanitizer;
+pub(crate) mod sim;
 pub(crate) mod vm_space;
 
 use std::fmt;
 
-pub use capability::{Graphs, Interop, Ipc, Kernels, Layer, PinnedHost, VirtualMemory};
+pub(crate) use capability::{Graphs, Interop, Ipc, Kernels, Layer, PinnedHost, VirtualMemory};
 pub use capture::{CaptureMode, CaptureStatus, GraphExecId, GraphId};
 pub use cuda::CudaDriver;
 pub use host::{HostDriver, HostDriverBuilder};
 pub use host_memory::HostAddr;
-pub use sanitizer::{SanitizeOptions, SanitizedDriver, Sanitizer};
+pub use sanitizer::SanitizedDriver;
+pub(crate) use sanitizer::{SanitizeOptions, Sanitizer};
 pub use sim::SimDriver;
 
 use crate::error::Result;

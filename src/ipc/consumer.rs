@@ -61,7 +61,7 @@ pub(crate) struct Claim {
 }
 
 impl Claim {
-    pub fn new(file: Arc<RefCounterFile>, ticket: SlotTicket) -> Self {
+    pub(crate) fn new(file: Arc<RefCounterFile>, ticket: SlotTicket) -> Self {
         Claim {
             inner: Some((file, ticket)),
             birth: Birth::now(),
@@ -70,32 +70,32 @@ impl Claim {
 
     /// Whether the producer of the claimed slot still runs (see `RefCounterFile::producer_alive`);
     /// `true` for a used claim (nothing to judge by).
-    pub fn producer_alive(&self) -> bool {
+    pub(crate) fn producer_alive(&self) -> bool {
         self.inner
             .as_ref()
             .is_none_or(|(file, _)| file.producer_alive())
     }
 
     /// Lets the count travel with the bytes (sent to another process): nothing is given back.
-    pub fn forget(mut self) {
+    pub(crate) fn forget(mut self) {
         self.inner = None;
     }
 
     /// Gives the count back to the producer now.
-    pub fn give_back(mut self) {
+    pub(crate) fn give_back(mut self) {
         if let Some((file, ticket)) = self.inner.take() {
             give_back(&file, ticket);
         }
     }
 
     /// The ref-counter file the claim counts in (`None` once used).
-    pub fn file(&self) -> Option<&Arc<RefCounterFile>> {
+    pub(crate) fn file(&self) -> Option<&Arc<RefCounterFile>> {
         self.inner.as_ref().map(|(file, _)| file)
     }
 
     /// Turns the claim into a lease of this process (see [`Lease`]). On error the count is given
     /// back (or, for an expired handle, left to the producer's reclaim).
-    pub fn into_lease(mut self) -> Result<Lease> {
+    pub(crate) fn into_lease(mut self) -> Result<Lease> {
         self.birth.check("this IPC handle")?;
         let (file, ticket) = self
             .inner
@@ -162,7 +162,7 @@ pub(crate) struct Lease {
 
 impl Lease {
     /// Whether the producer of the leased slot still runs.
-    pub fn producer_alive(&self) -> bool {
+    pub(crate) fn producer_alive(&self) -> bool {
         self.file.producer_alive()
     }
 
@@ -185,7 +185,10 @@ impl Lease {
                         .map_err(|refused| refused.into_error(slot))
                 });
                 if claimed.is_err() {
-                    let _ = file.unlock(slot);
+                    if let Err(err) = file.unlock(slot) {
+                        tracing::error!(%err, slot,
+                            "unlocking an IPC slot after a refused claim failed; the producer cannot free it while this process lives");
+                    }
                 }
                 claimed
             },
@@ -257,7 +260,7 @@ pub(crate) struct Mapping {
 
 impl Mapping {
     /// Opens `wire`'s segment through `driver`, or joins the mapping already open.
-    pub fn open(driver: &Arc<dyn Driver>, wire: &WireHandle) -> Result<Mapping> {
+    pub(super) fn open(driver: &Arc<dyn Driver>, wire: &WireHandle) -> Result<Mapping> {
         let key = (driver_key(driver), wire.memory);
         let mut table = MAPPINGS.lock();
         let maps = table.get_or_insert_with(HashMap::new);
@@ -295,7 +298,7 @@ impl Mapping {
     }
 
     /// Segments open through `driver` now.
-    pub fn open_count(driver: &Arc<dyn Driver>) -> usize {
+    pub(super) fn open_count(driver: &Arc<dyn Driver>) -> usize {
         let key = driver_key(driver);
         MAPPINGS
             .lock()
@@ -304,7 +307,7 @@ impl Mapping {
     }
 
     /// Bytes of the segments open through `driver` now.
-    pub fn open_bytes(driver: &Arc<dyn Driver>) -> u64 {
+    pub(super) fn open_bytes(driver: &Arc<dyn Driver>) -> u64 {
         let key = driver_key(driver);
         MAPPINGS.lock().as_ref().map_or(0, |maps| {
             maps.iter()
@@ -344,7 +347,7 @@ pub(crate) enum ReceivedMapping {
 
 impl ReceivedMapping {
     /// Where the mapped segment (or first page) starts here.
-    pub fn base(&self) -> DeviceAddr {
+    pub(super) fn base(&self) -> DeviceAddr {
         match self {
             ReceivedMapping::Segment(m) => m.base,
             ReceivedMapping::Pages(m) => m.base,

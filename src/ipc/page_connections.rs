@@ -338,6 +338,7 @@ impl Server<'_> {
             );
             // One try, no waiting: a fresh connection's buffer always takes a header.
             let header = ReplyHeader::refusal(Refusal::Busy, 0).encode();
+            // A peer that already left needs no answer.
             let _ = socket::send_fds_nonblocking(&stream, &header, &[]);
             return;
         }
@@ -413,6 +414,7 @@ impl Server<'_> {
                         "page server: a peer left descriptors unread; the connection lingers \
                          until it reads or closes"
                     );
+                    // A peer already gone fails this harmlessly: the lingering ends when it closes.
                     let _ = conn.stream.shutdown(std::net::Shutdown::Write);
                     conn.phase = Phase::Linger;
                     return;

@@ -84,7 +84,7 @@ pub(crate) struct PageMapping {
 
 impl PageMapping {
     /// Maps the pages `wire` names on `device` (or joins the mapping of the same pages).
-    pub fn open(
+    pub(super) fn open(
         driver: &Arc<dyn Driver>,
         wire: &WireHandle,
         pages: WirePages,
@@ -132,7 +132,7 @@ impl PageMapping {
     }
 
     /// Page spans mapped through `driver` now, and their bytes of address space.
-    pub fn mapped(driver: &Arc<dyn Driver>) -> (usize, u64) {
+    pub(super) fn mapped(driver: &Arc<dyn Driver>) -> (usize, u64) {
         let key = driver_key(driver);
         SPANS.lock().as_ref().map_or((0, 0), |spans| {
             spans

@@ -97,6 +97,7 @@ impl Drop for PageServer {
         // bounded by one pass of its loop, whatever the peers do.
         drop(self.stop.take());
         if let Some(thread) = self.thread.take() {
+            // A panic of the thread was already reported by the panic hook.
             let _ = thread.join();
         }
     }

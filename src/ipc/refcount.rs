@@ -35,9 +35,9 @@ use crate::shm::SharedMemory;
 use crate::sync::os::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// Default slots per file (PyTorch's number).
-pub const DEFAULT_SLOTS: u32 = 10_000;
+pub(crate) const DEFAULT_SLOTS: u32 = 10_000;
 /// Entries of the release ring.
-pub const RING: u32 = 1024;
+pub(crate) const RING: u32 = 1024;
 const MAGIC: u64 = u64::from_le_bytes(*b"cdalRCNT");
 const VERSION: u32 = 2;
 const HEADER: u64 = 64;
@@ -192,7 +192,7 @@ pub(crate) fn now_ms() -> u64 {
 
 impl SlotCell {
     /// Producer: gives a free slot to a new storage; returns the slot's new generation.
-    pub fn assign(&self) -> u32 {
+    pub(crate) fn assign(&self) -> u32 {
         let next = (generation_of(self.pending.0.load(Ordering::SeqCst)) as u64 + 1) & GEN_MASK;
         self.held.store(0, Ordering::SeqCst);
         self.deadline.store(0, Ordering::SeqCst);
@@ -201,7 +201,7 @@ impl SlotCell {
     }
 
     /// Producer: resets the counts of a slot whose holders are proven dead (generation kept).
-    pub fn clear(&self) {
+    pub(crate) fn clear(&self) {
         let generation = u64::from(generation_of(self.pending.0.load(Ordering::SeqCst)));
         self.held.store(0, Ordering::SeqCst);
         self.pending
@@ -210,7 +210,7 @@ impl SlotCell {
     }
 
     /// The slot's current generation.
-    pub fn generation(&self) -> u32 {
+    pub(crate) fn generation(&self) -> u32 {
         generation_of(self.pending.0.load(Ordering::SeqCst))
     }
 
@@ -219,7 +219,7 @@ impl SlotCell {
     /// time-to-live pushes it to "never" (`u64::MAX`), so counts are reclaimed only when *every*
     /// handle that may still be pending has expired — a producer and a forwarder configured
     /// differently cannot get a handle without a time-to-live refused.
-    pub fn add_pending_until(&self, expires_ms: u64) {
+    pub(crate) fn add_pending_until(&self, expires_ms: u64) {
         let expiry = if expires_ms == 0 {
             u64::MAX
         } else {
@@ -250,7 +250,11 @@ impl SlotCell {
 
     /// Consumer (lock held): becomes a holder of the handle's storage — `held` is raised before
     /// `pending` is lowered, so nobody reading `pending` then `held` sees both at 0 midway.
-    pub fn claim(&self, generation: u32, expires_ms: u64) -> std::result::Result<(), Refused> {
+    pub(crate) fn claim(
+        &self,
+        generation: u32,
+        expires_ms: u64,
+    ) -> std::result::Result<(), Refused> {
         if expires_ms != 0 && now_ms() >= expires_ms {
             return Err(Refused::Expired);
         }
@@ -262,7 +266,7 @@ impl SlotCell {
 
     /// Consumer: gives an unopened handle's count back. A stale or expired handle has no count to
     /// give (the producer already reclaimed it): that is not an error.
-    pub fn give_back(&self, generation: u32) -> std::result::Result<(), Refused> {
+    pub(crate) fn give_back(&self, generation: u32) -> std::result::Result<(), Refused> {
         match self.take_count(generation) {
             Err(Refused::Stale | Refused::Expired) => Ok(()),
             other => other,
@@ -271,7 +275,7 @@ impl SlotCell {
 
     /// Producer: past the slot's deadline, takes back every count still pending and closes the slot
     /// (later claims of those handles are refused). Returns the counts reclaimed.
-    pub fn reclaim_expired(&self, now_ms: u64) -> u64 {
+    pub(crate) fn reclaim_expired(&self, now_ms: u64) -> u64 {
         let deadline = self.deadline.load(Ordering::SeqCst);
         if deadline == 0 || deadline == u64::MAX || now_ms < deadline {
             return 0;
@@ -309,7 +313,7 @@ pub(crate) struct RefCounterFile {
 
 impl RefCounterFile {
     /// Creates a file of `slots` slots (0600, exclusive, no symlinks — see `shm.rs`).
-    pub fn create(name: &str, slots: u32) -> Result<Self> {
+    pub(crate) fn create(name: &str, slots: u32) -> Result<Self> {
         if slots == 0 {
             return Err(Error::invalid("a ref-counter file needs at least one slot"));
         }
@@ -325,7 +329,7 @@ impl RefCounterFile {
     }
 
     /// Opens another process's file and checks that it is ours in header and size.
-    pub fn open(name: &str, producer_pid: u32) -> Result<Self> {
+    pub(crate) fn open(name: &str, producer_pid: u32) -> Result<Self> {
         super::wire::validate_ref_file_name(name)?;
         let shm = SharedMemory::open(name, None)?;
         if shm.len() < HEADER + CONTROL {
@@ -362,12 +366,12 @@ impl RefCounterFile {
     }
 
     /// The file's name in `/dev/shm`.
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         self.shm.name()
     }
 
     /// Number of slots.
-    pub fn slot_count(&self) -> u32 {
+    pub(crate) fn slot_count(&self) -> u32 {
         self.slots
     }
 
@@ -406,25 +410,25 @@ impl RefCounterFile {
 
     /// The counters of `slot`; an error once an access to the file faulted because another
     /// process truncated it (`shm/guard.rs`: the counts read as zeros from then on).
-    pub fn slot(&self, slot: u32) -> Result<&SlotCell> {
+    pub(crate) fn slot(&self, slot: u32) -> Result<&SlotCell> {
         self.shm.check_not_faulted()?;
         Ok(self.at(self.slot_offset(slot)?))
     }
 
     /// Whether the producer that created the file still runs (its creator lock, valid across pid
     /// namespaces; see `shm`).
-    pub fn producer_alive(&self) -> bool {
+    pub(crate) fn producer_alive(&self) -> bool {
         self.shm.creator_alive()
     }
 
     /// An error when another process truncated the file (a fault survived, or its size now): its
     /// counts are lost, so only the slots' locks can tell who still holds a storage.
-    pub fn intact(&self) -> Result<()> {
+    pub(crate) fn intact(&self) -> Result<()> {
         self.shm.check_intact()
     }
 
     /// Consumer: records that `slot` was released (a hint for the producer's next drain).
-    pub fn push_release(&self, slot: u32) {
+    pub(crate) fn push_release(&self, slot: u32) {
         let c = self.control();
         // `head` and `tail` are written by other processes: never trusted for arithmetic.
         let pos = c.tail.fetch_add(1, Ordering::SeqCst);
@@ -442,7 +446,7 @@ impl RefCounterFile {
 
     /// Producer: takes the hints pushed since the last drain. Stops at an entry that was claimed
     /// but not yet written (it is read next time); on overflow reports it and skips ahead.
-    pub fn drain_released(&self) -> Released {
+    pub(crate) fn drain_released(&self) -> Released {
         let c = self.control();
         let mut out = Released {
             overflowed: c.overflow.swap(0, Ordering::SeqCst) != 0,
@@ -479,19 +483,19 @@ impl RefCounterFile {
     }
 
     /// Consumer: takes the shared lock on `slot`'s bytes (held while the process holds the slot).
-    pub fn lock_shared(&self, slot: u32) -> Result<()> {
+    pub(crate) fn lock_shared(&self, slot: u32) -> Result<()> {
         self.lock(slot, libc::F_RDLCK, libc::F_OFD_SETLK)
             .map(|_| ())
     }
 
     /// Consumer: releases its lock on `slot`.
-    pub fn unlock(&self, slot: u32) -> Result<()> {
+    pub(crate) fn unlock(&self, slot: u32) -> Result<()> {
         self.lock(slot, libc::F_UNLCK, libc::F_OFD_SETLK)
             .map(|_| ())
     }
 
     /// Producer: whether any process holds a lock on `slot`'s bytes.
-    pub fn is_locked(&self, slot: u32) -> Result<bool> {
+    pub(crate) fn is_locked(&self, slot: u32) -> Result<bool> {
         let fl = self.lock(slot, libc::F_WRLCK, libc::F_OFD_GETLK)?;
         Ok(fl.l_type != libc::F_UNLCK as libc::c_short)
     }

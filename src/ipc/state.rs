@@ -22,7 +22,7 @@ use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex};
 
 /// Default live interprocess-event budget (PyTorch's number).
-pub const DEFAULT_EVENT_BUDGET: usize = 1000;
+pub(crate) const DEFAULT_EVENT_BUDGET: usize = 1000;
 
 /// Everything a shared storage keeps while consumers may count on it (`producer.rs` makes it;
 /// the limbo here keeps it while consumers count).
@@ -117,7 +117,7 @@ impl std::fmt::Debug for IpcState {
 const RECENT_FILES: usize = 8;
 
 impl IpcState {
-    pub fn new(
+    pub(crate) fn new(
         driver: Arc<dyn Driver>,
         slots_per_file: u32,
         event_budget: usize,
@@ -142,7 +142,7 @@ impl IpcState {
 
     /// Keeps `file` among the recently opened ref-counter files (the oldest beyond
     /// [`RECENT_FILES`] let go).
-    pub fn keep_recent(&self, file: Arc<RefCounterFile>) {
+    pub(crate) fn keep_recent(&self, file: Arc<RefCounterFile>) {
         let mut recent = self.recent_files.lock();
         if let Some(at) = recent.iter().position(|f| Arc::ptr_eq(f, &file)) {
             recent.remove(at);
@@ -155,18 +155,18 @@ impl IpcState {
     /// Refuses use by a forked child: the ref-counter files, slots, events and page socket are the
     /// parent's (a child's share would count in the parent's slots; its pages would be served by
     /// the parent's socket, which knows nothing of them).
-    pub fn check_process(&self) -> Result<()> {
+    pub(crate) fn check_process(&self) -> Result<()> {
         self.birth
             .check("this runtime's IPC state (ref-counter files, events, page socket)")
     }
 
     /// Whether this is the process the state was made in (false in a forked child).
-    pub fn in_its_process(&self) -> bool {
+    pub(crate) fn in_its_process(&self) -> bool {
         self.birth.is_current()
     }
 
     /// The expiry of a handle made now (0 without a time-to-live).
-    pub fn handle_expiry(&self) -> u64 {
+    pub(crate) fn handle_expiry(&self) -> u64 {
         if self.handle_ttl_ms == 0 {
             0
         } else {
@@ -176,7 +176,7 @@ impl IpcState {
 
     /// Serves `pages` of the storage `key` (whose slot is in `file`) to consumers until the
     /// registration drops (starting this allocator's page server on first use).
-    pub fn serve_pages(
+    pub(crate) fn serve_pages(
         &self,
         key: SharedKey,
         pages: PagesUnder,
@@ -196,7 +196,7 @@ impl IpcState {
     /// The first address of memory in `[start, end)` shared with other processes that somebody
     /// still counts on (a consumer holds it, or a handle to it is unopened), if any: memory
     /// that a sleep must not unmap (`runtime/sleep.rs`).
-    pub fn shared_in(&self, start: u64, end: u64) -> Option<u64> {
+    pub(crate) fn shared_in(&self, start: u64, end: u64) -> Option<u64> {
         self.page_server
             .lock()
             .as_ref()
@@ -206,7 +206,7 @@ impl IpcState {
     /// Serves the shared spans that `lookup` knows with the chunks it gives (`lookup(first,
     /// page, count)`): a sleeping tag's pages were mapped again with new chunks
     /// (`runtime/sleep.rs`).
-    pub fn refresh_served(&self, lookup: impl Fn(u64, u64, u64) -> Option<Vec<ChunkId>>) {
+    pub(crate) fn refresh_served(&self, lookup: impl Fn(u64, u64, u64) -> Option<Vec<ChunkId>>) {
         if let Some(server) = self.page_server.lock().as_ref() {
             server.rechunk(lookup);
         }
@@ -214,14 +214,14 @@ impl IpcState {
 
     /// Serves nothing of the shared spans `inside(first, end)` picks until
     /// [`Self::refresh_served`] names their chunks again: a sleeping tag's pages are released.
-    pub fn pause_served(&self, inside: impl Fn(u64, u64) -> bool) {
+    pub(crate) fn pause_served(&self, inside: impl Fn(u64, u64) -> bool) {
         if let Some(server) = self.page_server.lock().as_ref() {
             server.pause(inside);
         }
     }
 
     /// Takes a free slot (creating a file when every file is full).
-    pub fn take_slot(&self) -> Result<SlotRef> {
+    pub(crate) fn take_slot(&self) -> Result<SlotRef> {
         self.check_process()?;
         let mut f = self.files.lock();
         for pf in f.files.iter_mut() {
@@ -274,7 +274,7 @@ impl IpcState {
     }
 
     /// Returns a slot; a file with no slot in use that is not the newest is unlinked and dropped.
-    pub fn give_back_slot(&self, slot: &SlotRef) {
+    pub(crate) fn give_back_slot(&self, slot: &SlotRef) {
         let mut f = self.files.lock();
         let newest = f.next_index.saturating_sub(1);
         if let Some(at) = f.files.iter().position(|pf| pf.index == slot.file_index) {
@@ -291,7 +291,7 @@ impl IpcState {
 
     /// The producer's storage died: free it now if nobody counts on its slot, else keep its
     /// memory in limbo (decided under the limbo lock, see `limbo.rs`). Then drain.
-    pub fn retire(&self, data: SentData) {
+    pub(crate) fn retire(&self, data: SentData) {
         let key = (data.slot.file_index, data.slot.slot);
         let file = Arc::clone(&data.slot.file);
         let freed = match file.intact().and_then(|()| file.slot(key.1)) {
@@ -312,7 +312,7 @@ impl IpcState {
     }
 
     /// Frees a shared storage for good: its event, its slot, then its memory.
-    pub fn free_sent(&self, data: SentData) {
+    pub(crate) fn free_sent(&self, data: SentData) {
         if let Some(event) = data.event {
             if let Err(err) = self.driver.event_destroy(event) {
                 tracing::warn!(%err, "destroying a shared storage's event failed");
@@ -324,7 +324,7 @@ impl IpcState {
     }
 
     /// Storages in limbo and their bytes.
-    pub fn limbo_size(&self) -> (usize, u64) {
+    pub(crate) fn limbo_size(&self) -> (usize, u64) {
         if self.birth.ignored_in_child("measuring the limbo") {
             return (0, 0);
         }
@@ -345,7 +345,7 @@ impl IpcState {
 
     /// Frees limbo entries whose slots consumers released since the last drain (ring hints; one
     /// scan of a file's entries if its ring overflowed). Cost ∝ releases.
-    pub fn drain(&self) -> Drained {
+    pub(crate) fn drain(&self) -> Drained {
         if self.birth.ignored_in_child("draining the limbo") {
             return Drained::default();
         }
@@ -379,7 +379,7 @@ impl IpcState {
     }
 
     /// [`Self::drain`], then reclaims limbo slots whose every holder is dead.
-    pub fn collect(&self) -> Drained {
+    pub(crate) fn collect(&self) -> Drained {
         if self.birth.ignored_in_child("collecting the limbo") {
             return Drained::default();
         }
@@ -443,7 +443,7 @@ impl IpcState {
     }
 
     /// Allocator teardown: frees what it can and warns once about what stays in limbo.
-    pub fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         if !self.birth.is_current() {
             return;
         }

@@ -245,7 +245,9 @@ impl NixlAgent {
         let agent = &self.core.agent;
         if self.core.peers.forget(&name) {
             // NIXL keeps the first copy of a peer's metadata: drop it, then load the new one.
-            let _ = agent.invalidate_remote_md(&name);
+            if let Err(err) = agent.invalidate_remote_md(&name) {
+                tracing::warn!(%err, peer = %name, "dropping a peer's old metadata before a reload failed");
+            }
         }
         let load = || agent.load_remote_md(nixl);
         // The name was checked above; should nixl-sys still panic, that is bad input too.
@@ -255,7 +257,9 @@ impl NixlAgent {
             Err(_) => return Err(Error::transfer("NIXL could not read the peer's metadata")),
         };
         if loaded != name {
-            let _ = agent.invalidate_remote_md(&loaded);
+            if let Err(err) = agent.invalidate_remote_md(&loaded) {
+                tracing::warn!(%err, peer = %loaded, "dropping metadata loaded under the wrong name failed");
+            }
             return Err(Error::transfer(format!(
                 "peer metadata names {name:?} but NIXL read {loaded:?}"
             )));

@@ -46,7 +46,7 @@ impl Drop for Core {
 impl Core {
     /// An error in a forked child: NIXL's threads and connections are the parent's, so a child
     /// never calls into the agent it inherited.
-    pub fn alive(&self) -> crate::error::Result<()> {
+    pub(crate) fn alive(&self) -> crate::error::Result<()> {
         self.birth.check("this NIXL agent")
     }
 }

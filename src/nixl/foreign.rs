@@ -28,7 +28,7 @@ const LIST_TAG: &[u8] = b"nixlDList";
 const LIST_KIND: &[u8] = b"nixlBDList";
 const DESC: usize = 24;
 /// The Python wheel's bindings module (`nixl-cu12`); a peer's may name another package.
-pub const PYTHON_BINDINGS: &str = "nixl_cu12._bindings";
+pub(super) const PYTHON_BINDINGS: &str = "nixl_cu12._bindings";
 const CLASS: &str = "nixlXferDList";
 
 fn bad(what: impl std::fmt::Display) -> Error {

@@ -97,7 +97,7 @@ pub(crate) struct Peers {
 
 impl Peers {
     /// Whether `name`'s metadata may be replaced or forgotten now.
-    pub fn may_replace(&self, name: &str) -> Result<()> {
+    pub(crate) fn may_replace(&self, name: &str) -> Result<()> {
         match self.known.lock().get(name) {
             Some(p) if p.in_flight > 0 => Err(Error::transfer(format!(
                 "{} transfers with {name} are in flight: wait for them before its metadata is \
@@ -108,7 +108,7 @@ impl Peers {
         }
     }
 
-    pub fn loaded(&self, name: &str, generation: u64) {
+    pub(crate) fn loaded(&self, name: &str, generation: u64) {
         self.known.lock().insert(
             name.to_owned(),
             Peer {
@@ -120,23 +120,23 @@ impl Peers {
 
     /// Knows `name` at generation 0 (metadata that reached NIXL by its listener) unless it is
     /// known already: a known peer keeps its generation and its transfers in flight.
-    pub fn learn(&self, name: &str) {
+    pub(crate) fn learn(&self, name: &str) {
         self.known.lock().entry(name.to_owned()).or_insert(Peer {
             generation: 0,
             in_flight: 0,
         });
     }
 
-    pub fn forget(&self, name: &str) -> bool {
+    pub(crate) fn forget(&self, name: &str) -> bool {
         self.known.lock().remove(name).is_some()
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.known.lock().len()
     }
 
     /// A transfer with `name` of descriptions up to `generation` begins (or an error says why not).
-    pub fn begin(&self, name: &str, generation: u64, what: &str) -> Result<()> {
+    pub(crate) fn begin(&self, name: &str, generation: u64, what: &str) -> Result<()> {
         let mut known = self.known.lock();
         let Some(peer) = known.get_mut(name) else {
             return Err(Error::transfer(format!(
@@ -156,7 +156,7 @@ impl Peers {
     }
 
     /// A transfer with `name` ended.
-    pub fn end(&self, name: &str) {
+    pub(crate) fn end(&self, name: &str) {
         if let Some(peer) = self.known.lock().get_mut(name) {
             peer.in_flight = peer.in_flight.saturating_sub(1);
         }

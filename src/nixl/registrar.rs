@@ -74,7 +74,7 @@ impl std::fmt::Debug for NixlRegistrar {
 }
 
 impl NixlRegistrar {
-    pub fn new(agent: Agent, mem_type: MemType) -> Self {
+    pub(crate) fn new(agent: Agent, mem_type: MemType) -> Self {
         NixlRegistrar {
             agent,
             mem_type,
@@ -84,12 +84,12 @@ impl NixlRegistrar {
     }
 
     /// The registration generation (see the field).
-    pub fn generation(&self) -> u64 {
+    pub(crate) fn generation(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
     }
 
     /// The NIXL descriptor of `len` bytes at `addr` on `device`, in this registrar's memory type.
-    pub fn region(&self, addr: u64, len: u64, device: usize) -> NixlRegion {
+    pub(crate) fn region(&self, addr: u64, len: u64, device: usize) -> NixlRegion {
         NixlRegion {
             addr,
             len,
@@ -99,24 +99,24 @@ impl NixlRegistrar {
     }
 
     /// NIXL's device id: the device ordinal for VRAM, 0 for DRAM.
-    pub fn device_id(&self, device: usize) -> u64 {
+    pub(crate) fn device_id(&self, device: usize) -> u64 {
         match self.mem_type {
             MemType::Vram => device as u64,
             _ => 0,
         }
     }
 
-    pub fn mem_type(&self) -> MemType {
+    pub(crate) fn mem_type(&self) -> MemType {
         self.mem_type
     }
 
     /// Whether region `id` is registered with this agent.
-    pub fn holds(&self, id: SegmentId) -> bool {
+    pub(crate) fn holds(&self, id: SegmentId) -> bool {
         self.handles.lock().contains_key(&id)
     }
 
     /// Regions registered now.
-    pub fn registered(&self) -> usize {
+    pub(crate) fn registered(&self) -> usize {
         self.handles.lock().len()
     }
 }

@@ -41,7 +41,7 @@ pub(crate) struct Actors {
 }
 
 impl Actors {
-    pub fn take(&self, device: usize) -> Result<StreamId> {
+    pub(crate) fn take(&self, device: usize) -> Result<StreamId> {
         let reuse = {
             let mut free = self.free.lock();
             let at = free.iter().position(|s| s.device() == device);
@@ -56,14 +56,14 @@ impl Actors {
     }
 
     /// The host saw `actor`'s transfer complete; the actor is free again.
-    pub fn finish(&self, actor: StreamId) {
+    pub(crate) fn finish(&self, actor: StreamId) {
         self.sanitizer.host_synchronized(actor);
         self.free.lock().push(actor);
     }
 
     /// `actor` found a hazard: its stream is failed (sticky), so it never serves again (it is
     /// destroyed with the agent).
-    pub fn discard(&self, actor: StreamId) {
+    pub(crate) fn discard(&self, actor: StreamId) {
         tracing::debug!(
             ?actor,
             "a transfer actor failed by the sanitizer is retired"
@@ -74,7 +74,9 @@ impl Actors {
 impl Drop for Actors {
     fn drop(&mut self) {
         for actor in self.all.lock().drain(..) {
-            let _ = self.driver.stream_destroy(actor);
+            if let Err(err) = self.driver.stream_destroy(actor) {
+                tracing::debug!(%err, ?actor, "destroying a transfer actor's stream at teardown failed");
+            }
         }
     }
 }

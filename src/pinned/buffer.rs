@@ -272,7 +272,10 @@ impl PinnedBuffer {
             if existing.is_none() {
                 self.alloc.return_event(stream.device(), event);
             }
-            let _ = driver.stream_synchronize(stream);
+            if let Err(sync_err) = driver.stream_synchronize(stream) {
+                tracing::error!(err = %sync_err, ?stream,
+                    "waiting for a pinned buffer's untracked work failed; the buffer may be reused under it");
+            }
             return Err(err);
         }
         if existing.is_none() {
@@ -322,7 +325,10 @@ impl Drop for PinnedBuffer {
                 Err(err) => {
                     // Reuse must still wait: for the whole stream, now.
                     tracing::warn!(%err, "recording a pinned buffer's stream failed; waiting for the stream");
-                    let _ = driver.stream_synchronize(stream);
+                    if let Err(sync_err) = driver.stream_synchronize(stream) {
+                        tracing::error!(err = %sync_err, ?stream,
+                            "waiting for a dropped pinned buffer's stream failed; the block may be reused under its work");
+                    }
                 }
             }
         }

@@ -89,7 +89,10 @@ pub(super) fn make(
     // `host_unregister` (`release`).
     if let Err(err) = unsafe { driver.pinned().host_register(addr, size) } {
         // SAFETY: the mapping made above, never registered.
-        let _ = unsafe { rustix::mm::munmap(ptr, len) };
+        if let Err(unmap_err) = unsafe { rustix::mm::munmap(ptr, len) } {
+            tracing::error!(err = %unmap_err, len,
+                "host memory whose registration failed could not be unmapped; it stays mapped");
+        }
         return Err(err);
     }
     Ok((addr, Source::Registered, started.elapsed()))

@@ -208,23 +208,43 @@ impl Drop for PinnedAllocator {
         for pending in &state.events {
             // Every buffer is gone (each holds the allocator); what waits must finish before
             // its memory goes back.
-            let _ = self.driver.event_synchronize(pending.event);
+            if let Err(err) = self.driver.event_synchronize(pending.event) {
+                tracing::error!(%err, block = pending.block,
+                    "waiting for a pinned block's copies at teardown failed; it is released anyway");
+            }
         }
         for pending in state.events {
-            let _ = self.driver.event_destroy(pending.event);
+            log_teardown(
+                self.driver.event_destroy(pending.event),
+                "destroying a pending event",
+            );
         }
         for (_, block) in state.blocks {
             if block.source != Source::Reserve {
-                let _ = memory::release(&*self.driver, block.addr, block.size, block.source);
+                let released = memory::release(&*self.driver, block.addr, block.size, block.source);
+                log_teardown(released.map(drop), "releasing a pinned block");
             }
         }
         if let Some(reserve) = state.reserve {
-            let _ = memory::release(&*self.driver, reserve.base, reserve.size, reserve.source);
+            let released =
+                memory::release(&*self.driver, reserve.base, reserve.size, reserve.source);
+            log_teardown(released.map(drop), "releasing the pinned reserve segment");
         }
         for events in state.event_pool {
             for event in events {
-                let _ = self.driver.event_destroy(event);
+                log_teardown(
+                    self.driver.event_destroy(event),
+                    "destroying a pooled event",
+                );
             }
         }
+    }
+}
+
+/// Logs a failed step of the allocator's teardown: what it held may stay with the driver until
+/// the driver itself is dropped.
+fn log_teardown(result: Result<()>, what: &str) {
+    if let Err(err) = result {
+        tracing::warn!(%err, "{what} at the pinned allocator's teardown failed");
     }
 }

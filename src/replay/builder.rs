@@ -43,7 +43,7 @@ pub(super) struct EventCount(usize);
 
 impl EventCount {
     /// One more event.
-    pub fn one(&mut self) -> Result<()> {
+    pub(super) fn one(&mut self) -> Result<()> {
         self.0 += 1;
         if self.0 > MAX_TRACE_EVENTS {
             return Err(exceeded(
@@ -115,7 +115,13 @@ impl Builder {
         Ok(())
     }
 
-    pub fn alloc_at(&mut self, device: usize, addr: u64, size: u64, stream: u64) -> Result<()> {
+    pub(super) fn alloc_at(
+        &mut self,
+        device: usize,
+        addr: u64,
+        size: u64,
+        stream: u64,
+    ) -> Result<()> {
         if let Some(id) = self.alloc(device, size, stream)? {
             if let Some(old) = self.by_addr.insert((device, addr), id) {
                 // The trace lost this address's free: the old allocation stays live.
@@ -133,21 +139,21 @@ impl Builder {
     }
 
     /// Frees the allocation at `addr`, or counts an unmatched free.
-    pub fn free_or_count(&mut self, device: usize, addr: u64) -> Result<()> {
+    pub(super) fn free_or_count(&mut self, device: usize, addr: u64) -> Result<()> {
         if !self.free_at(device, addr)? {
             self.unmatched_frees += 1;
         }
         Ok(())
     }
 
-    pub fn alloc_sized(&mut self, device: usize, size: u64, stream: u64) -> Result<()> {
+    pub(super) fn alloc_sized(&mut self, device: usize, size: u64, stream: u64) -> Result<()> {
         if let Some(id) = self.alloc(device, size, stream)? {
             self.by_size.entry((device, size)).or_default().push(id);
         }
         Ok(())
     }
 
-    pub fn free_sized(&mut self, device: usize, size: u64) -> Result<()> {
+    pub(super) fn free_sized(&mut self, device: usize, size: u64) -> Result<()> {
         match self.by_size.get_mut(&(device, size)).and_then(Vec::pop) {
             Some(id) => self.push(TraceOp::Free { id }),
             None => {
@@ -157,7 +163,7 @@ impl Builder {
         }
     }
 
-    pub fn finish(self, format: TraceFormat) -> Result<Trace> {
+    pub(super) fn finish(self, format: TraceFormat) -> Result<Trace> {
         if self.ops.is_empty() {
             return Err(bad(format!(
                 "no allocations found in this {}",

@@ -74,7 +74,7 @@ pub(super) struct Pickle<'a> {
 
 impl Pickle<'_> {
     /// The value `id`.
-    pub fn value(&self, id: Id) -> Value {
+    pub(super) fn value(&self, id: Id) -> Value {
         self.values.get(id as usize).copied().unwrap_or(Value::None)
     }
 
@@ -85,7 +85,7 @@ impl Pickle<'_> {
     }
 
     /// A dict's keys and values, alternating.
-    pub fn dict(&self, id: Id) -> Option<&[Id]> {
+    pub(super) fn dict(&self, id: Id) -> Option<&[Id]> {
         match self.value(id) {
             Value::Dict(c) => Some(self.items(c)),
             _ => None,
@@ -93,7 +93,7 @@ impl Pickle<'_> {
     }
 
     /// A list's or a tuple's items.
-    pub fn list(&self, id: Id) -> Option<&[Id]> {
+    pub(super) fn list(&self, id: Id) -> Option<&[Id]> {
         match self.value(id) {
             Value::List(c) | Value::Tuple(c) => Some(self.items(c)),
             _ => None,
@@ -101,7 +101,7 @@ impl Pickle<'_> {
     }
 
     /// The bytes of a string (or of bytes).
-    pub fn text(&self, id: Id) -> Option<&[u8]> {
+    pub(super) fn text(&self, id: Id) -> Option<&[u8]> {
         match self.value(id) {
             Value::Str { at, len } | Value::Bytes { at, len } => {
                 self.input.get(at as usize..at as usize + len as usize)
@@ -111,7 +111,7 @@ impl Pickle<'_> {
     }
 
     /// A non-negative integer that fits a `u64`.
-    pub fn uint(&self, id: Id) -> Option<u64> {
+    pub(super) fn uint(&self, id: Id) -> Option<u64> {
         match self.value(id) {
             Value::Int(i) => u64::try_from(i).ok(),
             Value::UInt(u) => Some(u),
@@ -120,7 +120,7 @@ impl Pickle<'_> {
     }
 
     /// The value under the string key `key` in the dict items `items` (the last, as in Python).
-    pub fn get(&self, items: &[Id], key: &str) -> Option<Id> {
+    pub(super) fn get(&self, items: &[Id], key: &str) -> Option<Id> {
         items
             .chunks_exact(2)
             .rev()

@@ -176,6 +176,7 @@ fn install_handler() -> std::io::Result<()> {
         SaFlags::SA_SIGINFO | SaFlags::SA_ONSTACK,
         SigSet::empty(),
     );
+    // Runs once (under `INSTALLED`): the cell is empty, so this set cannot fail.
     let _ = OURS.set(ours);
     // SAFETY: installs a handler that only touches atomics and makes async-signal-safe calls;
     // the previous action comes from the kernel, installed by this process's own code.
@@ -183,6 +184,7 @@ fn install_handler() -> std::io::Result<()> {
     // Kept right after ours is in place: a fault that is not ours in between finds no previous
     // action and gets the default one — the end the process meets anyway (Rust's own handler
     // also ends it, with a message, for a fault it does not own).
+    // Set once, like `OURS` above.
     let _ = PREVIOUS.set(previous);
     Ok(())
 }
@@ -227,6 +229,7 @@ extern "C" fn on_sigbus(
             break;
         }
         let offset = page - start + 1;
+        // Cannot fail: the update always returns `Some`.
         let _ = slot
             .damaged_from
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| {
@@ -261,12 +264,14 @@ fn pass_on_sent_or_foreign(
     if matches!(handler, SigHandler::SigDfl) {
         pass_on(signal, info, context);
         // The signal is blocked until this handler returns and then ends the process with the
-        // default action restored by `pass_on` (raise is async-signal-safe).
+        // default action restored by `pass_on` (raise is async-signal-safe). A signal handler
+        // has nowhere to report a failure (logging is not async-signal-safe).
         let _ = signal::raise(Signal::SIGBUS);
         return;
     }
     pass_on(signal, info, context);
     if let Some(ours) = OURS.get() {
+        // Unreportable from a signal handler; it fails only for an invalid signal or action.
         // SAFETY: sigaction is async-signal-safe; `ours` is the action installed at first use.
         let _ = unsafe { signal::sigaction(Signal::SIGBUS, ours) };
     }
@@ -280,6 +285,7 @@ fn pass_on(signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::
     {
         SigHandler::SigDfl | SigHandler::SigIgn => {
             let default = SigAction::new(SigHandler::SigDfl, SaFlags::empty(), SigSet::empty());
+            // Unreportable from a signal handler; it fails only for an invalid signal or action.
             // SAFETY: sigaction is async-signal-safe; the default action, restored, ends the
             // process when the faulting access is retried on return.
             let _ = unsafe { signal::sigaction(Signal::SIGBUS, &default) };

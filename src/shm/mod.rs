@@ -219,6 +219,7 @@ impl SharedMemory {
                 })
             }
             Err(err) => {
+                // Best effort: the error reported is the mapping's; a file left behind is swept.
                 let _ = std::fs::remove_file(path_of(name));
                 Err(err)
             }

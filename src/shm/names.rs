@@ -55,6 +55,7 @@ extern "C" fn unlink_live_names_at_exit() {
             return;
         }
         for name in live.names {
+            // At exit, with nowhere to report: one already gone is fine, one left is swept.
             let _ = std::fs::remove_file(path_of(&name));
         }
     }
@@ -76,6 +77,7 @@ fn liveness_file(pid: u32) -> Result<(String, File)> {
         let file = super::create_exclusive(&making)
             .map_err(|e| Error::host_os("creating the liveness file", format!("{making}: {e}")))?;
         if let Err(err) = ofd_lock(&file, libc::F_WRLCK, libc::F_OFD_SETLK, 0, 0) {
+            // Best effort: the lock's error is the one reported; an unlocked leftover is swept.
             let _ = std::fs::remove_file(path_of(&making));
             return Err(err);
         }
@@ -85,6 +87,7 @@ fn liveness_file(pid: u32) -> Result<(String, File)> {
             // A sweep took the file for a dead maker's between the lock and the rename: again.
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => last = Some(err),
             Err(err) => {
+                // Best effort, as above.
                 let _ = std::fs::remove_file(path_of(&making));
                 return Err(Error::host_os("renaming the liveness file", err));
             }

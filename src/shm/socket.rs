@@ -71,6 +71,7 @@ impl ShmListener {
 impl Drop for ShmListener {
     fn drop(&mut self) {
         if self.creator == std::process::id() {
+            // Already gone (a sweep took it) is fine; nothing else can be done from a drop.
             let _ = std::fs::remove_file(path_of(&self.name));
             forget_name(&self.name);
         }

@@ -16,7 +16,7 @@ use cudalloc::{
 
 /// Operations a [`FaultyDriver`] can be told to fail.
 #[derive(Debug, Default)]
-pub struct Faults {
+pub(crate) struct Faults {
     /// `copy_device_to_device` fails without enqueueing anything.
     pub device_copies: AtomicBool,
     /// `event_create` fails.
@@ -33,7 +33,7 @@ pub struct Faults {
 
 impl Faults {
     /// Appends `(call, addr, size)` to [`Faults::memory_calls`].
-    pub fn log(&self, call: &'static str, addr: u64, size: u64) {
+    pub(crate) fn log(&self, call: &'static str, addr: u64, size: u64) {
         self.memory_calls
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -41,7 +41,7 @@ impl Faults {
     }
 
     /// A copy of [`Faults::memory_calls`].
-    pub fn calls(&self) -> Vec<(&'static str, u64, u64)> {
+    pub(crate) fn calls(&self) -> Vec<(&'static str, u64, u64)> {
         self.memory_calls
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -51,7 +51,7 @@ impl Faults {
 
 /// See the module docs.
 #[derive(Debug)]
-pub struct FaultyDriver {
+pub(crate) struct FaultyDriver {
     /// The driver doing the work.
     pub inner: Arc<HostDriver>,
     /// What fails now.
@@ -60,7 +60,7 @@ pub struct FaultyDriver {
 
 impl FaultyDriver {
     /// Wraps `inner`.
-    pub fn new(inner: Arc<HostDriver>) -> Self {
+    pub(crate) fn new(inner: Arc<HostDriver>) -> Self {
         FaultyDriver {
             inner,
             faults: Arc::default(),

@@ -15,7 +15,7 @@ const ALONE_VAR: &str = "CUDALLOC_TEST_ALONE";
 /// Runs test `name` alone, for a test that forks in a binary whose other tests run meanwhile:
 /// `true` in the test binary re-executed to run that test with one test thread (the caller goes
 /// on), `false` in the caller's own run, after the re-executed one passed (the caller returns).
-pub fn alone(name: &str) -> bool {
+pub(crate) fn alone(name: &str) -> bool {
     if std::env::var(ALONE_VAR).as_deref() == Ok(name) {
         return true;
     }
@@ -36,7 +36,7 @@ pub fn alone(name: &str) -> bool {
 }
 
 /// Seconds a forked child may run before `SIGALRM` ends it (a hang is a failure, not a wait).
-pub const CHILD_DEADLINE_S: u32 = 60;
+pub(crate) const CHILD_DEADLINE_S: u32 = 60;
 
 /// Forks; the child runs `f` and `_exit`s (0 if `f` returned `Ok`). Returns the child's verdict:
 /// `Ok`, or what failed (its message, its panic, or the signal that ended it).
@@ -44,21 +44,21 @@ pub const CHILD_DEADLINE_S: u32 = 60;
 /// Fork only while no other thread of the test binary runs test code — a lock every test of the
 /// binary holds, or the test run [`alone`] — so the child inherits no lock another test's thread
 /// held at the fork; the allocator's own threads are the point.
-pub fn in_forked_child(f: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+pub(crate) fn in_forked_child(f: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
     fork_child(f).wait().map_err(|failure| failure.why)
 }
 
 /// Why a forked child failed: `hung` when it never ended by itself (its `SIGALRM`, or the
 /// parent's kill at the deadline of [`ForkedChild::wait_until`]).
 #[derive(Debug)]
-pub struct ChildFailure {
+pub(crate) struct ChildFailure {
     pub hung: bool,
     pub why: String,
 }
 
 /// A child forked by [`fork_child`], not yet waited for.
 #[must_use = "wait for the child"]
-pub struct ForkedChild {
+pub(crate) struct ForkedChild {
     pid: libc::pid_t,
     verdict: OwnedFd,
 }
@@ -67,7 +67,7 @@ pub struct ForkedChild {
 /// `f` returned `Ok`; the parent goes on at once. Several children may run at a time: each
 /// has its own pipe for its verdict (the other children inherit only read ends of it, which
 /// never hold its end of file back). Fork as [`in_forked_child`] says.
-pub fn fork_child(f: impl FnOnce() -> Result<(), String>) -> ForkedChild {
+pub(crate) fn fork_child(f: impl FnOnce() -> Result<(), String>) -> ForkedChild {
     let mut fds = [0; 2];
     // SAFETY: `fds` is a valid out-array of two descriptors.
     let rc = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) };
@@ -110,12 +110,12 @@ pub fn fork_child(f: impl FnOnce() -> Result<(), String>) -> ForkedChild {
 
 impl ForkedChild {
     /// The child's pid.
-    pub fn pid(&self) -> libc::pid_t {
+    pub(crate) fn pid(&self) -> libc::pid_t {
         self.pid
     }
 
     /// Waits for the child to end by itself (a hang ends in its `SIGALRM`); its verdict.
-    pub fn wait(self) -> Result<(), ChildFailure> {
+    pub(crate) fn wait(self) -> Result<(), ChildFailure> {
         let mut verdict = String::new();
         std::fs::File::from(self.verdict)
             .read_to_string(&mut verdict)
@@ -126,7 +126,7 @@ impl ForkedChild {
     /// Waits for the child's verdict until `deadline` at the latest — `poll` on its pipe, which
     /// ends when the child does — then kills it, a hang: a detector of children that never end,
     /// not a measure of how long they take. Its verdict.
-    pub fn wait_until(self, deadline: Instant) -> Result<(), ChildFailure> {
+    pub(crate) fn wait_until(self, deadline: Instant) -> Result<(), ChildFailure> {
         let mut file = std::fs::File::from(self.verdict);
         let mut verdict = Vec::new();
         loop {

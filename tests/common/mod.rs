@@ -6,21 +6,21 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-pub mod faulty;
-pub mod forked;
-pub mod storage;
+pub(crate) mod faulty;
+pub(crate) mod forked;
+pub(crate) mod storage;
 
 use cudalloc::{backend::CudaDriver, backend::Driver, backend::HostDriver};
 
 /// Environment variable naming a child process's role.
-pub const ROLE_VAR: &str = "CUDALLOC_TEST_CHILD_ROLE";
+pub(crate) const ROLE_VAR: &str = "CUDALLOC_TEST_CHILD_ROLE";
 /// Environment variable naming the backend a child uses.
-pub const BACKEND_VAR: &str = "CUDALLOC_TEST_CHILD_BACKEND";
+pub(crate) const BACKEND_VAR: &str = "CUDALLOC_TEST_CHILD_BACKEND";
 /// Prefix of protocol lines on a child's stdout (libtest prints its own lines too).
 const PREFIX: &str = "@@cudalloc ";
 
 /// A host driver sized for tests: 2 devices of 64 MiB.
-pub fn host_driver() -> HostDriver {
+pub(crate) fn host_driver() -> HostDriver {
     HostDriver::builder()
         .devices(2)
         .memory_per_device(64 << 20)
@@ -30,7 +30,7 @@ pub fn host_driver() -> HostDriver {
 
 /// `driver` checked by the stream sanitizer when `CUDALLOC_SANITIZE` asks for it (the suites'
 /// own driver calls are then checked as well as the allocator's).
-pub fn sanitized(driver: Arc<dyn Driver>) -> Arc<dyn Driver> {
+pub(crate) fn sanitized(driver: Arc<dyn Driver>) -> Arc<dyn Driver> {
     match cudalloc::sanitizer::SanitizeOptions::from_env().unwrap() {
         Some(options) => cudalloc::backend::SanitizedDriver::wrap(driver, options),
         None => driver,
@@ -44,17 +44,17 @@ pub fn sanitized(driver: Arc<dyn Driver>) -> Arc<dyn Driver> {
 static DEVICE: RwLock<()> = RwLock::new(());
 
 /// The process's device, shared with the other tests that only use it.
-pub fn device_shared() -> RwLockReadGuard<'static, ()> {
+pub(crate) fn device_shared() -> RwLockReadGuard<'static, ()> {
     DEVICE.read().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The process's device, alone (for a test that measures or fills it).
-pub fn device_alone() -> RwLockWriteGuard<'static, ()> {
+pub(crate) fn device_alone() -> RwLockWriteGuard<'static, ()> {
     DEVICE.write().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// A backend under test.
-pub struct TestBackend {
+pub(crate) struct TestBackend {
     /// `"host"` or `"cuda"`.
     pub name: &'static str,
     /// The driver.
@@ -65,14 +65,14 @@ pub struct TestBackend {
 
 /// Whether the suites run on the CUDA backend: `CUDALLOC_BACKEND=cuda` (on a GPU, or on the
 /// contract double of `tools/cuda-double` in CI — `scripts/cuda-double.sh`).
-pub fn cuda_suite() -> bool {
+pub(crate) fn cuda_suite() -> bool {
     std::env::var("CUDALLOC_BACKEND").is_ok_and(|b| b.trim() == "cuda")
 }
 
 /// The driver a backend-independent test runs on: CUDA in a CUDA run ([`cuda_suite`]), else the
 /// host backend ([`host_driver`]). A CUDA run without a usable driver is a failure, not a skip:
 /// it was asked for explicitly.
-pub fn test_driver() -> Arc<dyn Driver> {
+pub(crate) fn test_driver() -> Arc<dyn Driver> {
     sanitized(test_driver_unchecked())
 }
 
@@ -82,7 +82,7 @@ pub fn test_driver() -> Arc<dyn Driver> {
 /// backend with `per_process_memory_fraction` capping the allocator at `bytes`, so out-of-memory
 /// cases mean the same on both. Run such suites one test at a time on the double (its device is
 /// shared by the tests of a process).
-pub fn sized_driver(bytes: u64) -> (Arc<dyn Driver>, String) {
+pub(crate) fn sized_driver(bytes: u64) -> (Arc<dyn Driver>, String) {
     if !cuda_suite() {
         let host = HostDriver::builder()
             .devices(1)
@@ -104,7 +104,7 @@ pub fn sized_driver(bytes: u64) -> (Arc<dyn Driver>, String) {
 }
 
 /// `a` and `b` joined as one allocator setting.
-pub fn join_conf(a: &str, b: &str) -> String {
+pub(crate) fn join_conf(a: &str, b: &str) -> String {
     match (a.is_empty(), b.is_empty()) {
         (true, _) => b.to_owned(),
         (_, true) => a.to_owned(),
@@ -113,7 +113,7 @@ pub fn join_conf(a: &str, b: &str) -> String {
 }
 
 /// [`test_driver`] without the sanitizer (for tests that wrap it with options of their own).
-pub fn test_driver_unchecked() -> Arc<dyn Driver> {
+pub(crate) fn test_driver_unchecked() -> Arc<dyn Driver> {
     if cuda_suite() {
         Arc::new(CudaDriver::new().unwrap_or_else(|e| {
             panic!("CUDALLOC_BACKEND=cuda but the CUDA backend cannot start: {e}")
@@ -124,7 +124,7 @@ pub fn test_driver_unchecked() -> Arc<dyn Driver> {
 }
 
 /// The backend name [`test_driver`] uses (`"cuda"` or `"host"`).
-pub fn test_backend() -> &'static str {
+pub(crate) fn test_backend() -> &'static str {
     if cuda_suite() {
         "cuda"
     } else {
@@ -150,7 +150,7 @@ fn double_symbol(name: &std::ffi::CStr) -> Option<*mut libc::c_void> {
 
 /// Violations the CUDA contract double has recorded in this process, or `None` when the loaded
 /// `libcuda` is not the double (a real driver, or none).
-pub fn double_violations() -> Option<u64> {
+pub(crate) fn double_violations() -> Option<u64> {
     let sym = double_symbol(c"cuda_double_violations")?;
     // SAFETY: the double's `extern "C" fn() -> u64`.
     let f: extern "C" fn() -> u64 = unsafe { std::mem::transmute(sym) };
@@ -159,7 +159,7 @@ pub fn double_violations() -> Option<u64> {
 
 /// The `cudalloc` command: `CUDALLOC_CLI` when set (a machine that runs carried test binaries
 /// has it elsewhere than where cargo built it), else cargo's build of it.
-pub fn cli() -> std::path::PathBuf {
+pub(crate) fn cli() -> std::path::PathBuf {
     std::env::var_os("CUDALLOC_CLI")
         .map(Into::into)
         .unwrap_or_else(|| env!("CARGO_BIN_EXE_cudalloc").into())
@@ -167,19 +167,19 @@ pub fn cli() -> std::path::PathBuf {
 
 /// Whether the suites run on a real GPU: the CUDA backend over a `libcuda` that is not the
 /// contract double (asked after the driver loaded it).
-pub fn real_gpu() -> bool {
+pub(crate) fn real_gpu() -> bool {
     cuda_suite() && !on_the_double()
 }
 
 /// Whether the loaded `libcuda` is the contract double.
-pub fn on_the_double() -> bool {
+pub(crate) fn on_the_double() -> bool {
     double_symbol(c"cuda_double_violations").is_some()
 }
 
 /// The free device memory a test expects back once it freed everything: the whole device on the
 /// host backend and on the double; on a GPU, what is free after a warm-up — CUDA keeps memory for
 /// its context, the loaded kernels and graph launches, which no free of cudalloc's gives back.
-pub fn free_baseline(driver: &Arc<dyn Driver>) -> u64 {
+pub(crate) fn free_baseline(driver: &Arc<dyn Driver>) -> u64 {
     let total = driver.mem_info(0).unwrap().total;
     if !real_gpu() {
         return total;
@@ -216,7 +216,7 @@ pub fn free_baseline(driver: &Arc<dyn Driver>) -> u64 {
 /// Announces to the contract double that this thread is about to commit `n` prohibited driver
 /// calls on purpose (a test of a prohibition): they are logged as expected, not as violations.
 /// Returns whether the double is loaded (elsewhere nothing is announced).
-pub fn expect_double_violations(n: u64) -> bool {
+pub(crate) fn expect_double_violations(n: u64) -> bool {
     let Some(sym) = double_symbol(c"cuda_double_expect_violations") else {
         return false;
     };
@@ -228,7 +228,7 @@ pub fn expect_double_violations(n: u64) -> bool {
 
 /// Announced violations this thread has not committed yet (0: the double flagged every one), or
 /// `None` without the double.
-pub fn double_expected_left() -> Option<u64> {
+pub(crate) fn double_expected_left() -> Option<u64> {
     let sym = double_symbol(c"cuda_double_expected_left")?;
     // SAFETY: the double's `extern "C" fn() -> u64`.
     let f: extern "C" fn() -> u64 = unsafe { std::mem::transmute(sym) };
@@ -238,7 +238,7 @@ pub fn double_expected_left() -> Option<u64> {
 /// Every backend present: the host backend always, CUDA when a driver and a device exist. Prints
 /// "skipped: no CUDA driver" for the CUDA case otherwise. In a CUDA run ([`cuda_suite`]) only
 /// CUDA: the host backend had its run.
-pub fn backends(test: &str) -> Vec<TestBackend> {
+pub(crate) fn backends(test: &str) -> Vec<TestBackend> {
     if cuda_suite() {
         return vec![TestBackend {
             name: "cuda",
@@ -264,7 +264,7 @@ pub fn backends(test: &str) -> Vec<TestBackend> {
 }
 
 /// Whether the CUDA backend can run here; prints the skip line when it cannot.
-pub fn cuda_present(test: &str) -> bool {
+pub(crate) fn cuda_present(test: &str) -> bool {
     match CudaDriver::new() {
         Ok(_) => true,
         Err(err) => {
@@ -275,7 +275,7 @@ pub fn cuda_present(test: &str) -> bool {
 }
 
 /// The driver a child process uses for `backend`.
-pub fn child_driver(backend: &str) -> Arc<dyn Driver> {
+pub(crate) fn child_driver(backend: &str) -> Arc<dyn Driver> {
     sanitized(match backend {
         "cuda" => Arc::new(CudaDriver::new().unwrap()),
         _ => Arc::new(host_driver()),
@@ -283,17 +283,17 @@ pub fn child_driver(backend: &str) -> Arc<dyn Driver> {
 }
 
 /// The driver of a child process, on the backend its parent named ([`ChildProcess::spawn`]).
-pub fn child_test_driver() -> Arc<dyn Driver> {
+pub(crate) fn child_test_driver() -> Arc<dyn Driver> {
     child_driver(&std::env::var(BACKEND_VAR).unwrap_or_else(|_| "host".into()))
 }
 
 /// Hex encoding of a handle for the line protocol.
-pub fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Inverse of [`hex`].
-pub fn unhex(text: &str) -> Vec<u8> {
+pub(crate) fn unhex(text: &str) -> Vec<u8> {
     assert_eq!(text.len() % 2, 0, "odd hex length {}", text.len());
     (0..text.len())
         .step_by(2)
@@ -302,14 +302,14 @@ pub fn unhex(text: &str) -> Vec<u8> {
 }
 
 /// Inverse of [`hex`] for 64-byte handles.
-pub fn unhex64(text: &str) -> [u8; 64] {
+pub(crate) fn unhex64(text: &str) -> [u8; 64] {
     unhex(text)
         .try_into()
         .unwrap_or_else(|v: Vec<u8>| panic!("handle hex has {} bytes", v.len()))
 }
 
 /// Starts `command` with piped stdin and stdout.
-pub fn spawn_piped(command: &mut Command) -> (Child, ChildStdin, BufReader<ChildStdout>) {
+pub(crate) fn spawn_piped(command: &mut Command) -> (Child, ChildStdin, BufReader<ChildStdout>) {
     let mut child = command
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -321,7 +321,7 @@ pub fn spawn_piped(command: &mut Command) -> (Child, ChildStdin, BufReader<Child
 }
 
 /// A child process running one ignored test of the current test binary, talking over lines.
-pub struct ChildProcess {
+pub(crate) struct ChildProcess {
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
@@ -329,7 +329,7 @@ pub struct ChildProcess {
 
 /// A command that re-executes this test binary running only `entry` (an `#[ignore]`d test) as
 /// `role`.
-pub fn child_command(entry: &str, role: &str) -> Command {
+pub(crate) fn child_command(entry: &str, role: &str) -> Command {
     let mut c = Command::new(std::env::current_exe().unwrap());
     c.args([
         "--exact",
@@ -344,7 +344,7 @@ pub fn child_command(entry: &str, role: &str) -> Command {
 
 impl ChildProcess {
     /// Re-executes this test binary running only `entry` (an `#[ignore]`d test) as `role`.
-    pub fn spawn(entry: &str, role: &str, backend: &str) -> Self {
+    pub(crate) fn spawn(entry: &str, role: &str, backend: &str) -> Self {
         let mut command = child_command(entry, role);
         command.env(BACKEND_VAR, backend);
         let (child, stdin, stdout) = spawn_piped(&mut command);
@@ -357,7 +357,11 @@ impl ChildProcess {
 
     /// [`Self::spawn`] in a pid namespace of its own (`unshare --pid --fork`, whose child is
     /// pid 1 there); `Err` says why the machine refuses it.
-    pub fn spawn_in_pid_namespace(entry: &str, role: &str, backend: &str) -> Result<Self, String> {
+    pub(crate) fn spawn_in_pid_namespace(
+        entry: &str,
+        role: &str,
+        backend: &str,
+    ) -> Result<Self, String> {
         let probe = Command::new("unshare")
             .args(["--pid", "--fork", "true"])
             .stderr(std::process::Stdio::piped())
@@ -386,18 +390,18 @@ impl ChildProcess {
     }
 
     /// The child's process id.
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.id()
     }
 
     /// Sends one line.
-    pub fn send(&mut self, line: &str) {
+    pub(crate) fn send(&mut self, line: &str) {
         writeln!(self.stdin, "{line}").unwrap();
         self.stdin.flush().unwrap();
     }
 
     /// Receives the next protocol line (panics if the child exits first).
-    pub fn recv(&mut self) -> String {
+    pub(crate) fn recv(&mut self) -> String {
         loop {
             let mut line = String::new();
             let n = self.stdout.read_line(&mut line).unwrap();
@@ -410,19 +414,19 @@ impl ChildProcess {
     }
 
     /// Waits for the child to exit (however it ends) and reaps it.
-    pub fn wait(mut self) -> std::process::ExitStatus {
+    pub(crate) fn wait(mut self) -> std::process::ExitStatus {
         drop(self.stdin);
         self.child.wait().unwrap()
     }
 
     /// Kills the child with SIGKILL and reaps it.
-    pub fn kill(mut self) {
+    pub(crate) fn kill(mut self) {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
     }
 
     /// Waits for the child and asserts it succeeded.
-    pub fn finish(mut self) {
+    pub(crate) fn finish(mut self) {
         drop(self.stdin);
         let status = self.child.wait().unwrap();
         assert!(status.success(), "child failed: {status}");
@@ -430,20 +434,20 @@ impl ChildProcess {
 }
 
 /// The parent's end of the line protocol, as seen from inside a child.
-pub struct ParentLink {
+pub(crate) struct ParentLink {
     stdin: std::io::StdinLock<'static>,
 }
 
 impl ParentLink {
     /// The link of the current (child) process.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         ParentLink {
             stdin: std::io::stdin().lock(),
         }
     }
 
     /// Sends one line to the parent.
-    pub fn send(&self, line: &str) {
+    pub(crate) fn send(&self, line: &str) {
         // Written to the stdout handle directly: `println!` inside a test goes through libtest's
         // output capture.
         let mut out = std::io::stdout().lock();
@@ -452,14 +456,14 @@ impl ParentLink {
     }
 
     /// Receives one line from the parent, or `None` once the parent closed the link.
-    pub fn recv_or_eof(&mut self) -> Option<String> {
+    pub(crate) fn recv_or_eof(&mut self) -> Option<String> {
         let mut line = String::new();
         let n = self.stdin.read_line(&mut line).unwrap();
         (n > 0).then(|| line.trim_end().to_owned())
     }
 
     /// Receives one line from the parent.
-    pub fn recv(&mut self) -> String {
+    pub(crate) fn recv(&mut self) -> String {
         let mut line = String::new();
         let n = self.stdin.read_line(&mut line).unwrap();
         assert!(n > 0, "parent closed the link");
@@ -468,14 +472,14 @@ impl ParentLink {
 }
 
 /// `key=value` lookup in a space-separated protocol line.
-pub fn field<'a>(line: &'a str, key: &str) -> &'a str {
+pub(crate) fn field<'a>(line: &'a str, key: &str) -> &'a str {
     line.split(' ')
         .find_map(|kv| kv.strip_prefix(key).and_then(|rest| rest.strip_prefix('=')))
         .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
 }
 
 /// Names in /dev/shm that start with `prefix`.
-pub fn shm_names_with_prefix(prefix: &str) -> Vec<String> {
+pub(crate) fn shm_names_with_prefix(prefix: &str) -> Vec<String> {
     std::fs::read_dir("/dev/shm")
         .unwrap()
         .filter_map(|e| e.ok())
@@ -485,7 +489,7 @@ pub fn shm_names_with_prefix(prefix: &str) -> Vec<String> {
 }
 
 /// A caching allocator with the invariant scanner on, over `driver`.
-pub fn checked_allocator(driver: Arc<dyn Driver>, conf: &str) -> Arc<cudalloc::Runtime> {
+pub(crate) fn checked_allocator(driver: Arc<dyn Driver>, conf: &str) -> Arc<cudalloc::Runtime> {
     let config = test_config(conf);
     Arc::new(
         cudalloc::Runtime::builder()
@@ -498,18 +502,18 @@ pub fn checked_allocator(driver: Arc<dyn Driver>, conf: &str) -> Arc<cudalloc::R
 
 /// Whether this run of the suites uses expandable segments (`CUDALLOC_TEST_EXPANDABLE=1`): the
 /// allocator suites run a second time with them, as PyTorch's own suite does.
-pub fn expandable_run() -> bool {
+pub(crate) fn expandable_run() -> bool {
     std::env::var("CUDALLOC_TEST_EXPANDABLE").is_ok_and(|v| v == "1")
 }
 
 /// The allocator configuration `conf` with the settings of this run added (see
 /// [`with_test_settings`]).
-pub fn test_config(conf: &str) -> cudalloc::AllocatorConfig {
+pub(crate) fn test_config(conf: &str) -> cudalloc::AllocatorConfig {
     cudalloc::AllocatorConfig::parse(&with_test_settings(conf)).unwrap()
 }
 
 /// `conf` with the settings of this run added (`expandable_segments:True` in an expandable run).
-pub fn with_test_settings(conf: &str) -> String {
+pub(crate) fn with_test_settings(conf: &str) -> String {
     match (expandable_run(), conf.is_empty()) {
         (false, _) => conf.to_owned(),
         (true, true) => "expandable_segments:True".to_owned(),
@@ -519,7 +523,7 @@ pub fn with_test_settings(conf: &str) -> String {
 
 /// Holds `stream` busy: a gate on the host backend (deterministic), a 300 ms sleep kernel on CUDA.
 /// Opening (or dropping) the returned value releases a gate; a sleep releases itself.
-pub fn hold_stream(b: &TestBackend, stream: cudalloc::StreamId) -> Hold {
+pub(crate) fn hold_stream(b: &TestBackend, stream: cudalloc::StreamId) -> Hold {
     match &b.host {
         Some(h) => Hold {
             gate: Some(h.gate_stream(stream).unwrap()),
@@ -545,7 +549,7 @@ pub fn hold_stream(b: &TestBackend, stream: cudalloc::StreamId) -> Hold {
 
 /// A stream held by [`hold_stream`]: a gate on the host backend (held until dropped), and
 /// elsewhere a sleep kernel followed by a marker event, which says whether the sleep still runs.
-pub struct Hold {
+pub(crate) struct Hold {
     gate: Option<cudalloc::internals::StreamGate>,
     marker: Option<(Arc<dyn Driver>, cudalloc::backend::EventId)>,
 }
@@ -555,7 +559,7 @@ impl Hold {
     /// asked after an allocation, `true` proves it was held throughout that allocation. A hold
     /// that ran out (a loaded machine slept longer than the kernel) proves nothing: the test
     /// skips the claim instead of failing on timing.
-    pub fn still_held(&self) -> bool {
+    pub(crate) fn still_held(&self) -> bool {
         match &self.marker {
             Some((driver, event)) => !driver.event_query(*event).unwrap(),
             None => self.gate.is_some(),
@@ -574,7 +578,11 @@ impl Drop for Hold {
 
 /// Makes `waiter` wait for the work queued so far on `waited`, through the runtime's driver (so
 /// the stream sanitizer sees it).
-pub fn wait_for(rt: &cudalloc::Runtime, waiter: cudalloc::StreamId, waited: cudalloc::StreamId) {
+pub(crate) fn wait_for(
+    rt: &cudalloc::Runtime,
+    waiter: cudalloc::StreamId,
+    waited: cudalloc::StreamId,
+) {
     rt.driver().stream_wait_stream(waiter, waited).unwrap();
 }
 
@@ -582,7 +590,7 @@ pub fn wait_for(rt: &cudalloc::Runtime, waiter: cudalloc::StreamId, waited: cuda
 // Never inlined: the sanitizer's tests look for this frame in Rust stacks, which an optimized
 // build without debug information (the binaries carried to a GPU) only shows for real calls.
 #[inline(never)]
-pub fn filled_on(
+pub(crate) fn filled_on(
     rt: &Arc<cudalloc::Runtime>,
     stream: cudalloc::StreamId,
     len: u64,
@@ -597,7 +605,7 @@ pub fn filled_on(
 
 /// Storages of `sizes` allocated in tag `tag` on device 0, each filled with the pattern of
 /// `seed` plus its index (sleep and wake suites).
-pub fn tagged(
+pub(crate) fn tagged(
     rt: &Arc<cudalloc::Runtime>,
     tag: &str,
     sizes: &[u64],
@@ -616,12 +624,12 @@ pub fn tagged(
 }
 
 /// `seed:handle` (hex) for a consumer: `s` shared, the pattern seed it holds.
-pub fn offer_word(s: &cudalloc::Storage, seed: u64) -> String {
+pub(crate) fn offer_word(s: &cudalloc::Storage, seed: u64) -> String {
     format!("{seed}:{}", hex(&s.share_ipc().unwrap().into_bytes()))
 }
 
 /// The storage a `seed:handle` word ([`offer_word`]) names, opened on `rt`, and its seed.
-pub fn open_offered(
+pub(crate) fn open_offered(
     rt: &Arc<cudalloc::Runtime>,
     word: &str,
 ) -> cudalloc::Result<(cudalloc::Storage, u64)> {
@@ -636,7 +644,7 @@ pub fn open_offered(
 }
 
 /// The hazards the sanitizer of `rt` found since the last look: exactly one, of `kind`.
-pub fn one_report(
+pub(crate) fn one_report(
     rt: &cudalloc::Runtime,
     kind: cudalloc::sanitizer::HazardKind,
 ) -> cudalloc::sanitizer::HazardReport {
@@ -648,7 +656,7 @@ pub fn one_report(
 }
 
 /// The sanitizer of `rt` found nothing since the last look (its reports are taken).
-pub fn no_reports(rt: &cudalloc::Runtime) {
+pub(crate) fn no_reports(rt: &cudalloc::Runtime) {
     let reports = rt.sanitizer().unwrap().take_reports();
     assert!(
         reports.is_empty(),

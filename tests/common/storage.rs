@@ -10,7 +10,7 @@ use cudalloc::{
 
 /// A runtime over `host` with `conf`, invariants checked after every operation, the sanitizer on
 /// when `sanitize`.
-pub fn build(host: &Arc<HostDriver>, conf: &str, sanitize: bool) -> Arc<Runtime> {
+pub(crate) fn build(host: &Arc<HostDriver>, conf: &str, sanitize: bool) -> Arc<Runtime> {
     Arc::new(
         Runtime::builder()
             .config(AllocatorConfig::parse(conf).unwrap())
@@ -26,30 +26,30 @@ pub fn build(host: &Arc<HostDriver>, conf: &str, sanitize: bool) -> Arc<Runtime>
 }
 
 /// A runtime with `conf` over a fresh host driver, and the driver.
-pub fn runtime(conf: &str, sanitize: bool) -> (Arc<Runtime>, Arc<HostDriver>) {
+pub(crate) fn runtime(conf: &str, sanitize: bool) -> (Arc<Runtime>, Arc<HostDriver>) {
     let host = Arc::new(super::host_driver());
     (build(&host, conf, sanitize), host)
 }
 
 /// An ordered runtime under the sanitizer (which must stay clean: [`clean`]); a `manual` one
 /// without it, to measure the wrong bytes it would refuse.
-pub fn ordered_or_manual(conf: &str) -> (Arc<Runtime>, Arc<HostDriver>) {
+pub(crate) fn ordered_or_manual(conf: &str) -> (Arc<Runtime>, Arc<HostDriver>) {
     runtime(conf, !conf.contains("manual"))
 }
 
 /// The sanitizer's reports so far (none without it).
-pub fn reports(rt: &Runtime) -> Vec<HazardReport> {
+pub(crate) fn reports(rt: &Runtime) -> Vec<HazardReport> {
     rt.sanitizer().map(|s| s.take_reports()).unwrap_or_default()
 }
 
 /// The sanitizer found nothing.
-pub fn clean(rt: &Runtime) {
+pub(crate) fn clean(rt: &Runtime) {
     let reports = reports(rt);
     assert!(reports.is_empty(), "{reports:#?}");
 }
 
 /// Sets every `f32` of `s` to `v` with a typed kernel on `stream`.
-pub fn set(rt: &Runtime, s: &Storage, stream: StreamId, v: f32) {
+pub(crate) fn set(rt: &Runtime, s: &Storage, stream: StreamId, v: f32) {
     rt.launch_host(stream, s.writes::<f32>(), move |x| {
         x.fill(v);
         Ok(())
@@ -58,7 +58,7 @@ pub fn set(rt: &Runtime, s: &Storage, stream: StreamId, v: f32) {
 }
 
 /// The `f32`s of `s`, read by a typed kernel on a fresh stream (synchronized).
-pub fn values(rt: &Runtime, s: &Storage) -> Vec<f32> {
+pub(crate) fn values(rt: &Runtime, s: &Storage) -> Vec<f32> {
     let stream = rt.create_stream(s.device()).unwrap();
     let out = Arc::new(Mutex::new(Vec::new()));
     let sink = Arc::clone(&out);
@@ -74,11 +74,11 @@ pub fn values(rt: &Runtime, s: &Storage) -> Vec<f32> {
 
 /// A bounded wait for what a correct program never sends while a probe holds its slice (an upper
 /// bound only: a correct outcome waits it out, no outcome depends on it).
-pub const PROBE_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+pub(crate) const PROBE_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// What a probe kernel saw while it held its slice.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Seen {
+pub(crate) struct Seen {
     /// The slice's address (compare with the storage's address: zero copy when equal).
     pub ptr: u64,
     /// The signal came while the kernel held its slice.
@@ -90,14 +90,14 @@ pub struct Seen {
 }
 
 /// A probe kernel holding a storage as a slice until signalled (or [`PROBE_WAIT`]).
-pub struct Blocker {
+pub(crate) struct Blocker {
     pub seen: Arc<Mutex<Option<Seen>>>,
     pub tx: std::sync::mpsc::Sender<()>,
 }
 
 impl Blocker {
     /// What it saw (after its stream ran).
-    pub fn seen(&self) -> Seen {
+    pub(crate) fn seen(&self) -> Seen {
         self.seen.lock().unwrap().expect("the blocker ran")
     }
 }
@@ -136,17 +136,17 @@ fn probe(rt: &Runtime, stream: StreamId, x: &Storage, marker: Option<f32>) -> Bl
 }
 
 /// A probe writing `marker` into `x` on `stream`, then holding it.
-pub fn block_writing(rt: &Runtime, stream: StreamId, x: &Storage, marker: f32) -> Blocker {
+pub(crate) fn block_writing(rt: &Runtime, stream: StreamId, x: &Storage, marker: f32) -> Blocker {
     probe(rt, stream, x, Some(marker))
 }
 
 /// A probe reading `x` on `stream`, holding it.
-pub fn block_reading(rt: &Runtime, stream: StreamId, x: &Storage) -> Blocker {
+pub(crate) fn block_reading(rt: &Runtime, stream: StreamId, x: &Storage) -> Blocker {
     probe(rt, stream, x, None)
 }
 
 /// Synchronizes `streams`.
-pub fn sync(rt: &Runtime, streams: &[StreamId]) {
+pub(crate) fn sync(rt: &Runtime, streams: &[StreamId]) {
     for &s in streams {
         rt.synchronize(s).unwrap();
     }
@@ -154,7 +154,7 @@ pub fn sync(rt: &Runtime, streams: &[StreamId]) {
 
 /// A storage of 2048 bytes whose address is off a 1024-byte boundary (blocks are 512-byte aligned
 /// and packed in their segment: one of a few, with 512-byte pads between, is).
-pub fn misaligned_for_1024(rt: &Arc<Runtime>, s: StreamId) -> Storage {
+pub(crate) fn misaligned_for_1024(rt: &Arc<Runtime>, s: StreamId) -> Storage {
     let mut keep = Vec::new();
     for _ in 0..4 {
         let w = Storage::new_on(rt, s, 2048).unwrap();

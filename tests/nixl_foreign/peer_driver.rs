@@ -5,10 +5,10 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 /// The variable naming a Python with the nixl wheel and numpy.
-pub const PYTHON_VAR: &str = "CUDALLOC_NIXL_PYTHON";
+pub(crate) const PYTHON_VAR: &str = "CUDALLOC_NIXL_PYTHON";
 
 /// The foreign peer, a Python process.
-pub struct Peer {
+pub(crate) struct Peer {
     /// The Python process.
     pub child: Child,
     input: ChildStdin,
@@ -18,12 +18,12 @@ pub struct Peer {
 
 impl Peer {
     /// A peer named `name`; panics without a usable Python (the peer is the point).
-    pub fn spawn(name: &str) -> Peer {
+    pub(crate) fn spawn(name: &str) -> Peer {
         Self::start(name, None)
     }
 
     /// A peer running NIXL's metadata listener on `port`.
-    pub fn spawn_listening(name: &str, port: u16) -> Peer {
+    pub(crate) fn spawn_listening(name: &str, port: u16) -> Peer {
         Self::start(name, Some(port))
     }
 
@@ -55,13 +55,13 @@ impl Peer {
     }
 
     /// Sends one command line.
-    pub fn send(&mut self, line: &str) {
+    pub(crate) fn send(&mut self, line: &str) {
         writeln!(self.input, "{line}").unwrap();
         self.input.flush().unwrap();
     }
 
     /// The next answer, which must start with `word`; its rest.
-    pub fn expect(&mut self, word: &str) -> String {
+    pub(crate) fn expect(&mut self, word: &str) -> String {
         let mut line = String::new();
         self.output.read_line(&mut line).unwrap();
         let line = line.trim_end();

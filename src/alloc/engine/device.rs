@@ -86,7 +86,7 @@ impl DeviceCore {
         self.capturing.held_by_graphs(pool)
     }
 
-    pub fn new(
+    pub(crate) fn new(
         device: usize,
         driver: Arc<dyn Driver>,
         config: AllocatorConfig,
@@ -296,7 +296,7 @@ impl DeviceCore {
 
     /// A block for `requested` bytes from this thread's front cache of `shard` (`front.rs`).
     #[inline]
-    pub fn take_from_front(&self, shard: &Shard, requested: u64) -> Option<Allocated> {
+    pub(crate) fn take_from_front(&self, shard: &Shard, requested: u64) -> Option<Allocated> {
         if requested > size::MAX_REQUEST {
             return None;
         }
@@ -318,7 +318,7 @@ impl DeviceCore {
     /// When the whole sequence finds no memory, a pool made with `use_on_oom` may lend a free
     /// block of its own on the same stream: the block is that pool's shard's, which `lender`
     /// then holds (the caller's `DataPtr` must be owned by it).
-    pub fn allocate(
+    pub(crate) fn allocate(
         &self,
         shard: &Shard,
         requested: u64,
@@ -549,7 +549,7 @@ impl DeviceCore {
     }
 
     /// An event for a pending free, recorded on `stream`.
-    pub fn record_free_event(&self, stream: StreamId) -> Result<EventId> {
+    pub(crate) fn record_free_event(&self, stream: StreamId) -> Result<EventId> {
         let pooled = self.events.lock().pop();
         let event = match pooled {
             Some(e) => e,
@@ -565,7 +565,7 @@ impl DeviceCore {
     }
 
     /// The device's stats: the sum of its shards' plus device-wide counters.
-    pub fn stats(&self) -> DeviceStats {
+    pub(crate) fn stats(&self) -> DeviceStats {
         let mut total = self.exact_stats(false);
         for shard in self.all_shards() {
             shard.hide_fronts(&mut total);
@@ -579,7 +579,7 @@ impl DeviceCore {
     }
 
     /// Resets peaks (`peaks`) or accumulated counts (`!peaks`) in every shard.
-    pub fn reset_stats(&self, peaks: bool) {
+    pub(crate) fn reset_stats(&self, peaks: bool) {
         if peaks {
             // Peaks are the device's (`peaks.rs`): they restart from the currents there.
             self.exact_stats(true);
@@ -601,34 +601,36 @@ impl DeviceCore {
     }
 
     /// Appends every segment of the device to `out`.
-    pub fn snapshot_into(&self, out: &mut Vec<SnapshotSegment>) {
+    pub(crate) fn snapshot_into(&self, out: &mut Vec<SnapshotSegment>) {
         for shard in self.all_shards() {
             shard.segments_into(out);
         }
     }
 
     /// Checks every shard's invariants.
-    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+    pub(crate) fn check_invariants(&self) -> std::result::Result<(), String> {
         self.all_shards()
             .iter()
             .try_for_each(|s| s.state.lock().check_invariants())
     }
 
     /// Bytes of segments currently held from the driver.
-    pub fn reserved_bytes(&self) -> u64 {
+    pub(crate) fn reserved_bytes(&self) -> u64 {
         self.reserved.load(Ordering::SeqCst)
     }
 
     /// Empties the cache and detaches the shards (allocator teardown). Live blocks keep their shard
     /// alive; their segments are returned when the shard drops.
-    pub fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         for shard in self.all_shards() {
             shard.retire_fronts();
         }
         self.release_cached(true);
         let events: Vec<_> = std::mem::take(&mut *self.events.lock());
         for e in events {
-            let _ = self.free_events.event_destroy(e);
+            if let Err(err) = self.free_events.event_destroy(e) {
+                tracing::debug!(%err, "destroying a cached event at the allocator's shutdown failed");
+            }
         }
         let mut shards: Vec<_> = self.shards.write().drain().map(|(_, s)| s).collect();
         shards.append(&mut self.retired.lock());

@@ -128,7 +128,7 @@ impl DeviceCore {
 
     /// Frees every cached whole segment of the device; with `sync`, first waits for every pending
     /// free's events (PyTorch's `synchronize_and_free_events`). Returns whether anything was freed.
-    pub fn release_cached(&self, sync: bool) -> bool {
+    pub(crate) fn release_cached(&self, sync: bool) -> bool {
         if sync {
             self.sync_all.fetch_add(1, Ordering::Relaxed);
         }

@@ -35,7 +35,7 @@ static NEXT_SHARD_SERIAL: AtomicU64 = AtomicU64::new(1);
 impl DeviceCore {
     /// The shard of `stream` in memory pool `pool`, created on first use — for a pool, from a
     /// retired pool's empty shard of the same stream when there is one (`mem_pool.rs`).
-    pub fn shard_in(
+    pub(crate) fn shard_in(
         self: &Arc<Self>,
         stream: StreamId,
         pool: MemPoolId,

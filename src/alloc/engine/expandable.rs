@@ -56,7 +56,7 @@ impl Shard {
     /// The pages under `[ptr of block id, + len)` when the block lies in an expandable segment
     /// (`None` for a whole segment). Every page must be mapped: an unmapped one is an error (it
     /// would be a bug of the release paths).
-    pub fn pages_under(&self, id: BlockId, len: u64) -> Result<Option<PagesUnder>> {
+    pub(crate) fn pages_under(&self, id: BlockId, len: u64) -> Result<Option<PagesUnder>> {
         let st = self.state.lock();
         let block = &st.blocks[id];
         let Some(pages) = st.expandable.get(&block.segment) else {
@@ -93,7 +93,7 @@ impl Shard {
 
 impl ShardState {
     /// The base of this shard's expandable segment of `pool`, if made.
-    pub fn expandable_base(&self, pool: PoolKind) -> Option<u64> {
+    pub(crate) fn expandable_base(&self, pool: PoolKind) -> Option<u64> {
         // At most two expandable segments per shard (one per pool): a scan is the lookup.
         self.expandable
             .keys()
@@ -103,7 +103,7 @@ impl ShardState {
 
     /// Registers a new expandable segment over the reservation `[base, base + reserved)`: one
     /// unmapped block.
-    pub fn add_expandable(&mut self, base: u64, reserved: u64, pool: PoolKind, page: u64) {
+    pub(crate) fn add_expandable(&mut self, base: u64, reserved: u64, pool: PoolKind, page: u64) {
         let id = self.blocks.insert(Block {
             ptr: base,
             size: reserved,
@@ -140,7 +140,7 @@ impl ShardState {
 
     /// Where to map pages so that a request of `rounded` bytes fits: (address, length) — at the
     /// start of the lowest unmapped block that can hold it with the free block before it.
-    pub fn growth_plan(&self, pool: PoolKind, rounded: u64) -> Option<(u64, u64)> {
+    pub(crate) fn growth_plan(&self, pool: PoolKind, rounded: u64) -> Option<(u64, u64)> {
         let base = self.expandable_base(pool)?;
         let pages = self.expandable.get(&base)?;
         if pages.asleep.is_some() {
@@ -169,7 +169,7 @@ impl ShardState {
 
     /// Records pages mapped at `[addr, addr + len)` (planned by [`Self::growth_plan`]): the
     /// start of that unmapped block becomes free memory (merged with a free block before it).
-    pub fn commit_growth(&mut self, addr: u64, len: u64, chunks: Vec<(u64, ChunkId)>) {
+    pub(crate) fn commit_growth(&mut self, addr: u64, len: u64, chunks: Vec<(u64, ChunkId)>) {
         let Some(id) = self.block_at(addr) else {
             return;
         };
@@ -192,7 +192,7 @@ impl ShardState {
 
     /// Unmaps the whole pages inside free blocks of expandable segments that satisfy `select`,
     /// until `enough(bytes)`; returns the pages for the caller to give back to the driver.
-    pub fn take_free_pages(
+    pub(crate) fn take_free_pages(
         &mut self,
         select: impl Fn(&Block) -> bool,
         enough: impl Fn(u64) -> bool,
@@ -260,7 +260,7 @@ impl ShardState {
     }
 
     /// The pages at `[addr, addr + len)` (taken by [`Self::take_free_pages`]) are unmapped now.
-    pub fn finish_release(&mut self, addr: u64) {
+    pub(crate) fn finish_release(&mut self, addr: u64) {
         if let Some(id) = self.block_at(addr) {
             if self.blocks[id].state == BlockState::Releasing {
                 self.blocks[id].state = BlockState::Unmapped;
@@ -271,7 +271,7 @@ impl ShardState {
 
     /// Removes the expandable segments that are wholly unmapped (shard teardown); returns their
     /// bases for the caller to free the reservations.
-    pub fn take_empty_expandable(&mut self) -> Vec<u64> {
+    pub(crate) fn take_empty_expandable(&mut self) -> Vec<u64> {
         let empty: Vec<u64> = self
             .expandable
             .keys()
@@ -295,7 +295,7 @@ impl ShardState {
 
     /// The free block holding `addr` after a growth, cut to exactly `rounded` bytes from its start
     /// (the rest stays free), ready for `allocate`.
-    pub fn grown_block(&mut self, addr: u64, rounded: u64) -> Option<BlockId> {
+    pub(crate) fn grown_block(&mut self, addr: u64, rounded: u64) -> Option<BlockId> {
         let (&base, seg) = self.segments.range(..=addr).next_back()?;
         let mut at = Some(seg.head);
         while let Some(id) = at {
@@ -318,7 +318,7 @@ impl ShardState {
     }
 
     /// The address of the free block right before the unmapped block starting at `addr`.
-    pub fn block_before_unmapped(&self, addr: u64) -> Option<u64> {
+    pub(crate) fn block_before_unmapped(&self, addr: u64) -> Option<u64> {
         let id = self.block_at(addr)?;
         let prev = self.blocks[id].prev?;
         (self.blocks[prev].state == BlockState::Free).then_some(self.blocks[prev].ptr)
@@ -449,8 +449,7 @@ impl DeviceCore {
             // Give back what was mapped of this step; the request fails as out of memory (or
             // with the driver's error).
             for &(at, chunk) in &mapped {
-                let _ = self.driver.vm().vm_unmap(DeviceAddr(at), page);
-                let _ = self.driver.vm().vm_release_chunk(chunk);
+                self.unmap_fresh_page(at, page, chunk, "a failed growth");
             }
             self.reserved.fetch_sub(len, Ordering::SeqCst);
             return match err {
@@ -497,9 +496,29 @@ impl DeviceCore {
         match self.driver.vm().vm_map(DeviceAddr(at), chunk) {
             Ok(()) => Ok(chunk),
             Err(err) => {
-                let _ = self.driver.vm().vm_release_chunk(chunk);
+                if let Err(release_err) = self.driver.vm().vm_release_chunk(chunk) {
+                    tracing::error!(err = %release_err, at, page,
+                        "releasing a chunk that could not be mapped failed; it leaks");
+                }
                 Err(err)
             }
+        }
+    }
+
+    /// Rolls back a page that [`Self::map_fresh_page`] mapped at `at`, for `what` (the step that
+    /// failed): unmaps it and releases its chunk, logging what fails (the memory may leak).
+    pub(in crate::alloc) fn unmap_fresh_page(
+        &self,
+        at: u64,
+        page: u64,
+        chunk: ChunkId,
+        what: &str,
+    ) {
+        if let Err(err) = self.driver.vm().vm_unmap(DeviceAddr(at), page) {
+            tracing::error!(%err, at, page, "unmapping a page on the rollback of {what} failed");
+        }
+        if let Err(err) = self.driver.vm().vm_release_chunk(chunk) {
+            tracing::error!(%err, at, page, "releasing a page's chunk on the rollback of {what} failed");
         }
     }
 

@@ -37,7 +37,7 @@ fn compare(name: &str, stat: &PoolStats, want: &[i64; 3]) -> Result<(), String> 
 
 impl ShardState {
     /// Checks every structural invariant and recounts the stats; `Err` says what is broken.
-    pub fn check_invariants(&self) -> Result<(), String> {
+    pub(crate) fn check_invariants(&self) -> Result<(), String> {
         let mut visited = 0usize;
         let mut recount = Recount::default();
         for (&base, seg) in &self.segments {

@@ -224,7 +224,7 @@ impl ShardState {
     /// for the first time since the book read it. When true, the settle calls
     /// [`DeviceCore::reconcile_peaks`] next, on this thread, after unlocking.
     #[inline]
-    pub fn take_over_budget(&mut self) -> bool {
+    pub(crate) fn take_over_budget(&mut self) -> bool {
         let over = std::mem::take(&mut self.over_budget);
         if !over && self.stats.unread.0 {
             return false;
@@ -255,7 +255,7 @@ impl DeviceCore {
 
     /// After a settle that had to tell the book: records the shard as unread and, when it went
     /// past its budget, reconciles (see the module docs).
-    pub fn reconcile_peaks(&self) {
+    pub(crate) fn reconcile_peaks(&self) {
         let settling = SETTLING.with(Cell::take);
         let reads = {
             let mut book = self.peaks.lock();
@@ -280,7 +280,7 @@ impl DeviceCore {
 
     /// Every shard's statistics added up, with exact device-wide peaks (`reset`: the peaks start
     /// again from the currents).
-    pub fn exact_stats(&self, reset: bool) -> DeviceStats {
+    pub(crate) fn exact_stats(&self, reset: bool) -> DeviceStats {
         let mut total = DeviceStats::default();
         let reads = {
             let mut book = self.peaks.lock();

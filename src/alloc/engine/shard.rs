@@ -125,7 +125,7 @@ impl Shard {
 impl Shard {
     /// The owner dropped block `id` (the `DataPtr` free path). Returns true when this released
     /// the last block of an orphaned shard: the caller then calls [`Shard::release_orphan`].
-    pub fn free(&self, id: BlockId) -> bool {
+    pub(crate) fn free(&self, id: BlockId) -> bool {
         let core = &self.core;
         let mut st = self.state.lock();
         let (ptr, size) = (st.blocks[id].ptr, st.blocks[id].size);
@@ -160,7 +160,7 @@ impl Shard {
 
     /// Leaves `shard` to its handed-out blocks (allocator teardown): dropped now when none is out,
     /// else kept alive by one leaked reference that the last block's release gives back.
-    pub fn orphan(shard: Arc<Shard>) {
+    pub(crate) fn orphan(shard: Arc<Shard>) {
         let mut st = shard.state.lock();
         if st.owners == 0 {
             drop(st);
@@ -168,7 +168,8 @@ impl Shard {
         }
         st.orphaned = true;
         drop(st);
-        // Reclaimed by `release_orphan`, called once by the owner whose `free` cleared the flag.
+        // Leaked on purpose: reclaimed by `release_orphan`, called once by the owner whose `free`
+        // cleared the flag.
         let _ = Arc::into_raw(shard);
     }
 
@@ -178,7 +179,7 @@ impl Shard {
     /// # Safety
     /// `block` must be handed out by `shard` and owned by the caller, who gives it up here (it is
     /// counted among the shard's owners, which keeps the pointer valid until this call).
-    pub unsafe fn free_and_release(shard: NonNull<Shard>, block: BlockId) {
+    pub(crate) unsafe fn free_and_release(shard: NonNull<Shard>, block: BlockId) {
         // SAFETY: the caller's block keeps the shard alive until `free` has released it.
         let orphan_released = unsafe { shard.as_ref() }.free(block);
         if orphan_released {
@@ -202,7 +203,7 @@ impl Shard {
     /// Gives back block `id`, just handed out, that no owner can name (its index does not fit
     /// 32 bits): the error the allocation returns instead.
     #[cold]
-    pub fn refuse_block(&self, id: BlockId) -> Error {
+    pub(crate) fn refuse_block(&self, id: BlockId) -> Error {
         let orphan_released = self.free(id);
         debug_assert!(
             !orphan_released,
@@ -226,14 +227,14 @@ impl Shard {
     }
 
     /// Base address and size of the segment holding block `id`.
-    pub fn segment_of(&self, id: BlockId) -> (u64, u64) {
+    pub(crate) fn segment_of(&self, id: BlockId) -> (u64, u64) {
         let st = self.state.lock();
         let base = st.blocks[id].segment;
         (base, st.segments.get(&base).map_or(0, |s| s.size))
     }
 
     /// Marks block `id` as used by `stream` (`record_stream`).
-    pub fn record_use(&self, id: BlockId, stream: StreamId) -> Result<()> {
+    pub(crate) fn record_use(&self, id: BlockId, stream: StreamId) -> Result<()> {
         if stream == self.stream() {
             return Ok(());
         }
@@ -296,7 +297,7 @@ impl Shard {
     /// A new front cache for the calling thread, registered with this shard; `None` once the
     /// allocator is shutting down (checked under the registry's lock, which
     /// [`Self::retire_fronts`] takes too, so no cache can start after the last retire).
-    pub fn register_front(&self) -> Option<Arc<FrontCache>> {
+    pub(crate) fn register_front(&self) -> Option<Arc<FrontCache>> {
         let mut registry = self.fronts.lock();
         if registry.closed {
             return None;
@@ -312,7 +313,7 @@ impl Shard {
     /// # Safety
     /// `cache` must be a front cache of `shard` (its blocks are counted among the shard's owners,
     /// which keeps the pointer valid while any is held).
-    pub unsafe fn flush_front(shard: NonNull<Shard>, cache: &FrontCache, retire: bool) {
+    pub(crate) unsafe fn flush_front(shard: NonNull<Shard>, cache: &FrontCache, retire: bool) {
         for e in cache.take_all(retire) {
             // SAFETY: the block was handed out by this shard and is still counted among its
             // owners (the cache took it over from its `BlockOwner`), so the shard is alive, and
@@ -322,7 +323,7 @@ impl Shard {
     }
 
     /// Flushes every front cache of this shard (out of memory, `empty_cache`).
-    pub fn flush_fronts(&self) {
+    pub(crate) fn flush_fronts(&self) {
         let caches = self.fronts.lock().caches.clone();
         for cache in caches {
             // SAFETY: a cache registered with this shard; the caller's reference keeps the shard
@@ -332,7 +333,7 @@ impl Shard {
     }
 
     /// Closes this shard to new front caches and retires every one it has (allocator drop).
-    pub fn retire_fronts(&self) {
+    pub(crate) fn retire_fronts(&self) {
         let caches = {
             let mut registry = self.fronts.lock();
             registry.closed = true;
@@ -346,7 +347,7 @@ impl Shard {
 
     /// Subtracts what this shard's front caches hold from `stats` (registry → cache → shard
     /// state, the lock order of `front.rs`).
-    pub fn hide_fronts(&self, stats: &mut DeviceStats) {
+    pub(crate) fn hide_fronts(&self, stats: &mut DeviceStats) {
         for cache in &self.fronts.lock().caches {
             cache.with_entries(|entries| {
                 let blocks = &self.state.lock().blocks;
@@ -377,10 +378,20 @@ impl Drop for Shard {
         // Only reached after the allocator shut down and the last block of this shard was freed.
         let stream = self.stream();
         let st = self.state.get_mut();
+        let free_events = &self.core.free_events;
         for e in st.pending_events() {
-            let _ = self.core.free_events.event_synchronize(e);
+            if let Err(err) = free_events.event_synchronize(e) {
+                tracing::warn!(%err, "synchronizing a pending free at a shard's teardown failed; its segment is released anyway");
+            }
         }
-        let _ = st.complete_events(|_| Ok(true));
+        // The allocator's event pool was emptied at its shutdown: the completed events are
+        // destroyed here. The freed ranges need no trace at teardown.
+        let (completed, _freed) = st.complete_events(|_| Ok(true));
+        for e in completed {
+            if let Err(err) = free_events.event_destroy(e) {
+                tracing::debug!(%err, "destroying a pending free's event at a shard's teardown failed");
+            }
+        }
         let taken = st.take_free_segments(|_| true, ReleaseOrder::Largest, |_| false);
         self.core.free_segments(stream, taken);
         let pages = st.take_free_pages(|_| true, |_| false);

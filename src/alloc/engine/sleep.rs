@@ -42,7 +42,7 @@ type SegmentPages = (u64, u64, Vec<(u64, ChunkId)>);
 impl ShardState {
     /// The streams a sleep waits for: `own`, every stream recorded on an allocated or pending
     /// block, every stream with pending-free events.
-    pub fn sleep_streams(&self, own: StreamId) -> Vec<StreamId> {
+    pub(crate) fn sleep_streams(&self, own: StreamId) -> Vec<StreamId> {
         let mut streams = vec![own];
         for (_, b) in &self.blocks {
             if matches!(b.state, BlockState::Allocated | BlockState::PendingFree) {
@@ -56,7 +56,7 @@ impl ShardState {
     }
 
     /// The allocated blocks now, `(address, size)` by address: the bytes a wake restores.
-    pub fn allocated_ranges(&self) -> Vec<(u64, u64)> {
+    pub(crate) fn allocated_ranges(&self) -> Vec<(u64, u64)> {
         let mut out: Vec<(u64, u64)> = self
             .blocks
             .iter()
@@ -70,7 +70,7 @@ impl ShardState {
     /// Puts every expandable segment of the shard to sleep: its mapped pages leave `chunks` (for
     /// the caller to unmap and release) and are remembered for the wake; reserved bytes drop by
     /// them.
-    pub fn take_pages_for_sleep(&mut self) -> Vec<SegmentPages> {
+    pub(crate) fn take_pages_for_sleep(&mut self) -> Vec<SegmentPages> {
         let mut out = Vec::new();
         for (base, pages) in self.expandable.iter_mut() {
             let Some(pool) = self.segments.get(base).map(|s| s.pool) else {
@@ -93,7 +93,7 @@ impl ShardState {
     }
 
     /// The asleep segments' pages to map back: `(base, page size, addresses)`.
-    pub fn pages_to_wake(&self) -> Vec<(u64, u64, Vec<u64>)> {
+    pub(crate) fn pages_to_wake(&self) -> Vec<(u64, u64, Vec<u64>)> {
         self.expandable
             .iter()
             .filter_map(|(&base, p)| p.asleep.as_ref().map(|a| (base, p.page, a.clone())))
@@ -101,7 +101,7 @@ impl ShardState {
     }
 
     /// The pages of asleep segment `base` are mapped again with `chunks`: awake.
-    pub fn commit_wake(&mut self, base: u64, chunks: Vec<(u64, ChunkId)>) {
+    pub(crate) fn commit_wake(&mut self, base: u64, chunks: Vec<(u64, ChunkId)>) {
         let Some(pool) = self.segments.get(&base).map(|s| s.pool) else {
             return;
         };
@@ -120,7 +120,7 @@ impl ShardState {
     /// Teardown of a shard whose segments still sleep (the allocator dropped before the wake):
     /// those that hold no allocated block are removed, their `(base, size)` returned for the
     /// caller to free the reservations (no page is mapped) and tell the sanitizer.
-    pub fn take_asleep_segments(&mut self) -> Vec<(u64, u64)> {
+    pub(crate) fn take_asleep_segments(&mut self) -> Vec<(u64, u64)> {
         let idle: Vec<u64> = self
             .expandable
             .iter()
@@ -321,8 +321,7 @@ impl DeviceCore {
         if let Some(err) = failure {
             for (_, page, chunks) in &mapped {
                 for &(at, chunk) in chunks {
-                    let _ = self.driver.vm().vm_unmap(DeviceAddr(at), *page);
-                    let _ = self.driver.vm().vm_release_chunk(chunk);
+                    self.unmap_fresh_page(at, *page, chunk, "a failed wake");
                 }
             }
             self.reserved.fetch_sub(total, Ordering::SeqCst);

@@ -93,7 +93,7 @@ impl ShardState {
     }
 
     /// Best fit in `pool` for a rounded request, under the oversize rules.
-    pub fn find_fit(&self, pool: PoolKind, rounded: u64) -> Option<BlockId> {
+    pub(crate) fn find_fit(&self, pool: PoolKind, rounded: u64) -> Option<BlockId> {
         let set = match pool {
             PoolKind::Small => &self.free_small,
             PoolKind::Large => &self.free_large,
@@ -103,7 +103,7 @@ impl ShardState {
     }
 
     /// Registers a new segment from the driver as one free block; returns it.
-    pub fn add_segment(&mut self, ptr: u64, seg_size: u64, pool: PoolKind) -> BlockId {
+    pub(crate) fn add_segment(&mut self, ptr: u64, seg_size: u64, pool: PoolKind) -> BlockId {
         self.stats.num_device_alloc += 1;
         self.enter_segment(ptr, seg_size, pool)
     }
@@ -153,7 +153,7 @@ impl ShardState {
     /// Takes the best fit for a rounded request out of `pool` (under the oversize rules) and hands
     /// it out: [`Self::find_fit`] then [`Self::allocate`] with one search of the pool.
     #[inline]
-    pub fn allocate_best_fit(
+    pub(crate) fn allocate_best_fit(
         &mut self,
         pool: PoolKind,
         rounded: u64,
@@ -170,7 +170,7 @@ impl ShardState {
 
     /// Hands out free block `id` for a request (splitting off the remainder when the policy says
     /// so); returns the allocated block (the same id).
-    pub fn allocate(&mut self, id: BlockId, rounded: u64, requested: u64) -> BlockId {
+    pub(crate) fn allocate(&mut self, id: BlockId, rounded: u64, requested: u64) -> BlockId {
         self.remove_free(id);
         self.hand_out(id, rounded, requested)
     }
@@ -211,7 +211,7 @@ impl ShardState {
 
     /// Allocated block `id`, handed out for a request of `rounded` bytes.
     #[inline]
-    pub fn allocated(&self, id: BlockId, rounded: u64) -> Allocated {
+    pub(crate) fn allocated(&self, id: BlockId, rounded: u64) -> Allocated {
         Allocated {
             block: id,
             ptr: self.blocks[id].ptr,
@@ -223,7 +223,7 @@ impl ShardState {
     }
 
     /// Records that `stream` (not the shard's own) used allocated block `id`.
-    pub fn record_use(&mut self, id: BlockId, stream: StreamId) {
+    pub(crate) fn record_use(&mut self, id: BlockId, stream: StreamId) {
         let uses = &mut self.blocks[id].stream_uses;
         if !uses.contains(&stream) {
             uses.push(stream);
@@ -232,7 +232,7 @@ impl ShardState {
 
     /// The caller dropped block `id`. Returns the streams that used it (events must be recorded on
     /// each, then [`Self::add_pending`]); when none, the block is free already.
-    pub fn release(&mut self, id: BlockId) -> Vec<StreamId> {
+    pub(crate) fn release(&mut self, id: BlockId) -> Vec<StreamId> {
         let b = &mut self.blocks[id];
         debug_assert_eq!(b.state, BlockState::Allocated);
         let (size, pool, requested) = (b.size, b.pool, b.requested);
@@ -255,7 +255,7 @@ impl ShardState {
     }
 
     /// Queues `event` (recorded on `stream`) as one of the waits of pending block `id`.
-    pub fn add_pending(&mut self, id: BlockId, stream: StreamId, event: EventId) {
+    pub(crate) fn add_pending(&mut self, id: BlockId, stream: StreamId, event: EventId) {
         self.blocks[id].pending_events += 1;
         self.pending
             .entry(stream)
@@ -265,7 +265,7 @@ impl ShardState {
 
     /// A pending block whose events could not all be recorded: wait is impossible, so the caller
     /// synchronized instead; the block is free now.
-    pub fn finish_pending_without_events(&mut self, id: BlockId) {
+    pub(crate) fn finish_pending_without_events(&mut self, id: BlockId) {
         if self.blocks[id].pending_events == 0 {
             self.finish_free(id);
         }
@@ -360,7 +360,7 @@ impl ShardState {
     /// Polls the pending events of every using stream in order; frees blocks whose last event
     /// completed. Returns the completed events (for reuse) and the (address, size) of each block
     /// that became free. A failing query stops that stream's queue (the blocks stay pending).
-    pub fn complete_events(
+    pub(crate) fn complete_events(
         &mut self,
         mut query: impl FnMut(EventId) -> Result<bool>,
     ) -> (Vec<EventId>, Vec<(u64, u64)>) {
@@ -396,14 +396,14 @@ impl ShardState {
     }
 
     /// Whether any free is waiting for events.
-    pub fn has_pending(&self) -> bool {
+    pub(crate) fn has_pending(&self) -> bool {
         !self.pending.is_empty()
     }
 
     /// Removes free blocks that span a whole segment and satisfy `select`, visited in `order`,
     /// stopping once `enough(freed_bytes)` holds. Returns the segments (base, size) for the caller
     /// to give back to the driver.
-    pub fn take_free_segments(
+    pub(crate) fn take_free_segments(
         &mut self,
         select: impl Fn(&Block) -> bool,
         order: ReleaseOrder,
@@ -460,7 +460,7 @@ impl ShardState {
 
     /// Takes every pending event (for a synchronous drain): the caller synchronizes them and then
     /// calls [`Self::complete_events`] with an always-true query.
-    pub fn pending_events(&self) -> Vec<EventId> {
+    pub(crate) fn pending_events(&self) -> Vec<EventId> {
         self.pending
             .values()
             .flat_map(|q| q.iter().map(|&(e, _)| e))

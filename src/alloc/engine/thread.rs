@@ -88,7 +88,7 @@ struct ThreadFronts(Vec<ThreadFront>);
 impl Drop for ThreadFronts {
     fn drop(&mut self) {
         // Forget the slots' pointers first: frees during the rest of this thread's teardown go
-        // straight to their shards.
+        // straight to their shards. (`try_with` fails only once the cache itself is gone.)
         let _ = SHARDS.try_with(|cache| {
             for slot in cache.borrow_mut().0.iter_mut() {
                 slot.front = std::ptr::null();
@@ -194,6 +194,7 @@ pub(crate) fn enter_pool(
 /// Ends the pool scope `token` (scopes may end in any order).
 pub(crate) fn leave_pool(alloc: u64, device: usize, token: u64) {
     forget_device_shards(alloc, device);
+    // At thread exit the scopes are gone with the thread's state: nothing to end.
     let _ = STATE.try_with(|s| s.borrow_mut().pools.retain(|&(_, t, ..)| t != token));
 }
 
@@ -357,6 +358,7 @@ fn start_front(shard: &Shard) -> Option<*const FrontCache> {
             let before = fronts.0.len();
             fronts.0.retain(|f| !f.cache.is_retired());
             if fronts.0.len() != before {
+                // No slot cache (thread exit): no pointer to forget.
                 let _ = SHARDS.try_with(|cache| {
                     for slot in cache.borrow_mut().0.iter_mut() {
                         slot.front = std::ptr::null();
@@ -371,6 +373,7 @@ fn start_front(shard: &Shard) -> Option<*const FrontCache> {
         })
         .ok()
         .flatten()?;
+    // No slot cache (thread exit): the front is found through `FRONTS` next time.
     let _ = SHARDS.try_with(|cache| {
         for slot in cache.borrow_mut().0.iter_mut() {
             if std::ptr::eq(slot.shard, shard) && slot.serial == shard.serial() {
@@ -394,6 +397,7 @@ fn forget_current_shards(alloc: u64, device: usize) {
 
 /// Forgets this thread's cached shards of `device`, by stream and by current stream.
 fn forget_device_shards(alloc: u64, device: usize) {
+    // No slot cache (thread exit): nothing cached to forget.
     let _ = SHARDS.try_with(|cache| {
         for slot in cache.borrow_mut().0.iter_mut() {
             let of_device = match slot.key {

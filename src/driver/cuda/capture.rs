@@ -241,13 +241,15 @@ impl CudaDriver {
         for e in self.graph_execs.drain() {
             if self.bind(e.device).is_ok() {
                 // SAFETY: drained from the table: destroyed once.
-                let _ = unsafe { sys::cuGraphExecDestroy(e.raw.0) };
+                super::log_teardown("cuGraphExecDestroy", unsafe {
+                    sys::cuGraphExecDestroy(e.raw.0)
+                });
             }
         }
         for g in self.graphs.drain() {
             if self.bind(g.device).is_ok() {
                 // SAFETY: drained from the table: destroyed once.
-                let _ = unsafe { sys::cuGraphDestroy(g.raw.0) };
+                super::log_teardown("cuGraphDestroy", unsafe { sys::cuGraphDestroy(g.raw.0) });
             }
         }
     }

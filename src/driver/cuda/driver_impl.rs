@@ -565,7 +565,13 @@ impl Ipc for CudaDriver {
             });
             if let Err(err) = sized {
                 // SAFETY: mapped just above and known to no one else.
-                let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
+                let closed = check("cuIpcCloseMemHandle", unsafe {
+                    sys::cuIpcCloseMemHandle(ptr)
+                });
+                if let Err(close_err) = closed {
+                    tracing::error!(err = %close_err, ptr,
+                        "closing an IPC mapping whose size could not be read failed; it stays mapped");
+                }
                 return Err(err);
             }
             Ok((ptr, size as u64))

@@ -220,13 +220,14 @@ impl CudaDriver {
             let ptr = base as usize as *mut c_void;
             // SAFETY: each entry was locked by this driver and is freed once, here; the driver is
             // being dropped, so no copy of its can be enqueued any more.
-            let _ = unsafe {
+            let (call, rc) = unsafe {
                 if entry.registered {
-                    sys::cuMemHostUnregister(ptr)
+                    ("cuMemHostUnregister", sys::cuMemHostUnregister(ptr))
                 } else {
-                    sys::cuMemFreeHost(ptr)
+                    ("cuMemFreeHost", sys::cuMemFreeHost(ptr))
                 }
             };
+            super::log_teardown(call, rc);
         }
     }
 }

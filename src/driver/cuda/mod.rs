@@ -34,7 +34,7 @@ mod capture;
 mod host_memory;
 pub mod kernels;
 #[cfg(feature = "nccl")]
-pub mod nccl;
+pub(crate) mod nccl;
 mod process_ipc;
 mod vm;
 
@@ -125,6 +125,14 @@ fn check(call: &'static str, rc: CUresult) -> Result<()> {
         call,
         message: format!("{message} ({rc:?})"),
     })
+}
+
+/// Logs a failed call of the driver's teardown (its drop): nobody is left to give the error to,
+/// and at process exit the driver may be shutting down under it.
+fn log_teardown(call: &'static str, rc: CUresult) {
+    if let Err(err) = check(call, rc) {
+        tracing::debug!(%err, "a CUDA call of the driver's teardown failed");
+    }
 }
 
 /// Whether `rc` is one of CUDA's stream-capture refusals.
@@ -577,7 +585,9 @@ impl Drop for CudaDriver {
             .map(|(p, _)| *p)
             .collect();
         for ptr in opened {
-            let _ = self.ipc_close_memory(DeviceAddr(ptr));
+            if let Err(err) = self.ipc_close_memory(DeviceAddr(ptr)) {
+                tracing::debug!(%err, ptr, "closing an IPC mapping at the driver's teardown failed");
+            }
         }
         self.destroy_graphs_left();
         self.drop_pinned();
@@ -587,14 +597,16 @@ impl Drop for CudaDriver {
             if self.bind(device).is_ok() {
                 // SAFETY: the counter page allocated in `new`, freed once; its slots are no
                 // longer in use (every count synchronized its stream, or failed).
-                let _ = unsafe { sys::cuMemFree_v2(page) };
+                log_teardown("cuMemFree_v2", unsafe { sys::cuMemFree_v2(page) });
             }
         }
         let events = self.events.drain();
         for e in events {
             if self.bind(e.device).is_ok() {
                 // SAFETY: the event was created or opened by this driver and is dropped once.
-                let _ = unsafe { sys::cuEventDestroy_v2(e.raw.0) };
+                log_teardown("cuEventDestroy_v2", unsafe {
+                    sys::cuEventDestroy_v2(e.raw.0)
+                });
             }
         }
         let streams = self.streams.drain();
@@ -602,12 +614,16 @@ impl Drop for CudaDriver {
             if self.bind(s.device).is_ok() {
                 // SAFETY: the stream was created by this driver and is destroyed once; queued work
                 // still completes (cuStreamDestroy does not cancel it).
-                let _ = unsafe { sys::cuStreamDestroy_v2(s.raw.0) };
+                log_teardown("cuStreamDestroy_v2", unsafe {
+                    sys::cuStreamDestroy_v2(s.raw.0)
+                });
             }
         }
         for dev in &self.devices {
             // SAFETY: balances the retain in `new`.
-            let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev.ordinal) };
+            log_teardown("cuDevicePrimaryCtxRelease_v2", unsafe {
+                sys::cuDevicePrimaryCtxRelease_v2(dev.ordinal)
+            });
         }
     }
 }

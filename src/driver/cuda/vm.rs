@@ -175,7 +175,11 @@ impl CudaDriver {
         });
         if let Err(err) = access_set {
             // SAFETY: mapped just above and known to no one else.
-            let _ = unsafe { sys::cuMemUnmap(addr.0, size) };
+            let unmapped = check("cuMemUnmap", unsafe { sys::cuMemUnmap(addr.0, size) });
+            if let Err(unmap_err) = unmapped {
+                tracing::error!(err = %unmap_err, addr = addr.0, size,
+                    "unmapping a chunk whose access could not be set failed; the range stays mapped");
+            }
             return Err(err);
         }
         vm.insert_mapping(addr.0, c.size, chunk)

@@ -10,18 +10,18 @@ use super::HostDriver;
 use crate::error::{Error, Result};
 
 /// Default number of virtual devices.
-pub const DEFAULT_DEVICES: usize = 1;
+pub(super) const DEFAULT_DEVICES: usize = 1;
 /// Default capacity per device: 4 GiB — room for real workloads on a laptop. Memory is only
 /// committed when touched (tmpfs), so the capacity costs nothing until used.
-pub const DEFAULT_MEMORY: u64 = 4 << 30;
+pub(super) const DEFAULT_MEMORY: u64 = 4 << 30;
 /// The smallest capacity of a device.
 const MIN_MEMORY: u64 = 1 << 20;
 /// Most virtual devices accepted (the IPC handle stores the ordinal in 16 bits).
-pub const MAX_DEVICES: usize = 64;
+pub(super) const MAX_DEVICES: usize = 64;
 /// Default deadline of a wait on another process's interprocess event (see
 /// [`HostDriverBuilder::ipc_event_timeout`]): long past any honest producer's record, short
 /// enough that a scribbled event cell cannot stall a stream for a process's whole life.
-pub const DEFAULT_IPC_EVENT_TIMEOUT: Duration = Duration::from_secs(60);
+pub(super) const DEFAULT_IPC_EVENT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Largest deadline accepted from `CUDALLOC_IPC_EVENT_TIMEOUT_S` (one week).
 const MAX_IPC_EVENT_TIMEOUT_S: f64 = 7.0 * 24.0 * 3600.0;
 

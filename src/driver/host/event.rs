@@ -183,6 +183,7 @@ pub(super) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
 }
 
 pub(super) fn futex_wake_all(word: &AtomicU32) {
+    // The count woken is not needed, and a valid address gives no error.
     let _ = futex::wake(word, futex::Flags::empty(), i32::MAX as u32);
 }
 

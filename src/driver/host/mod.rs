@@ -36,7 +36,7 @@ mod event_calls;
 mod foreign_event;
 mod handle;
 mod kernels;
-pub mod library_kernels;
+pub(crate) mod library_kernels;
 mod pinned;
 mod segments;
 mod stream;

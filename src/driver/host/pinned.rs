@@ -294,7 +294,10 @@ impl HostDriver {
         // SAFETY: `ptr..ptr+len` is the mapping just made.
         if let Err(err) = unsafe { rustix::mm::mlock(ptr, len) } {
             // SAFETY: the mapping was made above and nothing else knows it.
-            let _ = unsafe { rustix::mm::munmap(ptr, len) };
+            if let Err(unmap_err) = unsafe { rustix::mm::munmap(ptr, len) } {
+                tracing::error!(err = %unmap_err, len,
+                    "pinned memory that could not be locked could not be unmapped; it stays mapped");
+            }
             self.pinned.uncharge(charged);
             return Err(lock_refused(size, err));
         }
@@ -443,9 +446,12 @@ impl HostDriver {
                 Origin::Allocated => {
                     // SAFETY: the mapping was made by `pinned_alloc`; every stream thread was
                     // joined and the table is gone, so nothing touches it any more.
-                    let _ = unsafe {
+                    let unmapped = unsafe {
                         rustix::mm::munmap(base as usize as *mut c_void, locked.len as usize)
                     };
+                    if let Err(err) = unmapped {
+                        tracing::debug!(%err, base, "unmapping pinned memory at the driver's teardown failed");
+                    }
                 }
                 Origin::Registered => {
                     if let Ok(span) = page_span(base, locked.len) {

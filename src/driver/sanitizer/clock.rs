@@ -10,12 +10,12 @@ pub(crate) struct VectorClock(Vec<u64>);
 
 impl VectorClock {
     /// The clock's entry for `slot`.
-    pub fn get(&self, slot: usize) -> u64 {
+    pub(super) fn get(&self, slot: usize) -> u64 {
         self.0.get(slot).copied().unwrap_or(0)
     }
 
     /// Sets the entry of `slot` to at least `epoch`.
-    pub fn raise(&mut self, slot: usize, epoch: u64) {
+    pub(super) fn raise(&mut self, slot: usize, epoch: u64) {
         if self.0.len() <= slot {
             self.0.resize(slot + 1, 0);
         }
@@ -25,14 +25,14 @@ impl VectorClock {
     }
 
     /// Advances `slot`'s own entry and returns the new epoch.
-    pub fn tick(&mut self, slot: usize) -> u64 {
+    pub(super) fn tick(&mut self, slot: usize) -> u64 {
         let next = self.get(slot) + 1;
         self.raise(slot, next);
         next
     }
 
     /// Joins `other` into this clock (entry-wise maximum).
-    pub fn join(&mut self, other: &VectorClock) {
+    pub(super) fn join(&mut self, other: &VectorClock) {
         if self.0.len() < other.0.len() {
             self.0.resize(other.0.len(), 0);
         }
@@ -42,7 +42,7 @@ impl VectorClock {
     }
 
     /// Whether the access `(slot, epoch)` is ordered before whatever carries this clock.
-    pub fn knows(&self, slot: usize, epoch: u64) -> bool {
+    pub(super) fn knows(&self, slot: usize, epoch: u64) -> bool {
         self.get(slot) >= epoch
     }
 }

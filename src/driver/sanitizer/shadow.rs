@@ -114,7 +114,7 @@ impl Cell {
     }
 
     /// Every access recorded in the cell.
-    pub fn accesses(&self) -> impl Iterator<Item = &Arc<Access>> {
+    pub(super) fn accesses(&self) -> impl Iterator<Item = &Arc<Access>> {
         self.write.iter().chain(self.reads.iter())
     }
 }
@@ -140,14 +140,22 @@ impl Shadow {
 
     /// The existing cells overlapping `[start, end)`, split at the range's borders (gaps are
     /// left alone: nothing was recorded there).
-    pub fn existing(&mut self, start: u64, end: u64) -> impl Iterator<Item = (&u64, &mut Cell)> {
+    pub(super) fn existing(
+        &mut self,
+        start: u64,
+        end: u64,
+    ) -> impl Iterator<Item = (&u64, &mut Cell)> {
         self.split(start);
         self.split(end);
         self.cells.range_mut(start..end)
     }
 
     /// Cells covering all of `[start, end)`: split at the borders, gaps filled with empty cells.
-    pub fn covering(&mut self, start: u64, end: u64) -> impl Iterator<Item = (&u64, &mut Cell)> {
+    pub(super) fn covering(
+        &mut self,
+        start: u64,
+        end: u64,
+    ) -> impl Iterator<Item = (&u64, &mut Cell)> {
         self.split(start);
         self.split(end);
         let mut gaps = Vec::new();
@@ -174,7 +182,7 @@ impl Shadow {
     }
 
     /// Drops every record of `[start, end)` (memory returned to the driver or unmapped).
-    pub fn forget(&mut self, start: u64, end: u64) {
+    pub(super) fn forget(&mut self, start: u64, end: u64) {
         self.split(start);
         self.split(end);
         let doomed: Vec<u64> = self.cells.range(start..end).map(|(&s, _)| s).collect();
@@ -185,7 +193,7 @@ impl Shadow {
 
     /// Merges neighbouring cells around and inside `[start, end)` that hold the same records, and
     /// drops empty ones.
-    pub fn tidy(&mut self, start: u64, end: u64) {
+    pub(super) fn tidy(&mut self, start: u64, end: u64) {
         let from = self
             .cells
             .range(..start)
@@ -221,7 +229,7 @@ impl Shadow {
 
     /// Number of cells (tests).
     #[cfg(test)]
-    pub fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.cells.len()
     }
 }

@@ -16,7 +16,7 @@ impl fmt::Debug for Stack {
 
 impl Stack {
     /// The current thread's stack, unresolved.
-    pub fn capture() -> Self {
+    pub(crate) fn capture() -> Self {
         Stack(
             #[cfg(feature = "stacks")]
             backtrace::Backtrace::new_unresolved(),
