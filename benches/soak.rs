@@ -143,6 +143,7 @@ fn main() {
             l.2 as f64 / (1 << 20) as f64
         );
     }
+    println!("  kept after the run: {:?}", rt.bookkeeping(0).unwrap());
     let stats_started = Instant::now();
     rt.memory_stats(0).unwrap();
     println!(

@@ -252,12 +252,32 @@ impl DeviceCore {
         self.bury_finished();
     }
 
-    /// Moves the retired shards of destroyed streams that hold nothing (no block out, no
-    /// segment, nothing pending) to the buried list, where the next new shard takes one
+    /// Moves the retired shards (of destroyed streams, of dropped pools — a captured graph's
+    /// private pool among them) that hold nothing (no block out, no segment, nothing pending) to
+    /// the buried list, where the next new shard takes one
     /// ([`Shard::recycle`]): a program that makes and destroys a stream per step neither grows
     /// what every miss and release walks nor the memory the allocator keeps — the buried list
     /// is never longer than the most streams alive at once.
     pub(in crate::alloc) fn bury_finished(&self) {
+        // A retired shard with no block out keeps only cache: given back first (a graph's
+        // private pool is retired while the graph's captured storages still hold its blocks,
+        // which they free into it afterwards — found by the soak: one shard and its segment
+        // kept per captured graph). Not while a capture runs (a free would invalidate it).
+        if !self.capturing.any() {
+            let idle: Vec<Arc<Shard>> = self
+                .retired
+                .lock()
+                .iter()
+                .filter(|shard| {
+                    let st = shard.state.lock();
+                    st.owners == 0 && !st.has_pending() && !st.segments.is_empty()
+                })
+                .cloned()
+                .collect();
+            for shard in idle {
+                self.release_shard(&shard, false, true);
+            }
+        }
         let mut retired = self.retired.lock();
         let mut reservations = Vec::new();
         let mut rekeyed = Vec::new();
@@ -265,17 +285,17 @@ impl DeviceCore {
             std::mem::take(&mut *retired)
                 .into_iter()
                 .partition(|shard| {
-                    if !shard.finished.load(Ordering::SeqCst) {
-                        return false;
-                    }
                     let mut st = shard.state.lock();
                     if st.owners != 0 || st.has_pending() {
                         return false;
                     }
                     // Expandable segments with nothing mapped hold only address space: given back
                     // (found by review: under `expandable_segments` no destroyed stream's shard was
-                    // ever buried, and each kept a reservation of twice the device's memory).
-                    reservations.extend(st.take_empty_expandable());
+                    // ever buried, and each kept a reservation of twice the device's memory) — not
+                    // while a capture runs, which the driver call would invalidate.
+                    if !self.capturing.any() {
+                        reservations.extend(st.take_empty_expandable());
+                    }
                     if !st.segments.is_empty() {
                         return false;
                     }
