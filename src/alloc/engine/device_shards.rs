@@ -259,10 +259,12 @@ impl DeviceCore {
     /// what every miss and release walks nor the memory the allocator keeps — the buried list
     /// is never longer than the most streams alive at once.
     pub(in crate::alloc) fn bury_finished(&self) {
-        // A retired shard with no block out keeps only cache: given back first (a graph's
-        // private pool is retired while the graph's captured storages still hold its blocks,
-        // which they free into it afterwards — found by the soak: one shard and its segment
-        // kept per captured graph). Not while a capture runs (a free would invalidate it).
+        // A dropped pool's retired shard with no block out keeps only cache: given back first (a
+        // graph's private pool is retired while the graph's captured storages still hold its
+        // blocks, which they free into it afterwards — found by the soak: one shard and its
+        // segment kept per captured graph). A destroyed stream's default-pool cache stays for
+        // other streams to take over (`cross_stream_reuse`; under `off` it went at once). Not
+        // while a capture runs (a free would invalidate it).
         if !self.capturing.any() {
             let idle: Vec<Arc<Shard>> = self
                 .retired
@@ -270,7 +272,10 @@ impl DeviceCore {
                 .iter()
                 .filter(|shard| {
                     let st = shard.state.lock();
-                    st.owners == 0 && !st.has_pending() && !st.segments.is_empty()
+                    !st.pool.is_default()
+                        && st.owners == 0
+                        && !st.has_pending()
+                        && !st.segments.is_empty()
                 })
                 .cloned()
                 .collect();
