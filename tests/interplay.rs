@@ -33,21 +33,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{cuda_suite, hex, test_config, test_driver, unhex};
-use cudalloc::internals::pattern;
 use cudalloc::{ipc::IpcHandle, Runtime, Storage, StreamId};
 
-/// A deterministic generator (splitmix over the pattern hash).
-struct Rng(u64, u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.1 += 1;
-        pattern::word(self.0, self.1)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+use common::rng::Rng;
+use cudalloc::internals::pattern;
 
 struct Consumer {
     child: Child,

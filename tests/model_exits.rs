@@ -26,8 +26,8 @@ mod common;
 use std::sync::{Arc, Condvar, Mutex};
 
 use common::forked::fork_child;
+use common::rng::Rng;
 use common::{device_alone, join_conf, sized_driver, with_test_settings};
-use cudalloc::internals::pattern;
 use cudalloc::sanitizer::{Sanitize, SanitizeOptions};
 use cudalloc::{AllocatorConfig, ErrorKind, Runtime, Storage, StreamId};
 
@@ -37,22 +37,6 @@ const BARRIER_EVERY: u64 = 60;
 /// Six seeds: every `cross_stream_reuse` policy with front caches off and on.
 const SEEDS: [u64; 6] = [0, 1, 2, 3, 4, 5];
 const LIVE_PER_THREAD: u64 = 6 << 20;
-
-/// A deterministic generator (splitmix over the pattern hash).
-struct Rng(u64, u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.1 += 1;
-        pattern::word(self.0, self.1)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn pick<T: Copy>(&mut self, from: &[T]) -> T {
-        from[self.below(from.len() as u64) as usize]
-    }
-}
 
 /// A storage and the pattern seed it holds.
 struct Entry {

@@ -8,6 +8,7 @@ use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub(crate) mod faulty;
 pub(crate) mod forked;
+pub(crate) mod rng;
 pub(crate) mod storage;
 
 use cudalloc::{backend::CudaDriver, backend::Driver, backend::HostDriver};
