@@ -252,9 +252,9 @@ impl DeviceCore {
         self.bury_finished();
     }
 
-    /// Moves the retired shards (of destroyed streams, of dropped pools — a captured graph's
-    /// private pool among them) that hold nothing (no block out, no segment, nothing pending) to
-    /// the buried list, where the next new shard takes one
+    /// Gives a dropped pool's retired shard's idle cache back, and moves the retired shards of
+    /// destroyed streams that hold nothing (no block out, no segment, nothing pending) to the
+    /// buried list, where the next new shard takes one
     /// ([`Shard::recycle`]): a program that makes and destroys a stream per step neither grows
     /// what every miss and release walks nor the memory the allocator keeps — the buried list
     /// is never longer than the most streams alive at once.
@@ -290,6 +290,13 @@ impl DeviceCore {
             std::mem::take(&mut *retired)
                 .into_iter()
                 .partition(|shard| {
+                    // Only destroyed streams' shards: burying a dropped pool's shard of a live
+                    // stream left device memory behind on the CUDA double (allocator_properties,
+                    // 4 KiB after empty_cache; cause not found yet) — its cache is given back
+                    // above, the empty shard stays retired for the next pool on its stream.
+                    if !shard.finished.load(Ordering::SeqCst) {
+                        return false;
+                    }
                     let mut st = shard.state.lock();
                     if st.owners != 0 || st.has_pending() {
                         return false;
