@@ -245,7 +245,14 @@ impl DeviceCore {
             // Its thread front caches hold blocks no thread will take again: back to the shard,
             // so its segments can go idle (and be taken over or released).
             shard.flush_fronts();
-            if self.config().cross_stream_reuse == crate::config::CrossStreamReuse::Off {
+            // Under `off` no stream could take its idle memory; an expandable segment no stream
+            // takes over under any policy (`cross_stream.rs` moves whole plain segments): given
+            // back now (found by CI with expandable segments: each destroyed stream's pages
+            // stayed cached, its shard retired).
+            let expandable = !shard.state.lock().expandable.is_empty();
+            if expandable
+                || self.config().cross_stream_reuse == crate::config::CrossStreamReuse::Off
+            {
                 self.release_shard(&shard, false, true);
             }
         }
