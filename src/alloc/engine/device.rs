@@ -113,6 +113,7 @@ impl DeviceCore {
             retired: Mutex::new(Vec::new()),
             buried: Mutex::new(Vec::new()),
             finishing: Mutex::new(Vec::new()),
+            finishing_count: AtomicU64::new(0),
             events: Mutex::new(Vec::new()),
             alloc_retries: AtomicU64::new(0),
             ooms: AtomicU64::new(0),

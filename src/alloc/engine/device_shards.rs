@@ -66,15 +66,7 @@ impl DeviceCore {
                 self.open_pool_book(pool);
                 shards.insert((stream, pool), Arc::clone(&shard));
                 drop(shards);
-                for base in bases {
-                    if let Err(err) = self
-                        .driver
-                        .vm()
-                        .vm_free_reservation(crate::driver::DeviceAddr(base))
-                    {
-                        tracing::error!(%err, base, "freeing an expandable segment's reservation failed");
-                    }
-                }
+                self.free_reservations(bases);
                 return Ok(shard);
             }
         }
@@ -209,6 +201,8 @@ impl DeviceCore {
             if finished {
                 finishing.push(stream);
             }
+            self.finishing_count
+                .store(finishing.len() as u64, Ordering::SeqCst);
         }
         for ((s, _), shard) in self.shards.read().iter() {
             if *s == stream {
@@ -231,7 +225,12 @@ impl DeviceCore {
     /// no stream could reuse them. Finished shards that hold nothing are buried.
     pub(in crate::alloc) fn stream_finished(&self, stream: StreamId) {
         // The driver knows it no more: gone without the list.
-        self.finishing.lock().retain(|&s| s != stream);
+        {
+            let mut finishing = self.finishing.lock();
+            finishing.retain(|&s| s != stream);
+            self.finishing_count
+                .store(finishing.len() as u64, Ordering::SeqCst);
+        }
         // Out of the map and into the retired list in one step under the map's lock: never in
         // neither, where the allocator's teardown (and stats, snapshots) would miss it.
         let mut shards = self.shards.write();
@@ -336,13 +335,19 @@ impl DeviceCore {
         for (old, shard) in rekeyed {
             self.rekey_for_peaks(old, &shard);
         }
-        for base in reservations {
+        self.free_reservations(reservations);
+    }
+
+    /// Gives back the reservations of expandable segments with nothing mapped (taken out of a
+    /// shard's state with `take_empty_expandable`, freed outside the locks).
+    fn free_reservations(&self, bases: Vec<u64>) {
+        for base in bases {
             if let Err(err) = self
                 .driver
                 .vm()
                 .vm_free_reservation(crate::driver::DeviceAddr(base))
             {
-                tracing::error!(%err, base, "freeing a destroyed stream's expandable reservation failed");
+                tracing::error!(%err, base, "freeing an expandable segment's reservation failed");
             }
         }
     }

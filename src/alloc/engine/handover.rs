@@ -247,7 +247,11 @@ impl DeviceCore {
     /// valid, and the allocator's own work on them runs on a live stream (`tags.rs`).
     pub(in crate::alloc) fn stream_gone(&self, stream: StreamId) -> bool {
         crate::driver::stream_gone(self.driver.as_ref(), stream)
-            || self.finishing.lock().contains(&stream)
+            || (self
+                .finishing_count
+                .load(crate::sync::os::atomic::Ordering::SeqCst)
+                != 0
+                && self.finishing.lock().contains(&stream))
     }
 
     /// The streams an exit waits for, of `used` (each once): not `to` (the new owner's own

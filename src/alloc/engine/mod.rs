@@ -136,6 +136,9 @@ pub(crate) struct DeviceCore {
     /// Streams being destroyed (synchronized, not yet forgotten by the driver): gone for every
     /// wait ([`DeviceCore::stream_gone`]), as their work is done.
     finishing: Mutex<Vec<StreamId>>,
+    /// `finishing`'s length: every wait asks `stream_gone`, which takes that lock only when a
+    /// destruction is under way.
+    finishing_count: AtomicU64,
     events: Mutex<Vec<EventId>>,
     alloc_retries: AtomicU64,
     ooms: AtomicU64,
