@@ -63,8 +63,8 @@ mod stats;
 mod summary;
 mod tags;
 
-pub use engine::device_shards::Bookkeeping;
 pub use engine::pool_peaks::PoolsReserved;
+pub use engine::roster::Bookkeeping;
 pub use engine::snapshot::{Snapshot, SnapshotBlock, SnapshotBlockState, SnapshotSegment};
 pub use graph::{Capture, CaptureRoute, Graph, GraphPool};
 pub use history::{trace_json_lines, HistoryMode, HistoryOptions, TraceAction, TraceEntry};
@@ -185,7 +185,7 @@ impl CachingAllocatorBuilder {
                     d,
                     Arc::clone(&driver),
                     (*config.get()).clone(),
-                    &wide,
+                    wide.clone(),
                     self.check_invariants,
                 )
                 .map(Arc::new)

@@ -85,9 +85,10 @@ impl DeviceCore {
         }
         // Held throughout: no capture of this allocator begins while the search queries events
         // and orders streams (calls a global capture forbids; `capturing.rs`). None while one runs.
-        let _no_capture = self.capturing.releasing()?;
+        let _no_capture = self.wide.capturing.releasing()?;
         let others: Vec<Arc<Shard>> = self
-            .releasable_shards()
+            .roster
+            .releasable()
             .into_iter()
             .filter(|other| !std::ptr::eq(Arc::as_ptr(other), shard))
             .filter(|other| self.can_wait(shard.stream(), other))
@@ -106,7 +107,7 @@ impl DeviceCore {
                 .map(|hit| (None, hit))
         });
         if got.is_some() {
-            self.cross_stream.fetch_add(1, Ordering::Relaxed);
+            self.counters.count(super::device::Count::CrossStream);
         }
         got
     }
@@ -224,20 +225,21 @@ impl DeviceCore {
                 tracing::warn!(%err, "an idle segment could not be ordered after its stream's work; it goes back to the driver");
                 from.state.lock().stats.num_device_free += 1;
                 // Freed with the next release (the capture gate is held here: no free now).
-                self.unfreed.lock().push((from.stream(), base, size));
+                self.withheld.keep(from.stream(), vec![(base, size)]);
                 continue;
             }
-            self.callbacks
+            self.wide
+                .callbacks
                 .registry
                 .rehome(self.device, base, shard.stream());
-            self.trace.record(
+            self.wide.trace.record(
                 TraceAction::SegmentFree,
                 self.device,
                 base,
                 size,
                 from.stream(),
             );
-            self.trace.record(
+            self.wide.trace.record(
                 TraceAction::SegmentAlloc,
                 self.device,
                 base,

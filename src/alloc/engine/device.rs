@@ -15,7 +15,6 @@
 //! and malloc again → out-of-memory error.
 
 use crate::driver::capability::relaxed;
-use std::collections::HashMap;
 
 use super::snapshot::SnapshotSegment;
 use super::ShardState;
@@ -35,14 +34,70 @@ use crate::driver::{Driver, EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex, RwLock, ShortMutexGuard};
+use crate::sync::os::{Arc, Mutex, ShortMutexGuard};
 
 /// What an allocator's devices share: callbacks, history, captures and tags.
+#[derive(Clone)]
 pub(crate) struct AllocatorWide {
     pub callbacks: Arc<Callbacks>,
     pub trace: Arc<Trace>,
     pub capturing: Arc<CaptureRoutes>,
     pub tags: Arc<dyn TagPhases>,
+}
+
+/// The device-wide counts no shard keeps, in PyTorch's statistics.
+#[derive(Debug, Default)]
+pub(super) struct Counters {
+    alloc_retries: AtomicU64,
+    ooms: AtomicU64,
+    sync_all: AtomicU64,
+    cross_stream: AtomicU64,
+}
+
+/// One of the [`Counters`].
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Count {
+    /// `num_alloc_retries`: a miss that freed cached memory and tried again.
+    AllocRetry,
+    /// `num_ooms`: an allocation that failed.
+    Oom,
+    /// `num_sync_all_streams`: a release that waited for every stream.
+    SyncAll,
+    /// `num_cross_stream_reuses`: idle memory that moved between streams.
+    CrossStream,
+}
+
+impl Counters {
+    /// One more of `which`.
+    pub(super) fn count(&self, which: Count) {
+        let counter = match which {
+            Count::AllocRetry => &self.alloc_retries,
+            Count::Oom => &self.ooms,
+            Count::SyncAll => &self.sync_all,
+            Count::CrossStream => &self.cross_stream,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Adds the counts to `stats`.
+    fn add_to(&self, stats: &mut DeviceStats) {
+        stats.num_alloc_retries += self.alloc_retries.load(Ordering::Relaxed);
+        stats.num_ooms += self.ooms.load(Ordering::Relaxed);
+        stats.num_sync_all_streams += self.sync_all.load(Ordering::Relaxed);
+        stats.num_cross_stream_reuses += self.cross_stream.load(Ordering::Relaxed);
+    }
+
+    /// Back to zero (`reset_accumulated_memory_stats`).
+    fn reset(&self) {
+        for counter in [
+            &self.alloc_retries,
+            &self.ooms,
+            &self.sync_all,
+            &self.cross_stream,
+        ] {
+            counter.store(0, Ordering::Relaxed);
+        }
+    }
 }
 
 /// One allocation request, made once at the door ([`DeviceCore::allocate`]) and passed through
@@ -83,14 +138,14 @@ impl DeviceCore {
 
     /// Whether a capture or a live graph holds `pool` (its free blocks are the graphs').
     pub(crate) fn held_by_graphs(&self, pool: MemPoolId) -> bool {
-        self.capturing.held_by_graphs(pool)
+        self.wide.capturing.held_by_graphs(pool)
     }
 
     pub(crate) fn new(
         device: usize,
         driver: Arc<dyn Driver>,
         config: AllocatorConfig,
-        wide: &AllocatorWide,
+        wide: AllocatorWide,
         check_invariants: bool,
     ) -> Result<Self> {
         let capacity = driver.mem_info(device)?.total;
@@ -100,27 +155,15 @@ impl DeviceCore {
             sanitizer: driver.sanitizer(),
             free_events: driver.unsanitized().unwrap_or_else(|| Arc::clone(&driver)),
             driver,
-            callbacks: Arc::clone(&wide.callbacks),
-            trace: Arc::clone(&wide.trace),
-            capturing: Arc::clone(&wide.capturing),
-            tags: Arc::clone(&wide.tags),
+            wide,
             check_invariants,
             capacity,
-            unfreed: Mutex::new(Vec::new()),
-            refused: Mutex::new(Vec::new()),
+            withheld: Default::default(),
             reserved: AtomicU64::new(0),
-            shards: RwLock::new(HashMap::new()),
-            retired: Mutex::new(Vec::new()),
-            buried: Mutex::new(Vec::new()),
-            finishing: Mutex::new(Vec::new()),
-            finishing_count: AtomicU64::new(0),
+            roster: Default::default(),
             events: Mutex::new(Vec::new()),
-            alloc_retries: AtomicU64::new(0),
-            ooms: AtomicU64::new(0),
-            sync_all: AtomicU64::new(0),
-            cross_stream: AtomicU64::new(0),
-            peaks: Mutex::new(Default::default()),
-            pool_books: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
+            books: Default::default(),
             config: ConfigCell::new(config),
         })
     }
@@ -144,14 +187,9 @@ impl DeviceCore {
     /// cell when the lock is released — `shard_in` reads it under the lock).
     pub(in crate::alloc) fn publish_config(&self, config: AllocatorConfig) {
         let rules = config.fit_rules();
-        let shards = self.shards.write();
+        let shards = self.roster.write();
         self.config.publish(config);
-        let others: Vec<Arc<Shard>> = {
-            let mut all: Vec<Arc<Shard>> = self.retired.lock().iter().cloned().collect();
-            all.extend(self.buried.lock().iter().cloned());
-            all
-        };
-        for shard in shards.values().chain(&others) {
+        for shard in shards.all() {
             shard.state.lock().rules = rules;
         }
     }
@@ -170,7 +208,7 @@ impl DeviceCore {
     pub(in crate::alloc) fn settle(&self, mut state: ShortMutexGuard<'_, ShardState>) {
         self.verify(&state);
         if state.pooled {
-            self.tell_pool(&mut state);
+            self.books.tell_pool(&mut state);
         }
         let over = state.take_over_budget();
         drop(state);
@@ -188,7 +226,7 @@ impl DeviceCore {
     ) {
         core.verify(&state);
         if state.pooled {
-            core.tell_pool(&mut state);
+            core.books.tell_pool(&mut state);
         }
         let over = state.take_over_budget();
         let kept = over.then(|| Arc::clone(core));
@@ -224,7 +262,7 @@ impl DeviceCore {
     #[inline]
     pub(in crate::alloc) fn poll_events(&self, shard: &Shard, state: &mut ShardState) {
         // No query while a capture runs: it could be a forbidden call (`capturing.rs`).
-        if state.has_pending() && !self.capturing.any() {
+        if state.has_pending() && !self.wide.capturing.any() {
             self.complete_pending(shard, state);
         }
     }
@@ -234,7 +272,7 @@ impl DeviceCore {
         let (events, freed) = state.complete_events(|e| self.free_events.event_query(e));
         self.events.lock().extend(events);
         for (addr, size) in freed {
-            self.trace.record(
+            self.wide.trace.record(
                 TraceAction::FreeCompleted,
                 self.device,
                 addr,
@@ -277,7 +315,7 @@ impl DeviceCore {
     /// Records an allocation of `rounded` bytes at `ptr` in the history (when it is on).
     #[inline]
     pub(in crate::alloc) fn record_alloc(&self, shard: &Shard, ptr: u64, rounded: u64) {
-        self.trace.record(
+        self.wide.trace.record(
             TraceAction::Alloc,
             self.device,
             ptr,
@@ -290,7 +328,8 @@ impl DeviceCore {
     /// completed at once, as a free with no other stream is).
     pub(in crate::alloc) fn record_front_free(&self, shard: &Shard, ptr: u64, rounded: u64) {
         for action in [TraceAction::FreeRequested, TraceAction::FreeCompleted] {
-            self.trace
+            self.wide
+                .trace
                 .record(action, self.device, ptr, rounded, shard.stream());
         }
     }
@@ -345,10 +384,10 @@ impl DeviceCore {
             // The shard's tag sleeps (`try_fit` saw it under the lock): refused, not a miss.
             return Err(self.asleep_error(shard, "an allocation"));
         }
-        if self.capturing.any() {
+        if self.wide.capturing.any() {
             return self.allocate_while_capturing(shard, req);
         }
-        if self.callbacks.run() {
+        if self.wide.callbacks.run() {
             if let Some(hit) = self.try_fit(shard, req) {
                 return Ok(hit);
             }
@@ -368,7 +407,7 @@ impl DeviceCore {
             }
         }
         self.release_cached(true);
-        self.alloc_retries.fetch_add(1, Ordering::Relaxed);
+        self.counters.count(Count::AllocRetry);
         if let Some(hit) = self.try_fit(shard, req) {
             return Ok(hit);
         }
@@ -416,10 +455,11 @@ impl DeviceCore {
     #[cold]
     fn out_of_memory(&self, shard: &Shard, req: Request, cause: Option<String>) -> Error {
         let requested = req.requested;
-        self.ooms.fetch_add(1, Ordering::Relaxed);
+        self.counters.count(Count::Oom);
         let stats = self.stats();
         let free = self.driver.mem_info(self.device).map_or(0, |m| m.free);
-        self.trace
+        self.wide
+            .trace
             .record_oom(self.device, requested, shard.stream(), free);
         let mut facts = OutOfMemoryEvent {
             device: self.device,
@@ -433,7 +473,7 @@ impl DeviceCore {
             ..OutOfMemoryEvent::default()
         };
         self.explain(shard, req, &mut facts);
-        self.callbacks.observers.out_of_memory(&facts);
+        self.wide.callbacks.observers.out_of_memory(&facts);
         oom::out_of_memory(&facts, &self.config())
     }
 
@@ -461,7 +501,7 @@ impl DeviceCore {
 
     /// The last capture ended: the frees deferred meanwhile get their events now.
     pub(in crate::alloc) fn flush_deferred(&self) {
-        for shard in self.all_shards() {
+        for shard in self.roster.all() {
             let mut st = shard.state.lock();
             for (id, uses) in std::mem::take(&mut st.deferred) {
                 self.insert_free_events(&mut st, id, uses);
@@ -516,7 +556,7 @@ impl DeviceCore {
             }
         };
         // Registered before any block of it is handed out (`registration.rs`).
-        if let Err(err) = self.callbacks.registry.map(
+        if let Err(err) = self.wide.callbacks.registry.map(
             self.device,
             shard.stream(),
             RegionKind::Segment,
@@ -531,14 +571,14 @@ impl DeviceCore {
         let id = st.allocate(head, rounded, requested);
         let out = st.allocated(id, rounded);
         self.settle(st);
-        self.callbacks.observers.segment(SegmentEvent {
+        self.wide.callbacks.observers.segment(SegmentEvent {
             change: SegmentChange::Map,
             device: self.device,
             base: ptr,
             size: seg,
             stream: shard.stream(),
         });
-        self.trace.record(
+        self.wide.trace.record(
             TraceAction::SegmentAlloc,
             self.device,
             ptr.0,
@@ -568,13 +608,10 @@ impl DeviceCore {
     /// The device's stats: the sum of its shards' plus device-wide counters.
     pub(crate) fn stats(&self) -> DeviceStats {
         let mut total = self.exact_stats(false);
-        for shard in self.all_shards() {
+        for shard in self.roster.all() {
             shard.hide_fronts(&mut total);
         }
-        total.num_alloc_retries += self.alloc_retries.load(Ordering::Relaxed);
-        total.num_ooms += self.ooms.load(Ordering::Relaxed);
-        total.num_sync_all_streams += self.sync_all.load(Ordering::Relaxed);
-        total.num_cross_stream_reuses += self.cross_stream.load(Ordering::Relaxed);
+        self.counters.add_to(&mut total);
         total.max_split_size = i64::try_from(self.config().max_split_size).unwrap_or(-1);
         total
     }
@@ -586,31 +623,25 @@ impl DeviceCore {
             self.exact_stats(true);
             return;
         }
-        for shard in self.all_shards() {
+        for shard in self.roster.all() {
             let mut st = shard.state.lock();
             st.stats.reset_accumulated();
             st.pool_base.reset_accumulated();
         }
-        for counter in [
-            &self.alloc_retries,
-            &self.ooms,
-            &self.sync_all,
-            &self.cross_stream,
-        ] {
-            counter.store(0, Ordering::Relaxed);
-        }
+        self.counters.reset();
     }
 
     /// Appends every segment of the device to `out`.
     pub(crate) fn snapshot_into(&self, out: &mut Vec<SnapshotSegment>) {
-        for shard in self.all_shards() {
+        for shard in self.roster.all() {
             shard.segments_into(out);
         }
     }
 
     /// Checks every shard's invariants.
     pub(crate) fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.all_shards()
+        self.roster
+            .all()
             .iter()
             .try_for_each(|s| s.state.lock().check_invariants())
     }
@@ -623,7 +654,7 @@ impl DeviceCore {
     /// Empties the cache and detaches the shards (allocator teardown). Live blocks keep their shard
     /// alive; their segments are returned when the shard drops.
     pub(crate) fn shutdown(&self) {
-        for shard in self.all_shards() {
+        for shard in self.roster.all() {
             shard.retire_fronts();
         }
         self.release_cached(true);
@@ -633,9 +664,7 @@ impl DeviceCore {
                 tracing::debug!(%err, "destroying a cached event at the allocator's shutdown failed");
             }
         }
-        let mut shards: Vec<_> = self.shards.write().drain().map(|(_, s)| s).collect();
-        shards.append(&mut self.retired.lock());
-        for shard in shards {
+        for shard in self.roster.drain() {
             Shard::orphan(shard);
         }
     }

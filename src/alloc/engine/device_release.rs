@@ -10,24 +10,49 @@ use crate::alloc::observers::{SegmentChange, SegmentEvent};
 use crate::alloc::size::PoolKind;
 use crate::driver::StreamId;
 use crate::sync::os::atomic::Ordering;
+use crate::sync::os::Mutex;
+
+/// Segments whose release a capture held back: freed by the next release after the captures, or
+/// with the device core at the end.
+#[derive(Debug, Default)]
+pub(super) struct Withheld {
+    /// Cached segments taken for release while a capture began: `(stream, base, size)`.
+    kept: Mutex<Vec<(StreamId, u64, u64)>>,
+    /// Segments a registrar refused while a capture ran: `(base, size)`, never seen by
+    /// observers or the trace, freed quietly (`return_unregistered`).
+    refused: Mutex<Vec<(u64, u64)>>,
+}
+
+impl Withheld {
+    /// `segments` of `stream` wait for the next release.
+    pub(super) fn keep(&self, stream: StreamId, segments: Vec<(u64, u64)>) {
+        self.kept
+            .lock()
+            .extend(segments.into_iter().map(|(ptr, size)| (stream, ptr, size)));
+    }
+
+    /// The segments kept, to free now.
+    fn take_kept(&self) -> Vec<(StreamId, u64, u64)> {
+        std::mem::take(&mut *self.kept.lock())
+    }
+}
 
 impl DeviceCore {
     /// Returns segments to the driver (outside every shard lock).
     pub(in crate::alloc) fn free_segments(&self, stream: StreamId, segments: Vec<(u64, u64)>) {
-        let Some(_no_capture) = self.capturing.releasing() else {
+        let Some(_no_capture) = self.wide.capturing.releasing() else {
             // A capture began after these were taken: they wait for the next release.
-            let mut unfreed = self.unfreed.lock();
-            unfreed.extend(segments.into_iter().map(|(ptr, size)| (stream, ptr, size)));
+            self.withheld.keep(stream, segments);
             return;
         };
         self.free_refused();
-        let earlier = std::mem::take(&mut *self.unfreed.lock());
+        let earlier = self.withheld.take_kept();
         let all = earlier
             .into_iter()
             .chain(segments.into_iter().map(|(ptr, size)| (stream, ptr, size)));
         for (stream, ptr, size) in all {
-            self.callbacks.registry.unmap(self.device, ptr, size);
-            self.callbacks.observers.segment(SegmentEvent {
+            self.wide.callbacks.registry.unmap(self.device, ptr, size);
+            self.wide.callbacks.observers.segment(SegmentEvent {
                 change: SegmentChange::Unmap,
                 device: self.device,
                 base: crate::driver::DeviceAddr(ptr),
@@ -38,7 +63,8 @@ impl DeviceCore {
                 tracing::error!(%err, ptr, size, "driver free of a cached segment failed");
             }
             self.reserved.fetch_sub(size, Ordering::SeqCst);
-            self.trace
+            self.wide
+                .trace
                 .record(TraceAction::SegmentFree, self.device, ptr, size, stream);
         }
     }
@@ -46,8 +72,8 @@ impl DeviceCore {
     /// Gives back a segment that a registrar refused before anything else saw it (no observer
     /// was told of it, nothing traced): at once, or with the next release while a capture runs.
     pub(in crate::alloc) fn return_unregistered(&self, ptr: u64, size: u64) {
-        self.refused.lock().push((ptr, size));
-        if let Some(_no_capture) = self.capturing.releasing() {
+        self.withheld.refused.lock().push((ptr, size));
+        if let Some(_no_capture) = self.wide.capturing.releasing() {
             self.free_refused();
         }
     }
@@ -55,7 +81,7 @@ impl DeviceCore {
     /// Frees the refused segments waiting (the caller holds the capture gate, or the core is
     /// going away).
     fn free_refused(&self) {
-        for (ptr, size) in std::mem::take(&mut *self.refused.lock()) {
+        for (ptr, size) in std::mem::take(&mut *self.withheld.refused.lock()) {
             if let Err(err) = self.driver.free(crate::driver::DeviceAddr(ptr)) {
                 tracing::error!(%err, ptr, size, "driver free of a refused segment failed");
             }
@@ -73,7 +99,7 @@ impl DeviceCore {
             return false;
         }
         let single = rounded.max(max_split);
-        for shard in self.releasable_shards() {
+        for shard in self.roster.releasable() {
             let taken = self.take_from(
                 &shard,
                 |b| b.pool == PoolKind::Large && b.size >= single,
@@ -85,7 +111,7 @@ impl DeviceCore {
             }
         }
         let mut freed = 0u64;
-        for shard in self.releasable_shards() {
+        for shard in self.roster.releasable() {
             freed += self
                 .take_from(
                     &shard,
@@ -130,10 +156,10 @@ impl DeviceCore {
     /// free's events (PyTorch's `synchronize_and_free_events`). Returns whether anything was freed.
     pub(crate) fn release_cached(&self, sync: bool) -> bool {
         if sync {
-            self.sync_all.fetch_add(1, Ordering::Relaxed);
+            self.counters.count(super::device::Count::SyncAll);
         }
         let mut any = false;
-        for shard in self.releasable_shards() {
+        for shard in self.roster.releasable() {
             any |= self.release_shard(&shard, sync, true);
         }
         self.bury_finished();
@@ -150,7 +176,7 @@ impl DeviceCore {
         sync: bool,
         releasable_only: bool,
     ) -> bool {
-        if self.capturing.any() {
+        if self.wide.capturing.any() {
             // Releasing synchronizes and frees, which a capture forbids; the next release after
             // the captures gives this memory back.
             return false;
@@ -192,7 +218,7 @@ impl DeviceCore {
         }
         let target = reserved - limit;
         let mut freed = 0u64;
-        for shard in self.releasable_shards() {
+        for shard in self.roster.releasable() {
             freed += self
                 .take_from(
                     &shard,
@@ -219,8 +245,8 @@ impl Drop for DeviceCore {
             return;
         }
         self.free_refused();
-        for (_, ptr, size) in std::mem::take(&mut *self.unfreed.lock()) {
-            self.callbacks.registry.unmap(self.device, ptr, size);
+        for (_, ptr, size) in self.withheld.take_kept() {
+            self.wide.callbacks.registry.unmap(self.device, ptr, size);
             if let Err(err) = self.driver.free(crate::driver::DeviceAddr(ptr)) {
                 tracing::error!(%err, ptr, size, "driver free of a cached segment failed");
             }

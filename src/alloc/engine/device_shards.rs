@@ -4,6 +4,7 @@
 //! a `use_on_oom` pool's free block (`mem_pool.rs` has the pools' state table).
 
 use super::device::Request;
+use super::roster::{self, Bookkeeping, RosterWrite};
 use super::ShardState;
 use super::{DeviceCore, Shard};
 use crate::alloc::block::Allocated;
@@ -12,25 +13,6 @@ use crate::driver::StreamId;
 use crate::error::{Error, Result};
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::os::{Arc, Mutex, ShortMutex};
-
-/// What an allocator keeps of its shards on a device: bounded by the streams and pools alive at
-/// once, never by how many the runtime has seen (a soak of 100,000 steps: `benches/soak.rs`). Of
-/// configurations it keeps the one in force (`config/cell.rs`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Bookkeeping {
-    /// Shards serving a live (stream, pool).
-    pub shards: usize,
-    /// Shards of destroyed streams and dropped pools still holding memory (released or taken
-    /// over by other streams and pools).
-    pub retired_shards: usize,
-    /// Empty shards of destroyed streams, kept for the next new stream's shard (never more than
-    /// the most streams alive at once).
-    pub buried_shards: usize,
-}
-
-/// Serials of shards (`Shard::serial`).
-static NEXT_SHARD_SERIAL: AtomicU64 = AtomicU64::new(1);
 
 impl DeviceCore {
     /// The shard of `stream` in memory pool `pool`, created on first use — for a pool, from a
@@ -41,8 +23,8 @@ impl DeviceCore {
         pool: MemPoolId,
         options: MemPoolOptions,
     ) -> Result<Arc<Shard>> {
-        if let Some(shard) = self.shards.read().get(&(stream, pool)) {
-            return Ok(Arc::clone(shard));
+        if let Some(shard) = self.roster.get(stream, pool) {
+            return Ok(shard);
         }
         let device = self.driver.stream_device(stream)?;
         if device != self.device {
@@ -52,25 +34,25 @@ impl DeviceCore {
                 self.device
             )));
         }
-        let mut shards = self.shards.write();
-        if let Some(shard) = shards.get(&(stream, pool)) {
-            return Ok(Arc::clone(shard));
+        let mut shards = self.roster.write();
+        if let Some(shard) = shards.get(stream, pool) {
+            return Ok(shard);
         }
         // Not while a capture runs: taking a retired shard frees its empty reservations, a call
         // a global capture forbids (it invalidated the capture; found by tests/graph_mix.rs).
-        if !pool.is_default() && !self.capturing.any() {
-            if let Some((shard, bases)) = self.take_retired(stream, pool, options) {
+        if !pool.is_default() && !self.wide.capturing.any() {
+            if let Some((shard, bases)) = Self::take_retired(&shards, stream, pool, options) {
                 shard
                     .sleeping
-                    .store(self.tags.is_sleeping(pool), Ordering::SeqCst);
-                self.open_pool_book(pool);
-                shards.insert((stream, pool), Arc::clone(&shard));
+                    .store(self.wide.tags.is_sleeping(pool), Ordering::SeqCst);
+                self.books.open_pool(pool);
+                shards.insert(stream, pool, Arc::clone(&shard));
                 drop(shards);
                 self.free_reservations(bases);
                 return Ok(shard);
             }
         }
-        let serial = NEXT_SHARD_SERIAL.fetch_add(1, Ordering::Relaxed);
+        let serial = roster::next_serial();
         // Read under the map's write lock, which a publish holds too (`publish_config`).
         let config = self.config();
         let rules = config.fit_rules();
@@ -82,7 +64,7 @@ impl DeviceCore {
         };
         // Read under the map's write lock: a tag put to sleep marks itself before it lists its
         // shards (under the read lock), so a shard made meanwhile is listed or asleep.
-        let sleeping = self.tags.is_sleeping(pool);
+        let sleeping = self.wide.tags.is_sleeping(pool);
         let state = ShardState {
             serial,
             pool,
@@ -91,7 +73,7 @@ impl DeviceCore {
             rules,
             ..ShardState::default()
         };
-        let recycled = self.buried.lock().pop();
+        let recycled = shards.pop_buried();
         let (shard, recycled_from) = match recycled {
             Some(shard) => {
                 let old = shard.serial();
@@ -117,9 +99,9 @@ impl DeviceCore {
         // The pool's book opens before the shard is in the map, where another thread could find
         // it and settle a change the book would then miss (`pool_peaks.rs`).
         if !pool.is_default() {
-            self.open_pool_book(pool);
+            self.books.open_pool(pool);
         }
-        shards.insert((stream, pool), Arc::clone(&shard));
+        shards.insert(stream, pool, Arc::clone(&shard));
         drop(shards);
         // In the peak book from its creation (the book's lock is taken after the map's); a
         // recycled shard is in it already, under its former serial.
@@ -136,86 +118,61 @@ impl DeviceCore {
         if !shard.state.lock().pool.is_default() {
             return None;
         }
-        let lenders: Vec<Arc<Shard>> = self
-            .shards
-            .read()
-            .iter()
-            .filter(|((stream, p), _)| *stream == shard.stream() && !p.is_default())
-            .map(|(_, s)| Arc::clone(s))
-            .collect();
-        lenders.into_iter().find_map(|lending| {
-            let (options, pool_id) = {
-                let st = lending.state.lock();
-                (st.pool_options, st.pool)
-            };
-            // A pool graphs hold lends nothing: its free blocks are the graphs' (`capturing.rs`).
-            if !options.use_on_oom || self.capturing.held_by_graphs(pool_id) {
-                return None;
-            }
-            let hit = self.try_fit(&lending, req)?;
-            Some((lending, hit))
-        })
+        self.roster
+            .pools_on(shard.stream())
+            .into_iter()
+            .find_map(|lending| {
+                let (options, pool_id) = {
+                    let st = lending.state.lock();
+                    (st.pool_options, st.pool)
+                };
+                // A pool graphs hold lends nothing: its free blocks are the graphs' (`capturing.rs`).
+                if !options.use_on_oom || self.wide.capturing.held_by_graphs(pool_id) {
+                    return None;
+                }
+                let hit = self.try_fit(&lending, req)?;
+                Some((lending, hit))
+            })
     }
 
     /// A retired shard of `stream` that holds nothing (but expandable segments with no page
     /// mapped, whose reservations are returned: the bases, to free outside the locks), made a
     /// shard of `pool`, its accumulated counts from now on the new pool's.
     fn take_retired(
-        &self,
+        shards: &RosterWrite<'_>,
         stream: StreamId,
         pool: MemPoolId,
         options: MemPoolOptions,
     ) -> Option<(Arc<Shard>, Vec<u64>)> {
-        let mut retired = self.retired.lock();
-        let at = retired.iter().position(|shard| {
-            shard.stream() == stream && {
-                let st = shard.state.lock();
-                st.owners == 0
-                    && st
-                        .blocks
-                        .iter()
-                        .all(|(_, b)| b.state == crate::alloc::block::BlockState::Unmapped)
-                    && st.pending.values().all(|q| q.is_empty())
-            }
-        })?;
-        let shard = retired.swap_remove(at);
-        let mut st = shard.state.lock();
-        let bases = st.take_empty_expandable();
-        st.pool = pool;
-        st.retired = false;
-        st.pooled = !pool.is_default();
-        st.pool_options = options;
-        st.pool_base = st.stats.clone();
-        // Its currents are the new pool's from now on: told whole at its next settle.
-        st.pool_told = Default::default();
-        drop(st);
-        Some((shard, bases))
+        shards.take_retired(
+            |shard| {
+                shard.stream() == stream && {
+                    let st = shard.state.lock();
+                    st.owners == 0
+                        && st
+                            .blocks
+                            .iter()
+                            .all(|(_, b)| b.state == crate::alloc::block::BlockState::Unmapped)
+                        && st.pending.values().all(|q| q.is_empty())
+                }
+            },
+            |st| {
+                let bases = st.take_empty_expandable();
+                st.pool = pool;
+                st.pooled = !pool.is_default();
+                st.pool_options = options;
+                st.pool_base = st.stats.clone();
+                // Its currents are the new pool's from now on: told whole at its next settle.
+                st.pool_told = Default::default();
+                bases
+            },
+        )
     }
 
     /// Marks `stream`'s shards finished (`true`: synchronized, about to be destroyed — their idle
     /// memory goes to other streams without a wait) or not (`false`: its destruction failed).
     pub(in crate::alloc) fn mark_finished(&self, stream: StreamId, finished: bool) {
-        {
-            let mut finishing = self.finishing.lock();
-            finishing.retain(|&s| s != stream);
-            if finished {
-                finishing.push(stream);
-            }
-            self.finishing_count
-                .store(finishing.len() as u64, Ordering::SeqCst);
-        }
-        for ((s, _), shard) in self.shards.read().iter() {
-            if *s == stream {
-                shard.finished.store(finished, Ordering::SeqCst);
-            }
-        }
-        // The retired shards of dropped pools on that stream too (found by review: a pool
-        // dropped before its stream's destruction left a shard per step, never buried).
-        for shard in self.retired.lock().iter() {
-            if shard.stream() == stream {
-                shard.finished.store(finished, Ordering::SeqCst);
-            }
-        }
+        self.roster.mark_finishing(stream, finished);
     }
 
     /// `stream` was destroyed (its shards marked finished before): the default pool's shard
@@ -224,23 +181,8 @@ impl DeviceCore {
     /// pool). With `cross_stream_reuse:off` its whole idle segments go back to the driver now:
     /// no stream could reuse them. Finished shards that hold nothing are buried.
     pub(in crate::alloc) fn stream_finished(&self, stream: StreamId) {
-        // The driver knows it no more: gone without the list.
-        {
-            let mut finishing = self.finishing.lock();
-            finishing.retain(|&s| s != stream);
-            self.finishing_count
-                .store(finishing.len() as u64, Ordering::SeqCst);
-        }
-        // Out of the map and into the retired list in one step under the map's lock: never in
-        // neither, where the allocator's teardown (and stats, snapshots) would miss it.
-        let mut shards = self.shards.write();
-        let gone = shards.remove(&(stream, MemPoolId::DEFAULT));
-        if let Some(shard) = &gone {
-            shard.state.lock().retired = true;
-            self.retired.lock().push(Arc::clone(shard));
-        }
-        drop(shards);
-        if let Some(shard) = gone {
+        // The driver knows it no more: gone without the list; its default pool's shard retired.
+        if let Some(shard) = self.roster.stream_destroyed(stream) {
             // Its thread front caches hold blocks no thread will take again: back to the shard,
             // so its segments can go idle (and be taken over or released).
             shard.flush_fronts();
@@ -271,11 +213,11 @@ impl DeviceCore {
         // segment kept per captured graph). A destroyed stream's default-pool cache stays for
         // other streams to take over (`cross_stream_reuse`; under `off` it went at once). Not
         // while a capture runs (a free would invalidate it).
-        if !self.capturing.any() {
+        if !self.wide.capturing.any() {
             let idle: Vec<Arc<Shard>> = self
-                .retired
-                .lock()
-                .iter()
+                .roster
+                .retired()
+                .into_iter()
                 .filter(|shard| {
                     let st = shard.state.lock();
                     !st.pool.is_default()
@@ -283,55 +225,47 @@ impl DeviceCore {
                         && !st.has_pending()
                         && !st.segments.is_empty()
                 })
-                .cloned()
                 .collect();
             for shard in idle {
                 self.release_shard(&shard, false, true);
             }
         }
-        let mut retired = self.retired.lock();
         let mut reservations = Vec::new();
         let mut rekeyed = Vec::new();
-        let (empty, kept): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut *retired)
-                .into_iter()
-                .partition(|shard| {
-                    // Only destroyed streams' shards: burying a dropped pool's shard of a live
-                    // stream left device memory behind on the CUDA double (allocator_properties,
-                    // 4 KiB after empty_cache; cause not found yet) — its cache is given back
-                    // above, the empty shard stays retired for the next pool on its stream.
-                    if !shard.finished.load(Ordering::SeqCst) {
-                        return false;
-                    }
-                    let mut st = shard.state.lock();
-                    if st.owners != 0 || st.has_pending() {
-                        return false;
-                    }
-                    // Expandable segments with nothing mapped hold only address space: given back
-                    // (found by review: under `expandable_segments` no destroyed stream's shard was
-                    // ever buried, and each kept a reservation of twice the device's memory) — not
-                    // while a capture runs, which the driver call would invalidate.
-                    if !self.capturing.any() {
-                        reservations.extend(st.take_empty_expandable());
-                    }
-                    if !st.segments.is_empty() {
-                        return false;
-                    }
-                    // Out of reach from here: a thread's slot still naming it misses (a new serial),
-                    // and an allocation that reached it already is refused under this lock (found by
-                    // review: a slot of the destroyed stream put a block into a buried shard, which
-                    // its recycling then lost).
-                    let old = shard.serial();
-                    let serial = NEXT_SHARD_SERIAL.fetch_add(1, Ordering::Relaxed);
-                    st.serial = serial;
-                    shard.serial.store(serial, Ordering::Release);
-                    shard.sleeping.store(true, Ordering::SeqCst);
-                    rekeyed.push((old, Arc::clone(shard)));
-                    true
-                });
-        *retired = kept;
-        drop(retired);
-        self.buried.lock().extend(empty);
+        self.roster.bury(|shard| {
+            // Only destroyed streams' shards: burying a dropped pool's shard of a live
+            // stream left device memory behind on the CUDA double (allocator_properties,
+            // 4 KiB after empty_cache; cause not found yet) — its cache is given back
+            // above, the empty shard stays retired for the next pool on its stream.
+            if !shard.finished.load(Ordering::SeqCst) {
+                return false;
+            }
+            let mut st = shard.state.lock();
+            if st.owners != 0 || st.has_pending() {
+                return false;
+            }
+            // Expandable segments with nothing mapped hold only address space: given back
+            // (found by review: under `expandable_segments` no destroyed stream's shard was
+            // ever buried, and each kept a reservation of twice the device's memory) — not
+            // while a capture runs, which the driver call would invalidate.
+            if !self.wide.capturing.any() {
+                reservations.extend(st.take_empty_expandable());
+            }
+            if !st.segments.is_empty() {
+                return false;
+            }
+            // Out of reach from here: a thread's slot still naming it misses (a new serial),
+            // and an allocation that reached it already is refused under this lock (found by
+            // review: a slot of the destroyed stream put a block into a buried shard, which
+            // its recycling then lost).
+            let old = shard.serial();
+            let serial = roster::next_serial();
+            st.serial = serial;
+            shard.serial.store(serial, Ordering::Release);
+            shard.sleeping.store(true, Ordering::SeqCst);
+            rekeyed.push((old, Arc::clone(shard)));
+            true
+        });
         for (old, shard) in rekeyed {
             self.rekey_for_peaks(old, &shard);
         }
@@ -354,44 +288,12 @@ impl DeviceCore {
 
     /// What the device keeps for its shards (see [`Bookkeeping`]).
     pub(in crate::alloc) fn bookkeeping(&self) -> Bookkeeping {
-        Bookkeeping {
-            shards: self.shards.read().len(),
-            retired_shards: self.retired.lock().len(),
-            buried_shards: self.buried.lock().len(),
-        }
-    }
-
-    /// Every shard of the device: the default pool's, the live pools', the retired ones.
-    pub(in crate::alloc) fn all_shards(&self) -> Vec<Arc<Shard>> {
-        let mut all: Vec<_> = self.shards.read().values().cloned().collect();
-        all.extend(self.retired.lock().iter().cloned());
-        all.extend(self.buried.lock().iter().cloned());
-        all
-    }
-
-    /// The shards whose cached memory the device may release (empty cache, out of memory,
-    /// garbage collection): the default pool's and the retired ones. A live pool keeps its cache
-    /// (a graph's replays use its free blocks' addresses) until it is emptied or dropped.
-    pub(in crate::alloc) fn releasable_shards(&self) -> Vec<Arc<Shard>> {
-        let mut out: Vec<_> = self
-            .shards
-            .read()
-            .iter()
-            .filter(|((_, pool), _)| pool.is_default())
-            .map(|(_, shard)| Arc::clone(shard))
-            .collect();
-        out.extend(self.retired.lock().iter().cloned());
-        out
+        self.roster.bookkeeping()
     }
 
     /// The shards of live pool `pool`.
     pub(in crate::alloc) fn pool_shards(&self, pool: MemPoolId) -> Vec<Arc<Shard>> {
-        self.shards
-            .read()
-            .iter()
-            .filter(|((_, p), _)| *p == pool)
-            .map(|(_, shard)| Arc::clone(shard))
-            .collect()
+        self.roster.of_pool(pool)
     }
 
     /// Pool `pool` was dropped: its shards leave the map for the retired list, giving their
@@ -404,15 +306,8 @@ impl DeviceCore {
         for shard in self.pool_shards(pool) {
             self.release_shard(&shard, false, false);
         }
-        let mut shards = self.shards.write();
-        let keys: Vec<_> = shards.keys().filter(|(_, p)| *p == pool).copied().collect();
-        let leaving: Vec<Arc<Shard>> = keys.iter().filter_map(|k| shards.remove(k)).collect();
-        for shard in &leaving {
-            shard.state.lock().retired = true;
-        }
-        self.retired.lock().extend(leaving);
-        drop(shards);
-        self.close_pool_book(pool);
+        self.roster.retire_pool(pool);
+        self.books.close_pool(pool);
         // Those of destroyed streams that hold nothing go at once.
         self.bury_finished();
     }

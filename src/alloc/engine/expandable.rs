@@ -436,7 +436,7 @@ impl DeviceCore {
         if failure.is_none() {
             // Each page a region of its own, registered before the grown block is handed out.
             let pages = mapped.iter().map(|&(at, _)| (at, page));
-            if let Err(err) = self.callbacks.registry.map(
+            if let Err(err) = self.wide.callbacks.registry.map(
                 self.device,
                 shard.stream(),
                 RegionKind::ExpandablePage,
@@ -472,14 +472,14 @@ impl DeviceCore {
         let id = st.allocate(id, rounded, requested);
         let out = st.allocated(id, rounded);
         self.settle(st);
-        self.callbacks.observers.segment(SegmentEvent {
+        self.wide.callbacks.observers.segment(SegmentEvent {
             change: SegmentChange::Map,
             device: self.device,
             base: DeviceAddr(addr),
             size: len,
             stream: shard.stream(),
         });
-        self.trace.record(
+        self.wide.trace.record(
             TraceAction::SegmentMap,
             self.device,
             addr,
@@ -529,8 +529,8 @@ impl DeviceCore {
     /// chunk's memory until its last mapping goes).
     pub(in crate::alloc) fn free_pages(&self, stream: StreamId, pages: Vec<PageRelease>) {
         for (addr, len, chunks) in pages {
-            self.callbacks.registry.unmap(self.device, addr, len);
-            self.callbacks.observers.segment(SegmentEvent {
+            self.wide.callbacks.registry.unmap(self.device, addr, len);
+            self.wide.callbacks.observers.segment(SegmentEvent {
                 change: SegmentChange::Unmap,
                 device: self.device,
                 base: DeviceAddr(addr),
@@ -546,7 +546,8 @@ impl DeviceCore {
                 }
             }
             self.reserved.fetch_sub(len, Ordering::SeqCst);
-            self.trace
+            self.wide
+                .trace
                 .record(TraceAction::SegmentUnmap, self.device, addr, len, stream);
         }
     }
@@ -577,7 +578,7 @@ impl DeviceCore {
         releasable_only: bool,
     ) -> u64 {
         // Held across the unmaps: a capture does not begin in between (`capturing.rs`).
-        let Some(_no_capture) = self.capturing.releasing() else {
+        let Some(_no_capture) = self.wide.capturing.releasing() else {
             return 0;
         };
         let pages = {

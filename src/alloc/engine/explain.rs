@@ -62,7 +62,7 @@ impl DeviceCore {
         let pool = req.pool();
         facts.rounded = req.rounded;
         facts.stream = Some(shard.stream());
-        let all_shards = self.all_shards();
+        let all_shards = self.roster.all();
         let lendable = {
             let st = shard.state.lock();
             let own = st.free_figures(pool, req.rounded);
@@ -71,7 +71,7 @@ impl DeviceCore {
             facts.reserved_unmapped += st.unmapped_bytes();
             // `cross_stream_reuse:blocks` lends only to the default pool's misses, never during
             // a capture (`cross_stream.rs`).
-            st.pool.is_default() && !self.capturing.any()
+            st.pool.is_default() && !self.wide.capturing.any()
         };
         for other in &all_shards {
             if std::ptr::eq(&**other, shard) {

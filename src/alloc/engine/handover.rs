@@ -106,7 +106,7 @@ impl Shard {
         let (ptr, size) = (st.blocks[id].ptr, st.blocks[id].size);
         let uses = st.release(id);
         if let Some(sanitizer) = &self.sanitizer {
-            let graph_held = self.core.capturing.held_by_graphs(st.pool);
+            let graph_held = self.core.wide.capturing.held_by_graphs(st.pool);
             sanitizer.free(ptr, size, self.stream(), &uses, graph_held);
         }
         if uses.is_empty() {
@@ -117,7 +117,7 @@ impl Shard {
         if waits.is_empty() {
             st.finish_pending_without_events(id);
             FreePlan::Now
-        } else if self.core.capturing.any() {
+        } else if self.core.wide.capturing.any() {
             FreePlan::AfterCaptures(waits)
         } else {
             FreePlan::AfterEvents(waits)
@@ -152,7 +152,7 @@ impl Shard {
     #[inline]
     pub(in crate::alloc) fn handed_out(&self, ptr: u64, len: u64) {
         if let Some(sanitizer) = &self.sanitizer {
-            let captured = self.core.capturing.any()
+            let captured = self.core.wide.capturing.any()
                 && self
                     .core
                     .driver
@@ -246,12 +246,7 @@ impl DeviceCore {
     /// streams a block was used on ([`crate::driver::stream_gone`]); blocks allocated on it stay
     /// valid, and the allocator's own work on them runs on a live stream (`tags.rs`).
     pub(in crate::alloc) fn stream_gone(&self, stream: StreamId) -> bool {
-        crate::driver::stream_gone(self.driver.as_ref(), stream)
-            || (self
-                .finishing_count
-                .load(crate::sync::os::atomic::Ordering::SeqCst)
-                != 0
-                && self.finishing.lock().contains(&stream))
+        crate::driver::stream_gone(self.driver.as_ref(), stream) || self.roster.is_finishing(stream)
     }
 
     /// The streams an exit waits for, of `used` (each once): not `to` (the new owner's own
@@ -283,7 +278,7 @@ impl DeviceCore {
             (None, None) => Order::StreamWait,
             (None, Some(_)) => Order::HostWaitStream,
             (Some(u), Some(t)) if u == t => Order::StreamWait,
-            (Some(_), to_capture) => match self.capturing.eager_tail(used) {
+            (Some(_), to_capture) => match self.wide.capturing.eager_tail(used) {
                 Some(tail) if to_capture.is_some() => Order::HostWaitTail(tail),
                 Some(tail) => Order::WaitTail(tail),
                 None => Order::Impossible,

@@ -15,7 +15,8 @@
 //! | `shard.rs` | one shard: its face to the rest of `alloc/`, the free path, orphaning, front-cache helpers, its teardown |
 //! | `thread.rs` | per-thread state: current streams and a cache of shard pointers (no lock, no atomic on the hot path) |
 //! | `snapshot.rs`, `invariants.rs` | a shard's segments as a snapshot; the scanner tests run after every mutation |
-//! | `device_shards.rs` | one device's shards: creation per (stream, pool), retired shards, lending |
+//! | `roster.rs` | one device's lists of shards (live by (stream, pool), retired, buried) and the streams being destroyed: the only place a shard moves between them |
+//! | `device_shards.rs` | what the device does with its shards: creation (or recycling) per (stream, pool), lending, retiring and burying |
 //! | `device.rs` | one device: the hit and miss paths, release, stats, snapshots |
 //! | `device_release.rs` | giving cached memory back (`empty_cache`, the miss path's releases, GC) |
 //! | `explain.rs` | why an allocation ran out of memory: the figures of the error and its event, on the failure path only |
@@ -38,6 +39,7 @@ pub(in crate::alloc) mod handover;
 mod invariants;
 mod peaks;
 pub(in crate::alloc) mod pool_peaks;
+pub(in crate::alloc) mod roster;
 mod shard;
 mod sleep;
 pub(in crate::alloc) mod snapshot;
@@ -49,20 +51,17 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use slab::Slab;
 
 use super::block::{Block, BlockId, ExpandablePages, SegmentInfo};
-use super::capturing::CaptureRoutes;
 use super::front::FrontRegistry;
-use super::history::Trace;
-use super::oom::Callbacks;
 use super::pool::FreePool;
+use super::pool_id::MemPoolId;
 use super::pool_id::MemPoolOptions;
-use super::pool_id::{MemPoolId, TagPhases};
 use super::stats::DeviceStats;
 use super::stats::PEAK_STATS;
 use crate::config::cell::{ConfigCell, FitRules};
 use crate::driver::{Driver, EventId, StreamId};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::os::{Arc, Mutex, RwLock, ShortMutex, Weak};
+use crate::sync::os::{Arc, Mutex, ShortMutex, Weak};
 
 /// One (device, stream) shard. Aligned to 128 bytes (two cache lines: the adjacent-line
 /// prefetcher pairs them) so that two shards' locks and hot state never share a line, wherever the
@@ -106,12 +105,9 @@ pub(crate) struct DeviceCore {
     birth: Birth,
     driver: Arc<dyn Driver>,
     config: ConfigCell,
-    callbacks: Arc<Callbacks>,
-    trace: Arc<Trace>,
-    /// The allocator's captures under way (`capturing.rs`).
-    capturing: Arc<CaptureRoutes>,
-    /// The allocator's tags and which sleep (`sleep.rs`).
-    tags: Arc<dyn TagPhases>,
+    /// What the allocator's devices share: callbacks, history, captures under way
+    /// (`capturing.rs`), tags and which sleep (`sleep.rs`).
+    wide: device::AllocatorWide,
     check_invariants: bool,
     /// The stream sanitizer, when the driver is sanitized: told of every hand-out and free.
     sanitizer: Option<Arc<crate::driver::Sanitizer>>,
@@ -122,37 +118,17 @@ pub(crate) struct DeviceCore {
     capacity: u64,
     /// Bytes of live segments on this device (all shards).
     reserved: AtomicU64,
-    /// The shards by (stream, memory pool): one per stream for the default pool, one per stream
-    /// a pool is used on (`mem_pool.rs`).
-    shards: RwLock<HashMap<(StreamId, MemPoolId), Arc<Shard>>>,
-    /// Shards of dropped pools: kept for the allocator's life (thread caches may still point at
-    /// them), released like the default pool's, and taken again by the next pool on their stream
-    /// once empty.
-    retired: Mutex<Vec<Arc<Shard>>>,
-    /// Shards of destroyed streams that hold nothing: kept alive (a thread's shard cache may
-    /// point at one) but out of every list the miss and release paths walk
-    /// (`DeviceCore::stream_finished`).
-    buried: Mutex<Vec<Arc<Shard>>>,
-    /// Streams being destroyed (synchronized, not yet forgotten by the driver): gone for every
-    /// wait ([`DeviceCore::stream_gone`]), as their work is done.
-    finishing: Mutex<Vec<StreamId>>,
-    /// `finishing`'s length: every wait asks `stream_gone`, which takes that lock only when a
-    /// destruction is under way.
-    finishing_count: AtomicU64,
+    /// The shards: one per (stream, memory pool) in use, the retired and the buried ones, and
+    /// the streams being destroyed (`roster.rs`).
+    roster: roster::Roster,
+    /// Events of pending frees no longer pending, for the next.
     events: Mutex<Vec<EventId>>,
-    alloc_retries: AtomicU64,
-    ooms: AtomicU64,
-    sync_all: AtomicU64,
-    cross_stream: AtomicU64,
-    /// The recorded device-wide peaks (`peaks.rs`).
-    peaks: Mutex<PeakBook>,
-    pool_books: Mutex<HashMap<MemPoolId, PoolBook>>,
-    /// Cached segments taken for release while a capture began: `(stream, base, size)`, freed
-    /// by the next release after the captures (`DeviceCore::free_segments`), or at the end.
-    unfreed: Mutex<Vec<(StreamId, u64, u64)>>,
-    /// Segments a registrar refused while a capture ran: `(base, size)`, never seen by observers
-    /// or the trace, freed quietly by the next release or at the end (`return_unregistered`).
-    refused: Mutex<Vec<(u64, u64)>>,
+    /// The device-wide counts no shard keeps (`device.rs`).
+    counters: device::Counters,
+    /// The recorded device-wide peaks (`peaks.rs`) and each live pool's (`pool_peaks.rs`).
+    books: Books,
+    /// Segments whose release a capture held back (`device_release.rs`).
+    withheld: device_release::Withheld,
 }
 
 /// An allocator's devices, reached only through the fork check (`process`; DESIGN's "one door
@@ -222,7 +198,7 @@ impl std::fmt::Debug for DeviceCore {
         f.debug_struct("DeviceCore")
             .field("device", &self.device)
             .field("reserved", &self.reserved.load(Ordering::Relaxed))
-            .field("shards", &self.shards.read().len())
+            .field("shards", &self.roster.live_count())
             .finish()
     }
 }
@@ -273,6 +249,14 @@ pub(crate) struct ShardState {
     /// The fit rules of the configuration in force, copied here by every publish
     /// (`config/cell.rs`): read under the lock, with nothing to keep alive.
     rules: FitRules,
+}
+
+/// A device's books of peaks: its own (`peaks.rs`), each live pool's (`pool_peaks.rs`). Each
+/// behind its own lock, the device's taken first when both are.
+#[derive(Debug, Default)]
+pub(super) struct Books {
+    device: Mutex<PeakBook>,
+    pools: Mutex<HashMap<MemPoolId, PoolBook>>,
 }
 
 /// Statistics, one value per statistic with a peak.

@@ -239,18 +239,18 @@ impl ShardState {
 impl DeviceCore {
     /// Enters `shard` in the peak book (at its creation; see the module docs).
     pub(in crate::alloc) fn register_for_peaks(&self, shard: &Arc<Shard>) {
-        self.peaks.lock().register(shard);
+        self.books.device.lock().register(shard);
     }
 
     /// `shard`, known to the book under serial `old`, was recycled under its serial now.
     pub(in crate::alloc) fn rekey_for_peaks(&self, old: u64, shard: &Arc<Shard>) {
-        self.peaks.lock().rekey(old as usize, key_of(shard));
+        self.books.device.lock().rekey(old as usize, key_of(shard));
     }
 
     /// Tells the book that `shard`'s statistics may have changed on a path that does not settle
     /// (a cache release).
     pub(in crate::alloc) fn tell_peaks(&self, shard: &Shard) {
-        self.peaks.lock().tell(key_of(shard));
+        self.books.device.lock().tell(key_of(shard));
     }
 
     /// After a settle that had to tell the book: records the shard as unread and, when it went
@@ -258,7 +258,7 @@ impl DeviceCore {
     pub(crate) fn reconcile_peaks(&self) {
         let settling = SETTLING.with(Cell::take);
         let reads = {
-            let mut book = self.peaks.lock();
+            let mut book = self.books.device.lock();
             let over = match settling {
                 Some((key, over)) => {
                     book.tell(key);
@@ -283,7 +283,7 @@ impl DeviceCore {
     pub(crate) fn exact_stats(&self, reset: bool) -> DeviceStats {
         let mut total = DeviceStats::default();
         let reads = {
-            let mut book = self.peaks.lock();
+            let mut book = self.books.device.lock();
             let reads = self.read_all(&mut book, reset, Some(&mut total));
             let peaks = book.peaks;
             total.for_each_peak_stat_mut(|k, s| s.peak = peaks[k].max(s.current));
@@ -298,7 +298,7 @@ impl DeviceCore {
     #[cfg(feature = "replay")]
     pub(in crate::alloc) fn current_totals(&self) -> [i64; PEAK_STATS] {
         let (sums, reads) = {
-            let mut book = self.peaks.lock();
+            let mut book = self.books.device.lock();
             let reads = self.sync(&mut book);
             (book.sums, reads)
         };
@@ -351,7 +351,7 @@ impl DeviceCore {
             peaks,
             ..PeakBook::default()
         };
-        let shards = self.all_shards();
+        let shards = self.roster.all();
         let mut reads = Vec::with_capacity(shards.len());
         for shard in &shards {
             book.register(shard);

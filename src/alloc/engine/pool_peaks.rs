@@ -16,7 +16,7 @@
 //! | `MemPool::reset_peak_stats` | peaks := sums |
 //! | the pool dropped (`retire_pool`) | closed; its retired shards tell no one |
 
-use super::{DeviceCore, Figures, ShardState};
+use super::{Books, DeviceCore, Figures, ShardState};
 use crate::alloc::pool_id::MemPoolId;
 use crate::alloc::stats::{PEAK_STATS, RESERVED_BYTES_ALL};
 
@@ -40,14 +40,14 @@ pub struct PoolsReserved {
     pub graphs: u64,
 }
 
-impl DeviceCore {
+impl Books {
     /// Pool shard `st` tells its pool's book how its currents moved since it last told it.
     pub(super) fn tell_pool(&self, st: &mut ShardState) {
         let now = st.currents();
         if now == st.pool_told {
             return;
         }
-        if let Some(book) = self.pool_books.lock().get_mut(&st.pool) {
+        if let Some(book) = self.pools.lock().get_mut(&st.pool) {
             let moved = now.iter().zip(&st.pool_told).map(|(n, t)| n - t);
             for ((sum, peak), d) in book.sums.iter_mut().zip(&mut book.peaks).zip(moved) {
                 *sum += d;
@@ -57,20 +57,24 @@ impl DeviceCore {
         st.pool_told = now;
     }
 
-    pub(super) fn open_pool_book(&self, pool: MemPoolId) {
-        self.pool_books.lock().entry(pool).or_default();
+    /// `pool` has a shard on this device from now on: its book opens (empty when new).
+    pub(super) fn open_pool(&self, pool: MemPoolId) {
+        self.pools.lock().entry(pool).or_default();
     }
 
-    pub(super) fn close_pool_book(&self, pool: MemPoolId) {
-        self.pool_books.lock().remove(&pool);
+    /// `pool` was dropped: its book closes (its retired shards tell no one).
+    pub(super) fn close_pool(&self, pool: MemPoolId) {
+        self.pools.lock().remove(&pool);
     }
+}
 
+impl DeviceCore {
     /// Every shard of `pool` tells its book (what it changed without settling).
     fn sync_pool(&self, pool: MemPoolId) {
         for shard in self.pool_shards(pool) {
             let mut st = shard.state.lock();
             if st.pool == pool {
-                self.tell_pool(&mut st);
+                self.books.tell_pool(&mut st);
             }
         }
     }
@@ -79,13 +83,13 @@ impl DeviceCore {
     /// when the pool has no shard here.
     pub(in crate::alloc) fn pool_peaks(&self, pool: MemPoolId) -> Option<Figures> {
         self.sync_pool(pool);
-        self.pool_books.lock().get(&pool).map(|book| book.peaks)
+        self.books.pools.lock().get(&pool).map(|book| book.peaks)
     }
 
     /// Resets `pool`'s peaks to its currents.
     pub(in crate::alloc) fn reset_pool_peaks(&self, pool: MemPoolId) {
         self.sync_pool(pool);
-        if let Some(book) = self.pool_books.lock().get_mut(&pool) {
+        if let Some(book) = self.books.pools.lock().get_mut(&pool) {
             book.peaks = book.sums;
         }
     }
@@ -93,13 +97,14 @@ impl DeviceCore {
     /// What live memory pools reserve on this device: one lock per pool shard and the book's,
     /// no statistics copied.
     pub(in crate::alloc) fn pools_reserved(&self) -> PoolsReserved {
-        let pools: Vec<MemPoolId> = self.pool_books.lock().keys().copied().collect();
+        let pools: Vec<MemPoolId> = self.books.pools.lock().keys().copied().collect();
         for &pool in &pools {
             self.sync_pool(pool);
         }
         // Read, then asked of the captures outside the book's lock (a leaf lock).
         let reserved: Vec<(MemPoolId, u64)> = self
-            .pool_books
+            .books
+            .pools
             .lock()
             .iter()
             .map(|(pool, book)| (*pool, book.sums[RESERVED_BYTES_ALL].max(0) as u64))
@@ -107,7 +112,7 @@ impl DeviceCore {
         let mut out = PoolsReserved::default();
         for (pool, bytes) in reserved {
             out.pools += bytes;
-            if self.capturing.held_by_graphs(pool) {
+            if self.wide.capturing.held_by_graphs(pool) {
                 out.graphs += bytes;
             }
         }

@@ -129,7 +129,7 @@ impl Shard {
         let core = &self.core;
         let mut st = self.state.lock();
         let (ptr, size) = (st.blocks[id].ptr, st.blocks[id].size);
-        core.trace.record(
+        core.wide.trace.record(
             TraceAction::FreeRequested,
             core.device,
             ptr,
@@ -138,7 +138,7 @@ impl Shard {
         );
         // What the block's next owner waits for is decided in `handover.rs`; carried out here.
         match self.leave(&mut st, id) {
-            FreePlan::Now => core.trace.record(
+            FreePlan::Now => core.wide.trace.record(
                 TraceAction::FreeCompleted,
                 core.device,
                 ptr,

@@ -233,6 +233,7 @@ impl DeviceCore {
         }
         let pool = shard.state.lock().pool;
         let tag = self
+            .wide
             .tags
             .name_of(pool)
             .map_or_else(|| pool.to_string(), |n| n.to_string());
@@ -309,7 +310,7 @@ impl DeviceCore {
             let regions = mapped
                 .iter()
                 .flat_map(|(_, page, chunks)| chunks.iter().map(move |&(at, _)| (at, *page)));
-            if let Err(err) = self.callbacks.registry.map(
+            if let Err(err) = self.wide.callbacks.registry.map(
                 self.device,
                 shard.stream(),
                 RegionKind::ExpandablePage,
@@ -332,14 +333,14 @@ impl DeviceCore {
                 if let Some(sanitizer) = &self.sanitizer {
                     sanitizer.awake(at, *page);
                 }
-                self.callbacks.observers.segment(SegmentEvent {
+                self.wide.callbacks.observers.segment(SegmentEvent {
                     change: SegmentChange::Map,
                     device: self.device,
                     base: DeviceAddr(at),
                     size: *page,
                     stream: shard.stream(),
                 });
-                self.trace.record(
+                self.wide.trace.record(
                     TraceAction::SegmentMap,
                     self.device,
                     at,
