@@ -663,3 +663,128 @@ fn a_forked_child_never_calls_into_the_agent_it_inherited() {
     let mut again = p.agent_a.write(sa, &[(&dst, &described)], None).unwrap();
     again.wait(WAIT).unwrap();
 }
+
+/// Children forked while a parent thread registers and deregisters segments with the agent (each
+/// new segment of runtime `a` is registered, each released one deregistered: the registrar's
+/// lock), and an agent of the sanitized runtime has transfer actors: every door of the agent in
+/// the child is refused or answers without the parent's state, and the child's drop of the
+/// agent touches neither its streams nor NIXL.
+#[test]
+fn forked_children_meet_every_agent_door_while_a_parent_thread_registers() {
+    use common::forked::{fork_child, CHILD_DEADLINE_S};
+    use std::sync::atomic::AtomicBool;
+    use std::time::Instant;
+    if !common::forked::alone(
+        "forked_children_meet_every_agent_door_while_a_parent_thread_registers",
+    ) {
+        return; // it forks: run alone, in a re-executed test binary
+    }
+    const CHILDREN: usize = 8;
+    let _one = setup();
+    let p = pair("", "");
+    let (sa, sb) = (
+        p.a.default_stream(0).unwrap(),
+        p.b.default_stream(0).unwrap(),
+    );
+    let src = Storage::new_on(&p.b, sb, MIB).unwrap();
+    src.fill_pattern(3).unwrap();
+    let described = p.agent_b.describe(&src, sb).unwrap();
+    let md = p.agent_b.metadata().unwrap();
+    let dst = Storage::new_on(&p.a, sa, MIB).unwrap();
+    // The actors exist: a transfer ran through them (an agent of its own, dropped by each child).
+    let spare = NixlAgent::new(&p.a, NixlOptions::new(unique("spare"))).unwrap();
+    spare.load_peer(&md).unwrap();
+    let mut t = spare.read(sa, &[(&dst, &described)], None).unwrap();
+    t.wait(WAIT).unwrap();
+    drop(t);
+    assert!(spare.registered_regions() > 0);
+    let spare = Mutex::new(Some(spare));
+    let rounds = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let worker = {
+        let (rt, rounds, stop) = (Arc::clone(&p.a), Arc::clone(&rounds), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let stream = rt.default_stream(0).unwrap();
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                // A new segment each round (registered), given back (deregistered).
+                drop(Storage::new_on(&rt, stream, 3 * MIB).unwrap());
+                rt.empty_cache();
+                i += 1;
+                rounds.store(i, Ordering::Relaxed);
+            }
+        })
+    };
+    let children: Vec<_> = (0..CHILDREN)
+        .map(|_| {
+            let seen = rounds.load(Ordering::Relaxed);
+            while rounds.load(Ordering::Relaxed) == seen && !worker.is_finished() {
+                std::thread::yield_now();
+            }
+            fork_child(|| {
+                let mut answered = Vec::new();
+                let mut refused = |what: &str, r: cudalloc::Result<()>| match r {
+                    Err(e) if e.kind() == ErrorKind::ForkedChild => {}
+                    other => answered.push(format!("{what}: {other:?}")),
+                };
+                let a = &p.agent_a;
+                refused("metadata", a.metadata().map(drop));
+                refused("nixl_metadata", a.nixl_metadata().map(drop));
+                refused("load_peer", a.load_peer(&md).map(drop));
+                refused("send_metadata", a.send_metadata("127.0.0.1", 1));
+                refused(
+                    "fetch_peer",
+                    a.fetch_peer("x", "127.0.0.1", 1, Duration::ZERO).map(drop),
+                );
+                refused("await_peer", a.await_peer("x", Duration::ZERO).map(drop));
+                refused(
+                    "await_description",
+                    a.await_description(&described, Duration::ZERO),
+                );
+                refused("forget_peer", a.forget_peer("x"));
+                refused("describe", a.describe(&dst, sa).map(drop));
+                refused("notify", a.notify("x", b"m"));
+                refused("notifications", a.notifications().map(drop));
+                refused(
+                    "wait_notification",
+                    a.wait_notification("x", b"m", Duration::ZERO),
+                );
+                refused("received", a.received(&dst, sa));
+                refused("read", a.read(sa, &[(&dst, &described)], None).map(drop));
+                refused("write", a.write(sa, &[(&dst, &described)], None).map(drop));
+                if a.registered_regions() != 0 {
+                    answered.push("registered_regions: the parent's registrations".into());
+                }
+                let _ = (a.name(), a.generation());
+                // Dropped in the child: nothing of the parent's is destroyed or deregistered.
+                drop(spare.lock().unwrap().take());
+                if answered.is_empty() {
+                    Ok(())
+                } else {
+                    Err(answered.join("; "))
+                }
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(u64::from(CHILD_DEADLINE_S) + 30);
+    let failed: Vec<String> = children
+        .into_iter()
+        .filter_map(|child| {
+            let pid = child.pid();
+            child
+                .wait_until(deadline)
+                .err()
+                .map(|f| format!("child {pid}: {} (hung: {})", f.why, f.hung))
+        })
+        .collect();
+    stop.store(true, Ordering::Relaxed);
+    worker.join().unwrap();
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    // The parent's agents go on, the spare's registrations and actors with them.
+    let spare = spare.lock().unwrap().take().unwrap();
+    assert!(spare.registered_regions() > 0);
+    dst.fill_pattern(0).unwrap();
+    let mut again = spare.read(sa, &[(&dst, &described)], None).unwrap();
+    again.wait(WAIT).unwrap();
+    assert_eq!(wrong(&dst, 3), 0);
+}

@@ -157,6 +157,7 @@ impl NixlAgent {
         let driver = runtime.driver();
         let actors = driver.sanitizer().map(|sanitizer| {
             Arc::new(Actors {
+                birth: Birth::now(),
                 sanitizer,
                 driver: Arc::clone(driver),
                 free: Mutex::new(Vec::new()),
@@ -190,8 +191,12 @@ impl NixlAgent {
         &self.core.runtime
     }
 
-    /// Regions registered with this agent now.
+    /// Regions registered with this agent now; 0 in a forked child (the registrations are the
+    /// parent's, and their list's lock may have been held by a parent thread at the fork).
     pub fn registered_regions(&self) -> usize {
+        if self.core.alive().is_err() {
+            return 0;
+        }
         self.core.registrar.registered()
     }
 

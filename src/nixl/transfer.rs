@@ -25,6 +25,7 @@ use super::core::Core;
 use crate::driver::sanitizer::Touch;
 use crate::driver::{Sanitizer, StreamId};
 use crate::error::{Error, Result};
+use crate::process::Birth;
 use crate::storage::Storage;
 use crate::sync::os::{Arc, Mutex};
 
@@ -34,6 +35,8 @@ pub const DROP_DEADLINE: Duration = Duration::from_secs(30);
 /// The sanitizer's side of an agent: its transfer actors (streams used by one transfer at a time).
 #[derive(Debug)]
 pub(crate) struct Actors {
+    /// The process the actors' streams belong to: a forked child's copy destroys none.
+    pub birth: Birth,
     pub sanitizer: Arc<Sanitizer>,
     pub driver: Arc<dyn crate::driver::Driver>,
     pub free: Mutex<Vec<StreamId>>,
@@ -73,6 +76,11 @@ impl Actors {
 
 impl Drop for Actors {
     fn drop(&mut self) {
+        if !self.birth.is_current() {
+            // A forked child's copy: the streams are the parent's, and the lists' locks may
+            // have been held by a parent thread at the fork.
+            return;
+        }
         for actor in self.all.lock().drain(..) {
             if let Err(err) = self.driver.stream_destroy(actor) {
                 tracing::debug!(%err, ?actor, "destroying a transfer actor's stream at teardown failed");
