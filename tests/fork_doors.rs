@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use common::forked::{fork_child, CHILD_DEADLINE_S};
 use common::*;
+use cudalloc::graph::{CaptureMode, Graph};
 use cudalloc::pool::{MemPool, MemPoolOptions};
 use cudalloc::{AllocatorConfig, ErrorKind, Runtime, Storage, StreamId, WakeOptions};
 
@@ -49,6 +50,7 @@ fn hammer(
     stop: &AtomicBool,
 ) {
     let stream = rt.current_stream(0).unwrap();
+    let captured = rt.create_stream(0).unwrap();
     let mut held = Vec::new();
     let mut i = 0u64;
     while !stop.load(Ordering::Relaxed) {
@@ -81,6 +83,15 @@ fn hammer(
         rt.pinned_allocator().stats();
         rt.registration_stats();
         pool.empty_cache();
+        // A capture and its graph's replay: the captures' routes and the graph's pool.
+        let capture = rt
+            .begin_capture(captured, None, CaptureMode::ThreadLocal)
+            .unwrap();
+        let output = rt.allocate_on(captured, 4096).unwrap();
+        let graph = capture.end().unwrap();
+        graph.replay(captured).unwrap();
+        drop(output);
+        drop(graph);
         i += 1;
         rounds.store(i, Ordering::Relaxed);
     }
@@ -92,6 +103,7 @@ fn ask_every_door(
     rt: &Arc<Runtime>,
     pool: &MemPool,
     storage: &Storage,
+    graph: &Graph,
     stream: StreamId,
 ) -> Result<(), String> {
     let mut answered = Vec::new();
@@ -140,6 +152,14 @@ fn ask_every_door(
     }
     refused(a, "sleep", rt.sleep(&["weights"], &[]));
     refused(a, "wake_up", rt.wake_up(&[], WakeOptions::default()));
+    // Captures and graphs.
+    refused(
+        a,
+        "begin_capture",
+        rt.begin_capture(stream, None, CaptureMode::ThreadLocal),
+    );
+    refused(a, "Graph::replay", graph.replay(stream));
+    refused(a, "Graph::pool().memory_stats", graph.pool().memory_stats(0));
     // Registration.
     refused(
         a,
@@ -186,6 +206,14 @@ fn forked_children_are_refused_at_every_door_while_a_parent_thread_works_behind_
     drop(rt.tag("weights").unwrap());
     let storage = Storage::new(&rt, 0, MIB).unwrap();
     let stream = rt.current_stream(0).unwrap();
+    let graph = {
+        let side = rt.create_stream(0).unwrap();
+        let capture = rt
+            .begin_capture(side, None, CaptureMode::ThreadLocal)
+            .unwrap();
+        drop(rt.allocate_on(side, 4096).unwrap());
+        capture.end().unwrap()
+    };
     let rounds = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let worker = {
@@ -201,7 +229,7 @@ fn forked_children_are_refused_at_every_door_while_a_parent_thread_works_behind_
             while rounds.load(Ordering::Relaxed) == seen && !worker.is_finished() {
                 std::thread::yield_now();
             }
-            fork_child(|| ask_every_door(&rt, &pool, &storage, stream))
+            fork_child(|| ask_every_door(&rt, &pool, &storage, &graph, stream))
         })
         .collect();
     // Far past what a child needs (it makes a few dozen calls); a child's own alarm ends it
