@@ -181,11 +181,11 @@ fn a_pool_dropped_before_its_stream_leaves_a_shard_per_step() {
 }
 
 /// A long-lived memory pool (a graph pool, say) used on a stream per step: each destroyed
-/// stream's pool shard stays in the device's map for the pool's life, even emptied by
-/// `MemPool::empty_cache`.
+/// stream's pool shard stayed in the device's map for the pool's life, even emptied by
+/// `MemPool::empty_cache` (100 shards after 100 steps). Once empty it leaves the pool, whose
+/// statistics keep its counts.
 #[test]
-#[ignore = "open (issue 46): a live pool's shard of a destroyed stream stays in the pool until the pool drops; removing it needs the pool's book to keep the shard's accumulated counts"]
-fn a_long_lived_pool_keeps_a_shard_per_destroyed_stream() {
+fn a_long_lived_pool_keeps_no_shard_of_destroyed_streams() {
     use cudalloc::pool::MemPoolOptions;
     let rt = checked_allocator(test_driver(), "");
     let pool = rt.mem_pool(MemPoolOptions::default()).unwrap();
@@ -210,6 +210,16 @@ fn a_long_lived_pool_keeps_a_shard_per_destroyed_stream() {
         kept(&rt)
     );
     rt.check_invariants().unwrap();
+    let stats = pool.memory_stats(0).unwrap();
+    assert_eq!(stats.allocation.all.allocated, 100, "{stats:?}");
+    assert_eq!(stats.allocation.all.freed, 100, "{stats:?}");
+    assert_eq!(stats.allocation.all.current, 0, "{stats:?}");
+    assert!(
+        stats.allocated_bytes.all.peak >= 64 * KIB as i64,
+        "{stats:?}"
+    );
+    rt.reset_accumulated_memory_stats(0).unwrap();
+    assert_eq!(pool.memory_stats(0).unwrap().allocation.all.allocated, 0);
 }
 
 /// A buried shard recycled as a memory pool's shard: the pool's accumulated counts are its own,
@@ -335,7 +345,7 @@ fn reconfigure_races_allocations_on_recycled_shards() {
 }
 
 /// With `expandable_segments:True` a destroyed stream's shard keeps its expandable segment once
-/// every page is released (the reservation, a wholly unmapped block): `bury_finished` asks for
+/// every page is released (the reservation, a wholly unmapped block): `bury_empty` asks for
 /// no segment at all, so the shard is never buried — nor its reservation freed — and the shards
 /// kept grow by one per stream (`allocator_bookkeeping.rs`'s own test fails the same way under
 /// `CUDALLOC_TEST_EXPANDABLE=1`, as `scripts/gpu-check.sh` runs it).

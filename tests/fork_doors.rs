@@ -159,7 +159,11 @@ fn ask_every_door(
         rt.begin_capture(stream, None, CaptureMode::ThreadLocal),
     );
     refused(a, "Graph::replay", graph.replay(stream));
-    refused(a, "Graph::pool().memory_stats", graph.pool().memory_stats(0));
+    refused(
+        a,
+        "Graph::pool().memory_stats",
+        graph.pool().memory_stats(0),
+    );
     // Registration.
     refused(
         a,

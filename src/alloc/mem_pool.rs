@@ -112,16 +112,7 @@ impl MemPool {
     /// the pool was made or [`MemPool::reset_peak_stats`] (`engine/pool_peaks.rs`). In a
     /// forked child, an [`ErrorKind::ForkedChild`](crate::ErrorKind::ForkedChild) error.
     pub fn memory_stats(&self, device: usize) -> Result<DeviceStats> {
-        let core = self.core(device)?;
-        let mut total = DeviceStats::default();
-        for shard in core.pool_shards(self.inner.id) {
-            total.accumulate(&shard.pool_stats());
-        }
-        let peaks = core.pool_peaks(self.inner.id);
-        total.for_each_peak_stat_mut(|k, s| {
-            s.peak = peaks.map_or(s.current, |p| p[k].max(s.current));
-        });
-        Ok(total)
+        Ok(self.core(device)?.pool_memory_stats(self.inner.id))
     }
 
     /// Resets the pool's peaks on `device` to its currents (PyTorch's

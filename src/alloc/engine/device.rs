@@ -629,6 +629,7 @@ impl DeviceCore {
             st.pool_base.reset_accumulated();
         }
         self.counters.reset();
+        self.books.reset_departed();
     }
 
     /// Appends every segment of the device to `out`.

@@ -162,7 +162,7 @@ impl DeviceCore {
         for shard in self.roster.releasable() {
             any |= self.release_shard(&shard, sync, true);
         }
-        self.bury_finished();
+        self.bury_empty();
         any
     }
 

@@ -197,16 +197,16 @@ impl DeviceCore {
                 self.release_shard(&shard, false, true);
             }
         }
-        self.bury_finished();
+        self.bury_empty();
     }
 
-    /// Gives a dropped pool's retired shard's idle cache back, and moves the retired shards of
-    /// destroyed streams that hold nothing (no block out, no segment, nothing pending) to the
-    /// buried list, where the next new shard takes one
-    /// ([`Shard::recycle`]): a program that makes and destroys a stream per step neither grows
-    /// what every miss and release walks nor the memory the allocator keeps — the buried list
-    /// is never longer than the most streams alive at once.
-    pub(in crate::alloc) fn bury_finished(&self) {
+    /// Gives a dropped pool's retired shard's idle cache back, and moves the retired shards
+    /// that hold nothing (no block out, no segment, nothing pending) — a destroyed stream's, a
+    /// dropped pool's — to the buried list, where the next new shard takes one
+    /// ([`Shard::recycle`]): a program that makes and destroys a stream, a pool or a graph per
+    /// step neither grows what every miss and release walks nor the memory the allocator keeps
+    /// — the buried list is never longer than the most shards alive at once.
+    pub(in crate::alloc) fn bury_empty(&self) {
         // A dropped pool's retired shard with no block out keeps only cache: given back first (a
         // graph's private pool is retired while the graph's captured storages still hold its
         // blocks, which they free into it afterwards — found by the soak: one shard and its
@@ -230,16 +230,27 @@ impl DeviceCore {
                 self.release_shard(&shard, false, true);
             }
         }
+        // A live pool's shard of a destroyed stream, once it holds nothing, leaves the pool (the
+        // pool's book keeps its accumulated counts): a pool that lives across many streams keeps
+        // a shard per live stream, not one per stream it has seen (found by review).
+        self.roster.retire_where(|(_, pool), shard, st| {
+            let leaves = !pool.is_default()
+                && shard.finished.load(Ordering::SeqCst)
+                && st.owners == 0
+                && !st.has_pending()
+                && st.segments.is_empty();
+            if leaves {
+                self.books.depart(st);
+            }
+            leaves
+        });
         let mut reservations = Vec::new();
         let mut rekeyed = Vec::new();
         self.roster.bury(|shard| {
-            // Only destroyed streams' shards: burying a dropped pool's shard of a live
-            // stream left device memory behind on the CUDA double (allocator_properties,
-            // 4 KiB after empty_cache; cause not found yet) — its cache is given back
-            // above, the empty shard stays retired for the next pool on its stream.
-            if !shard.finished.load(Ordering::SeqCst) {
-                return false;
-            }
+            // Every empty retired shard, a dropped pool's on a live stream too (one per captured
+            // graph). Burying those once left 4 KiB of device memory behind on the CUDA double:
+            // buried shards were left out of the teardown, so each kept its device, and the
+            // device its driver, alive (`Roster::drain`).
             let mut st = shard.state.lock();
             if st.owners != 0 || st.has_pending() {
                 return false;
@@ -309,6 +320,6 @@ impl DeviceCore {
         self.roster.retire_pool(pool);
         self.books.close_pool(pool);
         // Those of destroyed streams that hold nothing go at once.
-        self.bury_finished();
+        self.bury_empty();
     }
 }

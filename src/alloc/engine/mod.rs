@@ -268,6 +268,9 @@ pub(in crate::alloc) type Figures = [i64; PEAK_STATS];
 pub(in crate::alloc) struct PoolBook {
     sums: Figures,
     peaks: Figures,
+    /// The accumulated counts of the pool's shards that left it while it lives (a destroyed
+    /// stream's, once empty: `device_shards.rs`), so that its statistics keep them.
+    departed: DeviceStats,
 }
 
 /// What the book knows of one shard.

@@ -18,7 +18,7 @@
 
 use super::{Books, DeviceCore, Figures, ShardState};
 use crate::alloc::pool_id::MemPoolId;
-use crate::alloc::stats::{PEAK_STATS, RESERVED_BYTES_ALL};
+use crate::alloc::stats::{DeviceStats, PEAK_STATS, RESERVED_BYTES_ALL};
 
 impl ShardState {
     /// The currents of the statistics that have peaks.
@@ -62,6 +62,31 @@ impl Books {
         self.pools.lock().entry(pool).or_default();
     }
 
+    /// A shard of `pool` leaves it while the pool lives, with `st`: the pool's book keeps its
+    /// accumulated counts (its currents are zero: it leaves empty).
+    pub(super) fn depart(&self, st: &ShardState) {
+        if let Some(book) = self.pools.lock().get_mut(&st.pool) {
+            let mut own = st.stats.clone();
+            own.subtract_accumulated(&st.pool_base);
+            book.departed.accumulate(&own);
+        }
+    }
+
+    /// The accumulated counts of `pool`'s departed shards (none for an unknown pool).
+    pub(super) fn departed(&self, pool: MemPoolId) -> Option<DeviceStats> {
+        self.pools
+            .lock()
+            .get(&pool)
+            .map(|book| book.departed.clone())
+    }
+
+    /// Every pool's departed counts back to zero (`reset_accumulated_memory_stats`).
+    pub(super) fn reset_departed(&self) {
+        for book in self.pools.lock().values_mut() {
+            book.departed.reset_accumulated();
+        }
+    }
+
     /// `pool` was dropped: its book closes (its retired shards tell no one).
     pub(super) fn close_pool(&self, pool: MemPoolId) {
         self.pools.lock().remove(&pool);
@@ -77,6 +102,24 @@ impl DeviceCore {
                 self.books.tell_pool(&mut st);
             }
         }
+    }
+
+    /// `pool`'s statistics on this device: its live shards' own figures and the accumulated
+    /// counts of those that left it, read while no shard joins or leaves it; its peaks from its
+    /// book.
+    pub(in crate::alloc) fn pool_memory_stats(&self, pool: MemPoolId) -> DeviceStats {
+        let mut total = self.roster.with_pool(pool, |shards| {
+            let mut total = self.books.departed(pool).unwrap_or_default();
+            for shard in shards {
+                total.accumulate(&shard.pool_stats());
+            }
+            total
+        });
+        let peaks = self.pool_peaks(pool);
+        total.for_each_peak_stat_mut(|k, s| {
+            s.peak = peaks.map_or(s.current, |p| p[k].max(s.current));
+        });
+        total
     }
 
     /// `pool`'s peaks on this device (indices of `DeviceStats::for_each_peak_stat_mut`); `None`

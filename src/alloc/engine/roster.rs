@@ -8,7 +8,7 @@
 //!
 //! | a shard is | in | its `retired` flag | leaves by |
 //! |---|---|---|---|
-//! | live | the map, under its (stream, pool) | `false` | its pool dropped ([`Roster::retire_pool`]), its stream destroyed ([`Roster::stream_destroyed`]) |
+//! | live | the map, under its (stream, pool) | `false` | its pool dropped ([`Roster::retire_pool`]), its stream destroyed ([`Roster::stream_destroyed`]; a live pool's shard once empty: [`Roster::retire_where`]) |
 //! | retired | the retired list | `true` | taken by a new pool on its stream ([`RosterWrite::take_retired`]); buried once empty and its stream destroyed ([`Roster::bury`]) |
 //! | buried | the buried list | `true` (its state replaced when recycled) | recycled as a new shard ([`RosterWrite::pop_buried`]) |
 //!
@@ -124,6 +124,18 @@ impl Roster {
             .collect()
     }
 
+    /// `f` of the live shards of `pool`, under the map's lock: no shard joins or leaves the pool
+    /// meanwhile.
+    pub(super) fn with_pool<T>(&self, pool: MemPoolId, f: impl FnOnce(&[&Arc<Shard>]) -> T) -> T {
+        let live = self.live.read();
+        let shards: Vec<&Arc<Shard>> = live
+            .iter()
+            .filter(|((_, p), _)| *p == pool)
+            .map(|(_, shard)| shard)
+            .collect();
+        f(&shards)
+    }
+
     /// The live shards of pools other than the default on `stream`.
     pub(super) fn pools_on(&self, stream: StreamId) -> Vec<Arc<Shard>> {
         self.live
@@ -210,6 +222,24 @@ impl Roster {
         self.retired.lock().extend(leaving);
     }
 
+    /// Moves the live shards `pick` chooses (it sees each key and its state under the map's
+    /// lock and the shard's, and may change the state) to the retired list, flagged in the same
+    /// hold of the shard's lock.
+    pub(super) fn retire_where(&self, mut pick: impl FnMut(Key, &Shard, &mut ShardState) -> bool) {
+        let mut live = self.live.write();
+        let mut leaving = Vec::new();
+        live.retain(|&key, shard| {
+            let mut st = shard.state.lock();
+            if !pick(key, shard, &mut st) {
+                return true;
+            }
+            st.retired = true;
+            leaving.push(Arc::clone(shard));
+            false
+        });
+        self.retired.lock().extend(leaving);
+    }
+
     /// Moves the retired shards `pick` chooses (it sees each under the retired list's lock, and
     /// may change it) to the buried list.
     pub(super) fn bury(&self, mut pick: impl FnMut(&Arc<Shard>) -> bool) {
@@ -222,11 +252,13 @@ impl Roster {
         self.buried.lock().extend(empty);
     }
 
-    /// Empties the map and the retired list for the allocator's teardown: the shards (buried
-    /// ones hold nothing, and stay).
+    /// Empties every list for the allocator's teardown: the shards. The buried ones too: each
+    /// shard holds its device, so one left here would keep the device, and its driver, alive
+    /// for good (found by `allocator_bookkeeping::a_dropped_runtime_keeps_nothing_alive`).
     pub(super) fn drain(&self) -> Vec<Arc<Shard>> {
         let mut shards: Vec<_> = self.live.write().drain().map(|(_, s)| s).collect();
         shards.append(&mut self.retired.lock());
+        shards.append(&mut self.buried.lock());
         shards
     }
 }

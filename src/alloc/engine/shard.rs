@@ -252,7 +252,7 @@ impl Shard {
 }
 
 impl Shard {
-    /// A buried shard (of a destroyed stream, holding nothing: `DeviceCore::bury_finished`)
+    /// A buried shard (of a destroyed stream, holding nothing: `DeviceCore::bury_empty`)
     /// becomes the shard of `stream` with `fresh` (the state a new shard gets: its new serial,
     /// pool and fit rules), so that the shards a device keeps are bounded by the streams alive
     /// at once. Its accumulated statistics stay

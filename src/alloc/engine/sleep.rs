@@ -224,7 +224,7 @@ impl DeviceCore {
     /// The error of a refused use of sleeping memory of `shard`'s pool.
     pub(in crate::alloc) fn asleep_error(&self, shard: &Shard, what: &str) -> Error {
         if shard.finished.load(Ordering::SeqCst) {
-            // A buried shard refuses allocations the same way (`DeviceCore::bury_finished`).
+            // A buried shard refuses allocations the same way (`DeviceCore::bury_empty`).
             return Error::invalid(format!(
                 "{what} on device {}: stream {} was destroyed",
                 self.device,
