@@ -32,7 +32,7 @@ fn lazy_clone_and_steal(c: &mut Criterion) {
                 drop(fresh.lazy_clone().unwrap());
                 fresh
             },
-            |fresh| fresh.mutable_data_ptr().unwrap(),
+            |fresh| fresh.unordered_mutable_data_ptr().unwrap(),
             BatchSize::SmallInput,
         )
     });
@@ -53,7 +53,8 @@ fn copy_materialize(c: &mut Criterion) {
     g.bench_function(BenchmarkId::new("plain d2d copy", BIG), |b| {
         b.iter(|| {
             // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-            unsafe { d.copy_device_to_device(stream, dst.ptr(), src.data_ptr(), BIG) }.unwrap();
+            unsafe { d.copy_device_to_device(stream, dst.ptr(), src.unordered_data_ptr(), BIG) }
+                .unwrap();
             d.stream_synchronize(stream).unwrap();
         })
     });
@@ -61,7 +62,7 @@ fn copy_materialize(c: &mut Criterion) {
         b.iter_batched(
             || src.lazy_clone().unwrap(),
             |clone| {
-                clone.mutable_data_ptr().unwrap();
+                clone.unordered_mutable_data_ptr().unwrap();
                 d.stream_synchronize(stream).unwrap();
                 clone
             },

@@ -96,7 +96,10 @@ fn registration(c: &mut Criterion) {
         .collect();
     regions.sort_unstable();
     regions.dedup();
-    let per_storage: Vec<(u64, u64)> = all.iter().map(|s| (s.data_ptr().0, s.nbytes())).collect();
+    let per_storage: Vec<(u64, u64)> = all
+        .iter()
+        .map(|s| (s.unordered_data_ptr().0, s.nbytes()))
+        .collect();
     // The allocator's own registrar, attached over the same storages: its count and time.
     let agent =
         NixlAgent::new(&rt, NixlOptions::new(format!("reg-{}", std::process::id()))).unwrap();

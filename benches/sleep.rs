@@ -122,7 +122,7 @@ fn sleep_wake(c: &mut Criterion) {
     g.bench_function("two plain copies", |b| {
         b.iter(|| {
             for (s, buf) in weights.iter().zip(buffers.iter_mut()) {
-                let src: DeviceAddr = s.data_ptr();
+                let src: DeviceAddr = s.unordered_data_ptr();
                 // SAFETY: the copy writes the buffer's EACH bytes; the buffer is not borrowed
                 // and the stream is synchronized before it is touched again.
                 unsafe {
@@ -134,7 +134,7 @@ fn sleep_wake(c: &mut Criterion) {
             }
             driver.stream_synchronize(stream).unwrap();
             for (s, buf) in weights.iter().zip(buffers.iter()) {
-                let dst = s.data_ptr();
+                let dst = s.unordered_data_ptr();
                 // SAFETY: the copy reads the buffer's EACH bytes, written above and waited for.
                 unsafe {
                     buf.enqueue_read(stream, 0..EACH as usize, |src, n| {

@@ -40,7 +40,7 @@ fn main() {
                 let fresh = Storage::new(&runtime, 0, 4096).expect("storage");
                 drop(fresh.lazy_clone().expect("lazy clone"));
                 if mode == "steal" {
-                    std::hint::black_box(fresh.mutable_data_ptr().expect("steal"));
+                    std::hint::black_box(fresh.unordered_mutable_data_ptr().expect("steal"));
                 }
                 drop(fresh);
             }

@@ -80,8 +80,8 @@ fn step(
         runtime,
         stream,
         h.mutable_data_ptr_on(stream)?,
-        x.data_ptr(),
-        w.data_ptr(),
+        x.data_ptr_on(stream)?,
+        w.data_ptr_on(stream)?,
         mul,
     )?;
     let out = Storage::new_on(runtime, stream, LEN)?;
@@ -89,8 +89,8 @@ fn step(
         runtime,
         stream,
         out.mutable_data_ptr_on(stream)?,
-        h.data_ptr(),
-        b.data_ptr(),
+        h.data_ptr_on(stream)?,
+        b.data_ptr_on(stream)?,
         add_relu,
     )?;
     // `h` is dropped here, inside the capture: its block goes back to the graph's pool.
@@ -127,7 +127,7 @@ fn main() -> Result<()> {
     println!(
         "captured: {} nodes, output at {:#x}, graph pool {} ({} segment(s), {} bytes allocated)",
         graph.node_count(),
-        out.data_ptr().0,
+        out.unordered_data_ptr().0,
         pool.id(),
         layout.len(),
         pool.memory_stats(0)?.allocated_bytes.all.current
@@ -153,9 +153,10 @@ fn main() -> Result<()> {
         // Eager work between replays never gets the graph's memory.
         let eager = Storage::new_on(runtime, stream, LEN)?;
         if pool.snapshot()?.segments.iter().any(|s| {
-            s.blocks
-                .iter()
-                .any(|b| b.addr <= eager.data_ptr().0 && eager.data_ptr().0 < b.addr + b.size)
+            s.blocks.iter().any(|b| {
+                b.addr <= eager.unordered_data_ptr().0
+                    && eager.unordered_data_ptr().0 < b.addr + b.size
+            })
         }) {
             return Err(Error::InvalidArgument(format!(
                 "replay {round}: an eager tensor got graph memory"

@@ -112,8 +112,8 @@ fn main() {
     let chunk_rounded: u64 = storages
         .iter()
         .map(|s| {
-            let first = s.data_ptr().0 / page;
-            let last = (s.data_ptr().0 + s.nbytes() - 1) / page;
+            let first = s.unordered_data_ptr().0 / page;
+            let last = (s.unordered_data_ptr().0 + s.nbytes() - 1) / page;
             (last - first + 1) * page
         })
         .sum();

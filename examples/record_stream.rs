@@ -91,7 +91,7 @@ impl Tensor {
         driver.event_record(ready, self.stream)?;
         driver.stream_wait_event(side, ready)?;
         driver.event_destroy(ready)?;
-        let src = self.storage.data_ptr();
+        let src = self.storage.unordered_data_ptr();
         // SAFETY: raw ranges, as PyTorch's rules would have them; this example's kernels on them
         // are all raw (no typed kernel sees these bytes).
         unsafe {

@@ -92,7 +92,11 @@ fn lazy_clone_of_a_plain_storage() {
     assert!(s.is_cow(), "the source is converted in place");
     assert!(c.is_cow());
     assert!(!c.is_alias_of(&s), "a lazy clone is a distinct storage");
-    assert_eq!(c.data_ptr(), s.data_ptr(), "sharing the same data");
+    assert_eq!(
+        c.unordered_data_ptr(),
+        s.unordered_data_ptr(),
+        "sharing the same data"
+    );
 }
 
 #[test]
@@ -102,7 +106,7 @@ fn lazy_clone_of_an_already_cow_storage() {
     let c1 = s.lazy_clone().unwrap();
     let c2 = c1.lazy_clone().unwrap();
     assert!(c2.is_cow());
-    assert_eq!(c2.data_ptr(), s.data_ptr());
+    assert_eq!(c2.unordered_data_ptr(), s.unordered_data_ptr());
     assert_eq!(live_blocks(&a), 1);
 }
 
@@ -117,7 +121,7 @@ fn lazy_clone_of_a_shared_storage_is_an_eager_copy() {
     let handle = s.share_ipc().unwrap();
     let c = s.lazy_clone().unwrap();
     assert!(!c.is_cow() && !s.is_cow());
-    assert_ne!(c.data_ptr(), s.data_ptr());
+    assert_ne!(c.unordered_data_ptr(), s.unordered_data_ptr());
     assert_eq!(c.count_pattern_mismatches(3).unwrap(), 0);
     s.fill_pattern(4).unwrap();
     assert_eq!(c.count_pattern_mismatches(3).unwrap(), 0);
@@ -128,8 +132,8 @@ fn lazy_clone_of_a_shared_storage_is_an_eager_copy() {
 fn materialize_of_a_non_cow_storage_is_a_no_op() {
     let a = allocator();
     let s = Storage::new(&a, 0, 4096).unwrap();
-    let before = s.data_ptr();
-    assert_eq!(s.mutable_data_ptr().unwrap(), before);
+    let before = s.unordered_data_ptr();
+    assert_eq!(s.unordered_mutable_data_ptr().unwrap(), before);
     assert!(!s.is_cow());
 }
 
@@ -138,11 +142,11 @@ fn materialize_of_a_single_reference_cow_storage_steals() {
     let a = allocator();
     let s = Storage::new(&a, 0, 4096).unwrap();
     let c = s.lazy_clone().unwrap();
-    let addr = s.data_ptr();
+    let addr = s.unordered_data_ptr();
     drop(c);
     assert!(s.is_cow(), "still tagged until written");
     assert_eq!(
-        s.mutable_data_ptr().unwrap(),
+        s.unordered_mutable_data_ptr().unwrap(),
         addr,
         "steal: same address, no copy"
     );
@@ -156,16 +160,20 @@ fn materialize_of_a_shared_cow_storage_copies() {
     let s = Storage::new(&a, 0, MIB).unwrap();
     s.fill_pattern(9).unwrap();
     let c = s.lazy_clone().unwrap();
-    let original = s.data_ptr();
-    let written = c.mutable_data_ptr().unwrap();
+    let original = s.unordered_data_ptr();
+    let written = c.unordered_mutable_data_ptr().unwrap();
     assert_ne!(written, original, "copy: new address");
-    assert_eq!(s.data_ptr(), original, "the other keeps the original");
+    assert_eq!(
+        s.unordered_data_ptr(),
+        original,
+        "the other keeps the original"
+    );
     assert_eq!(c.count_pattern_mismatches(9).unwrap(), 0, "same bytes");
     assert!(!c.is_cow());
     assert!(s.is_cow());
     assert_eq!(live_blocks(&a), 2);
     // Now the source is the last reference: it steals.
-    assert_eq!(s.mutable_data_ptr().unwrap(), original);
+    assert_eq!(s.unordered_mutable_data_ptr().unwrap(), original);
     assert!(!s.is_cow());
 }
 
@@ -177,16 +185,16 @@ fn test_lazy_clone_addresses_and_reads() {
     let x = Storage::new(&a, 0, 4096).unwrap();
     x.fill_pattern(1).unwrap();
     let y = x.lazy_clone().unwrap();
-    assert_eq!(x.data_ptr(), y.data_ptr());
+    assert_eq!(x.unordered_data_ptr(), y.unordered_data_ptr());
     assert_eq!(
         x.count_pattern_mismatches(1).unwrap() + y.count_pattern_mismatches(1).unwrap(),
         0
     );
     assert!(x.is_cow() && y.is_cow(), "reads did not materialize");
-    let original = x.data_ptr();
+    let original = x.unordered_data_ptr();
     y.fill_pattern(2).unwrap(); // a write through y
-    assert_ne!(y.data_ptr(), original);
-    assert_eq!(x.data_ptr(), original);
+    assert_ne!(y.unordered_data_ptr(), original);
+    assert_eq!(x.unordered_data_ptr(), original);
     assert_eq!(
         x.count_pattern_mismatches(1).unwrap(),
         0,
@@ -221,7 +229,7 @@ fn a_slow_copier_still_sees_the_original_when_the_stealer_writes_on_another_stre
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
         unsafe {
             d.kernels()
-                .count_pattern_mismatches(sa, c.data_ptr(), MIB, 1)
+                .count_pattern_mismatches(sa, c.unordered_data_ptr(), MIB, 1)
         }
         .unwrap(),
         0,
@@ -231,7 +239,7 @@ fn a_slow_copier_still_sees_the_original_when_the_stealer_writes_on_another_stre
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
         unsafe {
             d.kernels()
-                .count_pattern_mismatches(sb, s.data_ptr(), MIB, 2)
+                .count_pattern_mismatches(sb, s.unordered_data_ptr(), MIB, 2)
         }
         .unwrap(),
         0
@@ -245,14 +253,14 @@ fn out_of_memory_during_materialization_leaves_the_storage_cow_and_readable() {
     let s = Storage::new(&a, 0, 40 * MIB).unwrap();
     s.fill_pattern(4).unwrap();
     let c = s.lazy_clone().unwrap();
-    let err = c.mutable_data_ptr().unwrap_err();
+    let err = c.unordered_mutable_data_ptr().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::OutOfMemory);
     assert!(c.is_cow());
     assert_eq!(c.count_pattern_mismatches(4).unwrap(), 0);
     drop(s);
     assert_eq!(
-        c.mutable_data_ptr().unwrap(),
-        c.data_ptr(),
+        c.unordered_mutable_data_ptr().unwrap(),
+        c.unordered_data_ptr(),
         "now the last reference: steal"
     );
     a.check_invariants().unwrap();
@@ -277,8 +285,8 @@ fn stress_four_threads_of_concurrent_materializations() {
                     .unwrap();
                     let c = s.lazy_clone().unwrap();
                     let (writer, other) = if round % 2 == 0 { (&s, &c) } else { (&c, &s) };
-                    writer.mutable_data_ptr().unwrap();
-                    other.mutable_data_ptr().unwrap();
+                    writer.unordered_mutable_data_ptr().unwrap();
+                    other.unordered_mutable_data_ptr().unwrap();
                     if round % 100 == 0 {
                         assert_eq!(s.count_pattern_mismatches(seed).unwrap(), 0);
                         assert_eq!(c.count_pattern_mismatches(seed).unwrap(), 0);
@@ -321,7 +329,11 @@ fn a_failed_copy_leaves_the_storage_a_valid_cow_storage() {
         .device_copies
         .store(false, std::sync::atomic::Ordering::SeqCst);
     assert!(c.is_cow(), "still a COW storage");
-    assert_eq!(c.data_ptr(), s.data_ptr(), "still sharing");
+    assert_eq!(
+        c.unordered_data_ptr(),
+        s.unordered_data_ptr(),
+        "still sharing"
+    );
     assert_eq!(c.count_pattern_mismatches(3).unwrap(), 0);
     c.copy_from_host(
         c.runtime().current_stream(c.device()).unwrap(),

@@ -168,7 +168,7 @@ fn ask_every_door(
     refused(
         a,
         "registered_regions",
-        rt.registered_regions(0, storage.data_ptr(), 4096),
+        rt.registered_regions(0, storage.unordered_data_ptr(), 4096),
     );
     if rt.registration_stats().mapped_regions != 0 {
         a.push("registration_stats: the parent's regions".into());

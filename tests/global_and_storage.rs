@@ -197,9 +197,12 @@ fn clones_alias_and_distinct_storages_do_not() {
     let other = Storage::new(&a, 0, 4096).unwrap();
     assert!(s.is_alias_of(&alias));
     assert!(!s.is_alias_of(&other));
-    assert_eq!(s.data_ptr(), alias.data_ptr());
-    assert_ne!(s.data_ptr(), other.data_ptr());
-    assert_eq!(s.mutable_data_ptr().unwrap(), s.data_ptr());
+    assert_eq!(s.unordered_data_ptr(), alias.unordered_data_ptr());
+    assert_ne!(s.unordered_data_ptr(), other.unordered_data_ptr());
+    assert_eq!(
+        s.unordered_mutable_data_ptr().unwrap(),
+        s.unordered_data_ptr()
+    );
     // Writes through one alias are seen through the other.
     s.copy_from_host(
         s.runtime().current_stream(s.device()).unwrap(),
@@ -244,7 +247,7 @@ fn storage_copies_are_bounds_checked() {
         ErrorKind::InvalidArgument
     );
     let empty = Storage::new(&a, 0, 0).unwrap();
-    assert!(empty.data_ptr().0 == 0 && empty.nbytes() == 0);
+    assert!(empty.unordered_data_ptr().0 == 0 && empty.nbytes() == 0);
     empty
         .copy_from_host(
             empty.runtime().current_stream(empty.device()).unwrap(),

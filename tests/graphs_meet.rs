@@ -63,7 +63,7 @@ fn a_pools_memory_shared_with_another_process_stays_until_the_consumer_lets_go()
         let _in_pool = rt.use_mem_pool(&pool, 0).unwrap();
         Storage::new(&rt, 0, 4 * MIB).unwrap()
     };
-    assert_eq!(pool_of(&rt, shared.data_ptr()), Some(pool.id()));
+    assert_eq!(pool_of(&rt, shared.unordered_data_ptr()), Some(pool.id()));
     shared.fill_pattern(3).unwrap();
     let handle = hex(&shared.share_ipc().unwrap().into_bytes());
     let mut child = ChildProcess::spawn(CHILD, "read_write_hold", test_backend());
@@ -75,7 +75,7 @@ fn a_pools_memory_shared_with_another_process_stays_until_the_consumer_lets_go()
         0,
         "the consumer's write"
     );
-    let addr = shared.data_ptr();
+    let addr = shared.unordered_data_ptr();
     drop(shared);
     drop(pool);
     assert_eq!(rt.ipc_limbo().0, 1, "the consumer holds it: limbo");
@@ -83,7 +83,7 @@ fn a_pools_memory_shared_with_another_process_stays_until_the_consumer_lets_go()
     for _ in 0..4 {
         let eager = Storage::new(&rt, 0, 4 * MIB).unwrap();
         assert_ne!(
-            eager.data_ptr(),
+            eager.unordered_data_ptr(),
             addr,
             "memory a consumer holds was handed out"
         );
@@ -154,13 +154,13 @@ fn a_lazy_clones_first_write_inside_a_capture_is_part_of_the_graph() {
     let pool = capture.pool().id();
     let clone = src.lazy_clone().unwrap();
     // A write of the first 4 KiB only: the rest must be the copy of the source.
-    let head = clone.mutable_data_ptr().unwrap();
+    let head = clone.unordered_mutable_data_ptr().unwrap();
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
     unsafe { rt.driver().memset(s, head, 0xAB, 4096) }.unwrap();
     let graph = capture.end().unwrap();
     assert!(!clone.is_cow(), "the first write materialized it");
     assert_eq!(
-        pool_of(&rt, clone.data_ptr()),
+        pool_of(&rt, clone.unordered_data_ptr()),
         Some(pool),
         "from the graph's pool"
     );
@@ -301,7 +301,7 @@ fn a_clone_made_on_another_stream_is_first_written_inside_a_capture() {
     let s = rt.create_stream(0).unwrap();
     let _on = rt.set_current_stream(s).unwrap();
     let capture = rt.begin_capture(s, None, CaptureMode::Global).unwrap();
-    let write = clone.mutable_data_ptr();
+    let write = clone.unordered_mutable_data_ptr();
     let graph = capture.end();
     assert!(write.is_ok(), "first write: {:?}", write.err());
     let graph = graph.unwrap();
@@ -324,10 +324,10 @@ fn a_steal_inside_a_capture_after_an_eager_copy_keeps_the_capture() {
     let src = Storage::new(&rt, 0, MIB).unwrap();
     src.fill_pattern(3).unwrap();
     let clone = src.lazy_clone().unwrap();
-    clone.mutable_data_ptr().unwrap(); // an eager copy, with its copier event
+    clone.unordered_mutable_data_ptr().unwrap(); // an eager copy, with its copier event
     let capture = rt.begin_capture(s, None, CaptureMode::Global).unwrap();
-    let at = src.data_ptr();
-    let write = src.mutable_data_ptr(); // the last holder: steals
+    let at = src.unordered_data_ptr();
+    let write = src.unordered_mutable_data_ptr(); // the last holder: steals
     assert_eq!(write.as_ref().ok(), Some(&at), "stolen in place");
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
     unsafe { rt.driver().memset(s, at, 0x5A, 4096) }.unwrap();

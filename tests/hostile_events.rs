@@ -335,8 +335,12 @@ fn hostile_child() {
                     let dst = scratch.mutable_data_ptr_on(stream).unwrap();
                     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
                     unsafe {
-                        rt.driver()
-                            .copy_device_to_device(stream, dst, received.data_ptr(), LEN)
+                        rt.driver().copy_device_to_device(
+                            stream,
+                            dst,
+                            received.unordered_data_ptr(),
+                            LEN,
+                        )
                     }
                     .unwrap();
                     parent.send("queued");

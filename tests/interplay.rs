@@ -239,8 +239,12 @@ impl World {
             a.driver().kernels().sleep(stream, late)?;
             // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
             unsafe {
-                a.driver()
-                    .copy_device_to_device(stream, dst, read.data_ptr(), read.nbytes())
+                a.driver().copy_device_to_device(
+                    stream,
+                    dst,
+                    read.unordered_data_ptr(),
+                    read.nbytes(),
+                )
             }?;
             read.record_stream(stream)?;
             Ok(reader)

@@ -74,7 +74,11 @@ fn steal_after_a_read_on_a_busy_stream(b: &TestBackend, rt: &Arc<Runtime>, how: 
         Read::DeviceCopyAndRecordStream => {
             let dst = device_copy.mutable_data_ptr_on(t).unwrap();
             // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-            unsafe { rt.driver().copy_device_to_device(t, dst, c.data_ptr(), MIB) }.unwrap();
+            unsafe {
+                rt.driver()
+                    .copy_device_to_device(t, dst, c.unordered_data_ptr(), MIB)
+            }
+            .unwrap();
             c.record_stream(t).unwrap();
         }
     }
@@ -238,15 +242,19 @@ fn stream_ordered_reuse_in_a_pool_a_live_graph_holds_is_not_reported() {
         let dst = Storage::new_on(&rt, b, MIB).unwrap();
         let d = dst.mutable_data_ptr_on(b).unwrap();
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-        unsafe { rt.driver().copy_device_to_device(b, d, src.data_ptr(), MIB) }.unwrap();
+        unsafe {
+            rt.driver()
+                .copy_device_to_device(b, d, src.unordered_data_ptr(), MIB)
+        }
+        .unwrap();
         src.record_stream(b).unwrap();
-        let freed = src.data_ptr();
+        let freed = src.unordered_data_ptr();
         drop(src);
         // `b`'s copy is done (waited for behind the sanitizer's back, as the allocator's own
         // event polls are): the next allocation on `a` reuses the block, and writes it.
         Driver::stream_synchronize(&*host, b).unwrap();
         let next = filled_on(&rt, a, MIB, 100 + round);
-        assert_eq!(next.data_ptr(), freed, "the block was reused");
+        assert_eq!(next.unordered_data_ptr(), freed, "the block was reused");
         rt.driver().stream_synchronize(b).unwrap();
         rt.driver().stream_synchronize(a).unwrap();
         assert_eq!(dst.count_pattern_mismatches(round).unwrap(), 0);
@@ -278,7 +286,7 @@ fn record_survives_steal(rt: &Arc<Runtime>, host: &cudalloc::backend::HostDriver
     unsafe { rt.driver().kernels().fill_pattern(t, addr, MIB, 2) }.unwrap(); // pending on t
     drop(x); // waits for t
     let y = Storage::new_on(rt, s, MIB).unwrap();
-    let reused = y.data_ptr() == addr;
+    let reused = y.unordered_data_ptr() == addr;
     let yp = y.mutable_data_ptr_on(s).unwrap();
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
     unsafe { rt.driver().kernels().fill_pattern(s, yp, MIB, 3) }.unwrap();
@@ -329,7 +337,11 @@ fn a_steal_waits_for_a_read_queued_before_the_readers_capture() {
     let d = dst.mutable_data_ptr_on(s).unwrap();
     let gate = host.gate_stream(s).unwrap();
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-    unsafe { rt.driver().copy_device_to_device(s, d, c.data_ptr(), MIB) }.unwrap();
+    unsafe {
+        rt.driver()
+            .copy_device_to_device(s, d, c.unordered_data_ptr(), MIB)
+    }
+    .unwrap();
     drop(c);
     let capture = rt.begin_capture(s, None, CaptureMode::Relaxed).unwrap();
     let addr = x.mutable_data_ptr_on(t).unwrap();
@@ -464,7 +476,11 @@ fn a_replay_into_bytes_its_pool_handed_out_since_is_reported() {
         let _scope = rt.use_mem_pool(&pool, 0).unwrap();
         Storage::new_on(&rt, cs, MIB).unwrap()
     };
-    assert_eq!(y.data_ptr(), p, "the pool handed the graph's bytes out");
+    assert_eq!(
+        y.unordered_data_ptr(),
+        p,
+        "the pool handed the graph's bytes out"
+    );
     let yp = y.mutable_data_ptr_on(cs).unwrap();
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
     unsafe { rt.driver().kernels().fill_pattern(cs, yp, MIB, 7) }.unwrap();

@@ -455,7 +455,7 @@ fn storages_made_in_a_scope_live_in_the_pool() {
         s.fill_pattern(7).unwrap();
         s
     };
-    let addr = s.data_ptr().0;
+    let addr = s.unordered_data_ptr().0;
     assert!(pool.snapshot().unwrap().segments.iter().any(|seg| seg
         .blocks
         .iter()
@@ -465,7 +465,7 @@ fn storages_made_in_a_scope_live_in_the_pool() {
     let clone = s.lazy_clone().unwrap();
     let copied = {
         let _in_pool = rt.use_mem_pool(&pool, 0).unwrap();
-        clone.mutable_data_ptr().unwrap().0
+        clone.unordered_mutable_data_ptr().unwrap().0
     };
     assert_ne!(copied, addr);
     assert!(pool.snapshot().unwrap().segments.iter().any(|seg| seg

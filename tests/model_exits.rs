@@ -228,7 +228,7 @@ fn run_thread(shared: &Shared, seed: u64, index: u64) {
             mine.iter()
                 .map(|e| format!(
                     "{:#x}+{}{}",
-                    e.storage.data_ptr().0,
+                    e.storage.unordered_data_ptr().0,
                     e.storage.nbytes(),
                     if e.storage.is_cow() { "c" } else { "" }
                 ))

@@ -296,7 +296,7 @@ fn an_offered_storage_stays_allocated_until_the_peer_releases_it() {
     let len = 4 * MIB;
     let offered = Storage::new_on(&rt, stream, len).unwrap();
     offered.fill_pattern(9).unwrap();
-    let addr = offered.data_ptr();
+    let addr = offered.unordered_data_ptr();
     let (id, description) = agent.offer(&offered, stream, &theirs, WAIT * 10).unwrap();
     let descs = hex(&description.to_nixl_descs());
     peer.send(&format!("META {}", hex(&agent.nixl_metadata().unwrap())));
@@ -305,7 +305,7 @@ fn an_offered_storage_stays_allocated_until_the_peer_releases_it() {
     drop(offered);
     let other = Storage::new_on(&rt, stream, len).unwrap();
     assert_ne!(
-        other.data_ptr(),
+        other.unordered_data_ptr(),
         addr,
         "an offered storage's memory went to another owner"
     );
@@ -347,7 +347,7 @@ fn an_offered_storage_stays_allocated_until_the_peer_releases_it() {
     );
     let again = Storage::new_on(&rt, stream, len).unwrap();
     assert_eq!(
-        again.data_ptr(),
+        again.unordered_data_ptr(),
         addr,
         "released: best fit hands the block out again"
     );

@@ -186,7 +186,11 @@ fn two_processes(mine: &str, theirs: &str) {
         .unwrap();
     t.wait(WAIT).unwrap();
     drop(t);
-    assert_ne!(into_clone.data_ptr(), local[0].data_ptr(), "materialized");
+    assert_ne!(
+        into_clone.unordered_data_ptr(),
+        local[0].unordered_data_ptr(),
+        "materialized"
+    );
     assert_eq!(wrong(&into_clone, 1001), 0);
     assert_eq!(wrong(&local[0], 2000), 0);
     // A lazy clone written from: read in place, never materialized.
@@ -363,8 +367,8 @@ fn two_runtimes_in_one_process_and_the_sanitizer_sees_transfers() {
     unsafe {
         p.b.driver().copy_device_to_device(
             other,
-            scratch.data_ptr(),
-            dst[1].data_ptr(),
+            scratch.unordered_data_ptr(),
+            dst[1].unordered_data_ptr(),
             dst[1].nbytes(),
         )
     }
@@ -390,7 +394,7 @@ fn two_runtimes_in_one_process_and_the_sanitizer_sees_transfers() {
     unsafe {
         p.a.driver()
             .kernels()
-            .fill_pattern(side, fresh.data_ptr(), fresh.nbytes(), 3)
+            .fill_pattern(side, fresh.unordered_data_ptr(), fresh.nbytes(), 3)
     }
     .unwrap();
     let err = p
@@ -430,7 +434,7 @@ fn a_transfer_keeps_its_memory_and_registrations_whatever_happens_to_its_storage
     let described = p.agent_b.describe(&src, sb).unwrap();
     p.agent_a.load_peer(&p.agent_b.metadata().unwrap()).unwrap();
     let dst = Storage::new_on(&p.a, sa, 4 * MIB).unwrap();
-    let posted_at = dst.data_ptr();
+    let posted_at = dst.unordered_data_ptr();
     let mut t = p.agent_a.read(sa, &[(&dst, &described)], None).unwrap();
     // Meanwhile (a user's race) the storage is lazily cloned and written, so it moves to new
     // memory, and the clone — now the only other holder of the old memory — is dropped: the
@@ -438,11 +442,15 @@ fn a_transfer_keeps_its_memory_and_registrations_whatever_happens_to_its_storage
     // size does not get it.
     let clone = dst.lazy_clone().unwrap();
     dst.fill_pattern(1).unwrap();
-    assert_ne!(dst.data_ptr(), posted_at, "the written storage moved");
+    assert_ne!(
+        dst.unordered_data_ptr(),
+        posted_at,
+        "the written storage moved"
+    );
     drop(clone);
     let other = Storage::new_on(&p.a, sa, 4 * MIB).unwrap();
     assert_ne!(
-        other.data_ptr(),
+        other.unordered_data_ptr(),
         posted_at,
         "memory under a transfer was handed out again"
     );

@@ -375,7 +375,7 @@ fn copies_check_their_ranges() {
         let refused = unsafe {
             rt.driver()
                 .pinned()
-                .copy_pinned_to_device(stream, s.data_ptr(), host, 4096)
+                .copy_pinned_to_device(stream, s.unordered_data_ptr(), host, 4096)
         };
         let err = refused.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{}", b.name);
@@ -456,7 +456,7 @@ fn sanitizer_reports_a_block_reused_while_a_copy_reads_it() {
     let copied = unsafe {
         driver
             .pinned()
-            .copy_pinned_to_device(stream, s.data_ptr(), addr, 4096)
+            .copy_pinned_to_device(stream, s.unordered_data_ptr(), addr, 4096)
     };
     copied.unwrap();
     drop(buf);
@@ -483,7 +483,7 @@ fn sanitizer_reports_a_host_borrow_racing_a_copy() {
     let copied = unsafe {
         driver
             .pinned()
-            .copy_device_to_pinned(stream, buf.addr(), s.data_ptr(), 4096)
+            .copy_device_to_pinned(stream, buf.addr(), s.unordered_data_ptr(), 4096)
     };
     copied.unwrap();
     let err = buf.as_slice().unwrap_err();

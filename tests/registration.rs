@@ -217,7 +217,7 @@ fn attach_registers_what_is_mapped_then_each_new_segment_once() {
         let pieces = s.registered_regions().unwrap();
         assert_eq!(pieces.len(), 1, "a whole segment is one region");
         let p = pieces[0];
-        assert_eq!(p.addr(), s.data_ptr());
+        assert_eq!(p.addr(), s.unordered_data_ptr());
         assert_eq!(p.len, s.nbytes());
         assert!(p.offset + p.len <= p.region.size);
         assert_eq!(rec.held.lock().unwrap().get(&p.region.id), Some(&p.region));
@@ -418,12 +418,12 @@ fn expandable_pages_are_regions_and_page_release_deregisters_exactly_them() {
     // b spans pages: one piece per page, contiguous, covering it exactly.
     let pieces = b.registered_regions().unwrap();
     assert!(pieces.len() >= 4, "{pieces:?}");
-    let mut at = b.data_ptr().0;
+    let mut at = b.unordered_data_ptr().0;
     for p in &pieces {
         assert_eq!(p.addr().0, at);
         at += p.len;
     }
-    assert_eq!(at, b.data_ptr().0 + b.nbytes());
+    assert_eq!(at, b.unordered_data_ptr().0 + b.nbytes());
 
     // Freeing a and releasing: only the pages under a (not shared with b) go.
     let b_pages: Vec<SegmentId> = pieces.iter().map(|p| p.region.id).collect();
@@ -557,10 +557,10 @@ fn what_a_storage_cannot_name() {
     let clone = src.lazy_clone().unwrap();
     assert_eq!(
         clone.registered_regions().unwrap()[0].addr(),
-        src.data_ptr()
+        src.unordered_data_ptr()
     );
     let written = clone.registered_regions_mut().unwrap();
-    assert_ne!(written[0].addr(), src.data_ptr());
+    assert_ne!(written[0].addr(), src.unordered_data_ptr());
     assert!(!clone.is_cow());
     assert_eq!(clone.count_pattern_mismatches(8).unwrap(), 0);
 }

@@ -60,7 +60,7 @@ fn copy_on_a_side_stream(
         rt.driver().copy_device_to_device(
             side,
             dst.mutable_data_ptr_on(side).unwrap(),
-            src.data_ptr(),
+            src.unordered_data_ptr(),
             MIB,
         )
     }
@@ -73,11 +73,11 @@ fn forgotten_record_stream_is_a_use_after_free_every_time() {
     let rt = sanitized();
     for round in 0..ROUNDS {
         let (main, side, src, dst) = copy_on_a_side_stream(&rt, round);
-        let freed = src.data_ptr();
+        let freed = src.unordered_data_ptr();
         drop(src); // record_stream(side) forgotten
         let newcomer = Storage::new_on(&rt, main, MIB).unwrap();
         assert_eq!(
-            newcomer.data_ptr(),
+            newcomer.unordered_data_ptr(),
             freed,
             "best fit hands the block out again"
         );
@@ -89,7 +89,11 @@ fn forgotten_record_stream_is_a_use_after_free_every_time() {
         assert_eq!(report.earlier.kind, "read");
         // Sticky on the hand-out's stream, like a CUDA error; the other stream goes on.
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-        let err = unsafe { rt.driver().memset(main, newcomer.data_ptr(), 0, 1) }.unwrap_err();
+        let err = unsafe {
+            rt.driver()
+                .memset(main, newcomer.unordered_data_ptr(), 0, 1)
+        }
+        .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace);
         assert!(rt.driver().stream_synchronize(main).is_err());
         rt.driver().stream_synchronize(side).unwrap();
@@ -130,7 +134,7 @@ fn read_on_a_side_stream_then_free(rt: &Arc<Runtime>, round: usize) -> (StreamId
     unsafe {
         rt.driver().as_host().unwrap().enqueue_host(
             side,
-            [HostRange::read(src.data_ptr(), 4 * MIB)],
+            [HostRange::read(src.unordered_data_ptr(), 4 * MIB)],
             |m: &mut HostKernelMemory<1>| m.to_vec(0).map(drop),
         )
     }
@@ -171,7 +175,7 @@ fn a_write_and_an_unwaited_read_on_another_stream_race_every_time() {
             rt.driver().copy_device_to_device(
                 reader,
                 out.mutable_data_ptr_on(reader).unwrap(),
-                s.data_ptr(),
+                s.unordered_data_ptr(),
                 MIB,
             )
         }
@@ -182,7 +186,7 @@ fn a_write_and_an_unwaited_read_on_another_stream_race_every_time() {
         assert_eq!(report.later.kind, "read");
         assert_eq!(
             (report.later.start, report.later.len),
-            (s.data_ptr().0, MIB)
+            (s.unordered_data_ptr().0, MIB)
         );
         assert!(
             err.to_string().contains("fill_pattern")
@@ -206,7 +210,7 @@ fn a_wait_orders_the_read_and_nothing_is_reported() {
             rt.driver().copy_device_to_device(
                 reader,
                 out.mutable_data_ptr_on(reader).unwrap(),
-                s.data_ptr(),
+                s.unordered_data_ptr(),
                 MIB,
             )
         }
@@ -214,7 +218,7 @@ fn a_wait_orders_the_read_and_nothing_is_reported() {
         // A host synchronization orders too.
         rt.driver().stream_synchronize(reader).unwrap();
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-        unsafe { rt.driver().memset(writer, s.data_ptr(), 0, MIB) }.unwrap();
+        unsafe { rt.driver().memset(writer, s.unordered_data_ptr(), 0, MIB) }.unwrap();
         s.record_stream(reader).unwrap();
         no_reports(&rt);
     }
@@ -225,7 +229,7 @@ fn only_overlapping_bytes_race() {
     let rt = sanitized();
     let (a, b) = two_streams(&rt);
     let s = Storage::new_on(&rt, a, 4096).unwrap();
-    let base = s.data_ptr();
+    let base = s.unordered_data_ptr();
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
     unsafe { rt.driver().memset(a, base, 1, 100) }.unwrap();
     // Bytes 100.. were not written by `a`: reading them on `b` is no race.
@@ -304,7 +308,7 @@ fn the_cow_copy_is_ordered_for_its_stream_and_complete_for_any_other() {
         }
         .unwrap();
         // First write complete on return: any stream may write at once.
-        let p2 = c2.mutable_data_ptr().unwrap();
+        let p2 = c2.unordered_mutable_data_ptr().unwrap();
         // SAFETY: the kernel's ranges are memory this program owns and orders on its streams; no typed kernel sees them.
         unsafe {
             host.enqueue_host(
@@ -328,7 +332,7 @@ fn panic_mode_panics_at_the_hazard() {
     let (a, b) = two_streams(&rt);
     let s = common::filled_on(&rt, a, 4096, 1);
     let d = Arc::clone(rt.driver());
-    let ptr = s.data_ptr();
+    let ptr = s.unordered_data_ptr();
     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
         unsafe { d.memset(b, ptr, 0, 4096) }
@@ -351,7 +355,7 @@ fn reports_name_the_rust_stacks_of_both_accesses_when_stacks_are_on() {
     let (a, b) = two_streams(&rt);
     let s = common::filled_on(&rt, a, 4096, 1);
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-    let err = unsafe { rt.driver().memset(b, s.data_ptr(), 0, 4096) }.unwrap_err();
+    let err = unsafe { rt.driver().memset(b, s.unordered_data_ptr(), 0, 4096) }.unwrap_err();
     let report = one_report(&rt, HazardKind::Race);
     let (earlier, later) = (report.earlier.stack.unwrap(), report.later.stack.unwrap());
     assert!(earlier.contains("common::filled_on"), "{earlier}");
@@ -369,7 +373,7 @@ fn host_kernels_may_not_write_ranges_named_for_reading() {
     unsafe {
         rt.driver().as_host().unwrap().enqueue_host(
             stream,
-            [HostRange::read(s.data_ptr(), 4096)],
+            [HostRange::read(s.unordered_data_ptr(), 4096)],
             |m: &mut HostKernelMemory<1>| m.write(0, 0, &[1]),
         )
     }
@@ -408,9 +412,12 @@ fn a_library_default_stream_serves_every_thread_without_a_guard() {
     // A kernel on the library's stream reads it: same stream, no wait needed, nothing reported.
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
     unsafe {
-        rt.driver()
-            .kernels()
-            .count_pattern_mismatches(library, on_thread.2.data_ptr(), 4096, 3)
+        rt.driver().kernels().count_pattern_mismatches(
+            library,
+            on_thread.2.unordered_data_ptr(),
+            4096,
+            3,
+        )
     }
     .unwrap();
     no_reports(&rt);
@@ -453,7 +460,7 @@ fn a_lazy_clones_first_write_is_complete_for_a_kernel_on_another_stream() {
         .kernels()
         .sleep(rt.current_stream(0).unwrap(), 20_000)
         .unwrap();
-    let ptr = c.mutable_data_ptr().unwrap();
+    let ptr = c.unordered_mutable_data_ptr().unwrap();
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
     unsafe { rt.driver().kernels().fill_pattern(own, ptr, 4 * MIB, 6) }.unwrap();
     c.record_stream(own).unwrap();
@@ -516,9 +523,12 @@ fn sanitizer_child() {
         let other = rt.create_stream(0).unwrap();
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
         let err = unsafe {
-            rt.driver()
-                .kernels()
-                .count_pattern_mismatches(other, s.data_ptr(), s.nbytes(), seed)
+            rt.driver().kernels().count_pattern_mismatches(
+                other,
+                s.unordered_data_ptr(),
+                s.nbytes(),
+                seed,
+            )
         }
         .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
@@ -594,10 +604,10 @@ fn an_unsplit_remainder_keeps_what_its_first_free_knew() {
     let unseen = rt.driver().unsanitized().unwrap();
     unseen.stream_synchronize(side).unwrap();
     let y = Storage::new_on(&rt, main, 19 * MIB).unwrap();
-    assert_eq!(y.data_ptr(), ptr, "the same block");
+    assert_eq!(y.unordered_data_ptr(), ptr, "the same block");
     drop(y);
     let z = Storage::new_on(&rt, main, 20 * MIB).unwrap();
-    assert_eq!(z.data_ptr(), ptr);
+    assert_eq!(z.unordered_data_ptr(), ptr);
     no_reports(&rt);
 }
 
@@ -606,7 +616,7 @@ fn work_enqueued_on_freed_memory_is_a_use_after_free() {
     let rt = sanitized();
     let main = rt.create_stream(0).unwrap();
     let s = common::filled_on(&rt, main, MIB, 1);
-    let stale = s.data_ptr();
+    let stale = s.unordered_data_ptr();
     drop(s); // a raw pointer kept past its storage
              // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
     let err = unsafe { rt.driver().memset(main, stale, 0, MIB) }.unwrap_err();
@@ -629,12 +639,12 @@ fn a_panic_in_a_cow_copy_leaves_the_clone_a_valid_cow_storage() {
     }));
     assert!(caught.is_err(), "the racing copy panicked");
     assert!(c2.is_cow(), "still a COW storage");
-    assert_eq!(c2.data_ptr(), s2.data_ptr());
+    assert_eq!(c2.unordered_data_ptr(), s2.unordered_data_ptr());
     // Once ordered, the first write works and copies the right bytes.
     let fresh = rt.create_stream(0).unwrap();
     common::wait_for(&rt, fresh, writer);
     let _on = rt.set_current_stream(fresh).unwrap();
-    c2.mutable_data_ptr().unwrap();
+    c2.unordered_mutable_data_ptr().unwrap();
     assert_eq!(c2.count_pattern_mismatches(5).unwrap(), 0);
 }
 
@@ -661,7 +671,7 @@ fn synchronization_made_outside_cudalloc_counts_once_told() {
         let read = unsafe {
             rt.driver()
                 .kernels()
-                .count_pattern_mismatches(b, s.data_ptr(), 4096, 1)
+                .count_pattern_mismatches(b, s.unordered_data_ptr(), 4096, 1)
         };
         // `c` waits for `b` unseen; then `c` writes.
         unseen.stream_wait_stream(c, b).unwrap();
@@ -669,7 +679,7 @@ fn synchronization_made_outside_cudalloc_counts_once_told() {
             sanitizer.stream_waited(c, b);
             assert_eq!(read.unwrap(), 0);
             // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-            unsafe { rt.driver().memset(c, s.data_ptr(), 0, 4096) }.unwrap();
+            unsafe { rt.driver().memset(c, s.unordered_data_ptr(), 0, 4096) }.unwrap();
             no_reports(&rt);
         } else {
             assert_eq!(read.unwrap_err().kind(), ErrorKind::StreamRace);

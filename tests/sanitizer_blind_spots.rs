@@ -65,7 +65,7 @@ fn an_access_past_its_allocation_is_reported_and_refused() {
             unsafe {
                 rt.driver().kernels().count_pattern_mismatches(
                     t,
-                    neighbour.data_ptr(),
+                    neighbour.unordered_data_ptr(),
                     4096,
                     round as u64,
                 )
@@ -105,16 +105,19 @@ fn a_write_into_memory_lazy_clones_share_is_reported() {
         let s = rt.create_stream(0).unwrap();
         common::wait_for(&rt, s, t);
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-        let err = unsafe { rt.driver().memset(s, clone.data_ptr(), 9, 16) }.unwrap_err();
+        let err = unsafe { rt.driver().memset(s, clone.unordered_data_ptr(), 9, 16) }.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
         let report = one_report(&rt, HazardKind::CowWrite);
         assert!(report.to_string().contains("lazy clones share"), "{report}");
         assert_eq!(
             // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
             unsafe {
-                rt.driver()
-                    .kernels()
-                    .count_pattern_mismatches(t, a.data_ptr(), 4096, round as u64)
+                rt.driver().kernels().count_pattern_mismatches(
+                    t,
+                    a.unordered_data_ptr(),
+                    4096,
+                    round as u64,
+                )
             }
             .unwrap(),
             0
@@ -124,13 +127,16 @@ fn a_write_into_memory_lazy_clones_share_is_reported() {
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
         unsafe { rt.driver().memset(t, own, 9, 16) }.unwrap();
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-        unsafe { rt.driver().memset(t, clone.data_ptr(), 8, 16) }.unwrap();
+        unsafe { rt.driver().memset(t, clone.unordered_data_ptr(), 8, 16) }.unwrap();
         assert_eq!(
             // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
             unsafe {
-                rt.driver()
-                    .kernels()
-                    .count_pattern_mismatches(t, a.data_ptr(), 4096, round as u64)
+                rt.driver().kernels().count_pattern_mismatches(
+                    t,
+                    a.unordered_data_ptr(),
+                    4096,
+                    round as u64,
+                )
             }
             .unwrap(),
             0
@@ -154,7 +160,7 @@ fn a_stolen_lazy_clone_owns_its_bytes() {
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
         unsafe { rt.driver().memset(s, p, 1, 16) }.unwrap();
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-        unsafe { rt.driver().memset(s, clone.data_ptr(), 2, 16) }.unwrap();
+        unsafe { rt.driver().memset(s, clone.unordered_data_ptr(), 2, 16) }.unwrap();
         no_reports(&rt);
     }
     rt.driver().stream_synchronize(s).unwrap();
@@ -173,12 +179,12 @@ fn after_a_sleep_and_wake_both_checks_hold_and_the_wake_is_not_reported() {
     no_reports(&rt);
     let t = rt.create_stream(0).unwrap();
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-    let err = unsafe { rt.driver().memset(t, c.data_ptr(), 1, 16) }.unwrap_err();
+    let err = unsafe { rt.driver().memset(t, c.unordered_data_ptr(), 1, 16) }.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
     one_report(&rt, HazardKind::CowWrite);
     let t2 = rt.create_stream(0).unwrap();
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-    let err = unsafe { rt.driver().memset(t2, v[1].data_ptr(), 1, 8192) }.unwrap_err();
+    let err = unsafe { rt.driver().memset(t2, v[1].unordered_data_ptr(), 1, 8192) }.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
     one_report(&rt, HazardKind::OutOfBounds);
     assert_eq!(
@@ -200,7 +206,7 @@ fn an_access_to_memory_the_allocator_never_handed_out_is_reported() {
         let t = rt.create_stream(0).unwrap();
         // One small block in a fresh 2 MiB segment: 1 MiB past it is nobody's.
         let small = Storage::new_on(&rt, t, 512).unwrap();
-        let nobodys = small.data_ptr().offset(MIB).unwrap();
+        let nobodys = small.unordered_data_ptr().offset(MIB).unwrap();
         let s = rt.create_stream(0).unwrap();
         common::wait_for(&rt, s, t);
         // SAFETY: raw test ranges; no typed kernel sees them (the write is refused before it runs).

@@ -133,7 +133,7 @@ fn cow_many(on: bool) {
             drop(clones);
             let cur = rt.current_stream(0).unwrap();
             let n = Storage::new(&rt, 0, MIB).unwrap();
-            host_write(&rt, cur, n.mutable_data_ptr().unwrap(), MIB).unwrap();
+            host_write(&rt, cur, n.unordered_mutable_data_ptr().unwrap(), MIB).unwrap();
             for &st in &streams {
                 let m = Storage::new_on(&rt, st, MIB).unwrap();
                 host_write(&rt, st, m.mutable_data_ptr_on(st).unwrap(), MIB).unwrap();
@@ -204,7 +204,7 @@ fn fp_producer_consumer_with_events_and_record_stream_many_times() {
                 rt.driver().copy_device_to_device(
                     c,
                     out.mutable_data_ptr_on(c).unwrap(),
-                    s.data_ptr(),
+                    s.unordered_data_ptr(),
                     len,
                 )
             }
@@ -238,12 +238,15 @@ fn fp_oom_retry_frees_cached_blocks_of_other_streams() {
             common::wait_for(&rt, b, a);
             // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
             unsafe {
-                rt.driver()
-                    .kernels()
-                    .count_pattern_mismatches(b, s.data_ptr(), 40 * MIB, round)
+                rt.driver().kernels().count_pattern_mismatches(
+                    b,
+                    s.unordered_data_ptr(),
+                    40 * MIB,
+                    round,
+                )
             }
             .unwrap();
-            host_write(&rt, b, s.data_ptr(), 40 * MIB).unwrap();
+            host_write(&rt, b, s.unordered_data_ptr(), 40 * MIB).unwrap();
             s.record_stream(b).unwrap();
             drop(s);
             let t = Storage::new_on(&rt, c, 40 * MIB).unwrap();
@@ -304,8 +307,12 @@ fn fp_sync_then_other_stream_writes_freed_reused_sub_blocks() {
             // b writes a tail sub-range after a host sync, records itself.
             // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
             unsafe {
-                rt.driver()
-                    .memset(b, big.data_ptr().offset(6 * MIB).unwrap(), 3, 2 * MIB)
+                rt.driver().memset(
+                    b,
+                    big.unordered_data_ptr().offset(6 * MIB).unwrap(),
+                    3,
+                    2 * MIB,
+                )
             }
             .unwrap();
             big.record_stream(b).unwrap();
@@ -341,8 +348,12 @@ fn forgotten_record_stream(rt: &Arc<Runtime>, len: u64, sub: (u64, u64)) -> usiz
     common::wait_for(rt, side, main);
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
     unsafe {
-        rt.driver()
-            .memset(side, s.data_ptr().offset(sub.0).unwrap(), 5, sub.1)
+        rt.driver().memset(
+            side,
+            s.unordered_data_ptr().offset(sub.0).unwrap(),
+            5,
+            sub.1,
+        )
     }
     .unwrap();
     drop(s);
@@ -405,7 +416,7 @@ fn fn_unordered_write_read_across_streams_every_config() {
                 rt.driver().copy_device_to_device(
                     r,
                     out.mutable_data_ptr_on(r).unwrap(),
-                    s.data_ptr(),
+                    s.unordered_data_ptr(),
                     len,
                 )
             };
@@ -431,7 +442,7 @@ fn fn_forgotten_record_stream_straddling_empty_cache() {
         let (main, side) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
         let s = common::filled_on(&rt, main, 4 * MIB, 1);
         common::wait_for(&rt, side, main);
-        let old = s.data_ptr();
+        let old = s.unordered_data_ptr();
         rt.driver().kernels().sleep(side, 2_000).unwrap();
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
         unsafe { rt.driver().memset(side, old, 5, 4 * MIB) }.unwrap();
@@ -450,7 +461,7 @@ fn fn_forgotten_record_stream_straddling_empty_cache() {
         let reports = take(&rt);
         outcome.push(format!(
             "cfg={cfg:?} same_ptr={} reports={}",
-            n.data_ptr() == old,
+            n.unordered_data_ptr() == old,
             reports.len()
         ));
         rt.driver().stream_synchronize(side).unwrap();
@@ -471,8 +482,8 @@ fn fn_front_cache_entry_flushed_by_thread_exit_keeps_its_hazard() {
             let s = common::filled_on(&rt, main, 4096, 1);
             common::wait_for(&rt, side, main);
             // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-            unsafe { rt.driver().memset(side, s.data_ptr(), 5, 4096) }.unwrap();
-            let p = s.data_ptr();
+            unsafe { rt.driver().memset(side, s.unordered_data_ptr(), 5, 4096) }.unwrap();
+            let p = s.unordered_data_ptr();
             drop(s); // into this thread's front cache; thread exits
             p
         })
@@ -486,8 +497,12 @@ fn fn_front_cache_entry_flushed_by_thread_exit_keeps_its_hazard() {
             .memset(main, n.mutable_data_ptr_on(main).unwrap(), 0, 4096)
     };
     let reports = take(&rt);
-    eprintln!("same_ptr={} reports={}", n.data_ptr() == old, reports.len());
-    if n.data_ptr() == old {
+    eprintln!(
+        "same_ptr={} reports={}",
+        n.unordered_data_ptr() == old,
+        reports.len()
+    );
+    if n.unordered_data_ptr() == old {
         assert_eq!(
             reports.len(),
             1,
@@ -505,7 +520,7 @@ fn failed_stream_does_not_break_the_library_or_leak_into_new_streams() {
         let s = common::filled_on(&rt, a, MIB, 1);
         let c = s.lazy_clone().unwrap();
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-        assert!(unsafe { rt.driver().memset(b, s.data_ptr(), 0, MIB) }.is_err());
+        assert!(unsafe { rt.driver().memset(b, s.unordered_data_ptr(), 0, MIB) }.is_err());
         assert_eq!(take(&rt).len(), 1);
         // b is failed: library operations on it return errors, never panic.
         let _ = c.mutable_data_ptr_on(b);
@@ -515,7 +530,9 @@ fn failed_stream_does_not_break_the_library_or_leak_into_new_streams() {
             let _g = rt.set_current_stream(b).unwrap();
             let _ = Storage::new(&rt, 0, 4096).map(|x| x.fill_pattern(1));
             let _ = s.share_ipc().map(drop);
-            let _ = c.lazy_clone().map(|x| x.mutable_data_ptr().map(drop));
+            let _ = c
+                .lazy_clone()
+                .map(|x| x.unordered_mutable_data_ptr().map(drop));
         }
         rt.driver().stream_synchronize(a).unwrap();
         drop((s, c));
@@ -553,7 +570,7 @@ fn fn_forgotten_record_stream_lost_when_oom_retry_releases_the_segment() {
             rt.create_stream(0).unwrap(),
         );
         let s = common::filled_on(&rt, main, 40 * MIB, 1);
-        let old = s.data_ptr();
+        let old = s.unordered_data_ptr();
         common::wait_for(&rt, side, main);
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
         unsafe { rt.driver().memset(side, old, 5, 40 * MIB) }.unwrap();
@@ -569,7 +586,10 @@ fn fn_forgotten_record_stream_lost_when_oom_retry_releases_the_segment() {
         };
         let reports = take(&rt);
         if reports.is_empty() {
-            missed.push(format!("cfg={cfg:?} same_ptr={}", n.data_ptr() == old));
+            missed.push(format!(
+                "cfg={cfg:?} same_ptr={}",
+                n.unordered_data_ptr() == old
+            ));
         }
         rt.driver().stream_synchronize(side).unwrap();
     }

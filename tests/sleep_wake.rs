@@ -61,7 +61,7 @@ fn offloaded_bytes_come_back_at_the_same_addresses() {
         let rt = runtime(&b, "");
         let sizes = [512, 4096, MIB, 5 * MIB + 100, 3 * PAGE];
         let weights = tagged(&rt, "weights", &sizes, 10);
-        let before: Vec<DeviceAddr> = weights.iter().map(Storage::data_ptr).collect();
+        let before: Vec<DeviceAddr> = weights.iter().map(Storage::unordered_data_ptr).collect();
         let reserved = tag_reserved(&rt, "weights");
         assert!(reserved > 0);
         let free_awake = free_memory(&rt);
@@ -99,7 +99,7 @@ fn offloaded_bytes_come_back_at_the_same_addresses() {
         assert_eq!(woke.mapped_bytes, reserved as u64, "{}", b.name);
         assert!(woke.restored_bytes >= sizes.iter().sum::<u64>());
         assert!(!rt.is_asleep("weights").unwrap());
-        let after: Vec<DeviceAddr> = weights.iter().map(Storage::data_ptr).collect();
+        let after: Vec<DeviceAddr> = weights.iter().map(Storage::unordered_data_ptr).collect();
         assert_eq!(before, after, "{}: addresses kept", b.name);
         assert_eq!(mismatches(&weights, 10), vec![0; sizes.len()], "{}", b.name);
         assert_eq!(tag_reserved(&rt, "weights"), reserved, "{}", b.name);
@@ -119,7 +119,7 @@ fn discarded_tags_give_memory_back_and_wake_zeroed_on_request() {
         let rt = runtime(&b, "");
         let weights = tagged(&rt, "weights", &[3 * MIB], 1);
         let kv = tagged(&rt, "kv_cache", &[4 * MIB, MIB], 7);
-        let kv_addr: Vec<DeviceAddr> = kv.iter().map(Storage::data_ptr).collect();
+        let kv_addr: Vec<DeviceAddr> = kv.iter().map(Storage::unordered_data_ptr).collect();
         let host_before = rt.pinned_allocator().stats().active_bytes.current;
 
         let report = rt.sleep(&["weights"], &["kv_cache"]).unwrap();
@@ -152,7 +152,9 @@ fn discarded_tags_give_memory_back_and_wake_zeroed_on_request() {
             assert!(bytes.iter().all(|&x| x == 0), "{}: zeroed", b.name);
         }
         assert_eq!(
-            kv.iter().map(Storage::data_ptr).collect::<Vec<_>>(),
+            kv.iter()
+                .map(Storage::unordered_data_ptr)
+                .collect::<Vec<_>>(),
             kv_addr
         );
         // The offloaded bytes' pinned buffers went back to the host allocator's cache.
@@ -312,17 +314,17 @@ fn a_captured_graph_replays_after_wake() {
         unsafe {
             rt.driver().copy_device_to_device(
                 s,
-                out.mutable_data_ptr().unwrap(),
-                weights[0].data_ptr(),
+                out.unordered_mutable_data_ptr().unwrap(),
+                weights[0].unordered_data_ptr(),
                 MIB,
             )
         }
         .unwrap();
-        let tail = out.data_ptr().offset(MIB).unwrap();
+        let tail = out.unordered_data_ptr().offset(MIB).unwrap();
         // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
         unsafe {
             rt.driver()
-                .copy_device_to_device(s, tail, scratch[0].data_ptr(), MIB)
+                .copy_device_to_device(s, tail, scratch[0].unordered_data_ptr(), MIB)
         }
         .unwrap();
         let graph = capture.end().unwrap();
@@ -374,7 +376,7 @@ fn lazy_clones_of_sleeping_memory() {
         let clone = weights[0].lazy_clone().unwrap();
         rt.sleep(&["weights"], &[]).unwrap();
         // The first write of the clone would copy from sleeping memory: refused, still a clone.
-        let err = clone.mutable_data_ptr().unwrap_err();
+        let err = clone.unordered_mutable_data_ptr().unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Asleep, "{}: {err}", b.name);
         assert!(clone.is_cow());
         rt.wake_up(&["weights"], cudalloc::WakeOptions::default())
@@ -390,7 +392,7 @@ fn lazy_clones_of_sleeping_memory() {
         );
         // A clone made outside the tag and materialized before the sleep is not the tag's.
         let copy = weights[0].lazy_clone().unwrap();
-        copy.mutable_data_ptr().unwrap();
+        copy.unordered_mutable_data_ptr().unwrap();
         rt.sleep(&[], &["weights"]).unwrap();
         assert_eq!(copy.count_pattern_mismatches(60).unwrap(), 0, "{}", b.name);
         rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
@@ -493,7 +495,11 @@ fn raw_work_while_asleep(
     let stream = rt.current_stream(0).unwrap();
     rt.sleep(&["weights"], &[]).unwrap();
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-    let err = unsafe { rt.driver().memset(stream, weights.data_ptr(), 0, 64) }.unwrap_err();
+    let err = unsafe {
+        rt.driver()
+            .memset(stream, weights.unordered_data_ptr(), 0, 64)
+    }
+    .unwrap_err();
     (rt, weights, err)
 }
 
@@ -525,7 +531,11 @@ fn the_sanitizer_reports_work_on_sleeping_memory() {
     // After the wake the same call is fine.
     let stream = rt.current_stream(0).unwrap();
     // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
-    unsafe { rt.driver().memset(stream, weights.data_ptr(), 0, 64) }.unwrap();
+    unsafe {
+        rt.driver()
+            .memset(stream, weights.unordered_data_ptr(), 0, 64)
+    }
+    .unwrap();
 }
 
 #[test]
@@ -750,12 +760,22 @@ fn a_graph_captured_into_a_tag_replays_after_wake() {
             let d = rt.driver();
             // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
             unsafe {
-                d.copy_device_to_device(s, tmp.mutable_data_ptr().unwrap(), src.data_ptr(), 2 * MIB)
+                d.copy_device_to_device(
+                    s,
+                    tmp.unordered_mutable_data_ptr().unwrap(),
+                    src.unordered_data_ptr(),
+                    2 * MIB,
+                )
             }
             .unwrap();
             // SAFETY: test memory this test owns, ordered on its streams; no typed host kernel sees it.
             unsafe {
-                d.copy_device_to_device(s, out.mutable_data_ptr().unwrap(), tmp.data_ptr(), 2 * MIB)
+                d.copy_device_to_device(
+                    s,
+                    out.unordered_mutable_data_ptr().unwrap(),
+                    tmp.unordered_data_ptr(),
+                    2 * MIB,
+                )
             }
             .unwrap();
         }

@@ -108,7 +108,7 @@ fn pending_replay_after_graph_drop_writes_under_zero_copy_slice() {
     drop(gate);
     sync(&rt, &[a, c]);
     let seen = blocker.seen();
-    let zero_copy = seen.ptr == x.data_ptr().0;
+    let zero_copy = seen.ptr == x.unordered_data_ptr().0;
     eprintln!("pending replay: {seen:?} zero copy {zero_copy}");
     assert!(
         !(zero_copy && seen.changed),
@@ -165,7 +165,7 @@ fn other_runtime_launch_ignores_storage_runtime_graphs() {
     graph.replay(c).unwrap();
     sync(&rt1, &[a, c]);
     let seen = blocker.seen();
-    let zero_copy = seen.ptr == x.data_ptr().0;
+    let zero_copy = seen.ptr == x.unordered_data_ptr().0;
     assert!(
         !(zero_copy && seen.changed),
         "rt2's kernel got zero copy while rt1's graph replayed into it: {seen:?}"
@@ -244,7 +244,7 @@ fn concurrent_launch_window(sanitize: bool) -> (Seen, bool, cudalloc::Result<()>
     let _ = rt.driver().stream_synchronize(a);
     let _ = rt.driver().stream_synchronize(b);
     let seen: Seen = seen.lock().unwrap().unwrap();
-    let zero_copy = seen.ptr == x.data_ptr().0;
+    let zero_copy = seen.ptr == x.unordered_data_ptr().0;
     (seen, zero_copy, k1, reports(&rt).len())
 }
 
@@ -280,7 +280,7 @@ fn kernel_on_other_stream_waits_for_zero_copy_writer() {
     signal_after(&rt, b, &blocker);
     sync(&rt, &[a, b]);
     let seen = blocker.seen();
-    assert_eq!(seen.ptr, x.data_ptr().0, "zero copy");
+    assert_eq!(seen.ptr, x.unordered_data_ptr().0, "zero copy");
     assert!(!seen.signalled && !seen.changed, "{seen:?}");
     assert!(values(&rt, &x).iter().all(|&v| v == 99.0));
     clean(&rt);
@@ -299,7 +299,7 @@ fn reader_and_writer_wait_for_zero_copy_kernels() {
     signal_after(&rt, b, &reader);
     sync(&rt, &[a, b]);
     let seen = reader.seen();
-    assert_eq!(seen.ptr, x.data_ptr().0, "zero copy");
+    assert_eq!(seen.ptr, x.unordered_data_ptr().0, "zero copy");
     assert!(!seen.signalled && !seen.changed, "{seen:?}");
     clean(&rt);
 }
@@ -354,7 +354,7 @@ fn storage_copies_and_patterns_wait_for_zero_copy_writer() {
         let current = t.join().unwrap();
         sync(&rt, &[a, current]);
         let seen = blocker.seen();
-        assert_eq!(seen.ptr, x.data_ptr().0, "{name}: zero copy");
+        assert_eq!(seen.ptr, x.unordered_data_ptr().0, "{name}: zero copy");
         assert!(!seen.signalled && !seen.changed, "{name}: {seen:?}");
     }
     clean(&rt);
@@ -368,7 +368,7 @@ fn lazy_clone_copy_waits_for_zero_copy_writer() {
     let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
     let x = Storage::new_on(&rt, a, BYTES).unwrap();
     let blocker = block_writing(&rt, a, &x, 1.0);
-    let ptr = x.data_ptr().0;
+    let ptr = x.unordered_data_ptr().0;
     let c = x.lazy_clone().unwrap();
     rt.launch_host(b, c.writes::<f32>().elements(0..1), |c| {
         c[0] += 1.0;
@@ -428,7 +428,7 @@ fn cow_operands_are_staged() {
     let x = Storage::new_on(&rt, s, BYTES).unwrap();
     let c = x.lazy_clone().unwrap();
     assert!(c.is_cow() && x.is_cow());
-    let addr = c.data_ptr().0;
+    let addr = c.unordered_data_ptr().0;
     let seen = Arc::new(Mutex::new(0u64));
     let out = Arc::clone(&seen);
     rt.launch_host(s, c.reads::<f32>(), move |c| {
@@ -457,7 +457,7 @@ fn freed_block_not_reused_under_zero_copy_writer() {
         let x = Storage::new_on(&rt, s0, BYTES).unwrap();
         sync(&rt, &[s0]);
         let blocker = block_writing(&rt, a, &x, 1.0);
-        let ptr = x.data_ptr().0;
+        let ptr = x.unordered_data_ptr().0;
         drop(x);
         let y = Storage::new_on(&rt, next_on, BYTES).unwrap();
         set(&rt, &y, next_on, 99.0);
@@ -479,7 +479,7 @@ fn same_process_ipc_waits_for_zero_copy_writer() {
     let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
     let x = Storage::new_on(&rt, a, BYTES).unwrap();
     let blocker = block_writing(&rt, a, &x, 1.0);
-    let ptr = x.data_ptr().0;
+    let ptr = x.unordered_data_ptr().0;
     let handle = x.share_ipc().unwrap();
     let y = Storage::from_ipc(&rt, handle).unwrap();
     assert!(y.is_alias_of(&x));
@@ -543,7 +543,7 @@ fn sleep_waits_for_kernel_and_keeps_its_bytes() {
     t.join().unwrap();
     sync(&rt, &[a]);
     let seen = blocker.seen();
-    assert_ne!(seen.ptr, x.data_ptr().0, "tag memory is staged");
+    assert_ne!(seen.ptr, x.unordered_data_ptr().0, "tag memory is staged");
     assert!(!seen.signalled, "slept while the kernel ran: {seen:?}");
     // Asleep: refused at the door.
     let err = rt.launch_host(a, x.reads::<f32>(), |_| Ok(())).unwrap_err();
@@ -574,7 +574,7 @@ fn mem_pool_storage_is_staged_and_right() {
     signal_after(&rt, b, &blocker);
     sync(&rt, &[a, b]);
     let seen = blocker.seen();
-    assert_ne!(seen.ptr, x.data_ptr().0, "staged");
+    assert_ne!(seen.ptr, x.unordered_data_ptr().0, "staged");
     assert!(!seen.changed && !seen.signalled, "{seen:?}");
     assert!(values(&rt, &x).iter().all(|&v| v == 2.0));
     clean(&rt);
@@ -785,7 +785,7 @@ fn refused_launch_leaves_lazy_clone_unmaterialized() {
     let x = Storage::new_on(&rt, s, BYTES).unwrap();
     let c = x.lazy_clone().unwrap();
     assert!(c.is_cow());
-    let before = c.data_ptr();
+    let before = c.unordered_data_ptr();
     let err = rt
         .launch_host(
             s,
@@ -795,10 +795,10 @@ fn refused_launch_leaves_lazy_clone_unmaterialized() {
         .unwrap_err();
     assert!(err.to_string().contains("not aligned"), "{err}");
     assert!(
-        c.is_cow() && c.data_ptr() == before,
+        c.is_cow() && c.unordered_data_ptr() == before,
         "the refused launch materialized the clone: cow {} at {} (was {before})",
         c.is_cow(),
-        c.data_ptr()
+        c.unordered_data_ptr()
     );
 }
 
@@ -1090,12 +1090,12 @@ fn steal_waits_for_dropped_clones_reader() {
     set(&rt, &x, a, 4.0);
     sync(&rt, &[a]);
     let c = x.lazy_clone().unwrap();
-    let shared = c.data_ptr().0;
+    let shared = c.unordered_data_ptr().0;
     let gate = host.gate_stream(a).unwrap();
     let got = first_f32(&rt, a, &c);
     drop(c);
     set(&rt, &x, b, 99.0);
-    assert_eq!(x.data_ptr().0, shared, "stolen in place");
+    assert_eq!(x.unordered_data_ptr().0, shared, "stolen in place");
     let unordered = completes_while_gated(&rt, b, gate);
     sync(&rt, &[a, b]);
     steal_waited(&rt, unordered, &got);

@@ -203,7 +203,7 @@ fn the_first_write_of_a_lazy_clone_by_any_door_starts_its_streams_afresh() {
         };
         {
             let _on = rt.set_current_stream(b).unwrap();
-            x.mutable_data_ptr().unwrap(); // the copy, on `b`
+            x.unordered_mutable_data_ptr().unwrap(); // the copy, on `b`
         }
         drop(clone);
         let gate = host.gate_stream(a).unwrap();

@@ -256,7 +256,7 @@ fn a_sent_sigbus_neither_cuts_a_live_mapping_nor_switches_the_guard_off() {
         victim.fill_pattern(3).map_err(|e| e.to_string())?;
         // A forged fault "at" the storage: before, its pages were replaced by private zeros and
         // every access said "truncated" though nothing was.
-        forged_sigbus(victim.data_ptr().0 + 8192);
+        forged_sigbus(victim.unordered_data_ptr().0 + 8192);
         let bad = victim
             .count_pattern_mismatches(3)
             .map_err(|e| format!("after a forged SIGBUS: {e}"))?;

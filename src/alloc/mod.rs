@@ -587,7 +587,7 @@ impl CachingAllocator {
     fn allocate_in(&self, shard: &Shard, size: u64) -> Result<DataPtr> {
         if shard.front_limit() > 0 {
             if let Some(hit) = shard.take_from_front(size) {
-                return self.data_ptr(shard, shard, &hit);
+                return self.data_ptr(shard, shard, &hit, size);
             }
         }
         let mut lender = None;
@@ -600,14 +600,22 @@ impl CachingAllocator {
                 return Err(err);
             }
         };
-        self.data_ptr(lender.as_deref().unwrap_or(shard), shard, &a)
+        self.data_ptr(lender.as_deref().unwrap_or(shard), shard, &a, size)
     }
 
     /// The pointer owning block `a`, just handed out by `owner` (from its pools or this thread's
     /// front cache) for use on `user`'s stream (the same shard, or a lender: a `use_on_oom` pool
-    /// on the same stream, another stream under `cross_stream_reuse:blocks`).
+    /// on the same stream, another stream under `cross_stream_reuse:blocks`). The sanitizer is
+    /// told of the `requested` bytes, not the rounded block: an access past what was asked for
+    /// is out of bounds even inside the rounding.
     #[inline]
-    fn data_ptr(&self, owner: &Shard, user: &Shard, a: &Allocated) -> Result<DataPtr> {
+    fn data_ptr(
+        &self,
+        owner: &Shard,
+        user: &Shard,
+        a: &Allocated,
+        requested: u64,
+    ) -> Result<DataPtr> {
         // SAFETY: the shard (or a front cache of it) just handed `a.block` out, counted in its
         // owners; this is its only owner.
         let data = match unsafe { BlockOwner::new(owner, a) } {
@@ -615,7 +623,7 @@ impl CachingAllocator {
             None => return Err(owner.refuse_block(a.block)),
         };
         // After the pointer owns the block: in the sanitizer's panic mode the unwinding frees it.
-        user.handed_out(a.ptr, a.rounded);
+        user.handed_out(a.ptr, requested, a.rounded);
         Ok(data)
     }
 

@@ -56,7 +56,7 @@
 //! waits only for the capturing stream's work before the capture (the capture's tail event: its
 //! copy runs only at replays, and a wait on the stream itself would join the capture); where that
 //! work is unknown (a capture the allocator did not begin) the last reference copies instead of
-//! stealing. `mutable_data_ptr()` does not wait for the copy (waiting is forbidden there; work
+//! stealing. `unordered_mutable_data_ptr()` does not wait for the copy (waiting is forbidden there; work
 //! captured after it runs after it). Tested in `tests/graphs_meet.rs` and
 //! `tests/lifecycle_handover.rs`.
 

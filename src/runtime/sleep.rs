@@ -325,15 +325,22 @@ impl Runtime {
         let len = usize::try_from(range.len)
             .map_err(|_| Error::invalid("a block larger than the address space"))?;
         let mut buffer = self.pinned_allocator().allocate(len)?;
-        // SAFETY: the copy writes only the buffer's `len` bytes, on `range.stream`; the buffer
-        // is not borrowed, and is kept until that stream is synchronized.
-        unsafe {
-            buffer.enqueue_write(range.stream, 0..len, |dst, n| {
-                driver
-                    .pinned()
-                    .copy_device_to_pinned(range.stream, dst, DeviceAddr(range.addr), n)
-            })?;
-        }
+        // The allocator's own read of the whole block, its rounding too (the sanitizer's bounds,
+        // which are the bytes asked for, do not concern it: `driver::sanitizer::allocators_own`).
+        crate::driver::sanitizer::allocators_own(|| {
+            // SAFETY: the copy writes only the buffer's `len` bytes, on `range.stream`; the
+            // buffer is not borrowed, and is kept until that stream is synchronized.
+            unsafe {
+                buffer.enqueue_write(range.stream, 0..len, |dst, n| {
+                    driver.pinned().copy_device_to_pinned(
+                        range.stream,
+                        dst,
+                        DeviceAddr(range.addr),
+                        n,
+                    )
+                })
+            }
+        })?;
         Ok(buffer)
     }
 

@@ -283,7 +283,7 @@ fn door<const N: usize>(
         // The address now: a storage's never moves unless a lazy clone's first write gives it
         // new (512-byte aligned) memory, checked again under the locks.
         if span.1 > span.0 {
-            aligned(i, op, op.storage.data_ptr().offset(span.0)?)?;
+            aligned(i, op, op.storage.unordered_data_ptr().offset(span.0)?)?;
         }
     }
     for i in 0..N {

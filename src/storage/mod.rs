@@ -1,8 +1,8 @@
 //! [`Storage`]: the unit of aliasing, and the one place that knows every kind of memory.
 //!
 //! Storages alias **iff** they are clones of one `Storage`. A storage holds its [`DataPtr`] under
-//! a lock, an atomic *address word* (the address with a COW tag in bit 0, so `mutable_data_ptr()`
-//! of a plain storage is one atomic load), and its [`Runtime`] (allocator + IPC state). The layers
+//! a lock, an atomic *address word* (the address with a COW tag in bit 0, so the address of a plain
+//! storage is one atomic load), and its [`Runtime`] (allocator + IPC state). The layers
 //! below work on `DataPtr`s only; this module decides which `Storage` a receipt returns
 //! (`registry.rs`) and orders the steps of sharing a COW storage (`sharing.rs`).
 //!
@@ -19,7 +19,7 @@
 //! | operation on a storage in state → | plain | COW | shared | received |
 //! |---|---|---|---|---|
 //! | `lazy_clone()` | → COW (context of 2); the clone is COW | +1 reference; the clone is COW | unchanged; the clone is a plain eager copy | unchanged; the clone is a plain eager copy |
-//! | `mutable_data_ptr()` | unchanged (one load) | → plain: steal if last, else copy | unchanged | unchanged |
+//! | `mutable_data_ptr_on()` | unchanged (one load) | → plain: steal if last, else copy | unchanged | unchanged |
 //! | `share_ipc()` | → shared (slot, event) | materialize (→ plain), → shared, copy completed | +1 pending on its slot | forwarded: +1 pending on the original slot |
 //! | `from_ipc()` | — | — | same process: this storage | another process: → received (or the storage already open) |
 //! | drop (last clone) | block freed | −1 reference (last frees) | limbo while counted, else freed | lease released after its streams |
@@ -100,7 +100,7 @@ impl WeakStorage {
 impl fmt::Debug for Storage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Storage")
-            .field("ptr", &self.data_ptr())
+            .field("ptr", &self.unordered_data_ptr())
             .field("nbytes", &self.inner.nbytes)
             .field("device", &self.inner.device)
             .finish()
@@ -175,10 +175,22 @@ impl Storage {
         self.inner.runtime.allocator()
     }
 
-    /// The address, as it is now, for reading. Never materializes, orders nothing: work that
-    /// reads through it on a stream should take the address with [`Storage::data_ptr_on`].
+    /// The address for reading on the current stream (PyTorch's `data_ptr`, ordered): as
+    /// [`data_ptr_on`](Self::data_ptr_on) with the device's current stream, so a kernel
+    /// launched there after this call reads what earlier work on any stream wrote. A kernel on
+    /// another stream takes its address with [`data_ptr_on`](Self::data_ptr_on).
     #[inline]
-    pub fn data_ptr(&self) -> DeviceAddr {
+    pub fn data_ptr(&self) -> Result<DeviceAddr> {
+        self.data_ptr_on(self.stream()?)
+    }
+
+    /// The address as it is now, **ordered by nothing**: no stream waits for another, the
+    /// storage's free does not wait for the work that uses it, a lazy clone's address is the
+    /// memory it shares. For what needs the number and no access — comparing addresses, logging,
+    /// a lookup —, or work the caller orders itself (`record_stream`, events). The ordered doors
+    /// are [`data_ptr`](Self::data_ptr) and [`data_ptr_on`](Self::data_ptr_on).
+    #[inline]
+    pub fn unordered_data_ptr(&self) -> DeviceAddr {
         DeviceAddr(self.inner.word.load(Ordering::Acquire) & !COW_TAG)
     }
 
@@ -189,7 +201,7 @@ impl Storage {
     #[inline]
     pub fn data_ptr_on(&self, stream: StreamId) -> Result<DeviceAddr> {
         self.access(stream, AccessKind::Read)?;
-        Ok(self.data_ptr())
+        Ok(self.unordered_data_ptr())
     }
 
     /// The registered regions holding this storage's bytes, for a transfer that *reads* them
@@ -200,13 +212,15 @@ impl Storage {
     ///
     /// [`SegmentId`]: crate::registration::SegmentId
     pub fn registered_regions(&self) -> Result<Vec<crate::registration::RegisteredRegion>> {
-        self.regions_at(self.data_ptr())
+        self.regions_at(self.unordered_data_ptr())
     }
 
     /// As [`registered_regions`](Self::registered_regions), for a transfer that *writes* the
-    /// storage: a lazy clone is materialized first, as by [`mutable_data_ptr`](Self::mutable_data_ptr).
+    /// storage: a lazy clone is materialized first, as by
+    /// [`unordered_mutable_data_ptr`](Self::unordered_mutable_data_ptr) (a transfer engine's
+    /// work is outside stream order).
     pub fn registered_regions_mut(&self) -> Result<Vec<crate::registration::RegisteredRegion>> {
-        let addr = self.mutable_data_ptr()?;
+        let addr = self.unordered_mutable_data_ptr()?;
         self.regions_at(addr)
     }
 
@@ -232,17 +246,28 @@ impl Storage {
             .registered_regions(self.inner.device, addr, self.inner.nbytes)
     }
 
-    /// The address for writing, safe to write from any stream. For a plain storage this is one
-    /// atomic load. A COW storage is materialized first (see `src/cow/mod.rs`) on the current
-    /// stream, and that copy is *complete* when this returns — so a kernel on any stream may
-    /// write at once (the first write of a lazy clone blocks once for its copy; inside a stream
-    /// capture the copy becomes part of the graph instead, and nothing blocks). Library code
-    /// that knows its stream uses [`Storage::mutable_data_ptr_on`] instead, which does not
-    /// block. On error of the copy (out of memory) the storage stays a valid COW storage; an
-    /// error of the synchronization after it (a failed stream) is returned with the storage
-    /// already private.
+    /// The address for writing on the current stream (PyTorch's `mutable_data_ptr`, ordered):
+    /// as [`mutable_data_ptr_on`](Self::mutable_data_ptr_on) with the device's current stream —
+    /// a lazy clone's copy is queued there, and the stream waits for every earlier access of the
+    /// storage on other streams. A kernel on another stream takes its address with
+    /// [`mutable_data_ptr_on`](Self::mutable_data_ptr_on).
     #[inline]
     pub fn mutable_data_ptr(&self) -> Result<DeviceAddr> {
+        self.mutable_data_ptr_on(self.stream()?)
+    }
+
+    /// The address for writing, **ordered by nothing** but the storage's own copy: a plain
+    /// storage's address is one atomic load; a COW storage is materialized first (see
+    /// `src/cow/mod.rs`) on the current stream, and that copy is *complete* when this returns
+    /// (inside a stream capture the copy becomes part of the graph instead, and nothing
+    /// blocks). No stream waits for the storage's other accesses and its free does not wait for
+    /// the writer: the caller orders its work itself (`record_stream`, events). The ordered
+    /// doors are [`mutable_data_ptr`](Self::mutable_data_ptr) and
+    /// [`mutable_data_ptr_on`](Self::mutable_data_ptr_on). On error of the copy (out of memory)
+    /// the storage stays a valid COW storage; an error of the synchronization after it (a
+    /// failed stream) is returned with the storage already private.
+    #[inline]
+    pub fn unordered_mutable_data_ptr(&self) -> Result<DeviceAddr> {
         let word = self.inner.word.load(Ordering::Acquire);
         if word & COW_TAG == 0 {
             return Ok(DeviceAddr(word));

@@ -32,8 +32,10 @@
 //! materialization — takes the access under the same data lock as the change
 //! (`Storage::with_access`), so no such work falls between them either.
 //!
-//! Outside the rule, the program's to order as in manual mode: work on raw addresses
-//! (`data_ptr()`, `mutable_data_ptr()`, `unsafe` on the host backend), captured raw work, and
+//! The doors a user reaches first are inside the rule: `data_ptr()` and `mutable_data_ptr()`
+//! are the `_on` doors with the current stream. Outside it, the program's to order as in manual
+//! mode: work on unordered addresses (`unordered_data_ptr()`, `unordered_mutable_data_ptr()`,
+//! `unsafe` on the host backend), captured raw work, and
 //! streams of another device. A stream destroyed since its access is
 //! not waited for (its work cannot be named any more). Addresses are taken right before the work
 //! that uses them is enqueued — as every storage door does — since the wait covers the work

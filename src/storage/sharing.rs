@@ -168,7 +168,7 @@ pub(super) fn receive(runtime: &Arc<Runtime>, handle: IpcHandle) -> Result<Stora
             &wire,
             device,
             stream,
-            live.data_ptr(),
+            live.unordered_data_ptr(),
             &alive,
         )?;
         live.access(stream, AccessKind::Write)?;

@@ -161,7 +161,7 @@ impl Storage {
         stream: &Arc<CudaStream>,
     ) -> Result<StorageView<'_, T>> {
         self.check_awake("a read view")?;
-        let (ptr, len) = locate::<T>(self, self.data_ptr().0, &range)?;
+        let (ptr, len) = locate::<T>(self, self.unordered_data_ptr().0, &range)?;
         let id = adopt(self, stream)?;
         self.record_stream(id)?;
         // Ordered after the last write on another stream (`stream_order:auto`).
@@ -185,7 +185,7 @@ impl Storage {
         stream: &Arc<CudaStream>,
     ) -> Result<StorageViewMut<'_, T>> {
         self.check_awake("a write view")?;
-        locate::<T>(self, self.data_ptr().0, &range)?;
+        locate::<T>(self, self.unordered_data_ptr().0, &range)?;
         let id = adopt(self, stream)?;
         // The private copy is queued on the view's own stream, so the kernel is ordered after
         // it (found on the contract double when it was queued on the current stream: the copy

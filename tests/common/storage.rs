@@ -158,7 +158,7 @@ pub(crate) fn misaligned_for_1024(rt: &Arc<Runtime>, s: StreamId) -> Storage {
     let mut keep = Vec::new();
     for _ in 0..4 {
         let w = Storage::new_on(rt, s, 2048).unwrap();
-        if !w.data_ptr().0.is_multiple_of(1024) {
+        if !w.unordered_data_ptr().0.is_multiple_of(1024) {
             return w;
         }
         keep.push(w);

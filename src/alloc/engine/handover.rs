@@ -146,11 +146,11 @@ impl Shard {
         hit
     }
 
-    /// Bytes `[ptr, ptr + len)` of this shard were handed out to a new owner (from its pools or
-    /// a front cache): the sanitizer checks that every access on another stream was ordered
-    /// before their free.
+    /// Bytes `[ptr, ptr + len)` of this shard's block of `block` bytes at `ptr` were handed out
+    /// to a new owner (from its pools or a front cache): the sanitizer checks that every access
+    /// on another stream was ordered before their free, and none past `len`.
     #[inline]
-    pub(in crate::alloc) fn handed_out(&self, ptr: u64, len: u64) {
+    pub(in crate::alloc) fn handed_out(&self, ptr: u64, len: u64, block: u64) {
         if let Some(sanitizer) = &self.sanitizer {
             let captured = self.core.wide.capturing.any()
                 && self
@@ -159,7 +159,7 @@ impl Shard {
                     .graphs()
                     .stream_capture_status(self.stream())
                     .is_ok_and(|s| s.is_capturing());
-            sanitizer.hand_out(ptr, len, self.stream(), !captured);
+            sanitizer.hand_out(ptr, len, block, self.stream(), !captured);
         }
     }
 
@@ -175,11 +175,7 @@ impl Shard {
     /// `to` without a free between: the waits of a hand-over, or a copy when one of them cannot
     /// be made from `to` ([`DeviceCore::order`]).
     pub(in crate::alloc) fn plan_steal(&self, id: BlockId, to: StreamId) -> StealPlan {
-        let uses = self.state.lock().blocks[id].stream_uses.clone();
-        let own = (!self.own_stream_done()).then_some(self.stream());
-        let waits = self
-            .core
-            .streams_to_wait_for(own.into_iter().chain(uses), Some(to));
+        let waits = self.steal_waits(id, to);
         let orderable = waits
             .iter()
             .all(|&used| matches!(self.core.order(to, used), Ok(o) if o != Order::Impossible));
@@ -188,6 +184,15 @@ impl Shard {
         } else {
             StealPlan::CopyInstead
         }
+    }
+
+    /// The streams a steal of block `id` for `to` waits for: the shard's own (unless done) and
+    /// every recorded use, but `to` and the streams that are gone.
+    fn steal_waits(&self, id: BlockId, to: StreamId) -> Vec<StreamId> {
+        let uses = self.state.lock().blocks[id].stream_uses.clone();
+        let own = (!self.own_stream_done()).then_some(self.stream());
+        self.core
+            .streams_to_wait_for(own.into_iter().chain(uses), Some(to))
     }
 
     /// The bytes of handed-out block `id` go to a new owner without a free between (a lazy
@@ -206,10 +211,7 @@ impl Shard {
                      stream {}: the hand-over goes on without that wait",
                     to.raw()
                 );
-                let uses = self.state.lock().blocks[id].stream_uses.clone();
-                let own = (!self.own_stream_done()).then_some(self.stream());
-                self.core
-                    .streams_to_wait_for(own.into_iter().chain(uses), Some(to))
+                self.steal_waits(id, to)
             }
         };
         for &used in &waits {

@@ -266,12 +266,7 @@ impl Shard {
         sleeping: bool,
         mut fresh: super::ShardState,
     ) {
-        let caches = std::mem::take(&mut self.fronts.lock().caches);
-        for cache in caches {
-            // SAFETY: a cache registered with this shard; the caller's reference keeps the shard
-            // alive.
-            unsafe { Shard::flush_front(NonNull::from(self), &cache, true) };
-        }
+        self.detach_fronts(false);
         let serial = fresh.serial;
         let mut st = self.state.lock();
         debug_assert!(st.owners == 0 && st.segments.is_empty() && !st.has_pending());
@@ -334,13 +329,19 @@ impl Shard {
 
     /// Closes this shard to new front caches and retires every one it has (allocator drop).
     pub(crate) fn retire_fronts(&self) {
+        self.detach_fronts(true);
+    }
+
+    /// Takes every front cache off this shard, their blocks back into it; with `close`, no cache
+    /// registers again (teardown), else the next thread's may (a recycled shard's).
+    fn detach_fronts(&self, close: bool) {
         let caches = {
             let mut registry = self.fronts.lock();
-            registry.closed = true;
+            registry.closed |= close;
             std::mem::take(&mut registry.caches)
         };
         for cache in caches {
-            // SAFETY: as in `flush_fronts`.
+            // SAFETY: a cache registered with this shard, which `self` keeps alive.
             unsafe { Shard::flush_front(NonNull::from(self), &cache, true) };
         }
     }

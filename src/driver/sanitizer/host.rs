@@ -63,6 +63,6 @@ impl Sanitizer {
     pub(crate) fn hand_out_host(&self, start: u64, len: u64) {
         let mut st = self.state.lock();
         let h = st.host_slot();
-        self.hand_out_at(&mut st, start, len, h, true);
+        self.hand_out_at(&mut st, start, len, len, h, true);
     }
 }

@@ -213,10 +213,11 @@ impl Sanitizer {
     /// actor must be ordered before its free, else a use after free (sticky on `stream`).
     /// `eager`: not an allocation of a capture (a capture sharing a graph's pool may take its
     /// freed bytes: it follows the graph's replays, PyTorch's rule for shared pools).
-    pub(crate) fn hand_out(&self, start: u64, len: u64, stream: StreamId, eager: bool) {
+    /// `block`: the allocator's block, `len` rounded (the bytes past `len` are out of bounds).
+    pub(crate) fn hand_out(&self, start: u64, len: u64, block: u64, stream: StreamId, eager: bool) {
         let mut st = self.state.lock();
         let owner = st.slot(stream);
-        self.hand_out_at(&mut st, start, len, owner, eager);
+        self.hand_out_at(&mut st, start, len, block, owner, eager);
     }
 
     /// [`Sanitizer::hand_out`] to actor `owner`.
@@ -225,6 +226,7 @@ impl Sanitizer {
         st: &mut MutexGuard<'_, State>,
         start: u64,
         len: u64,
+        block: u64,
         owner: usize,
         eager: bool,
     ) {
@@ -274,6 +276,7 @@ impl Sanitizer {
             start,
             Allocation {
                 end,
+                block_end: start.saturating_add(block.max(len)),
                 id,
                 stream: stream_name.clone(),
                 cow_shared: false,

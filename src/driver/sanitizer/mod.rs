@@ -407,6 +407,28 @@ impl Sanitizer {
                 };
                 return Err(self.fail(st, slot, report));
             }
+            // Past the bytes asked for, inside the allocator's rounding of them: past the end of
+            // the allocation (a raw write 64 bytes past a 16-byte tensor went unseen when the
+            // rounded block was the allocation).
+            let rounding = (replay.is_none() && !own)
+                .then(|| st.in_rounding_of(t.start))
+                .flatten();
+            if let Some(allocation) = rounding {
+                let report = HazardReport {
+                    kind: HazardKind::OutOfBounds,
+                    earlier: AccessReport {
+                        kind: "allocation end",
+                        what: allocation.clone(),
+                        start: t.start,
+                        len: end.saturating_sub(t.start),
+                        allocation: Some(allocation),
+                        stack: None,
+                    },
+                    later: self.later_access(st, slot, what, t, None),
+                    free: None,
+                };
+                return Err(self.fail(st, slot, report));
+            }
             let unallocated = (replay.is_none() && !own)
                 .then(|| st.unallocated(t.start, end))
                 .flatten();

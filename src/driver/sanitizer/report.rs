@@ -116,7 +116,10 @@ impl fmt::Display for HazardReport {
         match self.kind {
             HazardKind::Race => write!(
                 f,
-                "stream race: {}\n  is not ordered after the earlier {}\n  (no event, wait or synchronization orders them)",
+                "stream race: {}\n  is not ordered after the earlier {}\n  (no event, wait or synchronization orders them: \
+                 take addresses through the ordered doors — `data_ptr_on(stream)` / \
+                 `mutable_data_ptr_on(stream)`, or `data_ptr()` / `mutable_data_ptr()` on the \
+                 current stream — or order the streams with an event)",
                 self.later, self.earlier
             ),
             HazardKind::UseAfterFree if self.earlier.kind == "free" => write!(
@@ -134,7 +137,10 @@ impl fmt::Display for HazardReport {
             ),
             HazardKind::UseAfterFree => write!(
                 f,
-                "use after free: {}\n  while the earlier {}\n  was not ordered before {} (record_stream or a wait was missing)",
+                "use after free: {}\n  while the earlier {}\n  was not ordered before {} (take addresses through the ordered doors — \
+                 `data_ptr_on(stream)` / `mutable_data_ptr_on(stream)`, or `data_ptr()` / \
+                 `mutable_data_ptr()` on the current stream —; with an unordered address, \
+                 `record_stream` or a wait was missing)",
                 self.later,
                 self.earlier,
                 self.free.as_deref().unwrap_or("its free")

@@ -24,7 +24,11 @@ pub(super) struct Actor {
 /// an access stays inside it.
 #[derive(Debug)]
 pub(super) struct Allocation {
+    /// The end of the bytes asked for.
     pub(super) end: u64,
+    /// The end of the allocator's block (its rounding): bytes in `[end, block_end)` are out of
+    /// bounds, reported as past this allocation's end.
+    pub(super) block_end: u64,
     pub(super) id: u64,
     pub(super) stream: String,
     /// Lazy clones share it copy-on-write: a write into it is a hazard (`Sanitizer::cow_shared`).
@@ -132,6 +136,13 @@ impl State {
         }
         let (&at, a) = self.allocations.range(start..end).next()?;
         Some((Self::name(at, a), at - start))
+    }
+
+    /// The live allocation whose block's rounding holds `addr` (past the bytes asked for, before
+    /// the block's end), named.
+    pub(super) fn in_rounding_of(&self, addr: u64) -> Option<String> {
+        let (&start, a) = self.allocations.range(..=addr).next_back()?;
+        (a.end <= addr && addr < a.block_end).then(|| Self::name(start, a))
     }
 
     /// The allocator's segment under `[start, end)` when no live allocation holds `start` and the

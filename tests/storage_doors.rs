@@ -1,0 +1,143 @@
+//! The doors a user reaches first are the ordered ones (issue 47). Before: `data_ptr()` and
+//! `mutable_data_ptr()` — PyTorch's names, what a PyTorch or candle author types first — were the
+//! raw address, and a raw kernel reading `data_ptr()` on another stream while the compute stream
+//! wrote got every value wrong (65,536 of 65,536), silently. Now they are `data_ptr_on` and
+//! `mutable_data_ptr_on` with the current stream; the unordered address is
+//! `unordered_data_ptr()`, a name a reviewer notices. And the sanitizer checks an access against
+//! the bytes asked for, not the allocator's rounding: a raw write 64 bytes past a 16-byte tensor
+//! (inside its 512-byte block) was invisible to it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::Arc;
+
+use common::storage::{clean, ordered_or_manual as runtime};
+use common::{host_driver, one_report};
+use cudalloc::{
+    backend::HostKernelMemory, backend::HostRange, sanitizer::HazardKind, sanitizer::Sanitize,
+    ErrorKind, Runtime, Storage, StreamId,
+};
+
+const ROUNDS: u64 = 50;
+const LEN: u64 = 64 << 10;
+
+/// Rounds of: `x` written on stream `a` (held back by a gate) through `mutable_data_ptr()` with
+/// `a` current; then, with `b` current, `x`'s address taken by `read` and copied into `y` by a
+/// raw copy on `b`. The rounds whose copy got the wrong bytes.
+fn wrong_rounds(conf: &str, read: impl Fn(&Storage) -> cudalloc::DeviceAddr) -> u64 {
+    let (rt, host) = runtime(conf);
+    let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
+    let mut wrong = 0;
+    for round in 0..ROUNDS {
+        let x = Storage::new_on(&rt, a, LEN).unwrap();
+        let y = Storage::new_on(&rt, b, LEN).unwrap();
+        let gate = host.gate_stream(a).unwrap();
+        {
+            let _on = rt.set_current_stream(a).unwrap();
+            let p = x.mutable_data_ptr().unwrap();
+            // SAFETY: test memory this test owns, ordered on its stream by the door above.
+            unsafe { rt.driver().kernels().fill_pattern(a, p, LEN, round) }.unwrap();
+        }
+        {
+            let _on = rt.set_current_stream(b).unwrap();
+            let (d, src) = (y.mutable_data_ptr().unwrap(), read(&x));
+            // SAFETY: test memory this test owns; the doors above order it (or, for the
+            // control, do not: the wrong rounds are the point).
+            unsafe { rt.driver().copy_device_to_device(b, d, src, LEN) }.unwrap();
+        }
+        // Unordered, `b` copies at once (it does not wait for the held `a`): waited for behind
+        // the storages' backs. Ordered, `b` waits for `a`, which the gate holds.
+        if conf.contains("manual") {
+            rt.driver().stream_synchronize(b).unwrap();
+        }
+        drop(gate);
+        rt.driver().stream_synchronize(b).unwrap();
+        wrong += u64::from(mismatches(&rt, &y, round) != 0);
+        // Keep `x` until `b`'s copy is done in every mode (the control's free would not wait).
+        drop(x);
+    }
+    if !conf.contains("manual") {
+        clean(&rt);
+    }
+    wrong
+}
+
+fn mismatches(rt: &Arc<Runtime>, s: &Storage, seed: u64) -> u64 {
+    let stream = rt.create_stream(0).unwrap();
+    let p = s.data_ptr_on(stream).unwrap();
+    // SAFETY: test memory this test owns, ordered on `stream` by the door above.
+    unsafe {
+        rt.driver()
+            .kernels()
+            .count_pattern_mismatches(stream, p, LEN, seed)
+    }
+    .unwrap()
+}
+
+#[test]
+fn data_ptr_is_ordered_on_the_current_stream() {
+    assert_eq!(
+        wrong_rounds("", |x| x.data_ptr().unwrap()),
+        0,
+        "data_ptr() on the current stream: every round right"
+    );
+}
+
+#[test]
+fn the_unordered_address_is_wrong_without_a_wait() {
+    // The control: the same program through the unordered address (under `manual`, where the
+    // sanitizer is off) reads before the write — the test above could fail.
+    assert_eq!(
+        wrong_rounds("stream_order:manual", |x| x.unordered_data_ptr()),
+        ROUNDS,
+        "the unordered address, no wait written: every round wrong"
+    );
+}
+
+fn sanitized() -> Arc<Runtime> {
+    Arc::new(
+        Runtime::builder()
+            .sanitize(Sanitize::On(Default::default()))
+            .check_invariants(true)
+            .build(Arc::new(host_driver()))
+            .unwrap(),
+    )
+}
+
+/// A raw write of 4 bytes at `offset` into a storage of `asked` bytes (a 512-byte block), on a
+/// fresh stream that waited for the storage's: the error and the report, if any.
+fn raw_write_at(rt: &Arc<Runtime>, asked: u64, offset: u64) -> Option<String> {
+    let host = rt.driver().as_host().unwrap();
+    let t = rt.create_stream(0).unwrap();
+    let small = Storage::new_on(rt, t, asked).unwrap();
+    let s: StreamId = rt.create_stream(0).unwrap();
+    let p = small.mutable_data_ptr_on(s).unwrap();
+    // SAFETY: the range is this program's own memory (inside the storage's block), ordered on
+    // `s` by the door above; no typed kernel sees it.
+    let done = unsafe {
+        host.enqueue_host(
+            s,
+            [HostRange::write(p.offset(offset).unwrap(), 4)],
+            |m: &mut HostKernelMemory<1>| m.write(0, 0, &[7; 4]),
+        )
+    };
+    match done {
+        Ok(()) => None,
+        Err(err) => {
+            assert_eq!(err.kind(), ErrorKind::StreamRace, "{err}");
+            Some(one_report(rt, HazardKind::OutOfBounds).to_string())
+        }
+    }
+}
+
+#[test]
+fn a_write_past_the_asked_bytes_inside_the_rounding_is_out_of_bounds() {
+    let rt = sanitized();
+    // 64 bytes past a 16-byte tensor, inside its 512-byte block: reported and refused.
+    let report = raw_write_at(&rt, 16, 64).expect("the write past the tensor was not reported");
+    assert!(report.contains("past the end"), "{report}");
+    // The last 4 bytes of what was asked: no report.
+    assert_eq!(raw_write_at(&rt, 16, 12), None);
+    assert_eq!(raw_write_at(&rt, 512, 508), None);
+}
