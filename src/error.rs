@@ -16,6 +16,7 @@
 //! | [`ErrorKind::ForkedChild`]  | no: the object belongs to the parent of this forked process; build a runtime in the child |
 //! | [`ErrorKind::StreamCapture`] | no: the call is not allowed while a stream is being captured into a graph (or the capture was already invalidated by one); end the capture first |
 //! | [`ErrorKind::Asleep`]      | memory of a sleeping tag (its pages given back): yes, after `wake_up` of the tag; a tag in the wrong phase for the call (sleeping an asleep tag, waking an awake one, one on its way) or memory other processes hold: when that changes — the message says which; the call did nothing |
+//! | [`ErrorKind::KernelPanic`] | no: a typed host kernel panicked (a bug in it; the message names its operands); sticky on the stream |
 //! | [`ErrorKind::ForeignEvent`] | no: another process's event failed the work that waited for it (its producer exited, its cell was written by a third party, or the wait passed its deadline); the storage it guards is not ready — drop it, the stream stays usable |
 
 use std::fmt;
@@ -48,6 +49,9 @@ pub enum ErrorKind {
     ForeignEvent,
     /// A host kernel of the caller's failed with its own error ([`Error::Kernel`]).
     Kernel,
+    /// A typed host kernel of the caller's panicked ([`Error::KernelPanic`]): a bug in the
+    /// kernel; the message names its operands. Sticky on the stream.
+    KernelPanic,
     /// A call that a stream capture forbids, or a capture that cannot go on (see
     /// `driver/capture.rs`): the capture it concerns is invalidated.
     StreamCapture,
@@ -145,6 +149,16 @@ pub enum Error {
         /// The kernel's own error.
         source: Cause,
     },
+    /// A typed host kernel of the caller's ([`Runtime::launch_host`](crate::Runtime::launch_host))
+    /// panicked: the panic is caught on the stream's thread and fails the stream, like a CUDA
+    /// kernel's fault; the error names the kernel's operands.
+    #[error("a host kernel panicked: {message} (its operands: {operands})")]
+    KernelPanic {
+        /// The operands as the kernel saw them: kind, element type, elements, storage size.
+        operands: String,
+        /// The panic's message.
+        message: String,
+    },
     /// The stream sanitizer found two accesses that stream order does not order (a race, or a use
     /// after free); the message names both. Sticky on the stream, like a CUDA error.
     #[error("{0}")]
@@ -210,6 +224,7 @@ impl Error {
             Error::ForkedChild(_) => ErrorKind::ForkedChild,
             Error::ForeignEvent { .. } => ErrorKind::ForeignEvent,
             Error::Kernel { .. } => ErrorKind::Kernel,
+            Error::KernelPanic { .. } => ErrorKind::KernelPanic,
             Error::Registration { .. } => ErrorKind::Registration,
             Error::Transfer(_) => ErrorKind::Transfer,
             Error::Asleep { .. } => ErrorKind::Asleep,

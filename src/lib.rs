@@ -1,4 +1,25 @@
-#![doc = include_str!("../README.md")]
+//! A CUDA caching allocator for Rust with cross-process sharing and copy-on-write built in: the
+//! global GPU allocator of a tensor library, as PyTorch's `CUDACachingAllocator`, its CUDA IPC
+//! reference counting and its COW storage are to PyTorch. Everything runs without a GPU on a real
+//! host backend; the CUDA backend is loaded at run time.
+//!
+//! A program talks to [`GLOBAL`] (or a [`Runtime`] of its own) and holds [`Storage`]s: their
+//! doors order every access on a stream (`data_ptr()` on the current one, `data_ptr_on(stream)`
+//! on another; the unordered address is [`Storage::unordered_data_ptr`]). The README has a
+//! tensor library in five minutes; the guides, one concern each:
+//!
+//! | guide | what it covers |
+//! |---|---|
+//! | [`guide::tensor_library`] | `GLOBAL`, configuration from code, your streams, cudarc views, typed host kernels |
+//! | [`guide::streams`] | the ordering storages do, the manual rules, the sanitizer, lazy clones |
+//! | [`guide::sharing`] | storages shared with other processes |
+//! | [`guide::pools_and_graphs`] | memory pools, captures and graphs |
+//! | [`guide::sleep`] | sleep and wake by tag |
+//! | [`guide::pinned`] | page-locked host memory |
+//! | [`guide::nixl`] | registration and NIXL transfers |
+//! | [`guide::replay`] | history, snapshots, replay |
+//! | [`guide::configuration`] | every environment variable and configuration key |
+//! | [`guide::architecture`] | status, the CUDA contract double, the source layout |
 // Feature badges on docs.rs (nightly rustdoc with `--cfg docsrs`; see `[package.metadata.docs.rs]`).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 //!
@@ -21,6 +42,36 @@
 
 mod alloc;
 mod codec;
+
+/// The guides (`docs/guide/*.md`), one concern each; their examples are tested.
+pub mod guide {
+    #[doc = include_str!("../docs/guide/tensor-library.md")]
+    pub mod tensor_library {}
+    #[doc = include_str!("../docs/guide/streams.md")]
+    pub mod streams {}
+    #[doc = include_str!("../docs/guide/sharing.md")]
+    pub mod sharing {}
+    #[doc = include_str!("../docs/guide/pools-and-graphs.md")]
+    pub mod pools_and_graphs {}
+    #[doc = include_str!("../docs/guide/sleep.md")]
+    pub mod sleep {}
+    #[doc = include_str!("../docs/guide/pinned.md")]
+    pub mod pinned {}
+    #[doc = include_str!("../docs/guide/nixl.md")]
+    pub mod nixl {}
+    #[doc = include_str!("../docs/guide/replay.md")]
+    pub mod replay {}
+    #[doc = include_str!("../docs/guide/configuration.md")]
+    pub mod configuration {}
+    #[doc = include_str!("../docs/guide/architecture.md")]
+    pub mod architecture {}
+}
+
+/// The README's examples, run as doctests (the README is written for the repository's page; the
+/// crate's front page is above).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 mod config;
 mod cow;
 mod driver;

@@ -296,6 +296,39 @@ fn a_kernels_error_fails_its_stream_with_its_message() {
     assert!(err.to_string().contains("found a NaN"), "{err}");
 }
 
+/// A typed kernel's panic was reported as a driver error with the panic's text alone (issue 47):
+/// it is its own kind, naming the kernel's operands, in both the zero-copy and the staged paths.
+#[test]
+fn a_kernels_panic_is_its_own_error_naming_its_operands() {
+    for conf in ["", "stream_order:manual"] {
+        let (rt, _) = runtime(conf);
+        let s = rt.create_stream(0).unwrap();
+        let x = Storage::new_on(&rt, s, 4096).unwrap();
+        let y = Storage::new_on(&rt, s, 64).unwrap();
+        rt.launch_host(
+            s,
+            (x.reads::<f32>(), y.writes::<u32>().elements(2..6)),
+            |(x, _y)| {
+                assert!(x.len() > 4096, "the kernel's own bug");
+                Ok(())
+            },
+        )
+        .unwrap();
+        let err = rt.driver().stream_synchronize(s).unwrap_err();
+        // The stream's sticky error is the kernel's own.
+        let text = format!("{err}");
+        for words in [
+            "a host kernel panicked",
+            "the kernel's own bug",
+            "operand 0: reads 1024 f32 (elements 0..1024) of a 4096-byte storage",
+            "operand 1: writes 4 u32 (elements 2..6) of a 64-byte storage",
+        ] {
+            assert!(text.contains(words), "{conf}: {words:?} not in {text}");
+        }
+        assert_eq!(err.kind(), ErrorKind::KernelPanic, "{conf}: {err:?}");
+    }
+}
+
 #[test]
 fn manual_order_and_shared_memory_are_staged_and_right() {
     // `manual`: the staged path, for a correct program (one stream).

@@ -380,11 +380,59 @@ impl std::fmt::Display for AllocatorConfig {
             "thread_cache_mb: {}",
             or_off(self.thread_cache > 0, (self.thread_cache / MIB).to_string())
         )?;
-        write!(
+        writeln!(
             f,
             "oom_snapshot_path: {}",
             self.oom_snapshot_path.as_deref().unwrap_or("off")
-        )
+        )?;
+        writeln!(
+            f,
+            "max_non_split_rounding_mb: {}",
+            self.max_non_split_rounding / MIB
+        )?;
+        writeln!(f, "backend: native")?;
+        writeln!(
+            f,
+            "pinned_use_cuda_host_register: {}",
+            self.pinned_use_host_register
+        )?;
+        writeln!(
+            f,
+            "pinned_num_register_threads: {}",
+            self.pinned_num_register_threads
+        )?;
+        writeln!(
+            f,
+            "pinned_reserve_segment_size_mb: {}",
+            self.pinned_reserve_segment_size / MIB
+        )?;
+        writeln!(
+            f,
+            "pinned_use_background_threads: {}",
+            self.pinned_use_background_threads
+        )?;
+        let stream_order = match self.stream_order {
+            StreamOrder::Auto => "auto",
+            StreamOrder::Manual => "manual",
+        };
+        writeln!(f, "stream_order: {stream_order}")?;
+        let cross_stream_reuse = match self.cross_stream_reuse {
+            CrossStreamReuse::Off => "off",
+            CrossStreamReuse::Segments => "segments",
+            CrossStreamReuse::Blocks => "blocks",
+        };
+        write!(f, "cross_stream_reuse: {cross_stream_reuse}")
+    }
+}
+
+/// `err`, with a hint when `item` holds a `;`: pairs are separated by `,` (a `;` in the text is
+/// read as part of a value).
+fn with_separator_hint(err: Error, item: &str) -> Error {
+    match err {
+        Error::Config(message) if item.contains(';') => Error::Config(format!(
+            "{message} (pairs are separated by ',', not ';': \"expandable_segments:True,max_split_size_mb:128\")"
+        )),
+        other => other,
     }
 }
 
@@ -414,10 +462,28 @@ impl AllocatorConfig {
             .into_iter()
             .filter(|s| !s.is_empty())
         {
-            let (key, value) = item
-                .split_once(':')
-                .ok_or_else(|| Error::Config(format!("{item:?} is not of the form key:value")))?;
-            keys.push(live::canonical(key).unwrap_or("?"));
+            let (key, value) = item.split_once(':').ok_or_else(|| {
+                with_separator_hint(
+                    Error::Config(format!("{item:?} is not of the form key:value")),
+                    item,
+                )
+            })?;
+            let canonical = live::canonical(key).unwrap_or("?");
+            if canonical != "?" && keys.contains(&canonical) {
+                return Err(Error::Config(format!(
+                    "{canonical} is given twice; give each key once (the last would silently win)"
+                )));
+            }
+            keys.push(canonical);
+            self.apply_one(key, value)
+                .map_err(|err| with_separator_hint(err, item))?;
+        }
+        Ok(keys)
+    }
+
+    /// Sets `key` to `value` (one pair of [`Self::apply`]).
+    fn apply_one(&mut self, key: &str, value: &str) -> Result<()> {
+        {
             match key {
                 "max_split_size_mb" => {
                     let mb: u64 = value.parse().map_err(|_| {
@@ -518,7 +584,7 @@ impl AllocatorConfig {
                 }
             }
         }
-        Ok(keys)
+        Ok(())
     }
 
     /// Reads `CUDALLOC_CONF` (unset or empty: defaults).
@@ -584,6 +650,55 @@ impl AllocatorConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A key given twice was taken silently (the last won); a `;` between pairs was read as
+    /// part of a value with no word of why (issue 47).
+    #[test]
+    fn a_key_given_twice_is_refused_and_a_semicolon_gets_a_hint() {
+        let twice =
+            AllocatorConfig::parse("thread_cache_mb:8,max_split_size_mb:64,thread_cache_mb:4");
+        assert!(
+            twice.is_err_and(|e| e.to_string().contains("thread_cache_mb is given twice")),
+            "a key given twice must be an error naming it"
+        );
+        // PyTorch's alias names the same key.
+        assert!(AllocatorConfig::parse(
+            "pinned_use_host_register:True,pinned_use_cuda_host_register:False"
+        )
+        .is_err());
+        let semicolon = AllocatorConfig::parse("expandable_segments:True;max_split_size_mb:128");
+        assert!(
+            semicolon.is_err_and(|e| e.to_string().contains("separated by ','")),
+            "a ';' between pairs must get the hint"
+        );
+        assert!(AllocatorConfig::parse("expandable_segments:True,max_split_size_mb:128").is_ok());
+    }
+
+    /// `cudalloc info` prints the configuration in force: every key the grammar knows, each
+    /// read back to the same configuration (it left out `stream_order`, `cross_stream_reuse` and
+    /// six more).
+    #[test]
+    fn the_printed_configuration_names_every_key_and_reads_back() {
+        let config = AllocatorConfig::parse(
+            "stream_order:manual,cross_stream_reuse:blocks,thread_cache_mb:8,max_split_size_mb:64,\
+             pinned_num_register_threads:4,per_process_memory_fraction:[*:0.5,1:0.25]",
+        )
+        .unwrap_or_default();
+        let printed = config.to_string();
+        for key in live::KEYS {
+            assert!(
+                printed.lines().any(|l| l.starts_with(&format!("{key}: "))),
+                "{key} missing from:\n{printed}"
+            );
+        }
+        let pairs: Vec<String> = printed
+            .lines()
+            .filter(|l| !l.ends_with(": off") && !l.ends_with(": unlimited"))
+            .map(|l| l.replacen(": ", ":", 1))
+            .collect();
+        let again = AllocatorConfig::parse(&pairs.join(","));
+        assert_eq!(again.ok(), Some(config));
+    }
 
     #[test]
     fn default_stream_choices_parse() {

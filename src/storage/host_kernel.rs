@@ -302,6 +302,33 @@ fn door<const N: usize>(
     Ok(spans)
 }
 
+/// The operands as a kernel's panic names them: `operand 0: reads 1024 f32 (elements 0..1024)
+/// of a 4096-byte storage; …`.
+fn describe<const N: usize>(
+    operands: &[sealed::Operand<'_>; N],
+    spans: &[(u64, u64, usize); N],
+) -> String {
+    let each: Vec<String> = operands
+        .iter()
+        .zip(spans)
+        .enumerate()
+        .map(|(i, (op, &(start, _, count)))| {
+            let verb = match op.kind {
+                AccessKind::Write => "writes",
+                AccessKind::Read => "reads",
+            };
+            let first = start / op.size.max(1) as u64;
+            format!(
+                "operand {i}: {verb} {count} {} (elements {first}..{}) of a {}-byte storage",
+                op.type_name,
+                first + count as u64,
+                op.storage.nbytes()
+            )
+        })
+        .collect();
+    each.join("; ")
+}
+
 /// An error unless `addr` (operand `i`'s first element; an empty operand's is not used) is
 /// aligned for its element type.
 fn aligned(i: usize, op: &sealed::Operand<'_>, addr: DeviceAddr) -> Result<()> {
@@ -382,6 +409,18 @@ macro_rules! host_args_tuple {
                 order::enqueue_ordered(&accesses, stream, |placements| {
                 let (placed, zero_copy) = place(runtime, stream, &operands, &spans, placements)?;
                 let counts = placed.map(|p| p.count);
+                let described = describe(&operands, &spans);
+                // A panic of the kernel is its own error, naming the operands (caught here, on
+                // the stream's thread, before the driver sees it).
+                let run = move |slices: <Self as sealed::Args>::Slices<'_>| -> Result<()> {
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kernel(slices)))
+                        .unwrap_or_else(|panic| {
+                            Err(Error::KernelPanic {
+                                operands: described.clone(),
+                                message: crate::error::panic_message(&*panic),
+                            })
+                        })
+                };
                 let body = move |memory: &mut HostKernelMemory<$n>| -> Result<()> {
                     if zero_copy {
                         let bases = ($( checked_base::<$a::Elem, $n>(memory, $i)?, )+);
@@ -391,13 +430,13 @@ macro_rules! host_args_tuple {
                         // time: the storages ordered every access to them (zero copy only
                         // then, see the module docs), and the door refused a written range
                         // overlapping another operand's.
-                        return kernel(($( unsafe { $a::slice(bases.$i, counts[$i]) }, )+));
+                        return run(($( unsafe { $a::slice(bases.$i, counts[$i]) }, )+));
                     }
                     let mut staged = ($( bytemuck::zeroed_vec::<$a::Elem>(counts[$i]), )+);
                     $( memory.read($i, 0, bytemuck::cast_slice_mut(&mut staged.$i))?; )+
                     // SAFETY: the buffers are this closure's own, aligned for their element type,
                     // `counts[i]` long, and each is borrowed by one slice only.
-                    kernel(($( unsafe { $a::slice(staged.$i.as_mut_ptr(), counts[$i]) }, )+))?;
+                    run(($( unsafe { $a::slice(staged.$i.as_mut_ptr(), counts[$i]) }, )+))?;
                     $( if $a::WRITES {
                         memory.write($i, 0, bytemuck::cast_slice(&staged.$i))?;
                     } )+

@@ -516,6 +516,8 @@ pub(crate) fn test_config(conf: &str) -> cudalloc::AllocatorConfig {
 /// `conf` with the settings of this run added (`expandable_segments:True` in an expandable run).
 pub(crate) fn with_test_settings(conf: &str) -> String {
     match (expandable_run(), conf.is_empty()) {
+        // A key is given once: a suite that sets it keeps its own value.
+        (true, false) if conf.contains("expandable_segments") => conf.to_owned(),
         (false, _) => conf.to_owned(),
         (true, true) => "expandable_segments:True".to_owned(),
         (true, false) => format!("{conf},expandable_segments:True"),

@@ -264,6 +264,13 @@ impl HostStream {
 
     fn check_usable(&self, q: &Queue) -> Result<()> {
         if let Some((failure, error)) = &q.failure {
+            // A typed kernel's panic keeps its kind: the program's bug, not the driver's.
+            if let Some(Error::KernelPanic { operands, message }) = error {
+                return Err(Error::KernelPanic {
+                    operands: operands.clone(),
+                    message: format!("{message} (stream {} failed by it)", self.id),
+                });
+            }
             return Err(Error::Driver {
                 source: error.clone().map(crate::error::Cause::new),
                 backend: "host",
