@@ -48,7 +48,7 @@ CUDALLOC_TEST_EXPANDABLE=1 cargo test --no-fail-fast --test cuda_graphs --test m
 CUDALLOC_SANITIZE=panic cargo test --no-fail-fast --test stream_capture --test cuda_graphs --test graphs_meet -- \
   --test-threads=1
 echo "== cudarc views: a library's own context, stream and kernels on cudalloc storages"
-cargo test --features cudarc --test cudarc_views
+cargo test --features cudarc --test cudarc_views --test kernel_two_backends
 
 echo "== the interplay test on the double (fresh seeds; killed consumers included): 20 s, then 20 s with expandable segments"
 cargo test --test interplay -- --seconds 20

@@ -165,7 +165,7 @@ pub mod registration {
 #[cfg(feature = "cudarc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 pub use storage::views;
-pub use storage::{host_kernel, Storage};
+pub use storage::{host_kernel, kernel, Storage};
 
 /// What the loom models (`loom_tests/`) and the protocol tests reach directly — the protocol
 /// cores, a host stream's gate, the pattern kernels' reference bytes, the IPC wire format's

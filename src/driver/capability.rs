@@ -17,6 +17,7 @@
 
 use std::fmt;
 
+use super::access::Touch;
 use super::capture::{self, CaptureMode, CaptureStatus, GraphExecId, GraphId};
 use super::host_memory::{self, HostAddr};
 use super::{
@@ -133,6 +134,49 @@ pub trait Interop {
     /// The raw handle of `stream` (CUDA: its `CUstream`, 0 for the legacy stream; host: its
     /// number), to hand to a library's own launches.
     fn raw_stream(&self, stream: StreamId) -> Result<u64>;
+    /// Launches `function` — a kernel of a module the caller loaded in the context of `stream`'s
+    /// device (CUDA: its `CUfunction`) — on `stream` with `dims`, `params` as `cuLaunchKernel`
+    /// takes them; `touches` are the byte ranges it reads and writes, which a sanitized driver
+    /// checks (`Runtime::launch` passes its operands). Backends without device code refuse it
+    /// (the host backend runs host bodies: `Runtime::launch`).
+    ///
+    /// # Safety
+    /// `function` must be a live kernel of that context; `params` must point at live values of
+    /// the types and number the kernel declares; what the kernel touches must be memory the
+    /// caller owns and orders on `stream`, all of it in `touches`.
+    unsafe fn launch_function(
+        &self,
+        stream: StreamId,
+        function: u64,
+        dims: LaunchDims,
+        params: &mut [*mut std::ffi::c_void],
+        touches: &[Touch],
+    ) -> Result<()>;
+}
+
+/// A launch's grid and block (CUDA's `gridDim`, `blockDim`) and its dynamic shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchDims {
+    /// Blocks in x, y, z.
+    pub grid: [u32; 3],
+    /// Threads per block in x, y, z.
+    pub block: [u32; 3],
+    /// Bytes of dynamic shared memory per block.
+    pub shared_bytes: u32,
+}
+
+impl LaunchDims {
+    /// A one-dimensional grid of `block` threads per block covering `work` items, at most
+    /// 65,535 blocks (for grid-stride loops): cudarc's `LaunchConfig::for_num_elems` in spirit.
+    pub fn grid_stride(work: u64, block: u32) -> Self {
+        let block = block.max(1);
+        let blocks = work.div_ceil(u64::from(block)).clamp(1, 65_535) as u32;
+        LaunchDims {
+            grid: [blocks, 1, 1],
+            block: [block, 1, 1],
+            shared_bytes: 0,
+        }
+    }
 }
 
 /// Virtual memory (expandable segments). Sizes and offsets are multiples of the granularity.
@@ -314,6 +358,16 @@ impl Interop for Absent {
         Err(self.lacks("stream interop"))
     }
     fn raw_stream(&self, _: StreamId) -> Result<u64> {
+        Err(self.lacks("stream interop"))
+    }
+    unsafe fn launch_function(
+        &self,
+        _: StreamId,
+        _: u64,
+        _: LaunchDims,
+        _: &mut [*mut std::ffi::c_void],
+        _: &[Touch],
+    ) -> Result<()> {
         Err(self.lacks("stream interop"))
     }
 }

@@ -47,6 +47,7 @@
 //! default stream that implicitly serializes with others. The CUDA backend uses non-blocking streams
 //! for the same reason.
 
+pub(crate) mod access;
 pub mod capability;
 pub(crate) mod capture;
 pub(crate) mod cuda;

@@ -485,6 +485,19 @@ impl Interop for SimDriver {
     fn raw_stream(&self, stream: StreamId) -> Result<u64> {
         Self::stream_of(&self.state.lock(), stream).map(|_| stream.0)
     }
+
+    unsafe fn launch_function(
+        &self,
+        _: StreamId,
+        _: u64,
+        _: crate::driver::capability::LaunchDims,
+        _: &mut [*mut std::ffi::c_void],
+        _: &[crate::driver::access::Touch],
+    ) -> Result<()> {
+        Err(Error::invalid(
+            "the simulated device runs no kernels (it replays allocation traces)",
+        ))
+    }
 }
 
 impl VirtualMemory for SimDriver {

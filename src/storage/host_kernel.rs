@@ -122,7 +122,7 @@ struct Placed {
     count: usize,
 }
 
-mod sealed {
+pub(super) mod sealed {
     use std::ops::Range;
 
     use super::{AccessKind, Pod, Reads, Result, Runtime, Storage, StreamId, Writes};
@@ -130,12 +130,12 @@ mod sealed {
     /// What the launch needs of one operand, whatever its type.
     #[derive(Debug)]
     pub struct Operand<'s> {
-        pub(super) storage: &'s Storage,
-        pub(super) elements: Option<Range<usize>>,
-        pub(super) size: usize,
-        pub(super) align: usize,
-        pub(super) type_name: &'static str,
-        pub(super) kind: AccessKind,
+        pub(in crate::storage) storage: &'s Storage,
+        pub(in crate::storage) elements: Option<Range<usize>>,
+        pub(in crate::storage) size: usize,
+        pub(in crate::storage) align: usize,
+        pub(in crate::storage) type_name: &'static str,
+        pub(in crate::storage) kind: AccessKind,
     }
 
     /// One operand of a host kernel: [`Reads`] or [`Writes`].
@@ -163,6 +163,9 @@ mod sealed {
         fn launch<F>(self, runtime: &Runtime, stream: StreamId, kernel: F) -> Result<()>
         where
             F: for<'k> Fn(Self::Slices<'k>) -> Result<()> + Send + Sync + 'static;
+        /// The operands, in the declared order (a device launch's door: `kernel.rs`).
+        #[doc(hidden)]
+        fn operands(&self) -> Vec<Operand<'_>>;
     }
 
     impl<T: Pod> Arg for Reads<'_, T> {
@@ -257,13 +260,14 @@ impl<'s> sealed::Operand<'s> {
 
 /// Checks the operands at the door — before anything is taken or queued — and returns each
 /// one's byte range in its storage and element count.
-fn door<const N: usize>(
+pub(super) fn door(
     runtime: &Runtime,
     stream: StreamId,
-    operands: &[sealed::Operand<'_>; N],
-) -> Result<[(u64, u64, usize); N]> {
+    operands: &[sealed::Operand<'_>],
+) -> Result<Vec<(u64, u64, usize)>> {
     let device = runtime.driver().stream_device(stream)?;
-    let mut spans = [(0u64, 0u64, 0usize); N];
+    let n = operands.len();
+    let mut spans = vec![(0u64, 0u64, 0usize); n];
     for (i, (op, span)) in operands.iter().zip(&mut spans).enumerate() {
         // Another runtime over the same driver is fine (a storage received from one in this
         // process is the sender's own): the stream and the memory are the same driver's.
@@ -286,8 +290,8 @@ fn door<const N: usize>(
             aligned(i, op, op.storage.unordered_data_ptr().offset(span.0)?)?;
         }
     }
-    for i in 0..N {
-        for j in i + 1..N {
+    for i in 0..n {
+        for j in i + 1..n {
             let (a, b) = (&operands[i], &operands[j]);
             let writes = a.kind == AccessKind::Write || b.kind == AccessKind::Write;
             let overlap = spans[i].0 < spans[j].1 && spans[j].0 < spans[i].1;
@@ -304,10 +308,7 @@ fn door<const N: usize>(
 
 /// The operands as a kernel's panic names them: `operand 0: reads 1024 f32 (elements 0..1024)
 /// of a 4096-byte storage; …`.
-fn describe<const N: usize>(
-    operands: &[sealed::Operand<'_>; N],
-    spans: &[(u64, u64, usize); N],
-) -> String {
+pub(super) fn describe(operands: &[sealed::Operand<'_>], spans: &[(u64, u64, usize)]) -> String {
     let each: Vec<String> = operands
         .iter()
         .zip(spans)
@@ -331,7 +332,7 @@ fn describe<const N: usize>(
 
 /// An error unless `addr` (operand `i`'s first element; an empty operand's is not used) is
 /// aligned for its element type.
-fn aligned(i: usize, op: &sealed::Operand<'_>, addr: DeviceAddr) -> Result<()> {
+pub(super) fn aligned(i: usize, op: &sealed::Operand<'_>, addr: DeviceAddr) -> Result<()> {
     if addr.0 == 0 || addr.0.is_multiple_of(op.align as u64) {
         return Ok(());
     }
@@ -348,7 +349,7 @@ fn place<const N: usize>(
     runtime: &Runtime,
     stream: StreamId,
     operands: &[sealed::Operand<'_>; N],
-    spans: &[(u64, u64, usize); N],
+    spans: &[(u64, u64, usize)],
     placements: &[order::Placement],
 ) -> Result<([Placed; N], bool)> {
     let mut placed = [Placed {
@@ -392,6 +393,10 @@ macro_rules! host_args_tuple {
     ($n:literal; $($a:ident $i:tt),+) => {
         impl<$($a: sealed::Arg),+> sealed::Args for ($($a,)+) {
             type Slices<'k> = ($($a::Slice<'k>,)+);
+
+            fn operands(&self) -> Vec<sealed::Operand<'_>> {
+                vec![$(self.$i.operand()),+]
+            }
 
             fn launch<F>(self, runtime: &Runtime, stream: StreamId, kernel: F) -> Result<()>
             where
@@ -481,6 +486,10 @@ macro_rules! host_args_single {
                 F: for<'k> Fn(Self::Slices<'k>) -> Result<()> + Send + Sync + 'static,
             {
                 sealed::Args::launch((self,), runtime, stream, move |(slice,)| kernel(slice))
+            }
+
+            fn operands(&self) -> Vec<sealed::Operand<'_>> {
+                vec![sealed::Arg::operand(self)]
             }
         }
     };

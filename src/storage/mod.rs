@@ -39,6 +39,7 @@
 
 mod copies;
 pub mod host_kernel;
+pub mod kernel;
 mod order;
 mod registry;
 mod sharing;

@@ -503,6 +503,38 @@ impl Interop for CudaDriver {
     fn raw_stream(&self, stream: StreamId) -> Result<u64> {
         Ok(self.streams.get(stream.0)?.raw.0 as usize as u64)
     }
+
+    unsafe fn launch_function(
+        &self,
+        stream: StreamId,
+        function: u64,
+        dims: crate::driver::capability::LaunchDims,
+        params: &mut [*mut c_void],
+        _touches: &[crate::driver::access::Touch],
+    ) -> Result<()> {
+        let entry = self.stream(stream)?;
+        self.bind(entry.device)?;
+        let [gx, gy, gz] = dims.grid;
+        let [bx, by, bz] = dims.block;
+        // SAFETY: the caller guarantees `function` is a live kernel of this device's context
+        // (bound above) and `params` points at values of the types it declares; cuLaunchKernel
+        // copies them before returning.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                function as usize as sys::CUfunction,
+                gx,
+                gy,
+                gz,
+                bx,
+                by,
+                bz,
+                dims.shared_bytes,
+                entry.raw.0,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
 }
 
 impl VirtualMemory for CudaDriver {

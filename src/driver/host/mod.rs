@@ -681,6 +681,19 @@ impl Interop for HostDriver {
         self.stream(stream)?;
         Ok(stream.0)
     }
+
+    unsafe fn launch_function(
+        &self,
+        _: StreamId,
+        _: u64,
+        _: crate::driver::capability::LaunchDims,
+        _: &mut [*mut std::ffi::c_void],
+        _: &[crate::driver::access::Touch],
+    ) -> Result<()> {
+        Err(Error::invalid(
+            "the host backend has no device code: a kernel's host body runs here (Runtime::launch)",
+        ))
+    }
 }
 
 impl VirtualMemory for HostDriver {

@@ -4,9 +4,10 @@
 
 use super::clock::VectorClock;
 use super::report::{AccessReport, HazardKind, HazardReport};
-use super::shadow::{Access, AccessKind, Cell, Free, Taken};
+use super::shadow::{Access, Cell, Free, Taken};
 use super::state::{Actor, Allocation, State};
 use super::Sanitizer;
+use crate::driver::access::AccessKind;
 use crate::driver::{EventId, StreamId};
 use crate::sync::os::{Arc, MutexGuard};
 

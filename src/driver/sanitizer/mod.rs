@@ -140,8 +140,8 @@ thread_local! {
 pub(crate) fn allocators_own<R>(f: impl FnOnce() -> R) -> R {
     with_set(&ALLOCATORS_OWN, true, f)
 }
+pub use crate::driver::access::{AccessKind, Touch};
 pub use report::{AccessReport, HazardKind, HazardReport};
-pub use shadow::AccessKind;
 pub use wrapper::SanitizedDriver;
 
 use self::clock::VectorClock;
@@ -155,38 +155,6 @@ use crate::sync::os::{Arc, Mutex, MutexGuard};
 
 /// The most reports kept (later ones are counted and logged, not kept).
 const MAX_KEPT_REPORTS: usize = 1000;
-
-/// One access of an enqueued operation: bytes `[start, start + len)`, read or written.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Touch {
-    /// First byte address.
-    pub start: u64,
-    /// Bytes (0: nothing).
-    pub len: u64,
-    /// Read or write.
-    pub kind: AccessKind,
-}
-
-impl Touch {
-    /// Reads `len` bytes at `start`.
-    pub fn read(start: u64, len: u64) -> Self {
-        Touch {
-            start,
-            len,
-            kind: AccessKind::Read,
-        }
-    }
-
-    /// Writes `len` bytes at `start`.
-    pub fn write(start: u64, len: u64) -> Self {
-        Touch {
-            start,
-            len,
-            kind: AccessKind::Write,
-        }
-    }
-}
 
 /// The checker; one per driver (see `src/driver/sanitizer/mod.rs`).
 #[derive(Debug)]

@@ -13,26 +13,8 @@
 use std::collections::BTreeMap;
 
 use super::clock::VectorClock;
+use crate::driver::access::AccessKind;
 use crate::sync::os::Arc;
-
-/// Whether an access reads or writes its bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum AccessKind {
-    /// The bytes are read.
-    Read,
-    /// The bytes are written (or read and written).
-    Write,
-}
-
-impl AccessKind {
-    /// `"read"` or `"write"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            AccessKind::Read => "read",
-            AccessKind::Write => "write",
-        }
-    }
-}
 
 /// One access the sanitizer saw: who (actor slot and epoch), what, where.
 #[derive(Debug)]

@@ -5,7 +5,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::clock::VectorClock;
 use super::report::HazardReport;
-use super::shadow::{Access, AccessKind, Free, Shadow, Taken};
+use super::shadow::{Access, Free, Shadow, Taken};
+use crate::driver::access::AccessKind;
 use crate::driver::{EventId, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::os::Arc;

@@ -363,6 +363,24 @@ impl Interop for SanitizedDriver {
     fn raw_stream(&self, stream: StreamId) -> Result<u64> {
         self.inner.interop().raw_stream(stream)
     }
+    unsafe fn launch_function(
+        &self,
+        stream: StreamId,
+        function: u64,
+        dims: crate::driver::capability::LaunchDims,
+        params: &mut [*mut std::ffi::c_void],
+        touches: &[Touch],
+    ) -> Result<()> {
+        // What the kernel touches, as its caller declares it (`Runtime::launch`: the operands).
+        self.checked(stream, "a kernel launch", touches, || {
+            // SAFETY: forwarded; the caller upholds the contract.
+            unsafe {
+                self.inner
+                    .interop()
+                    .launch_function(stream, function, dims, params, touches)
+            }
+        })
+    }
 }
 
 impl VirtualMemory for SanitizedDriver {
