@@ -60,24 +60,23 @@ impl Tensor {
         const SOURCE: &str = r#"extern "C" __global__ void add_scalar(float *x, unsigned long long n, float v) {
             for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] += v;
         }"#;
-        let fail = |e: &dyn std::fmt::Display| Error::InvalidArgument(format!("cudarc: {e}"));
-        let ctx = CudaContext::new(0).map_err(|e| fail(&e))?;
-        let stream = ctx.new_stream().map_err(|e| fail(&e))?;
-        let ptx = cudalloc::cudarc::nvrtc::compile_ptx(SOURCE).map_err(|e| fail(&e))?;
-        let module = ctx.load_module(ptx).map_err(|e| fail(&e))?;
-        let f = module.load_function("add_scalar").map_err(|e| fail(&e))?;
+        // cudarc's driver errors convert into cudalloc's (their code kept): `?` works.
+        let ctx = CudaContext::new(0)?;
+        let stream = ctx.new_stream()?;
+        let ptx = cudalloc::cudarc::nvrtc::compile_ptx(SOURCE)
+            .map_err(|e| Error::InvalidArgument(format!("NVRTC: {e}")))?;
+        let module = ctx.load_module(ptx)?;
+        let f = module.load_function("add_scalar")?;
         let mut view = self.storage.view_mut::<f32>(0..self.len, &stream)?;
         let n = self.len as u64;
         let mut launch = stream.launch_builder(&f);
         launch.arg(&mut view).arg(&n).arg(&value);
         // SAFETY: add_scalar takes (float*, u64, float) and touches `n` floats of the view.
-        unsafe { launch.launch(LaunchConfig::for_num_elems(self.len as u32)) }
-            .map_err(|e| fail(&e))?;
+        unsafe { launch.launch(LaunchConfig::for_num_elems(self.len as u32)) }?;
         // Waited through cudalloc's driver, which the stream sanitizer sees (cudarc's own
-        // `stream.synchronize()` is invisible to it).
+        // `stream.synchronize()` is invisible to it); the stream adopted without `unsafe`.
         let runtime = GLOBAL.get()?;
-        // SAFETY: `stream` is live until the end of this function.
-        let id = unsafe { runtime.import_stream(0, stream.cu_stream() as usize as u64) }?;
+        let id = runtime.adopt_cudarc_stream(0, &stream)?;
         runtime.driver().stream_synchronize(id)
     }
 

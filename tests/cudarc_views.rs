@@ -309,3 +309,33 @@ fn a_cudarc_graph_captures_a_kernel_on_a_storage_allocated_inside_it() {
     }
     drop((graph, out, pool));
 }
+
+/// A cudarc stream adopted without `unsafe` (issue 47): the same id each time, usable at every
+/// door after the library dropped its handle (cudalloc keeps it alive); cudarc's errors become
+/// cudalloc's with their code, so `?` works in a library's cudarc code.
+#[test]
+fn a_cudarc_stream_is_adopted_safely_and_its_errors_convert() {
+    let Some((ctx, stream, runtime)) = library("a_cudarc_stream_is_adopted_safely") else {
+        return;
+    };
+    let id = runtime.adopt_cudarc_stream(0, &stream).unwrap();
+    assert_eq!(runtime.adopt_cudarc_stream(0, &stream).unwrap(), id);
+    drop(stream);
+    let s = Storage::new_on(&runtime, id, MIB).unwrap();
+    let p = s.mutable_data_ptr_on(id).unwrap();
+    // SAFETY: test memory this test owns, ordered on `id` by the door above.
+    unsafe { runtime.driver().kernels().fill_pattern(id, p, MIB, 9) }.unwrap();
+    runtime.driver().stream_synchronize(id).unwrap();
+    assert_eq!(s.count_pattern_mismatches(9).unwrap(), 0);
+    let failing = || -> cudalloc::Result<()> {
+        // A function the module does not have: cudarc's error, through `?`.
+        let source = cudalloc::internals::kernels::SOURCES[0].1;
+        let ptx = nvrtc::compile_ptx(source).unwrap();
+        ctx.load_module(ptx)?.load_function("no_such_kernel")?;
+        Ok(())
+    };
+    let err = failing().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Driver, "{err}");
+    assert!(err.to_string().contains("CUDA_ERROR"), "{err}");
+    assert!(std::error::Error::source(&err).is_some());
+}

@@ -44,18 +44,42 @@ static ADOPTED: PerProcess<Mutex<Option<Adopted>>> = PerProcess::new(|| Mutex::n
 
 /// The cudalloc id of `stream` for `storage`'s runtime, adopting it on first use.
 fn adopt(storage: &Storage, stream: &Arc<CudaStream>) -> Result<StreamId> {
-    let runtime = storage.runtime();
-    let raw = stream.cu_stream() as usize as u64;
-    let mut guard = ADOPTED.lock();
-    let table = guard.get_or_insert_with(HashMap::new);
-    if let Some((_, id)) = table.get(&(runtime.id(), raw)) {
-        return Ok(*id);
+    storage
+        .runtime()
+        .adopt_cudarc_stream(storage.device(), stream)
+}
+
+impl crate::runtime::Runtime {
+    /// The cudalloc id of a cudarc stream of `device`, adopted on first use — safely: cudalloc
+    /// keeps the stream alive (an `Arc` in a process-wide table) as long as the process may use
+    /// the id, so the library can pass the id to any door (`Storage::new_on`, `data_ptr_on`,
+    /// `launch`) and drop its own handle when it likes. The same stream gives the same id.
+    pub fn adopt_cudarc_stream(&self, device: usize, stream: &Arc<CudaStream>) -> Result<StreamId> {
+        let raw = stream.cu_stream() as usize as u64;
+        let mut guard = ADOPTED.lock();
+        let table = guard.get_or_insert_with(HashMap::new);
+        if let Some((_, id)) = table.get(&(self.id(), raw)) {
+            return Ok(*id);
+        }
+        // SAFETY: `raw` is the live stream of `stream`, which the table keeps alive for the life
+        // of the process, so it outlives every use cudalloc makes of the id.
+        let id = unsafe { self.import_stream(device, raw) }?;
+        table.insert((self.id(), raw), (Arc::clone(stream), id));
+        Ok(id)
     }
-    // SAFETY: `raw` is the live stream of `stream`, which the table keeps alive for the life of
-    // the process, so it outlives every use cudalloc makes of the id.
-    let id = unsafe { runtime.import_stream(storage.device(), raw) }?;
-    table.insert((runtime.id(), raw), (Arc::clone(stream), id));
-    Ok(id)
+}
+
+/// cudarc's driver errors keep their code: the error's text names it (`CUDA_ERROR_…`), and the
+/// error itself is the [`source`](std::error::Error::source) (downcast it to read the code).
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(err: cudarc::driver::DriverError) -> Self {
+        Error::Driver {
+            message: format!("{err} (code {})", err.0 as i64),
+            source: Some(crate::error::Cause::new(err)),
+            backend: "cuda",
+            call: "cudarc",
+        }
+    }
 }
 
 /// A `device_ptr(&other)` call on a view of `storage` made for stream `own`, with `bytes` at
