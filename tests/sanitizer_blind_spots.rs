@@ -7,33 +7,20 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use common::{host_driver, no_reports, one_report};
+use common::{no_reports, one_report, sanitized_host_runtime};
 use cudalloc::{
-    backend::HostKernelMemory, backend::HostRange, sanitizer::HazardKind, sanitizer::Sanitize,
-    ErrorKind, Runtime, Storage,
+    backend::HostKernelMemory, backend::HostRange, sanitizer::HazardKind, ErrorKind, Storage,
 };
 
 const ROUNDS: usize = 100;
 const MIB: u64 = 1 << 20;
-
-fn sanitized() -> Arc<Runtime> {
-    Arc::new(
-        Runtime::builder()
-            .sanitize(Sanitize::On(Default::default()))
-            .check_invariants(true)
-            .build(Arc::new(host_driver()))
-            .unwrap(),
-    )
-}
 
 /// Before: a host kernel declaring a 4096-byte write over a 16-byte storage zeroed the tensor
 /// next to it, 0 reports (ranges were checked against the segment). Now the write is refused
 /// before it runs, the report names the allocation, and the neighbour keeps its bytes.
 #[test]
 fn an_access_past_its_allocation_is_reported_and_refused() {
-    let rt = sanitized();
+    let rt = sanitized_host_runtime();
     let host = rt.driver().as_host().unwrap();
     for round in 0..ROUNDS {
         // A report fails its stream (sticky): the bad write goes on a fresh stream `s` that
@@ -96,7 +83,7 @@ fn an_access_past_its_allocation_is_reported_and_refused() {
 /// any pointer may write them.
 #[test]
 fn a_write_into_memory_lazy_clones_share_is_reported() {
-    let rt = sanitized();
+    let rt = sanitized_host_runtime();
     for round in 0..ROUNDS {
         let t = rt.create_stream(0).unwrap();
         let a = common::filled_on(&rt, t, 4096, round as u64);
@@ -150,7 +137,7 @@ fn a_write_into_memory_lazy_clones_share_is_reported() {
 /// through either pointer is never reported.
 #[test]
 fn a_stolen_lazy_clone_owns_its_bytes() {
-    let rt = sanitized();
+    let rt = sanitized_host_runtime();
     let s = rt.create_stream(0).unwrap();
     for round in 0..ROUNDS {
         let a = common::filled_on(&rt, s, MIB, round as u64);
@@ -171,7 +158,7 @@ fn a_stolen_lazy_clone_owns_its_bytes() {
 /// bytes — into memory a lazy clone shares — is the allocator's, and never reported.
 #[test]
 fn after_a_sleep_and_wake_both_checks_hold_and_the_wake_is_not_reported() {
-    let rt = sanitized();
+    let rt = sanitized_host_runtime();
     let v = common::tagged(&rt, "w", &[4096, 4096], 7);
     let c = v[0].lazy_clone().unwrap();
     rt.sleep(&["w"], &[]).unwrap();
@@ -200,7 +187,7 @@ fn after_a_sleep_and_wake_both_checks_hold_and_the_wake_is_not_reported() {
 /// naming the allocator's segment; the live allocation beside it is never reported.
 #[test]
 fn an_access_to_memory_the_allocator_never_handed_out_is_reported() {
-    let rt = sanitized();
+    let rt = sanitized_host_runtime();
     let host = rt.driver().as_host().unwrap();
     for _ in 0..ROUNDS {
         let t = rt.create_stream(0).unwrap();

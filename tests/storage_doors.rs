@@ -13,10 +13,10 @@ mod common;
 use std::sync::Arc;
 
 use common::storage::{clean, ordered_or_manual as runtime};
-use common::{host_driver, one_report};
+use common::{one_report, sanitized_host_runtime};
 use cudalloc::{
-    backend::HostKernelMemory, backend::HostRange, sanitizer::HazardKind, sanitizer::Sanitize,
-    ErrorKind, Runtime, Storage, StreamId,
+    backend::HostKernelMemory, backend::HostRange, sanitizer::HazardKind, ErrorKind, Runtime,
+    Storage, StreamId,
 };
 
 const ROUNDS: u64 = 50;
@@ -53,7 +53,7 @@ fn wrong_rounds(conf: &str, read: impl Fn(&Storage) -> cudalloc::DeviceAddr) -> 
         }
         drop(gate);
         rt.driver().stream_synchronize(b).unwrap();
-        wrong += u64::from(mismatches(&rt, &y, round) != 0);
+        wrong += u64::from(y.count_pattern_mismatches(round).unwrap() != 0);
         // Keep `x` until `b`'s copy is done in every mode (the control's free would not wait).
         drop(x);
     }
@@ -61,18 +61,6 @@ fn wrong_rounds(conf: &str, read: impl Fn(&Storage) -> cudalloc::DeviceAddr) -> 
         clean(&rt);
     }
     wrong
-}
-
-fn mismatches(rt: &Arc<Runtime>, s: &Storage, seed: u64) -> u64 {
-    let stream = rt.create_stream(0).unwrap();
-    let p = s.data_ptr_on(stream).unwrap();
-    // SAFETY: test memory this test owns, ordered on `stream` by the door above.
-    unsafe {
-        rt.driver()
-            .kernels()
-            .count_pattern_mismatches(stream, p, LEN, seed)
-    }
-    .unwrap()
 }
 
 #[test]
@@ -93,16 +81,6 @@ fn the_unordered_address_is_wrong_without_a_wait() {
         ROUNDS,
         "the unordered address, no wait written: every round wrong"
     );
-}
-
-fn sanitized() -> Arc<Runtime> {
-    Arc::new(
-        Runtime::builder()
-            .sanitize(Sanitize::On(Default::default()))
-            .check_invariants(true)
-            .build(Arc::new(host_driver()))
-            .unwrap(),
-    )
 }
 
 /// A raw write of 4 bytes at `offset` into a storage of `asked` bytes (a 512-byte block), on a
@@ -133,7 +111,7 @@ fn raw_write_at(rt: &Arc<Runtime>, asked: u64, offset: u64) -> Option<String> {
 
 #[test]
 fn a_write_past_the_asked_bytes_inside_the_rounding_is_out_of_bounds() {
-    let rt = sanitized();
+    let rt = sanitized_host_runtime();
     // 64 bytes past a 16-byte tensor, inside its 512-byte block: reported and refused.
     let report = raw_write_at(&rt, 16, 64).expect("the write past the tensor was not reported");
     assert!(report.contains("past the end"), "{report}");

@@ -666,3 +666,15 @@ pub(crate) fn no_reports(rt: &cudalloc::Runtime) {
         "correct code was reported: {reports:#?}"
     );
 }
+
+/// A runtime over a fresh host driver with the sanitizer on in report mode and the invariant
+/// scanner: for tests that plant a hazard and read its report.
+pub(crate) fn sanitized_host_runtime() -> Arc<cudalloc::Runtime> {
+    Arc::new(
+        cudalloc::Runtime::builder()
+            .sanitize(cudalloc::sanitizer::Sanitize::On(Default::default()))
+            .check_invariants(true)
+            .build(Arc::new(host_driver()))
+            .unwrap(),
+    )
+}
