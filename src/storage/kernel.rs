@@ -1,5 +1,5 @@
 //! One kernel, two backends: a library declares a kernel once — its operands (storages read and
-//! written, their element types and ranges: [`Storage::reads`], [`Storage::writes`]), a host body
+//! written, their element types and ranges: [`Storage::reads`](crate::Storage::reads), [`Storage::writes`](crate::Storage::writes)), a host body
 //! and a CUDA body — and [`Runtime::launch`] is the one door that orders, checks, tells the
 //! sanitizer and launches on whichever backend the runtime runs. The same test of a library op
 //! runs on the host backend (the host body) and on CUDA (the CUDA body; on the contract double
