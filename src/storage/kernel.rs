@@ -21,7 +21,8 @@
 //! | a kernel without a body for the backend | — | an error naming the kernel |
 //!
 //! A CUDA body is a function of a module loaded in the device's context (with feature `cudarc`,
-//! a cudarc `CudaFunction`, whose module it keeps alive). Declaring it is `unsafe`
+//! a cudarc `CudaFunction`, whose module it keeps alive: `CudaBody::new`, in `views.rs` with
+//! the crate's other cudarc glue). Declaring it is `unsafe`
 //! ([`Kernel::with_cuda`]): its parameters must be the kernel's, in order and types, and it must
 //! touch nothing but its operands' ranges — what the door checks and the sanitizer sees.
 
@@ -133,13 +134,6 @@ impl std::fmt::Debug for CudaBody {
 }
 
 impl CudaBody {
-    /// The body of a cudarc function (its module stays loaded while the body lives).
-    #[cfg(feature = "cudarc")]
-    pub fn new(function: cudarc::driver::CudaFunction) -> Self {
-        let raw = function.cu_function() as usize as u64;
-        Self::with_function(raw, Some(Box::new(function)))
-    }
-
     /// The body of a raw `CUfunction`, with what keeps its module loaded.
     ///
     /// # Safety
@@ -148,7 +142,7 @@ impl CudaBody {
         Self::with_function(function, Some(Box::new(keep)))
     }
 
-    fn with_function(function: u64, keep: Option<Box<dyn Any + Send + Sync>>) -> Self {
+    pub(super) fn with_function(function: u64, keep: Option<Box<dyn Any + Send + Sync>>) -> Self {
         CudaBody {
             function,
             _keep: keep,

@@ -69,6 +69,14 @@ impl crate::runtime::Runtime {
     }
 }
 
+impl super::kernel::CudaBody {
+    /// The body of a cudarc function (its module stays loaded while the body lives).
+    pub fn new(function: cudarc::driver::CudaFunction) -> Self {
+        let raw = function.cu_function() as usize as u64;
+        Self::with_function(raw, Some(Box::new(function)))
+    }
+}
+
 /// cudarc's driver errors keep their code: the error's text names it (`CUDA_ERROR_…`), and the
 /// error itself is the [`source`](std::error::Error::source) (downcast it to read the code).
 impl From<cudarc::driver::DriverError> for Error {
