@@ -314,7 +314,7 @@ fn a_cudarc_graph_captures_a_kernel_on_a_storage_allocated_inside_it() {
 /// door after the library dropped its handle (cudalloc keeps it alive); cudarc's errors become
 /// cudalloc's with their code, so `?` works in a library's cudarc code.
 #[test]
-fn a_cudarc_stream_is_adopted_safely_and_its_errors_convert() {
+fn a_cudarc_stream_is_adopted_without_unsafe() {
     let Some((ctx, stream, runtime)) = library("a_cudarc_stream_is_adopted_safely") else {
         return;
     };

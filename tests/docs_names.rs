@@ -148,7 +148,7 @@ fn mentions(span: &str) -> (Vec<String>, Vec<String>) {
 }
 
 #[test]
-fn every_api_name_the_documents_speak_of_exists() {
+fn every_api_name_in_the_docs_exists() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let (pairs, names) = public_names();
     let mut documents = vec![root.join("README.md")];

@@ -65,7 +65,7 @@ fn runtime(conf: &str, sanitize: Sanitize) -> Arc<Runtime> {
 }
 
 #[test]
-fn one_declaration_runs_on_the_backend_of_the_runtime() {
+fn one_kernel_runs_on_the_host_and_on_the_cuda_double() {
     let _device = device_shared();
     let rt = runtime("", Sanitize::On(SanitizeOptions::report()));
     let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());

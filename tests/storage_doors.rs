@@ -64,7 +64,7 @@ fn wrong_rounds(conf: &str, read: impl Fn(&Storage) -> cudalloc::DeviceAddr) -> 
 }
 
 #[test]
-fn data_ptr_is_ordered_on_the_current_stream() {
+fn the_first_pointer_a_user_takes_is_ordered() {
     assert_eq!(
         wrong_rounds("", |x| x.data_ptr().unwrap()),
         0,
@@ -118,4 +118,63 @@ fn a_write_past_the_asked_bytes_inside_the_rounding_is_out_of_bounds() {
     // The last 4 bytes of what was asked: no report.
     assert_eq!(raw_write_at(&rt, 16, 12), None);
     assert_eq!(raw_write_at(&rt, 512, 508), None);
+}
+
+/// A stream id is good only with the runtime that made it: another runtime's id — the same
+/// number as one of this runtime's streams — is refused by every door that takes a stream, the
+/// error naming both runtimes' drivers, and leaves nothing behind. Before, runtime `b`'s stream
+/// ran as runtime `a`'s stream of the same number, silently.
+#[test]
+fn another_runtimes_stream_is_refused() {
+    let (a, _) = runtime("");
+    let (b, _) = runtime("");
+    let (ours, theirs) = (a.create_stream(0).unwrap(), b.create_stream(0).unwrap());
+    assert_ne!(ours, theirs, "ids of two runtimes differ");
+    let x = Storage::new(&a, 0, 4096).unwrap();
+    let named = |what: &str, err: cudalloc::Error| {
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{what}: {err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("another runtime's driver") && text.matches("driver #").count() == 2,
+            "{what}: {text}"
+        );
+    };
+    named("allocate_on", a.allocate_on(theirs, 512).unwrap_err());
+    named(
+        "Storage::new_on",
+        Storage::new_on(&a, theirs, 512).unwrap_err(),
+    );
+    named(
+        "set_current_stream",
+        a.set_current_stream(theirs).err().unwrap(),
+    );
+    named(
+        "set_default_stream",
+        a.set_default_stream(theirs).unwrap_err(),
+    );
+    named("destroy_stream", a.destroy_stream(theirs).unwrap_err());
+    named("raw_stream", a.raw_stream(theirs).unwrap_err());
+    named("synchronize", a.synchronize(theirs).unwrap_err());
+    named("wait_stream", a.wait_stream(ours, theirs).unwrap_err());
+    named("record_event", a.record_event(theirs).unwrap_err());
+    named("data_ptr_on", x.data_ptr_on(theirs).unwrap_err());
+    named(
+        "mutable_data_ptr_on",
+        x.mutable_data_ptr_on(theirs).unwrap_err(),
+    );
+    named("record_stream", x.record_stream(theirs).unwrap_err());
+    named(
+        "copy_from_host",
+        x.copy_from_host(theirs, 0, &[1; 16]).unwrap_err(),
+    );
+    named(
+        "copy_to_host",
+        x.copy_to_host(theirs, 0, &mut [0; 16]).unwrap_err(),
+    );
+    // Nothing was allocated or kept for it; `a`'s own stream of the same number is untouched.
+    let stats = a.memory_stats(0).unwrap();
+    assert_eq!(stats.allocation.all.allocated, 1, "{stats:?}");
+    x.copy_from_host(ours, 0, &[7; 16]).unwrap();
+    a.synchronize(ours).unwrap();
+    b.synchronize(theirs).unwrap();
 }

@@ -299,7 +299,7 @@ fn a_kernels_error_fails_its_stream_with_its_message() {
 /// A typed kernel's panic was reported as a driver error with the panic's text alone (issue 47):
 /// it is its own kind, naming the kernel's operands, in both the zero-copy and the staged paths.
 #[test]
-fn a_kernels_panic_is_its_own_error_naming_its_operands() {
+fn a_kernel_panic_is_a_kernel_error() {
     for conf in ["", "stream_order:manual"] {
         let (rt, _) = runtime(conf);
         let s = rt.create_stream(0).unwrap();

@@ -111,36 +111,92 @@ pub struct ExportedChunk {
     pub offset: u64,
 }
 
-/// An opaque stream id handed out by a [`Driver`]. It carries its device (bits 48..64) so the
-/// allocator finds a stream's device without asking the driver.
+/// An opaque stream id handed out by a [`Driver`]. It carries the driver that made it (bits
+/// 48..64, a number per driver in this process) and its device (bits 36..48), so the allocator
+/// finds a stream's device without asking the driver, and a stream of another runtime's driver is
+/// refused by name instead of running on this runtime's stream of the same number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct StreamId(pub(crate) u64);
 
-/// Bits of a [`StreamId`] below its device.
-const STREAM_DEVICE_SHIFT: u32 = 48;
+/// Bits of a [`StreamId`] below its device (the driver's stream number).
+const STREAM_DEVICE_SHIFT: u32 = 36;
+/// Bits of a [`StreamId`] below its driver.
+const STREAM_DRIVER_SHIFT: u32 = 48;
 
 impl StreamId {
-    /// The id of a driver's stream number `serial` on `device` (drivers only).
-    pub(crate) fn new(device: usize, serial: u64) -> Result<StreamId> {
+    /// The id of stream number `serial` on `device` made by the driver `driver` (drivers only).
+    pub(crate) fn new(driver: DriverTag, device: usize, serial: u64) -> Result<StreamId> {
         let device = u64::try_from(device)
             .ok()
-            .filter(|&d| d < 1 << (64 - STREAM_DEVICE_SHIFT))
+            .filter(|&d| d < 1 << (STREAM_DRIVER_SHIFT - STREAM_DEVICE_SHIFT))
             .ok_or_else(|| crate::Error::invalid(format!("device ordinal {device} too large")))?;
         if serial >= 1 << STREAM_DEVICE_SHIFT {
             return Err(crate::Error::invalid("stream numbers exhausted"));
         }
-        Ok(StreamId((device << STREAM_DEVICE_SHIFT) | serial))
+        Ok(StreamId(
+            (u64::from(driver.0) << STREAM_DRIVER_SHIFT) | (device << STREAM_DEVICE_SHIFT) | serial,
+        ))
     }
 
     /// The device the stream belongs to (no driver call; the driver still validates the stream
     /// whenever it is used).
     pub fn device(self) -> usize {
-        (self.0 >> STREAM_DEVICE_SHIFT) as usize
+        ((self.0 >> STREAM_DEVICE_SHIFT) & ((1 << (STREAM_DRIVER_SHIFT - STREAM_DEVICE_SHIFT)) - 1))
+            as usize
+    }
+
+    /// The stream's number among its driver's streams (for names in reports).
+    pub(crate) fn serial(self) -> u64 {
+        self.0 & ((1 << STREAM_DEVICE_SHIFT) - 1)
+    }
+
+    /// The driver that made the stream.
+    pub(crate) fn driver(self) -> DriverTag {
+        DriverTag((self.0 >> STREAM_DRIVER_SHIFT) as u16)
+    }
+
+    /// The error for a stream `mine` does not know: one naming both drivers when another driver
+    /// made it, else `unknown` (destroyed, or never made).
+    pub(crate) fn unknown_to(
+        self,
+        mine: DriverTag,
+        unknown: impl FnOnce() -> crate::Error,
+    ) -> crate::Error {
+        let theirs = self.driver();
+        if theirs == mine {
+            return unknown();
+        }
+        crate::Error::invalid(format!(
+            "stream {} of device {} belongs to another runtime's driver (driver #{}), not to this \
+             runtime's (driver #{}): streams are used with the runtime that made or imported them",
+            self.serial(),
+            self.device(),
+            theirs.0,
+            mine.0
+        ))
     }
 
     /// The raw id, for logs and snapshots.
     pub fn raw(self) -> u64 {
         self.0
+    }
+}
+
+/// A driver's number in this process, carried by each of its [`StreamId`]s: numbers 1 to 65,534
+/// in order of creation, then again from 1 (two drivers 65,534 creations apart share one, and
+/// only they are not told apart).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DriverTag(u16);
+
+impl DriverTag {
+    /// The next driver's number.
+    pub(crate) fn fresh() -> DriverTag {
+        use crate::sync::os::atomic::{AtomicU32, Ordering};
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        // 1..=0xFFFE: never 0 (no driver) nor 0xFFFF (so no id is `u64::MAX`, the allocator's
+        // "no stream").
+        DriverTag((n % 0xFFFE) as u16 + 1)
     }
 }
 

@@ -10,25 +10,42 @@
 
 use rustc_hash::FxHashMap;
 
+use super::{DriverTag, StreamId};
 use crate::error::{Error, Result};
 use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::RwLock;
 
-/// A driver's id counter (ids start at 1).
+/// A driver's id counter (ids start at 1) and the driver's number its stream ids carry.
 #[derive(Debug)]
-pub(crate) struct IdCounter(AtomicU64);
+pub(crate) struct IdCounter {
+    next: AtomicU64,
+    driver: DriverTag,
+}
 
 impl Default for IdCounter {
     fn default() -> Self {
-        IdCounter(AtomicU64::new(1))
+        IdCounter {
+            next: AtomicU64::new(1),
+            driver: DriverTag::fresh(),
+        }
     }
 }
 
 impl IdCounter {
     /// A number never handed out before by this counter.
     pub(crate) fn fresh(&self) -> u64 {
-        self.0.fetch_add(1, Ordering::Relaxed)
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A stream id on `device` never handed out before by this driver.
+    pub(crate) fn stream(&self, device: usize) -> Result<StreamId> {
+        StreamId::new(self.driver, device, self.fresh())
+    }
+
+    /// The driver's number.
+    pub(crate) fn driver(&self) -> DriverTag {
+        self.driver
     }
 }
 
@@ -36,6 +53,9 @@ impl IdCounter {
 #[derive(Debug)]
 pub(crate) struct Registry<T> {
     what: &'static str,
+    /// For a table of streams: the driver whose stream ids it keeps (to name another driver's
+    /// stream in the error).
+    driver: Option<DriverTag>,
     /// Fx-hashed: the keys are this driver's own counter values, and a lookup (every stream and
     /// event call) is on the hot path; SipHash cost ~150 instructions a lookup.
     entries: RwLock<FxHashMap<u64, T>>,
@@ -47,8 +67,17 @@ impl<T: Clone> Registry<T> {
     pub(crate) fn new(what: &'static str) -> Self {
         Registry {
             what,
+            driver: None,
             entries: RwLock::new(FxHashMap::default()),
             birth: Birth::now(),
+        }
+    }
+
+    /// An empty table of `driver`'s streams.
+    pub(crate) fn of_streams(driver: DriverTag) -> Self {
+        Registry {
+            driver: Some(driver),
+            ..Registry::new("stream")
         }
     }
 
@@ -62,10 +91,16 @@ impl<T: Clone> Registry<T> {
     }
 
     fn unknown(&self, id: u64) -> Error {
-        Error::invalid(format!(
-            "{} {id} was not created by this driver or was destroyed",
-            self.what
-        ))
+        let unknown = || {
+            Error::invalid(format!(
+                "{} {id} was not created by this driver or was destroyed",
+                self.what
+            ))
+        };
+        match self.driver {
+            Some(mine) => StreamId(id).unknown_to(mine, unknown),
+            None => unknown(),
+        }
     }
 
     /// Adds `value` under `id`.

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::vm_space::VmSpace;
 use super::{
-    ranges, Backend, ChunkId, DeviceAddr, Driver, EventFlags, EventId, IpcEventHandle,
+    ranges, Backend, ChunkId, DeviceAddr, Driver, DriverTag, EventFlags, EventId, IpcEventHandle,
     IpcMemHandle, MemInfo, OpenedSegment, StreamId,
 };
 use crate::driver::{Interop, Ipc, Kernels, VirtualMemory};
@@ -56,6 +56,8 @@ struct State {
 pub struct SimDriver {
     capacity: u64,
     devices: usize,
+    /// The driver's number its stream ids carry.
+    driver: DriverTag,
     state: Mutex<State>,
 }
 
@@ -81,12 +83,14 @@ impl SimDriver {
         // Device `d`'s default stream is number `d + 1` of that device; fresh numbers come after
         // them. Every stream id carries its device's bits (`StreamId::new`), as on the other
         // backends, so the allocator finds a stream's device without asking.
+        let driver = DriverTag::fresh();
         let streams = (0..devices)
-            .map(|d| Ok((Self::default_id(d)?.0, d)))
+            .map(|d| Ok((Self::default_id(driver, d)?.0, d)))
             .collect::<Result<_>>()?;
         Ok(SimDriver {
             capacity,
             devices,
+            driver,
             state: Mutex::new(State {
                 next_address: FIRST_ADDRESS,
                 next_id: devices as u64,
@@ -98,8 +102,8 @@ impl SimDriver {
     }
 
     /// The id of `device`'s default stream.
-    fn default_id(device: usize) -> Result<StreamId> {
-        StreamId::new(device, device as u64 + 1)
+    fn default_id(driver: DriverTag, device: usize) -> Result<StreamId> {
+        StreamId::new(driver, device, device as u64 + 1)
     }
 
     fn check_device(&self, device: usize) -> Result<()> {
@@ -154,12 +158,14 @@ impl SimDriver {
         st.next_id
     }
 
-    fn stream_of(st: &State, stream: StreamId) -> Result<usize> {
+    fn stream_of(&self, st: &State, stream: StreamId) -> Result<usize> {
         st.streams.get(&stream.0).copied().ok_or_else(|| {
-            Error::invalid(format!(
-                "stream {} was not created by this driver or was destroyed",
-                stream.0
-            ))
+            stream.unknown_to(self.driver, || {
+                Error::invalid(format!(
+                    "stream {} was not created by this driver or was destroyed",
+                    stream.0
+                ))
+            })
         })
     }
 
@@ -177,7 +183,7 @@ impl SimDriver {
     /// Checks that work on `stream` may name `[ptr, ptr + len)`.
     fn check_range(&self, stream: StreamId, ptr: DeviceAddr, len: u64) -> Result<()> {
         let st = self.state.lock();
-        Self::stream_of(&st, stream)?;
+        self.stream_of(&st, stream)?;
         if st.vm.contains(ptr.0, len) {
             return st.vm.covered(ptr, len);
         }
@@ -333,19 +339,19 @@ impl Driver for SimDriver {
 
     fn default_stream(&self, device: usize) -> Result<StreamId> {
         self.check_device(device)?;
-        Self::default_id(device)
+        Self::default_id(self.driver, device)
     }
 
     fn stream_create(&self, device: usize) -> Result<StreamId> {
         self.check_device(device)?;
         let mut st = self.state.lock();
-        let id = StreamId::new(device, Self::fresh_id(&mut st))?;
+        let id = StreamId::new(self.driver, device, Self::fresh_id(&mut st))?;
         st.streams.insert(id.0, device);
         Ok(id)
     }
 
     fn stream_destroy(&self, stream: StreamId) -> Result<()> {
-        if Self::default_id(stream.device()).is_ok_and(|d| d == stream) {
+        if Self::default_id(self.driver, stream.device()).is_ok_and(|d| d == stream) {
             return Err(Error::invalid("the default stream cannot be destroyed"));
         }
         let mut st = self.state.lock();
@@ -358,15 +364,15 @@ impl Driver for SimDriver {
     }
 
     fn stream_synchronize(&self, stream: StreamId) -> Result<()> {
-        Self::stream_of(&self.state.lock(), stream).map(|_| ())
+        self.stream_of(&self.state.lock(), stream).map(|_| ())
     }
 
     fn stream_query(&self, stream: StreamId) -> Result<bool> {
-        Self::stream_of(&self.state.lock(), stream).map(|_| true)
+        self.stream_of(&self.state.lock(), stream).map(|_| true)
     }
 
     fn stream_device(&self, stream: StreamId) -> Result<usize> {
-        Self::stream_of(&self.state.lock(), stream)
+        self.stream_of(&self.state.lock(), stream)
     }
 
     fn event_create(&self, device: usize, _flags: EventFlags) -> Result<EventId> {
@@ -387,7 +393,7 @@ impl Driver for SimDriver {
     fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
         let st = self.state.lock();
         Self::event_known(&st, event)?;
-        Self::stream_of(&st, stream).map(|_| ())
+        self.stream_of(&st, stream).map(|_| ())
     }
 
     fn event_query(&self, event: EventId) -> Result<bool> {
@@ -401,7 +407,7 @@ impl Driver for SimDriver {
     fn stream_wait_event(&self, stream: StreamId, event: EventId) -> Result<()> {
         let st = self.state.lock();
         Self::event_known(&st, event)?;
-        Self::stream_of(&st, stream).map(|_| ())
+        self.stream_of(&st, stream).map(|_| ())
     }
 
     unsafe fn copy_host_to_device(
@@ -466,7 +472,7 @@ impl Kernels for SimDriver {
     }
 
     fn sleep(&self, stream: StreamId, _micros: u64) -> Result<()> {
-        Self::stream_of(&self.state.lock(), stream).map(|_| ())
+        self.stream_of(&self.state.lock(), stream).map(|_| ())
     }
 }
 
@@ -483,7 +489,7 @@ impl Interop for SimDriver {
     }
 
     fn raw_stream(&self, stream: StreamId) -> Result<u64> {
-        Self::stream_of(&self.state.lock(), stream).map(|_| stream.0)
+        self.stream_of(&self.state.lock(), stream).map(|_| stream.0)
     }
 
     unsafe fn launch_function(

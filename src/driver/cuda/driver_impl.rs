@@ -190,7 +190,7 @@ impl Driver for CudaDriver {
         check("cuStreamCreate", unsafe {
             sys::cuStreamCreate(&mut raw, flags)
         })?;
-        let id = StreamId::new(device, self.fresh_id())?;
+        let id = self.ids.stream(device)?;
         self.streams.insert(
             id.0,
             StreamEntry {
@@ -490,7 +490,7 @@ impl Interop for CudaDriver {
         // imported one, which `stream_destroy` only forgets.
         let id = self.streams.find_or_insert(
             |entry| entry.borrowed && entry.device == device && entry.raw.0 == handle,
-            || Ok(StreamId::new(device, self.fresh_id())?.0),
+            || Ok(self.ids.stream(device)?.0),
             || StreamEntry {
                 device,
                 raw: StreamHandle(handle),

@@ -268,10 +268,12 @@ impl CudaDriver {
                 "the CUDA driver reports no devices".into(),
             ));
         }
+        let ids = IdCounter::default();
+        let driver_tag = ids.driver();
         let mut driver = CudaDriver {
             devices: Vec::new(),
-            ids: IdCounter::default(),
-            streams: Registry::new("stream"),
+            ids,
+            streams: Registry::of_streams(driver_tag),
             events: Registry::new("event"),
             segments: RwLock::new(BTreeMap::new()),
             opened_handles: Mutex::new(HashSet::new()),
@@ -308,7 +310,7 @@ impl CudaDriver {
         // The default stream is the legacy NULL stream (a null CUstream), as for PyTorch and candle:
         // work a library launches without naming a stream is ordered with it.
         for device in 0..driver.devices.len() {
-            let id = StreamId::new(device, driver.fresh_id())?;
+            let id = driver.ids.stream(device)?;
             driver.streams.insert(
                 id.0,
                 StreamEntry {

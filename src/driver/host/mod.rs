@@ -111,14 +111,16 @@ impl HostDriver {
     }
 
     fn with_config(config: HostDriverBuilder) -> Result<Self> {
+        let ids = IdCounter::default();
+        let driver_tag = ids.driver();
         let mut driver = HostDriver {
             pid: std::process::id(),
             birth: Birth::now(),
             nonce: shm::random_u64(),
             used: (0..config.devices).map(|_| AtomicU64::new(0)).collect(),
-            ids: IdCounter::default(),
+            ids,
             segments: SegmentTable::default(),
-            streams: Registry::new("stream"),
+            streams: Registry::of_streams(driver_tag),
             chunks: Registry::new("chunk"),
             default_streams: Vec::new(),
             events: Registry::new("event"),
@@ -462,7 +464,7 @@ impl Driver for HostDriver {
     fn stream_create(&self, device: usize) -> Result<StreamId> {
         self.this_process()?;
         self.check_device(device)?;
-        let id = StreamId::new(device, self.fresh_id())?;
+        let id = self.ids.stream(device)?;
         let stream = HostStream::spawn(device, id.0)?;
         self.streams.insert(id.0, stream);
         Ok(id)

@@ -70,7 +70,7 @@ impl State {
             return slot;
         }
         let slot = self.actors.len();
-        let serial = stream.raw() & ((1 << 48) - 1);
+        let serial = stream.serial();
         self.actors.push(Actor {
             clock: VectorClock::default(),
             name: format!("stream {serial} of device {}", stream.device()),
