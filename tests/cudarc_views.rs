@@ -339,3 +339,33 @@ fn a_cudarc_stream_is_adopted_without_unsafe() {
     assert!(err.to_string().contains("CUDA_ERROR"), "{err}");
     assert!(std::error::Error::source(&err).is_some());
 }
+
+/// A view's ordering of another stream that fails is an error, not a log line: `device_ptr`
+/// (cudarc's trait, which cannot fail) keeps it for the view's `ordered()`, and the host waits for
+/// the view's stream instead so the launch on the other stream still follows the view's work.
+/// Provoked here by a stream of another device's context, which cudalloc cannot adopt for a
+/// storage of device 0 (a peer launch).
+#[test]
+fn a_views_ordering_failure_is_an_error() {
+    let Some((_ctx, stream, runtime)) = library("a_views_ordering_failure") else {
+        return;
+    };
+    use cudalloc::cudarc::driver::DevicePtr;
+    if runtime.device_count() < 2 {
+        println!("a_views_ordering_failure_is_an_error: skipped: one device");
+        return;
+    }
+    let peer = CudaContext::new(1).unwrap();
+    let other = peer.new_stream().unwrap();
+    let s = Storage::new(&runtime, 0, MIB).unwrap();
+    let view = s.view::<u8>(0..MIB as usize, &stream).unwrap();
+    view.ordered().unwrap();
+    drop(view.device_ptr(&other));
+    let err = view.ordered().unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("could not order another stream") && text.contains("context"),
+        "{text}"
+    );
+    view.ordered().expect("the failure is returned once");
+}

@@ -8,7 +8,7 @@
 //! |------|--------------|
 //! | `storage.view::<T>(range, &stream)` | bounds and alignment checked; the stream is adopted by cudalloc (`import_stream`, once per stream) and *recorded* for the storage — its free waits for work queued on that stream, as `record_stream` does — with no event per view |
 //! | `storage.view_mut::<T>(..)` | the same, after the copy-on-write step (`mutable_data_ptr_on` the view's stream: a private copy is queued there, before the kernel), which can fail (out of memory) and then leaves the storage unchanged |
-//! | `device_ptr(&other_stream)` | `other_stream` waits for the view's stream (an event, as cudarc's own slices order their streams) and is recorded too |
+//! | `device_ptr(&other_stream)` | `other_stream` waits for the view's stream (an event, as cudarc's own slices order their streams) and is recorded too; if that fails (the trait cannot return it) the host waits for the view's stream instead and the view's `ordered()` returns the error |
 //!
 //! With the stream sanitizer on, a view is an access on its stream (read for `view`, write for
 //! `view_mut`) taken when the view is made: make views right before the launch, after any waits.
@@ -92,13 +92,16 @@ impl From<cudarc::driver::DriverError> for Error {
 
 /// A `device_ptr(&other)` call on a view of `storage` made for stream `own`, with `bytes` at
 /// `ptr`: as cudarc's own slices do, `other` is ordered after the view's stream (an event), and
-/// recorded for the storage (its free waits for `other` too). Failures are logged: the trait
-/// cannot return them.
+/// recorded for the storage (its free waits for `other` too). The trait cannot return a failure:
+/// it is kept in the view (`failed`, returned by the view's `ordered()`), and `other` is ordered
+/// after the view's stream the one way left — the host waits for the view's stream — so the
+/// launch on `other` still follows the view's work.
 fn order_other_stream(
     storage: &Storage,
     own: StreamId,
     other: &CudaStream,
     touch: crate::driver::sanitizer::Touch,
+    failed: &Mutex<Option<Error>>,
 ) {
     let raw = other.cu_stream() as usize as u64;
     let runtime = storage.runtime();
@@ -117,8 +120,18 @@ fn order_other_stream(
         storage.record_stream(id)?;
         note_access(storage, id, touch)
     });
-    if let Err(err) = ordered {
-        tracing::warn!(%err, "ordering a view's other stream failed");
+    let Err(err) = ordered else { return };
+    tracing::warn!(%err, "ordering a view's other stream failed: the host waits for the view's stream");
+    if let Err(sync) = storage.runtime().driver().stream_synchronize(own) {
+        tracing::error!(%sync, "waiting for a view's stream on the host failed too");
+    }
+    let mut slot = failed.lock();
+    if slot.is_none() {
+        *slot = Some(Error::invalid(format!(
+            "a view could not order another stream (CUstream {raw:#x}) after its own: {err}; \
+             the host waited for the view's stream instead, and the storage's free may not \
+             wait for that stream: synchronize it before the storage is dropped"
+        )));
     }
 }
 
@@ -169,6 +182,8 @@ pub struct StorageView<'a, T> {
     len: usize,
     stream: Arc<CudaStream>,
     id: StreamId,
+    /// The first failure to order another stream (see `order_other_stream`), until taken.
+    failed: Mutex<Option<Error>>,
     _elements: PhantomData<*const T>,
 }
 
@@ -180,6 +195,8 @@ pub struct StorageViewMut<'a, T> {
     len: usize,
     stream: Arc<CudaStream>,
     id: StreamId,
+    /// The first failure to order another stream (see `order_other_stream`), until taken.
+    failed: Mutex<Option<Error>>,
     _elements: PhantomData<*mut T>,
 }
 
@@ -205,6 +222,7 @@ impl Storage {
             len,
             stream: Arc::clone(stream),
             id,
+            failed: Mutex::new(None),
             _elements: PhantomData,
         })
     }
@@ -232,6 +250,7 @@ impl Storage {
             len,
             stream: Arc::clone(stream),
             id,
+            failed: Mutex::new(None),
             _elements: PhantomData,
         })
     }
@@ -265,9 +284,30 @@ macro_rules! view_traits {
             ) -> (sys::CUdeviceptr, SyncOnDrop<'s>) {
                 if stream.cu_stream() != self.stream.cu_stream() {
                     let touch = touch_of::<T>(self.ptr, self.len, $write);
-                    order_other_stream(self.storage, self.id, stream, touch);
+                    order_other_stream(self.storage, self.id, stream, touch, &self.failed);
                 }
                 (self.ptr, SyncOnDrop::Sync(None))
+            }
+        }
+
+        impl<T> $view<'_, T> {
+            /// `Err` with the first failure to order another stream this view was launched on
+            /// (`device_ptr(&other)`, which cannot return it), taken: the host waited for the
+            /// view's stream instead, so the launch still followed the view's work, but the
+            /// storage's free may not wait for that stream. `Ok` when every ordering held.
+            pub fn ordered(&self) -> Result<()> {
+                match self.failed.lock().take() {
+                    Some(err) => Err(err),
+                    None => Ok(()),
+                }
+            }
+        }
+
+        impl<T> Drop for $view<'_, T> {
+            fn drop(&mut self) {
+                if let Some(err) = self.failed.get_mut().take() {
+                    tracing::error!(%err, "a view's ordering failure was never asked for (`ordered()`)");
+                }
             }
         }
 
@@ -292,7 +332,7 @@ impl<T> DevicePtrMut<T> for StorageViewMut<'_, T> {
     ) -> (sys::CUdeviceptr, SyncOnDrop<'s>) {
         if stream.cu_stream() != self.stream.cu_stream() {
             let touch = touch_of::<T>(self.ptr, self.len, true);
-            order_other_stream(self.storage, self.id, stream, touch);
+            order_other_stream(self.storage, self.id, stream, touch, &self.failed);
         }
         (self.ptr, SyncOnDrop::Sync(None))
     }
