@@ -49,6 +49,8 @@ CUDALLOC_SANITIZE=panic cargo test --no-fail-fast --test stream_capture --test c
   --test-threads=1
 echo "== cudarc views: a library's own context, stream and kernels on cudalloc storages"
 cargo test --features cudarc --test cudarc_views --test kernel_two_backends
+echo "== a candle-style storage (storages, views, a lazy clone; its cuBLAS step needs libcublas, absent here)"
+cargo run --quiet --features cudarc --example candle_storage
 
 echo "== the interplay test on the double (fresh seeds; killed consumers included): 20 s, then 20 s with expandable segments"
 cargo test --test interplay -- --seconds 20
