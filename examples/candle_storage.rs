@@ -135,7 +135,10 @@ fn main() -> Result<()> {
 
     // A lazy clone shares the bytes until its first write, which copies them first.
     let clone = lhs.try_clone()?;
-    assert!(clone.storage.is_cow() && lhs.storage.is_cow(), "the clone shares the bytes");
+    assert!(
+        clone.storage.is_cow() && lhs.storage.is_cow(),
+        "the clone shares the bytes"
+    );
     drop(clone.storage.view_mut::<f32>(0..clone.len, &clone.stream)?);
     assert!(
         !clone.storage.is_cow(),

@@ -51,6 +51,8 @@ const FOREIGN: &[&str] = &[
     "default",
     "synchronize",
     "launch_builder",
+    "device_ptr",
+    "gemm",
     "arg",
     "launch",
     "new_stream",

@@ -290,19 +290,6 @@ macro_rules! view_traits {
             }
         }
 
-        impl<T> $view<'_, T> {
-            /// `Err` with the first failure to order another stream this view was launched on
-            /// (`device_ptr(&other)`, which cannot return it), taken: the host waited for the
-            /// view's stream instead, so the launch still followed the view's work, but the
-            /// storage's free may not wait for that stream. `Ok` when every ordering held.
-            pub fn ordered(&self) -> Result<()> {
-                match self.failed.lock().take() {
-                    Some(err) => Err(err),
-                    None => Ok(()),
-                }
-            }
-        }
-
         impl<T> Drop for $view<'_, T> {
             fn drop(&mut self) {
                 if let Some(err) = self.failed.get_mut().take() {
@@ -320,6 +307,31 @@ macro_rules! view_traits {
             }
         }
     };
+}
+
+/// The view's ordering failure, taken (see [`StorageView::ordered`]).
+fn take_failure(failed: &Mutex<Option<Error>>) -> Result<()> {
+    match failed.lock().take() {
+        Some(err) => Err(err),
+        None => Ok(()),
+    }
+}
+
+impl<T> StorageView<'_, T> {
+    /// `Err` with the first failure to order another stream this view was launched on
+    /// (`device_ptr(&other)`, which cannot return it), taken: the host waited for the view's
+    /// stream instead, so the launch still followed the view's work, but the storage's free may
+    /// not wait for that stream. `Ok` when every ordering held.
+    pub fn ordered(&self) -> Result<()> {
+        take_failure(&self.failed)
+    }
+}
+
+impl<T> StorageViewMut<'_, T> {
+    /// As [`StorageView::ordered`].
+    pub fn ordered(&self) -> Result<()> {
+        take_failure(&self.failed)
+    }
 }
 
 view_traits!(StorageView, false);
