@@ -32,7 +32,7 @@ fn pairs(c: &mut Criterion) {
     let d = driver();
     let alloc = PinnedAllocator::new(d.clone(), PinnedOptions::default());
     let mut g = c.benchmark_group("pinned_pair");
-    for size in [4096usize, 64 << 10, 1 << 20] {
+    for size in [4096u64, 64 << 10, 1 << 20] {
         drop(alloc.allocate(size).unwrap());
         g.bench_with_input(BenchmarkId::new("cached", size), &size, |b, &size| {
             b.iter(|| drop(black_box(alloc.allocate(size).unwrap())))
@@ -42,14 +42,14 @@ fn pairs(c: &mut Criterion) {
             &size,
             |b, &size| {
                 b.iter(|| {
-                    let ptr = d.host_alloc(size as u64).unwrap();
+                    let ptr = d.host_alloc(size).unwrap();
                     // SAFETY: nothing references the memory just allocated.
                     let freed = unsafe { d.host_free(black_box(ptr)) };
                     freed.unwrap()
                 })
             },
         );
-        let layout = Layout::from_size_align(size, 64).unwrap();
+        let layout = Layout::from_size_align(size as usize, 64).unwrap();
         g.bench_with_input(
             BenchmarkId::new("glibc malloc", size),
             &layout,
@@ -69,20 +69,20 @@ fn pairs(c: &mut Criterion) {
 }
 
 fn copies(c: &mut Criterion) {
-    const LEN: usize = 4 << 20;
+    const LEN: u64 = 4 << 20;
     let d = driver();
     let alloc = PinnedAllocator::new(d.clone(), PinnedOptions::default());
     let s = d.stream_create(0).unwrap();
-    let dst = d.malloc(0, LEN as u64).unwrap();
+    let dst = d.malloc(0, LEN).unwrap();
     let mut pinned = alloc.allocate(LEN).unwrap();
     pinned.as_mut_slice().unwrap().fill(7);
-    let pageable = vec![7u8; LEN];
+    let pageable = vec![7u8; LEN as usize];
     let mut g = c.benchmark_group("host_to_device_4MiB");
-    g.throughput(Throughput::Bytes(LEN as u64));
+    g.throughput(Throughput::Bytes(LEN));
     g.bench_function("from pinned (enqueued, then synchronized)", |b| {
         b.iter(|| {
             // SAFETY: nothing borrows the buffer while the copy runs (synchronized below).
-            let copied = unsafe { d.copy_pinned_to_device(s, dst, pinned.addr(), LEN as u64) };
+            let copied = unsafe { d.copy_pinned_to_device(s, dst, pinned.addr(), LEN) };
             copied.unwrap();
             d.stream_synchronize(s).unwrap();
         })

@@ -96,9 +96,7 @@ fn sleep_wake(c: &mut Criterion) {
 
     let stream = rt.current_stream(0).unwrap();
     let driver = rt.driver().clone();
-    let mut buffers: Vec<PinnedBuffer> = (0..STORAGES)
-        .map(|_| rt.pinned(EACH as usize).unwrap())
-        .collect();
+    let mut buffers: Vec<PinnedBuffer> = (0..STORAGES).map(|_| rt.pinned(EACH).unwrap()).collect();
     let mut g = c.benchmark_group("sleep_wake_1GiB");
     g.sample_size(10)
         .measurement_time(Duration::from_secs(if on_cuda() { 10 } else { 30 }))
@@ -126,7 +124,7 @@ fn sleep_wake(c: &mut Criterion) {
                 // SAFETY: the copy writes the buffer's EACH bytes; the buffer is not borrowed
                 // and the stream is synchronized before it is touched again.
                 unsafe {
-                    buf.enqueue_write(stream, 0..EACH as usize, |dst, n| {
+                    buf.enqueue_write(stream, 0..EACH, |dst, n| {
                         driver.pinned().copy_device_to_pinned(stream, dst, src, n)
                     })
                     .unwrap();
@@ -137,7 +135,7 @@ fn sleep_wake(c: &mut Criterion) {
                 let dst = s.unordered_data_ptr();
                 // SAFETY: the copy reads the buffer's EACH bytes, written above and waited for.
                 unsafe {
-                    buf.enqueue_read(stream, 0..EACH as usize, |src, n| {
+                    buf.enqueue_read(stream, 0..EACH, |src, n| {
                         driver.pinned().copy_pinned_to_device(stream, dst, src, n)
                     })
                     .unwrap();

@@ -47,7 +47,7 @@ fn binary(
                 HostRange::write(dst, LEN),
             ],
             move |m: &mut HostKernelMemory<3>| {
-                let (mut x, mut y) = (vec![0u8; m.len(0)], vec![0u8; m.len(1)]);
+                let (mut x, mut y) = (vec![0u8; m.len(0) as usize], vec![0u8; m.len(1) as usize]);
                 m.read(0, 0, &mut x)?;
                 m.read(1, 0, &mut y)?;
                 let out: Vec<u8> = x.iter().zip(&y).map(|(&p, &q)| f(p, q)).collect();

@@ -57,7 +57,7 @@ impl Tensor {
             Self::host(runtime)?.enqueue_host(
                 stream,
                 [HostRange::write(storage.mutable_data_ptr_on(stream)?, len)],
-                move |m: &mut HostKernelMemory<1>| m.write(0, 0, &vec![value; m.len(0)]),
+                move |m: &mut HostKernelMemory<1>| m.write(0, 0, &vec![value; m.len(0) as usize]),
             )
         }?;
         Ok(Tensor { storage, stream })

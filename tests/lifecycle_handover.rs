@@ -66,7 +66,7 @@ fn steal_after_a_read_on_a_busy_stream(b: &TestBackend, rt: &Arc<Runtime>, how: 
     let x = filled_on(rt, s, MIB, 1);
     let c = x.lazy_clone().unwrap();
     wait_for(rt, t, s); // `t` reads what `s` wrote
-    let mut pinned = rt.pinned(MIB as usize).unwrap();
+    let mut pinned = rt.pinned(MIB).unwrap();
     let device_copy = Storage::new_on(rt, t, MIB).unwrap();
     let hold = hold_stream(b, t);
     match how {

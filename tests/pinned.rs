@@ -18,16 +18,16 @@ use cudalloc::{
     ErrorKind, Runtime, Storage,
 };
 
-const KIB: usize = 1 << 10;
-const MIB: usize = 1 << 20;
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
 
 fn runtime(b: &TestBackend, conf: &str) -> Arc<Runtime> {
     checked_allocator(b.driver.clone(), conf)
 }
 
 /// The storage's first `len` bytes, read back synchronously.
-fn read_back(s: &Storage, len: usize) -> Vec<u8> {
-    let mut out = vec![0u8; len];
+fn read_back(s: &Storage, len: u64) -> Vec<u8> {
+    let mut out = vec![0u8; len as usize];
     s.copy_to_host(s.runtime().current_stream(s.device()).unwrap(), 0, &mut out)
         .unwrap();
     out
@@ -112,18 +112,17 @@ fn test_caching_pinned_memory_multi_gpu() {
 
 const REGISTER: &str = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8";
 
-fn pinned_with_register(b: &TestBackend, rt: &Arc<Runtime>, sizes: &[usize]) {
+fn pinned_with_register(b: &TestBackend, rt: &Arc<Runtime>, sizes: &[u64]) {
     assert!(rt.pinned_allocator().options().use_host_register);
     for &len in sizes {
         let mut t = rt.pinned(len).unwrap();
         let bytes = t.as_mut_slice().unwrap();
         bytes.fill(7);
         let stream = rt.default_stream(0).unwrap();
-        let gpu = Storage::new_on(rt, stream, len as u64).unwrap();
-        gpu.copy_from_pinned(stream, 0, &t, 0, len as u64).unwrap();
+        let gpu = Storage::new_on(rt, stream, len).unwrap();
+        gpu.copy_from_pinned(stream, 0, &t, 0, len).unwrap();
         let mut back = rt.pinned(len).unwrap();
-        gpu.copy_to_pinned(stream, 0, &mut back, 0, len as u64)
-            .unwrap();
+        gpu.copy_to_pinned(stream, 0, &mut back, 0, len).unwrap();
         assert!(
             back.as_slice().unwrap().iter().all(|&x| x == 7),
             "{}",
@@ -164,7 +163,7 @@ fn test_pinned_memory_empty_cache() {
             drop(t);
             assert_eq!(host.stats().allocations.current, 1);
             let released = host.empty_cache().unwrap();
-            assert_eq!(released, 4 * MIB as u64, "{}", b.name);
+            assert_eq!(released, 4 * MIB, "{}", b.name);
             let stats = host.stats();
             assert_eq!(stats.allocations.current, 0);
             assert_eq!(stats.num_host_free, 1);
@@ -266,25 +265,23 @@ fn natural_code_needs_no_synchronize() {
         let stream = rt.create_stream(0).unwrap();
         let len = 4 * MIB;
         let (a, c) = (
-            Storage::new_on(&rt, stream, len as u64).unwrap(),
-            Storage::new_on(&rt, stream, len as u64).unwrap(),
+            Storage::new_on(&rt, stream, len).unwrap(),
+            Storage::new_on(&rt, stream, len).unwrap(),
         );
         let mut buf = rt.pinned(len).unwrap();
         buf.as_mut_slice().unwrap().fill(1);
-        a.copy_from_pinned(stream, 0, &buf, 0, len as u64).unwrap();
+        a.copy_from_pinned(stream, 0, &buf, 0, len).unwrap();
         buf.as_mut_slice().unwrap().fill(2);
-        c.copy_from_pinned(stream, 0, &buf, 0, len as u64).unwrap();
+        c.copy_from_pinned(stream, 0, &buf, 0, len).unwrap();
         // And back: the read borrow waits for the copy into the buffer.
         let mut out = rt.pinned(len).unwrap();
-        a.copy_to_pinned(stream, 0, &mut out, 0, len as u64)
-            .unwrap();
+        a.copy_to_pinned(stream, 0, &mut out, 0, len).unwrap();
         assert!(
             out.as_slice().unwrap().iter().all(|&x| x == 1),
             "{}",
             b.name
         );
-        c.copy_to_pinned(stream, 0, &mut out, 0, len as u64)
-            .unwrap();
+        c.copy_to_pinned(stream, 0, &mut out, 0, len).unwrap();
         assert!(
             out.as_slice().unwrap().iter().all(|&x| x == 2),
             "{}",
@@ -300,18 +297,16 @@ fn copying_a_lazy_clone_to_pinned_memory_reads_it() {
         let rt = runtime(&b, "");
         let stream = rt.default_stream(0).unwrap();
         let len = MIB;
-        let s = Storage::new(&rt, 0, len as u64).unwrap();
+        let s = Storage::new(&rt, 0, len).unwrap();
         s.copy_from_host(
             s.runtime().current_stream(s.device()).unwrap(),
             0,
-            &vec![9u8; len],
+            &vec![9u8; len as usize],
         )
         .unwrap();
         let clone = s.lazy_clone().unwrap();
         let mut buf = rt.pinned(len).unwrap();
-        clone
-            .copy_to_pinned(stream, 0, &mut buf, 0, len as u64)
-            .unwrap();
+        clone.copy_to_pinned(stream, 0, &mut buf, 0, len).unwrap();
         assert!(
             clone.is_cow() && s.is_cow(),
             "{}: a read materialized",
@@ -320,9 +315,7 @@ fn copying_a_lazy_clone_to_pinned_memory_reads_it() {
         assert!(buf.as_slice().unwrap().iter().all(|&x| x == 9));
         // A copy into the clone writes: it is materialized, the original keeps its bytes.
         buf.as_mut_slice().unwrap().fill(3);
-        clone
-            .copy_from_pinned(stream, 0, &buf, 0, len as u64)
-            .unwrap();
+        clone.copy_from_pinned(stream, 0, &buf, 0, len).unwrap();
         assert!(!clone.is_cow(), "{}", b.name);
         assert!(read_back(&clone, len).iter().all(|&x| x == 3));
         assert!(read_back(&s, len).iter().all(|&x| x == 9));
@@ -395,16 +388,15 @@ fn many_threads_and_streams() {
                     scope.spawn(move || {
                         let stream = rt.create_stream(0).unwrap();
                         for i in 0..40usize {
-                            let len = 1 + (i * 977 + t as usize * 131) % (256 * KIB);
+                            let len = 1 + (i as u64 * 977 + t as u64 * 131) % (256 * KIB);
                             let value = t.wrapping_mul(31).wrapping_add(i as u8);
                             let mut buf = rt.pinned(len).unwrap();
                             buf.as_mut_slice().unwrap().fill(value);
-                            let s = Storage::new_on(rt, stream, len as u64).unwrap();
-                            s.copy_from_pinned(stream, 0, &buf, 0, len as u64).unwrap();
+                            let s = Storage::new_on(rt, stream, len).unwrap();
+                            s.copy_from_pinned(stream, 0, &buf, 0, len).unwrap();
                             drop(buf);
                             let mut back = rt.pinned(len).unwrap();
-                            s.copy_to_pinned(stream, 0, &mut back, 0, len as u64)
-                                .unwrap();
+                            s.copy_to_pinned(stream, 0, &mut back, 0, len).unwrap();
                             assert!(back.as_slice().unwrap().iter().all(|&x| x == value));
                         }
                         stream
@@ -523,12 +515,7 @@ fn sanitizer_is_quiet_on_tracked_copies() {
 
 #[test]
 fn out_of_memory_empties_the_cache_then_says_what_it_holds() {
-    let host = Arc::new(
-        HostDriver::builder()
-            .pinned_memory(MIB as u64)
-            .build()
-            .unwrap(),
-    );
+    let host = Arc::new(HostDriver::builder().pinned_memory(MIB).build().unwrap());
     let alloc = PinnedAllocator::with_invariant_checks(host.clone(), PinnedOptions::default());
     let a = alloc.allocate(512 * KIB).unwrap();
     let b = alloc.allocate(512 * KIB).unwrap();
@@ -539,7 +526,7 @@ fn out_of_memory_empties_the_cache_then_says_what_it_holds() {
     // The cached 512 KiB goes back to the driver, then 256 KiB fits.
     let c = alloc.allocate(256 * KIB).unwrap();
     assert_eq!(alloc.stats().num_host_free, 1);
-    assert_eq!(host.pinned_bytes(), 768 * KIB as u64);
+    assert_eq!(host.pinned_bytes(), 768 * KIB);
     drop((b, c));
 }
 
@@ -696,11 +683,10 @@ fn two_runtimes_share_one_driver() {
         let stream = two.default_stream(0).unwrap();
         let mut buf = one.pinned(MIB).unwrap();
         buf.as_mut_slice().unwrap().fill(5);
-        let s = Storage::new_on(&two, stream, MIB as u64).unwrap();
-        s.copy_from_pinned(stream, 0, &buf, 0, MIB as u64).unwrap();
+        let s = Storage::new_on(&two, stream, MIB).unwrap();
+        s.copy_from_pinned(stream, 0, &buf, 0, MIB).unwrap();
         let mut back = two.pinned(MIB).unwrap();
-        s.copy_to_pinned(stream, 0, &mut back, 0, MIB as u64)
-            .unwrap();
+        s.copy_to_pinned(stream, 0, &mut back, 0, MIB).unwrap();
         assert!(
             back.as_slice().unwrap().iter().all(|&x| x == 5),
             "{}",

@@ -68,7 +68,7 @@ fn run(conf: &str, ops: Vec<Op>) {
     for op in ops {
         match op {
             Op::Alloc { size, value } => {
-                let mut buf = rt.pinned(size).unwrap();
+                let mut buf = rt.pinned(size as u64).unwrap();
                 // Judged only while the hold provably lasted past the allocation.
                 let still_held = held.as_ref().is_some_and(|(_, hold)| hold.still_held());
                 assert!(
@@ -91,7 +91,7 @@ fn run(conf: &str, ops: Vec<Op>) {
                 let l = &mut live[index % n];
                 let len = l.buf.len();
                 targets[stream]
-                    .copy_from_pinned(streams[stream], 0, &l.buf, 0, len as u64)
+                    .copy_from_pinned(streams[stream], 0, &l.buf, 0, len)
                     .unwrap();
                 if held.as_ref().is_some_and(|(h, _)| *h == stream) {
                     guarded.push(l.buf.addr().0);
@@ -105,10 +105,10 @@ fn run(conf: &str, ops: Vec<Op>) {
                 }
                 let len = live[i].buf.len();
                 let s = &targets[stream];
-                s.copy_from_pinned(streams[stream], 0, &live[i].buf, 0, len as u64)
+                s.copy_from_pinned(streams[stream], 0, &live[i].buf, 0, len)
                     .unwrap();
                 live[i].buf.as_mut_slice().unwrap().fill(0);
-                s.copy_to_pinned(streams[stream], 0, &mut live[i].buf, 0, len as u64)
+                s.copy_to_pinned(streams[stream], 0, &mut live[i].buf, 0, len)
                     .unwrap();
                 let value = live[i].value;
                 assert!(live[i].buf.as_slice().unwrap().iter().all(|&x| x == value));

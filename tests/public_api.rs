@@ -720,3 +720,112 @@ fn the_lister_follows_re_exports_and_sees_members() {
         "test modules are not part of the API"
     );
 }
+
+/// Whether `name` names a count of bytes or a byte position.
+fn names_bytes(name: &str) -> bool {
+    matches!(
+        name,
+        "len" | "size" | "nbytes" | "bytes" | "offset" | "capacity"
+    ) || name.ends_with("_offset")
+        || name.ends_with("_bytes")
+        || name.ends_with("_size")
+}
+
+/// Every `name: Type` pair of a listing line (parameters and fields), types cut at `,` / `)`
+/// outside angle brackets.
+fn typed_names(line: &str) -> Vec<(String, String)> {
+    let mut pairs = Vec::new();
+    let bytes: Vec<char> = line.chars().collect();
+    let mut i = 0;
+    while let Some(colon) = bytes[i..].iter().position(|&c| c == ':').map(|p| p + i) {
+        // `::` is a path, not a type annotation.
+        if bytes.get(colon + 1) == Some(&':') || (colon > 0 && bytes[colon - 1] == ':') {
+            i = colon + 2;
+            continue;
+        }
+        let start = bytes[..colon]
+            .iter()
+            .rposition(|c| !(c.is_alphanumeric() || *c == '_'))
+            .map_or(0, |p| p + 1);
+        let name: String = bytes[start..colon].iter().collect();
+        let mut depth = 0i32;
+        let mut end = colon + 1;
+        while end < bytes.len() {
+            match bytes[end] {
+                '<' | '(' | '[' => depth += 1,
+                '>' | ']' => depth -= 1,
+                ')' if depth == 0 => break,
+                ')' => depth -= 1,
+                ',' if depth == 0 => break,
+                _ => {}
+            }
+            end += 1;
+        }
+        let ty: String = bytes[colon + 1..end].iter().collect::<String>();
+        pairs.push((name, ty.trim().to_owned()));
+        i = colon + 1;
+    }
+    pairs
+}
+
+/// One integer type for bytes at the public door (issue 47): every parameter and field that
+/// names a count of bytes or a byte position is a `u64`, and every byte range a `Range<u64>` —
+/// device memory, pinned memory and a host kernel's view of device memory alike. Element
+/// positions (`Range<usize>` of a typed view or operand, as cudarc and Rust slices count them)
+/// and counts of things (`usize`) are not bytes. Before: a pinned buffer was `usize` bytes long
+/// and `u64` bytes large, a host kernel's offsets `usize`, a launch's shared memory `u32`.
+#[test]
+fn byte_sizes_and_offsets_are_u64_at_the_public_door() {
+    let text =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/public-api.txt"))
+            .unwrap();
+    const INTEGERS: [&str; 10] = [
+        "usize", "isize", "u8", "u16", "u32", "i8", "i16", "i32", "i64", "u128",
+    ];
+    // PyTorch's own key: -1 when no split limit is set.
+    const EXEMPT: [&str; 1] = ["field cudalloc::stats::DeviceStats::max_split_size: i64"];
+    let element_ranges = ["::view<", "::view_mut<", "::elements("];
+    let mut wrong = Vec::new();
+    let mut checked = 0;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        if EXEMPT.iter().any(|e| line.starts_with(e)) {
+            continue;
+        }
+        for (name, ty) in typed_names(line) {
+            if names_bytes(&name) && INTEGERS.contains(&ty.as_str()) {
+                wrong.push(format!("{line}\n    {name}: {ty}"));
+            }
+            if ty.starts_with("Range<") {
+                checked += 1;
+                let elements = element_ranges.iter().any(|e| line.contains(e));
+                if ty != "Range<u64>" && !elements {
+                    wrong.push(format!(
+                        "{line}\n    {name}: {ty} (a byte range is Range<u64>)"
+                    ));
+                }
+            }
+            checked += usize::from(names_bytes(&name));
+        }
+        // Methods that return a size of bytes.
+        let returns_bytes = ["::len(", "::nbytes(", "::capacity("]
+            .iter()
+            .any(|m| line.starts_with("fn ") && line.contains(m));
+        if returns_bytes {
+            checked += 1;
+            let ret = line.rsplit("->").next().unwrap_or("").trim();
+            if INTEGERS.iter().any(|t| ret.starts_with(t)) {
+                wrong.push(format!("{line}\n    returns {ret}"));
+            }
+        }
+    }
+    assert!(
+        checked > 60,
+        "the scan found only {checked} byte names: is the listing read?"
+    );
+    assert!(
+        wrong.is_empty(),
+        "byte counts and positions that are not u64:\n{}",
+        wrong.join("\n")
+    );
+    println!("{checked} byte sizes, offsets and ranges at the public door: all u64");
+}

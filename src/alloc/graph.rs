@@ -82,9 +82,7 @@ impl GraphPool {
 }
 
 impl CachingAllocator {
-    /// Begins capturing `stream` into a graph in `mode` (PyTorch's `torch.cuda.graph(g,
-    /// pool=…, capture_error_mode=…)`): allocations on the stream — and on streams that join the
-    /// capture — come from `pool`, or from a fresh private pool when `pool` is `None`.
+    /// The body of [`Runtime::begin_capture`](crate::Runtime::begin_capture), documented there.
     pub(crate) fn begin_capture(
         &self,
         stream: StreamId,
@@ -100,13 +98,7 @@ impl CachingAllocator {
         })
     }
 
-    /// Routes the capture *someone else* began on `stream` — a library's own capture, e.g.
-    /// cudarc's `CudaStream::begin_capture` on a stream imported with `import_stream` — to
-    /// `pool` (a fresh private pool when `None`), as [`Self::begin_capture`] routes its own:
-    /// allocations on the stream come from the pool, frees with stream uses wait for the
-    /// capture's end, no event is queried meanwhile. After the library ends its capture,
-    /// [`CaptureRoute::finish`] gives the pool back: keep it as long as the library's graph
-    /// lives, since the graph names its addresses. An error when the stream is not capturing.
+    /// The body of [`Runtime::route_capture`](crate::Runtime::route_capture), documented there.
     pub(crate) fn route_capture(
         &self,
         stream: StreamId,

@@ -184,7 +184,7 @@ impl Drop for PoolScope {
 }
 
 impl CachingAllocator {
-    /// A new private memory pool of this allocator (PyTorch's `torch.cuda.MemPool(...)`).
+    /// The body of [`Runtime::mem_pool`](crate::Runtime::mem_pool), documented there.
     pub(crate) fn mem_pool(&self, options: MemPoolOptions) -> Result<MemPool> {
         self.birth.check("this allocator")?;
         Ok(self.new_pool(MemPoolId::next_user(), options))
@@ -211,9 +211,7 @@ impl CachingAllocator {
         }
     }
 
-    /// Makes this thread allocate from `pool` on `device` — on every stream — until the scope
-    /// drops (PyTorch's `torch.cuda.use_mem_pool(pool, device)`). Other threads are not
-    /// affected; scopes nest.
+    /// The body of [`Runtime::use_mem_pool`](crate::Runtime::use_mem_pool), documented there.
     pub(crate) fn use_mem_pool(&self, pool: &MemPool, device: usize) -> Result<PoolScope> {
         self.device(device)?;
         if pool.inner.allocator != self.id {
@@ -231,7 +229,7 @@ impl CachingAllocator {
         })
     }
 
-    /// The pool this thread allocates from on `device` (`None`: the default pool).
+    /// The body of [`Runtime::current_mem_pool`](crate::Runtime::current_mem_pool), documented there.
     pub(crate) fn current_mem_pool(&self, device: usize) -> Option<MemPoolId> {
         thread::current_pool(self.id, device).map(|(id, _)| id)
     }

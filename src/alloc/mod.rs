@@ -323,7 +323,7 @@ impl CachingAllocator {
         &self.driver
     }
 
-    /// The stream sanitizer checking this allocator's driver, when on.
+    /// The body of [`Runtime::sanitizer`](crate::Runtime::sanitizer), documented there.
     pub(crate) fn sanitizer(&self) -> Option<Arc<crate::driver::Sanitizer>> {
         self.driver.sanitizer()
     }
@@ -341,7 +341,7 @@ impl CachingAllocator {
         self.stream_order
     }
 
-    /// Number of devices.
+    /// The body of [`Runtime::device_count`](crate::Runtime::device_count), documented there.
     pub(crate) fn device_count(&self) -> usize {
         self.devices.len()
     }
@@ -359,10 +359,7 @@ impl CachingAllocator {
         self.devices.get(device, "this allocator")
     }
 
-    /// The device's default stream for this thread: the library's
-    /// ([`Runtime::set_default_stream`](crate::Runtime::set_default_stream)) when one is set, else as the `default_stream`
-    /// setting chooses — the driver's default stream (CUDA's legacy NULL stream), this thread's
-    /// own stream, or the allocator's dedicated stream.
+    /// The body of [`Runtime::default_stream`](crate::Runtime::default_stream), documented there.
     pub(crate) fn default_stream(&self, device: usize) -> Result<StreamId> {
         if let Some(library) = self.library_defaults.get(device) {
             let raw = library.load(Ordering::Acquire);
@@ -388,11 +385,7 @@ impl CachingAllocator {
         Ok(stream)
     }
 
-    /// Makes `stream` (one the library made or imported) the default stream of its device on
-    /// every thread: allocation, copies and copy-on-write copies use it wherever no
-    /// [`StreamGuard`] made another stream current — the way a library that keeps one stream
-    /// per device works, with no guard anywhere. It overrides the `default_stream` setting until
-    /// [`Runtime::clear_default_stream`](crate::Runtime::clear_default_stream). The stream must outlive its use as default.
+    /// The body of [`Runtime::set_default_stream`](crate::Runtime::set_default_stream), documented there.
     pub(crate) fn set_default_stream(&self, stream: StreamId) -> Result<()> {
         let device = self.driver.stream_device(stream)?;
         let slot = self.library_defaults.get(device).ok_or_else(|| {
@@ -420,20 +413,14 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// Adopts a stream the caller made (a tensor library's own stream) by its raw handle; see
-    /// [`Interop::import_stream`](crate::backend::capability::Interop::import_stream). cudalloc never destroys it.
-    ///
-    /// # Safety
-    /// CUDA: `raw` must be a live `CUstream` of `device`'s primary context and stay alive while
-    /// memory allocated or recorded on the returned stream is in use.
+    /// The body of [`Runtime::import_stream`](crate::Runtime::import_stream), documented there.
     pub(crate) unsafe fn import_stream(&self, device: usize, raw: u64) -> Result<StreamId> {
         self.device(device)?;
         // SAFETY: forwarded; the caller upholds the driver's contract.
         unsafe { self.driver.interop().import_stream(device, raw) }
     }
 
-    /// The raw handle of `stream` (CUDA: its `CUstream`, 0 for the legacy stream), for a
-    /// library's own launches.
+    /// The body of [`Runtime::raw_stream`](crate::Runtime::raw_stream), documented there.
     pub(crate) fn raw_stream(&self, stream: StreamId) -> Result<u64> {
         self.driver.interop().raw_stream(stream)
     }
@@ -482,7 +469,7 @@ impl CachingAllocator {
         Ok(unsafe { &*shard })
     }
 
-    /// Creates a new stream on `device`.
+    /// The body of [`Runtime::create_stream`](crate::Runtime::create_stream), documented there.
     pub(crate) fn create_stream(&self, device: usize) -> Result<StreamId> {
         self.driver.stream_create(device)
     }
@@ -526,7 +513,7 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// This thread's current stream on `device` (the default stream unless set).
+    /// The body of [`Runtime::current_stream`](crate::Runtime::current_stream), documented there.
     pub(crate) fn current_stream(&self, device: usize) -> Result<StreamId> {
         match engine::thread::current_stream(self.id, device) {
             Some(stream) => Ok(stream),
@@ -534,7 +521,7 @@ impl CachingAllocator {
         }
     }
 
-    /// Makes `stream` this thread's current stream on its device until the guard drops.
+    /// The body of [`Runtime::set_current_stream`](crate::Runtime::set_current_stream), documented there.
     pub(crate) fn set_current_stream(&self, stream: StreamId) -> Result<StreamGuard> {
         let device = self.driver.stream_device(stream)?;
         let previous = engine::thread::set_current_stream(self.id, device, Some(stream));
@@ -545,11 +532,7 @@ impl CachingAllocator {
         })
     }
 
-    /// Allocates `size` bytes on `device`'s current stream. Size 0 gives an empty pointer.
-    ///
-    /// In a process forked from the one that built the allocator this is an
-    /// [`ErrorKind::ForkedChild`](crate::ErrorKind::ForkedChild) error: the child would be handed
-    /// the blocks its parent is handed next (build a runtime in the child).
+    /// The body of [`Runtime::allocate`](crate::Runtime::allocate), documented there.
     pub(crate) fn allocate(&self, device: usize, size: u64) -> Result<DataPtr> {
         self.birth.check("this allocator")?;
         if size == 0 {
@@ -573,7 +556,7 @@ impl CachingAllocator {
         self.allocate_in(shard, size)
     }
 
-    /// Allocates `size` bytes for use on `stream`.
+    /// The body of [`Runtime::allocate_on`](crate::Runtime::allocate_on), documented there.
     pub(crate) fn allocate_on(&self, stream: StreamId, size: u64) -> Result<DataPtr> {
         self.birth.check("this allocator")?;
         if size == 0 {
@@ -635,15 +618,12 @@ impl CachingAllocator {
             .order_after(to, used)
     }
 
-    /// Marks `data` as used on `stream`: its free will wait for the work queued there so far.
+    /// The body of [`Runtime::record_stream`](crate::Runtime::record_stream), documented there.
     pub(crate) fn record_stream(&self, data: &DataPtr, stream: StreamId) -> Result<()> {
         data.record_stream(stream)
     }
 
-    /// The allocator-level clone: allocates `nbytes` on `stream` and enqueues a device-to-device
-    /// copy of `src`'s first `nbytes` there (stream-ordered, not blocking). `src` is marked as used
-    /// by `stream`, so its free waits for the copy. (DESIGN calls this `clone`; renamed so it
-    /// cannot be confused with `Clone::clone` on an `Arc<CachingAllocator>`.)
+    /// The body of [`Runtime::clone_data`](crate::Runtime::clone_data), documented there.
     pub(crate) fn clone_data(
         &self,
         src: &DataPtr,
@@ -669,8 +649,7 @@ impl CachingAllocator {
         Ok(out)
     }
 
-    /// Calls `observer` on every segment this allocator maps from its driver (after) and returns
-    /// to it (before); see `src/alloc/observers.rs`.
+    /// The body of [`Runtime::register_segment_observer`](crate::Runtime::register_segment_observer), documented there.
     pub(crate) fn register_segment_observer(&self, observer: SegmentObserver) {
         if self
             .birth
@@ -681,11 +660,7 @@ impl CachingAllocator {
         self.callbacks.observers.add_segment(observer);
     }
 
-    /// Attaches `registrar`: every region this allocator has mapped is registered with it now,
-    /// every region mapped later as it is mapped, and each is deregistered before its memory goes
-    /// (`src/alloc/registration.rs`). Several registrars may be attached at once. A failure on a
-    /// region already mapped fails the attach (leaving nothing registered with it) unless
-    /// `on_failure` counts and skips failures. Refused in a forked child.
+    /// The body of [`Runtime::attach_registrar`](crate::Runtime::attach_registrar), documented there.
     pub(crate) fn attach_registrar(
         &self,
         registrar: Arc<dyn Registrar>,
@@ -695,8 +670,7 @@ impl CachingAllocator {
         self.callbacks.registry.attach(registrar, on_failure)
     }
 
-    /// Detaches a registrar, deregistering every region it holds; false if it was not attached.
-    /// In a forked child it does nothing (the registrations are the parent's).
+    /// The body of [`Runtime::detach_registrar`](crate::Runtime::detach_registrar), documented there.
     pub(crate) fn detach_registrar(&self, id: RegistrarId) -> bool {
         if self.birth.ignored_in_child("detaching a registrar") {
             return false;
@@ -716,8 +690,7 @@ impl CachingAllocator {
         self.callbacks.registry.stats()
     }
 
-    /// The mapped regions that hold bytes `[addr, addr + len)` of `device`, with the bytes in
-    /// each (several only in expandable segments, whose pages are regions of their own).
+    /// The body of [`Runtime::registered_regions`](crate::Runtime::registered_regions), documented there.
     pub(crate) fn registered_regions(
         &self,
         device: usize,
@@ -728,8 +701,7 @@ impl CachingAllocator {
         self.callbacks.registry.regions_of(device, addr.0, len)
     }
 
-    /// Calls `observer` with the facts of every allocation that fails for lack of memory, before
-    /// its error returns.
+    /// The body of [`Runtime::register_out_of_memory_observer`](crate::Runtime::register_out_of_memory_observer), documented there.
     pub(crate) fn register_out_of_memory_observer(&self, observer: OutOfMemoryObserver) {
         if self
             .birth
@@ -740,8 +712,7 @@ impl CachingAllocator {
         self.callbacks.observers.add_out_of_memory(observer);
     }
 
-    /// Registers a callback run on a cache miss before asking the driver for memory; it returns
-    /// whether it freed anything (then best fit is retried).
+    /// The body of [`Runtime::register_free_memory_callback`](crate::Runtime::register_free_memory_callback), documented there.
     pub(crate) fn register_free_memory_callback(&self, callback: FreeMemoryCallback) {
         if self
             .birth

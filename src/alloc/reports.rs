@@ -14,26 +14,22 @@ use crate::driver::StreamId;
 use crate::error::Result;
 
 impl CachingAllocator {
-    /// Bytes allocated on `device` now (PyTorch's `memory_allocated`: rounded block sizes, all
-    /// pools).
+    /// The body of [`Runtime::memory_allocated`](crate::Runtime::memory_allocated), documented there.
     pub(crate) fn memory_allocated(&self, device: usize) -> Result<u64> {
         self.all_pools(device, |s| s.allocated_bytes.all.current)
     }
 
-    /// The most bytes allocated on `device` since the last peak reset
-    /// (`max_memory_allocated`).
+    /// The body of [`Runtime::max_memory_allocated`](crate::Runtime::max_memory_allocated), documented there.
     pub(crate) fn max_memory_allocated(&self, device: usize) -> Result<u64> {
         self.all_pools(device, |s| s.allocated_bytes.all.peak)
     }
 
-    /// Bytes of segments held from the driver on `device` now (`memory_reserved`; the device's
-    /// reserved counter, without summing the shards).
+    /// The body of [`Runtime::memory_reserved`](crate::Runtime::memory_reserved), documented there.
     pub(crate) fn memory_reserved(&self, device: usize) -> Result<u64> {
         self.reserved_bytes(device)
     }
 
-    /// The most bytes held from the driver on `device` since the last peak reset
-    /// (`max_memory_reserved`).
+    /// The body of [`Runtime::max_memory_reserved`](crate::Runtime::max_memory_reserved), documented there.
     pub(crate) fn max_memory_reserved(&self, device: usize) -> Result<u64> {
         self.all_pools(device, |s| s.reserved_bytes.all.peak)
     }
@@ -62,18 +58,18 @@ impl CachingAllocator {
         Ok(self.device(device)?.bookkeeping())
     }
 
-    /// Stats of `device` with PyTorch's keys.
+    /// The body of [`Runtime::memory_stats_map`](crate::Runtime::memory_stats_map), documented there.
     pub(crate) fn memory_stats_map(&self, device: usize) -> Result<BTreeMap<String, i64>> {
         Ok(self.memory_stats(device)?.to_map())
     }
 
-    /// Resets every `peak` of `device` to its current value.
+    /// The body of [`Runtime::reset_peak_memory_stats`](crate::Runtime::reset_peak_memory_stats), documented there.
     pub(crate) fn reset_peak_memory_stats(&self, device: usize) -> Result<()> {
         self.device(device)?.reset_stats(true);
         Ok(())
     }
 
-    /// Zeroes the accumulated counts of `device`.
+    /// The body of [`Runtime::reset_accumulated_memory_stats`](crate::Runtime::reset_accumulated_memory_stats), documented there.
     pub(crate) fn reset_accumulated_memory_stats(&self, device: usize) -> Result<()> {
         self.device(device)?.reset_stats(false);
         Ok(())
@@ -89,9 +85,7 @@ impl CachingAllocator {
         ))
     }
 
-    /// PyTorch's `_record_memory_history`: what the history records, how many entries it keeps,
-    /// and whether allocations carry their Rust stack (see `alloc/history.rs`). Turning it off
-    /// clears what was recorded.
+    /// The body of [`Runtime::record_memory_history`](crate::Runtime::record_memory_history), documented there.
     pub(crate) fn record_memory_history(&self, options: HistoryOptions) {
         if self.birth.ignored_in_child("recording the memory history") {
             return;
@@ -106,8 +100,7 @@ impl CachingAllocator {
         self.trace.configure(options);
     }
 
-    /// Every segment with its blocks, and the trace when history is on (empty in a forked child:
-    /// its parent's shards may be locked for good there).
+    /// The body of [`Runtime::snapshot`](crate::Runtime::snapshot), documented there.
     pub(crate) fn snapshot(&self) -> Snapshot {
         let mut segments = Vec::new();
         let Some(devices) = self.devices.unless_child("taking a snapshot") else {

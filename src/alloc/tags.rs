@@ -213,11 +213,7 @@ fn asleep(tag: &str, message: impl Into<String>) -> Error {
 }
 
 impl CachingAllocator {
-    /// The memory pool of tag `name`, made on first use: its memory lives on expandable segments
-    /// of its own, so that [`Runtime::sleep`](crate::Runtime::sleep) can give its physical
-    /// memory back and [`Runtime::wake_up`](crate::Runtime::wake_up) map it back at the same
-    /// addresses. Allocate into it with [`Runtime::use_tag`](crate::Runtime::use_tag) (or
-    /// [`Runtime::use_mem_pool`](crate::Runtime::use_mem_pool) with this pool). Tags live as long as the allocator.
+    /// The body of [`Runtime::tag`](crate::Runtime::tag), documented there.
     pub(crate) fn tag(&self, name: &str) -> Result<MemPool> {
         self.birth.check("this allocator")?;
         if name.is_empty() || name.len() > 256 {
@@ -239,8 +235,7 @@ impl CachingAllocator {
         Ok(pool)
     }
 
-    /// Makes this thread allocate into tag `name` on `device`, on every stream, until the scope
-    /// drops (vLLM's `use_memory_pool(tag=…)`); the tag is made on first use.
+    /// The body of [`Runtime::use_tag`](crate::Runtime::use_tag), documented there.
     pub(crate) fn use_tag(&self, name: &str, device: usize) -> Result<PoolScope> {
         let pool = self.tag(name)?;
         self.use_mem_pool(&pool, device)

@@ -161,8 +161,9 @@ pub struct LaunchDims {
     pub grid: [u32; 3],
     /// Threads per block in x, y, z.
     pub block: [u32; 3],
-    /// Bytes of dynamic shared memory per block.
-    pub shared_bytes: u32,
+    /// Bytes of dynamic shared memory per block (CUDA takes at most `u32::MAX`; more is an
+    /// error at the launch).
+    pub shared_bytes: u64,
 }
 
 impl LaunchDims {

@@ -15,17 +15,15 @@ impl PinnedAllocator {
     /// A buffer of at least `len` bytes of page-locked memory, from the cache when a block of its
     /// size class is free (its streams' work completed), else from the driver. `len` 0 is an
     /// empty buffer.
-    pub fn allocate(self: &Arc<Self>, len: usize) -> Result<PinnedBuffer> {
+    pub fn allocate(self: &Arc<Self>, len: u64) -> Result<PinnedBuffer> {
         self.birth.check("this pinned host allocator")?;
         if len == 0 {
             return Ok(PinnedBuffer::empty(Arc::clone(self)));
         }
-        let size = u64::try_from(len)
-            .ok()
-            .and_then(u64::checked_next_power_of_two)
-            .ok_or_else(|| {
-                Error::invalid(format!("a pinned buffer of {len} bytes is too large"))
-            })?;
+        let too_large = || Error::invalid(format!("a pinned buffer of {len} bytes is too large"));
+        // The buffer is host memory seen as a slice: its length must be a `usize` too.
+        let host_len = usize::try_from(len).map_err(|_| too_large())?;
+        let size = len.checked_next_power_of_two().ok_or_else(too_large)?;
         if self.pending.load(Ordering::Relaxed) > 0 {
             self.process_events();
         }
@@ -42,7 +40,13 @@ impl PinnedAllocator {
         if let Some(sanitizer) = self.driver.sanitizer() {
             sanitizer.hand_out_host(addr.0, size);
         }
-        Ok(PinnedBuffer::new(Arc::clone(self), block, addr, len, size))
+        Ok(PinnedBuffer::new(
+            Arc::clone(self),
+            block,
+            addr,
+            host_len,
+            size,
+        ))
     }
 
     /// The slow path: the reserve segment, else the driver; on out of memory, what the cache

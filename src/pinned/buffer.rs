@@ -80,8 +80,8 @@ impl PinnedBuffer {
     }
 
     /// Bytes requested.
-    pub fn len(&self) -> usize {
-        self.len
+    pub fn len(&self) -> u64 {
+        self.len as u64
     }
 
     /// Whether the buffer holds no bytes.
@@ -179,17 +179,14 @@ impl PinnedBuffer {
         }
     }
 
-    fn range(&self, range: &Range<usize>) -> Result<(HostAddr, u64)> {
-        if range.start > range.end || range.end > self.len {
+    fn range(&self, range: &Range<u64>) -> Result<(HostAddr, u64)> {
+        if range.start > range.end || range.end > self.len as u64 {
             return Err(Error::invalid(format!(
                 "range {range:?} is outside a pinned buffer of {} bytes",
                 self.len
             )));
         }
-        Ok((
-            self.addr.offset(range.start as u64)?,
-            (range.end - range.start) as u64,
-        ))
+        Ok((self.addr.offset(range.start)?, range.end - range.start))
     }
 
     /// Enqueues stream work that reads bytes `range` of the buffer: `launch(address, len)`
@@ -201,7 +198,7 @@ impl PinnedBuffer {
     pub unsafe fn enqueue_read(
         &self,
         stream: StreamId,
-        range: Range<usize>,
+        range: Range<u64>,
         launch: impl FnOnce(HostAddr, u64) -> Result<()>,
     ) -> Result<()> {
         self.enqueue(stream, range, false, launch)
@@ -216,7 +213,7 @@ impl PinnedBuffer {
     pub unsafe fn enqueue_write(
         &mut self,
         stream: StreamId,
-        range: Range<usize>,
+        range: Range<u64>,
         launch: impl FnOnce(HostAddr, u64) -> Result<()>,
     ) -> Result<()> {
         self.enqueue(stream, range, true, launch)
@@ -225,7 +222,7 @@ impl PinnedBuffer {
     fn enqueue(
         &self,
         stream: StreamId,
-        range: Range<usize>,
+        range: Range<u64>,
         writes: bool,
         launch: impl FnOnce(HostAddr, u64) -> Result<()>,
     ) -> Result<()> {

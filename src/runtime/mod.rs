@@ -162,7 +162,7 @@ impl Runtime {
     }
 
     /// A pinned host buffer of at least `len` bytes ([`PinnedAllocator::allocate`]).
-    pub fn pinned(&self, len: usize) -> Result<PinnedBuffer> {
+    pub fn pinned(&self, len: u64) -> Result<PinnedBuffer> {
         self.host.allocate(len)
     }
 

@@ -322,8 +322,7 @@ impl Runtime {
     /// stream (waited for by the caller).
     fn offload(&self, range: &TagRange) -> Result<PinnedBuffer> {
         let driver = self.allocator().driver();
-        let len = usize::try_from(range.len)
-            .map_err(|_| Error::invalid("a block larger than the address space"))?;
+        let len = range.len;
         let mut buffer = self.pinned_allocator().allocate(len)?;
         // The allocator's own read of the whole block, its rounding too (the sanitizer's bounds,
         // which are the bytes asked for, do not concern it: `driver::sanitizer::allocators_own`).

@@ -22,11 +22,6 @@ use crate::driver::{DeviceAddr, StreamId};
 use crate::error::{Error, Result};
 use crate::pinned::PinnedBuffer;
 
-/// A host-side length or offset as `usize`, or an error naming it.
-fn host_size(what: &str, n: u64) -> Result<usize> {
-    usize::try_from(n).map_err(|_| Error::invalid(format!("{what} {n} exceeds the address space")))
-}
-
 impl Storage {
     /// Checks `[offset, offset + len)` of the storage and that `stream` is of its device;
     /// returns the buffer's range from `buffer_offset`, or `None` when there is nothing to copy.
@@ -36,16 +31,15 @@ impl Storage {
         len: u64,
         buffer_offset: u64,
         stream: StreamId,
-    ) -> Result<Option<Range<usize>>> {
+    ) -> Result<Option<Range<u64>>> {
         self.check_range(offset, len, stream)?;
         if len == 0 {
             return Ok(None);
         }
-        let start = host_size("buffer offset", buffer_offset)?;
-        let end = start
-            .checked_add(host_size("length", len)?)
+        let end = buffer_offset
+            .checked_add(len)
             .ok_or_else(|| Error::invalid("pinned range overflows"))?;
-        Ok(Some(start..end))
+        Ok(Some(buffer_offset..end))
     }
 
     /// Checks `[offset, offset + len)` of the storage and that `stream` is of its device.

@@ -516,6 +516,13 @@ impl Interop for CudaDriver {
         self.bind(entry.device)?;
         let [gx, gy, gz] = dims.grid;
         let [bx, by, bz] = dims.block;
+        let shared_bytes = u32::try_from(dims.shared_bytes).map_err(|_| {
+            Error::invalid(format!(
+                "{} bytes of dynamic shared memory: CUDA takes at most {}",
+                dims.shared_bytes,
+                u32::MAX
+            ))
+        })?;
         // SAFETY: the caller guarantees `function` is a live kernel of this device's context
         // (bound above) and `params` points at values of the types it declares; cuLaunchKernel
         // copies them before returning.
@@ -528,7 +535,7 @@ impl Interop for CudaDriver {
                 bx,
                 by,
                 bz,
-                dims.shared_bytes,
+                shared_bytes,
                 entry.raw.0,
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),

@@ -65,7 +65,12 @@ pub struct HostKernelMemory<const N: usize> {
 
 impl<const N: usize> HostKernelMemory<N> {
     /// Bytes of range `i`.
-    pub fn len(&self, i: usize) -> usize {
+    pub fn len(&self, i: usize) -> u64 {
+        self.host_len(i) as u64
+    }
+
+    /// Bytes of range `i`, as the host's slices count them.
+    fn host_len(&self, i: usize) -> usize {
         self.lens.get(i).copied().unwrap_or(0)
     }
 
@@ -75,14 +80,15 @@ impl<const N: usize> HostKernelMemory<N> {
     }
 
     /// The host address of `[offset, offset + n)` of range `i`, checked.
-    fn at(&self, i: usize, offset: usize, n: usize) -> Result<usize> {
+    fn at(&self, i: usize, offset: u64, n: usize) -> Result<usize> {
         let (addr, len) = self
             .addrs
             .get(i)
             .zip(self.lens.get(i))
             .ok_or_else(|| Error::invalid(format!("range {i} of {N} does not exist")))?;
-        match offset.checked_add(n) {
-            Some(end) if end <= *len => Ok(addr + offset),
+        let start = usize::try_from(offset).ok();
+        match start.and_then(|start| Some((start, start.checked_add(n)?))) {
+            Some((start, end)) if end <= *len => Ok(addr + start),
             _ => Err(Error::invalid(format!(
                 "{n} bytes at offset {offset} run past range {i} ({len} bytes)"
             ))),
@@ -96,7 +102,7 @@ impl<const N: usize> HostKernelMemory<N> {
     }
 
     /// Copies bytes `[offset, offset + out.len())` of range `i` into `out`.
-    pub fn read(&self, i: usize, offset: usize, out: &mut [u8]) -> Result<()> {
+    pub fn read(&self, i: usize, offset: u64, out: &mut [u8]) -> Result<()> {
         let src = self.at(i, offset, out.len())?;
         if out.is_empty() {
             return Ok(());
@@ -110,13 +116,13 @@ impl<const N: usize> HostKernelMemory<N> {
 
     /// Range `i` as a vector.
     pub fn to_vec(&self, i: usize) -> Result<Vec<u8>> {
-        let mut out = vec![0; self.len(i)];
+        let mut out = vec![0; self.host_len(i)];
         self.read(i, 0, &mut out)?;
         Ok(out)
     }
 
     /// Copies `data` into range `i` at `offset` (a range named with [`HostRange::write`]).
-    pub fn write(&mut self, i: usize, offset: usize, data: &[u8]) -> Result<()> {
+    pub fn write(&mut self, i: usize, offset: u64, data: &[u8]) -> Result<()> {
         if !self.writable.get(i).copied().unwrap_or(false) {
             return Err(Error::invalid(format!(
                 "range {i} was named for reading (HostRange::read): the kernel may not write it"
