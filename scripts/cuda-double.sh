@@ -39,6 +39,9 @@ echo "== the allocator and IPC suites again with expandable segments (the driver
 CUDALLOC_TEST_EXPANDABLE=1 cargo test --no-fail-fast --test allocator_pytorch --test allocator_policy \
   --test allocator_properties --test allocator_stress --test cow --test expandable \
   --test ipc_multiprocess --test ipc_interplay
+echo "== pass-through (nothing cached: each allocation its own cuMemAlloc) under the suites that do not test caching"
+CUDALLOC_TEST_PASS_THROUGH=1 cargo test --no-fail-fast --features cudarc --test allocator_pass_through --test cow \
+  --test kernel_two_backends --test allocator_properties
 echo "== stream capture, CUDA graphs and memory pools (one test at a time: a capture anywhere on the"
 echo "   device forbids a free, which synchronizes it, and the double's device is the process's)"
 cargo test --no-fail-fast --test stream_capture --test cuda_graphs --test mem_pool --test pool_stats --test graphs_meet \

@@ -13,7 +13,8 @@
 # GPU_CHECK_ONLY="a b …" runs only those suites and parts (a device lease is short: split the check
 # over calls), GPU_CHECK_SKIP="a b …" all but those; the parts are named `examples`, `expandable`
 # (the allocator suites again with expandable segments), `sanitized` (the stream suites under the
-# sanitizer) and `benches`. GPU_CHECK_SUITE_TIMEOUT (300 s) bounds each suite.
+# sanitizer), `pass_through` (the suites that do not test caching with nothing cached), `cli` (the
+# command: `info`, then the demo) and `benches`. GPU_CHECK_SUITE_TIMEOUT (300 s) bounds each suite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin_dir=target/gpu-bin
@@ -104,6 +105,29 @@ export CUDALLOC_BACKEND=cuda
 log=$(mktemp)
 status=0
 printf '\n%-58s %s\n' "test" "result"
+# The command first (it died by a signal on the last GPU: say which, and go on).
+run_cli() { # what, then the command's arguments
+  local what=$1; shift
+  echo "== cudalloc $what"
+  "$bin_dir/cudalloc-cli" "$@" 2>&1 | tail -n 25 | sed 's/^/  /'
+  local rc=${PIPESTATUS[0]}
+  if [ "$rc" -gt 128 ]; then
+    echo "  ^ cudalloc $what died by signal $((rc - 128)) ($(kill -l $((rc - 128)) 2>/dev/null))"; status=1
+  elif [ "$rc" -ne 0 ]; then
+    echo "  ^ cudalloc $what exited with $rc"; status=1
+  fi
+}
+if wanted cli && [ -x "$bin_dir/cudalloc-cli" ]; then
+  run_cli info info
+  run_cli demo
+fi
+# The tensor-library example, on CUDA through cudarc (its host twin runs in CI), and the
+# candle-style storage with its cuBLAS matmul (libcublas from the toolkit or PyTorch's wheels).
+if wanted examples && [ -x "$bin_dir/candle_storage-example" ]; then
+  echo "== examples/candle_storage on CUDA"
+  cublas_dir=$(dirname "$(find / -name 'libcublas.so*' -not -path '/proc/*' 2>/dev/null | head -n 1)" 2>/dev/null || true)
+  if ! LD_LIBRARY_PATH="${cublas_dir:+$cublas_dir:}$LD_LIBRARY_PATH" "$bin_dir/candle_storage-example"; then status=1; fi
+fi
 # The tensor-library example, on CUDA through cudarc (its host twin runs in CI).
 if wanted examples && [ -x "$bin_dir/tensor_library-example" ]; then
   echo "== examples/tensor_library on CUDA"
@@ -150,6 +174,16 @@ for suite in ${sanitized_suites-driver_conformance cow global_and_storage lifecy
   [ -x "$exe" ] || continue
   if ! CUDALLOC_SANITIZE=panic timeout "${GPU_CHECK_SUITE_TIMEOUT:-300}" "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi
   grep -E 'test result' "$log" | sed "s/^/  $suite (CUDALLOC_SANITIZE=panic): /"
+done
+# Nothing cached (pass_through:True, each allocation its own cuMemAlloc): what a memcheck run of a
+# library's suite uses.
+wanted pass_through || pass_through_suites=""
+for suite in ${pass_through_suites-allocator_pass_through allocator_properties cow kernel_two_backends storage_doors \
+             sleep_wake ipc_interplay cuda_graphs graph_mix}; do
+  exe="$bin_dir/$suite"
+  [ -x "$exe" ] || continue
+  if ! CUDALLOC_TEST_PASS_THROUGH=1 timeout "${GPU_CHECK_SUITE_TIMEOUT:-300}" "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi
+  grep -E 'test result' "$log" | sed "s/^/  $suite (pass_through): /"
 done
 rm -f "$log"
 # Sleep and wake of 1 GiB on the GPU against two plain copies and against copying out, freeing,

@@ -157,6 +157,7 @@ impl CachingAllocatorBuilder {
 
     /// Builds the allocator over `driver` (wrapped in a [`SanitizedDriver`] when sanitizing).
     pub(crate) fn build(self, driver: Arc<dyn Driver>) -> Result<CachingAllocator> {
+        self.config.check_combination()?;
         let options = match self.sanitize {
             Sanitize::FromEnv => SanitizeOptions::from_env()?,
             Sanitize::Off => None,

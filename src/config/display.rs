@@ -117,6 +117,7 @@ impl std::fmt::Display for AllocatorConfig {
             CrossStreamReuse::Segments => "segments",
             CrossStreamReuse::Blocks => "blocks",
         };
-        write!(f, "cross_stream_reuse: {cross_stream_reuse}")
+        writeln!(f, "cross_stream_reuse: {cross_stream_reuse}")?;
+        write!(f, "pass_through: {}", self.pass_through)
     }
 }

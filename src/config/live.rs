@@ -14,12 +14,13 @@
 //! | `thread_cache_mb` | refused | each stream's front-cache limit is fixed when its shard is made |
 //! | `default_stream` | refused | threads have already chosen their default streams by it |
 //! | `stream_order` | refused | storages already made order themselves by it; a change would mix two rules on one storage |
+//! | `pass_through` | refused | the cache a runtime kept by one rule would be kept (or dropped) under the other; build a new runtime |
 //! | `ipc_handle_ttl_s`, `pinned_use_cuda_host_register`, `pinned_num_register_threads`, `pinned_reserve_segment_size_mb`, `backend` | refused | the IPC state and the pinned allocator are built with the runtime |
 
 use super::AllocatorConfig;
 
 /// Every key, by its canonical name.
-pub(crate) const KEYS: [&str; 18] = [
+pub(crate) const KEYS: [&str; 19] = [
     "max_split_size_mb",
     "garbage_collection_threshold",
     "roundup_power2_divisions",
@@ -38,6 +39,7 @@ pub(crate) const KEYS: [&str; 18] = [
     "pinned_use_background_threads",
     "stream_order",
     "cross_stream_reuse",
+    "pass_through",
 ];
 
 /// The canonical name of `key` (`pinned_use_host_register` is an alias).
@@ -78,6 +80,9 @@ pub(crate) fn change_of(key: &str) -> Change {
         }
         "stream_order" => Change::Refused(
             "storages already made order themselves by it; a change would mix two rules on one storage",
+        ),
+        "pass_through" => Change::Refused(
+            "the cache a runtime kept by one rule would be kept, or dropped, under the other; build a new runtime",
         ),
         _ => Change::Refused(
             "the IPC state and the pinned allocator are built with the runtime; build a new one",
@@ -121,6 +126,7 @@ pub(crate) fn copy_key(key: &str, from: &AllocatorConfig, to: &mut AllocatorConf
         }
         "stream_order" => to.stream_order = from.stream_order,
         "cross_stream_reuse" => to.cross_stream_reuse = from.cross_stream_reuse,
+        "pass_through" => to.pass_through = from.pass_through,
         // `backend` has one value and no field.
         _ => {}
     }

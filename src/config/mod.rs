@@ -24,6 +24,7 @@
 //! | `pinned_reserve_segment_size_mb` | integer ≥ 0 (MiB): one page-locked segment made on the first pinned allocation, from which later ones are carved before the driver is asked (never given back; `pinned/memory.rs`) | 0 (off) |
 //! | `stream_order` | `auto`: a storage orders itself — an access through it on a stream (`data_ptr_on`, `mutable_data_ptr_on`, its copies and kernels) waits for the earlier accesses on other streams it conflicts with (a write for every earlier reader and writer, a read for the last writer), and its free waits for every stream that used it (`storage/order.rs`); `manual`: PyTorch's rules (`record_stream` and waits are the program's; the sanitizer reports what is missing) (cudalloc's own key) | `auto` |
 //! | `cross_stream_reuse` | `off`: memory cached for one stream serves that stream only (PyTorch's order; other streams' idle segments are freed to the driver at the out-of-memory sequence's last step); `segments`: before asking the driver for a segment, a miss takes over the smallest whole idle segment cached under another stream that fits, ordered after that stream's work (no driver call); `blocks`: first the best-fitting free block cached under another stream, used on the asking stream after a wait on its owner's work and freed back to its owner after the asking stream's work, then as `segments` (`alloc/engine/cross_stream.rs`; cudalloc's own key) | `off` |
+//! | `pass_through` | `True`/`False` (cudalloc's own key; PyTorch's `PYTORCH_NO_CUDA_MEMORY_CACHING`): the default pool caches nothing — each allocation is its own driver allocation of the rounded size, each free its own driver free once the free's stream-ordered wait is over — so tools that check a driver allocation's bounds (compute-sanitizer's memcheck) see every tensor's. Same API and statistics. Memory pools and graphs keep their memory (a graph's replays need it). Not with `thread_cache_mb` or `expandable_segments` (both caches) | `False` |
 //! | `pinned_use_background_threads` | `True`/`False`: validated; cudalloc polls the pinned allocator's events on every allocation that finds some queued (one atomic load when none) and in `empty_cache`, so no background thread is started | `False` |
 
 use std::collections::BTreeMap;
@@ -130,6 +131,8 @@ pub struct AllocatorConfig {
     pub stream_order: StreamOrder,
     /// Whether memory cached for one stream serves another (`cross_stream_reuse`).
     pub cross_stream_reuse: CrossStreamReuse,
+    /// The default pool caches nothing: one driver allocation per allocation (`pass_through`).
+    pub pass_through: bool,
 }
 
 impl Default for AllocatorConfig {
@@ -153,6 +156,7 @@ impl Default for AllocatorConfig {
             pinned_use_background_threads: false,
             stream_order: StreamOrder::Auto,
             cross_stream_reuse: CrossStreamReuse::Off,
+            pass_through: false,
         }
     }
 }
@@ -334,8 +338,29 @@ impl AllocatorConfig {
     pub fn apply(&mut self, text: &str) -> Result<Vec<&'static str>> {
         let mut next = self.clone();
         let keys = next.apply_pairs(text)?;
+        next.check_combination()?;
         *self = next;
         Ok(keys)
+    }
+
+    /// An error when two keys in force contradict each other (`pass_through` with a cache).
+    /// Checked when text is applied and when a runtime is built from a configuration (whose
+    /// fields are public).
+    pub(crate) fn check_combination(&self) -> Result<()> {
+        if self.pass_through && self.thread_cache > 0 {
+            return Err(Error::Config(
+                "pass_through caches nothing, and thread_cache_mb is a cache: set thread_cache_mb:0"
+                    .into(),
+            ));
+        }
+        if self.pass_through && self.expandable_segments {
+            return Err(Error::Config(
+                "pass_through gives each allocation its own driver allocation, and \
+                 expandable_segments caches pages of one segment: set expandable_segments:False"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 
     fn apply_pairs(&mut self, text: &str) -> Result<Vec<&'static str>> {
@@ -447,6 +472,7 @@ impl AllocatorConfig {
                         _ => return Err(bad(key, value, "auto or manual")),
                     }
                 }
+                "pass_through" => self.pass_through = parse_bool(key, value)?,
                 "cross_stream_reuse" => {
                     self.cross_stream_reuse = match value {
                         "off" => CrossStreamReuse::Off,
@@ -462,7 +488,7 @@ impl AllocatorConfig {
                          per_process_memory_fraction, ipc_handle_ttl_s, default_stream, oom_snapshot_path, thread_cache_mb, \
                          max_non_split_rounding_mb, backend, pinned_use_cuda_host_register, \
                          pinned_num_register_threads, pinned_reserve_segment_size_mb, \
-                         pinned_use_background_threads, stream_order, cross_stream_reuse"
+                         pinned_use_background_threads, stream_order, cross_stream_reuse, pass_through"
                     )))
                 }
             }

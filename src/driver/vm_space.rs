@@ -63,21 +63,25 @@ impl<C> VmSpace<C> {
 
     /// The reservation holding `[addr, addr + len)`, with its base.
     fn holding(&self, addr: u64, len: u64) -> Result<(u64, &VmReservation<C>)> {
-        let (&base, r) = self
-            .reservations
+        self.find(addr, len).ok_or_else(|| {
+            Error::invalid(format!(
+                "{len} bytes at {} are not inside a reservation of this driver",
+                DeviceAddr(addr)
+            ))
+        })
+    }
+
+    /// As [`Self::holding`], without an error to build (every range check of a plain segment
+    /// asks first whether a reservation holds it: `contains`).
+    fn find(&self, addr: u64, len: u64) -> Option<(u64, &VmReservation<C>)> {
+        self.reservations
             .range(..=addr)
             .next_back()
             .filter(|(&b, r)| {
                 addr.checked_add(len)
                     .is_some_and(|end| end <= b.saturating_add(r.size))
             })
-            .ok_or_else(|| {
-                Error::invalid(format!(
-                    "{len} bytes at {} are not inside a reservation of this driver",
-                    DeviceAddr(addr)
-                ))
-            })?;
-        Ok((base, r))
+            .map(|(&b, r)| (b, r))
     }
 
     /// The device of the reservation holding `addr`.
@@ -91,7 +95,7 @@ impl<C> VmSpace<C> {
     /// and the simulator may place a plain segment right there — except for an empty range, which
     /// may end a reservation's last block.
     pub(crate) fn contains(&self, addr: u64, len: u64) -> bool {
-        self.holding(addr, len.min(1)).is_ok()
+        self.find(addr, len.min(1)).is_some()
     }
 
     /// Checks that `chunk_len` bytes may be mapped at `addr` (aligned to `granularity`, inside a

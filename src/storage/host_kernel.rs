@@ -264,10 +264,11 @@ pub(super) fn door(
     runtime: &Runtime,
     stream: StreamId,
     operands: &[sealed::Operand<'_>],
-) -> Result<Vec<(u64, u64, usize)>> {
+) -> Result<smallvec::SmallVec<[(u64, u64, usize); 8]>> {
     let device = runtime.driver().stream_device(stream)?;
     let n = operands.len();
-    let mut spans = vec![(0u64, 0u64, 0usize); n];
+    let mut spans: smallvec::SmallVec<[(u64, u64, usize); 8]> =
+        smallvec::smallvec![(0u64, 0u64, 0usize); n];
     for (i, (op, span)) in operands.iter().zip(&mut spans).enumerate() {
         // Another runtime over the same driver is fine (a storage received from one in this
         // process is the sender's own): the stream and the memory are the same driver's.
@@ -308,22 +309,49 @@ pub(super) fn door(
 
 /// The operands as a kernel's panic names them: `operand 0: reads 1024 f32 (elements 0..1024)
 /// of a 4096-byte storage; …`.
-pub(super) fn describe(operands: &[sealed::Operand<'_>], spans: &[(u64, u64, usize)]) -> String {
-    let each: Vec<String> = operands
+/// What a panic's error says of one operand, kept as plain values so a launch formats nothing
+/// unless its kernel panics.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct OperandFacts {
+    writes: bool,
+    count: usize,
+    type_name: &'static str,
+    first: u64,
+    nbytes: u64,
+}
+
+/// The facts of each operand (cheap: no allocation).
+pub(super) fn facts<const N: usize>(
+    operands: &[sealed::Operand<'_>; N],
+    spans: &[(u64, u64, usize)],
+) -> [OperandFacts; N] {
+    std::array::from_fn(|i| {
+        let op = &operands[i];
+        let (start, _, count) = spans.get(i).copied().unwrap_or_default();
+        OperandFacts {
+            writes: op.kind == AccessKind::Write,
+            count,
+            type_name: op.type_name,
+            first: start / op.size.max(1) as u64,
+            nbytes: op.storage.nbytes(),
+        }
+    })
+}
+
+/// The operands as a panic's error names them.
+pub(super) fn describe(facts: &[OperandFacts]) -> String {
+    let each: Vec<String> = facts
         .iter()
-        .zip(spans)
         .enumerate()
-        .map(|(i, (op, &(start, _, count)))| {
-            let verb = match op.kind {
-                AccessKind::Write => "writes",
-                AccessKind::Read => "reads",
-            };
-            let first = start / op.size.max(1) as u64;
+        .map(|(i, f)| {
+            let verb = if f.writes { "writes" } else { "reads" };
             format!(
-                "operand {i}: {verb} {count} {} (elements {first}..{}) of a {}-byte storage",
-                op.type_name,
-                first + count as u64,
-                op.storage.nbytes()
+                "operand {i}: {verb} {} {} (elements {}..{}) of a {}-byte storage",
+                f.count,
+                f.type_name,
+                f.first,
+                f.first + f.count as u64,
+                f.nbytes
             )
         })
         .collect();
@@ -414,14 +442,14 @@ macro_rules! host_args_tuple {
                 order::enqueue_ordered(&accesses, stream, |placements| {
                 let (placed, zero_copy) = place(runtime, stream, &operands, &spans, placements)?;
                 let counts = placed.map(|p| p.count);
-                let described = describe(&operands, &spans);
+                let facts = facts(&operands, &spans);
                 // A panic of the kernel is its own error, naming the operands (caught here, on
                 // the stream's thread, before the driver sees it).
                 let run = move |slices: <Self as sealed::Args>::Slices<'_>| -> Result<()> {
                     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| kernel(slices)))
                         .unwrap_or_else(|panic| {
                             Err(Error::KernelPanic {
-                                operands: described.clone(),
+                                operands: describe(&facts),
                                 message: crate::error::panic_message(&*panic),
                             })
                         })

@@ -284,6 +284,9 @@ impl CapturedUse for StorageUse {
 /// [`enqueue_ordered`], or with `replay` (the addresses a capture saw, one per operand) a graph's
 /// replay: nothing is materialized, and a storage that no longer holds the captured address, or
 /// that a lazy clone now shares while the replay writes it, refuses the replay.
+/// The operands of one piece of work: up to eight without an allocation.
+type Few<T> = smallvec::SmallVec<[T; 8]>;
+
 fn locked<R>(
     operands: &[(&Storage, AccessKind)],
     stream: StreamId,
@@ -291,7 +294,7 @@ fn locked<R>(
     enqueue: impl FnOnce(&[Placement]) -> Result<R>,
 ) -> Result<R> {
     // Unique storages in address order, each with the strongest mode asked of it.
-    let mut unique: Vec<(&Storage, AccessKind)> = Vec::with_capacity(operands.len());
+    let mut unique: Few<(&Storage, AccessKind)> = Few::new();
     for &(storage, kind) in operands {
         match unique.iter_mut().find(|(s, _)| s.is_alias_of(storage)) {
             Some((_, k)) if kind == AccessKind::Write => *k = AccessKind::Write,
@@ -312,7 +315,7 @@ fn locked<R>(
     // their locks held (found by review: an observer reading another operand deadlocked). Then
     // the data locks; a written operand a lazy clone made copy-on-write again in between is
     // materialized again.
-    let mut data = Vec::new();
+    let mut data: Few<_> = Few::new();
     for attempt in 0.. {
         if replay.is_none() {
             for (storage, kind) in &unique {
@@ -324,7 +327,7 @@ fn locked<R>(
         data = unique
             .iter()
             .map(|(s, _)| s.data())
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Few<_>>>()?;
         let cow_again = replay.is_none()
             && unique
                 .iter()
@@ -361,20 +364,27 @@ fn locked<R>(
             }
         }
     }
-    let mut ordered = vec![false; unique.len()];
+    let mut ordered: Few<bool> = unique.iter().map(|_| false).collect();
     // Held until the work is enqueued and recorded (see `enqueue_ordered`).
-    let mut uses: Vec<_> = unique
+    let mut uses: Few<_> = unique
         .iter()
         .map(|(s, _)| s.inner.uses.uses.lock())
         .collect();
+    // The stream's device, asked of the driver once (and only when a storage orders itself).
+    let mut stream_device = None;
     for (((storage, kind), uses), ordered) in unique.iter().zip(&mut uses).zip(&mut ordered) {
-        if storage.orders_itself()
-            && storage.allocator().driver().stream_device(stream)? == storage.inner.device
-        {
+        if !storage.orders_itself() {
+            continue;
+        }
+        let device = match stream_device {
+            Some(device) => device,
+            None => *stream_device.insert(storage.allocator().driver().stream_device(stream)?),
+        };
+        if device == storage.inner.device {
             *ordered = storage.order_locked(uses, stream, *kind)?;
         }
     }
-    let placements: Vec<Placement> = operands
+    let placements: Few<Placement> = operands
         .iter()
         .map(|(storage, _)| {
             let data = &data[index_of(storage)];

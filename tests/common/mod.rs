@@ -513,15 +513,33 @@ pub(crate) fn test_config(conf: &str) -> cudalloc::AllocatorConfig {
     cudalloc::AllocatorConfig::parse(&with_test_settings(conf)).unwrap()
 }
 
-/// `conf` with the settings of this run added (`expandable_segments:True` in an expandable run).
+/// `conf` with the settings of this run added: `expandable_segments:True` in an expandable run
+/// (`CUDALLOC_TEST_EXPANDABLE=1`), `pass_through:True` in a pass-through run
+/// (`CUDALLOC_TEST_PASS_THROUGH=1`: the suites that do not test caching run with nothing
+/// cached, as a memcheck run of a library's suite would). A key is given once: a suite that
+/// sets it keeps its own value, and a suite that asks for a cache (`thread_cache_mb`,
+/// `expandable_segments`) keeps it — pass-through refuses both.
 pub(crate) fn with_test_settings(conf: &str) -> String {
-    match (expandable_run(), conf.is_empty()) {
-        // A key is given once: a suite that sets it keeps its own value.
-        (true, false) if conf.contains("expandable_segments") => conf.to_owned(),
-        (false, _) => conf.to_owned(),
-        (true, true) => "expandable_segments:True".to_owned(),
-        (true, false) => format!("{conf},expandable_segments:True"),
+    let mut out = conf.to_owned();
+    let mut add = |setting: &str| {
+        if !out.is_empty() {
+            out.push(',');
+        }
+        out.push_str(setting);
+    };
+    if expandable_run() && !conf.contains("expandable_segments") {
+        add("expandable_segments:True");
     }
+    let caches = conf.contains("thread_cache_mb") || conf.contains("expandable_segments:True");
+    if pass_through_run() && !expandable_run() && !caches && !conf.contains("pass_through") {
+        add("pass_through:True");
+    }
+    out
+}
+
+/// Whether this run passes every allocation through to the driver (`CUDALLOC_TEST_PASS_THROUGH=1`).
+pub(crate) fn pass_through_run() -> bool {
+    std::env::var("CUDALLOC_TEST_PASS_THROUGH").is_ok_and(|v| v == "1")
 }
 
 /// Holds `stream` busy: a gate on the host backend (deterministic), a 300 ms sleep kernel on CUDA.

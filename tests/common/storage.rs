@@ -13,7 +13,7 @@ use cudalloc::{
 pub(crate) fn build(host: &Arc<HostDriver>, conf: &str, sanitize: bool) -> Arc<Runtime> {
     Arc::new(
         Runtime::builder()
-            .config(AllocatorConfig::parse(conf).unwrap())
+            .config(AllocatorConfig::parse(&super::with_test_settings(conf)).unwrap())
             .sanitize(if sanitize {
                 Sanitize::On(Default::default())
             } else {

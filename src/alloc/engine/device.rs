@@ -17,6 +17,7 @@
 use crate::driver::capability::relaxed;
 
 use super::snapshot::SnapshotSegment;
+use super::state::ReleaseOrder;
 use super::ShardState;
 use super::{DeviceCore, Shard};
 use crate::alloc::block::{Allocated, BlockId};
@@ -293,6 +294,14 @@ impl DeviceCore {
             return None;
         }
         self.poll_events(shard, &mut st);
+        if self.config().pass_through && st.releasable() {
+            // Nothing is cached: what the poll freed goes back to the driver, and the request
+            // gets memory of its own (`new_memory`).
+            let freed = st.take_free_segments(|_| true, ReleaseOrder::Largest, |_| false);
+            self.settle(st);
+            self.free_segments(shard.stream(), freed);
+            return None;
+        }
         let id = st.allocate_best_fit(pool, rounded, requested)?;
         self.hand_out_fit(shard, st, id, rounded)
     }
@@ -536,7 +545,13 @@ impl DeviceCore {
     ) -> Result<Option<Allocated>> {
         let Request { requested, rounded } = req;
         let pool = req.pool();
-        let seg = size::segment_size(rounded);
+        // Passing through, an allocation is a segment of its own size: nothing is left over to
+        // cache (memory pools keep their sizes: a graph's replays reuse its memory).
+        let seg = if self.config().pass_through && shard.serves_default_pool() {
+            rounded
+        } else {
+            size::segment_size(rounded)
+        };
         let held: Option<ShortMutexGuard<'_, ShardState>> =
             (!self.config().release_lock_on_cudamalloc).then(|| shard.state.lock());
         if !self.try_reserve(seg) {

@@ -148,6 +148,13 @@ impl Shard {
             FreePlan::AfterCaptures(waits) => st.deferred.push((id, waits)),
             FreePlan::AfterEvents(waits) => core.insert_free_events(&mut st, id, waits),
         }
+        // Passing through, the free's memory goes back to the driver once its waits are over
+        // (now, or at a later poll of its events).
+        let released = (core.config().pass_through && st.releasable()).then(|| {
+            core.poll_events(self, &mut st);
+            let freed = st.take_free_segments(|_| true, ReleaseOrder::Largest, |_| false);
+            (Arc::clone(core), self.stream(), freed)
+        });
         let orphan_released = st.orphaned && st.owners == 0;
         st.orphaned &= !orphan_released;
         // A free can grow statistics too (inactive split blocks): settle checks the budget. The
@@ -155,6 +162,9 @@ impl Shard {
         // last free may drop the shard, and with it the core when the allocator is gone: what
         // runs after the unlock holds a reference of its own.
         DeviceCore::settle_leaving(&self.core, st);
+        if let Some((core, stream, freed)) = released {
+            core.free_segments(stream, freed);
+        }
         orphan_released
     }
 

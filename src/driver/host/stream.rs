@@ -84,6 +84,9 @@ struct Queue {
     submitted: u64,
     completed: u64,
     waiters: u32,
+    /// Whether the worker waits for work (`has_work`): a push wakes it only then, so a busy
+    /// stream takes work without a system call.
+    worker_idle: bool,
     shutdown: bool,
     /// What failed the stream: its text, and the error itself when work returned one (the
     /// source of every later error of the stream).
@@ -216,7 +219,9 @@ impl HostStream {
                     if q.shutdown {
                         return;
                     }
+                    q.worker_idle = true;
                     q = self.has_work.wait(q);
+                    q.worker_idle = false;
                 }
             };
             let outcome = execute(work, in_fault);
@@ -290,8 +295,11 @@ impl HostStream {
         q.ops.push_back(work);
         q.submitted += 1;
         let ticket = q.submitted;
+        let idle = q.worker_idle;
         drop(q);
-        self.has_work.notify_one();
+        if idle {
+            self.has_work.notify_one();
+        }
         Ok(ticket)
     }
 
