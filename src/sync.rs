@@ -78,6 +78,15 @@ pub(crate) mod os {
                 .write()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
         }
+
+        /// Shared access if it is free now (no writer holds or waits for the lock).
+        pub(crate) fn try_read(&self) -> Option<RwLockReadGuard<'_, T>> {
+            match self.0.try_read() {
+                Ok(guard) => Some(guard),
+                Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            }
+        }
     }
 
     /// A condition variable for [`Mutex`] guards.

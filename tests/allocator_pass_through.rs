@@ -120,6 +120,38 @@ fn a_free_goes_back_to_the_driver_after_the_streams_that_used_it() {
     assert_eq!(rt.memory_stats(0).unwrap().reserved_bytes.all.current, 0);
 }
 
+/// Passing through, nothing is reused across streams either: a segment another stream freed
+/// (its wait over, not yet given back) is not adopted by a miss on a third stream under
+/// `cross_stream_reuse` — it goes back to the driver. Found by review: the cross-stream step ran
+/// before pass-through's own allocation and handed the old segment out.
+#[test]
+fn nothing_is_reused_across_streams() {
+    let _device = device_shared();
+    for reuse in ["segments", "blocks"] {
+        let conf = format!("pass_through:True,cross_stream_reuse:{reuse},stream_order:manual");
+        let (rt, b) = runtime(&conf);
+        let [s, t, u] = [0; 3].map(|_| rt.create_stream(0).unwrap());
+        let x = Storage::new_on(&rt, s, 1 << 20).unwrap();
+        let addr = x.unordered_data_ptr();
+        let hold = hold_stream(&b, t);
+        x.record_stream(t).unwrap();
+        drop(x);
+        drop(hold);
+        rt.synchronize(t).unwrap();
+        // `x`'s wait is over but unseen by `s`'s cache; a miss on `u` must not take it.
+        let y = Storage::new_on(&rt, u, 1 << 20).unwrap();
+        assert_ne!(
+            y.unordered_data_ptr(),
+            addr,
+            "{reuse}: `x`'s memory was reused"
+        );
+        drop(y);
+        drop(Storage::new_on(&rt, s, 512).unwrap());
+        let stats = rt.memory_stats(0).unwrap();
+        assert_eq!(stats.reserved_bytes.all.current, 0, "{reuse}: {stats:?}");
+    }
+}
+
 /// A memory pool keeps its memory (a graph's replays reuse what its capture allocated), so its
 /// segments are the caching allocator's.
 #[test]

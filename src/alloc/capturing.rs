@@ -170,6 +170,14 @@ impl CaptureRoutes {
         (!self.any()).then_some(gate)
     }
 
+    /// [`Self::releasing`] without waiting: `None` also when the gate is not free now — for a
+    /// free that may run inside the gate already (a `DataPtr` dropped by an observer, or by the
+    /// cross-stream path's own rollback), which must not wait for a capture waiting for it.
+    pub(crate) fn releasing_now(&self) -> Option<RwLockReadGuard<'_, ()>> {
+        let gate = self.gate.try_read()?;
+        (!self.any() && !any_capture_under_way()).then_some(gate)
+    }
+
     /// Routes the allocations of driver capture `capture` to `pool`, and makes the capture known
     /// to the process (its accesses are kept here, [`note_captured_use`]).
     pub(crate) fn route(

@@ -91,7 +91,8 @@ fn message(f: &OutOfMemoryEvent, config: &AllocatorConfig) -> String {
         m.push_str(&format!(" ({} as served)", format_size(f.rounded)));
     }
     if let Some(stream) = f.stream {
-        m.push_str(&format!(" on stream {}", stream.raw()));
+        // The stream's number among its driver's (the raw id also carries the driver's number).
+        m.push_str(&format!(" on stream {}", stream.serial()));
     }
     m.push_str(&format!(
         ". Device {} has a total capacity of {} of which {} is free. \

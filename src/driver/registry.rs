@@ -16,10 +16,13 @@ use crate::process::Birth;
 use crate::sync::os::atomic::{AtomicU64, Ordering};
 use crate::sync::os::RwLock;
 
-/// A driver's id counter (ids start at 1) and the driver's number its stream ids carry.
+/// A driver's id counters (ids start at 1) and the driver's number its stream ids carry. Streams
+/// count apart from the rest (events, segments, graphs, opened handles): a stream id has 36 bits
+/// for its number, which the other ids would spend.
 #[derive(Debug)]
 pub(crate) struct IdCounter {
     next: AtomicU64,
+    streams: AtomicU64,
     driver: DriverTag,
 }
 
@@ -27,6 +30,7 @@ impl Default for IdCounter {
     fn default() -> Self {
         IdCounter {
             next: AtomicU64::new(1),
+            streams: AtomicU64::new(1),
             driver: DriverTag::fresh(),
         }
     }
@@ -40,7 +44,8 @@ impl IdCounter {
 
     /// A stream id on `device` never handed out before by this driver.
     pub(crate) fn stream(&self, device: usize) -> Result<StreamId> {
-        StreamId::new(self.driver, device, self.fresh())
+        let serial = self.streams.fetch_add(1, Ordering::Relaxed);
+        StreamId::new(self.driver, device, serial)
     }
 
     /// The driver's number.

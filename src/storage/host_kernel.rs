@@ -307,8 +307,6 @@ pub(super) fn door(
     Ok(spans)
 }
 
-/// The operands as a kernel's panic names them: `operand 0: reads 1024 f32 (elements 0..1024)
-/// of a 4096-byte storage; …`.
 /// What a panic's error says of one operand, kept as plain values so a launch formats nothing
 /// unless its kernel panics.
 #[derive(Clone, Copy, Debug)]
@@ -338,7 +336,8 @@ pub(super) fn facts<const N: usize>(
     })
 }
 
-/// The operands as a panic's error names them.
+/// The operands as a kernel's panic names them: `operand 0: reads 1024 f32 (elements 0..1024)
+/// of a 4096-byte storage; …`.
 pub(super) fn describe(facts: &[OperandFacts]) -> String {
     let each: Vec<String> = facts
         .iter()

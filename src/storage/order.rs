@@ -281,12 +281,12 @@ impl CapturedUse for StorageUse {
     }
 }
 
-/// [`enqueue_ordered`], or with `replay` (the addresses a capture saw, one per operand) a graph's
-/// replay: nothing is materialized, and a storage that no longer holds the captured address, or
-/// that a lazy clone now shares while the replay writes it, refuses the replay.
 /// The operands of one piece of work: up to eight without an allocation.
 type Few<T> = smallvec::SmallVec<[T; 8]>;
 
+/// [`enqueue_ordered`], or with `replay` (the addresses a capture saw, one per operand) a graph's
+/// replay: nothing is materialized, and a storage that no longer holds the captured address, or
+/// that a lazy clone now shares while the replay writes it, refuses the replay.
 fn locked<R>(
     operands: &[(&Storage, AccessKind)],
     stream: StreamId,

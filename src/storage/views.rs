@@ -122,7 +122,17 @@ fn order_other_stream(
     });
     let Err(err) = ordered else { return };
     tracing::warn!(%err, "ordering a view's other stream failed: the host waits for the view's stream");
-    if let Err(sync) = storage.runtime().driver().stream_synchronize(own) {
+    let driver = storage.runtime().driver();
+    // A host wait would invalidate a capture of the view's stream: then the error alone.
+    let capturing = driver
+        .graphs()
+        .stream_capture_status(own)
+        .is_ok_and(|s| s.is_capturing());
+    if capturing {
+        tracing::error!(
+            "the view's stream is being captured: no host wait stands in for the ordering"
+        );
+    } else if let Err(sync) = driver.stream_synchronize(own) {
         tracing::error!(%sync, "waiting for a view's stream on the host failed too");
     }
     let mut slot = failed.lock();

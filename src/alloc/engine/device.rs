@@ -298,8 +298,9 @@ impl DeviceCore {
             // Nothing is cached: what the poll freed goes back to the driver, and the request
             // gets memory of its own (`new_memory`).
             let freed = st.take_free_segments(|_| true, ReleaseOrder::Largest, |_| false);
+            let stream = shard.stream();
             self.settle(st);
-            self.free_segments(shard.stream(), freed);
+            self.free_segments_passing(stream, freed);
             return None;
         }
         let id = st.allocate_best_fit(pool, rounded, requested)?;
@@ -396,15 +397,20 @@ impl DeviceCore {
         if self.wide.capturing.any() {
             return self.allocate_while_capturing(shard, req);
         }
-        if self.wide.callbacks.run() {
-            if let Some(hit) = self.try_fit(shard, req) {
+        // Passing through, a miss is every allocation's way: no cache to collect, reuse or lend
+        // from, and the free-memory callbacks wait for an out-of-memory.
+        let passing = self.config().pass_through && shard.serves_default_pool();
+        if !passing {
+            if self.wide.callbacks.run() {
+                if let Some(hit) = self.try_fit(shard, req) {
+                    return Ok(hit);
+                }
+            }
+            self.garbage_collect();
+            if let Some((lending, hit)) = self.reuse_across_streams(shard, req) {
+                *lender = lending;
                 return Ok(hit);
             }
-        }
-        self.garbage_collect();
-        if let Some((lending, hit)) = self.reuse_across_streams(shard, req) {
-            *lender = lending;
-            return Ok(hit);
         }
         let mut cause = None;
         if let Some(hit) = self.new_memory(shard, req, &mut cause)? {
@@ -415,6 +421,11 @@ impl DeviceCore {
                 return Ok(hit);
             }
         }
+        if passing {
+            // What the callbacks free (IPC limbo, a library's caches) goes back to the driver
+            // with the release below.
+            self.wide.callbacks.run();
+        }
         self.release_cached(true);
         self.counters.count(Count::AllocRetry);
         if let Some(hit) = self.try_fit(shard, req) {
@@ -423,9 +434,11 @@ impl DeviceCore {
         if let Some(hit) = self.new_memory(shard, req, &mut cause)? {
             return Ok(hit);
         }
-        if let Some((lending, hit)) = self.lend(shard, req) {
-            *lender = Some(lending);
-            return Ok(hit);
+        if !passing {
+            if let Some((lending, hit)) = self.lend(shard, req) {
+                *lender = Some(lending);
+                return Ok(hit);
+            }
         }
         Err(self.out_of_memory(shard, req, cause))
     }

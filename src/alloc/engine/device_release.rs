@@ -45,6 +45,30 @@ impl DeviceCore {
             self.withheld.keep(stream, segments);
             return;
         };
+        self.free_segments_released(stream, segments);
+    }
+
+    /// [`Self::free_segments`] for pass-through's frees (`pass_through`), which run on every
+    /// free and may run inside the capture gate already: without waiting for the gate, and not
+    /// while any capture of the process is under way (a driver free would invalidate it) — then
+    /// the segments wait for the next release.
+    pub(in crate::alloc) fn free_segments_passing(
+        &self,
+        stream: StreamId,
+        segments: Vec<(u64, u64)>,
+    ) {
+        if segments.is_empty() {
+            return;
+        }
+        let Some(_no_capture) = self.wide.capturing.releasing_now() else {
+            self.withheld.keep(stream, segments);
+            return;
+        };
+        self.free_segments_released(stream, segments);
+    }
+
+    /// The driver frees of `segments` and of those withheld before, inside the capture gate.
+    fn free_segments_released(&self, stream: StreamId, segments: Vec<(u64, u64)>) {
         self.free_refused();
         let earlier = self.withheld.take_kept();
         let all = earlier

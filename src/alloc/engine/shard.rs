@@ -163,7 +163,7 @@ impl Shard {
         // runs after the unlock holds a reference of its own.
         DeviceCore::settle_leaving(&self.core, st);
         if let Some((core, stream, freed)) = released {
-            core.free_segments(stream, freed);
+            core.free_segments_passing(stream, freed);
         }
         orphan_released
     }
