@@ -55,6 +55,9 @@ pub(crate) struct ConfigCell {
     birth: Birth,
     /// `roundup_power2_divisions` of the configuration in force, entry by entry.
     divisions: [AtomicU64; ROUNDUP_INTERVALS],
+    /// `pass_through` of the configuration in force, read by every fit and free: a live runtime
+    /// refuses to change it (`live.rs`), so the value the cell was made with stays in force.
+    pass_through: bool,
     /// Writers one at a time ([`ConfigCell::update`]).
     writers: Mutex<()>,
 }
@@ -63,8 +66,10 @@ impl ConfigCell {
     /// A cell holding `config`.
     pub(crate) fn new(config: AllocatorConfig) -> Self {
         let divisions = config.roundup_power2_divisions.map(AtomicU64::new);
+        let pass_through = config.pass_through;
         let current = Arc::new(config);
         ConfigCell {
+            pass_through,
             forked: AtomicPtr::new(Arc::as_ptr(&current).cast_mut()),
             birth: Birth::now(),
             current: Mutex::new(current),
@@ -96,6 +101,13 @@ impl ConfigCell {
     #[inline]
     pub(crate) fn divisions_for(&self, size: u64) -> u64 {
         self.divisions[AllocatorConfig::division_interval(size)].load(Ordering::Relaxed)
+    }
+
+    /// Whether the default pool passes every allocation through to the driver (no lock, no
+    /// reference count: the fit and free paths ask).
+    #[inline]
+    pub(crate) fn pass_through(&self) -> bool {
+        self.pass_through
     }
 
     /// Makes `config` the one in force; the one it replaces is dropped with its last reader.

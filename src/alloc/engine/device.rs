@@ -294,7 +294,7 @@ impl DeviceCore {
             return None;
         }
         self.poll_events(shard, &mut st);
-        if self.config().pass_through && st.releasable() {
+        if self.config.pass_through() && st.releasable() {
             // Nothing is cached: what the poll freed goes back to the driver, and the request
             // gets memory of its own (`new_memory`).
             let freed = st.take_free_segments(|_| true, ReleaseOrder::Largest, |_| false);
@@ -399,7 +399,7 @@ impl DeviceCore {
         }
         // Passing through, a miss is every allocation's way: no cache to collect, reuse or lend
         // from, and the free-memory callbacks wait for an out-of-memory.
-        let passing = self.config().pass_through && shard.serves_default_pool();
+        let passing = self.config.pass_through() && shard.serves_default_pool();
         if !passing {
             if self.wide.callbacks.run() {
                 if let Some(hit) = self.try_fit(shard, req) {
@@ -560,7 +560,7 @@ impl DeviceCore {
         let pool = req.pool();
         // Passing through, an allocation is a segment of its own size: nothing is left over to
         // cache (memory pools keep their sizes: a graph's replays reuse its memory).
-        let seg = if self.config().pass_through && shard.serves_default_pool() {
+        let seg = if self.config.pass_through() && shard.serves_default_pool() {
             rounded
         } else {
             size::segment_size(rounded)

@@ -122,6 +122,10 @@ impl Shard {
     }
 }
 
+/// Segments a pass-through free leaves (base, size), with the core and stream that give them
+/// back after the shard's unlock.
+type PassedThrough = (Arc<DeviceCore>, StreamId, Vec<(u64, u64)>);
+
 impl Shard {
     /// The owner dropped block `id` (the `DataPtr` free path). Returns true when this released
     /// the last block of an orphaned shard: the caller then calls [`Shard::release_orphan`].
@@ -150,11 +154,11 @@ impl Shard {
         }
         // Passing through, the free's memory goes back to the driver once its waits are over
         // (now, or at a later poll of its events).
-        let released = (core.config().pass_through && st.releasable()).then(|| {
-            core.poll_events(self, &mut st);
-            let freed = st.take_free_segments(|_| true, ReleaseOrder::Largest, |_| false);
-            (Arc::clone(core), self.stream(), freed)
-        });
+        let released = if core.config.pass_through() {
+            self.passed_through(&mut st)
+        } else {
+            None
+        };
         let orphan_released = st.orphaned && st.owners == 0;
         st.orphaned &= !orphan_released;
         // A free can grow statistics too (inactive split blocks): settle checks the budget. The
@@ -166,6 +170,22 @@ impl Shard {
             core.free_segments_passing(stream, freed);
         }
         orphan_released
+    }
+
+    /// Under `pass_through`, the free segments a free leaves in a shard of the default pool (its
+    /// events polled first), with what gives them back after the unlock — off the free's hot path.
+    #[cold]
+    #[inline(never)]
+    fn passed_through(
+        &self,
+        st: &mut super::ShardState,
+    ) -> Option<PassedThrough> {
+        if !st.releasable() {
+            return None;
+        }
+        self.core.poll_events(self, st);
+        let freed = st.take_free_segments(|_| true, ReleaseOrder::Largest, |_| false);
+        Some((Arc::clone(&self.core), self.stream(), freed))
     }
 
     /// Leaves `shard` to its handed-out blocks (allocator teardown): dropped now when none is out,
