@@ -176,10 +176,7 @@ impl Shard {
     /// events polled first), with what gives them back after the unlock — off the free's hot path.
     #[cold]
     #[inline(never)]
-    fn passed_through(
-        &self,
-        st: &mut super::ShardState,
-    ) -> Option<PassedThrough> {
+    fn passed_through(&self, st: &mut super::ShardState) -> Option<PassedThrough> {
         if !st.releasable() {
             return None;
         }
