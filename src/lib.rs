@@ -84,6 +84,7 @@ pub mod nccl;
 #[cfg(feature = "nixl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
 pub mod nixl;
+mod nvtx;
 pub mod pinned;
 mod process;
 #[cfg(feature = "replay")]

@@ -120,7 +120,8 @@ pub(crate) mod os {
     /// Real atomics. Also the only atomics that may be placed in shared memory mapped from a file.
     pub(crate) mod atomic {
         pub(crate) use std::sync::atomic::{
-            AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering,
+            AtomicBool, AtomicIsize, AtomicPtr, AtomicU32, AtomicU64, AtomicU8, AtomicUsize,
+            Ordering,
         };
     }
 }

@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 
 fn rank(module: &str) -> Option<u32> {
     Some(match module {
-        "error" | "sync" | "process" | "config" | "shm" | "codec" => 0,
+        "error" | "sync" | "process" | "config" | "shm" | "codec" | "nvtx" => 0,
         "driver" => 1,
         "alloc" => 2,
         "cow" | "ipc" | "pinned" => 3,

@@ -17,10 +17,11 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 
+use super::nvtx_regions::NvtxRegions;
 use super::stacks::{self, Frame};
 use crate::driver::StreamId;
 use crate::sync::os::atomic::{AtomicU8, Ordering};
-use crate::sync::os::{Arc, Mutex};
+use crate::sync::os::{Arc, Mutex, OnceLock};
 
 /// What a trace entry records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -236,13 +237,19 @@ const ALL: u8 = 2;
 const STATE: u8 = 3;
 /// Added to the mode when stacks are captured.
 const STACKS: u8 = 4;
+/// Added to the mode when NVTX regions follow the events (`nvtx_regions.rs`), whatever the
+/// history records.
+const NVTX: u8 = 8;
 
 /// The history of one allocator.
 #[derive(Debug, Default)]
 pub(crate) struct Trace {
-    /// `OFF`, `STATE`, `ALLOC_ONLY` or `ALL`, plus `STACKS` (always with `STATE`).
+    /// `OFF`, `STATE`, `ALLOC_ONLY` or `ALL`, plus `STACKS` (always with `STATE`), plus `NVTX`.
     mode: AtomicU8,
     ring: Mutex<Ring>,
+    /// The NVTX heaps and regions (`nvtx_regions:True` with a tool attached), told of every
+    /// event: the one door through which the allocator says what happened to its memory.
+    regions: OnceLock<NvtxRegions>,
 }
 
 impl Trace {
@@ -266,7 +273,16 @@ impl Trace {
             ring.entries.pop_front();
         }
         let stacks = if options.captures_stacks() { STACKS } else { 0 };
-        self.mode.store(mode | stacks, Ordering::Relaxed);
+        let nvtx = self.mode.load(Ordering::Relaxed) & NVTX;
+        self.mode.store(mode | stacks | nvtx, Ordering::Relaxed);
+    }
+
+    /// NVTX regions follow every event from now on (set once, when the allocator is built,
+    /// before any memory exists).
+    pub(super) fn follow_with(&self, regions: NvtxRegions) {
+        if self.regions.set(regions).is_ok() {
+            self.mode.fetch_or(NVTX, Ordering::Relaxed);
+        }
     }
 
     /// Records one event (when the mode asks for it).
@@ -307,7 +323,26 @@ impl Trace {
         stream: StreamId,
         device_free: u64,
     ) {
-        let kind = mode & !STACKS;
+        if mode & NVTX != 0 {
+            if let Some(regions) = self.regions.get() {
+                match action {
+                    TraceAction::SegmentAlloc | TraceAction::SegmentMap => {
+                        regions.mapped(device, addr, size, stream);
+                    }
+                    TraceAction::SegmentFree | TraceAction::SegmentUnmap => {
+                        regions.unmapping(device, addr, size);
+                    }
+                    TraceAction::Alloc => regions.handed_out(device, addr, size),
+                    TraceAction::FreeCompleted => regions.freed(device, addr),
+                    // Still valid memory until its uses end; no memory changes.
+                    TraceAction::FreeRequested | TraceAction::Oom | TraceAction::Snapshot => {}
+                }
+            }
+            if mode & !NVTX == OFF {
+                return;
+            }
+        }
+        let kind = mode & !(STACKS | NVTX);
         let all = kind == ALL;
         if !all && !action.of_block() {
             return;

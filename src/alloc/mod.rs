@@ -48,6 +48,7 @@ mod front;
 mod graph;
 mod history;
 mod mem_pool;
+mod nvtx_regions;
 pub(crate) mod observers;
 mod oom;
 mod pool;
@@ -168,10 +169,16 @@ impl CachingAllocatorBuilder {
             None => driver,
         };
         let stream_order = self.config.stream_order;
+        let nvtx_regions = self.config.nvtx_regions;
         let per_thread_default = self.config.default_stream == DefaultStream::PerThread;
         let config = ConfigCell::new(self.config);
         let callbacks = Arc::new(Callbacks::default());
         let trace = Arc::new(Trace::default());
+        if nvtx_regions {
+            if let Some(regions) = nvtx_regions::NvtxRegions::attach() {
+                trace.follow_with(regions);
+            }
+        }
         let capturing = Arc::new(CaptureRoutes::default());
         let tags = Arc::new(Tags::default());
         let wide = AllocatorWide {

@@ -118,6 +118,7 @@ impl std::fmt::Display for AllocatorConfig {
             CrossStreamReuse::Blocks => "blocks",
         };
         writeln!(f, "cross_stream_reuse: {cross_stream_reuse}")?;
-        write!(f, "pass_through: {}", self.pass_through)
+        writeln!(f, "pass_through: {}", self.pass_through)?;
+        write!(f, "nvtx_regions: {}", self.nvtx_regions)
     }
 }

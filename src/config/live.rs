@@ -15,12 +15,13 @@
 //! | `default_stream` | refused | threads have already chosen their default streams by it |
 //! | `stream_order` | refused | storages already made order themselves by it; a change would mix two rules on one storage |
 //! | `pass_through` | refused | the cache a runtime kept by one rule would be kept (or dropped) under the other; build a new runtime |
+//! | `nvtx_regions` | refused | a tool told of no heap before would be told of blocks in them; build a new runtime |
 //! | `ipc_handle_ttl_s`, `pinned_use_cuda_host_register`, `pinned_num_register_threads`, `pinned_reserve_segment_size_mb`, `backend` | refused | the IPC state and the pinned allocator are built with the runtime |
 
 use super::AllocatorConfig;
 
 /// Every key, by its canonical name.
-pub(crate) const KEYS: [&str; 19] = [
+pub(crate) const KEYS: [&str; 20] = [
     "max_split_size_mb",
     "garbage_collection_threshold",
     "roundup_power2_divisions",
@@ -40,6 +41,7 @@ pub(crate) const KEYS: [&str; 19] = [
     "stream_order",
     "cross_stream_reuse",
     "pass_through",
+    "nvtx_regions",
 ];
 
 /// The canonical name of `key` (`pinned_use_host_register` is an alias).
@@ -84,6 +86,9 @@ pub(crate) fn change_of(key: &str) -> Change {
         "pass_through" => Change::Refused(
             "the cache a runtime kept by one rule would be kept, or dropped, under the other; build a new runtime",
         ),
+        "nvtx_regions" => Change::Refused(
+            "a tool told of no heap of the memory held so far would be told of blocks in it; build a new runtime",
+        ),
         _ => Change::Refused(
             "the IPC state and the pinned allocator are built with the runtime; build a new one",
         ),
@@ -127,6 +132,7 @@ pub(crate) fn copy_key(key: &str, from: &AllocatorConfig, to: &mut AllocatorConf
         "stream_order" => to.stream_order = from.stream_order,
         "cross_stream_reuse" => to.cross_stream_reuse = from.cross_stream_reuse,
         "pass_through" => to.pass_through = from.pass_through,
+        "nvtx_regions" => to.nvtx_regions = from.nvtx_regions,
         // `backend` has one value and no field.
         _ => {}
     }

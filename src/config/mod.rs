@@ -25,6 +25,7 @@
 //! | `stream_order` | `auto`: a storage orders itself — an access through it on a stream (`data_ptr_on`, `mutable_data_ptr_on`, its copies and kernels) waits for the earlier accesses on other streams it conflicts with (a write for every earlier reader and writer, a read for the last writer), and its free waits for every stream that used it (`storage/order.rs`); `manual`: PyTorch's rules (`record_stream` and waits are the program's; the sanitizer reports what is missing) (cudalloc's own key) | `auto` |
 //! | `cross_stream_reuse` | `off`: memory cached for one stream serves that stream only (PyTorch's order; other streams' idle segments are freed to the driver at the out-of-memory sequence's last step); `segments`: before asking the driver for a segment, a miss takes over the smallest whole idle segment cached under another stream that fits, ordered after that stream's work (no driver call); `blocks`: first the best-fitting free block cached under another stream, used on the asking stream after a wait on its owner's work and freed back to its owner after the asking stream's work, then as `segments` (`alloc/engine/cross_stream.rs`; cudalloc's own key) | `off` |
 //! | `pass_through` | `True`/`False` (cudalloc's own key; PyTorch's `PYTORCH_NO_CUDA_MEMORY_CACHING`): the default pool caches nothing — each allocation is its own driver allocation of the rounded size, each free its own driver free once the free's stream-ordered wait is over (found over at the next allocation or free on that stream, or at `empty_cache`) — so tools that check a driver allocation's bounds (compute-sanitizer's memcheck) see every tensor's. Same API and statistics; no cross-stream reuse, lending or free-memory callbacks before an out-of-memory; a driver free synchronizes the device (`cuMemFree`; on the host backend too, so a storage dropped while the dropping thread holds a stream back waits for it). Memory pools and graphs keep their memory (a graph's replays need it). Not with `thread_cache_mb` or `expandable_segments` (both caches) | `False` |
+//! | `nvtx_regions` | `True`/`False` (cudalloc's own key): when an NVTX tool is attached to the process (`NVTX_INJECTION64_PATH`, as compute-sanitizer and Nsight Systems attach one), every mapped range of memory the allocator holds is an NVTX heap and every live block a region of it (registered when handed out, unregistered when its free completes; heaps unregistered before memory goes back to the driver), so `compute-sanitizer --tool memcheck --nvtx yes` reports an access from one block into a neighbour of the same segment. Without a tool, or `False`: one predictable branch per allocation and free (`alloc/nvtx_regions.rs`) | `False` |
 //! | `pinned_use_background_threads` | `True`/`False`: validated; cudalloc polls the pinned allocator's events on every allocation that finds some queued (one atomic load when none) and in `empty_cache`, so no background thread is started | `False` |
 
 use std::collections::BTreeMap;
@@ -133,6 +134,8 @@ pub struct AllocatorConfig {
     pub cross_stream_reuse: CrossStreamReuse,
     /// The default pool caches nothing: one driver allocation per allocation (`pass_through`).
     pub pass_through: bool,
+    /// Live blocks are NVTX regions of NVTX heaps, for a tool attached (`nvtx_regions`).
+    pub nvtx_regions: bool,
 }
 
 impl Default for AllocatorConfig {
@@ -157,6 +160,7 @@ impl Default for AllocatorConfig {
             stream_order: StreamOrder::Auto,
             cross_stream_reuse: CrossStreamReuse::Off,
             pass_through: false,
+            nvtx_regions: false,
         }
     }
 }
@@ -473,6 +477,7 @@ impl AllocatorConfig {
                     }
                 }
                 "pass_through" => self.pass_through = parse_bool(key, value)?,
+                "nvtx_regions" => self.nvtx_regions = parse_bool(key, value)?,
                 "cross_stream_reuse" => {
                     self.cross_stream_reuse = match value {
                         "off" => CrossStreamReuse::Off,
@@ -488,7 +493,8 @@ impl AllocatorConfig {
                          per_process_memory_fraction, ipc_handle_ttl_s, default_stream, oom_snapshot_path, thread_cache_mb, \
                          max_non_split_rounding_mb, backend, pinned_use_cuda_host_register, \
                          pinned_num_register_threads, pinned_reserve_segment_size_mb, \
-                         pinned_use_background_threads, stream_order, cross_stream_reuse, pass_through"
+                         pinned_use_background_threads, stream_order, cross_stream_reuse, pass_through, \
+                         nvtx_regions"
                     )))
                 }
             }

@@ -83,13 +83,14 @@ impl DeviceCore {
                 size,
                 stream,
             });
+            // Traced before the free: NVTX's heap goes before the memory (`nvtx_regions.rs`).
+            self.wide
+                .trace
+                .record(TraceAction::SegmentFree, self.device, ptr, size, stream);
             if let Err(err) = self.driver.free(crate::driver::DeviceAddr(ptr)) {
                 tracing::error!(%err, ptr, size, "driver free of a cached segment failed");
             }
             self.reserved.fetch_sub(size, Ordering::SeqCst);
-            self.wide
-                .trace
-                .record(TraceAction::SegmentFree, self.device, ptr, size, stream);
         }
     }
 
@@ -269,8 +270,11 @@ impl Drop for DeviceCore {
             return;
         }
         self.free_refused();
-        for (_, ptr, size) in self.withheld.take_kept() {
+        for (stream, ptr, size) in self.withheld.take_kept() {
             self.wide.callbacks.registry.unmap(self.device, ptr, size);
+            self.wide
+                .trace
+                .record(TraceAction::SegmentFree, self.device, ptr, size, stream);
             if let Err(err) = self.driver.free(crate::driver::DeviceAddr(ptr)) {
                 tracing::error!(%err, ptr, size, "driver free of a cached segment failed");
             }

@@ -537,6 +537,10 @@ impl DeviceCore {
                 size: len,
                 stream,
             });
+            // Traced before the unmap: NVTX's heap goes before the pages (`nvtx_regions.rs`).
+            self.wide
+                .trace
+                .record(TraceAction::SegmentUnmap, self.device, addr, len, stream);
             if let Err(err) = self.driver.vm().vm_unmap(DeviceAddr(addr), len) {
                 tracing::error!(%err, addr, len, "unmapping pages of an expandable segment failed");
             }
@@ -546,9 +550,6 @@ impl DeviceCore {
                 }
             }
             self.reserved.fetch_sub(len, Ordering::SeqCst);
-            self.wide
-                .trace
-                .record(TraceAction::SegmentUnmap, self.device, addr, len, stream);
         }
     }
 

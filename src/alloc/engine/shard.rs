@@ -413,8 +413,18 @@ impl Drop for Shard {
             }
         }
         // The allocator's event pool was emptied at its shutdown: the completed events are
-        // destroyed here. The freed ranges need no trace at teardown.
-        let (completed, _freed) = st.complete_events(|_| Ok(true));
+        // destroyed here. The freed ranges are traced (NVTX regions follow the trace).
+        let (completed, freed) = st.complete_events(|_| Ok(true));
+        for (addr, size) in freed {
+            let trace = &self.core.wide.trace;
+            trace.record(
+                TraceAction::FreeCompleted,
+                self.core.device,
+                addr,
+                size,
+                stream,
+            );
+        }
         for e in completed {
             if let Err(err) = free_events.event_destroy(e) {
                 tracing::debug!(%err, "destroying a pending free's event at a shard's teardown failed");

@@ -1,0 +1,234 @@
+//! NVTX memory regions (`nvtx_regions:True`): the allocator's mapped memory as NVTX heaps and its
+//! live blocks as regions of them, so compute-sanitizer's memcheck (`--nvtx yes`) reports an
+//! access that leaves its block for a neighbour in the same segment, which is otherwise "valid
+//! memory" to it.
+//!
+//! Fed by the history's one door (`Trace::record` in `history.rs`: every event the allocator
+//! traces, whatever the history's own mode), so it follows the allocator by the same events a
+//! snapshot replays:
+//!
+//! | event | heaps | regions |
+//! |---|---|---|
+//! | `segment_alloc`, `segment_map` | the range becomes heap memory; a heap next to another of the same device and stream is merged with it (the pages of an expandable segment are mapped at different times, and a block may span two mappings): the old heaps unregistered, one registered | the live blocks inside registered again (a heap's unregistering drops its regions) |
+//! | `segment_free`, `segment_unmap` (traced **before** the memory goes back to the driver) | the range leaves every heap it touches: those unregistered, what is left of them registered again | the live blocks of what is left registered again; blocks of the range (a sleeping tag's) are kept, to be registered when their pages come back |
+//! | `alloc` (a block handed out, front caches included) | — | registered, `[address, address + the rounded request)`, when a heap holds it |
+//! | `free_requested` | — | nothing: until its uses on other streams end the block is still valid memory |
+//! | `free_completed` (the block is free for reuse, front caches included) | — | unregistered |
+//!
+//! The bookkeeping is bounded by what is live: one entry per mapped range and one per live block.
+//! Every call is made under this module's lock, so the tool sees them in the allocator's order.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::driver::StreamId;
+use crate::nvtx::{HeapHandle, MemoryTool};
+use crate::sync::os::Mutex;
+
+/// A registered heap: a maximal mapped range of one device and stream.
+#[derive(Debug)]
+struct Heap {
+    size: u64,
+    stream: StreamId,
+    handle: HeapHandle,
+}
+
+/// A live block: its registered size, and whether a heap holds it now.
+#[derive(Debug)]
+struct Live {
+    size: u64,
+    registered: bool,
+}
+
+#[derive(Debug, Default)]
+struct Model {
+    /// Heaps by (device, base).
+    heaps: BTreeMap<(usize, u64), Heap>,
+    /// Live blocks by (device, address).
+    live: BTreeMap<(usize, u64), Live>,
+}
+
+/// The NVTX heaps and regions of one allocator.
+pub(crate) struct NvtxRegions {
+    tool: &'static MemoryTool,
+    model: Mutex<Model>,
+}
+
+impl fmt::Debug for NvtxRegions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let model = self.model.lock();
+        f.debug_struct("NvtxRegions")
+            .field("heaps", &model.heaps.len())
+            .field("live", &model.live.len())
+            .finish()
+    }
+}
+
+impl NvtxRegions {
+    /// The regions of an allocator, when an NVTX tool is attached to the process (`None`: there
+    /// is none, nothing to tell).
+    pub(crate) fn attach() -> Option<NvtxRegions> {
+        Some(NvtxRegions {
+            tool: crate::nvtx::tool()?,
+            model: Mutex::new(Model::default()),
+        })
+    }
+
+    /// `segment_alloc`, `segment_map`: `[base, base + size)` is mapped memory of `stream`.
+    pub(crate) fn mapped(&self, device: usize, base: u64, size: u64, stream: StreamId) {
+        self.map(&mut self.model.lock(), device, base, size, stream);
+    }
+
+    /// `segment_free`, `segment_unmap`: `[base, base + size)` is about to go back.
+    pub(crate) fn unmapping(&self, device: usize, base: u64, size: u64) {
+        self.unmap(&mut self.model.lock(), device, base, size);
+    }
+
+    /// `alloc`: `size` bytes at `addr` were handed out.
+    pub(crate) fn handed_out(&self, device: usize, addr: u64, size: u64) {
+        self.hand_out(&mut self.model.lock(), device, addr, size);
+    }
+
+    /// `free_completed`: the block at `addr` is free for reuse.
+    pub(crate) fn freed(&self, device: usize, addr: u64) {
+        let mut model = self.model.lock();
+        if model
+            .live
+            .remove(&(device, addr))
+            .is_some_and(|l| l.registered)
+        {
+            self.tool.unregister_regions(&[addr]);
+        }
+    }
+
+    fn hand_out(&self, model: &mut Model, device: usize, addr: u64, size: u64) {
+        let heap = heap_holding(model, device, addr, size).map(|(_, heap)| heap.handle);
+        if let Some(old) = model.live.insert(
+            (device, addr),
+            Live {
+                size,
+                registered: heap.is_some(),
+            },
+        ) {
+            // A hand-out over a block never freed: a bug elsewhere; keep the tool consistent.
+            tracing::warn!(
+                addr,
+                size,
+                "nvtx_regions: a block handed out twice without a free"
+            );
+            if old.registered {
+                self.tool.unregister_regions(&[addr]);
+            }
+        }
+        if let Some(heap) = heap {
+            self.tool.register_regions(heap, &[(addr, size)]);
+        }
+    }
+
+    fn map(&self, model: &mut Model, device: usize, base: u64, size: u64, stream: StreamId) {
+        let Some(mut end) = base.checked_add(size) else {
+            return;
+        };
+        // Whatever the range overlaps is not heap memory any more (a bug elsewhere if any).
+        self.unmap(model, device, base, size);
+        let mut start = base;
+        let left = model
+            .heaps
+            .range(..(device, base))
+            .next_back()
+            .filter(|((d, b), h)| *d == device && b + h.size == base && h.stream == stream)
+            .map(|(key, _)| *key);
+        if let Some(key) = left {
+            if let Some(heap) = self.drop_heap(model, key) {
+                start = key.1;
+                debug_assert_eq!(start + heap.size, base);
+            }
+        }
+        let right = model
+            .heaps
+            .get(&(device, end))
+            .is_some_and(|h| h.stream == stream);
+        if right {
+            if let Some(heap) = self.drop_heap(model, (device, end)) {
+                end += heap.size;
+            }
+        }
+        self.register_heap(model, device, start, end - start, stream);
+    }
+
+    fn unmap(&self, model: &mut Model, device: usize, base: u64, size: u64) {
+        let Some(end) = base.checked_add(size) else {
+            return;
+        };
+        let touched: Vec<(usize, u64)> = model
+            .heaps
+            .range((device, 0)..(device, end))
+            .filter(|((_, b), h)| b + h.size > base)
+            .map(|(key, _)| *key)
+            .collect();
+        for key in touched {
+            let Some(heap) = self.drop_heap(model, key) else {
+                continue;
+            };
+            let heap_end = key.1 + heap.size;
+            if key.1 < base {
+                self.register_heap(model, device, key.1, base - key.1, heap.stream);
+            }
+            if heap_end > end {
+                self.register_heap(model, device, end, heap_end - end, heap.stream);
+            }
+        }
+    }
+
+    /// Unregisters the heap at `key`; the tool drops its regions with it, so the live blocks
+    /// inside are unregistered here too.
+    fn drop_heap(&self, model: &mut Model, key: (usize, u64)) -> Option<Heap> {
+        let heap = model.heaps.remove(&key)?;
+        self.tool.unregister_heap(heap.handle);
+        let (device, base) = key;
+        for (_, live) in model
+            .live
+            .range_mut((device, base)..(device, base + heap.size))
+        {
+            live.registered = false;
+        }
+        Some(heap)
+    }
+
+    /// Registers a heap over `[base, base + size)` and the live blocks wholly inside it.
+    fn register_heap(
+        &self,
+        model: &mut Model,
+        device: usize,
+        base: u64,
+        size: u64,
+        stream: StreamId,
+    ) {
+        let end = base + size;
+        let name = format!("cudalloc: device {device}, stream {}", stream.serial());
+        let handle = self.tool.register_heap(base, size, &name);
+        model.heaps.insert(
+            (device, base),
+            Heap {
+                size,
+                stream,
+                handle,
+            },
+        );
+        let mut regions = Vec::new();
+        for (&(_, addr), live) in model.live.range_mut((device, base)..(device, end)) {
+            if !live.registered && addr + live.size <= end {
+                live.registered = true;
+                regions.push((addr, live.size));
+            }
+        }
+        self.tool.register_regions(handle, &regions);
+    }
+}
+
+/// The heap of `device` holding `[addr, addr + size)` wholly.
+fn heap_holding(model: &Model, device: usize, addr: u64, size: u64) -> Option<(u64, &Heap)> {
+    let ((d, base), heap) = model.heaps.range(..=(device, addr)).next_back()?;
+    let end = addr.checked_add(size)?;
+    (*d == device && end <= base + heap.size).then_some((*base, heap))
+}
