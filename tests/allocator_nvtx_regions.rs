@@ -23,6 +23,7 @@ use std::sync::Arc;
 use common::rng::Rng;
 use common::*;
 use cudalloc::graph::CaptureMode;
+use cudalloc::pool::MemPoolId;
 use cudalloc::stats::{Snapshot, SnapshotBlockState};
 use cudalloc::{Runtime, Storage, StreamId, WakeOptions};
 
@@ -91,8 +92,8 @@ fn nvtx_regions_without_a_tool_changes_nothing() {
 /// The recorder's state, as its report says.
 #[derive(Debug, Default)]
 struct Recorded {
-    /// Heaps by base: size.
-    heaps: BTreeMap<u64, u64>,
+    /// Heaps by base: (size, name).
+    heaps: BTreeMap<u64, (u64, String)>,
     /// Regions by start: (size, heap base).
     regions: BTreeMap<u64, (u64, u64)>,
     errors: Vec<String>,
@@ -146,7 +147,8 @@ impl Recorder {
             match kind {
                 "heap" => {
                     let v = nums(2);
-                    out.heaps.insert(v[0], v[1]);
+                    let name = rest.splitn(3, ' ').nth(2).unwrap_or("").to_owned();
+                    out.heaps.insert(v[0], (v[1], name));
                 }
                 "region" => {
                     let v = nums(3);
@@ -177,7 +179,7 @@ fn coalesce(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
 /// The recorder's heaps and regions against the allocator's snapshot: heaps cover exactly the
 /// mapped memory; a region starts at each live block (allocated, or freed and waiting), covers
 /// its requested bytes and stays inside it; nothing else is a region; no breach was recorded.
-fn check(step: &str, snapshot: &Snapshot, recorded: &Recorded) {
+fn check(step: &str, snapshot: &Snapshot, recorded: &Recorded, tag: MemPoolId) {
     assert!(
         recorded.errors.is_empty(),
         "{step}: the tool recorded breaches: {:#?}",
@@ -193,7 +195,13 @@ fn check(step: &str, snapshot: &Snapshot, recorded: &Recorded) {
             }
         }
     }
-    let heaps = coalesce(recorded.heaps.iter().map(|(&b, &s)| (b, b + s)).collect());
+    let heaps = coalesce(
+        recorded
+            .heaps
+            .iter()
+            .map(|(&b, (s, _))| (b, b + s))
+            .collect(),
+    );
     assert_eq!(
         heaps,
         coalesce(mapped),
@@ -213,6 +221,29 @@ fn check(step: &str, snapshot: &Snapshot, recorded: &Recorded) {
             .map(|s| (s.segment_pool_id.as_pair(), s.blocks.iter().map(|b| (b.addr, b.size, b.state.name())).collect::<Vec<_>>()))
             .collect::<Vec<_>>()
     );
+    // Each segment's heap is named by whose cache it is.
+    for seg in &snapshot.segments {
+        let first = &seg.blocks[0];
+        let (_, (_, name)) = recorded
+            .heaps
+            .range(..=first.addr)
+            .next_back()
+            .expect("a heap holds every segment");
+        let (a, b) = seg.segment_pool_id.as_pair();
+        let expected = if seg.segment_pool_id.is_default() {
+            String::new()
+        } else if seg.segment_pool_id == tag {
+            ", tag \"weights\"".to_owned()
+        } else if a == 0 {
+            format!(", memory pool ({a}, {b})")
+        } else {
+            format!(", graph pool ({a}, {b})")
+        };
+        assert!(
+            name.ends_with(&format!("stream {}{expected}", name_stream(name))),
+            "{step}: the heap of a segment of pool ({a}, {b}) is named {name:?}"
+        );
+    }
     for (start, &(size, _heap)) in &recorded.regions {
         let (requested, block) = live[start];
         assert!(
@@ -220,6 +251,14 @@ fn check(step: &str, snapshot: &Snapshot, recorded: &Recorded) {
             "{step}: the region at {start:#x} has {size} bytes; its block {block}, asked {requested}"
         );
     }
+}
+
+/// The stream number a heap's name gives.
+fn name_stream(name: &str) -> &str {
+    name.split("stream ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or("")
 }
 
 struct Walk<'a> {
@@ -235,12 +274,14 @@ struct Walk<'a> {
 impl Walk<'_> {
     fn check(&mut self, what: &str) {
         self.steps += 1;
+        let tag = self.rt.tag("weights").unwrap().id();
         let snapshot = self.rt.snapshot();
         let recorded = self.recorder.read();
         check(
             &format!("step {} ({what})", self.steps),
             &snapshot,
             &recorded,
+            tag,
         );
     }
 

@@ -18,6 +18,7 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 
 use super::nvtx_regions::NvtxRegions;
+use super::pool_id::MemPoolId;
 use super::stacks::{self, Frame};
 use crate::driver::StreamId;
 use crate::sync::os::atomic::{AtomicU8, Ordering};
@@ -295,11 +296,33 @@ impl Trace {
         size: u64,
         stream: StreamId,
     ) {
+        debug_assert!(!matches!(
+            action,
+            TraceAction::SegmentAlloc | TraceAction::SegmentMap
+        ));
         let mode = self.mode.load(Ordering::Relaxed);
         if mode == OFF {
             return;
         }
-        self.record_slow(mode, action, device, addr, size, stream, 0);
+        self.record_slow(mode, action, device, addr, size, stream, 0, None);
+    }
+
+    /// Records memory mapped for `pool` (`segment_alloc`, or `segment_map` of an expandable
+    /// segment): NVTX names its heap by the pool.
+    pub(super) fn record_mapped(
+        &self,
+        action: TraceAction,
+        device: usize,
+        addr: u64,
+        size: u64,
+        stream: StreamId,
+        pool: MemPoolId,
+    ) {
+        let mode = self.mode.load(Ordering::Relaxed);
+        if mode == OFF {
+            return;
+        }
+        self.record_slow(mode, action, device, addr, size, stream, 0, Some(pool));
     }
 
     /// Records an out-of-memory with the device's free bytes.
@@ -308,7 +331,16 @@ impl Trace {
         if mode == OFF {
             return;
         }
-        self.record_slow(mode, TraceAction::Oom, device, 0, size, stream, device_free);
+        self.record_slow(
+            mode,
+            TraceAction::Oom,
+            device,
+            0,
+            size,
+            stream,
+            device_free,
+            None,
+        );
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -322,12 +354,14 @@ impl Trace {
         size: u64,
         stream: StreamId,
         device_free: u64,
+        pool: Option<MemPoolId>,
     ) {
         if mode & NVTX != 0 {
             if let Some(regions) = self.regions.get() {
                 match action {
                     TraceAction::SegmentAlloc | TraceAction::SegmentMap => {
-                        regions.mapped(device, addr, size, stream);
+                        let pool = pool.unwrap_or_default();
+                        regions.mapped(device, addr, size, stream, pool);
                     }
                     TraceAction::SegmentFree | TraceAction::SegmentUnmap => {
                         regions.unmapping(device, addr, size);

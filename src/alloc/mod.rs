@@ -174,13 +174,14 @@ impl CachingAllocatorBuilder {
         let config = ConfigCell::new(self.config);
         let callbacks = Arc::new(Callbacks::default());
         let trace = Arc::new(Trace::default());
+        let capturing = Arc::new(CaptureRoutes::default());
+        let tags = Arc::new(Tags::default());
         if nvtx_regions {
-            if let Some(regions) = nvtx_regions::NvtxRegions::attach() {
+            let phases = Arc::clone(&tags) as Arc<dyn pool_id::TagPhases>;
+            if let Some(regions) = nvtx_regions::NvtxRegions::attach(phases) {
                 trace.follow_with(regions);
             }
         }
-        let capturing = Arc::new(CaptureRoutes::default());
-        let tags = Arc::new(Tags::default());
         let wide = AllocatorWide {
             callbacks: Arc::clone(&callbacks),
             trace: Arc::clone(&trace),

@@ -21,16 +21,24 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use super::pool_id::{MemPoolId, TagPhases};
 use crate::driver::StreamId;
 use crate::nvtx::{HeapHandle, MemoryTool};
-use crate::sync::os::Mutex;
+use crate::sync::os::{Arc, Mutex};
 
-/// A registered heap: a maximal mapped range of one device and stream.
+/// A registered heap: a maximal mapped range of one device, stream and memory pool.
 #[derive(Debug)]
 struct Heap {
     size: u64,
-    stream: StreamId,
+    owner: Owner,
     handle: HeapHandle,
+}
+
+/// Whose memory a heap is: the stream and the memory pool its segments are cached for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Owner {
+    stream: StreamId,
+    pool: MemPoolId,
 }
 
 /// A live block: its registered size, and whether a heap holds it now.
@@ -51,6 +59,8 @@ struct Model {
 /// The NVTX heaps and regions of one allocator.
 pub(crate) struct NvtxRegions {
     tool: &'static MemoryTool,
+    /// The tags, for the names of their heaps.
+    tags: Arc<dyn TagPhases>,
     model: Mutex<Model>,
 }
 
@@ -67,16 +77,26 @@ impl fmt::Debug for NvtxRegions {
 impl NvtxRegions {
     /// The regions of an allocator, when an NVTX tool is attached to the process (`None`: there
     /// is none, nothing to tell).
-    pub(crate) fn attach() -> Option<NvtxRegions> {
+    pub(crate) fn attach(tags: Arc<dyn TagPhases>) -> Option<NvtxRegions> {
         Some(NvtxRegions {
             tool: crate::nvtx::tool()?,
+            tags,
             model: Mutex::new(Model::default()),
         })
     }
 
-    /// `segment_alloc`, `segment_map`: `[base, base + size)` is mapped memory of `stream`.
-    pub(crate) fn mapped(&self, device: usize, base: u64, size: u64, stream: StreamId) {
-        self.map(&mut self.model.lock(), device, base, size, stream);
+    /// `segment_alloc`, `segment_map`: `[base, base + size)` is mapped memory of `stream`'s
+    /// cache in `pool`.
+    pub(crate) fn mapped(
+        &self,
+        device: usize,
+        base: u64,
+        size: u64,
+        stream: StreamId,
+        pool: MemPoolId,
+    ) {
+        let owner = Owner { stream, pool };
+        self.map(&mut self.model.lock(), device, base, size, owner);
     }
 
     /// `segment_free`, `segment_unmap`: `[base, base + size)` is about to go back.
@@ -125,7 +145,7 @@ impl NvtxRegions {
         }
     }
 
-    fn map(&self, model: &mut Model, device: usize, base: u64, size: u64, stream: StreamId) {
+    fn map(&self, model: &mut Model, device: usize, base: u64, size: u64, owner: Owner) {
         let Some(mut end) = base.checked_add(size) else {
             return;
         };
@@ -136,7 +156,7 @@ impl NvtxRegions {
             .heaps
             .range(..(device, base))
             .next_back()
-            .filter(|((d, b), h)| *d == device && b + h.size == base && h.stream == stream)
+            .filter(|((d, b), h)| *d == device && b + h.size == base && h.owner == owner)
             .map(|(key, _)| *key);
         if let Some(key) = left {
             if let Some(heap) = self.drop_heap(model, key) {
@@ -147,13 +167,13 @@ impl NvtxRegions {
         let right = model
             .heaps
             .get(&(device, end))
-            .is_some_and(|h| h.stream == stream);
+            .is_some_and(|h| h.owner == owner);
         if right {
             if let Some(heap) = self.drop_heap(model, (device, end)) {
                 end += heap.size;
             }
         }
-        self.register_heap(model, device, start, end - start, stream);
+        self.register_heap(model, device, start, end - start, owner);
     }
 
     fn unmap(&self, model: &mut Model, device: usize, base: u64, size: u64) {
@@ -172,10 +192,10 @@ impl NvtxRegions {
             };
             let heap_end = key.1 + heap.size;
             if key.1 < base {
-                self.register_heap(model, device, key.1, base - key.1, heap.stream);
+                self.register_heap(model, device, key.1, base - key.1, heap.owner);
             }
             if heap_end > end {
-                self.register_heap(model, device, end, heap_end - end, heap.stream);
+                self.register_heap(model, device, end, heap_end - end, heap.owner);
             }
         }
     }
@@ -196,22 +216,16 @@ impl NvtxRegions {
     }
 
     /// Registers a heap over `[base, base + size)` and the live blocks wholly inside it.
-    fn register_heap(
-        &self,
-        model: &mut Model,
-        device: usize,
-        base: u64,
-        size: u64,
-        stream: StreamId,
-    ) {
+    fn register_heap(&self, model: &mut Model, device: usize, base: u64, size: u64, owner: Owner) {
         let end = base + size;
-        let name = format!("cudalloc: device {device}, stream {}", stream.serial());
-        let handle = self.tool.register_heap(base, size, &name);
+        let handle = self
+            .tool
+            .register_heap(base, size, &self.name(device, owner));
         model.heaps.insert(
             (device, base),
             Heap {
                 size,
-                stream,
+                owner,
                 handle,
             },
         );
@@ -223,6 +237,23 @@ impl NvtxRegions {
             }
         }
         self.tool.register_regions(handle, &regions);
+    }
+}
+
+impl NvtxRegions {
+    /// A heap's name: whose cache it is — a stream's, a memory pool's, a graph's or a tag's.
+    fn name(&self, device: usize, owner: Owner) -> String {
+        let stream = owner.stream.serial();
+        let (first, second) = owner.pool.as_pair();
+        if owner.pool.is_default() {
+            format!("cudalloc: device {device}, stream {stream}")
+        } else if let Some(tag) = self.tags.name_of(owner.pool) {
+            format!("cudalloc: device {device}, stream {stream}, tag {tag:?}")
+        } else if owner.pool.is_user_created() {
+            format!("cudalloc: device {device}, stream {stream}, memory pool ({first}, {second})")
+        } else {
+            format!("cudalloc: device {device}, stream {stream}, graph pool ({first}, {second})")
+        }
     }
 }
 

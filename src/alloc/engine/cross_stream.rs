@@ -239,14 +239,15 @@ impl DeviceCore {
                 size,
                 from.stream(),
             );
-            self.wide.trace.record(
+            let mut st = shard.state.lock();
+            self.wide.trace.record_mapped(
                 TraceAction::SegmentAlloc,
                 self.device,
                 base,
                 size,
                 shard.stream(),
+                st.pool,
             );
-            let mut st = shard.state.lock();
             let head = st.enter_segment(base, size, pool);
             let id = st.allocate(head, req.rounded, req.requested);
             let out = st.allocated(id, req.rounded);

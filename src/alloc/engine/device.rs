@@ -598,6 +598,7 @@ impl DeviceCore {
         let head = st.add_segment(ptr.0, seg, pool);
         let id = st.allocate(head, rounded, requested);
         let out = st.allocated(id, rounded);
+        let pool_id = st.pool;
         self.settle(st);
         self.wide.callbacks.observers.segment(SegmentEvent {
             change: SegmentChange::Map,
@@ -606,12 +607,13 @@ impl DeviceCore {
             size: seg,
             stream: shard.stream(),
         });
-        self.wide.trace.record(
+        self.wide.trace.record_mapped(
             TraceAction::SegmentAlloc,
             self.device,
             ptr.0,
             seg,
             shard.stream(),
+            pool_id,
         );
         self.record_alloc(shard, ptr.0, rounded);
         Ok(Some(out))

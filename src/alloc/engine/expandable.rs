@@ -471,6 +471,7 @@ impl DeviceCore {
         };
         let id = st.allocate(id, rounded, requested);
         let out = st.allocated(id, rounded);
+        let pool_id = st.pool;
         self.settle(st);
         self.wide.callbacks.observers.segment(SegmentEvent {
             change: SegmentChange::Map,
@@ -479,12 +480,13 @@ impl DeviceCore {
             size: len,
             stream: shard.stream(),
         });
-        self.wide.trace.record(
+        self.wide.trace.record_mapped(
             TraceAction::SegmentMap,
             self.device,
             addr,
             len,
             shard.stream(),
+            pool_id,
         );
         self.record_alloc(shard, out.ptr, rounded);
         Ok(Some(out))

@@ -328,6 +328,7 @@ impl DeviceCore {
             self.reserved.fetch_sub(total, Ordering::SeqCst);
             return Err(err);
         }
+        let pool_id = shard.state.lock().pool;
         for (_, page, chunks) in &mapped {
             for &(at, _) in chunks {
                 if let Some(sanitizer) = &self.sanitizer {
@@ -340,12 +341,13 @@ impl DeviceCore {
                     size: *page,
                     stream: shard.stream(),
                 });
-                self.wide.trace.record(
+                self.wide.trace.record_mapped(
                     TraceAction::SegmentMap,
                     self.device,
                     at,
                     *page,
                     shard.stream(),
+                    pool_id,
                 );
             }
         }
