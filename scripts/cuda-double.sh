@@ -54,6 +54,10 @@ echo "== cudarc views: a library's own context, stream and kernels on cudalloc s
 cargo test --features cudarc --test cudarc_views --test kernel_two_backends
 echo "== a candle-style storage (storages, views, a lazy clone; its cuBLAS step needs libcublas, absent here)"
 cargo run --quiet --features cudarc --example candle_storage
+echo "== NVTX regions on the CUDA backend (the recorder as the NVTX tool; graph pools: one test at a time)"
+cargo test --no-fail-fast --test allocator_nvtx_regions -- --test-threads=1
+echo "== the planted write into a neighbour block (compute-sanitizer's case in gpu-check), as a program"
+CUDALLOC_CONF=nvtx_regions:True cargo run --quiet --example memcheck_neighbour
 
 echo "== the interplay test on the double (fresh seeds; killed consumers included): 20 s, then 20 s with expandable segments"
 cargo test --test interplay -- --seconds 20

@@ -14,7 +14,8 @@
 # over calls), GPU_CHECK_SKIP="a b …" all but those; the parts are named `examples`, `expandable`
 # (the allocator suites again with expandable segments), `sanitized` (the stream suites under the
 # sanitizer), `pass_through` (the suites that do not test caching with nothing cached), `cli` (the
-# command: `info`, then the demo) and `benches`. GPU_CHECK_SUITE_TIMEOUT (300 s) bounds each suite.
+# command: `info`, then the demo), `memcheck` (NVIDIA's compute-sanitizer over a planted write into
+# a neighbour block, with and without NVTX regions, and over a few suites) and `benches`. GPU_CHECK_SUITE_TIMEOUT (300 s) bounds each suite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin_dir=target/gpu-bin
@@ -26,7 +27,7 @@ prepare() {
   # needs libnccl.so.2, e.g. from the nvidia-nccl-cu12 wheel, on the library path).
   { cargo test --release --features cudarc,nccl --no-run --message-format=json 2>/dev/null
     cargo build --release --features cudarc,nccl --bins --examples --message-format=json 2>/dev/null
-    cargo bench --no-run --message-format=json 2>/dev/null; } \
+    cargo bench --features cudarc --no-run --message-format=json 2>/dev/null; } \
     | python3 -c '
 import json, sys, shutil, os
 for line in sys.stdin:
@@ -38,6 +39,9 @@ for line in sys.stdin:
         name = msg["target"]["name"] + ("-lib" if "lib" in kind else "") + ("-bench" if "bench" in kind else "") + ("-example" if "example" in kind else "") + ("-cli" if kind == ["bin"] else "")
         shutil.copy(exe, os.path.join(sys.argv[1], name)); print("prepared", name)
 ' "$bin_dir"
+  # The NVTX recorder (tests/allocator_nvtx_regions.rs loads it; CUDALLOC_NVTX_RECORDER names it).
+  cargo build --release -p nvtx-recorder 2>/dev/null \
+    && cp target/release/libnvtx_recorder.so "$bin_dir/libnvtx_recorder.so" && echo "prepared libnvtx_recorder.so"
 }
 
 if [ "${1:-}" = "--prepare" ]; then
@@ -99,6 +103,7 @@ only=${GPU_CHECK_ONLY:-}
 skip="msrv layering loom_cow loom_ipc_slot ${GPU_CHECK_SKIP:-}"
 # The command the end-to-end tests run (carried binaries live elsewhere than cargo built them).
 [ -x "$bin_dir/cudalloc-cli" ] && export CUDALLOC_CLI="$PWD/$bin_dir/cudalloc-cli"
+[ -f "$bin_dir/libnvtx_recorder.so" ] && export CUDALLOC_NVTX_RECORDER="$PWD/$bin_dir/libnvtx_recorder.so"
 wanted() { { [ -z "$only" ] || [[ " $only " == *" $1 "* ]]; } && [[ " $skip " != *" $1 "* ]]; }
 
 export CUDALLOC_BACKEND=cuda
@@ -185,6 +190,48 @@ for suite in ${pass_through_suites-allocator_pass_through allocator_properties c
   if ! CUDALLOC_TEST_PASS_THROUGH=1 timeout "${GPU_CHECK_SUITE_TIMEOUT:-300}" "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi
   grep -E 'test result' "$log" | sed "s/^/  $suite (pass_through): /"
 done
+# NVIDIA's compute-sanitizer. memcheck over a kernel that writes 1,024 bytes from the start of a
+# 512-byte tensor into the next block of the same cached segment (examples/memcheck_neighbour):
+# "valid memory" to memcheck unless the allocator describes its blocks (nvtx_regions:True, which
+# memcheck's --nvtx yes reads); with nothing cached each tensor is a driver allocation of its own.
+# Then memcheck with NVTX regions, and racecheck, over a few suites (CUDALLOC_TEST_NVTX=1).
+sanitizer_bin=$(command -v compute-sanitizer 2>/dev/null \
+  || find / -name compute-sanitizer -type f -perm -u+x -not -path '/proc/*' 2>/dev/null | head -n 1)
+memcheck_case() { # what, expected (reported, silent or either), CUDALLOC_CONF, sanitizer options…
+  local what=$1 expect=$2 conf=$3; shift 3
+  local out got
+  out=$(CUDALLOC_CONF="$conf" timeout 120 "$sanitizer_bin" --tool memcheck "$@" \
+        "$bin_dir/memcheck_neighbour-example" 2>&1)
+  if echo "$out" | grep -q 'Invalid __global__ write'; then got=reported; else got=silent; fi
+  printf '  %-48s %-9s (expected: %s)\n' "$what" "$got" "$expect"
+  echo "$out" | grep -E 'tensor at|Invalid __global__|is out of bounds|ERROR SUMMARY' | head -n 6 | sed 's/^/    /'
+  if [ "$expect" != either ] && [ "$got" != "$expect" ]; then status=1; fi
+}
+if wanted memcheck; then
+  echo "== compute-sanitizer"
+  if [ -z "$sanitizer_bin" ]; then
+    echo "  compute-sanitizer not found"; status=1
+  elif [ ! -x "$bin_dir/memcheck_neighbour-example" ]; then
+    echo "  examples/memcheck_neighbour was not built"; status=1
+  else
+    "$sanitizer_bin" --version | tail -n 1 | sed 's/^/  /'
+    memcheck_case "cached, nvtx_regions:True, --nvtx yes" reported nvtx_regions:True --nvtx yes
+    memcheck_case "cached, no NVTX regions" silent "" --nvtx yes
+    memcheck_case "cached, nvtx_regions:True, --nvtx no" silent nvtx_regions:True
+    memcheck_case "pass_through:True" either pass_through:True
+    for suite in kernel_two_backends storage_doors cow; do
+      exe="$bin_dir/$suite"
+      [ -x "$exe" ] || continue
+      for tool in memcheck racecheck; do
+        extra=(); [ "$tool" = memcheck ] && extra=(--nvtx yes)
+        if ! CUDALLOC_TEST_NVTX=1 timeout "${GPU_CHECK_SUITE_TIMEOUT:-300}" "$sanitizer_bin" --tool "$tool" \
+             "${extra[@]}" --error-exitcode 97 "$exe" --test-threads=1 >"$log" 2>&1; then status=1; fi
+        { grep -E 'test result|ERROR SUMMARY|RACECHECK SUMMARY' "$log" || tail -n 3 "$log"; } \
+          | sed "s/^/  $suite ($tool): /"
+      done
+    done
+  fi
+fi
 rm -f "$log"
 # Sleep and wake of 1 GiB on the GPU against two plain copies and against copying out, freeing,
 # allocating afresh and copying back (issue 26's target: sleep + wake <= 1.5x two plain copies).
@@ -204,12 +251,15 @@ elif [ -x "$bin_dir/alloc-bench" ] && python3 -c 'import torch' 2>/dev/null; the
   echo
   echo "== cudalloc vs PyTorch (CUDA, medians in ns)"
   torch_out=$(python3 scripts/torch_peer.py 2>&1)
-  printf '%-22s %12s %12s %10s\n' case cudalloc torch torch/ours
+  echo "$torch_out" | grep -v '^torch ' | sed 's/^/  /'
+  printf '%-22s %12s %12s %12s %14s %10s\n' case cudalloc torch-pair torch-empty cudaMallocAsync torch/ours
   for size in 512 65536 1048576 16777216 67108864; do
     ours=$(CUDALLOC_BENCH_BACKEND=cuda "$bin_dir/alloc-bench" --bench "pair/cudalloc/$size\$" 2>/dev/null | median_ns)
     theirs=$(echo "$torch_out" | awk -v k="pair/$size" '$2==k {print $3}')
+    empty=$(echo "$torch_out" | awk -v k="empty/$size" '$2==k {print $3}')
+    async=$(echo "$torch_out" | awk -v k="async_pair/$size" '$2==k {print $3}')
     ratio=$(awk -v a="$ours" -v b="$theirs" 'BEGIN { if (a>0 && b>0) printf "%.1fx", b/a; else print "n/a" }')
-    printf '%-22s %12s %12s %10s\n' "pair/$size" "${ours:-n/a}" "${theirs:-n/a}" "$ratio"
+    printf '%-22s %12s %12s %12s %14s %10s\n' "pair/$size" "${ours:-n/a}" "${theirs:-n/a}" "${empty:-n/a}" "${async:-n/a}" "$ratio"
   done
   if [ -x "$bin_dir/ipc-bench" ]; then
     ours=$(CUDALLOC_BENCH_BACKEND=cuda "$bin_dir/ipc-bench" --bench "round_trip/share" 2>/dev/null | median_ns)
@@ -219,6 +269,14 @@ elif [ -x "$bin_dir/alloc-bench" ] && python3 -c 'import torch' 2>/dev/null; the
   fi
 else
   echo "PyTorch comparison: skipped (no torch in python3, or no bench binaries)"
+fi
+
+# A launch through a storage's view against a raw cudarc launch (64 launches of a 4 KiB kernel).
+if wanted benches && [ -x "$bin_dir/view_launch-bench" ]; then
+  echo
+  echo "== a storage view launch against a raw cudarc launch (CUDA, 64 launches per iteration)"
+  "$bin_dir/view_launch-bench" --bench --warm-up-time 1 --measurement-time 3 2>&1 \
+    | grep -E '^view_launch|time:|skipped' | sed 's/^/  /'
 fi
 
 echo

@@ -1,7 +1,12 @@
-"""PyTorch side of scripts/gpu-check.sh: medians of torch's caching allocator pair and of its CUDA
-IPC round trip (reduce_tensor / rebuild_cuda_tensor in a child process), printed as
-`torch <case> <median ns>` lines that gpu-check.sh puts beside ours. Needs a GPU and PyTorch."""
+"""PyTorch side of scripts/gpu-check.sh: medians of torch's caching allocator pair
+(`caching_allocator_alloc` / `caching_allocator_delete`), of `torch.empty` + `del`, of the same
+pair on CUDA's stream-ordered allocator (`PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`, in a
+child process: the backend is chosen once per process) and of its CUDA IPC round trip
+(reduce_tensor / rebuild_cuda_tensor in a child process), printed as `torch <case> <median ns>`
+lines that gpu-check.sh puts beside ours. Needs a GPU and PyTorch."""
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -22,6 +27,22 @@ def pair_ns(size, reps=200_000):
             torch.cuda.caching_allocator_delete(p)
         samples.append((time.perf_counter_ns() - start) / (reps // 10))
     return statistics.median(samples)
+
+
+def empty_ns(size, reps=200_000):
+    t = torch.empty(size, dtype=torch.uint8, device="cuda")
+    del t
+    samples = []
+    for _ in range(10):
+        start = time.perf_counter_ns()
+        for _ in range(reps // 10):
+            t = torch.empty(size, dtype=torch.uint8, device="cuda")
+            del t
+        samples.append((time.perf_counter_ns() - start) / (reps // 10))
+    return statistics.median(samples)
+
+
+SIZES = (512, 65536, 1 << 20, 16 << 20, 64 << 20)
 
 
 def consumer(conn):
@@ -56,6 +77,17 @@ if __name__ == "__main__":
     if not torch.cuda.is_available():
         print("torch: skipped: no CUDA device")
         sys.exit(0)
-    for size in (512, 65536, 1 << 20, 16 << 20, 64 << 20):
+    if sys.argv[1:] == ["--async"]:
+        for size in SIZES:
+            print(f"torch async_pair/{size} {pair_ns(size):.1f}")
+        sys.exit(0)
+    for size in SIZES:
         print(f"torch pair/{size} {pair_ns(size):.1f}")
+        print(f"torch empty/{size} {empty_ns(size):.1f}")
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+    child = subprocess.run([sys.executable, __file__, "--async"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    print(child.stdout, end="")
+    if child.returncode != 0:
+        print(f"torch async: failed: {child.stderr.strip()[-300:]}")
     print(f"torch round_trip {ipc_round_trip_ns():.1f}")

@@ -30,8 +30,12 @@ use cudalloc::{Runtime, Storage, StreamId, WakeOptions};
 const ROLE: &str = "nvtx-run";
 
 /// Builds the recorder with this test's cargo into a target folder of its own (the outer build's
-/// folder is locked while its tests run) and returns the library's path.
+/// folder is locked while its tests run) and returns the library's path; or the one
+/// `CUDALLOC_NVTX_RECORDER` names (a machine without cargo: `scripts/gpu-check.sh --prepare`).
 fn recorder_library() -> PathBuf {
+    if let Some(path) = std::env::var_os("CUDALLOC_NVTX_RECORDER") {
+        return PathBuf::from(path);
+    }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let target = root.join("target").join("nvtx-recorder");
     let status = Command::new(env!("CARGO"))

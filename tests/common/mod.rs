@@ -516,7 +516,9 @@ pub(crate) fn test_config(conf: &str) -> cudalloc::AllocatorConfig {
 /// `conf` with the settings of this run added: `expandable_segments:True` in an expandable run
 /// (`CUDALLOC_TEST_EXPANDABLE=1`), `pass_through:True` in a pass-through run
 /// (`CUDALLOC_TEST_PASS_THROUGH=1`: the suites that do not test caching run with nothing
-/// cached, as a memcheck run of a library's suite would). A key is given once: a suite that
+/// cached, as a memcheck run of a library's suite would), `nvtx_regions:True` in an NVTX run
+/// (`CUDALLOC_TEST_NVTX=1`: under an NVTX tool — compute-sanitizer, or CI's recorder in strict
+/// mode — every block is a region of its heap). A key is given once: a suite that
 /// sets it keeps its own value, and a suite that asks for a cache (`thread_cache_mb`,
 /// `expandable_segments`) keeps it — pass-through refuses both.
 pub(crate) fn with_test_settings(conf: &str) -> String {
@@ -533,6 +535,10 @@ pub(crate) fn with_test_settings(conf: &str) -> String {
     let caches = conf.contains("thread_cache_mb") || conf.contains("expandable_segments:True");
     if pass_through_run() && !expandable_run() && !caches && !conf.contains("pass_through") {
         add("pass_through:True");
+    }
+    if std::env::var("CUDALLOC_TEST_NVTX").is_ok_and(|v| v == "1") && !conf.contains("nvtx_regions")
+    {
+        add("nvtx_regions:True");
     }
     out
 }

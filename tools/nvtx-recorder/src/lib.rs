@@ -9,7 +9,9 @@
 //! * a region outside its heap, overlapping another region, in an unknown heap;
 //! * the unregistering of a region or heap that is not registered; a malformed descriptor.
 //!
-//! Unregistering a heap drops its regions, as the extension says. A test reads the state with
+//! With `NVTX_RECORDER_STRICT=1` the first breach aborts the process (a suite run under the
+//! recorder fails where it happened). Unregistering a heap drops its regions, as the extension
+//! says. A test reads the state with
 //! `nvtx_recorder_report` (text, one item per line).
 
 use std::collections::BTreeMap;
@@ -105,6 +107,7 @@ struct State {
     /// Calls of heap register, heap unregister, regions register, regions unregister.
     calls: [u64; 4],
     check_mapped: bool,
+    strict: bool,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
@@ -114,6 +117,7 @@ static STATE: Mutex<State> = Mutex::new(State {
     errors: Vec::new(),
     calls: [0; 4],
     check_mapped: false,
+    strict: false,
 });
 
 fn state() -> std::sync::MutexGuard<'static, State> {
@@ -132,6 +136,11 @@ fn mapped(base: usize, size: usize) -> bool {
 
 impl State {
     fn error(&mut self, text: String) {
+        if self.strict {
+            // A suite run under the recorder fails at the first breach, where it happened.
+            eprintln!("nvtx-recorder: {text}");
+            std::process::abort();
+        }
         self.errors.push(text);
     }
 
@@ -325,7 +334,12 @@ pub unsafe extern "C" fn InitializeInjectionNvtxExtension(info: *mut c_void) -> 
     {
         return 0;
     }
-    state().check_mapped = std::env::var_os("NVTX_RECORDER_CHECK_MAPPED").is_some_and(|v| v == "1");
+    let on = |name: &str| std::env::var_os(name).is_some_and(|v| v == "1");
+    {
+        let mut st = state();
+        st.check_mapped = on("NVTX_RECORDER_CHECK_MAPPED");
+        st.strict = on("NVTX_RECORDER_STRICT");
+    }
     let fill = |slot: usize, f: isize| {
         // SAFETY: `slot` < `slot_count`, checked above.
         unsafe { *segment.function_slots.add(slot) = f };
