@@ -38,7 +38,7 @@ use crate::driver::{EventId, StreamId};
 use crate::error::Result;
 use crate::process::{Birth, PerProcess};
 use crate::sync::os::atomic::{AtomicUsize, Ordering};
-use crate::sync::os::{Arc, Mutex, RwLock, RwLockReadGuard, Weak};
+use crate::sync::os::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
 /// An access an upper layer took on a capturing stream (a storage's, `storage/order.rs`): kept
 /// by the capture's graph, which orders each replay with it.
@@ -113,6 +113,14 @@ pub(crate) struct CaptureRoutes {
     /// ([`CaptureRoutes::releasing`]; found by review — a release that checked before a capture
     /// began on another thread freed during it, which CUDA refuses, invalidating the capture).
     gate: RwLock<()>,
+    /// Held (read) by every wait the allocator enqueues between streams, from the capture status
+    /// it asks to the wait enqueued; taken (write) by a capture of this allocator's from just
+    /// before the driver's begin until its eager tail is known ([`CaptureRoutes::ordering`];
+    /// found by the model of every exit on the CUDA double — a wait checked before a capture
+    /// began on another thread and enqueued after joined the waiting stream to the capture, whose
+    /// end then failed with unjoined work; a wait between the begin and the tail's entry found
+    /// the stream capturing with no tail, and refused).
+    beginning: RwLock<()>,
     /// The accesses taken inside each capture under way ([`CapturedUse`]).
     uses: Mutex<Vec<(u64, CapturedUses)>>,
 }
@@ -161,6 +169,20 @@ impl CaptureRoutes {
     pub(crate) fn starting(&self) {
         let _no_release_in_flight = self.gate.write();
         self.active.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Held while a wait between streams is decided and enqueued: no capture of this allocator
+    /// begins meanwhile, and one that began has its eager tail known. Never held across a host
+    /// wait (a capture's start would wait for a stream's work).
+    pub(crate) fn ordering(&self) -> RwLockReadGuard<'_, ()> {
+        self.beginning.read()
+    }
+
+    /// Held by a capture's start from before the driver's begin until its tail and route are
+    /// entered ([`Self::ordering`]'s other side). Taken after [`Self::starting`] (never while the
+    /// release gate is held: a release may wait for a stream, and order one).
+    pub(crate) fn beginning(&self) -> RwLockWriteGuard<'_, ()> {
+        self.beginning.write()
     }
 
     /// Permission to free or unmap cached memory: held for the driver calls, `None` while a

@@ -147,6 +147,8 @@ impl CachingAllocator {
             None
         };
         self.capturing.starting();
+        // No wait between streams is decided while the capture begins and its tail is entered.
+        let beginning = self.capturing.beginning();
         let began = begin().and_then(|()| self.driver.graphs().stream_capture_status(stream));
         let id = match began.map(|s| s.capture_id()) {
             Ok(Some(id)) => id,
@@ -169,6 +171,7 @@ impl CachingAllocator {
         }
         let hold = CaptureRoutes::hold(&self.capturing, pool.id(), self.birth);
         CaptureRoutes::route(&self.capturing, id, pool.id(), pool.options());
+        drop(beginning);
         Ok(Route {
             driver: Arc::clone(&self.driver),
             capturing: Arc::clone(&self.capturing),

@@ -116,7 +116,8 @@ fn order_other_stream(
         Ok,
     );
     let ordered = id.and_then(|id| {
-        storage.runtime().driver().stream_wait_stream(id, own)?;
+        // The allocator's one door for a wait between streams (captures, destroyed streams).
+        storage.allocator().order_after(id, own)?;
         storage.record_stream(id)?;
         note_access(storage, id, touch)
     });

@@ -29,6 +29,18 @@ pub(crate) struct Faults {
     /// Every memory call (`malloc`, `free`, `vm_map`, `vm_unmap`) as `(call, address, size)`, in
     /// call order, with whatever else a test appends (to check what comes before what).
     pub memory_calls: std::sync::Mutex<Vec<(&'static str, u64, u64)>>,
+    /// Called (once, then cleared) just before the next `event_record` on the given stream: a
+    /// test's way into the moment between a decision and the call that carries it out.
+    pub before_record: std::sync::Mutex<Option<(StreamId, RecordHook)>>,
+}
+
+/// A hook of [`Faults::before_record`].
+pub(crate) struct RecordHook(pub Box<dyn FnOnce() + Send>);
+
+impl std::fmt::Debug for RecordHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RecordHook")
+    }
 }
 
 impl Faults {
@@ -158,6 +170,23 @@ impl Driver for FaultyDriver {
         self.inner.event_destroy(event)
     }
     fn event_record(&self, event: EventId, stream: StreamId) -> Result<()> {
+        let hook = {
+            let mut armed = self
+                .faults
+                .before_record
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match armed.take() {
+                Some((on, hook)) if on == stream => Some(hook),
+                other => {
+                    *armed = other;
+                    None
+                }
+            }
+        };
+        if let Some(RecordHook(hook)) = hook {
+            hook();
+        }
         self.inner.event_record(event, stream)
     }
     fn event_query(&self, event: EventId) -> Result<bool> {

@@ -308,11 +308,18 @@ impl DeviceCore {
 
     fn order_after_live(&self, to: StreamId, used: StreamId) -> Result<()> {
         let driver = &self.driver;
+        // From the capture status asked to the wait enqueued, no capture of this allocator
+        // begins: a wait enqueued on a stream whose capture began in between would join it.
+        let no_capture_begins = self.wide.capturing.ordering();
         match self.order(to, used)? {
             Order::StreamWait => driver.stream_wait_stream(to, used),
-            Order::HostWaitStream => relaxed(driver.graphs(), || driver.stream_synchronize(used)),
             Order::WaitTail(tail) => driver.stream_wait_event(to, tail),
+            Order::HostWaitStream => {
+                drop(no_capture_begins);
+                relaxed(driver.graphs(), || driver.stream_synchronize(used))
+            }
             Order::HostWaitTail(tail) => {
+                drop(no_capture_begins);
                 relaxed(driver.graphs(), || driver.event_synchronize(tail))
             }
             Order::Impossible => Err(Error::capture(format!(

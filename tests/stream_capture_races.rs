@@ -1,0 +1,84 @@
+//! A wait between streams against a capture beginning on another thread. Found by the model of
+//! every exit on the CUDA double: a storage written on stream `a` and then used on stream `b`
+//! makes `b` wait for `a`; the allocator asked whether `a` was being captured, another thread
+//! began a capture on `a`, and the wait — an event recorded on `a`, now inside the capture —
+//! joined `b` to that capture. The capture's end then failed with unjoined work, and the next
+//! wait for `b` was refused (a capturing stream with no known tail).
+//!
+//! The test stops the waiting thread between its decision and its event record (the driver's
+//! hook) and lets the other thread begin its capture there. With the fix the capture's start
+//! waits for the wait to be enqueued (the hook's bounded wait for the capture times out, and the
+//! test passes whatever the timing); before it, the capture began in the gap.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::faulty::{FaultyDriver, RecordHook};
+use common::*;
+use cudalloc::graph::CaptureMode;
+use cudalloc::{Runtime, Storage};
+
+#[test]
+fn a_capture_does_not_begin_between_a_waits_decision_and_its_record() {
+    let _device = device_shared();
+    let faulty = Arc::new(FaultyDriver::new(Arc::new(host_driver())));
+    let faults = faulty.faults.clone();
+    let rt = Arc::new(Runtime::builder().build(faulty).unwrap());
+    let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
+    let storage = Storage::new_on(&rt, a, 4096).unwrap();
+    // Written on `a` (the storage's door records the write there).
+    storage.mutable_data_ptr_on(a).unwrap();
+
+    // The capturing thread: begins a capture on `a` when told, reports, ends it when told.
+    let (go, go_rx) = mpsc::channel::<()>();
+    let (began, began_rx) = mpsc::channel::<()>();
+    let (end, end_rx) = mpsc::channel::<()>();
+    let capturer = {
+        let rt = Arc::clone(&rt);
+        std::thread::spawn(move || {
+            if go_rx.recv().is_err() {
+                return Ok(()); // the hook never ran: the assertion below says so
+            }
+            let capture = rt.begin_capture(a, None, CaptureMode::ThreadLocal).unwrap();
+            // The hook may have stopped waiting (it does, with the fix).
+            began.send(()).ok();
+            end_rx.recv().unwrap();
+            capture.end().map(drop)
+        })
+    };
+    // Just before the wait's event is recorded on `a`: let the capture begin, and give it a
+    // bounded time to (with the fix it cannot until this wait is enqueued).
+    let began_in_gap = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = Arc::clone(&began_in_gap);
+    *faults.before_record.lock().unwrap() = Some((
+        a,
+        RecordHook(Box::new(move || {
+            go.send(()).unwrap();
+            let in_gap = began_rx.recv_timeout(Duration::from_millis(500)).is_ok();
+            seen.store(in_gap, std::sync::atomic::Ordering::SeqCst);
+        })),
+    ));
+    // Reading on `b` what `a` wrote: `b` waits for `a`.
+    let read = storage.data_ptr_on(b);
+    let unfired = faults.before_record.lock().unwrap().take();
+    let fired = unfired.is_none();
+    drop(unfired);
+    // The capturer is past its begin when the hook ran; told to end (ignored if it never began).
+    let _ = end.send(());
+    let ended = capturer.join().unwrap();
+    assert!(fired, "the wait recorded no event on the written stream");
+    read.unwrap();
+    ended.expect("the capture ends: no stream joined it");
+    assert!(
+        !began_in_gap.load(std::sync::atomic::Ordering::SeqCst),
+        "a capture began between the wait's decision and its event record"
+    );
+    // The reading stream is no capture's.
+    let status = rt.driver().graphs().stream_capture_status(b).unwrap();
+    assert!(!status.is_capturing(), "stream b joined the capture");
+    storage.data_ptr_on(a).unwrap();
+}
