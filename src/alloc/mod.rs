@@ -7,7 +7,9 @@
 //!   stats keys; `pool_id.rs` — memory pools' ids and options; `capturing.rs` — the stream
 //!   captures under way and the pool each allocates from.
 //! * `block.rs` — blocks tiling segments, segment and page records; `pool.rs` — best-fit free pools.
-//! * `stacks.rs`, `history.rs` — recorded Rust stacks and the memory history (trace ring);
+//! * `stacks.rs` — recorded Rust stacks; `nvtx_regions.rs` — mapped memory as NVTX heaps and live
+//!   blocks as regions of them; `history.rs` — the memory history (trace ring), the one door
+//!   through which the allocator tells what happened to its memory (it feeds `nvtx_regions.rs`);
 //!   `observers.rs`, `registration.rs`, `oom.rs` — segment and out-of-memory observers, the
 //!   registry of mapped regions and the registrars that register them with transfer engines,
 //!   callbacks and the message.
