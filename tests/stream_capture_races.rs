@@ -1,4 +1,4 @@
-//! A wait between streams against a capture beginning on another thread. Found by the model of
+//! A wait between streams, and a free's event, against a capture beginning on another thread. Found by the model of
 //! every exit on the CUDA double: a storage written on stream `a` and then used on stream `b`
 //! makes `b` wait for `a`; the allocator asked whether `a` was being captured, another thread
 //! began a capture on `a`, and the wait — an event recorded on `a`, now inside the capture —
@@ -81,4 +81,72 @@ fn a_capture_does_not_begin_between_a_waits_decision_and_its_record() {
     let status = rt.driver().graphs().stream_capture_status(b).unwrap();
     assert!(!status.is_capturing(), "stream b joined the capture");
     storage.data_ptr_on(a).unwrap();
+}
+
+/// A free of a block another stream used records an event on that stream; a capture begun there
+/// between the free's decision (no capture under way: events now) and the record took the event
+/// into the capture, where it never completes for the allocator (found by review). The free now
+/// holds the same gate as every wait: the capture begins after the record.
+#[test]
+fn a_free_event_is_not_recorded_into_a_capture_begun_meanwhile() {
+    let _device = device_shared();
+    let faulty = Arc::new(FaultyDriver::new(Arc::new(host_driver())));
+    let faults = faulty.faults.clone();
+    let rt = Arc::new(Runtime::builder().build(faulty).unwrap());
+    let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
+    let storage = Storage::new_on(&rt, a, 4096).unwrap();
+    storage.data_ptr_on(b).unwrap();
+    rt.synchronize(b).unwrap();
+
+    let (go, go_rx) = mpsc::channel::<()>();
+    let (began, began_rx) = mpsc::channel::<()>();
+    let (end, end_rx) = mpsc::channel::<()>();
+    let capturer = {
+        let rt = Arc::clone(&rt);
+        std::thread::spawn(move || {
+            if go_rx.recv().is_err() {
+                return Ok(());
+            }
+            let capture = rt.begin_capture(b, None, CaptureMode::ThreadLocal).unwrap();
+            began.send(()).ok();
+            end_rx.recv().unwrap();
+            capture.end().map(drop)
+        })
+    };
+    let began_in_gap = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = Arc::clone(&began_in_gap);
+    *faults.before_record.lock().unwrap() = Some((
+        b,
+        RecordHook(Box::new(move || {
+            go.send(()).unwrap();
+            let in_gap = began_rx.recv_timeout(Duration::from_millis(500)).is_ok();
+            seen.store(in_gap, std::sync::atomic::Ordering::SeqCst);
+        })),
+    ));
+    drop(storage);
+    let unfired = faults.before_record.lock().unwrap().take();
+    let fired = unfired.is_none();
+    drop(unfired);
+    end.send(()).ok();
+    capturer.join().unwrap().expect("the capture ends");
+    assert!(fired, "the free recorded no event on the other stream");
+    rt.synchronize(a).unwrap();
+    rt.synchronize(b).unwrap();
+    rt.empty_cache();
+    let pending: Vec<_> = rt
+        .snapshot()
+        .segments
+        .iter()
+        .flat_map(|s| s.blocks.iter())
+        .filter(|blk| blk.state != cudalloc::stats::SnapshotBlockState::Inactive)
+        .map(|blk| blk.addr)
+        .collect();
+    assert!(
+        pending.is_empty(),
+        "the freed block is still waiting for its event: {pending:x?}"
+    );
+    assert!(
+        !began_in_gap.load(std::sync::atomic::Ordering::SeqCst),
+        "a capture began between the free's decision and its event record"
+    );
 }

@@ -180,7 +180,8 @@ impl CaptureRoutes {
 
     /// Held by a capture's start from before the driver's begin until its tail and route are
     /// entered ([`Self::ordering`]'s other side). Taken after [`Self::starting`] (never while the
-    /// release gate is held: a release may wait for a stream, and order one).
+    /// release gate is held: a release may wait for a stream, and order one); no shard lock is
+    /// taken while it is held (a free takes [`Self::ordering`] under its shard's lock).
     pub(crate) fn beginning(&self) -> RwLockWriteGuard<'_, ()> {
         self.beginning.write()
     }

@@ -161,8 +161,10 @@ impl BlockOwner {
             ptr,
             class,
         };
-        if super::engine::thread::keep_in_front(self.shard(), entry, limit) {
-            self.shard().leave_to_front(ptr, entry.bytes());
+        let shard = self.shard();
+        if super::engine::thread::keep_in_front(shard, entry, limit, || {
+            shard.leave_to_front(ptr, entry.bytes())
+        }) {
             // The front cache owns the block now (it is still counted among the shard's owners).
             std::mem::forget(self);
             return None;

@@ -145,19 +145,22 @@ impl FrontCache {
     /// Keeps `entry` if the cache is open and has room within `limit` bytes (counted by the
     /// rounded sizes of the requests the blocks served).
     #[inline]
-    pub(crate) fn keep(&self, entry: FrontEntry, limit: u64) -> bool {
+    /// `taken` runs under the cache's lock once the entry is accepted and before any other thread
+    /// can see it: what tells the world of the free (history, NVTX regions, the sanitizer) comes
+    /// before a flush on another thread frees the block for good and another owner gets it
+    /// (found by review: told after, a late free's record removed the next owner's region).
+    pub(crate) fn keep(&self, entry: FrontEntry, limit: u64, taken: impl FnOnce()) -> bool {
         let mut st = self.state.lock();
         let room = st.entries.len() < FRONT_BLOCKS
             && st
                 .bytes
                 .checked_add(entry.bytes())
                 .is_some_and(|b| b <= limit);
-        if st.retired || !room {
+        if st.retired || !room || st.entries.is_full() {
             return false;
         }
-        if st.entries.try_push(entry).is_err() {
-            return false;
-        }
+        taken();
+        st.entries.push(entry);
         st.bytes += entry.bytes();
         true
     }

@@ -153,6 +153,9 @@ impl CachingAllocator {
         let id = match began.map(|s| s.capture_id()) {
             Ok(Some(id)) => id,
             Ok(None) => {
+                // Before the flush of deferred frees, which takes shard locks: a free holding
+                // its shard's lock may wait for this gate.
+                drop(beginning);
                 self.capture_never_began();
                 self.destroy_tail(tail);
                 return Err(Error::capture(format!(
@@ -161,6 +164,7 @@ impl CachingAllocator {
                 )));
             }
             Err(err) => {
+                drop(beginning);
                 self.capture_never_began();
                 self.destroy_tail(tail);
                 return Err(err);

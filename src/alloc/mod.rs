@@ -180,7 +180,8 @@ impl CachingAllocatorBuilder {
         let tags = Arc::new(Tags::default());
         if nvtx_regions {
             let phases = Arc::clone(&tags) as Arc<dyn pool_id::TagPhases>;
-            if let Some(regions) = nvtx_regions::NvtxRegions::attach(phases) {
+            let captures = Arc::clone(&capturing);
+            if let Some(regions) = nvtx_regions::NvtxRegions::attach(phases, captures) {
                 trace.follow_with(regions);
             }
         }

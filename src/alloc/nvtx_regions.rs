@@ -13,7 +13,7 @@
 //! | `segment_free`, `segment_unmap` (traced **before** the memory goes back to the driver) | the range leaves every heap it touches: those unregistered, what is left of them registered again | the live blocks of what is left registered again; blocks of the range (a sleeping tag's) are kept, to be registered when their pages come back |
 //! | `alloc` (a block handed out, front caches included) | — | registered, `[address, address + the rounded request)`, when a heap holds it |
 //! | `free_requested` | — | nothing: until its uses on other streams end the block is still valid memory |
-//! | `free_completed` (the block is free for reuse, front caches included) | — | unregistered |
+//! | `free_completed` (the block is free for reuse, front caches included) | — | unregistered — but in a pool graphs hold, whose replays may still write where the capture's blocks were: kept until that memory is handed out again or goes back (a freed block of a pool no longer held keeps it until then too: a use after free there is not reported) |
 //!
 //! The bookkeeping is bounded by what is live: one entry per mapped range and one per live block.
 //! Every call is made under this module's lock, so the tool sees them in the allocator's order.
@@ -21,6 +21,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use super::capturing::CaptureRoutes;
 use super::pool_id::{MemPoolId, TagPhases};
 use crate::driver::StreamId;
 use crate::nvtx::{HeapHandle, MemoryTool};
@@ -31,7 +32,8 @@ use crate::sync::os::{Arc, Mutex};
 struct Heap {
     size: u64,
     owner: Owner,
-    handle: HeapHandle,
+    /// The tool's handle (`None`: it answered with a null one; nothing is registered in it).
+    handle: Option<HeapHandle>,
 }
 
 /// Whose memory a heap is: the stream and the memory pool its segments are cached for.
@@ -41,11 +43,14 @@ struct Owner {
     pool: MemPoolId,
 }
 
-/// A live block: its registered size, and whether a heap holds it now.
+/// A live block: its registered size, whether a heap holds it now, and whether it is a freed
+/// block a graph may still touch (its pool held by graphs: replays write where the capture's
+/// blocks were), kept as a region until its memory is handed out again or goes back.
 #[derive(Debug)]
 struct Live {
     size: u64,
     registered: bool,
+    graph_held: bool,
 }
 
 #[derive(Debug, Default)]
@@ -61,6 +66,8 @@ pub(crate) struct NvtxRegions {
     tool: &'static MemoryTool,
     /// The tags, for the names of their heaps.
     tags: Arc<dyn TagPhases>,
+    /// The captures, for which pools graphs hold.
+    captures: Arc<CaptureRoutes>,
     model: Mutex<Model>,
 }
 
@@ -77,10 +84,14 @@ impl fmt::Debug for NvtxRegions {
 impl NvtxRegions {
     /// The regions of an allocator, when an NVTX tool is attached to the process (`None`: there
     /// is none, nothing to tell).
-    pub(crate) fn attach(tags: Arc<dyn TagPhases>) -> Option<NvtxRegions> {
+    pub(crate) fn attach(
+        tags: Arc<dyn TagPhases>,
+        captures: Arc<CaptureRoutes>,
+    ) -> Option<NvtxRegions> {
         Some(NvtxRegions {
             tool: crate::nvtx::tool()?,
             tags,
+            captures,
             model: Mutex::new(Model::default()),
         })
     }
@@ -109,9 +120,20 @@ impl NvtxRegions {
         self.hand_out(&mut self.model.lock(), device, addr, size);
     }
 
-    /// `free_completed`: the block at `addr` is free for reuse.
+    /// `free_completed`: the block at `addr` is free for reuse — but for the graphs that hold its
+    /// pool, whose replays may still write it: its region stays until it is handed out again.
     pub(crate) fn freed(&self, device: usize, addr: u64) {
         let mut model = self.model.lock();
+        let Some(live) = model.live.get(&(device, addr)) else {
+            return;
+        };
+        let pool = heap_holding(&model, device, addr, live.size).map(|(_, h)| h.owner.pool);
+        if pool.is_some_and(|p| self.captures.held_by_graphs(p)) {
+            if let Some(live) = model.live.get_mut(&(device, addr)) {
+                live.graph_held = true;
+            }
+            return;
+        }
         if model
             .live
             .remove(&(device, addr))
@@ -122,12 +144,15 @@ impl NvtxRegions {
     }
 
     fn hand_out(&self, model: &mut Model, device: usize, addr: u64, size: u64) {
-        let heap = heap_holding(model, device, addr, size).map(|(_, heap)| heap.handle);
+        // Regions graphs kept over the memory now handed out give way to the new owner's.
+        self.drop_graph_held(model, device, addr, size);
+        let heap = heap_holding(model, device, addr, size).and_then(|(_, heap)| heap.handle);
         if let Some(old) = model.live.insert(
             (device, addr),
             Live {
                 size,
                 registered: heap.is_some(),
+                graph_held: false,
             },
         ) {
             // A hand-out over a block never freed: a bug elsewhere; keep the tool consistent.
@@ -142,6 +167,34 @@ impl NvtxRegions {
         }
         if let Some(heap) = heap {
             self.tool.register_regions(heap, &[(addr, size)]);
+        }
+    }
+
+    /// Unregisters and forgets the graph-held regions overlapping `[addr, addr + size)`.
+    fn drop_graph_held(&self, model: &mut Model, device: usize, addr: u64, size: u64) {
+        let end = addr.saturating_add(size);
+        let first = model
+            .live
+            .range(..(device, addr))
+            .next_back()
+            .filter(|((d, a), l)| *d == device && a + l.size > addr)
+            .map(|(key, _)| *key);
+        let overlapping: Vec<(usize, u64)> = first
+            .into_iter()
+            .chain(
+                model
+                    .live
+                    .range((device, addr)..(device, end))
+                    .map(|(key, _)| *key),
+            )
+            .filter(|key| model.live.get(key).is_some_and(|l| l.graph_held))
+            .collect();
+        for key in overlapping {
+            if let Some(live) = model.live.remove(&key) {
+                if live.registered {
+                    self.tool.unregister_regions(&[key.1]);
+                }
+            }
         }
     }
 
@@ -180,6 +233,9 @@ impl NvtxRegions {
         let Some(end) = base.checked_add(size) else {
             return;
         };
+        // What graphs kept of freed blocks goes with the memory (a live block's entry stays, for
+        // a sleeping tag's pages that come back).
+        self.drop_graph_held(model, device, base, size);
         let touched: Vec<(usize, u64)> = model
             .heaps
             .range((device, 0)..(device, end))
@@ -204,7 +260,9 @@ impl NvtxRegions {
     /// inside are unregistered here too.
     fn drop_heap(&self, model: &mut Model, key: (usize, u64)) -> Option<Heap> {
         let heap = model.heaps.remove(&key)?;
-        self.tool.unregister_heap(heap.handle);
+        if let Some(handle) = heap.handle {
+            self.tool.unregister_heap(handle);
+        }
         let (device, base) = key;
         for (_, live) in model
             .live
@@ -229,6 +287,9 @@ impl NvtxRegions {
                 handle,
             },
         );
+        let Some(handle) = handle else {
+            return;
+        };
         let mut regions = Vec::new();
         for (&(_, addr), live) in model.live.range_mut((device, base)..(device, end)) {
             if !live.registered && addr + live.size <= end {

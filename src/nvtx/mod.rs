@@ -10,15 +10,17 @@
 //! | step | what happens |
 //! |---|---|
 //! | find the tool | the library named by `NVTX_INJECTION64_PATH` (loaded, its `InitializeInjectionNvtxExtension`); without the variable, a tool already in the process (`InitializeInjectionNvtxExtensionPreinject`); neither: no tool, every call is skipped |
+//! | the core first | as NVTX's loader initializes the core before any extension, the loaded tool's `InitializeInjectionNvtx2` gets export tables (`core_init.rs`); its answer does not stop the extension's loading (nor NVTX's) |
 //! | initialize | one `nvtxExtModuleInfo_t` for module 1 (memory), compat id `0x0102`, one segment of 63 function slots (a static array); the tool fills the slots it implements and returns non-zero |
 //! | call | heap register / unregister (slots 0, 1), regions register / unregister (slots 3, 5), in NVTX's default domain (a null handle); a slot the tool left empty disables the client |
 //!
 //! Loaded once per process, on the first allocator built with `nvtx_regions:True` (an NVTX tool
-//! initializes once per process); the library stays loaded for the process's life. NVTX's core
-//! API is not initialized here: cudalloc makes no core calls (ranges, marks), and the memory
-//! extension's slots are filled by the extension's own entry point.
+//! initializes once per process); the library is never unloaded, even when it refuses the
+//! extension (its initialization may have started threads), as NVTX's own loader never unloads
+//! it. A heap the tool registers as a null handle is no heap (its regions are not registered).
 
 mod abi;
+mod core_init;
 
 use std::ffi::{c_void, CString};
 
@@ -86,6 +88,7 @@ fn load() -> Option<MemoryTool> {
                     return None;
                 }
             };
+            core_init::initialize(&library);
             (Some(library), init)
         }
         None => {
@@ -125,6 +128,7 @@ fn load() -> Option<MemoryTool> {
     let status = unsafe { init(&mut info) };
     if status == 0 {
         tracing::warn!("the NVTX tool refused the memory extension; NVTX memory regions are off");
+        std::mem::forget(library);
         return None;
     }
     let slot = |i: usize| {
@@ -144,6 +148,7 @@ fn load() -> Option<MemoryTool> {
     )
     else {
         tracing::warn!("the NVTX tool does not implement heap and region registration; NVTX memory regions are off");
+        std::mem::forget(library);
         return None;
     };
     tracing::info!("nvtx_regions: an NVTX tool is attached; heaps and regions are reported");
@@ -163,8 +168,10 @@ fn load() -> Option<MemoryTool> {
 }
 
 impl MemoryTool {
-    /// Registers `[base, base + size)` as a heap sub-allocated by regions, named `name`.
-    pub(crate) fn register_heap(&self, base: u64, size: u64, name: &str) -> HeapHandle {
+    /// Registers `[base, base + size)` as a heap sub-allocated by regions, named `name`; `None`
+    /// when the tool answers with a null handle (NVTX's process-wide heap, not one to put
+    /// regions in or unregister).
+    pub(crate) fn register_heap(&self, base: u64, size: u64, name: &str) -> Option<HeapHandle> {
         let name = CString::new(name.replace('\0', " ")).unwrap_or_default();
         let range = abi::VirtualRange {
             size: size as usize,
@@ -185,7 +192,7 @@ impl MemoryTool {
         // SAFETY: the descriptor, the range and the name it points at are valid for the call;
         // the default domain is a null handle.
         let handle = unsafe { (self.heap_register)(std::ptr::null_mut(), &desc) };
-        HeapHandle(handle as usize)
+        (!handle.is_null()).then_some(HeapHandle(handle as usize))
     }
 
     /// Unregisters `heap` (and with it every region registered in it).

@@ -499,14 +499,17 @@ impl DeviceCore {
         oom::out_of_memory(&facts, &self.config())
     }
 
-    /// Records the events of block `id` of `st`, freed while used by `uses` (one per stream); a
-    /// stream whose event cannot be recorded is synchronized instead.
+    /// Records the events of block `id` of `st` (the shard of `stream`), freed while used by
+    /// `uses` (one per stream); a stream whose event cannot be recorded is synchronized instead —
+    /// and when none could be, the block is free now, and traced so.
     pub(in crate::alloc) fn insert_free_events(
         &self,
         st: &mut ShardState,
+        stream: StreamId,
         id: BlockId,
         uses: Vec<StreamId>,
     ) {
+        let (ptr, size) = (st.blocks[id].ptr, st.blocks[id].size);
         for stream in uses {
             match self.record_free_event(stream) {
                 Ok(event) => st.add_pending(id, stream, event),
@@ -518,15 +521,30 @@ impl DeviceCore {
                 }
             }
         }
-        st.finish_pending_without_events(id);
+        if st.finish_pending_without_events(id) {
+            // Found by review: freed here untraced, the block kept its NVTX region.
+            self.wide
+                .trace
+                .record(TraceAction::FreeCompleted, self.device, ptr, size, stream);
+        }
     }
 
     /// The last capture ended: the frees deferred meanwhile get their events now.
     pub(in crate::alloc) fn flush_deferred(&self) {
         for shard in self.roster.all() {
             let mut st = shard.state.lock();
+            if st.deferred.is_empty() {
+                continue;
+            }
+            // Under the shard's lock (the order every free takes them in): no capture begins
+            // while the events are recorded, and one that began since the last ended keeps them
+            // deferred until its own end.
+            let _ordering = self.wide.capturing.ordering();
+            if self.wide.capturing.any() {
+                continue;
+            }
             for (id, uses) in std::mem::take(&mut st.deferred) {
-                self.insert_free_events(&mut st, id, uses);
+                self.insert_free_events(&mut st, shard.stream(), id, uses);
             }
         }
     }

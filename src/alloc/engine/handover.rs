@@ -31,7 +31,7 @@ use super::Shard;
 use super::ShardState;
 use crate::alloc::block::{Allocated, BlockId};
 use crate::driver::capability::relaxed;
-use crate::driver::{EventId, StreamId};
+use crate::driver::{EventFlags, EventId, StreamId};
 use crate::error::{Error, Result};
 
 /// What a free leaves its block's next owner to wait for ([`Shard::leave`]); the free path
@@ -315,8 +315,18 @@ impl DeviceCore {
             Order::StreamWait => driver.stream_wait_stream(to, used),
             Order::WaitTail(tail) => driver.stream_wait_event(to, tail),
             Order::HostWaitStream => {
+                // The end of `used`'s work so far, marked while no capture can begin there; the
+                // host waits for the mark once the gate is open (found by review: a capture
+                // begun on `used` between the gate and a stream synchronize was invalidated).
+                let mark = driver.event_create(used.device(), EventFlags::default())?;
+                let marked = driver.event_record(mark, used);
                 drop(no_capture_begins);
-                relaxed(driver.graphs(), || driver.stream_synchronize(used))
+                let waited = marked
+                    .and_then(|()| relaxed(driver.graphs(), || driver.event_synchronize(mark)));
+                if let Err(err) = driver.event_destroy(mark) {
+                    tracing::warn!(%err, "destroying the mark of a host wait failed");
+                }
+                waited
             }
             Order::HostWaitTail(tail) => {
                 drop(no_capture_begins);

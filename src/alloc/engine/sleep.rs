@@ -341,11 +341,15 @@ impl DeviceCore {
                     size: *page,
                     stream: shard.stream(),
                 });
+            }
+            // Traced per run of neighbouring pages: NVTX makes one heap of a run at once, not
+            // one merge per page (found by review: a wake cost pages × blocks tool calls).
+            for (at, len) in page_runs(chunks.iter().map(|&(at, _)| at), *page) {
                 self.wide.trace.record_mapped(
                     TraceAction::SegmentMap,
                     self.device,
                     at,
-                    *page,
+                    len,
                     shard.stream(),
                     pool_id,
                 );
@@ -359,4 +363,17 @@ impl DeviceCore {
         self.tell_peaks(shard);
         Ok(total)
     }
+}
+
+/// The runs `(start, bytes)` of neighbouring pages of `page` bytes among `starts` (in address
+/// order).
+fn page_runs(starts: impl Iterator<Item = u64>, page: u64) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for at in starts {
+        match runs.last_mut() {
+            Some((start, len)) if *start + *len == at => *len += page,
+            _ => runs.push((at, page)),
+        }
+    }
+    runs
 }

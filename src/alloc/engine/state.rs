@@ -265,10 +265,12 @@ impl ShardState {
 
     /// A pending block whose events could not all be recorded: wait is impossible, so the caller
     /// synchronized instead; the block is free now.
-    pub(crate) fn finish_pending_without_events(&mut self, id: BlockId) {
-        if self.blocks[id].pending_events == 0 {
+    pub(crate) fn finish_pending_without_events(&mut self, id: BlockId) -> bool {
+        let free = self.blocks[id].pending_events == 0;
+        if free {
             self.finish_free(id);
         }
+        free
     }
 
     /// Splits `len` bytes off the front of block `id`; the rest becomes a new block in `state`

@@ -324,7 +324,12 @@ pub(crate) fn take_from_front(shard: &Shard, class: NonZeroU32) -> Option<(Block
 
 /// Hands `entry` (a block of `shard`) to this thread's front cache of `shard`, making the cache on
 /// first use; false when the thread or the allocator is going away or the cache is full.
-pub(crate) fn keep_in_front(shard: &Shard, entry: FrontEntry, limit: u64) -> bool {
+pub(crate) fn keep_in_front(
+    shard: &Shard,
+    entry: FrontEntry,
+    limit: u64,
+    taken: impl FnOnce(),
+) -> bool {
     let front = match known_front(shard) {
         Some(front) => front,
         None => match start_front(shard) {
@@ -333,7 +338,7 @@ pub(crate) fn keep_in_front(shard: &Shard, entry: FrontEntry, limit: u64) -> boo
         },
     };
     // SAFETY: as in `take_from_front`.
-    unsafe { &*front }.keep(entry, limit)
+    unsafe { &*front }.keep(entry, limit, taken)
 }
 
 /// This thread's front cache of `shard`: found in `FRONTS` or made and registered, and noted in

@@ -7,7 +7,9 @@
 //!   memory) that is not mapped when registered or unregistered — a heap unregistered after its
 //!   memory went back;
 //! * a region outside its heap, overlapping another region, in an unknown heap;
-//! * the unregistering of a region or heap that is not registered; a malformed descriptor.
+//! * the unregistering of a region or heap that is not registered; a malformed descriptor;
+//! * the memory extension initialized before NVTX's core (`InitializeInjectionNvtx2`, whose
+//!   export tables it checks and whose module slots it fills), as NVTX's own loader never does.
 //!
 //! With `NVTX_RECORDER_STRICT=1` the first breach aborts the process (a suite run under the
 //! recorder fails where it happened). Unregistering a heap drops its regions, as the extension
@@ -15,7 +17,7 @@
 //! `nvtx_recorder_report` (text, one item per line).
 
 use std::collections::BTreeMap;
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::Mutex;
 
 const MODULE_ID_MEM: u16 = 1;
@@ -108,6 +110,8 @@ struct State {
     calls: [u64; 4],
     check_mapped: bool,
     strict: bool,
+    /// The core was initialized (`InitializeInjectionNvtx2`) and its tables were right.
+    core: bool,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
@@ -118,6 +122,7 @@ static STATE: Mutex<State> = Mutex::new(State {
     calls: [0; 4],
     check_mapped: false,
     strict: false,
+    core: false,
 });
 
 fn state() -> std::sync::MutexGuard<'static, State> {
@@ -306,6 +311,105 @@ unsafe extern "C" fn regions_unregister(
     state().regions_unregister(unsafe { &*batch });
 }
 
+/// `NvtxExportTableCallbacks`.
+#[repr(C)]
+struct Callbacks {
+    struct_size: usize,
+    get_module_function_table:
+        Option<unsafe extern "C" fn(c_int, *mut *const usize, *mut c_uint) -> c_int>,
+}
+
+/// `NvtxExportTableVersionInfo`.
+#[repr(C)]
+struct VersionInfo {
+    struct_size: usize,
+    version: u32,
+    reserved0: u32,
+    set_injection_nvtx_version: Option<unsafe extern "C" fn(u32)>,
+}
+
+/// `NVTX_CBID_<module>_SIZE` by module (1 core, 2 CUDA, 3 OpenCL, 4 CUDA runtime, 5 core 2,
+/// 6 sync).
+const MODULE_SIZES: [usize; 7] = [0, 16, 9, 15, 7, 16, 7];
+
+/// What a filled core slot points at (never called by a client that makes no core calls).
+unsafe extern "C" fn core_call() {}
+
+/// The core's entry point, as NVTX's loader calls it before any extension: checks the export
+/// tables (the callbacks' module tables of NVTX's sizes, null at both ends; the version) and
+/// fills every module's slots.
+///
+/// # Safety
+/// `get_export_table` is NVTX's `NvtxGetExportTableFunc_t`.
+#[no_mangle]
+pub unsafe extern "C" fn InitializeInjectionNvtx2(
+    get_export_table: Option<unsafe extern "C" fn(u32) -> *const c_void>,
+) -> c_int {
+    let Some(get) = get_export_table else {
+        state().error("core: no export table function".into());
+        return 0;
+    };
+    // SAFETY: NVTX's contract: table 1 is the callbacks, table 3 the version information.
+    let (callbacks, version) = unsafe {
+        (
+            get(1).cast::<Callbacks>().as_ref(),
+            get(3).cast::<VersionInfo>().as_ref(),
+        )
+    };
+    let mut problems = Vec::new();
+    match version {
+        Some(v) if v.struct_size == std::mem::size_of::<VersionInfo>() && v.version == 3 => {
+            if let Some(set) = v.set_injection_nvtx_version {
+                // SAFETY: the client's function of that type.
+                unsafe { set(3) };
+            }
+        }
+        _ => problems.push("core: a missing or malformed version table".to_owned()),
+    }
+    match callbacks.and_then(|c| {
+        (c.struct_size == std::mem::size_of::<Callbacks>())
+            .then_some(c.get_module_function_table)?
+    }) {
+        None => problems.push("core: a missing or malformed callbacks table".to_owned()),
+        Some(get_table) => {
+            for (module, &expected) in MODULE_SIZES.iter().enumerate().skip(1) {
+                let (mut table, mut size): (*const usize, c_uint) = (std::ptr::null(), 0);
+                // SAFETY: the client's function of that type, with room for both answers.
+                let found = unsafe { get_table(module as c_int, &mut table, &mut size) };
+                if found == 0 || table.is_null() || size as usize != expected {
+                    problems.push(format!(
+                        "core: module {module}'s table is missing or of size {size}"
+                    ));
+                    continue;
+                }
+                // SAFETY: a module table has `size + 1` entries.
+                let entries = unsafe { std::slice::from_raw_parts(table, expected + 1) };
+                if entries[0] != 0 || entries[expected] != 0 {
+                    problems.push(format!(
+                        "core: module {module}'s table is not null at its ends"
+                    ));
+                    continue;
+                }
+                for &slot in &entries[1..expected] {
+                    // SAFETY: each entry points at one of the client's function slots.
+                    unsafe { *(slot as *mut usize) = core_call as *const () as usize };
+                }
+            }
+            let mut unused: (*const usize, c_uint) = (std::ptr::null(), 0);
+            // SAFETY: as above; module 7 does not exist.
+            if unsafe { get_table(7, &mut unused.0, &mut unused.1) } != 0 {
+                problems.push("core: a table for a module NVTX does not have".to_owned());
+            }
+        }
+    }
+    let mut st = state();
+    for problem in problems {
+        st.error(problem);
+    }
+    st.core = true;
+    1
+}
+
 /// The memory extension's entry point: fills the heap and region slots. Returns 0 (failure) for
 /// another module or a layout it does not know.
 ///
@@ -339,6 +443,9 @@ pub unsafe extern "C" fn InitializeInjectionNvtxExtension(info: *mut c_void) -> 
         let mut st = state();
         st.check_mapped = on("NVTX_RECORDER_CHECK_MAPPED");
         st.strict = on("NVTX_RECORDER_STRICT");
+        if !st.core {
+            st.error("the memory extension was initialized before the core".into());
+        }
     }
     let fill = |slot: usize, f: isize| {
         // SAFETY: `slot` < `slot_count`, checked above.
