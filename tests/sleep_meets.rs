@@ -443,3 +443,41 @@ fn destroyed_streams_do_not_strand_a_tags_bytes() {
         rt.check_invariants().unwrap();
     }
 }
+
+/// A sleep offloads whole blocks — past the bytes asked for, a block's tail may lie where an
+/// earlier allocation was freed. The stream sanitizer took that tail for a use after free of the
+/// earlier allocation (found by the NVTX regions' randomized run under the sanitizer): the
+/// allocator's own copy of a live block is not one.
+#[test]
+fn a_sleep_offloading_a_block_over_an_earlier_free_is_no_use_after_free() {
+    let rt = Arc::new(
+        Runtime::builder()
+            .sanitize(cudalloc::sanitizer::Sanitize::On(
+                cudalloc::sanitizer::SanitizeOptions::report(),
+            ))
+            .build(Arc::new(host_driver()))
+            .unwrap(),
+    );
+    let s = rt.default_stream(0).unwrap();
+    let (earlier_at, tail_holder) = {
+        let _in = rt.use_tag("w", 0).unwrap();
+        let earlier = Storage::new_on(&rt, s, 4096).unwrap();
+        earlier.fill_pattern(1).unwrap();
+        let at = earlier.unordered_data_ptr().0;
+        drop(earlier);
+        // One byte asked for: a 512-byte block at the same address, its tail over the freed bytes.
+        let holder = Storage::new_on(&rt, s, 1).unwrap();
+        (at, holder)
+    };
+    assert_eq!(
+        tail_holder.unordered_data_ptr().0,
+        earlier_at,
+        "the new block takes the freed one's place"
+    );
+    rt.synchronize(s).unwrap();
+    rt.sleep(&["w"], &[]).unwrap();
+    rt.wake_up(&[], cudalloc::WakeOptions::default()).unwrap();
+    let reports = rt.sanitizer().unwrap().reports();
+    assert!(reports.is_empty(), "{reports:#?}");
+    drop(tail_holder);
+}

@@ -329,9 +329,15 @@ impl Sanitizer {
                 };
                 return Err(self.fail(st, slot, report));
             }
+            // The allocator's own copy of a live block (a sleep's offload, a wake's restore)
+            // covers the whole block: past the bytes asked for, its tail may still carry the
+            // record of an earlier allocation freed there, which is not this block's (found by
+            // the NVTX regions' randomized run under the sanitizer).
+            let own_live =
+                ALLOCATORS_OWN.with(std::cell::Cell::get) && st.allocation_at(t.start).is_some();
             if let Some((at, free)) = st
                 .freed_in(t.start, end)
-                .filter(|(_, free)| !(replay.is_some() && free.graph_held))
+                .filter(|(_, free)| !(own_live || replay.is_some() && free.graph_held))
             {
                 // Work enqueued on memory the allocator holds as free: a use after free,
                 // whatever the stream (the block may be handed out to anyone next).
