@@ -13,14 +13,83 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::Duration;
 
-use common::faulty::{FaultyDriver, RecordHook};
+use common::faulty::{Faults, FaultyDriver, RecordHook};
 use common::*;
 use cudalloc::graph::CaptureMode;
-use cudalloc::{Runtime, Storage};
+use cudalloc::{Runtime, Storage, StreamId};
+
+/// A capture begun on `stream` by another thread just before the driver's next event record
+/// there (the gap between a decision and its record); the hook gives it a bounded time to begin.
+struct Gap {
+    capturer: JoinHandle<cudalloc::Result<()>>,
+    end: mpsc::Sender<()>,
+    began_in_gap: Arc<AtomicBool>,
+    faults: Arc<Faults>,
+}
+
+/// What happened in the gap: whether the hook ran, how the capture ended, whether it began in
+/// the gap.
+struct GapSeen {
+    fired: bool,
+    ended: cudalloc::Result<()>,
+    began_in_gap: bool,
+}
+
+impl Gap {
+    fn arm(rt: &Arc<Runtime>, faults: &Arc<Faults>, stream: StreamId) -> Gap {
+        let (go, go_rx) = mpsc::channel::<()>();
+        let (began, began_rx) = mpsc::channel::<()>();
+        let (end, end_rx) = mpsc::channel::<()>();
+        let capturer = {
+            let rt = Arc::clone(rt);
+            std::thread::spawn(move || {
+                if go_rx.recv().is_err() {
+                    return Ok(()); // the hook never ran: `GapSeen::fired` says so
+                }
+                let capture = rt.begin_capture(stream, None, CaptureMode::ThreadLocal)?;
+                // The hook may have stopped waiting (it does, with the fix).
+                began.send(()).ok();
+                end_rx.recv().ok();
+                capture.end().map(drop)
+            })
+        };
+        let began_in_gap = Arc::new(AtomicBool::new(false));
+        let seen = Arc::clone(&began_in_gap);
+        *faults.before_record.lock().unwrap() = Some((
+            stream,
+            RecordHook(Box::new(move || {
+                go.send(()).unwrap();
+                let in_gap = began_rx.recv_timeout(Duration::from_millis(500)).is_ok();
+                seen.store(in_gap, Ordering::SeqCst);
+            })),
+        ));
+        Gap {
+            capturer,
+            end,
+            began_in_gap,
+            faults: Arc::clone(faults),
+        }
+    }
+
+    fn finish(self) -> GapSeen {
+        let unfired = self.faults.before_record.lock().unwrap().take();
+        let fired = unfired.is_none();
+        drop(unfired);
+        self.end.send(()).ok();
+        let ended = self.capturer.join().unwrap();
+        GapSeen {
+            fired,
+            ended,
+            began_in_gap: self.began_in_gap.load(Ordering::SeqCst),
+        }
+    }
+}
 
 #[test]
 fn a_capture_does_not_begin_between_a_waits_decision_and_its_record() {
@@ -32,49 +101,18 @@ fn a_capture_does_not_begin_between_a_waits_decision_and_its_record() {
     let storage = Storage::new_on(&rt, a, 4096).unwrap();
     // Written on `a` (the storage's door records the write there).
     storage.mutable_data_ptr_on(a).unwrap();
-
-    // The capturing thread: begins a capture on `a` when told, reports, ends it when told.
-    let (go, go_rx) = mpsc::channel::<()>();
-    let (began, began_rx) = mpsc::channel::<()>();
-    let (end, end_rx) = mpsc::channel::<()>();
-    let capturer = {
-        let rt = Arc::clone(&rt);
-        std::thread::spawn(move || {
-            if go_rx.recv().is_err() {
-                return Ok(()); // the hook never ran: the assertion below says so
-            }
-            let capture = rt.begin_capture(a, None, CaptureMode::ThreadLocal).unwrap();
-            // The hook may have stopped waiting (it does, with the fix).
-            began.send(()).ok();
-            end_rx.recv().unwrap();
-            capture.end().map(drop)
-        })
-    };
-    // Just before the wait's event is recorded on `a`: let the capture begin, and give it a
-    // bounded time to (with the fix it cannot until this wait is enqueued).
-    let began_in_gap = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let seen = Arc::clone(&began_in_gap);
-    *faults.before_record.lock().unwrap() = Some((
-        a,
-        RecordHook(Box::new(move || {
-            go.send(()).unwrap();
-            let in_gap = began_rx.recv_timeout(Duration::from_millis(500)).is_ok();
-            seen.store(in_gap, std::sync::atomic::Ordering::SeqCst);
-        })),
-    ));
+    let gap = Gap::arm(&rt, &faults, a);
     // Reading on `b` what `a` wrote: `b` waits for `a`.
     let read = storage.data_ptr_on(b);
-    let unfired = faults.before_record.lock().unwrap().take();
-    let fired = unfired.is_none();
-    drop(unfired);
-    // The capturer is past its begin when the hook ran; told to end (ignored if it never began).
-    let _ = end.send(());
-    let ended = capturer.join().unwrap();
-    assert!(fired, "the wait recorded no event on the written stream");
-    read.unwrap();
-    ended.expect("the capture ends: no stream joined it");
+    let seen = gap.finish();
     assert!(
-        !began_in_gap.load(std::sync::atomic::Ordering::SeqCst),
+        seen.fired,
+        "the wait recorded no event on the written stream"
+    );
+    read.unwrap();
+    seen.ended.expect("the capture ends: no stream joined it");
+    assert!(
+        !seen.began_in_gap,
         "a capture began between the wait's decision and its event record"
     );
     // The reading stream is no capture's.
@@ -97,39 +135,11 @@ fn a_free_event_is_not_recorded_into_a_capture_begun_meanwhile() {
     let storage = Storage::new_on(&rt, a, 4096).unwrap();
     storage.data_ptr_on(b).unwrap();
     rt.synchronize(b).unwrap();
-
-    let (go, go_rx) = mpsc::channel::<()>();
-    let (began, began_rx) = mpsc::channel::<()>();
-    let (end, end_rx) = mpsc::channel::<()>();
-    let capturer = {
-        let rt = Arc::clone(&rt);
-        std::thread::spawn(move || {
-            if go_rx.recv().is_err() {
-                return Ok(());
-            }
-            let capture = rt.begin_capture(b, None, CaptureMode::ThreadLocal).unwrap();
-            began.send(()).ok();
-            end_rx.recv().unwrap();
-            capture.end().map(drop)
-        })
-    };
-    let began_in_gap = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let seen = Arc::clone(&began_in_gap);
-    *faults.before_record.lock().unwrap() = Some((
-        b,
-        RecordHook(Box::new(move || {
-            go.send(()).unwrap();
-            let in_gap = began_rx.recv_timeout(Duration::from_millis(500)).is_ok();
-            seen.store(in_gap, std::sync::atomic::Ordering::SeqCst);
-        })),
-    ));
+    let gap = Gap::arm(&rt, &faults, b);
     drop(storage);
-    let unfired = faults.before_record.lock().unwrap().take();
-    let fired = unfired.is_none();
-    drop(unfired);
-    end.send(()).ok();
-    capturer.join().unwrap().expect("the capture ends");
-    assert!(fired, "the free recorded no event on the other stream");
+    let seen = gap.finish();
+    assert!(seen.fired, "the free recorded no event on the other stream");
+    seen.ended.expect("the capture ends");
     rt.synchronize(a).unwrap();
     rt.synchronize(b).unwrap();
     rt.empty_cache();
@@ -146,7 +156,7 @@ fn a_free_event_is_not_recorded_into_a_capture_begun_meanwhile() {
         "the freed block is still waiting for its event: {pending:x?}"
     );
     assert!(
-        !began_in_gap.load(std::sync::atomic::Ordering::SeqCst),
+        !seen.began_in_gap,
         "a capture began between the free's decision and its event record"
     );
 }
