@@ -91,13 +91,19 @@ impl Gap {
     }
 }
 
-#[test]
-fn a_capture_does_not_begin_between_a_waits_decision_and_its_record() {
-    let _device = device_shared();
+/// A runtime over a driver whose event records can be hooked, and two of its streams.
+fn runtime_with_hooks() -> (Arc<Runtime>, Arc<Faults>, StreamId, StreamId) {
     let faulty = Arc::new(FaultyDriver::new(Arc::new(host_driver())));
     let faults = faulty.faults.clone();
     let rt = Arc::new(Runtime::builder().build(faulty).unwrap());
     let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
+    (rt, faults, a, b)
+}
+
+#[test]
+fn a_capture_does_not_begin_between_a_waits_decision_and_its_record() {
+    let _device = device_shared();
+    let (rt, faults, a, b) = runtime_with_hooks();
     let storage = Storage::new_on(&rt, a, 4096).unwrap();
     // Written on `a` (the storage's door records the write there).
     storage.mutable_data_ptr_on(a).unwrap();
@@ -128,10 +134,7 @@ fn a_capture_does_not_begin_between_a_waits_decision_and_its_record() {
 #[test]
 fn a_free_event_is_not_recorded_into_a_capture_begun_meanwhile() {
     let _device = device_shared();
-    let faulty = Arc::new(FaultyDriver::new(Arc::new(host_driver())));
-    let faults = faulty.faults.clone();
-    let rt = Arc::new(Runtime::builder().build(faulty).unwrap());
-    let (a, b) = (rt.create_stream(0).unwrap(), rt.create_stream(0).unwrap());
+    let (rt, faults, a, b) = runtime_with_hooks();
     let storage = Storage::new_on(&rt, a, 4096).unwrap();
     storage.data_ptr_on(b).unwrap();
     rt.synchronize(b).unwrap();
