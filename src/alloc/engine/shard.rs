@@ -141,10 +141,6 @@ impl Shard {
             self.stream(),
         );
         // What the block's next owner waits for is decided in `handover.rs`; carried out here.
-        // A block other streams used gets events on them: no capture of this allocator begins
-        // between the decision (captures under way or not) and their records (found by review).
-        let ordering =
-            (!st.blocks[id].stream_uses.is_empty()).then(|| core.wide.capturing.ordering());
         match self.leave(&mut st, id) {
             FreePlan::Now => core.wide.trace.record(
                 TraceAction::FreeCompleted,
@@ -155,10 +151,17 @@ impl Shard {
             ),
             FreePlan::AfterCaptures(waits) => st.deferred.push((id, waits)),
             FreePlan::AfterEvents(waits) => {
-                core.insert_free_events(&mut st, self.stream(), id, waits)
+                // Events on other streams: no capture of this allocator may begin between the
+                // decision and their records (found by review) — the gate is taken here, off the
+                // hot path, and a capture begun since the decision defers them as `leave` would.
+                let _ordering = core.wide.capturing.ordering();
+                if core.wide.capturing.any() {
+                    st.deferred.push((id, waits));
+                } else {
+                    core.insert_free_events(&mut st, self.stream(), id, waits);
+                }
             }
         }
-        drop(ordering);
         // Passing through, the free's memory goes back to the driver once its waits are over
         // (now, or at a later poll of its events).
         let released = if core.config.pass_through() {
